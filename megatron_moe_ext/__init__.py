@@ -1,0 +1,20 @@
+"""megatron_moe_ext: a drop-in Mixture-of-Experts layer for Megatron-Core.
+
+Folders: `dispatcher/` (flex token dispatcher, its managers and backends), `experts/`
+(grouped expert MLPs and their kernels), `megatron/` (Megatron MoE layer, expert
+builders, specs, checkpoint interop); `patches` swaps them into Megatron's spec builders.
+"""
+
+from megatron_moe_ext.config import TokenDispatcherConfig
+
+__all__ = ["TokenDispatcherConfig", "MoEFlexTokenDispatcher"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # Lazy: importing the config must not import Megatron.
+    if name == "MoEFlexTokenDispatcher":
+        from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
+
+        return MoEFlexTokenDispatcher
+    raise AttributeError(name)

@@ -1,0 +1,169 @@
+"""Typed configuration of the flex token dispatcher, validated once at construction.
+
+`TokenDispatcherConfig` carries exactly the fields and defaults of the seed API
+(`docs/SPEC.md` section 2) plus the portable ``"torch"`` backend.  Every check
+raises ``ValueError`` naming the field, the value and what is allowed, so a bad
+configuration fails here instead of hanging inside a collective later.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+BACKENDS = ("deepep", "hybridep", "uccl_ep", "torch")
+ROUTER_DTYPES = ("fp32", "fp64", None)
+
+# Backends whose manager understands HybridEP-style capacity mode.
+_CAPACITY_MODE_BACKENDS = ("hybridep", "torch")
+
+
+def _fail(field: str, value: Any, allowed: str) -> None:
+    raise ValueError(f"{field}={value!r} is invalid: {allowed}")
+
+
+def _check_positive_int(field: str, value: Any, *, optional: bool = False, even: bool = False):
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        _fail(field, value, "expected a positive integer" + (" or None" if optional else ""))
+    if even and value % 2:
+        _fail(field, value, "expected an even number of SMs (DeepEP splits SMs into send/recv pairs)")
+
+
+def _check_positive_factor(field: str, value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        _fail(field, value, "expected a capacity factor > 0, or None for dropless")
+
+
+@dataclass
+class TokenDispatcherConfig:
+    """Configuration for MoE token dispatch and combine backends (seed API, plus ``"torch"``)."""
+
+    moe_enable_deepep: bool = True
+    moe_permute_fusion: bool = False
+    moe_expert_capacity_factor: float | None = None
+    moe_router_topk: int = 2
+    moe_router_expert_pad_multiple: int | None = None
+    num_moe_experts: int = 64
+    moe_router_dtype: str | None = "fp32"
+    moe_flex_dispatcher_backend: Literal["deepep", "hybridep", "uccl_ep", "torch"] = "deepep"
+    moe_hybridep_capacity_factor: float | None = None
+    moe_hybridep_equal_token_counts: bool = False
+    moe_deepep_num_sms: int = 20
+    moe_hybridep_num_sms: int = 24
+    moe_hybridep_permute_fusion: bool = False
+    moe_hybridep_compact_routing: bool = False
+    moe_hybridep_num_sms_preprocessing: int | None = None
+    moe_hybridep_num_blocks_permute: int | None = None
+    moe_hybridep_num_blocks_unpermute: int | None = None
+    moe_share_token_dispatcher: bool = True
+    moe_deepep_async_dispatch: bool = False
+    moe_benchmark_static_routing: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field and every combination; raise ValueError naming the field."""
+        backend = self.moe_flex_dispatcher_backend
+        if backend not in BACKENDS:
+            _fail("moe_flex_dispatcher_backend", backend, f"allowed backends are {BACKENDS}")
+        _check_positive_int("num_moe_experts", self.num_moe_experts)
+        topk = self.moe_router_topk
+        if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= self.num_moe_experts:
+            _fail("moe_router_topk", topk, f"expected 1 <= topk <= num_moe_experts ({self.num_moe_experts})")
+        _check_positive_int("moe_deepep_num_sms", self.moe_deepep_num_sms, even=True)
+        _check_positive_int("moe_hybridep_num_sms", self.moe_hybridep_num_sms)
+        for field in (
+            "moe_hybridep_num_sms_preprocessing",
+            "moe_hybridep_num_blocks_permute",
+            "moe_hybridep_num_blocks_unpermute",
+            "moe_router_expert_pad_multiple",
+        ):
+            _check_positive_int(field, getattr(self, field), optional=True)
+        _check_positive_factor("moe_expert_capacity_factor", self.moe_expert_capacity_factor)
+        _check_positive_factor("moe_hybridep_capacity_factor", self.moe_hybridep_capacity_factor)
+        if self.moe_router_dtype not in ROUTER_DTYPES:
+            _fail("moe_router_dtype", self.moe_router_dtype, f"allowed values are {ROUTER_DTYPES}")
+
+        # Combinations.
+        if backend == "deepep" and not self.moe_enable_deepep:
+            _fail("moe_enable_deepep", False, "backend 'deepep' needs moe_enable_deepep=True; "
+                  "choose moe_flex_dispatcher_backend='torch' to run without DeepEP")
+        if self.moe_hybridep_capacity_factor is not None and backend not in _CAPACITY_MODE_BACKENDS:
+            _fail("moe_hybridep_capacity_factor", self.moe_hybridep_capacity_factor,
+                  f"capacity mode needs moe_flex_dispatcher_backend in {_CAPACITY_MODE_BACKENDS}, "
+                  f"got {backend!r}")
+        if self.moe_hybridep_capacity_factor is not None and self.moe_expert_capacity_factor is not None:
+            _fail("moe_expert_capacity_factor", self.moe_expert_capacity_factor,
+                  "token dropping cannot be combined with moe_hybridep_capacity_factor "
+                  "(capacity mode never drops: it raises on overflow); set one of them to None")
+        for field in ("moe_hybridep_compact_routing", "moe_hybridep_equal_token_counts",
+                      "moe_hybridep_permute_fusion"):
+            if getattr(self, field) and backend != "hybridep":
+                _fail(field, True, f"only the 'hybridep' backend has this option, backend is {backend!r}")
+        if self.moe_benchmark_static_routing and self.moe_expert_capacity_factor is not None:
+            _fail("moe_benchmark_static_routing", True,
+                  "static routing pins a fixed token count, which token dropping "
+                  "(moe_expert_capacity_factor) changes from step to step; set it to None")
+        if self.moe_deepep_async_dispatch and backend not in ("deepep", "uccl_ep"):
+            _fail("moe_deepep_async_dispatch", True,
+                  f"async dispatch exists for 'deepep' and 'uccl_ep' only, backend is {backend!r}")
+
+    def validate_for_group(self, ep_size: int) -> None:
+        """Checks that need the expert-parallel group size."""
+        if self.num_moe_experts % ep_size:
+            _fail("num_moe_experts", self.num_moe_experts,
+                  f"must be divisible by the expert-parallel size ({ep_size})")
+
+    def replace(self, **changes: Any) -> "TokenDispatcherConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_transformer_config(cls, config: Any, **overrides: Any) -> "TokenDispatcherConfig":
+        """Map a Megatron ``TransformerConfig`` onto this config, reusing Megatron's field names.
+
+        The backend is Megatron's ``moe_flex_dispatcher_backend`` when the user chose the
+        flex dispatcher, else ``"torch"`` (the portable all-to-all backend, the natural
+        replacement for Megatron's ``alltoall`` dispatcher). ``overrides`` win over both.
+        """
+        if getattr(config, "moe_token_dispatcher_type", "alltoall") == "flex":
+            backend = getattr(config, "moe_flex_dispatcher_backend", "deepep")
+        else:
+            backend = "torch"
+        if backend == "ncclep":
+            _fail("moe_flex_dispatcher_backend", backend,
+                  f"megatron_moe_ext supports {BACKENDS}; Megatron's 'ncclep' is not wrapped")
+        pad_multiple = None
+        if getattr(config, "moe_router_padding_for_quantization", False):
+            from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
+
+            pad_multiple = get_align_size_for_quantization(config)
+        values: dict[str, Any] = dict(
+            moe_enable_deepep=True,
+            moe_permute_fusion=bool(getattr(config, "moe_permute_fusion", False)),
+            moe_expert_capacity_factor=getattr(config, "moe_expert_capacity_factor", None),
+            moe_router_topk=config.moe_router_topk,
+            moe_router_expert_pad_multiple=pad_multiple,
+            num_moe_experts=config.num_moe_experts,
+            moe_router_dtype=getattr(config, "moe_router_dtype", "fp32") or "fp32",
+            moe_flex_dispatcher_backend=backend,
+        )
+        num_sms = getattr(config, "moe_flex_dispatcher_num_sms", None)
+        if num_sms is not None:
+            values["moe_deepep_num_sms"] = num_sms
+            values["moe_hybridep_num_sms"] = num_sms
+        for field in ("moe_hybridep_num_blocks_permute", "moe_hybridep_num_blocks_unpermute"):
+            if getattr(config, field, None) is not None:
+                values[field] = getattr(config, field)
+        if backend == "hybridep":
+            values["moe_hybridep_num_sms_preprocessing"] = getattr(
+                config, "moe_hybridep_num_sms_preprocessing", None)
+            values["moe_hybridep_permute_fusion"] = bool(
+                getattr(config, "moe_permute_fusion_into_hybridep", False))
+        values.update(overrides)
+        return cls(**values)

@@ -1,0 +1,147 @@
+"""`_DeepepManager`: the manager for backends with DeepEP's top-k contract.
+
+DeepEP, UCCL-EP and the portable torch backend all take `[T, K]` expert ids and fp32
+weights and return received rows with local ids; they differ only in the injected
+`dispatch_fn` / `combine_fn` pair (see `backends/`). Everything else — top-k metadata,
+token dropping, multihot conversion, per-expert permutation and padding — lives here once.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from megatron_moe_ext.dispatcher import permute as P
+from megatron_moe_ext.dispatcher.base import _DispatchManager
+
+logger = logging.getLogger(__name__)
+
+
+class _DeepepManager(_DispatchManager):
+    """Fused all-to-all dispatch/combine with DeepEP's contract.
+
+    Arguments:
+        group: the TPxEP communication group.
+        router_topk: K (times the expert-TP size when TP > 1).
+        capacity_factor: Megatron's `moe_expert_capacity_factor`; slots over an expert's
+            capacity become -1 before dispatch (dropped: no contribution, no gradient).
+        num_experts / num_local_experts: E (TP-expanded) and e.
+        router_dtype: "fp64" hands fp64 permuted probs to the experts.
+        moe_router_expert_pad_multiple: pad each expert's row group with zero rows.
+        _dispatch_fn / _combine_fn: the backend (`backends.deepep` when None).
+    """
+
+    def __init__(
+        self,
+        group,
+        router_topk: int,
+        permute_fusion: bool = False,
+        capacity_factor: float | None = None,
+        num_experts: int | None = None,
+        num_local_experts: int | None = None,
+        router_dtype: str | None = None,
+        moe_router_expert_pad_multiple: int | None = None,
+        _dispatch_fn=None,
+        _combine_fn=None,
+    ):
+        if _dispatch_fn is None or _combine_fn is None:
+            from megatron_moe_ext.dispatcher.backends import deepep
+
+            _dispatch_fn, _combine_fn = deepep.dispatch, deepep.combine
+        self.group = group
+        self.router_topk = router_topk
+        self.permute_fusion = permute_fusion
+        self.capacity_factor = capacity_factor
+        self.num_experts = num_experts
+        self.num_local_experts = num_local_experts
+        self.router_dtype = router_dtype
+        self.pad_multiple = moe_router_expert_pad_multiple
+        self._fused_dispatch = _dispatch_fn
+        self._fused_combine = _combine_fn
+        self.settings = (
+            group, router_topk, capacity_factor, num_experts, num_local_experts,
+            router_dtype, moe_router_expert_pad_multiple, _dispatch_fn, _combine_fn,
+        )
+        self._release_dispatch_state()
+
+    def _release_dispatch_state(self) -> None:
+        self.token_indices: torch.Tensor | None = None
+        self.token_probs: torch.Tensor | None = None
+        self.handle = None
+        self.dispatched_indices: torch.Tensor | None = None
+        self.dispatched_probs: torch.Tensor | None = None
+        self.dispatched_routing_map: torch.Tensor | None = None
+        self.tokens_per_expert: torch.Tensor | None = None
+        self.reversed_mapping_for_combine: P.PermutationState | None = None
+        self.hidden_shape_before_permute: torch.Size | None = None
+
+    # ---- metadata ---------------------------------------------------------------------
+    def setup_metadata(self, num_local_tokens: int, probs: torch.Tensor, routing_map=None):
+        """Dense `[T, E]` (or TPxEP-shaped `[T, W, e]`) probs, optionally with the routing map."""
+        probs_TE = probs.reshape(num_local_tokens, self.num_experts)
+        if routing_map is None:
+            indices_TK, probs_TK = P.probs_to_topk(probs_TE, self.router_topk)
+        else:
+            routing_map_TE = routing_map.reshape(num_local_tokens, self.num_experts)
+            indices_TK, probs_TK = P.routing_map_to_topk(routing_map_TE, probs_TE, self.router_topk)
+        self._set_topk(indices_TK, probs_TK)
+
+    def setup_metadata_from_indices(self, token_indices: torch.Tensor, token_probs: torch.Tensor):
+        self._set_topk(token_indices.long(), token_probs)
+
+    def _set_topk(self, indices_TK: torch.Tensor, probs_TK: torch.Tensor) -> None:
+        if self.capacity_factor is not None:
+            indices_TK = P.drop_tokens_over_capacity(
+                indices_TK, probs_TK, self.num_experts, self.capacity_factor)
+        # DeepEP takes fp32 weights only; fp32 also keeps the weighted sum stable.
+        self.token_indices = indices_TK
+        self.token_probs = probs_TK.float()
+
+    # ---- communication ----------------------------------------------------------------
+    def dispatch(self, hidden_states, async_finish=False, allocate_on_comm_stream=False):
+        hidden, indices, probs, tokens_per_expert, handle = self._fused_dispatch(
+            hidden_states, self.token_indices, self.token_probs, self.num_experts, self.group,
+            async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream,
+        )
+        self.handle = handle
+        self.tokens_per_expert = torch.as_tensor(tokens_per_expert, dtype=torch.long)
+        self.dispatched_indices, self.dispatched_probs = indices, probs
+        # The routing inputs are consumed: drop them so recompute cannot keep them alive.
+        self.token_indices = self.token_probs = None
+        return hidden
+
+    def combine(self, hidden_states, async_finish=False, allocate_on_comm_stream=False):
+        hidden, _ = self._fused_combine(
+            hidden_states, self.group, self.handle,
+            async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream,
+        )
+        self._release_dispatch_state()
+        return hidden
+
+    def get_dispatched_metadata(self):
+        return self.dispatched_indices, self.dispatched_probs
+
+    def get_number_of_tokens_per_expert(self) -> torch.Tensor:
+        return self.tokens_per_expert
+
+    # ---- local permutation ------------------------------------------------------------
+    def _indices_to_multihot(self, indices, probs):
+        """`[R, K]` local ids (-1 = masked) and probs -> `([R, e] bool map, [R, e] fp32 probs)`."""
+        return P.indices_to_multihot(indices, probs, self.num_local_experts)
+
+    def get_permuted_hidden_states_by_experts(self, hidden_states):
+        routing_map, probs = self._indices_to_multihot(self.dispatched_indices, self.dispatched_probs)
+        self.dispatched_routing_map = routing_map
+        self.hidden_shape_before_permute = hidden_states.shape
+        permuted, permuted_probs, counts, state = P.permute_to_experts(
+            hidden_states, routing_map, probs, self.tokens_per_expert.tolist(), self.pad_multiple)
+        self.tokens_per_expert = torch.as_tensor(counts, dtype=torch.long)
+        self.reversed_mapping_for_combine = state
+        self.dispatched_indices = self.dispatched_probs = None
+        if self.router_dtype == "fp64":
+            permuted_probs = permuted_probs.double()
+        return permuted, permuted_probs
+
+    def get_restored_hidden_states_by_experts(self, hidden_states):
+        return P.unpermute_from_experts(hidden_states, self.reversed_mapping_for_combine)

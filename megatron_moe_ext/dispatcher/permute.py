@@ -1,0 +1,157 @@
+"""Local (communication-free) steps around a dispatch: routing formats, token dropping,
+and the permutation of dispatched rows into per-expert groups and back.
+
+Legend: T local tokens, E global experts, e local experts, K top-k, R received token
+rows (one per token per destination rank), P permuted rows (one per token-expert pair,
+plus padding), H hidden.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+def align_up(count: int, multiple: int) -> int:
+    """Round `count` up to the next multiple of `multiple`."""
+    return (count + multiple - 1) // multiple * multiple
+
+
+def routing_map_to_topk(
+    routing_map_TE: torch.Tensor, probs_TE: torch.Tensor, topk: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense `[T, E]` routing to top-k form `(indices_TK, probs_TK)`; unused slots get -1 / 0.
+
+    The routing map, not the probabilities, decides which experts a token goes to, so an
+    expert routed with probability exactly 0 still receives the token (and its prob gradient).
+    """
+    topk = min(topk, routing_map_TE.shape[-1])
+    # Routed entries first: unrouted ones are pushed below any real probability.
+    scores_TE = torch.where(routing_map_TE, probs_TE.detach().float(), -1.0)
+    _, indices_TK = torch.topk(scores_TE, topk, dim=-1)
+    routed_TK = torch.gather(routing_map_TE, 1, indices_TK)
+    probs_TK = torch.gather(probs_TE, 1, indices_TK).float() * routed_TK
+    indices_TK = indices_TK.masked_fill(~routed_TK, -1)
+    return indices_TK, probs_TK
+
+
+def probs_to_topk(probs_TE: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense probabilities alone (the seed's `token_permutation`): the top-k entries are the
+    routing; a zero probability means "not routed", since nothing else can tell them apart."""
+    probs_TK, indices_TK = torch.topk(probs_TE.float(), topk, dim=-1)
+    indices_TK = indices_TK.masked_fill(probs_TK == 0, -1)
+    return indices_TK, probs_TK
+
+
+def indices_to_multihot(
+    indices_RK: torch.Tensor, probs_RK: torch.Tensor, num_local_experts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[R, K]` local expert ids (-1 = not for this rank) to a `[R, e]` bool map and fp32 probs."""
+    valid_RK = indices_RK >= 0
+    safe_RK = indices_RK.clamp(min=0).long()
+    rows = indices_RK.shape[0]
+    # scatter_add (not scatter) so a masked slot pointing at expert 0 cannot erase a real one.
+    hits_Re = torch.zeros(rows, num_local_experts, dtype=torch.int32, device=indices_RK.device)
+    routing_map_Re = hits_Re.scatter_add_(1, safe_RK, valid_RK.int()) > 0
+    probs_Re = torch.zeros(rows, num_local_experts, dtype=torch.float32, device=indices_RK.device)
+    probs_Re = probs_Re.scatter_add(1, safe_RK, torch.where(valid_RK, probs_RK.float(), 0.0))
+    return routing_map_Re, probs_Re
+
+
+def drop_tokens_over_capacity(
+    indices_TK: torch.Tensor, probs_TK: torch.Tensor, num_experts: int, capacity_factor: float
+) -> torch.Tensor:
+    """Megatron's dropping policy "probs": each expert keeps its `ceil(T*K/E * factor)`
+    highest-probability slots; the others become -1 (they are neither sent nor combined,
+    so they contribute nothing and get no gradient)."""
+    num_tokens, topk = indices_TK.shape
+    capacity = math.ceil(num_tokens * topk / num_experts * capacity_factor)
+    if capacity >= num_tokens:
+        return indices_TK
+    valid_TK = indices_TK >= 0
+    safe_TK = indices_TK.clamp(min=0)
+    scores_TE = torch.full((num_tokens, num_experts), -1.0, device=indices_TK.device)
+    scores_TE.scatter_(1, safe_TK, torch.where(valid_TK, probs_TK.detach().float(), -1.0))
+    _, kept_CE = torch.topk(scores_TE, capacity, dim=0, sorted=False)
+    keep_TE = torch.zeros_like(scores_TE, dtype=torch.bool).scatter_(0, kept_CE, True)
+    keep_TE &= scores_TE >= 0
+    keep_TK = torch.gather(keep_TE, 1, safe_TK) & valid_TK
+    return indices_TK.masked_fill(~keep_TK, -1)
+
+
+@dataclass(frozen=True)
+class PermutationState:
+    """What `unpermute_from_experts` needs: where each permuted row came from.
+
+    row_ids_N: `[N]` received-row index of each real token-expert pair, grouped by expert.
+    dest_N: `[N]` position of that pair in the permuted buffer, or None when it is the
+        identity (no padding), which saves a gather.
+    num_rows: R, the number of received token rows to restore.
+    """
+
+    row_ids_N: torch.Tensor
+    dest_N: torch.Tensor | None
+    num_rows: int
+
+
+def permute_to_experts(
+    hidden_RH: torch.Tensor,
+    routing_map_Re: torch.Tensor,
+    probs_Re: torch.Tensor,
+    tokens_per_expert: list[int],
+    pad_multiple: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, list[int], PermutationState]:
+    """Group received rows contiguously by local expert (stable: token order within an expert).
+
+    Arguments:
+        hidden_RH: `[R, H]` received token rows.
+        routing_map_Re / probs_Re: `[R, e]` multihot map and fp32 probs.
+        tokens_per_expert: host list of `e` counts; must equal `routing_map_Re.sum(0)`.
+        pad_multiple: pad each expert's group to a multiple with zero rows (prob 0).
+
+    Returns:
+        `(permuted_PH, permuted_probs_P, padded_tokens_per_expert, state)`.
+    """
+    num_pairs = int(sum(tokens_per_expert))
+    # nonzero_static knows its output size from the host counts: no device->host sync.
+    pairs_N2 = torch.nonzero_static(routing_map_Re.t(), size=num_pairs)
+    expert_ids_N, row_ids_N = pairs_N2[:, 0], pairs_N2[:, 1]
+    rows_NH = hidden_RH.index_select(0, row_ids_N)
+    probs_N = probs_Re[row_ids_N, expert_ids_N]
+    if not pad_multiple or pad_multiple == 1:
+        state = PermutationState(row_ids_N, None, hidden_RH.shape[0])
+        return rows_NH, probs_N, list(tokens_per_expert), state
+
+    padded = [align_up(n, pad_multiple) for n in tokens_per_expert]
+    shift = torch.tensor(
+        [p_off - off for p_off, off in zip(_offsets(padded), _offsets(tokens_per_expert))],
+        dtype=torch.long,
+    ).to(hidden_RH.device, non_blocking=True)
+    dest_N = torch.arange(num_pairs, device=hidden_RH.device) + shift[expert_ids_N]
+    total = sum(padded)
+    permuted_PH = hidden_RH.new_zeros(total, hidden_RH.shape[1]).index_copy(0, dest_N, rows_NH)
+    permuted_probs_P = probs_N.new_zeros(total).index_copy(0, dest_N, probs_N)
+    return permuted_PH, permuted_probs_P, padded, PermutationState(row_ids_N, dest_N, hidden_RH.shape[0])
+
+
+def unpermute_from_experts(expert_out_PH: torch.Tensor, state: PermutationState) -> torch.Tensor:
+    """Sum each received row's expert outputs back into `[R, H]`.
+
+    Padding and capacity tail rows are never read. `index_put(accumulate=True)` is
+    deterministic (unlike CUDA's atomic `index_add_`), so training is bitwise reproducible.
+    """
+    rows_NH = expert_out_PH if state.dest_N is None else expert_out_PH.index_select(0, state.dest_N)
+    if state.dest_N is None and rows_NH.shape[0] != state.row_ids_N.shape[0]:
+        rows_NH = rows_NH[: state.row_ids_N.shape[0]]
+    out_RH = expert_out_PH.new_zeros(state.num_rows, expert_out_PH.shape[-1])
+    return out_RH.index_put((state.row_ids_N,), rows_NH, accumulate=True)
+
+
+def _offsets(counts: list[int]) -> list[int]:
+    out, acc = [], 0
+    for c in counts:
+        out.append(acc)
+        acc += c
+    return out

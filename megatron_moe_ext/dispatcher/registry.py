@@ -1,0 +1,82 @@
+"""Backend registry: one builder per backend, each importing its library only when chosen.
+
+A backend that is not installed raises ImportError here, at construction, naming the
+package and how to get it. Nothing ever falls back silently to another backend.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from megatron_moe_ext.config import TokenDispatcherConfig
+from megatron_moe_ext.dispatcher.base import _DispatchManager
+
+ManagerBuilder = Callable[[TokenDispatcherConfig, object, int, int], _DispatchManager]
+
+
+def _deepep_style_kwargs(cfg: TokenDispatcherConfig, group, num_local_experts: int, tp_size: int):
+    return dict(
+        group=group,
+        router_topk=tp_size * cfg.moe_router_topk,
+        permute_fusion=cfg.moe_permute_fusion,
+        capacity_factor=cfg.moe_expert_capacity_factor,
+        num_experts=tp_size * cfg.num_moe_experts,
+        num_local_experts=num_local_experts,
+        router_dtype=cfg.moe_router_dtype,
+        moe_router_expert_pad_multiple=cfg.moe_router_expert_pad_multiple,
+    )
+
+
+def _build_torch(cfg, group, num_local_experts, tp_size):
+    from megatron_moe_ext.dispatcher.backends import torch_a2a
+    from megatron_moe_ext.dispatcher.deepep_manager import _DeepepManager
+
+    return _DeepepManager(
+        **_deepep_style_kwargs(cfg, group, num_local_experts, tp_size),
+        _dispatch_fn=torch_a2a.dispatch,
+        _combine_fn=torch_a2a.combine,
+    )
+
+
+def _build_deepep(cfg, group, num_local_experts, tp_size):
+    from megatron_moe_ext.dispatcher.backends import deepep
+    from megatron_moe_ext.dispatcher.deepep_manager import _DeepepManager
+
+    deepep.check_group(group)
+    deepep.set_num_sms(cfg.moe_deepep_num_sms)
+    return _DeepepManager(
+        **_deepep_style_kwargs(cfg, group, num_local_experts, tp_size),
+        _dispatch_fn=deepep.dispatch,
+        _combine_fn=deepep.combine,
+    )
+
+
+def _build_uccl(cfg, group, num_local_experts, tp_size):
+    from megatron_moe_ext.dispatcher.backends import uccl
+    from megatron_moe_ext.dispatcher.deepep_manager import _DeepepManager
+
+    uccl.check_group(group)
+    uccl.set_num_sms(cfg.moe_deepep_num_sms)
+    return _DeepepManager(
+        **_deepep_style_kwargs(cfg, group, num_local_experts, tp_size),
+        _dispatch_fn=uccl.dispatch,
+        _combine_fn=uccl.combine,
+    )
+
+
+def _build_hybridep(cfg, group, num_local_experts, tp_size):
+    from megatron_moe_ext.dispatcher.hybridep import build_hybridep_manager
+
+    return build_hybridep_manager(cfg, group, num_local_experts, tp_size)
+
+
+BUILDERS: dict[str, ManagerBuilder] = {
+    "torch": _build_torch,
+    "deepep": _build_deepep,
+    "uccl_ep": _build_uccl,
+    "hybridep": _build_hybridep,
+}
+
+
+def build_manager(cfg: TokenDispatcherConfig, group, num_local_experts: int, tp_size: int = 1):
+    return BUILDERS[cfg.moe_flex_dispatcher_backend](cfg, group, num_local_experts, tp_size)

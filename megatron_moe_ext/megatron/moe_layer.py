@@ -1,0 +1,60 @@
+"""`FlexMoELayer`: Megatron's `MoELayer` with this package's flex dispatcher.
+
+Megatron's router, experts, shared experts, aux losses and recompute are inherited
+unchanged; only the token dispatcher is swapped. The dispatcher is chosen from the
+`TransformerConfig` (`TokenDispatcherConfig.from_transformer_config`) unless a
+`dispatcher_config` is given (spec `params`, or the patch module's `apply`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+
+from megatron.core.transformer.moe import moe_layer as _megatron_moe_layer
+from megatron.core.transformer.moe.moe_layer import MoELayer
+
+from megatron_moe_ext.config import TokenDispatcherConfig
+from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
+
+# The names under which Megatron's MoELayer.__init__ looks up its dispatcher classes.
+_MEGATRON_DISPATCHER_NAMES = (
+    "MoEAllGatherTokenDispatcher", "MoEAlltoAllTokenDispatcher", "MoEFlexTokenDispatcher")
+_swap_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _megatron_builds_dispatcher(factory):
+    """While Megatron's MoELayer.__init__ runs, every dispatcher it could build is ours.
+
+    This reuses Megatron's own constructor (router, experts, shared experts, recompute
+    flags) instead of copying it; the swap is undone before the constructor returns.
+    """
+    with _swap_lock:
+        saved = {n: getattr(_megatron_moe_layer, n) for n in _MEGATRON_DISPATCHER_NAMES}
+        try:
+            for n in _MEGATRON_DISPATCHER_NAMES:
+                setattr(_megatron_moe_layer, n, factory)
+            yield
+        finally:
+            for n, cls in saved.items():
+                setattr(_megatron_moe_layer, n, cls)
+
+
+class FlexMoELayer(MoELayer):
+    """Megatron `MoELayer` whose token dispatcher is `MoEFlexTokenDispatcher`.
+
+    Arguments are Megatron's, plus `dispatcher_config` to choose the backend and its
+    options explicitly (default: derived from `config`).
+    """
+
+    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None,
+                 is_mtp_layer=False, name=None, dispatcher_config: TokenDispatcherConfig | None = None):
+        if dispatcher_config is None:
+            dispatcher_config = TokenDispatcherConfig.from_transformer_config(config)
+        factory = functools.partial(MoEFlexTokenDispatcher, dispatcher_config=dispatcher_config)
+        with _megatron_builds_dispatcher(factory):
+            super().__init__(config, submodules=submodules, layer_number=layer_number,
+                             pg_collection=pg_collection, is_mtp_layer=is_mtp_layer, name=name)
+        self.dispatcher_config = dispatcher_config

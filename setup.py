@@ -1,0 +1,30 @@
+"""megatron-moe-ext: a drop-in Mixture-of-Experts layer for Megatron-Core.
+
+The top-level ``patches/`` folder installs as ``megatron_moe_ext.patches``.
+"""
+
+from setuptools import find_packages, setup
+
+packages = find_packages(include=["megatron_moe_ext", "megatron_moe_ext.*"])
+
+setup(
+    name="megatron-moe-ext",
+    version="0.1.0",
+    description="Expert-parallel flex token dispatcher and grouped experts for Megatron-Core MoE",
+    python_requires=">=3.12",
+    packages=packages + ["megatron_moe_ext.patches"],
+    package_dir={"megatron_moe_ext.patches": "patches"},
+    install_requires=[
+        "torch>=2.6",
+        "megatron-core>=0.19,<0.20",
+        "triton",
+    ],
+    extras_require={
+        # DeepEP (deep_ep) and HybridEP are not on PyPI in usable form: build DeepEP's
+        # hybrid-ep branch from source (see README). uccl 0.1.x on PyPI links CUDA 12.
+        "uccl": ["uccl"],
+        # Transformer Engine: pip install transformer_engine[pytorch] on a CUDA machine.
+        "te": ["transformer_engine[pytorch]"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3"],
+    },
+)

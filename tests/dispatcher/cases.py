@@ -1,0 +1,98 @@
+"""Rank-side bodies of the dispatcher's dense-reference suite, shared by every backend.
+
+`run_dense_reference_case` runs dispatch -> toy experts -> combine through one face of
+`MoEFlexTokenDispatcher` on this rank, then the dense per-token reference on the same
+inputs, and returns the largest forward and gradient errors. Backends whose library
+cannot run on CPU are exercised by passing `patch_backend`, the dotted name of a
+function that installs a test double (tests/doubles/) before the dispatcher is built.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+import torch.distributed as dist
+
+from megatron_moe_ext.config import TokenDispatcherConfig
+from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
+from tests.reference import (
+    RoutingCase,
+    apply_local_experts,
+    dense_moe_reference,
+    make_routing,
+    toy_expert_params,
+    topk_to_dense,
+)
+
+FACES = ("topk", "dense", "megatron")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TOLERANCE = {"fp32": 1e-5, "bf16": 3e-2}
+
+
+def build_dispatcher(case: RoutingCase, backend: str, **cfg_overrides) -> MoEFlexTokenDispatcher:
+    ep, rank = dist.get_world_size(), dist.get_rank()
+    cfg = TokenDispatcherConfig(moe_flex_dispatcher_backend=backend, num_moe_experts=case.num_experts,
+                                moe_router_topk=case.topk, **cfg_overrides)
+    e = case.num_experts // ep
+    return MoEFlexTokenDispatcher(e, list(range(rank * e, (rank + 1) * e)), cfg, dist.group.WORLD)
+
+
+def _install(patch_backend: str | None):
+    if patch_backend:
+        module, fn = patch_backend.rsplit(".", 1)
+        getattr(importlib.import_module(module), fn)()
+
+
+def run_through_dispatcher(disp, face, x, indices, probs, num_experts, params):
+    """One forward through `face`; returns `(y [T, H], tokens_per_expert)`."""
+    tokens = x.shape[0]
+    mask_TE, probs_TE = topk_to_dense(indices, probs, num_experts)
+    if face == "topk":
+        rows, tpe, pprobs = disp.token_permutation2(x, tokens, probs, indices)
+    elif face == "dense":
+        rows, tpe, pprobs = disp.token_permutation(x, tokens, probs_TE)
+    else:
+        h, p = disp.dispatch_preprocess(x, mask_TE, probs_TE)
+        h, p = disp.token_dispatch(h, p)
+        rows, tpe, pprobs = disp.dispatch_postprocess(h, p)
+    out = apply_local_experts(rows, tpe, pprobs, disp.local_expert_indices, params)
+    if face == "megatron":
+        y = disp.combine_postprocess(disp.token_combine(disp.combine_preprocess(out)))
+    else:
+        y = disp.token_unpermutation(out)
+    return y, tpe
+
+
+def run_dense_reference_case(case: RoutingCase, face: str, dtype: str, backend: str = "torch",
+                             patch_backend: str | None = None, cfg_overrides: dict | None = None):
+    _install(patch_backend)
+    rank = dist.get_rank()
+    disp = build_dispatcher(case, backend, **(cfg_overrides or {}))
+    params = toy_expert_params(case.num_experts, case.hidden)
+    x, indices, probs = make_routing(case, rank, DTYPES[dtype])
+    g = torch.randn(x.shape, generator=torch.Generator().manual_seed(99 + rank))
+
+    x1, p1 = x.clone().requires_grad_(), probs.clone().requires_grad_()
+    y, tpe = run_through_dispatcher(disp, face, x1, indices, p1, case.num_experts, params)
+    assert y.shape == x.shape and y.dtype == x.dtype, (y.shape, y.dtype)
+    (y.float() * g).sum().backward()
+
+    x2, p2 = x.clone().float().requires_grad_(), probs.clone().requires_grad_()
+    mask_TE, probs_TE = topk_to_dense(indices, p2, case.num_experts)
+    y_ref = dense_moe_reference(x2, mask_TE, probs_TE, params)
+    (y_ref * g).sum().backward()
+
+    def err(a, b):
+        if a is None:
+            return 0.0 if b is None or not b.abs().max() > 0 else float("inf")
+        return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
+
+    return {
+        "y": err(y, y_ref),
+        "grad_x": err(x1.grad, x2.grad),
+        "grad_probs": err(p1.grad, p2.grad),
+        "sent_pairs": int((indices >= 0).sum()),
+        "tokens_per_expert": [int(c) for c in torch.as_tensor(tpe).tolist()],
+        "tol": TOLERANCE[dtype],
+    }

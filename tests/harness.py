@@ -1,0 +1,139 @@
+"""Real multi-process ranks on CPU (gloo) for tests, reused by every test module.
+
+`DistPool(world_size)` starts `world_size` spawned worker processes once, joined in one
+gloo process group. `pool.run(fn, *args)` runs the module-level function `fn(*args)` on
+every rank and returns the per-rank results (rank order). Any rank's exception fails the
+call with that rank's traceback; a call that outlives its timeout (a hang in a
+collective, say) kills the pool and fails instead of hanging the test suite. A broken
+pool is replaced on the next `get_pool`.
+
+Worker functions must be importable (module level) and return picklable values.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+
+import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("MOE_EXT_TEST_TIMEOUT", "240"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _reset_worker_state() -> None:
+    """Undo per-test global state so the next task starts clean."""
+    from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
+
+    MoEFlexTokenDispatcher.release_shared_managers()
+    try:
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+    except Exception:  # noqa: BLE001 - cleanup must never mask the task's own result
+        pass
+
+
+def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            results.put((rank, True, fn(*args, **kwargs)))
+        except BaseException:  # noqa: BLE001
+            results.put((rank, False, traceback.format_exc()))
+        finally:
+            _reset_worker_state()
+    dist.destroy_process_group()
+
+
+class DistPool:
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        ctx = mp.get_context("spawn")
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        self._results = ctx.Queue()
+        port = _free_port()
+        self._procs = [
+            ctx.Process(target=_worker, args=(r, world_size, port, self._tasks[r], self._results),
+                        daemon=True)
+            for r in range(world_size)
+        ]
+        for p in self._procs:
+            p.start()
+        self.broken = False
+
+    def run(self, fn, *args, timeout: float = DEFAULT_TIMEOUT_S, **kwargs) -> list:
+        if self.broken:
+            raise RuntimeError("DistPool is broken; get a new one with get_pool()")
+        for q in self._tasks:
+            q.put((fn, args, kwargs))
+        out: dict[int, object] = {}
+        errors: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        while len(out) + len(errors) < self.world_size:
+            # After a failure the other ranks may be stuck in a collective: give them a little.
+            limit = min(deadline, time.monotonic() + 10.0) if errors else deadline
+            try:
+                rank, ok, value = self._results.get(timeout=max(limit - time.monotonic(), 0.1))
+            except queue.Empty:
+                self.shutdown()
+                if errors:
+                    break
+                raise TimeoutError(f"{fn.__name__} did not finish on all {self.world_size} ranks "
+                                   f"within {timeout}s (finished: {sorted(out)}); pool killed")
+            (out if ok else errors)[rank] = value
+        if errors:
+            if len(out) + len(errors) < self.world_size:
+                self.shutdown()
+            rank = min(errors)
+            raise AssertionError(f"{fn.__name__} failed on rank {rank}/{self.world_size}:\n{errors[rank]}")
+        return [out[r] for r in range(self.world_size)]
+
+    def shutdown(self) -> None:
+        self.broken = True
+        for q in self._tasks:
+            try:
+                q.put(None)
+            except Exception:  # noqa: BLE001
+                pass
+        for p in self._procs:
+            p.join(timeout=2)
+            if p.is_alive():
+                p.kill()
+
+
+_POOLS: dict[int, DistPool] = {}
+
+
+def get_pool(world_size: int) -> DistPool:
+    pool = _POOLS.get(world_size)
+    if pool is None or pool.broken:
+        pool = _POOLS[world_size] = DistPool(world_size)
+    return pool
+
+
+def shutdown_pools() -> None:
+    for pool in _POOLS.values():
+        if not pool.broken:
+            pool.shutdown()
+    _POOLS.clear()
