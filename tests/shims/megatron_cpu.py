@@ -14,6 +14,10 @@ Megatron assumes CUDA in a few places that have nothing to do with the math unde
    the RNG save/restore of `tensor_parallel.checkpoint`): it reads and writes the CUDA
    generator's state, which does not exist. The shim maps the "CUDA" generator onto the
    CPU default generator, so forks and recompute replay the same random stream on CPU.
+4. `maybe_move_tensor_to_cpu` in the alltoall dispatcher: it turns the all-to-all split
+   sizes into host numpy arrays only when they are CUDA tensors. On CPU they stay tensors,
+   which `all_to_all_single` rejects as split sizes. The shim converts host tensors too,
+   exactly as the CUDA path does.
 
 Nothing here touches this package's library code: it is installed by an explicit
 `install()` and undone exactly by `uninstall()` (every replaced attribute is restored
@@ -98,6 +102,23 @@ def _host_manual_seed(seed):
     torch.manual_seed(seed)
 
 
+def _host_splits_to_numpy(tensor, as_numpy=False, record_stream=False):
+    """Megatron's `maybe_move_tensor_to_cpu` turns split sizes into numpy only for CUDA
+    tensors; gloo's `all_to_all_single` rejects tensor split sizes, so do it on CPU too."""
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.numpy()
+    return tensor
+
+
+def _host_tensor_to_cpu(original):
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if torch.is_tensor(tensor) and not tensor.is_cuda and as_numpy:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    return maybe_move_tensor_to_cpu
+
+
 def _replace(owner, name: str, value) -> None:
     _saved.append((owner, name, getattr(owner, name)))
     setattr(owner, name, value)
@@ -123,6 +144,7 @@ def install() -> None:
     if _saved:
         return
     from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer.moe import token_dispatcher
 
     _replace(torch.cuda, "current_device", _current_device)
     _replace(torch.cuda, "Stream", _HostStream)
@@ -135,6 +157,9 @@ def install() -> None:
     _replace(torch.cuda, "manual_seed", _host_manual_seed)
     _replace(mrandom, "_get_cuda_rng_state", _host_rng_state)
     _replace(mrandom, "_set_cuda_rng_state", _set_host_rng_state)
+    _replace(token_dispatcher, "maybe_move_tensor_to_cpu", _host_splits_to_numpy)
+    _replace(token_dispatcher, "maybe_move_tensor_to_cpu",
+             _host_tensor_to_cpu(token_dispatcher.maybe_move_tensor_to_cpu))
     logging.getLogger(mrandom.__name__).addFilter(_FORK_FILTER)
 
 
