@@ -1,0 +1,242 @@
+"""Per-expert bias on grouped GEMM output, with deterministic gradients.
+
+`torch._grouped_mm` takes no bias, and the down-projection bias must be weighted by the
+routing prob (`prob * bias`), so `_apply_bias` adds it after the GEMM. Its gradient is a
+per-expert segment sum over the rows; it is reduced without atomics in a fixed order
+(bitwise identical across runs): compensated fp32 sums in a Triton kernel on CUDA, float64
+sums over bounded row chunks elsewhere.
+
+Rows are grouped contiguously by expert (`tokens_per_expert` rows each). Rows past
+`sum(tokens_per_expert)` are capacity padding: they get no bias and contribute to no gradient.
+Legend: P permuted rows, D features (H or 2I), e local experts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from megatron_moe_ext.experts.kernels import bias_triton
+
+_BIAS_CHUNK_ROWS = 4096
+_BIAS_CHUNK_THRESHOLD = 12288
+# Triton is a hard dependency; the kernels need a CUDA tensor (or the Triton interpreter).
+_BIAS_GRAD_TRITON_AVAILABLE = True
+
+TokenCounts = torch.Tensor | Sequence[int]
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return _BIAS_GRAD_TRITON_AVAILABLE and t.is_cuda
+
+
+def _counts_on(tokens_per_expert: TokenCounts, device: torch.device) -> torch.Tensor:
+    """`[e]` int64 counts on `device`; a host tensor is copied without waiting for the copy."""
+    if not isinstance(tokens_per_expert, torch.Tensor):
+        tokens_per_expert = torch.tensor(list(tokens_per_expert), dtype=torch.int64)
+    return tokens_per_expert.to(device=device, dtype=torch.int64, non_blocking=True)
+
+
+def _segment_ends(counts_e: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(counts_e, 0)
+
+
+def _token_offsets(counts_e: torch.Tensor) -> torch.Tensor:
+    """`[e + 1]` exclusive cumsum (0 first) on the counts' device."""
+    return torch.nn.functional.pad(_segment_ends(counts_e), (1, 0))
+
+
+def _row_expert_ids(counts_e: torch.Tensor, rows: int) -> torch.Tensor:
+    """`[rows]` int64 expert of each row; `e` for rows past the last segment (padding)."""
+    rows_P = torch.arange(rows, device=counts_e.device)
+    return torch.searchsorted(_segment_ends(counts_e), rows_P, right=True)
+
+
+def _chunk_counts(counts_e: torch.Tensor, first: int, last: int) -> torch.Tensor:
+    """`[e]` number of each expert's rows that fall in rows `[first, last)` (no host sync)."""
+    ends_e = _segment_ends(counts_e)
+    starts_e = ends_e - counts_e
+    return ends_e.clamp(first, last) - starts_e.clamp(first, last)
+
+
+def _segment_reduce_bias_grad(grad_output: torch.Tensor, token_counts: torch.Tensor,
+                              accumulation_dtype: torch.dtype) -> torch.Tensor:
+    """Reduce contiguous expert segments into an accumulation-dtype tensor.
+
+    Arguments:
+        grad_output: `[P, D]`, grouped contiguously by expert; rows past the segments ignored.
+        token_counts: `[e]` int64 segment lengths on grad_output's device.
+        accumulation_dtype: dtype of the segmented sums.
+
+    Returns:
+        `[e, D]` in `accumulation_dtype`.
+    """
+    rows, experts = grad_output.shape[0], token_counts.numel()
+    # A trailing segment takes the padding rows, so the lengths always cover the data and
+    # segment_reduce needs no host-side check (`unsafe=True` skips its sync).
+    tail = (rows - token_counts.sum()).reshape(1)
+    lengths = torch.cat([token_counts, tail])
+    sums = torch.segment_reduce(grad_output.to(accumulation_dtype), "sum", lengths=lengths,
+                                axis=0, unsafe=True)
+    return sums[:experts]
+
+
+def _reduce_bias_grad_chunked_fallback(grad_output: torch.Tensor, token_counts: torch.Tensor,
+                                       probs: torch.Tensor | None,
+                                       output_dtype: torch.dtype) -> torch.Tensor:
+    """Reduce bias gradients without full-size intermediates (float64 sums, fixed order).
+
+    Arguments:
+        grad_output: `[P, D]`, grouped contiguously by expert.
+        token_counts: `[e]` int64 segment lengths on grad_output's device.
+        probs: optional `[P, 1]` routing probabilities weighting each row.
+        output_dtype: result dtype.
+
+    Returns:
+        `[e, D]` in `output_dtype`: one (weighted) gradient sum per expert.
+    """
+    rows, hidden = grad_output.shape
+    total = torch.zeros(token_counts.numel(), hidden, dtype=torch.float64,
+                        device=grad_output.device)
+    for first in range(0, rows, _BIAS_CHUNK_ROWS):
+        last = min(first + _BIAS_CHUNK_ROWS, rows)
+        chunk = grad_output[first:last].to(torch.float64)
+        if probs is not None:
+            chunk = chunk * probs[first:last].to(torch.float64)
+        total += _segment_reduce_bias_grad(chunk, _chunk_counts(token_counts, first, last),
+                                           torch.float64)
+    return total.to(output_dtype)
+
+
+def _reduce_bias_grad_fallback(grad_output: torch.Tensor, token_counts: torch.Tensor) -> torch.Tensor:
+    """Reduce grouped token gradients without Triton.
+
+    Arguments:
+        grad_output: `[P, D]`, grouped contiguously by expert.
+        token_counts: `[e]` int64 segment lengths on grad_output's device.
+
+    Returns:
+        `[e, D]` in grad_output's dtype.
+    """
+    return _reduce_bias_grad_chunked_fallback(grad_output, token_counts, None, grad_output.dtype)
+
+
+def _reduce_bias_grad(grad_output: torch.Tensor, token_counts: torch.Tensor,
+                      probs: torch.Tensor | None, output_dtype: torch.dtype) -> torch.Tensor:
+    if _use_triton(grad_output):
+        return bias_triton.reduce_bias_grad(grad_output, _token_offsets(token_counts), probs,
+                                            output_dtype)
+    return _reduce_bias_grad_chunked_fallback(grad_output, token_counts, probs, output_dtype)
+
+
+class _DeterministicBiasRepeatInterleave(torch.autograd.Function):
+    """Expand expert biases over their row groups; reduce the gradient deterministically."""
+
+    @staticmethod
+    def forward(ctx, bias: torch.Tensor, token_counts: torch.Tensor, output_size: int) -> torch.Tensor:
+        """Arguments: bias `[e, D]`; token_counts `[e]` int64 on bias's device; output_size P.
+
+        Returns: `[P, D]` in bias's dtype, expert i's row repeated over its rows, 0 on padding.
+        """
+        ctx.save_for_backward(token_counts)
+        ctx.bias_dtype = bias.dtype
+        padded = torch.cat([bias, bias.new_zeros(1, bias.shape[1])])
+        return padded.index_select(0, _row_expert_ids(token_counts, output_size))
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        """Returns the `[e, D]` bias gradient (one segmented reduction) and no others."""
+        (token_counts,) = ctx.saved_tensors
+        return _reduce_bias_grad(grad_output, token_counts, None, ctx.bias_dtype), None, None
+
+
+class _ChunkedBiasAdd(torch.autograd.Function):
+    """Add (prob-weighted) expert bias without materialising the expanded `[P, D]` bias."""
+
+    @staticmethod
+    def forward(ctx, value: torch.Tensor, bias: torch.Tensor, token_counts: torch.Tensor,
+                probs: torch.Tensor | None = None, reuse_input: bool = False) -> torch.Tensor:
+        """`value + prob * bias[expert(row)]`, fp32 math, in `_BIAS_CHUNK_ROWS` chunks.
+
+        Arguments: value `[P, D]`; bias `[e, D]`; token_counts `[e]` int64 on value's device;
+        probs optional `[P, 1]`; reuse_input: the caller hands over value's storage for the result.
+
+        Returns: `[P, D]` in value's dtype.
+        """
+        expert_ids_P = _row_expert_ids(token_counts, value.shape[0])
+        if reuse_input and value.is_contiguous():
+            ctx.mark_dirty(value)
+            out = value
+        else:
+            out = torch.empty_like(value, memory_format=torch.contiguous_format)
+        if _use_triton(value):
+            bias_triton.weighted_bias_add(value, bias, expert_ids_P, probs, out)
+        else:
+            padded = torch.cat([bias, bias.new_zeros(1, bias.shape[1])])
+            for first in range(0, value.shape[0], _BIAS_CHUNK_ROWS):
+                rows = slice(first, first + _BIAS_CHUNK_ROWS)
+                added = padded.index_select(0, expert_ids_P[rows]).float()
+                if probs is not None:
+                    added = added * probs[rows]
+                out[rows] = value[rows].float() + added
+        ctx.save_for_backward(bias, token_counts, probs, expert_ids_P)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        """Gradients of value (identity), bias (`[e, D]`) and probs (`[P, 1]` fp32)."""
+        bias, token_counts, probs, expert_ids_P = ctx.saved_tensors
+        grad_bias = _reduce_bias_grad(grad_output, token_counts, probs, bias.dtype)
+        grad_probs = None
+        if probs is not None and ctx.needs_input_grad[3]:
+            if _use_triton(grad_output):
+                grad_probs = bias_triton.weighted_bias_probs_grad(grad_output, bias, expert_ids_P)
+            else:
+                grad_probs = _probs_grad_fallback(grad_output, bias, expert_ids_P)
+            grad_probs = grad_probs.to(probs.dtype)
+        return grad_output, grad_bias, None, grad_probs, None
+
+
+def _probs_grad_fallback(grad_output: torch.Tensor, bias: torch.Tensor,
+                         expert_ids_P: torch.Tensor) -> torch.Tensor:
+    padded = torch.cat([bias, bias.new_zeros(1, bias.shape[1])])
+    grad_probs = torch.empty(grad_output.shape[0], 1, dtype=torch.float32, device=grad_output.device)
+    for first in range(0, grad_output.shape[0], _BIAS_CHUNK_ROWS):
+        rows = slice(first, first + _BIAS_CHUNK_ROWS)
+        expanded = padded.index_select(0, expert_ids_P[rows]).float()
+        grad_probs[rows] = (grad_output[rows].float() * expanded).sum(-1, keepdim=True)
+    return grad_probs
+
+
+def _apply_bias(value: torch.Tensor, bias: torch.Tensor, tokens_per_expert: TokenCounts,
+                permuted_probs: torch.Tensor | None = None, reuse_input: bool = False) -> torch.Tensor:
+    """Add each expert's bias to its rows of grouped GEMM output: `value + prob * bias`.
+
+    Arguments:
+        value: `[P, D]` grouped GEMM output, rows grouped by expert.
+        bias: `[e, D]` per-expert bias (may be an fp32 master; the math is fp32).
+        tokens_per_expert: `[e]` counts, host (list / CPU tensor) or on value's device.
+        permuted_probs: optional `[P, 1]` probabilities weighting the bias (the down bias).
+        reuse_input: on the chunked path (`P > _BIAS_CHUNK_THRESHOLD`) write the result into
+            value's storage; the caller must not read value afterwards.
+
+    Returns:
+        `[P, D]` in value's dtype; rows past `sum(tokens_per_expert)` are value unchanged.
+    """
+    if value.dim() != 2 or bias.dim() != 2 or bias.shape[1] != value.shape[1]:
+        raise ValueError(f"_apply_bias: value {tuple(value.shape)} and bias {tuple(bias.shape)} "
+                         "must be [P, D] and [e, D]")
+    counts_e = _counts_on(tokens_per_expert, value.device)
+    if counts_e.numel() != bias.shape[0]:
+        raise ValueError(f"_apply_bias: tokens_per_expert has {counts_e.numel()} entries, "
+                         f"bias has {bias.shape[0]} experts")
+    if permuted_probs is not None and permuted_probs.shape != (value.shape[0], 1):
+        raise ValueError(f"_apply_bias: permuted_probs {tuple(permuted_probs.shape)} must be "
+                         f"[{value.shape[0]}, 1]")
+    if value.shape[0] > _BIAS_CHUNK_THRESHOLD:
+        return _ChunkedBiasAdd.apply(value, bias, counts_e, permuted_probs, reuse_input)
+    expanded = _DeterministicBiasRepeatInterleave.apply(bias, counts_e, value.shape[0]).float()
+    if permuted_probs is not None:
+        expanded = expanded * permuted_probs
+    return (value + expanded).to(value.dtype)

@@ -1,0 +1,231 @@
+"""The grouped-GEMM expert MLP core: `act(x @ W1 + b1) @ W2 + prob * b2` per expert segment.
+
+Rows arrive grouped contiguously by local expert (`tokens_per_expert` rows each), as the
+dispatchers and `_permute_tokens_for_grouped_mm` deliver them. Two `torch._grouped_mm` calls
+do the projections; `_apply_bias` adds the biases (`_grouped_mm` has none, and the down bias
+is weighted by the prob). Large inputs run in checkpointed row chunks so the `[P, 2I]` and
+`[P, I]` intermediates never exist at full size.
+
+Capacity padding: rows past `sum(tokens_per_expert)` belong to no expert. Their output is
+unspecified but finite (it is 0 here), they add nothing to any weight or bias gradient, and
+their input and prob gradients are 0. When the counts live on the host that is free (the
+padding is sliced off); when they live on the device, masks keep the step sync-free.
+Legend: P permuted rows, H hidden, I intermediate, e local experts.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from megatron_moe_ext.experts.bias import TokenCounts, _apply_bias, _counts_on
+
+_EXPERT_MLP_CHUNK_BYTES = 512 * 1024 * 1024
+
+Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient: `_grouped_mm`'s CPU backward
+    rejects expanded zero-stride gradients (such as the one `.sum()` produces)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def _host_counts(tokens_per_expert: TokenCounts) -> list[int] | None:
+    """The counts as ints when they are on the host (reading them costs no sync), else None."""
+    if isinstance(tokens_per_expert, torch.Tensor):
+        return tokens_per_expert.tolist() if tokens_per_expert.device.type == "cpu" else None
+    return [int(c) for c in tokens_per_expert]
+
+
+def _grouped_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor, down_projs: torch.Tensor,
+                 gate_up_proj_bias: torch.Tensor | None, down_proj_bias: torch.Tensor | None,
+                 tokens_per_expert: TokenCounts, permuted_probs_P1: torch.Tensor,
+                 activation_fn: Activation, apply_router_weight_after_down: bool) -> torch.Tensor:
+    dtype, rows = hidden_PH.dtype, hidden_PH.shape[0]
+    host = _host_counts(tokens_per_expert)
+    if host is not None and sum(host) < rows:
+        valid = sum(host)
+        out = _grouped_mlp(hidden_PH[:valid], gate_and_up_projs, down_projs, gate_up_proj_bias,
+                           down_proj_bias, host, permuted_probs_P1[:valid], activation_fn,
+                           apply_router_weight_after_down)
+        return torch.nn.functional.pad(out, (0, 0, 0, rows - valid))
+    counts_e = _counts_on(tokens_per_expert, hidden_PH.device)
+    valid_P1 = None
+    if host is None:
+        # Device counts: the padding rows are unknown without a sync, so mask them. Masking
+        # the inputs zeroes their gradients; `_grouped_mm` never reads them for the weights.
+        valid_P1 = (torch.arange(rows, device=hidden_PH.device) < counts_e.sum())[:, None]
+        hidden_PH = torch.where(valid_P1, hidden_PH, 0)
+        permuted_probs_P1 = torch.where(valid_P1, permuted_probs_P1, 0)
+    offsets_e = torch.cumsum(counts_e, 0).to(torch.int32)
+    act_probs_P1 = permuted_probs_P1
+    if apply_router_weight_after_down:
+        act_probs_P1 = torch.ones_like(permuted_probs_P1)
+    up_PI = _ContiguousGrad.apply(
+        torch._grouped_mm(hidden_PH, gate_and_up_projs.to(dtype), offs=offsets_e))
+    if gate_up_proj_bias is not None:
+        up_PI = _apply_bias(up_PI, gate_up_proj_bias, counts_e)
+    act_PI = activation_fn(up_PI, act_probs_P1)
+    out_PH = _ContiguousGrad.apply(torch._grouped_mm(act_PI, down_projs.to(dtype), offs=offsets_e))
+    if apply_router_weight_after_down:
+        if down_proj_bias is not None:
+            out_PH = _apply_bias(out_PH, down_proj_bias, counts_e)
+        out_PH = (out_PH * permuted_probs_P1).to(dtype)
+    elif down_proj_bias is not None:
+        out_PH = _apply_bias(out_PH, down_proj_bias, counts_e, permuted_probs_P1)
+    if valid_P1 is not None:
+        out_PH = torch.where(valid_P1, out_PH, 0)
+    return out_PH
+
+
+def _torch_mm_experts_fwd(hidden_states: torch.Tensor, gate_and_up_projs: torch.Tensor,
+                          down_projs: torch.Tensor, tokens_per_expert: TokenCounts,
+                          permuted_probs: torch.Tensor, activation_fn: Activation,
+                          gate_up_proj_bias: torch.Tensor | None = None,
+                          down_proj_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The grouped expert MLP in one shot with `torch._grouped_mm`.
+
+    Arguments:
+        hidden_states: `[P, H]` rows grouped by expert, in the compute dtype.
+        gate_and_up_projs: `[e, H, 2I]` (`[e, H, I]` non-gated); fp32 masters are cast to
+            the compute dtype.
+        down_projs: `[e, I, H]`.
+        tokens_per_expert: `[e]` counts, host or device; rows past their sum are padding.
+        permuted_probs: `[P, 1]` routing probabilities (fp32), applied inside `activation_fn`.
+        activation_fn: `fn(x [P, 2I or I], probs [P, 1]) -> [P, I]`.
+        gate_up_proj_bias: optional `[e, 2I]`, added unweighted.
+        down_proj_bias: optional `[e, H]`, added as `prob * bias`.
+
+    Returns:
+        `[P, H]` in hidden_states' dtype; padding rows are 0.
+    """
+    return _grouped_mlp(hidden_states, gate_and_up_projs, down_projs, gate_up_proj_bias,
+                        down_proj_bias, tokens_per_expert, permuted_probs, activation_fn, False)
+
+
+def _chunk_counts_host(host: list[int], first: int, last: int) -> list[int]:
+    counts, start = [], 0
+    for count in host:
+        counts.append(max(0, min(start + count, last) - max(start, first)))
+        start += count
+    return counts
+
+
+def _chunk_counts_device(counts_e: torch.Tensor, first: int, last: int) -> torch.Tensor:
+    ends_e = torch.cumsum(counts_e, 0)
+    return ends_e.clamp(first, last) - (ends_e - counts_e).clamp(first, last)
+
+
+def _checkpointed_chunked_expert_mlp(hidden_states: torch.Tensor, gate_and_up_projs: torch.Tensor,
+                                     down_projs: torch.Tensor,
+                                     gate_up_proj_bias: torch.Tensor | None,
+                                     down_proj_bias: torch.Tensor | None,
+                                     tokens_per_expert: TokenCounts, permuted_probs: torch.Tensor,
+                                     activation_fn: Activation,
+                                     apply_router_weight_after_down: bool = False,
+                                     chunk_bytes: int = _EXPERT_MLP_CHUNK_BYTES) -> torch.Tensor:
+    """Run the grouped expert MLP in checkpointed row chunks of about `chunk_bytes`.
+
+    A chunk holds as many rows as fit `chunk_bytes` of its `[rows, 2I]` intermediate. Chunks
+    may cut through an expert's rows; each gets its own counts. Backward recomputes one
+    chunk's GEMMs at a time instead of keeping `[P, 2I]` and `[P, I]` activations, and the
+    `[P, H]` output is allocated once and filled by slices.
+
+    Arguments:
+        hidden_states, gate_and_up_projs, down_projs, tokens_per_expert, permuted_probs,
+        activation_fn, gate_up_proj_bias, down_proj_bias: as `_torch_mm_experts_fwd`.
+        apply_router_weight_after_down: multiply by the prob after the down projection
+            (`prob * (act(x W1 + b1) W2 + b2)`) instead of inside `activation_fn`.
+        chunk_bytes: target size of one chunk's `[rows, 2I]` intermediate.
+
+    Returns:
+        `[P, H]` in hidden_states' dtype with its own storage; equal to the unchunked result.
+    """
+    rows, hidden = hidden_states.shape
+    dtype = hidden_states.dtype
+    chunk_rows = max(1, chunk_bytes // (gate_and_up_projs.shape[-1] * hidden_states.element_size()))
+    host = _host_counts(tokens_per_expert)
+    counts_e = None if host is not None else _counts_on(tokens_per_expert, hidden_states.device)
+    # Cast fp32 masters once, not once per chunk and again per recompute.
+    gate_and_up_projs, down_projs = gate_and_up_projs.to(dtype), down_projs.to(dtype)
+    out_PH = hidden_states.new_empty(rows, hidden)
+    for first in range(0, rows, chunk_rows):
+        last = min(first + chunk_rows, rows)
+        counts = (_chunk_counts_host(host, first, last) if host is not None
+                  else _chunk_counts_device(counts_e, first, last))
+        out_PH[first:last] = checkpoint(
+            _grouped_mlp, hidden_states[first:last], gate_and_up_projs, down_projs,
+            gate_up_proj_bias, down_proj_bias, counts, permuted_probs[first:last], activation_fn,
+            apply_router_weight_after_down, use_reentrant=False)
+    return out_PH
+
+
+def _validate(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor, down_projs: torch.Tensor,
+              gate_up_proj_bias: torch.Tensor | None, down_proj_bias: torch.Tensor | None,
+              tokens_per_expert: TokenCounts, permuted_probs_P1: torch.Tensor) -> None:
+    if hidden_PH.dim() != 2:
+        raise ValueError(f"hidden_PH must be [P, H], got shape {tuple(hidden_PH.shape)}")
+    rows, hidden = hidden_PH.shape
+    experts = gate_and_up_projs.shape[0]
+    if gate_and_up_projs.dim() != 3 or gate_and_up_projs.shape[1] != hidden:
+        raise ValueError(f"gate_and_up_projs must be [e, {hidden}, 2I or I], got "
+                         f"{tuple(gate_and_up_projs.shape)}")
+    if down_projs.dim() != 3 or down_projs.shape[0] != experts or down_projs.shape[2] != hidden:
+        raise ValueError(f"down_projs must be [{experts}, I, {hidden}], got {tuple(down_projs.shape)}")
+    if permuted_probs_P1.shape != (rows, 1):
+        raise ValueError(f"permuted_probs_P1 must be [{rows}, 1], got {tuple(permuted_probs_P1.shape)}")
+    count_len = tokens_per_expert.numel() if isinstance(tokens_per_expert, torch.Tensor) else len(tokens_per_expert)
+    if count_len != experts:
+        raise ValueError(f"tokens_per_expert has {count_len} entries; expected one per local expert ({experts})")
+    host = _host_counts(tokens_per_expert)
+    if host is not None and (min(host, default=0) < 0 or sum(host) > rows):
+        raise ValueError(f"tokens_per_expert={host} is invalid: counts must be >= 0 and sum to at "
+                         f"most the {rows} rows")
+    for name, bias, width in (("gate_up_proj_bias", gate_up_proj_bias, gate_and_up_projs.shape[2]),
+                              ("down_proj_bias", down_proj_bias, hidden)):
+        if bias is not None and tuple(bias.shape) != (experts, width):
+            raise ValueError(f"{name} must be [{experts}, {width}], got {tuple(bias.shape)}")
+
+
+def run_grouped_expert_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor,
+                           down_projs: torch.Tensor, gate_up_proj_bias: torch.Tensor | None,
+                           down_proj_bias: torch.Tensor | None, tokens_per_expert: TokenCounts,
+                           permuted_probs_P1: torch.Tensor, activation_fn: Activation) -> torch.Tensor:
+    """The expert MLP the modules call: single shot, or checkpointed chunks when the
+    `[P, 2I]` intermediate would exceed `_EXPERT_MLP_CHUNK_BYTES`.
+
+    Arguments:
+        hidden_PH: `[P, H]` rows grouped by expert, in the compute dtype.
+        gate_and_up_projs: `[e, H, 2I]` (`[e, H, I]` non-gated), maybe fp32 masters.
+        down_projs: `[e, I, H]`.
+        gate_up_proj_bias: optional `[e, 2I]` (unweighted).
+        down_proj_bias: optional `[e, H]` (weighted: `prob * bias`).
+        tokens_per_expert: `[e]` counts, host or device (device counts cost no sync);
+            rows past their sum are capacity padding (output 0, no gradient into weights).
+        permuted_probs_P1: `[P, 1]` routing probabilities (fp32).
+        activation_fn: `fn(x [P, 2I or I], probs [P, 1]) -> [P, I]`, e.g. from
+            `get_expert_activation_for_deepep`.
+
+    Returns:
+        `[P, H]` in hidden_PH's dtype.
+    """
+    _validate(hidden_PH, gate_and_up_projs, down_projs, gate_up_proj_bias, down_proj_bias,
+              tokens_per_expert, permuted_probs_P1)
+    width_bytes = gate_and_up_projs.shape[-1] * hidden_PH.element_size()
+    if hidden_PH.shape[0] * width_bytes > _EXPERT_MLP_CHUNK_BYTES:
+        return _checkpointed_chunked_expert_mlp(
+            hidden_PH, gate_and_up_projs, down_projs, gate_up_proj_bias, down_proj_bias,
+            tokens_per_expert, permuted_probs_P1, activation_fn)
+    return _torch_mm_experts_fwd(hidden_PH, gate_and_up_projs, down_projs, tokens_per_expert,
+                                 permuted_probs_P1, activation_fn, gate_up_proj_bias,
+                                 down_proj_bias)
