@@ -102,14 +102,6 @@ def _host_manual_seed(seed):
     torch.manual_seed(seed)
 
 
-def _host_splits_to_numpy(tensor, as_numpy=False, record_stream=False):
-    """Megatron's `maybe_move_tensor_to_cpu` turns split sizes into numpy only for CUDA
-    tensors; gloo's `all_to_all_single` rejects tensor split sizes, so do it on CPU too."""
-    if as_numpy and torch.is_tensor(tensor):
-        return tensor.numpy()
-    return tensor
-
-
 def _host_tensor_to_cpu(original):
     def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
         if torch.is_tensor(tensor) and not tensor.is_cuda and as_numpy:
@@ -157,7 +149,6 @@ def install() -> None:
     _replace(torch.cuda, "manual_seed", _host_manual_seed)
     _replace(mrandom, "_get_cuda_rng_state", _host_rng_state)
     _replace(mrandom, "_set_cuda_rng_state", _set_host_rng_state)
-    _replace(token_dispatcher, "maybe_move_tensor_to_cpu", _host_splits_to_numpy)
     _replace(token_dispatcher, "maybe_move_tensor_to_cpu",
              _host_tensor_to_cpu(token_dispatcher.maybe_move_tensor_to_cpu))
     logging.getLogger(mrandom.__name__).addFilter(_FORK_FILTER)
