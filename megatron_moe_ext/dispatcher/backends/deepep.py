@@ -1,35 +1,350 @@
-"""DeepEP V1 `deep_ep.Buffer` backend (work in progress: see issue 3)."""
+"""DeepEP V1 `deep_ep.Buffer` backend: DeepEP-contract `dispatch` / `combine` as autograd
+functions over one process-global buffer.
+
+The code is written over a *buffer library provider* (`DeepEPCommunicator(library)`): any
+module exposing DeepEP's Python `Buffer` API works. This module binds it to `deep_ep`;
+`backends/uccl.py` binds the same class to UCCL-EP's DeepEP-compatible buffer.
+
+Contract (DeepEP intranode, read from deep_ep/buffer.py and csrc/kernels/intranode.cu):
+each token goes once to every rank hosting one of its experts; received rows are grouped
+by source rank; `recv_topk_idx` holds local expert ids (-1 = not mine) and the weights are
+0 there; per-local-expert counts come back as a host list. Combine sums a token's rows in
+fp32 and rounds to bf16; it takes bf16 only, so other dtypes are combined exactly through
+a "return to owner" dispatch (see `_return_rows`).
+
+Legend: T local tokens, H hidden, K top-k, W ranks, e local experts, R received rows,
+C transported fp32 columns.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Callable
+
+import torch
 import torch.distributed as dist
 
 from megatron_moe_ext.utils.optional import require
 
 SUPPORTED_EP_SIZES = (2, 4, 8)
+# DeepEP copies rows in 16-byte units (int4): a row's byte size must be a multiple.
+_ROW_ALIGN_BYTES = 16
+_FP32_COLUMNS_PER_UNIT = _ROW_ALIGN_BYTES // 4
 
 
-def deep_ep():
-    return require("deep_ep", "moe_flex_dispatcher_backend='deepep'")
+@dataclass(frozen=True)
+class DeepEPHandle:
+    """A library handle plus the sizes combine and both backwards need.
+
+    raw: the library's handle tuple. DeepEP's is `(rank_prefix_matrix,
+        channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank,
+        send_head)`; UCCL-EP's adds the received count before `recv_src_idx`. Both end
+        with `(..., recv_src_idx, is_token_in_rank, send_head)`, so fields are read from
+        the end.
+    num_recv_rows: R, the rows this rank received.
+    num_tokens: T, the tokens this rank sent.
+    """
+
+    raw: tuple
+    num_recv_rows: int
+    num_tokens: int
+
+    @property
+    def rank_prefix_matrix_WW(self) -> torch.Tensor:
+        """`[W, W]` int32: `[i, j]` = rows rank j received from ranks 0..i."""
+        return self.raw[0]
+
+    @property
+    def recv_src_idx_R(self) -> torch.Tensor:
+        """`[R]` int32: each received row's token index on its source rank."""
+        # UCCL-EP keeps a one-element placeholder when R == 0.
+        return self.raw[-3][: self.num_recv_rows]
 
 
-def check_group(group) -> None:
-    deep_ep()
-    size = dist.get_world_size(group)
-    if size not in SUPPORTED_EP_SIZES:
+def _check_row_bytes(x: torch.Tensor, field: str) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"{field}: expected a [rows, H] tensor, got shape {tuple(x.shape)}")
+    if (x.shape[1] * x.element_size()) % _ROW_ALIGN_BYTES:
         raise ValueError(
-            f"expert-parallel group size {size} is not supported by DeepEP intranode kernels: "
-            f"allowed sizes are {SUPPORTED_EP_SIZES}; use moe_flex_dispatcher_backend='torch' "
-            "for EP=1 or other sizes")
+            f"{field}: DeepEP moves rows in {_ROW_ALIGN_BYTES}-byte units, but hidden size "
+            f"{x.shape[1]} x {x.element_size()} bytes ({x.dtype}) is not a multiple of "
+            f"{_ROW_ALIGN_BYTES}; use a hidden size divisible by {_ROW_ALIGN_BYTES // x.element_size()}")
 
 
-def set_num_sms(num_sms: int) -> None:
-    deep_ep().Buffer.set_num_sms(num_sms)
+def hidden_bytes_for(hidden: int, dtype: torch.dtype) -> int:
+    """Bytes per row the buffer is sized for.
+
+    bf16 rows travel as they are (`H * 2`). Any other dtype is combined through fp32 rows
+    (see `_return_rows`), so it is sized for at least 4 bytes per element; the extra
+    index/weight columns of that path fit inside the top-k margin of DeepEP's size hint.
+    """
+    elem = torch.empty((), dtype=dtype).element_size()
+    return hidden * (max(elem, 2) if dtype == torch.bfloat16 else max(elem, 4))
 
 
-def dispatch(*args, **kwargs):
-    raise NotImplementedError("DeepEP dispatch lands with issue 3")
+class DeepEPCommunicator:
+    """Dispatch/combine over one process-global buffer of a DeepEP-compatible library.
+
+    Arguments:
+        library: returns the module that provides `Buffer` (and raises ImportError with an
+            install hint when it is missing).
+        name: the backend name used in error messages.
+    """
+
+    def __init__(self, library: Callable[[], ModuleType], name: str):
+        self.library = library
+        self.name = name
+        self._buffer = None
+        self._group = None
+
+    # ---- configuration ----------------------------------------------------------------
+    def check_group(self, group) -> None:
+        """Refuse EP sizes the intranode kernels do not have (they are compiled for 2, 4, 8)."""
+        self.library()
+        size = dist.get_world_size(group)
+        if size not in SUPPORTED_EP_SIZES:
+            raise ValueError(
+                f"expert-parallel group size {size} is not supported by {self.name} intranode "
+                f"kernels: allowed sizes are {SUPPORTED_EP_SIZES}; use "
+                "moe_flex_dispatcher_backend='torch' for EP=1 or other sizes")
+
+    def set_num_sms(self, num_sms: int) -> None:
+        if num_sms <= 0 or num_sms % 2:
+            raise ValueError(f"moe_deepep_num_sms: {num_sms} is not allowed: expected an even "
+                             "positive SM count (one channel = a send and a receive block)")
+        self.library().Buffer.set_num_sms(num_sms)
+
+    # ---- the process-global buffer ----------------------------------------------------
+    def get_buffer(self, group, hidden_bytes: int):
+        """The buffer, (re)allocated only when the group or library changes or it is too small.
+
+        Allocation is collective over `group` (the library exchanges IPC handles), so every
+        rank must reach it together: sizes depend only on H, dtype and the SM count.
+        """
+        buffer_cls = self.library().Buffer
+        world = dist.get_world_size(group)
+        num_nvl_bytes = num_rdma_bytes = 0
+        for config in (buffer_cls.get_dispatch_config(world), buffer_cls.get_combine_config(world)):
+            num_nvl_bytes = max(num_nvl_bytes, config.get_nvl_buffer_size_hint(hidden_bytes, world))
+            num_rdma_bytes = max(num_rdma_bytes, config.get_rdma_buffer_size_hint(hidden_bytes, world))
+        buffer = self._buffer
+        if buffer is not None and self._group is group and type(buffer) is buffer_cls:
+            if buffer.num_nvl_bytes >= num_nvl_bytes and buffer.num_rdma_bytes >= num_rdma_bytes:
+                return buffer
+            # Grow to the larger of old and new so alternating shapes cannot thrash.
+            num_nvl_bytes = max(num_nvl_bytes, buffer.num_nvl_bytes)
+            num_rdma_bytes = max(num_rdma_bytes, buffer.num_rdma_bytes)
+        self.release_buffers()
+        self._buffer = buffer_cls(group, num_nvl_bytes, num_rdma_bytes, explicitly_destroy=True)
+        self._group = group
+        return self._buffer
+
+    def allocate_buffer(self, group, hidden: int, dtype: torch.dtype):
+        """Allocate up front (at expert setup, before any activation checkpoint)."""
+        return self.get_buffer(group, hidden_bytes_for(hidden, dtype))
+
+    def release_buffers(self) -> None:
+        """Free the buffer now (collective; call on every rank before destroying the group)."""
+        buffer, self._buffer, self._group = self._buffer, None, None
+        if buffer is not None:
+            buffer.destroy()
+
+    @property
+    def buffer(self):
+        """The live buffer, or None."""
+        return self._buffer
+
+    # ---- raw communication (no autograd) ----------------------------------------------
+    def _begin(self, async_finish: bool):
+        """Record an event on the compute stream for the comm stream to wait on."""
+        return self.library().Buffer.capture() if async_finish else None
+
+    @staticmethod
+    def _end(event, async_finish: bool) -> None:
+        if async_finish:
+            event.current_stream_wait()
+
+    def dispatch_raw(self, x_TH, indices_TK, probs_TK, num_experts, group, async_finish, alloc):
+        _check_row_bytes(x_TH, "hidden_states")
+        buffer = self.get_buffer(group, hidden_bytes_for(x_TH.shape[1], x_TH.dtype))
+        alloc = alloc and async_finish  # the library requires a previous event for it
+        previous = self._begin(async_finish)
+        per_rank, per_rdma_rank, per_expert, in_rank_TW, event = buffer.get_dispatch_layout(
+            indices_TK, num_experts, previous_event=previous, async_finish=async_finish,
+            allocate_on_comm_stream=alloc)
+        recv_x_RH, recv_indices_RK, recv_probs_RK, tokens_per_expert, raw, event = buffer.dispatch(
+            x_TH, topk_idx=indices_TK, topk_weights=probs_TK,
+            num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank,
+            is_token_in_rank=in_rank_TW, num_tokens_per_expert=per_expert,
+            previous_event=event if async_finish else None, async_finish=async_finish,
+            allocate_on_comm_stream=alloc)
+        self._end(event, async_finish)
+        handle = DeepEPHandle(raw, recv_x_RH.shape[0], x_TH.shape[0])
+        return recv_x_RH, recv_indices_RK, recv_probs_RK, list(tokens_per_expert), handle
+
+    def cached_dispatch_raw(self, x_TH, handle: DeepEPHandle, group, async_finish, alloc):
+        """Send `[T, H]` rows along a previous dispatch's routes -> `[R, H]`."""
+        _check_row_bytes(x_TH, "grad_output")
+        buffer = self.get_buffer(group, hidden_bytes_for(x_TH.shape[1], x_TH.dtype))
+        alloc = alloc and async_finish
+        previous = self._begin(async_finish)
+        recv_x_RH, _, _, _, _, event = buffer.dispatch(
+            x_TH.contiguous(), handle=handle.raw, previous_event=previous,
+            async_finish=async_finish, allocate_on_comm_stream=alloc)
+        self._end(event, async_finish)
+        return recv_x_RH
+
+    def combine_raw(self, x_RH, handle: DeepEPHandle, group, async_finish, alloc, weights_RK=None):
+        """Sum each token's rows back on its owner: `[R, H]` (+ `[R, K]` fp32) -> `[T, H]` (+ `[T, K]`)."""
+        if x_RH.shape[0] != handle.num_recv_rows:
+            raise ValueError(f"combine input has {x_RH.shape[0]} rows but dispatch delivered "
+                             f"{handle.num_recv_rows}: pass the restored rows of the same dispatch")
+        _check_row_bytes(x_RH, "hidden_states")
+        if x_RH.dtype != torch.bfloat16:
+            return self._return_rows(x_RH, weights_RK, handle, group, async_finish, alloc)
+        buffer = self.get_buffer(group, hidden_bytes_for(x_RH.shape[1], x_RH.dtype))
+        alloc = alloc and async_finish
+        previous = self._begin(async_finish)
+        out_TH, weights_TK, event = buffer.combine(
+            x_RH.contiguous(), handle.raw,
+            topk_weights=None if weights_RK is None else weights_RK.float().contiguous(),
+            previous_event=previous, async_finish=async_finish, allocate_on_comm_stream=alloc)
+        self._end(event, async_finish)
+        return out_TH, weights_TK
+
+    def _return_rows(self, x_RH, weights_RK, handle: DeepEPHandle, group, async_finish, alloc):
+        """Exact combine for dtypes the combine kernel lacks: dispatch the rows back.
+
+        Every received row goes to its owner as fp32 (lossless for fp16/fp32), tagged with
+        its source token index, through a layout whose "experts" are the W ranks; the
+        owner then sums a token's (at most W) rows in fp32, deterministically.
+        """
+        num_rows, hidden = x_RH.shape
+        buffer = self.get_buffer(group, hidden_bytes_for(hidden, x_RH.dtype))
+        world = buffer.group_size
+        columns = [x_RH.float()]
+        if weights_RK is not None:
+            columns.append(weights_RK.float())
+        columns.append(handle.recv_src_idx_R.float()[:, None])  # exact below 2**24 tokens
+        rows_RC = torch.cat(columns, dim=1)
+        pad = -rows_RC.shape[1] % _FP32_COLUMNS_PER_UNIT
+        rows_RC = torch.nn.functional.pad(rows_RC, (0, pad)).contiguous()
+        # Rows are grouped by source: row r came from the first rank whose prefix exceeds r.
+        prefix_W = handle.rank_prefix_matrix_WW[:, buffer.rank].long()
+        rows = torch.arange(num_rows, device=x_RH.device)
+        owner_R1 = torch.searchsorted(prefix_W, rows, right=True)[:, None].contiguous()
+
+        alloc = alloc and async_finish
+        previous = self._begin(async_finish)
+        per_rank, per_rdma_rank, per_owner, to_owner_RW, event = buffer.get_dispatch_layout(
+            owner_R1, world, previous_event=previous, async_finish=async_finish,
+            allocate_on_comm_stream=alloc)
+        back_NC, _, _, _, _, event = buffer.dispatch(
+            rows_RC, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank,
+            is_token_in_rank=to_owner_RW, num_tokens_per_expert=per_owner,
+            previous_event=event if async_finish else None, async_finish=async_finish,
+            allocate_on_comm_stream=alloc)
+        self._end(event, async_finish)
+
+        width = x_RH.shape[1] + (0 if weights_RK is None else weights_RK.shape[1])
+        token_ids_N = back_NC[:, width].long()
+        out_TC = back_NC.new_zeros(handle.num_tokens, width)
+        out_TC = out_TC.index_put((token_ids_N,), back_NC[:, :width], accumulate=True)
+        out_TH = out_TC[:, :hidden].to(x_RH.dtype)
+        return out_TH, (None if weights_RK is None else out_TC[:, hidden:])
+
+    # ---- autograd faces (the DeepEP contract) -----------------------------------------
+    def dispatch(self, x_TH, indices_TK, probs_TK, num_experts, group,
+                 async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """Send each token to the ranks of its experts.
+
+        Arguments:
+            x_TH: `[T, H]` tokens; a row must be a multiple of 16 bytes.
+            indices_TK: `[T, K]` int global expert ids, -1 for masked/dropped slots.
+            probs_TK: `[T, K]` routing weights (sent as fp32).
+            num_experts: E, divisible by the group size.
+            async_finish / allocate_on_comm_stream: run on the library's comm stream,
+                ordered by events (captured before, waited after).
+
+        Returns:
+            `(recv_x_RH, recv_indices_RK, recv_probs_RK, tokens_per_expert, handle)`:
+            received rows grouped by source rank, local expert ids or -1 (int64), fp32
+            weights (0 where -1), a host list of `e` counts, and the `DeepEPHandle`.
+            Backward is a combine with the handle; weights' gradients flow back too.
+        """
+        return _Dispatch.apply(self, x_TH, probs_TK.float().contiguous(),
+                               indices_TK.long().contiguous(), num_experts, group,
+                               async_finish, allocate_on_comm_stream)
+
+    def combine(self, x_RH, group, handle: DeepEPHandle,
+                async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """Sum each token's expert-output rows on its owner: `[R, H]` -> `([T, H], None)`.
+
+        Backward is a cached-handle dispatch of the gradient.
+        """
+        return _Combine.apply(self, x_RH, handle, group, async_finish, allocate_on_comm_stream), None
 
 
-def combine(*args, **kwargs):
-    raise NotImplementedError("DeepEP combine lands with issue 3")
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, comm, x_TH, probs_TK, indices_TK, num_experts, group, async_finish, alloc):
+        recv_x, recv_indices, recv_probs, tokens_per_expert, handle = comm.dispatch_raw(
+            x_TH.contiguous(), indices_TK, probs_TK, num_experts, group, async_finish, alloc)
+        ctx.comm, ctx.handle, ctx.group, ctx.flags = comm, handle, group, (async_finish, alloc)
+        ctx.recv_meta = (recv_x.shape, recv_x.dtype, recv_x.device)
+        ctx.save_for_backward(recv_indices)
+        ctx.mark_non_differentiable(recv_indices)
+        return recv_x, recv_indices, recv_probs, tokens_per_expert, handle
+
+    @staticmethod
+    def backward(ctx, grad_x_RH, _grad_indices, grad_probs_RK, *_):
+        (recv_indices_RK,) = ctx.saved_tensors
+        if grad_x_RH is None:
+            shape, dtype, device = ctx.recv_meta
+            grad_x_RH = torch.zeros(shape, dtype=dtype, device=device)
+        if grad_probs_RK is None:
+            grad_probs_RK = torch.zeros(recv_indices_RK.shape, dtype=torch.float32,
+                                        device=recv_indices_RK.device)
+        # Slots that are not this rank's carry no weight: their gradient must not be summed
+        # into the owner's (the combine adds every rank's copy of a slot).
+        grad_probs_RK = grad_probs_RK.float().masked_fill(recv_indices_RK < 0, 0.0)
+        grad_x_TH, grad_probs_TK = ctx.comm.combine_raw(
+            grad_x_RH.contiguous(), ctx.handle, ctx.group, *ctx.flags, weights_RK=grad_probs_RK)
+        return None, grad_x_TH, grad_probs_TK, None, None, None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, comm, x_RH, handle, group, async_finish, alloc):
+        ctx.comm, ctx.handle, ctx.group, ctx.flags = comm, handle, group, (async_finish, alloc)
+        out_TH, _ = comm.combine_raw(x_RH.contiguous(), handle, group, async_finish, alloc)
+        return out_TH
+
+    @staticmethod
+    def backward(ctx, grad_TH):
+        grad_RH = ctx.comm.cached_dispatch_raw(grad_TH, ctx.handle, ctx.group, *ctx.flags)
+        return None, grad_RH, None, None, None, None
+
+
+def deep_ep() -> ModuleType:
+    """DeepSeek's `deep_ep` (ImportError with install instructions when missing).
+
+    UCCL-EP ships a drop-in package also named `deep_ep`; it is refused here so the
+    'deepep' backend never runs on another library unnoticed (use 'uccl_ep' for it).
+    """
+    module = require("deep_ep", "moe_flex_dispatcher_backend='deepep'")
+    if hasattr(module, "initialize_uccl"):
+        raise ImportError("moe_flex_dispatcher_backend='deepep' found UCCL-EP's DeepEP wrapper "
+                          "installed as 'deep_ep'; choose moe_flex_dispatcher_backend='uccl_ep' "
+                          "for it, or install DeepSeek's DeepEP")
+    return module
+
+
+COMMUNICATOR = DeepEPCommunicator(deep_ep, "DeepEP")
+check_group = COMMUNICATOR.check_group
+set_num_sms = COMMUNICATOR.set_num_sms
+dispatch = COMMUNICATOR.dispatch
+combine = COMMUNICATOR.combine
+allocate_buffer = COMMUNICATOR.allocate_buffer
+release_buffers = COMMUNICATOR.release_buffers

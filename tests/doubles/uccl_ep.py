@@ -1,0 +1,96 @@
+"""Test double of UCCL-EP: the `uccl.ep` engine module and its DeepEP-compatible `Buffer`.
+
+UCCL-EP (uccl-project/uccl, `ep/`) exposes `Config` and `EventHandle` from the extension
+`uccl.ep` and ships the Python `Buffer` as a drop-in package named `deep_ep`
+(`ep/deep_ep_wrapper`: `from uccl.ep import Config, EventHandle`, plus `initialize_uccl` /
+`destroy_uccl` for its proxies). The Buffer has DeepEP's dispatch/combine/layout API; this
+double reuses the DeepEP double's semantics and models UCCL's differences:
+- constructor `(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank,
+  allow_nvlink_for_low_latency_mode, allow_mnnvl, explicitly_destroy, is_intranode)`
+  (no `allow_nvlink_for_normal_mode`, `use_fabric`, `comm`) that starts proxies;
+- a 7-item handle `(rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix,
+  num_recv_tokens, recv_src_idx, is_token_in_rank, send_head)` where `recv_src_idx` is a
+  one-element placeholder when nothing was received.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+from tests.doubles import deep_ep_buffer as _deepep
+from tests.doubles.deep_ep_buffer import STATS, Config, EventHandle, EventOverlap
+
+IS_TEST_DOUBLE = True
+
+
+def initialize_uccl(*args, **kwargs):
+    STATS["uccl_proxies_started"] += 1
+    return [object()], []
+
+
+def destroy_uccl(proxies, workers) -> None:
+    STATS["uccl_proxies_stopped"] += 1
+
+
+class Buffer(_deepep.Buffer):
+    num_sms: int = 20
+
+    def __init__(self, group, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+                 low_latency_mode: bool = False, num_qps_per_rank: int = 24,
+                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
+                 explicitly_destroy: bool = False, is_intranode=None):
+        if low_latency_mode:
+            raise NotImplementedError("the UCCL-EP test double models intranode normal mode only")
+        self.proxies, self.workers = initialize_uccl(None, num_rdma_bytes)
+        self._init_common(group, num_nvl_bytes, num_rdma_bytes, explicitly_destroy)
+
+    def destroy(self) -> None:
+        super().destroy()
+        destroy_uccl(self.proxies, self.workers)
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        assert new_num_sms % 2 == 0, "The SM count must be even"
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        return _with_sms(_deepep.Buffer.get_dispatch_config(num_ranks), Buffer.num_sms)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        return _with_sms(_deepep.Buffer.get_combine_config(num_ranks), Buffer.num_sms)
+
+    def _make_handle(self, rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx,
+                     is_token_in_rank, send_head) -> tuple:
+        num_recv = int(recv_src_idx.shape[0])
+        stored = recv_src_idx if num_recv > 0 else recv_src_idx.new_empty((1,))
+        return (rank_prefix, channel_prefix, recv_channel_prefix, num_recv, stored,
+                is_token_in_rank, send_head)
+
+    def _split_handle(self, handle: tuple):
+        rank_prefix, channel_prefix, recv_channel_prefix, num_recv, src_idx, in_rank, send_head = handle
+        return rank_prefix, channel_prefix, recv_channel_prefix, src_idx[:num_recv], in_rank, send_head
+
+
+def _with_sms(config: Config, num_sms: int) -> Config:
+    return Config(num_sms, config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
+                  config.num_max_rdma_chunked_send_tokens, config.num_max_rdma_chunked_recv_tokens)
+
+
+def install() -> bool:
+    """Make `import uccl.ep` and UCCL's `deep_ep` wrapper return doubles unless the real
+    UCCL-EP is importable. Returns True when the doubles are (now) installed."""
+    if _deepep._real_library_importable("uccl.ep"):
+        return False
+    engine = types.ModuleType("uccl.ep")
+    engine.Config, engine.EventHandle, engine.IS_TEST_DOUBLE = Config, EventHandle, True
+    package = types.ModuleType("uccl")
+    package.__path__, package.ep, package.IS_TEST_DOUBLE = [], engine, True
+    wrapper = types.ModuleType("deep_ep")
+    for name in ("Buffer", "initialize_uccl", "destroy_uccl", "IS_TEST_DOUBLE"):
+        setattr(wrapper, name, globals()[name])
+    wrapper.Config, wrapper.EventHandle, wrapper.EventOverlap, wrapper.utils = Config, EventHandle, EventOverlap, wrapper
+    sys.modules.update({"uccl": package, "uccl.ep": engine, "deep_ep": wrapper, "deep_ep.utils": wrapper})
+    return True
