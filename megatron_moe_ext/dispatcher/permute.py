@@ -73,7 +73,10 @@ def drop_tokens_over_capacity(
     valid_TK = indices_TK >= 0
     safe_TK = indices_TK.clamp(min=0)
     scores_TE = torch.full((num_tokens, num_experts), -1.0, device=indices_TK.device)
-    scores_TE.scatter_(1, safe_TK, torch.where(valid_TK, probs_TK.detach().float(), -1.0))
+    # amax, not a plain scatter: a masked slot (-1, clamped to expert 0) must not overwrite
+    # the same token's real slot at expert 0.
+    scores_TE.scatter_reduce_(1, safe_TK, torch.where(valid_TK, probs_TK.detach().float(), -1.0),
+                              reduce="amax")
     _, kept_CE = torch.topk(scores_TE, capacity, dim=0, sorted=False)
     keep_TE = torch.zeros_like(scores_TE, dtype=torch.bool).scatter_(0, kept_CE, True)
     keep_TE &= scores_TE >= 0
