@@ -30,6 +30,8 @@ class _DeepepManager(_DispatchManager):
         router_dtype: "fp64" hands fp64 permuted probs to the experts.
         moe_router_expert_pad_multiple: pad each expert's row group with zero rows.
         _dispatch_fn / _combine_fn: the backend (`backends.deepep` when None).
+        _allocate_fn / _release_fn: the backend's buffer lifetime, `(group, hidden, dtype)`
+            and `()`; None for backends without a persistent buffer.
     """
 
     def __init__(
@@ -44,11 +46,14 @@ class _DeepepManager(_DispatchManager):
         moe_router_expert_pad_multiple: int | None = None,
         _dispatch_fn=None,
         _combine_fn=None,
+        _allocate_fn=None,
+        _release_fn=None,
     ):
         if _dispatch_fn is None or _combine_fn is None:
             from megatron_moe_ext.dispatcher.backends import deepep
 
             _dispatch_fn, _combine_fn = deepep.dispatch, deepep.combine
+            _allocate_fn, _release_fn = deepep.allocate_buffer, deepep.release_buffers
         self.group = group
         self.router_topk = router_topk
         self.permute_fusion = permute_fusion
@@ -59,6 +64,8 @@ class _DeepepManager(_DispatchManager):
         self.pad_multiple = moe_router_expert_pad_multiple
         self._fused_dispatch = _dispatch_fn
         self._fused_combine = _combine_fn
+        self._allocate_fn = _allocate_fn
+        self._release_fn = _release_fn
         self.settings = (
             group, router_topk, capacity_factor, num_experts, num_local_experts,
             router_dtype, moe_router_expert_pad_multiple, _dispatch_fn, _combine_fn,
@@ -75,6 +82,18 @@ class _DeepepManager(_DispatchManager):
         self.tokens_per_expert: torch.Tensor | None = None
         self.reversed_mapping_for_combine: P.PermutationState | None = None
         self.hidden_shape_before_permute: torch.Size | None = None
+
+    # ---- communication buffer lifetime ------------------------------------------------
+    def allocate_buffers(self, hidden_size: int, dtype: torch.dtype) -> None:
+        """Allocate the backend's buffer now (experts call it at setup, before any activation
+        checkpoint, so no collective allocation happens inside a recompute)."""
+        if self._allocate_fn is not None:
+            self._allocate_fn(self.group, hidden_size, dtype)
+
+    def release_buffers(self) -> None:
+        """Free the backend's buffer (on every rank, before the process group is destroyed)."""
+        if self._release_fn is not None:
+            self._release_fn()
 
     # ---- metadata ---------------------------------------------------------------------
     def setup_metadata(self, num_local_tokens: int, probs: torch.Tensor, routing_map=None):

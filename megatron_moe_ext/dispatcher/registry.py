@@ -48,6 +48,8 @@ def _build_deepep(cfg, group, num_local_experts, tp_size):
         **_deepep_style_kwargs(cfg, group, num_local_experts, tp_size),
         _dispatch_fn=deepep.dispatch,
         _combine_fn=deepep.combine,
+        _allocate_fn=deepep.allocate_buffer,
+        _release_fn=deepep.release_buffers,
     )
 
 
@@ -61,6 +63,8 @@ def _build_uccl(cfg, group, num_local_experts, tp_size):
         **_deepep_style_kwargs(cfg, group, num_local_experts, tp_size),
         _dispatch_fn=uccl.dispatch,
         _combine_fn=uccl.combine,
+        _allocate_fn=uccl.allocate_buffer,
+        _release_fn=uccl.release_buffers,
     )
 
 
