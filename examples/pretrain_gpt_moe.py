@@ -351,7 +351,7 @@ def parse_args(argv=None):
     p.add_argument("--backend", default="auto",
                    choices=("auto", "torch", "deepep", "hybridep", "uccl_ep"),
                    help="flex dispatcher backend of --layer ext; auto: deepep on GPU if importable, else torch")
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=80)
     p.add_argument("--ep", type=int, default=None, help="expert-parallel size (default: all ranks)")
     p.add_argument("--nproc", type=int, default=2,
                    help="ranks to spawn when not started by torchrun (CPU, gloo)")

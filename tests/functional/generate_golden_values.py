@@ -1,0 +1,35 @@
+"""Regenerate gpt_moe_tiny/golden_values_cpu_fp32.json (run once, commit the result).
+
+    .venv/bin/python -m tests.functional.generate_golden_values
+
+Trains the case of gpt_moe_tiny/model_config.yaml with `FlexMoELayer` on CPU (fp32, gloo
+ranks of tests/harness.py) and stores its per-step "lm loss" in Megatron's golden-values
+layout. Golden values belong to a platform: these are CPU fp32; a GPU run needs its own.
+Regenerate only for an intended change of the model, data or training loop, and say why.
+"""
+
+from __future__ import annotations
+
+import json
+
+from tests.functional.gpt_moe_case import (GOLDEN_VALUES, case_fields, golden_values_json, load_case,
+                                           train_native_and_ext)
+from tests.harness import get_pool, shutdown_pools
+
+
+def main() -> None:
+    case = load_case()
+    try:
+        results = get_pool(case.world_size).run(
+            train_native_and_ext, case_fields(case), case.ep_size, case.train_iters, case.backend)
+    finally:
+        shutdown_pools()
+    with open(GOLDEN_VALUES, "w") as f:
+        json.dump(golden_values_json(results[0]["ext"]["lm_loss"]), f, indent=1)
+        f.write("\n")
+    print(f"wrote {GOLDEN_VALUES}: lm loss {results[0]['ext']['lm_loss'][0]:.4f} -> "
+          f"{results[0]['ext']['lm_loss'][-1]:.4f} over {case.train_iters} steps")
+
+
+if __name__ == "__main__":
+    main()
