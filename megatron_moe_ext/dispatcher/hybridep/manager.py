@@ -1,0 +1,381 @@
+"""`_HybridEPManager`: dispatch/combine through DeepEP's `HybridEPBuffer` (hybrid-ep branch).
+
+HybridEP permutes, sends and groups rows by local expert in one call
+(`dispatch_with_permute`); `combine_with_unpermute` is its inverse. Both are wrapped in
+autograd Functions that are each other's backward.
+
+What the manager adds around the buffer (docs/SPEC.md section 6):
+- equal, 4-aligned per-rank token counts (zero padding rows, sliced off after combine);
+- the static-routing pin of the padded count and the permuted-row count;
+- capacity mode: one blocking calibration dispatch, then non-blocking fixed-size dispatches
+  guarded by a device-side overflow assert.
+
+Legend: T local tokens, T' padded tokens, H hidden, E experts, e local experts, K top-k,
+P permuted rows (grouped by local expert; in non-blocking mode the tail past
+`sum(tokens_per_expert)` is garbage that combine never reads).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import torch.distributed as dist
+
+from megatron_moe_ext.dispatcher import permute as P
+from megatron_moe_ext.dispatcher.base import _DispatchManager
+from megatron_moe_ext.dispatcher.hybridep.metadata import _HybridEPMetadataProcessor
+
+#: HybridEP's TMA loads need every rank's token count to be a multiple of this.
+_HYBRIDEP_TOKEN_ALIGNMENT = 4
+#: Set NEMO_STATIC_ROUTING_PAD_PIN=0 to keep the per-dispatch all-reduce under static routing.
+_STATIC_ROUTING_PAD_PIN = os.environ.get("NEMO_STATIC_ROUTING_PAD_PIN", "1") != "0"
+
+_align_up = P.align_up
+
+
+def _assert_no_hybridep_overflow(handle, capacity: int) -> None:
+    """Device-side guard: HybridEP truncates silently past the capacity and sets
+    `overflow_flag`, the last handle item (one-element device tensor); fail loudly instead of
+    training on dropped tokens, without a host sync."""
+    torch._assert_async(
+        handle[-1].reshape(()) == 0,
+        f"HybridEP dispatch overflowed its capacity of {capacity} permuted rows: tokens were "
+        f"dropped. Raise moe_hybridep_capacity_factor (or the static-routing token count).",
+    )
+
+
+class _Buffer:
+    """The one process-global `HybridEPBuffer`; HybridEP grows it in place on larger batches."""
+
+    buffer = None
+    key: tuple | None = None
+
+    @classmethod
+    def get(cls, key: tuple, make):
+        if cls.buffer is None or cls.key != key:
+            cls.buffer, cls.key = make(), key
+        return cls.buffer
+
+    @classmethod
+    def release(cls) -> None:
+        cls.buffer = cls.key = None
+
+
+class _DispatchOutputs:
+    """Side channel for the non-tensor outputs of `_HybridEPDispatch.forward`."""
+
+    handle = None
+    tokens_per_expert = None
+
+
+class _HybridEPDispatch(torch.autograd.Function):
+    """`dispatch_with_permute`; backward is `combine_with_unpermute` with the same handle."""
+
+    @staticmethod
+    def forward(ctx, x_TH, probs_TE, outputs, buffer, routing, kwargs):
+        rows_PH, probs_P, _, tokens_per_expert, handle = buffer.dispatch_with_permute(
+            hidden=x_TH, probs=probs_TE, **routing, **kwargs)
+        outputs.handle, outputs.tokens_per_expert = handle, tokens_per_expert
+        ctx.buffer, ctx.handle = buffer, handle
+        ctx.pad_multiple, ctx.fused = kwargs["pad_multiple"], kwargs["fuse_permute_dispatch"]
+        return rows_PH, probs_P
+
+    @staticmethod
+    def backward(ctx, grad_PH, grad_probs_P):
+        grad_TH, grad_probs_TE = ctx.buffer.combine_with_unpermute(
+            hidden=grad_PH.contiguous(), probs=None if grad_probs_P is None else grad_probs_P.float().contiguous(),
+            handle=ctx.handle, pad_multiple=ctx.pad_multiple, fuse_unpermute_combine=ctx.fused)
+        return grad_TH, grad_probs_TE, None, None, None, None
+
+
+class _HybridEPCombine(torch.autograd.Function):
+    """`combine_with_unpermute`; backward is a cached-handle `dispatch_with_permute`."""
+
+    @staticmethod
+    def forward(ctx, y_PH, buffer, handle, pad_multiple, fused):
+        y_TH, _ = buffer.combine_with_unpermute(
+            hidden=y_PH.contiguous(), handle=handle, pad_multiple=pad_multiple,
+            fuse_unpermute_combine=fused)
+        ctx.buffer, ctx.handle, ctx.num_rows = buffer, handle, y_PH.shape[0]
+        ctx.pad_multiple, ctx.fused = pad_multiple, fused
+        return y_TH
+
+    @staticmethod
+    def backward(ctx, grad_TH):
+        # The row count is known on the host, so the backward dispatch never blocks.
+        grad_PH = ctx.buffer.dispatch_with_permute(
+            hidden=grad_TH.contiguous(), handle=ctx.handle, pad_multiple=ctx.pad_multiple,
+            num_permuted_tokens=ctx.num_rows, non_blocking=True,
+            fuse_permute_dispatch=ctx.fused)[0]
+        return grad_PH, None, None, None, None
+
+
+class _HybridEPManager(_DispatchManager):
+    """Fused permute + all-to-all + permute with HybridEP (seed arguments, plus the two
+    Megatron settings HybridEP needs: the expert pad multiple and the router dtype)."""
+
+    def __init__(
+        self,
+        group,
+        num_local_experts: int,
+        num_experts: int,
+        router_topk: int,
+        permute_fusion: bool = False,
+        moe_hybridep_num_sms: int = 24,
+        moe_hybridep_permute_fusion: bool = False,
+        moe_hybridep_compact_routing: bool = False,
+        moe_hybridep_num_sms_preprocessing: int | None = None,
+        moe_hybridep_num_blocks_permute: int | None = None,
+        moe_hybridep_num_blocks_unpermute: int | None = None,
+        benchmark_static_routing: bool = False,
+        moe_hybridep_capacity_factor: float | None = None,
+        moe_hybridep_equal_token_counts: bool = False,
+        moe_router_expert_pad_multiple: int | None = None,
+        router_dtype: str | None = None,
+    ):
+        from megatron_moe_ext.utils.optional import require
+
+        deep_ep = require("deep_ep", "moe_flex_dispatcher_backend='hybridep'")
+        if not hasattr(deep_ep, "HybridEPBuffer"):
+            raise ImportError("moe_flex_dispatcher_backend='hybridep' needs deep_ep.HybridEPBuffer: "
+                              "build DeepEP from its hybrid-ep branch")
+        self._buffer_cls = deep_ep.HybridEPBuffer
+        self.group = group
+        self.num_local_experts = num_local_experts
+        self.num_experts = num_experts
+        self.router_topk = router_topk
+        self.num_sms = moe_hybridep_num_sms
+        self.hybridep_permute_fusion = moe_hybridep_permute_fusion
+        self.compact_routing = moe_hybridep_compact_routing
+        self.num_sms_preprocessing = moe_hybridep_num_sms_preprocessing
+        self.num_blocks_permute = moe_hybridep_num_blocks_permute
+        self.num_blocks_unpermute = moe_hybridep_num_blocks_unpermute
+        self.benchmark_static_routing = benchmark_static_routing
+        self.hybridep_capacity_factor = moe_hybridep_capacity_factor
+        self.equal_token_counts = moe_hybridep_equal_token_counts
+        self.pad_multiple = moe_router_expert_pad_multiple
+        self.router_dtype = router_dtype
+        self.metadata_processor = _HybridEPMetadataProcessor(num_experts, permute_fusion, moe_hybridep_compact_routing)
+        self.settings = (
+            group, num_local_experts, num_experts, router_topk, permute_fusion, moe_hybridep_num_sms,
+            moe_hybridep_permute_fusion, moe_hybridep_compact_routing, moe_hybridep_num_sms_preprocessing,
+            moe_hybridep_num_blocks_permute, moe_hybridep_num_blocks_unpermute, benchmark_static_routing,
+            moe_hybridep_capacity_factor, moe_hybridep_equal_token_counts, moe_router_expert_pad_multiple,
+            router_dtype,
+        )
+        # Persistent state: the calibrated capacity and the static-routing pins.
+        self._hybridep_capacity: int | None = None
+        self._static_target_tokens: int | None = None
+        self._static_num_permuted_tokens: int | None = None
+        self._release_dispatch_state()
+
+    def _release_dispatch_state(self) -> None:
+        self.routing_map: torch.Tensor | None = None
+        self.token_indices: torch.Tensor | None = None
+        self.token_probs: torch.Tensor | None = None
+        self.handle = None
+        self.buffer = None
+        self.dispatched_probs: torch.Tensor | None = None
+        self.tokens_per_expert: torch.Tensor | None = None
+        self.num_permuted_tokens: int | None = None
+        self.num_unpadded_tokens: int | None = None
+
+    def release_buffers(self) -> None:
+        """Drop the process-global buffer (call before destroying the process group)."""
+        from megatron_moe_ext.dispatcher.hybridep.runtime import release_published_capacity
+
+        _Buffer.release()
+        release_published_capacity()
+
+    # ---- metadata ---------------------------------------------------------------------
+    def setup_metadata(self, num_local_tokens: int, probs: torch.Tensor, routing_map=None):
+        """Dense `[T, E]` (or `[T, tp*ep, e]`) probs, optionally with the routing map."""
+        probs_TE = probs.reshape(num_local_tokens, self.num_experts)
+        if routing_map is None:
+            indices_TK, probs_TK = P.probs_to_topk(probs_TE, self.router_topk)
+            self.setup_metadata_from_indices(indices_TK, probs_TK)
+            return
+        routing_map_TE = routing_map.reshape(num_local_tokens, self.num_experts).bool()
+        # Unrouted entries must not carry probability mass into HybridEP's dense probs.
+        self._set_metadata(routing_map_TE, None, torch.where(routing_map_TE, probs_TE.float(), 0.0))
+
+    def setup_metadata_from_indices(self, token_indices: torch.Tensor, token_probs: torch.Tensor):
+        """Top-k `[T, K]` ids (-1 = masked) and probs, through the metadata processor."""
+        metadata, probs_TE = self.metadata_processor(token_indices, token_probs)
+        if self.compact_routing:
+            self._set_metadata(None, metadata, probs_TE)
+        else:
+            self._set_metadata(metadata, None, probs_TE)
+
+    def _set_metadata(self, routing_map_TE, indices_TK, probs_TE) -> None:
+        num_tokens = probs_TE.shape[0]
+        padded = self._resolve_padded_tokens(num_tokens, probs_TE.device)
+        pad = padded - num_tokens
+        self.num_unpadded_tokens = num_tokens
+        # Padding rows route nowhere with prob 0; they are constants, so they get no gradient.
+        if routing_map_TE is not None:
+            self.routing_map = torch.cat([routing_map_TE, routing_map_TE.new_zeros(pad, self.num_experts)])
+        if indices_TK is not None:
+            self.token_indices = torch.cat([indices_TK, indices_TK.new_full((pad, indices_TK.shape[1]), -1)])
+        self.token_probs = torch.cat([probs_TE.float(), probs_TE.new_zeros(pad, self.num_experts).float()])
+
+    def _static_pin(self) -> bool:
+        return self.benchmark_static_routing and _STATIC_ROUTING_PAD_PIN
+
+    def _resolve_padded_tokens(self, num_tokens: int, device) -> int:
+        """Every rank must send the same 4-aligned count: the EP-group max, padded."""
+        if self.equal_token_counts:
+            return _align_up(num_tokens, _HYBRIDEP_TOKEN_ALIGNMENT)
+        if self._static_pin() and self._static_target_tokens is not None \
+                and num_tokens <= self._static_target_tokens:
+            return self._static_target_tokens
+        count = torch.tensor([num_tokens], dtype=torch.long, device=device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
+        padded = _align_up(int(count.item()), _HYBRIDEP_TOKEN_ALIGNMENT)
+        if self._static_pin():
+            # First dispatch, or a larger batch: (re-)pin, and re-record the permuted count.
+            self._static_target_tokens = padded
+            self._static_num_permuted_tokens = None
+        return padded
+
+    def _resolve_num_permuted_tokens(self, capacity_mode: bool) -> int | None:
+        """The host `num_permuted_tokens` for this dispatch; None is the blocking path.
+
+        Only the calibrated capacity and the static-routing pin persist across dispatches;
+        any other cached count would be reused wrongly under activation-checkpoint recompute.
+        """
+        if capacity_mode and self._hybridep_capacity is not None:
+            return self._hybridep_capacity
+        if self._static_pin() and self._static_num_permuted_tokens is not None:
+            return self._static_num_permuted_tokens
+        return None
+
+    def _calibrate_hybridep_capacity(self, tokens_per_expert: torch.Tensor, device) -> None:
+        """Capacity = `align(ceil(rows * factor))`, the EP-group max, from one blocking dispatch.
+
+        `tokens_per_expert` came back on the host with the blocking dispatch, so its sum is free;
+        the single all-reduce makes every rank size the same buffers.
+        """
+        rows = int(tokens_per_expert.sum())
+        multiple = self.pad_multiple or _HYBRIDEP_TOKEN_ALIGNMENT
+        # At least one aligned block, so a rank that saw no rows still has room.
+        local = _align_up(max(math.ceil(rows * self.hybridep_capacity_factor), 1), multiple)
+        capacity = torch.tensor([local], dtype=torch.long, device=device)
+        dist.all_reduce(capacity, op=dist.ReduceOp.MAX, group=self.group)
+        self._hybridep_capacity = int(capacity.item())
+
+    # ---- communication ----------------------------------------------------------------
+    def _buffer(self, hidden_dim: int, num_tokens: int):
+        key = (self.group, self.num_local_experts, self.num_sms, self.num_sms_preprocessing,
+               self.num_blocks_permute, self.num_blocks_unpermute)
+        return _Buffer.get(key, lambda: self._buffer_cls(
+            group=self.group, hidden_dim=hidden_dim, max_num_of_tokens_per_rank=num_tokens,
+            num_local_experts=self.num_local_experts, num_sms_dispatch_api=self.num_sms,
+            num_sms_combine_api=self.num_sms, num_sms_preprocessing_api=self.num_sms_preprocessing,
+            num_blocks_permute=self.num_blocks_permute, num_blocks_unpermute=self.num_blocks_unpermute))
+
+    def dispatch(self, hidden_states, async_finish=True, allocate_on_comm_stream=True, capacity_mode=None):
+        """Dispatch `[T, H]` rows; returns `[P, H]` rows grouped by local expert.
+
+        `async_finish` / `allocate_on_comm_stream` are ignored: HybridEP owns its stream.
+        `capacity_mode=None` follows `moe_hybridep_capacity_factor`; False forces a blocking
+        dispatch that neither uses nor calibrates the capacity (the runtime warmup).
+        """
+        if hidden_states.element_size() != 2:
+            raise ValueError(f"hidden_states: HybridEP dispatches 16-bit tokens (bf16/fp16), got "
+                             f"{hidden_states.dtype}; cast the activations or use another backend")
+        if capacity_mode is None:
+            capacity_mode = self.hybridep_capacity_factor is not None
+        padded = self.token_probs.shape[0]
+        x_TH = hidden_states
+        if padded > x_TH.shape[0]:
+            x_TH = torch.cat([x_TH, x_TH.new_zeros(padded - x_TH.shape[0], x_TH.shape[1])])
+        num_permuted = self._resolve_num_permuted_tokens(capacity_mode)
+        # Dense inputs (Megatron's routing map) travel as the map even in compact mode.
+        if self.token_indices is not None:
+            routing = dict(topk_idx=self.token_indices, num_of_experts=self.num_experts)
+        else:
+            routing = dict(routing_map=self.routing_map)
+        kwargs = dict(num_of_experts_per_rank=self.num_local_experts, num_permuted_tokens=num_permuted,
+                      pad_multiple=self.pad_multiple, non_blocking=num_permuted is not None,
+                      fuse_permute_dispatch=self.hybridep_permute_fusion)
+        outputs = _DispatchOutputs()
+        self.buffer = self._buffer(x_TH.shape[1], padded)
+        rows_PH, self.dispatched_probs = _HybridEPDispatch.apply(
+            x_TH, self.token_probs, outputs, self.buffer, routing, kwargs)
+        self.handle, self.tokens_per_expert = outputs.handle, outputs.tokens_per_expert
+        self.num_permuted_tokens = rows_PH.shape[0]
+        if num_permuted is not None:
+            _assert_no_hybridep_overflow(self.handle, num_permuted)
+        else:
+            if capacity_mode and self._hybridep_capacity is None:
+                self._calibrate_hybridep_capacity(self.tokens_per_expert, x_TH.device)
+            if self._static_pin() and self._static_num_permuted_tokens is None:
+                self._static_num_permuted_tokens = self.num_permuted_tokens
+        # The routing inputs are consumed: drop them so recompute cannot keep them alive.
+        self.routing_map = self.token_indices = self.token_probs = None
+        return rows_PH
+
+    def combine(self, hidden_states, async_finish=True, allocate_on_comm_stream=True):
+        """`[P, H]` expert outputs -> `[T, H]` (padding tokens sliced off)."""
+        y_TH = _HybridEPCombine.apply(hidden_states, self.buffer, self.handle, self.pad_multiple,
+                                      self.hybridep_permute_fusion)
+        y_TH = y_TH[: self.num_unpadded_tokens]
+        self._release_dispatch_state()
+        return y_TH
+
+    def get_dispatched_metadata(self):
+        return None, self.dispatched_probs
+
+    def get_number_of_tokens_per_expert(self) -> torch.Tensor:
+        return self.tokens_per_expert
+
+    def get_permuted_hidden_states_by_experts(self, hidden_states):
+        probs_P = self.dispatched_probs
+        self.dispatched_probs = None
+        if self.router_dtype == "fp64":
+            probs_P = probs_P.double()
+        return hidden_states, probs_P
+
+    def get_restored_hidden_states_by_experts(self, hidden_states):
+        return hidden_states
+
+    def _indices_to_multihot(self, indices, probs):
+        """`[T, K]` ids (-1 = masked) and probs -> `([T, E] bool map, [T, E] fp32 probs)`."""
+        return P.indices_to_multihot(indices, probs, self.num_experts)
+
+    # ---- pipeline runtime ----------------------------------------------------------------
+    def pipeline_runtime_initializer(self, hidden_dim: int, dtype: torch.dtype):
+        from megatron_moe_ext.dispatcher.hybridep.runtime import HybridEPPipelineRuntimeInitializer
+
+        return HybridEPPipelineRuntimeInitializer(self, hidden_dim, dtype)
+
+    def initialize_runtime(self, num_tokens: int, hidden_dim: int, dtype: torch.dtype, device) -> None:
+        """One synthetic dispatch + combine + backward so HybridEP sizes its buffer and compiles
+        its kernels before any pipeline traffic.
+
+        Grad mode is forced on (also under inference mode). No parameter and no RNG take part:
+        the batch is deterministic and balanced. Every manager field is restored afterwards,
+        even on failure, so capacity mode and the static pins are left exactly as they were.
+        """
+        saved = dict(self.__dict__)
+        try:
+            with torch.inference_mode(False), torch.enable_grad():
+                device = torch.device(device)
+                tokens = torch.arange(num_tokens, device=device)
+                slots = torch.arange(self.router_topk, device=device)
+                indices_TK = (tokens[:, None] + slots * max(self.num_experts // self.router_topk, 1)) % self.num_experts
+                probs_TK = torch.full(indices_TK.shape, 1.0 / self.router_topk, device=device, requires_grad=True)
+                x_TH = torch.linspace(-1.0, 1.0, num_tokens * hidden_dim, device=device)
+                x_TH = x_TH.reshape(num_tokens, hidden_dim).to(dtype).requires_grad_()
+                self.setup_metadata_from_indices(indices_TK, probs_TK)
+                rows_PH = self.dispatch(x_TH, capacity_mode=False)
+                rows_PH, probs_P = self.get_permuted_hidden_states_by_experts(rows_PH)
+                out_PH = rows_PH * probs_P[:, None].to(rows_PH.dtype)
+                y_TH = self.combine(self.get_restored_hidden_states_by_experts(out_PH))
+                y_TH.float().sum().backward()
+        finally:
+            self.__dict__.clear()
+            self.__dict__.update(saved)

@@ -1,0 +1,111 @@
+"""`HybridEPPipelineRuntimeInitializer`: size HybridEP's buffer before pipeline traffic.
+
+HybridEP's buffer is process-global and grows lazily, and growth contains a collective (and
+a JIT compile), so under pipeline parallelism it must happen before any P2P work is posted,
+or stages would serialise on it. One capacity is published per process, keyed by
+`resource_key`; it only ever grows, and only after a successful initialisation.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+from megatron_moe_ext.dispatcher.permute import align_up
+
+logger = logging.getLogger(__name__)
+
+# HybridEP's Configurer: at least 512 tokens, then a multiple of the combine chunk.
+_MIN_TOKEN_CAPACITY = 512
+_DEFAULT_COMBINE_CHUNK = 64
+_TEMPLATE_ALIGNMENT = 16
+
+#: resource_key -> (signature, published capacity).
+_PUBLISHED: dict[tuple, tuple[tuple, int]] = {}
+
+
+def release_published_capacity() -> None:
+    """Forget every published capacity (the buffer it described has been released)."""
+    _PUBLISHED.clear()
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class HybridEPPipelineRuntimeInitializer:
+    """Prepare HybridEP's process-global buffer before pipeline traffic.
+
+    Arguments:
+        manager: the `_HybridEPManager` whose dispatch warms the buffer.
+        hidden_dim: H dispatched to the experts.
+        dtype: hidden-state dtype used by the experts.
+    """
+
+    def __init__(self, manager, hidden_dim: int, dtype: torch.dtype):
+        self.manager = manager
+        self.hidden_dim = hidden_dim
+        self.dtype = dtype
+
+    @property
+    def resource_key(self) -> tuple:
+        """The same for every manager: there is one HybridEP buffer per process."""
+        return (HybridEPPipelineRuntimeInitializer, "hybridep_buffer")
+
+    def _signature(self, device) -> tuple:
+        m = self.manager
+        return (dist.get_world_size(m.group), self.hidden_dim, m.num_local_experts, m.num_experts,
+                m.num_sms, m.num_sms_preprocessing, m.num_blocks_permute, m.num_blocks_unpermute,
+                m.hybridep_permute_fusion, torch.device(device))
+
+    @property
+    def signature(self) -> tuple:
+        """The immutable configuration served by the global buffer, device last."""
+        return self._signature(_default_device())
+
+    @staticmethod
+    def required_capacity(num_tokens: int) -> int:
+        """HybridEP's token-capacity floor and rounding for its JIT key."""
+        chunk = int(os.environ.get("NUM_OF_TOKENS_PER_CHUNK_COMBINE_API", _DEFAULT_COMBINE_CHUNK))
+        aligned = align_up(num_tokens, _TEMPLATE_ALIGNMENT)
+        return align_up(max(aligned, _MIN_TOKEN_CAPACITY), chunk)
+
+    def _resolve_group_capacity(self, num_tokens: int, device) -> int:
+        """The EP-group maximum capacity for this batch (one MAX all-reduce)."""
+        capacity = torch.tensor([self.required_capacity(num_tokens)], dtype=torch.long, device=device)
+        dist.all_reduce(capacity, op=dist.ReduceOp.MAX, group=self.manager.group)
+        return int(capacity.item())
+
+    def prepare(self, num_tokens: int, device) -> None:
+        """Initialise the group capacity when the upcoming pipeline shape grows.
+
+        Arguments:
+            num_tokens: most tokens in the upcoming pipeline microbatch (per rank).
+            device: runtime device for the capacity exchange and the warmup.
+
+        Raises:
+            ValueError: `num_tokens` is not a positive int.
+            RuntimeError: the published buffer serves another signature, or the warmup failed
+                (then nothing is published).
+        """
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens <= 0:
+            raise ValueError(f"num_tokens={num_tokens!r} is invalid: expected a positive int")
+        signature = self._signature(device)
+        published = _PUBLISHED.get(self.resource_key)
+        if published is not None and published[0] != signature:
+            raise RuntimeError(f"the process-global HybridEP buffer serves {published[0]}, which conflicts "
+                               f"with this dispatcher's {signature}; use one buffer configuration per process")
+        capacity = self._resolve_group_capacity(num_tokens, device)
+        if published is not None and published[1] >= capacity:
+            return
+        try:
+            self.manager.initialize_runtime(capacity, self.hidden_dim, self.dtype, device)
+        except Exception as exc:
+            logger.exception("HybridEP runtime initialisation failed for %d tokens", capacity)
+            raise RuntimeError(f"HybridEP runtime initialisation failed for {capacity} tokens") from exc
+        _PUBLISHED[self.resource_key] = (signature, capacity)

@@ -1,0 +1,234 @@
+"""Test double of DeepEP's `HybridEPBuffer` (branch hybrid-ep) over torch.distributed (gloo).
+
+It implements the documented semantics of `dispatch_with_permute` / `combine_with_unpermute`
+as read from deep_ep/hybrid_ep_buffer.py and csrc/hybrid_ep (executor.cu, permute.cu, the
+preprocessing kernel), not what the manager expects:
+- every rank must pass the same token count (HybridEP all-gathers the routing map), and the
+  count must satisfy the TMA rule `(T % 64) * ranks * 4 % 16 == 0`; otherwise it raises;
+- hidden rows must be 16-bit (bf16/fp16) and probs fp32;
+- rows are grouped by local expert in global (source rank, token) order, each expert's group
+  padded with zero rows to `pad_multiple`;
+- blocking mode (`non_blocking=False`) returns `tokens_per_expert` on the host and sizes the
+  output exactly; non-blocking mode needs `num_permuted_tokens` (a multiple of pad_multiple),
+  sizes the output by it and leaves garbage (NaN) in the tail;
+- past `num_permuted_tokens` rows are truncated exactly as the preprocessing kernel does and
+  `overflow_flag`, the last handle item (a one-element int32 tensor), is set to 1;
+- the combine sums each token's rows (no prob weighting) and returns the dense `[T, E]`
+  probs (the probs gradient when used as dispatch's backward).
+
+`install()` makes `deep_ep.HybridEPBuffer` resolve to this class when the real one is not
+importable, adding it to an existing (real or fake) `deep_ep` module or creating one.
+
+Legend: T tokens per rank, W ranks, E experts, e local experts, H hidden, N kept pairs,
+P permuted rows.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import types
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+
+_CHUNK = int(os.environ.get("NUM_OF_TOKENS_PER_CHUNK_COMBINE_API", 64))
+
+#: Calls made on any double instance in this process (tests read it).
+CALLS: Counter = Counter()
+
+
+def _align(n: int, multiple: int | None) -> int:
+    return n if not multiple or multiple <= 0 else (n + multiple - 1) // multiple * multiple
+
+
+def _all_gather_rows(x: torch.Tensor, group) -> torch.Tensor:
+    """`[T, ...]` on every rank -> `[W*T, ...]` in rank order (16-bit types travel as bytes)."""
+    as_bytes = x.dtype in (torch.bfloat16, torch.float16, torch.bool)
+    src = x.contiguous().view(torch.uint8) if as_bytes else x.contiguous()
+    out = [torch.empty_like(src) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, src, group=group)
+    full = torch.cat(out)
+    return full.view(x.dtype) if as_bytes else full
+
+
+class HybridEPBuffer:
+    """Same constructor and call signatures as `deep_ep.HybridEPBuffer`."""
+
+    def __init__(self, group, hidden_dim: int, max_num_of_tokens_per_rank: int,
+                 num_local_experts: int, use_fp8: bool = False, num_sms_dispatch_api=None,
+                 num_sms_combine_api=None, num_sms_preprocessing_api=None, num_blocks_permute=None,
+                 num_blocks_unpermute=None, load_cached_kernels: bool = False,
+                 use_shared_buffer: bool = True, enable_custom_allgather: bool = False,
+                 num_of_hybrid_ep_ranks_per_nvlink_domain=None, use_mnnvl=None):
+        CALLS["init"] += 1
+        self.group = group
+        self.rank = group.rank()
+        self.group_size = group.size()
+        self.hidden_dim = hidden_dim
+        self.num_local_experts = num_local_experts
+        # Configurer: at least 512 tokens, rounded to the combine chunk.
+        self.max_num_of_tokens_per_rank = _align(max(max_num_of_tokens_per_rank, 512), _CHUNK)
+
+    def update_template_config(self, hidden_dim=None, num_of_tokens_per_rank=None, **_):
+        if hidden_dim is not None:
+            self.hidden_dim = max(self.hidden_dim, hidden_dim)
+        if num_of_tokens_per_rank is not None:
+            grown = _align(max(_align(num_of_tokens_per_rank, 16), self.max_num_of_tokens_per_rank), _CHUNK)
+            if grown > self.max_num_of_tokens_per_rank:
+                CALLS["grow"] += 1
+            self.max_num_of_tokens_per_rank = grown
+
+    # ---- checks the real buffer makes -----------------------------------------------
+    def _check_token_count(self, num_tokens: int, device) -> None:
+        counts = torch.tensor([num_tokens], dtype=torch.long, device=device)
+        gathered = _all_gather_rows(counts, self.group).tolist()
+        if len(set(gathered)) != 1:
+            raise RuntimeError(f"HybridEP needs the same token count on every rank, got {gathered}")
+        remainder = num_tokens % _CHUNK
+        if remainder and (remainder * self.group_size * 4) % 16:
+            raise RuntimeError(f"TMA 16B alignment error: tma_load_size = remainder_chunk({remainder}) "
+                               f"* ranks_per_node({self.group_size}) * 4, must be multiple of 16B.")
+
+    @staticmethod
+    def _check_hidden(hidden: torch.Tensor) -> None:
+        if hidden.element_size() != 2:
+            raise TypeError(f"HybridEP permute/unpermute kernels take 16-bit tokens, got {hidden.dtype}")
+
+    # ---- dispatch ---------------------------------------------------------------------
+    def dispatch_with_permute(self, *, hidden, topk_idx=None, topk_weights=None,
+                              num_of_experts_per_rank=None, num_of_experts=None, use_fp8=None,
+                              routing_map=None, probs=None, scaling_factor=None,
+                              num_permuted_tokens=None, pad_multiple=None, handle=None,
+                              non_blocking=False, fuse_permute_dispatch=False,
+                              num_dispatched_tokens=None, use_host_meta=None):
+        self._check_hidden(hidden)
+        if use_host_meta is not None:
+            non_blocking = not use_host_meta
+        if non_blocking:
+            if num_permuted_tokens is None or num_permuted_tokens < 0:
+                raise AssertionError("The num_permuted_tokens is required for non-blocking mode.")
+            if pad_multiple and num_permuted_tokens % pad_multiple:
+                raise AssertionError(f"num_permuted_tokens ({num_permuted_tokens}) must be a multiple "
+                                     f"of pad_multiple ({pad_multiple}) in non-blocking mode.")
+        if num_permuted_tokens is not None and not isinstance(num_permuted_tokens, int):
+            raise TypeError("num_permuted_tokens must be a host int")
+        if handle is not None:
+            CALLS["dispatch_with_handle"] += 1
+            return self._dispatch_with_handle(hidden, handle, num_permuted_tokens)
+        CALLS["dispatch"] += 1
+        CALLS["dispatch_non_blocking" if non_blocking else "dispatch_blocking"] += 1
+        num_tokens = hidden.shape[0]
+        if routing_map is None:
+            if topk_idx is None or num_of_experts is None:
+                raise AssertionError("topk_idx and num_of_experts are needed without a routing_map")
+            routing_map = torch.zeros(num_tokens, num_of_experts, dtype=torch.int32, device=hidden.device)
+            valid = topk_idx >= 0
+            routing_map = routing_map.scatter_add_(1, topk_idx.clamp(min=0).long(), valid.int()) > 0
+            if probs is None and topk_weights is not None:
+                probs = torch.zeros(num_tokens, num_of_experts, device=hidden.device)
+                probs = probs.scatter_add(1, topk_idx.clamp(min=0).long(),
+                                          torch.where(valid, topk_weights.float(), 0.0))
+        if routing_map.dtype != torch.bool or routing_map.shape[0] != num_tokens:
+            raise AssertionError("routing_map must be bool [T, E] with the hidden's row count")
+        if probs is not None and probs.dtype != torch.float32:
+            raise AssertionError("HybridEP takes fp32 probs")
+        self._check_token_count(num_tokens, hidden.device)
+        self.update_template_config(hidden_dim=hidden.shape[1], num_of_tokens_per_rank=num_tokens)
+        e = num_of_experts_per_rank or self.num_local_experts
+
+        global_map = _all_gather_rows(routing_map, self.group)[:, self.rank * e:(self.rank + 1) * e]
+        global_x = _all_gather_rows(hidden, self.group)
+        global_probs = None
+        if probs is not None:
+            global_probs = _all_gather_rows(probs.detach(), self.group)[:, self.rank * e:(self.rank + 1) * e]
+
+        valid = global_map.sum(0).tolist()
+        limit = num_permuted_tokens if num_permuted_tokens is not None else float("inf")
+        kept, acc = [], 0
+        for i, count in enumerate(valid):
+            kept.append(max(0, min(count, limit - acc)) if limit > acc else 0)
+            overflow = acc + count > limit if i == e - 1 else False
+            acc += _align(count, pad_multiple)
+        padded = [_align(k, pad_multiple) for k in kept]
+        total = num_permuted_tokens if num_permuted_tokens is not None else sum(padded)
+
+        rows, dests, experts, offset = [], [], [], 0
+        for i in range(e):
+            ids = torch.nonzero(global_map[:, i]).flatten()[: kept[i]]
+            rows.append(ids)
+            dests.append(torch.arange(kept[i], device=hidden.device) + offset)
+            experts.append(torch.full((kept[i],), i, dtype=torch.long, device=hidden.device))
+            offset += padded[i]
+        row_N, dest_N, expert_N = torch.cat(rows), torch.cat(dests), torch.cat(experts)
+
+        out = torch.full((total, hidden.shape[1]), float("nan"), dtype=hidden.dtype, device=hidden.device)
+        out[: sum(padded)] = 0  # per-expert padding rows are zero; only the tail is garbage
+        out[dest_N] = global_x[row_N]
+        out_probs = None
+        if global_probs is not None:
+            out_probs = torch.full((total,), float("nan"), device=hidden.device)
+            out_probs[: sum(padded)] = 0
+            out_probs[dest_N] = global_probs[row_N, expert_N]
+
+        tokens_per_expert = torch.tensor(padded, dtype=torch.long)
+        if non_blocking:
+            tokens_per_expert = tokens_per_expert.to(hidden.device)
+        overflow_flag = torch.tensor([int(bool(overflow))], dtype=torch.int32, device=hidden.device)
+        new_handle = (row_N, dest_N, None, torch.tensor([global_map.any(1).sum()], dtype=torch.int32),
+                      global_map, None, expert_N, torch.tensor(kept, dtype=torch.int32), num_tokens,
+                      {"e": e, "padded_total": sum(padded)}, overflow_flag)
+        return out, out_probs, None, tokens_per_expert, new_handle
+
+    def _dispatch_with_handle(self, hidden, handle, num_permuted_tokens):
+        row_N, dest_N = handle[0], handle[1]
+        total = num_permuted_tokens if num_permuted_tokens is not None else int(handle[7].sum())
+        global_x = _all_gather_rows(hidden, self.group)
+        out = torch.full((total, hidden.shape[1]), float("nan"), dtype=hidden.dtype, device=hidden.device)
+        out[: handle[9]["padded_total"]] = 0
+        out[dest_N] = global_x[row_N]
+        return out, None, None, None, handle
+
+    # ---- combine ----------------------------------------------------------------------
+    def combine_with_unpermute(self, *, hidden, probs=None, handle=None, pad_multiple=None,
+                               fuse_unpermute_combine=False, num_dispatched_tokens=None):
+        if handle is None:
+            raise AssertionError("The handle is necessary in the combine pass.")
+        self._check_hidden(hidden)
+        CALLS["combine"] += 1
+        row_N, dest_N, expert_N, num_tokens = handle[0], handle[1], handle[6], handle[8]
+        e = handle[9]["e"]
+        world = self.group_size
+        # Each rank scatters its rows' contributions onto every source token, then an
+        # all-to-all hands each source rank its slice; fp32 accumulation as the kernel does.
+        contrib = torch.zeros(world * num_tokens, hidden.shape[1], device=hidden.device)
+        contrib.index_add_(0, row_N, hidden[dest_N].float())
+        recv = torch.empty_like(contrib)
+        dist.all_to_all_single(recv, contrib, group=self.group)
+        combined = recv.view(world, num_tokens, -1).sum(0).to(hidden.dtype)
+        combined_probs = None
+        if probs is not None:
+            local = torch.zeros(world * num_tokens, world * e, device=hidden.device)
+            local[row_N, self.rank * e + expert_N] = probs[dest_N].float()
+            recv_p = torch.empty_like(local)
+            dist.all_to_all_single(recv_p, local, group=self.group)
+            combined_probs = recv_p.view(world, num_tokens, -1).sum(0)
+        return combined, combined_probs
+
+
+def install() -> None:
+    """Make `deep_ep.HybridEPBuffer` resolve to the double when the real one is missing."""
+    module = sys.modules.get("deep_ep")
+    if module is None:
+        try:
+            module = importlib.import_module("deep_ep")
+        except Exception:  # noqa: BLE001 - a broken build is as absent as a missing one
+            module = types.ModuleType("deep_ep")
+            module.__doc__ = "minimal stand-in created by tests.doubles.hybrid_ep_buffer"
+            # The DeepEP Buffer double recognises (and may replace) a module marked this way.
+            module.IS_TEST_DOUBLE = True
+            sys.modules["deep_ep"] = module
+    if not hasattr(module, "HybridEPBuffer"):
+        module.HybridEPBuffer = HybridEPBuffer
