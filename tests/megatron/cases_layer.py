@@ -1,0 +1,140 @@
+"""Rank-side bodies: Megatron's own MoELayer (alltoall dispatcher) vs `FlexMoELayer`.
+
+Both layers are built from Megatron's own MoE module spec (TopKRouter, SequentialMLP,
+shared experts) on the same `TransformerConfig`; the flex layer loads the native layer's
+state_dict, so the only difference is the token dispatcher. Each rank feeds its own
+tokens and a dense, contiguous output gradient (not `.sum()`, whose expanded zero-stride
+gradient hides layout bugs) and returns forward, gradient and token-count differences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from tests.shims import megatron_cpu
+
+
+@dataclass(frozen=True)
+class LayerCase:
+    """One MoE layer configuration; every rank derives its tokens from (seed, rank)."""
+
+    name: str
+    topk: int = 2
+    num_experts: int = 4
+    hidden: int = 16
+    ffn: int = 12
+    seq: int = 6
+    batch: int = 2
+    aux_loss: bool = False
+    shared_expert_size: int | None = None
+    recompute: bool = False
+    capacity_factor: float | None = None
+    gated: bool = False
+    seed: int = 7
+
+
+def layer_config(case: LayerCase, ep_size: int):
+    """The Megatron `TransformerConfig` of `case` (fp32, CPU init, no TE)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    extra = {}
+    if case.aux_loss:
+        extra.update(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.1)
+    else:
+        extra.update(moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
+    if case.shared_expert_size:
+        extra.update(moe_shared_expert_intermediate_size=case.shared_expert_size,
+                     moe_shared_expert_overlap=False)
+    if case.topk == 1:
+        extra.update(moe_router_pre_softmax=True)  # Megatron requires it for top-1
+    if case.recompute:
+        extra.update(recompute_granularity="selective", recompute_modules=["moe"])
+    if case.capacity_factor is not None:
+        extra.update(moe_expert_capacity_factor=case.capacity_factor,
+                     moe_token_drop_policy="probs", moe_pad_expert_input_to_capacity=False)
+    return TransformerConfig(
+        num_layers=1, hidden_size=case.hidden, num_attention_heads=2, ffn_hidden_size=case.ffn,
+        num_moe_experts=case.num_experts, moe_router_topk=case.topk, moe_ffn_hidden_size=case.ffn,
+        moe_token_dispatcher_type="alltoall", expert_model_parallel_size=ep_size,
+        gated_linear_unit=case.gated, add_bias_linear=False, use_cpu_initialization=True,
+        params_dtype=torch.float32, bf16=False, fp16=False, **extra)
+
+
+def _record_tokens_per_expert(layer) -> list:
+    seen: list = []
+
+    def hook(module, args):
+        seen.append([int(n) for n in torch.as_tensor(args[1]).tolist()])
+
+    layer.experts.register_forward_pre_hook(hook)
+    return seen
+
+
+def _forward_backward(layer, x, g):
+    from megatron.core.transformer.moe.moe_utils import get_moe_metrics_tracker
+
+    tracker = get_moe_metrics_tracker()
+    tracker.clear()
+    x = x.clone().requires_grad_()
+    out, bias = layer(x)
+    assert bias is None
+    (out * g).sum().backward()
+    aux = {name: float(entry.values.sum()) for name, entry in tracker.metrics.items()
+           if entry.values is not None}
+    grads = {n: p.grad.detach().clone() for n, p in layer.named_parameters() if p.grad is not None}
+    return out.detach(), x.grad.detach(), grads, aux
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    scale = b.abs().max().item()
+    return (a - b).abs().max().item() / max(scale, 1e-12)
+
+
+def run_layer_parity(case: LayerCase) -> dict:
+    """Build both layers on this rank, run forward+backward, return the differences."""
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
+    from megatron_moe_ext.megatron.moe_layer import FlexMoELayer
+
+    megatron_cpu.install()
+    try:
+        ep, rank = dist.get_world_size(), dist.get_rank()
+        pg = megatron_cpu.init_parallel_state(ep)
+        config = layer_config(case, ep)
+        spec = get_moe_module_spec(use_te=False, num_experts=case.num_experts)
+        native = spec(config=config, pg_collection=pg, layer_number=1)
+        flex = FlexMoELayer(config, submodules=spec.keywords["submodules"], pg_collection=pg,
+                            layer_number=1)
+        for layer in (native, flex):
+            layer.set_layer_number(1)  # as TransformerLayer does; the aux-loss tracker needs it
+        assert isinstance(native.token_dispatcher, MoEAlltoAllTokenDispatcher)
+        assert isinstance(flex.token_dispatcher, MoEFlexTokenDispatcher)
+        assert flex.dispatcher_config.moe_flex_dispatcher_backend == "torch"
+        missing = flex.load_state_dict(native.state_dict(), strict=True)
+        assert not missing.missing_keys and not missing.unexpected_keys, missing
+
+        gen = torch.Generator().manual_seed(case.seed * 100 + rank)
+        x = torch.randn(case.seq, case.batch, case.hidden, generator=gen)
+        g = torch.randn(case.seq, case.batch, case.hidden, generator=gen)
+        seen_native, seen_flex = _record_tokens_per_expert(native), _record_tokens_per_expert(flex)
+
+        out_n, gx_n, grads_n, aux_n = _forward_backward(native, x, g)
+        out_f, gx_f, grads_f, aux_f = _forward_backward(flex, x, g)
+        assert grads_n.keys() == grads_f.keys(), (sorted(grads_n), sorted(grads_f))
+        return dict(
+            out=_rel_err(out_f, out_n),
+            grad_x=_rel_err(gx_f, gx_n),
+            grads={n: _rel_err(grads_f[n], grads_n[n]) for n in grads_n},
+            grad_norms={n: float(grads_n[n].norm()) for n in grads_n},
+            aux_native=aux_n, aux_flex=aux_f,
+            tokens_native=seen_native, tokens_flex=seen_flex,
+            routed_slots=case.seq * case.batch * case.topk,
+            recompute=(native.moe_layer_recompute, flex.moe_layer_recompute),
+        )
+    finally:
+        megatron_cpu.uninstall()
