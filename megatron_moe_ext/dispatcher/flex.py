@@ -52,6 +52,8 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
     shared_hybridep_manager: ClassVar[_DispatchManager | None] = None
     shared_uccl_manager: ClassVar[_DispatchManager | None] = None
     shared_torch_manager: ClassVar[_DispatchManager | None] = None
+    #: HybridEP's top-k -> dense/compact metadata converter (a graphable nn.Module), else None.
+    hybridep_metadata_processor = None
 
     def __init__(
         self,
@@ -96,6 +98,7 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         self.num_experts = dispatcher_config.num_moe_experts
         self.topk = dispatcher_config.moe_router_topk
         self._comm_manager = self._get_or_create_manager()
+        self.hybridep_metadata_processor = getattr(self._comm_manager, "metadata_processor", None)
         self.hidden_shape: torch.Size | None = None
         self._dispatched_hidden_size: int | None = None
 

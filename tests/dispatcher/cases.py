@@ -65,10 +65,19 @@ def run_through_dispatcher(disp, face, x, indices, probs, num_experts, params):
 
 
 def run_dense_reference_case(case: RoutingCase, face: str, dtype: str, backend: str = "torch",
-                             patch_backend: str | None = None, cfg_overrides: dict | None = None):
+                             patch_backend: str | None = None, cfg_overrides: dict | None = None,
+                             repeats: int = 1):
+    """`repeats` > 1 runs the same batch again through the same dispatcher (modes that
+    calibrate or pin on the first dispatch) and reports the worst errors over all runs."""
     _install(patch_backend)
-    rank = dist.get_rank()
     disp = build_dispatcher(case, backend, **(cfg_overrides or {}))
+    runs = [_one_dense_reference_run(disp, case, face, dtype) for _ in range(repeats)]
+    worst = {key: max(r[key] for r in runs) for key in ("y", "grad_x", "grad_probs")}
+    return {**runs[-1], **worst}
+
+
+def _one_dense_reference_run(disp, case: RoutingCase, face: str, dtype: str):
+    rank = dist.get_rank()
     params = toy_expert_params(case.num_experts, case.hidden)
     x, indices, probs = make_routing(case, rank, DTYPES[dtype])
     g = torch.randn(x.shape, generator=torch.Generator().manual_seed(99 + rank))
