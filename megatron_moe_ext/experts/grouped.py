@@ -1,0 +1,222 @@
+"""`GroupedExperts`: expert parallelism by all-gather.
+
+Every EP rank gathers all ranks' tokens (variable lengths: the lengths travel first),
+computes its own experts on them, and an all-reduce sums the partial outputs; each rank
+keeps its own tokens' rows. No token dispatcher, no all-to-all: simple and robust, at the
+cost of moving every token to every rank.
+
+Two compute paths over the gathered tokens: a per-expert loop of plain matmuls
+(`config.use_torch_mm=False`), and `torch._grouped_mm` over (token, slot) pairs stably
+sorted by expert (`_permute_tokens_for_grouped_mm` + `run_grouped_expert_mlp`).
+
+Legend: T local tokens, N gathered tokens, H hidden, E experts, e local experts, K top-k,
+P (token, slot) pairs routed to this rank's experts, I intermediate.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_moe_ext.experts.activations import get_expert_activation_for_deepep
+from megatron_moe_ext.experts.common import StackedExperts, check_expert_inputs
+from megatron_moe_ext.experts.config import ExpertsConfig
+from megatron_moe_ext.experts.mlp import run_grouped_expert_mlp
+
+
+def _all_gather_varlen(local: torch.Tensor, group, gathered_lens: list[int], max_len: int) -> torch.Tensor:
+    """Concatenate every rank's `[len_r, ...]` rows in rank order: pad to `max_len`, all-gather, trim."""
+    padded = local.new_zeros((max_len,) + tuple(local.shape[1:]))
+    padded[: local.shape[0]] = local
+    slabs = padded.new_empty((len(gathered_lens) * max_len,) + tuple(local.shape[1:]))
+    dist.all_gather_into_tensor(slabs, padded.contiguous(), group=group)
+    slabs = slabs.view(len(gathered_lens), max_len, *local.shape[1:])
+    return torch.cat([slabs[r, :n] for r, n in enumerate(gathered_lens)])
+
+
+def _all_reduce_narrow(full: torch.Tensor, group, gathered_lens: list[int]) -> torch.Tensor:
+    """Sum `[N, ...]` over the group and keep this rank's rows."""
+    full = full.contiguous().clone()
+    dist.all_reduce(full, group=group)
+    rank = dist.get_rank(group)
+    start = sum(gathered_lens[:rank])
+    return full.narrow(0, start, gathered_lens[rank]).clone()
+
+
+class _AllGatherConcatVarlenFn(torch.autograd.Function):
+    """All-gather with variable local lengths and autograd-safe backward.
+
+    The backward is all-reduce + local narrow, not reduce-scatter: reduce-scatter over
+    unequal lengths needs padding and, interleaved with FSDP's own reduce-scatters in
+    backward, has been seen to deadlock on collective ordering; an all-reduce cannot.
+    """
+
+    @staticmethod
+    def forward(ctx, local_tensor: torch.Tensor, group, gathered_lens: list[int], max_len: int):
+        ctx.group, ctx.gathered_lens = group, gathered_lens
+        return _all_gather_varlen(local_tensor, group, gathered_lens, max_len)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        return _all_reduce_narrow(grad_output, ctx.group, ctx.gathered_lens), None, None, None
+
+
+class _AllReduceNarrowFn(torch.autograd.Function):
+    """Sum the ranks' partial expert outputs and keep this rank's tokens; the exact adjoint of
+    `_AllGatherConcatVarlenFn`, so its backward is the variable-length all-gather."""
+
+    @staticmethod
+    def forward(ctx, full: torch.Tensor, group, gathered_lens: list[int]):
+        ctx.group, ctx.gathered_lens = group, gathered_lens
+        return _all_reduce_narrow(full, group, gathered_lens)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        lens = ctx.gathered_lens
+        return _all_gather_varlen(grad_output.contiguous(), ctx.group, lens, max(lens)), None, None
+
+
+def _permute_tokens_for_grouped_mm(
+    indices: torch.Tensor,
+    weights: torch.Tensor,
+    token_mask: torch.Tensor,
+    n_local_experts: int,
+    experts_start_idx: int,
+    return_slot_ids: bool = False,
+):
+    """Sort the (token, slot) pairs routed to experts `[start, start + e)` by expert, stably.
+
+    Arguments:
+        indices: `[T, K]` global expert ids (-1 = unused slot).
+        weights: `[T, K]` routing weights (differentiable: the sorted weights keep the graph).
+        token_mask: `[T]` bool; masked tokens are left out.
+        n_local_experts / experts_start_idx: the expert range `[start, start + e)`.
+        return_slot_ids: also return each pair's flat slot id `t * K + k`.
+
+    Returns:
+        `(sorted_token_ids [P] int64, sorted_weights [P], tokens_per_expert [e] int64,
+        offsets [e] int32)` (+ `slot_ids [P]`), where `offsets` is the inclusive cumsum of
+        the counts, the `offs` argument of `torch._grouped_mm`. P is read on the host
+        (one sync): the gathered token count is host-side already on this path.
+    """
+    topk = indices.shape[1]
+    local_TK = indices - experts_start_idx
+    routed_TK = (local_TK >= 0) & (local_TK < n_local_experts) & token_mask[:, None]
+    # Unrouted slots get key e, so the stable sort puts them after every expert's group.
+    keys = torch.where(routed_TK, local_TK, n_local_experts).flatten()
+    order = torch.argsort(keys, stable=True)
+    tokens_per_expert = torch.bincount(keys, minlength=n_local_experts + 1)[:n_local_experts]
+    num_pairs = int(routed_TK.sum())
+    slot_ids = order[:num_pairs]
+    sorted_weights = weights.flatten().index_select(0, slot_ids)
+    offsets = torch.cumsum(tokens_per_expert, 0).to(torch.int32)
+    out = (slot_ids // topk, sorted_weights, tokens_per_expert, offsets)
+    return out + (slot_ids,) if return_slot_ids else out
+
+
+class GroupedExperts(StackedExperts):
+    """Sparse MoE experts with expert parallelism by all-gather and all-reduce.
+
+    Arguments:
+        config: `ExpertsConfig`; `use_torch_mm` picks `torch._grouped_mm` (True) or the
+            per-expert loop (False).
+        device: where to allocate the parameters (`meta` to defer; see `init_weights`).
+
+    Call `init_token_dispatcher(ep_mesh)` to enable EP; without it the module is EP=1.
+    """
+
+    def __init__(self, config: ExpertsConfig, device: torch.device | str | None = None):
+        super().__init__(config, device)
+        self.use_torch_mm = config.use_torch_mm
+        self.expert_activation_grouped = get_expert_activation_for_deepep(config)
+
+    def init_token_dispatcher(self, ep_mesh) -> None:
+        """Join the expert-parallel group (DeviceMesh or ProcessGroup) and keep the local experts."""
+        self._set_expert_parallel(ep_mesh)
+
+    @staticmethod
+    def _gather_ep_inputs(x, token_mask, weights, indices, ep_group, ep_size):
+        """Gather unequal token shards across the expert-parallel group.
+
+        Arguments:
+            x: `[T, H]` local activations; token_mask: `[T]` bool; weights: `[T, K]`
+                routing weights; indices: `[T, K]` global expert ids.
+            ep_group / ep_size: the expert-parallel group and its size.
+
+        Returns:
+            `(x [N, H], token_mask [N], weights [N, K], indices [N, K], gathered_lens)`,
+            rank-major; `gathered_lens` is the host list of every rank's T. Activations and
+            weights stay differentiable through `_AllGatherConcatVarlenFn`.
+        """
+        lens = torch.zeros(ep_size, dtype=torch.int64, device=x.device)
+        dist.all_gather_into_tensor(lens, torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device),
+                                    group=ep_group)
+        gathered_lens = lens.tolist()
+        max_len = max(gathered_lens)
+        x_all = _AllGatherConcatVarlenFn.apply(x, ep_group, gathered_lens, max_len)
+        weights_all = _AllGatherConcatVarlenFn.apply(weights, ep_group, gathered_lens, max_len)
+        # Ids and mask carry no gradient: one plain gather for both.
+        meta = torch.cat([indices.long(), token_mask.long()[:, None]], dim=1)
+        meta_all = _all_gather_varlen(meta, ep_group, gathered_lens, max_len)
+        return x_all, meta_all[:, -1].bool(), weights_all, meta_all[:, :-1], gathered_lens
+
+    def forward(self, x: torch.Tensor, token_mask: torch.Tensor, weights: torch.Tensor,
+                indices: torch.Tensor) -> torch.Tensor:
+        """Apply the routed experts.
+
+        Arguments:
+            x: `[T, H]` tokens (activation dtype). token_mask: `[T]` bool, False = padding
+                (zero output, no gradient). weights: `[T, K]` routing weights (fp32).
+            indices: `[T, K]` global expert ids, -1 for unused slots.
+
+        Returns:
+            `[T, H]` in x's dtype: each token's sum over its slots of weight x expert(token).
+        """
+        check_expert_inputs(self.config, x, token_mask, weights, indices)
+        group = self.ep.group
+        if group is not None:
+            x, token_mask, weights, indices, lens = self._gather_ep_inputs(
+                x, token_mask, weights, indices, group, self.ep.size)
+        params = (self.gate_and_up_projs, self.down_projs, self.gate_up_proj_bias, self.down_proj_bias)
+        if self.use_torch_mm:
+            out = self._forward_grouped_mm(x, token_mask, weights, indices, *params,
+                                           self.n_local_experts, self.experts_start_idx)
+        else:
+            out = self._forward_loop(x, weights, indices, token_mask, *params, self.n_local_experts,
+                                     self.experts_start_idx, self.experts_end_idx)
+        if group is not None:
+            out = _AllReduceNarrowFn.apply(out, group, lens)
+        return out
+
+    def _forward_grouped_mm(self, x, token_mask, weights, indices, gate_and_up_projs, down_projs,
+                            gate_up_proj_bias, down_proj_bias, n_local_experts, experts_start_idx):
+        """Grouped-GEMM path: sort pairs by expert, one `run_grouped_expert_mlp`, scatter-add back."""
+        token_ids_P, weights_P, tokens_per_expert, _ = _permute_tokens_for_grouped_mm(
+            indices, weights, token_mask, n_local_experts, experts_start_idx)
+        out_PH = run_grouped_expert_mlp(
+            x.index_select(0, token_ids_P), gate_and_up_projs, down_projs, gate_up_proj_bias,
+            down_proj_bias, tokens_per_expert, weights_P.float()[:, None], self.expert_activation_grouped)
+        # index_put with accumulate is deterministic, unlike CUDA's atomic index_add_.
+        return x.new_zeros(x.shape).index_put((token_ids_P,), out_PH.to(x.dtype), accumulate=True)
+
+    def _forward_loop(self, x, weights, indices, token_mask, gate_and_up_projs, down_projs,
+                      gate_up_proj_bias, down_proj_bias, n_local_experts, experts_start_idx,
+                      experts_end_idx):
+        """Per-expert loop: gather an expert's tokens, two matmuls, scatter-add back.
+
+        Every local expert runs, even with no tokens, so each one's parameters stay in the
+        graph and get a (zero) gradient.
+        """
+        out = x.new_zeros(x.shape)
+        routed_TK = indices.ge(experts_start_idx) & indices.lt(experts_end_idx) & token_mask[:, None]
+        for local in range(n_local_experts):
+            token_ids, slots = torch.nonzero(routed_TK & (indices == experts_start_idx + local), as_tuple=True)
+            probs = weights[token_ids, slots].float()[:, None]
+            h = x.index_select(0, token_ids) @ gate_and_up_projs[local].to(x.dtype)
+            if gate_up_proj_bias is not None:
+                h = h + gate_up_proj_bias[local].to(x.dtype)
+            y = self.expert_activation_grouped(h, probs) @ down_projs[local].to(x.dtype)
+            if down_proj_bias is not None:
+                y = (y + probs * down_proj_bias[local].float()).to(x.dtype)
+            out.index_put_((token_ids,), y, accumulate=True)
+        return out
