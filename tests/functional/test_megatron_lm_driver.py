@@ -1,0 +1,36 @@
+"""examples/pretrain_gpt_megatron_lm.py parses a Megatron-LM command line with --spec and builds
+the model through megatron.training's own GPT builder (training itself needs CUDA: the GPU
+runner bench/gpu/pretrain_ep2.sh runs it)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+        "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 2 --train-iters 3 "
+        "--lr 1e-3 --num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 1 --mock-data "
+        "--tokenizer-type NullTokenizer --vocab-size 128 --transformer-impl local "
+        "--use-cpu-initialization --no-gradient-accumulation-fusion --no-persist-layer-norm").split()
+
+
+def _check(*flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tests.functional.megatron_lm_driver_check", *TINY, *flags],
+                          cwd=ROOT, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_driver_builds_flex_layers_from_spec():
+    pytest.importorskip("megatron_moe_ext.megatron.specs")
+    run = _check("--spec", "megatron_moe_ext.megatron.specs", "get_moe_ext_decoder_block_spec",
+                 "--moe-token-dispatcher-type", "alltoall")
+    line = [x for x in run.stdout.splitlines() if x.startswith("DRIVER_CHECK ")]
+    assert run.returncode == 0 and line, run.stdout[-3000:] + run.stderr[-3000:]
+    built = json.loads(line[0].removeprefix("DRIVER_CHECK "))
+    assert built["moe_layers"] == ["FlexMoELayer"] * 2
+    assert built["backends"] == ["torch"] * 2
+    assert built["train_iters"] == 3
+
