@@ -1,0 +1,217 @@
+"""This package's grouped expert MLP as a Megatron `ExpertsBuilder`.
+
+`GroupedGemmExperts(num_local_experts, config, *, pg_collection, name=None)` slots into
+`MoESubmodules(experts=...)` of Megatron's (or this package's) MoE layer. It holds the
+stacked weights of SPEC section 7 (`gate_and_up_projs [e, H, 2I]`, `down_projs [e, I, H]`)
+and computes with `run_grouped_expert_mlp`; its checkpoints use Megatron's SequentialMLP
+keys and global shapes (`megatron/checkpoint.py`), so a model moves between the two.
+
+Legend: P dispatched rows, H hidden, I expert intermediate size, e local experts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.activations import quick_gelu, squared_relu
+from megatron.core.tensor_parallel.random import (
+    get_cuda_rng_tracker,
+    get_expert_parallel_rng_tracker_name,
+)
+from megatron.core.transformer.module import MegatronModule
+
+from megatron_moe_ext.experts.activations import get_expert_activation_for_deepep
+from megatron_moe_ext.experts.config import ExpertsConfig
+from megatron_moe_ext.experts.mlp import run_grouped_expert_mlp
+from megatron_moe_ext.megatron import checkpoint as _checkpoint
+
+# Quick-GELU's sigmoid slope, fixed inside Megatron's `quick_gelu`.
+_QUICK_GELU_ALPHA = 1.702
+
+
+def _unsupported(field: str, value, allowed: str) -> ValueError:
+    return ValueError(f"GroupedGemmExperts: {field}={value!r} is not supported; {allowed}")
+
+
+def experts_config_from_transformer_config(config) -> ExpertsConfig:
+    """Map Megatron's MoE MLP settings onto `ExpertsConfig`, refusing what the math cannot match.
+
+    Megatron's expert MLP computes `act(x W1_gate) * (x W1_up + glu_linear_offset)` with the
+    optional clamp `activation_func_clamp_value` (gated), or `act(x W1)`:
+    - gated silu, offset 0, no clamp -> "swiglu"; with a clamp L -> "swiglu_clamped" (L)
+    - gated quick_gelu, offset 1 -> "swiglu_oai" (alpha 1.702, limit = clamp or 0)
+    - non-gated squared_relu -> "relu2"
+
+    Arguments:
+        config: Megatron `TransformerConfig` of an MoE model.
+
+    Returns:
+        `ExpertsConfig` with the same experts, top-k, sizes, activation, bias and dtype.
+    """
+    gated = bool(config.gated_linear_unit)
+    act = config.activation_func
+    clamp = config.activation_func_clamp_value
+    offset = float(config.glu_linear_offset)
+    if gated and act is F.silu and offset == 0.0:
+        activation, limit = ("swiglu", 7.0) if clamp is None else ("swiglu_clamped", float(clamp))
+    elif gated and act is quick_gelu and offset == 1.0:
+        activation, limit = "swiglu_oai", 0.0 if clamp is None else float(clamp)
+    elif not gated and act is squared_relu and clamp is None:
+        activation, limit = "relu2", 7.0
+    else:
+        raise _unsupported(
+            "activation_func/gated_linear_unit/glu_linear_offset/activation_func_clamp_value",
+            (getattr(act, "__name__", act), gated, offset, clamp),
+            "allowed: gated silu with offset 0 (optionally clamped), gated quick_gelu with "
+            "offset 1, or non-gated squared_relu without clamp")
+    return ExpertsConfig(
+        n_routed_experts=config.num_moe_experts,
+        n_activated_experts=config.moe_router_topk,
+        dim=config.hidden_size,
+        moe_inter_dim=config.moe_ffn_hidden_size,
+        expert_activation=activation,
+        expert_bias=bool(config.add_bias_linear),
+        activation_alpha=_QUICK_GELU_ALPHA,
+        activation_limit=limit,
+        dtype=config.params_dtype,
+    )
+
+
+def _check_megatron_features(config) -> None:
+    """Refuse Megatron expert features this module does not implement, at construction."""
+    refused = {
+        "expert_tensor_parallel_size": (config.expert_tensor_parallel_size or 1, 1,
+                                        "expert tensor parallelism is not implemented"),
+        "moe_apply_probs_on_input": (bool(config.moe_apply_probs_on_input), False,
+                                     "the routing prob is applied inside the activation"),
+        "moe_latent_size": (config.moe_latent_size, None, "latent experts are not implemented"),
+        "fp8": (config.fp8, None, "use the TE experts for FP8"),
+        "fp4": (config.fp4, None, "use the TE experts for FP4"),
+        "delay_wgrad_compute": (bool(config.delay_wgrad_compute), False,
+                                "weight gradients are computed in the ordinary backward"),
+    }
+    for field, (value, allowed, why) in refused.items():
+        if value != allowed:
+            raise _unsupported(field, value, f"allowed: {allowed!r} ({why})")
+
+
+class GroupedGemmExperts(MegatronModule):
+    """Megatron experts computed by one grouped GEMM per projection over stacked weights.
+
+    Arguments:
+        num_local_experts: e, the experts this EP rank holds.
+        config: Megatron `TransformerConfig` (see `experts_config_from_transformer_config`).
+        pg_collection: Megatron `ProcessGroupCollection`; `ep` and `expt_dp` name the expert
+            shards and their replicas in checkpoints.
+        name: module name passed down by Megatron (kept for its logging).
+
+    Parameters (dtype `config.params_dtype`, used as `x @ W`):
+        gate_and_up_projs [e, H, 2I] (`[gate | up]`; [e, H, I] when not gated),
+        down_projs [e, I, H], and with `config.add_bias_linear` gate_up_proj_bias [e, 2I]
+        (or [e, I]) and down_proj_bias [e, H].
+    """
+
+    def __init__(self, num_local_experts: int, config, *, pg_collection=None, name: str | None = None):
+        super().__init__(config=config)
+        if pg_collection is None:
+            raise ValueError("GroupedGemmExperts: pg_collection is required (it names the ep and "
+                             "expt_dp groups)")
+        _check_megatron_features(config)
+        self.experts_config = experts_config_from_transformer_config(config)
+        self.num_local_experts = num_local_experts
+        self.name = name
+        self.ep_group = pg_collection.ep
+        self.dp_group = pg_collection.expt_dp
+        self.gated = self.experts_config.expert_activation != "relu2"
+        self.activation_fn = get_expert_activation_for_deepep(self.experts_config)
+
+        hidden, inter = config.hidden_size, config.moe_ffn_hidden_size
+        fc1_out = 2 * inter if self.gated else inter
+        device = torch.device("cpu") if config.use_cpu_initialization else torch.cuda.current_device()
+        dtype = config.params_dtype
+        self.gate_and_up_projs = torch.nn.Parameter(
+            torch.empty(num_local_experts, hidden, fc1_out, device=device, dtype=dtype))
+        self.down_projs = torch.nn.Parameter(
+            torch.empty(num_local_experts, inter, hidden, device=device, dtype=dtype))
+        if config.add_bias_linear:
+            self.gate_up_proj_bias = torch.nn.Parameter(
+                torch.zeros(num_local_experts, fc1_out, device=device, dtype=dtype))
+            self.down_proj_bias = torch.nn.Parameter(
+                torch.zeros(num_local_experts, hidden, device=device, dtype=dtype))
+        else:
+            self.gate_up_proj_bias = None
+            self.down_proj_bias = None
+        if config.perform_initialization:
+            self._init_weights()
+        # Megatron's DDP reduces expert grads over the expert-data-parallel group only when
+        # `allreduce` is False, exactly as its expert linears mark themselves under EP > 1.
+        expert_parallel = config.expert_model_parallel_size > 1
+        for param in self.parameters():
+            param.allreduce = not expert_parallel
+
+    @torch.no_grad()
+    def _init_weights(self) -> None:
+        """Initialise expert by expert, fc1 then fc2, each as Megatron's `[out, in]` weight.
+
+        This is the order and the RNG stream SequentialMLP uses (the CPU generator under
+        `use_cpu_initialization`, else the expert-parallel RNG tracker), so a model built with
+        the same seed gets the same expert weights either way.
+        """
+        cfg = self.config
+        for i in range(self.num_local_experts):
+            for weight_IO, init_method in ((self.gate_and_up_projs[i], cfg.init_method),
+                                           (self.down_projs[i], cfg.output_layer_init_method)):
+                if cfg.use_cpu_initialization:
+                    master_OI = torch.empty(weight_IO.shape[::-1], dtype=torch.float32)
+                    init_method(master_OI)
+                else:
+                    master_OI = torch.empty(weight_IO.shape[::-1], dtype=weight_IO.dtype,
+                                            device=weight_IO.device)
+                    with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
+                        init_method(master_OI)
+                weight_IO.copy_(master_OI.t())
+
+    def forward(self, dispatched_input: torch.Tensor, tokens_per_expert: torch.Tensor,
+                permuted_probs: torch.Tensor):
+        """Run every local expert on its contiguous block of rows.
+
+        Arguments:
+            dispatched_input: [P, H] rows grouped by local expert (activation dtype).
+            tokens_per_expert: [e] int rows per local expert, on the host or the device;
+                `P` may exceed its sum (capacity padding): those tail rows are not trusted.
+            permuted_probs: [P] fp32 routing prob of each row, applied inside the activation.
+
+        Returns:
+            (out [P, H] in the activation dtype, None): Megatron's (output, bias) pair; the down
+            bias is already added, weighted by the prob, so no bias is returned.
+        """
+        dtype = dispatched_input.dtype
+        out_PH = run_grouped_expert_mlp(
+            dispatched_input,
+            self.gate_and_up_projs.to(dtype),
+            self.down_projs.to(dtype),
+            None if self.gate_up_proj_bias is None else self.gate_up_proj_bias.to(dtype),
+            None if self.down_proj_bias is None else self.down_proj_bias.to(dtype),
+            tokens_per_expert,
+            permuted_probs.unsqueeze(-1),
+            self.activation_fn,
+        )
+        return out_PH, None
+
+    def backward_dw(self) -> None:
+        """Nothing is deferred: weight gradients come with the ordinary backward
+        (`delay_wgrad_compute` is refused at construction)."""
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        """Megatron distributed-checkpoint view with SequentialMLP's keys and global shapes.
+
+        See `megatron_moe_ext.megatron.checkpoint.grouped_experts_sharded_state_dict`.
+        """
+        return _checkpoint.grouped_experts_sharded_state_dict(
+            self, prefix=prefix, sharded_offsets=sharded_offsets, metadata=metadata)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # SequentialMLP's per-expert keys are accepted too, so a plain (non-distributed)
+        # Megatron state dict loads without a conversion step.
+        _checkpoint.convert_sequential_mlp_keys_inplace(state_dict, prefix, self.num_local_experts)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)

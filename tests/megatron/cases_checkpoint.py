@@ -1,0 +1,330 @@
+"""Rank-side bodies for tests/megatron/test_experts_builder.py and test_checkpoint_interop.py.
+
+Two tiny GPT-MoE models, identical but for their MoE layer:
+- "native": Megatron's own `MoELayer` + `SequentialMLP` experts + alltoall dispatcher,
+- "ext": this package's `FlexMoELayer` + `GroupedGemmExperts` (torch backend),
+both on CPU through tests/shims/megatron_cpu.py. Every body returns plain (picklable) values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import contextlib
+import os
+import queue
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tests.shims import megatron_cpu
+
+VOCAB, SEQ, BATCH = 32, 8, 2
+LAYERS, HIDDEN, HEADS, EXPERTS, TOPK, FFN = 2, 16, 2, 4, 2, 8
+ACTIVATIONS = {  # name -> TransformerConfig fields of Megatron's expert MLP
+    "swiglu": dict(gated_linear_unit=True, activation_func=F.silu),
+    "relu2": dict(gated_linear_unit=False, activation_func="squared_relu"),
+}
+
+
+def _config(activation: str = "swiglu", bias: bool = False):
+    """TransformerConfig of the tiny model, on the parallel state set up by `init(ep)`."""
+    from megatron.core.activations import squared_relu
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    act = dict(ACTIVATIONS[activation])
+    if act["activation_func"] == "squared_relu":
+        act["activation_func"] = squared_relu
+    return TransformerConfig(
+        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=4 * HIDDEN,
+        num_moe_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=FFN,
+        expert_model_parallel_size=_ep_size(),
+        add_bias_linear=bias, bias_activation_fusion=False, use_cpu_initialization=True,
+        moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0,
+        hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32, **act)
+
+
+def _ep_size() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_model_parallel_world_size()
+
+
+def init(ep: int) -> None:
+    """Megatron's parallel state on the gloo world with EP `ep` (once per body: re-initialising
+    would destroy the groups of models already built)."""
+    megatron_cpu.init_parallel_state(ep)
+
+
+def build_gpt(kind: str, activation: str = "swiglu", bias: bool = False, seed: int = 1234):
+    """A 2-layer GPT-MoE ("native" or "ext") on this rank, with seeded initialisation."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_moe_ext.megatron.experts import GroupedGemmExperts
+    from megatron_moe_ext.megatron.moe_layer import FlexMoELayer
+
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    config = _config(activation, bias)
+    spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False)
+    if kind == "ext":
+        native_mlp = spec.submodules.mlp
+        moe_submodules = dataclasses.replace(native_mlp.keywords["submodules"],
+                                             experts=GroupedGemmExperts)
+        spec = dataclasses.replace(spec, submodules=dataclasses.replace(
+            spec.submodules, mlp=functools.partial(FlexMoELayer, submodules=moe_submodules)))
+    elif kind != "native":
+        raise ValueError(f"kind={kind!r}: expected 'native' or 'ext'")
+    return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ)
+
+
+def _batch(seed: int = 7):
+    """This rank's token ids [B, S] and labels (different on every rank)."""
+    g = torch.Generator().manual_seed(seed * 100 + dist.get_rank())
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    position_ids = torch.arange(SEQ).expand(BATCH, SEQ)
+    # Explicit causal mask (True = hidden): Megatron's default one is built on "cuda".
+    causal_mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]
+    return tokens, position_ids, causal_mask, labels
+
+
+def forward_backward(model):
+    """Loss [B, S] of this rank's batch, and every parameter's gradient (by state-dict name)."""
+    tokens, position_ids, causal_mask, labels = _batch()
+    model.zero_grad(set_to_none=True)
+    loss_BS = model(tokens, position_ids, attention_mask=causal_mask, labels=labels)
+    # A non-uniform upstream gradient: `.sum()` alone would hide stride bugs in backward.
+    weights_BS = torch.linspace(0.5, 1.5, loss_BS.numel()).view_as(loss_BS)
+    (loss_BS * weights_BS).sum().backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss_BS.detach(), grads
+
+
+def _expert_view(state: dict) -> dict:
+    """Any model's state dict in SequentialMLP's per-expert form (the common currency)."""
+    from megatron_moe_ext.megatron.checkpoint import grouped_to_sequential_mlp
+
+    out = {k: v for k, v in state.items() if not k.endswith("_extra_state")}
+    for layer in range(LAYERS):
+        prefix = f"decoder.layers.{layer}.mlp.experts."
+        if f"{prefix}gate_and_up_projs" in out:
+            out.update(grouped_to_sequential_mlp(out, prefix))
+            for name in ("gate_and_up_projs", "down_projs", "gate_up_proj_bias", "down_proj_bias"):
+                out.pop(f"{prefix}{name}", None)
+    return out
+
+
+def _global_expert_state(model) -> dict:
+    """Expert tensors of the whole model, keyed by global expert id (gathered over EP)."""
+    from megatron.core import parallel_state
+
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    local = {k: v for k, v in _expert_view(model.state_dict()).items() if "local_experts." in k}
+    e = EXPERTS // parallel_state.get_expert_model_parallel_world_size()
+    renamed = {}
+    for k, v in local.items():
+        head, rest = k.split("local_experts.")
+        i, leaf = rest.split(".", 1)
+        renamed[f"{head}expert{ep_rank * e + int(i)}.{leaf}"] = v.clone()
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, renamed)
+    merged = {}
+    for part in gathered:
+        merged.update(part)
+    return merged
+
+
+def _non_expert_state(model) -> dict:
+    return {k: v.clone() for k, v in _expert_view(model.state_dict()).items()
+            if "local_experts." not in k}
+
+
+# ---- test_experts_builder --------------------------------------------------------------
+
+def native_vs_ext_forward_backward(ep: int, activation: str, bias: bool) -> dict:
+    """Same weights (native -> ext through the plain state-dict conversion): losses and every
+    gradient compared on this rank; returns the largest relative errors."""
+    init(ep)
+    native = build_gpt("native", activation, bias)
+    if bias:  # Megatron zero-initialises biases; random ones make the bias path observable.
+        with torch.no_grad():
+            for name, p in native.named_parameters():
+                if name.endswith("bias") and "experts" in name:
+                    p.normal_(0.0, 0.1)
+    ext = build_gpt("ext", activation, bias)
+    ext.load_state_dict(native.state_dict())  # SequentialMLP keys are converted on load
+    loss_n, grads_n = forward_backward(native)
+    loss_e, grads_e = forward_backward(ext)
+    grads_e = _expert_view(grads_e)
+    grads_n = _expert_view(grads_n)
+    if set(grads_n) != set(grads_e):
+        raise AssertionError(f"gradient names differ: {sorted(set(grads_n) ^ set(grads_e))}")
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+    expert_grads = [k for k in grads_n if "local_experts." in k]
+    return {
+        "loss": rel(loss_e, loss_n),
+        "grads": max(rel(grads_e[k], grads_n[k]) for k in grads_n),
+        "worst": max(grads_n, key=lambda k: rel(grads_e[k], grads_n[k])),
+        "num_expert_grads": len(expert_grads),
+        "expert_grad_norm": sum(grads_n[k].norm().item() for k in expert_grads),
+    }
+
+
+def tokens_per_expert_forms(activation: str, bias: bool) -> dict:
+    """One GroupedGemmExperts called with tokens_per_expert on the host (list), as a tensor,
+    and with capacity tail rows past the sum: outputs and gradients of the real rows agree,
+    and match a per-expert loop over SequentialMLP-layout weights."""
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+    from megatron_moe_ext.megatron.experts import GroupedGemmExperts
+
+    init(1)
+    torch.manual_seed(3)
+    config = _config(activation, bias)
+    experts = GroupedGemmExperts(EXPERTS, config, pg_collection=get_default_pg_collection())
+    if bias:
+        with torch.no_grad():
+            experts.gate_up_proj_bias.normal_(0.0, 0.1)
+            experts.down_proj_bias.normal_(0.0, 0.1)
+    counts = [3, 0, 5, 2]
+    rows = sum(counts)
+    g = torch.Generator().manual_seed(5)
+    x_PH = torch.randn(rows + 3, HIDDEN, generator=g)  # 3 capacity tail rows
+    x_PH[rows:] = float("nan")  # padding must never leak into real rows
+    probs_P = torch.rand(rows + 3, generator=g)
+    gy_PH = torch.randn(rows, HIDDEN, generator=g)
+
+    def run(x, p, tpe):
+        x = x.clone().requires_grad_(True)
+        experts.zero_grad(set_to_none=True)
+        out, bias_out = experts(x, tpe, p)
+        assert bias_out is None
+        (out[:rows] * gy_PH).sum().backward()
+        return out[:rows].detach(), x.grad[:rows].clone(), experts.gate_and_up_projs.grad.clone()
+
+    host = run(x_PH[:rows], probs_P[:rows], counts)
+    device = run(x_PH[:rows], probs_P[:rows], torch.tensor(counts))
+    tail = run(x_PH, probs_P, torch.tensor(counts))
+
+    # Independent reference: Megatron's [out, in] weights and its MLP math, expert by expert.
+    act = config.activation_func
+    ref = []
+    start = 0
+    for i, n in enumerate(counts):
+        xi = x_PH[start:start + n]
+        h = xi @ experts.gate_and_up_projs[i].detach()
+        if bias:
+            h = h + experts.gate_up_proj_bias[i].detach()
+        if config.gated_linear_unit:
+            gate, up = torch.chunk(h, 2, dim=-1)
+            h = act(gate) * up
+        else:
+            h = act(h)
+        y = (h * probs_P[start:start + n, None]) @ experts.down_projs[i].detach()
+        if bias:
+            y = y + probs_P[start:start + n, None] * experts.down_proj_bias[i].detach()
+        ref.append(y)
+        start += n
+    ref = torch.cat(ref)
+
+    def err(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    return {
+        "host_vs_ref": err(host[0], ref),
+        "device_vs_host": max(err(d, h) for d, h in zip(device, host)),
+        "tail_vs_host": max(err(t, h) for t, h in zip(tail, host)),
+        "finite": all(bool(torch.isfinite(t).all()) for t in tail),
+    }
+
+
+# ---- test_checkpoint_interop ------------------------------------------------------------
+
+@contextlib.contextmanager
+def _cpu_checkpoint_io():
+    """Let dist_checkpointing's torch_dist writer run on a CPU rank of the harness.
+
+    It returns its results through a `multiprocessing.Manager` queue, i.e. a child process,
+    which the harness's daemonic ranks may not start; the save is synchronous here, so an
+    in-process queue carries the same results. It also calls `torch.cuda.synchronize()`
+    before copying tensors, which has nothing to wait for on CPU.
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+    synchronize = torch.cuda.synchronize
+    torch.cuda.synchronize = lambda device=None: None
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize = synchronize
+
+
+def save_checkpoint(kind: str, ep: int, ckpt_dir: str, drop_key: str | None = None) -> dict:
+    """Build a seeded model, save it as a Megatron distributed checkpoint, return its weights
+    (global expert view) and the loss of this rank's batch. `drop_key` leaves out every shard
+    of that sharded key (a checkpoint missing an expert tensor)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    init(ep)
+    model = build_gpt(kind, seed=1234 if kind == "native" else 4321)
+    sharded = model.sharded_state_dict()
+    if drop_key is not None:
+        sharded = {k: v for k, v in sharded.items()
+                   if not (isinstance(v, ShardedTensorFactory) or hasattr(v, "key"))
+                   or v.key != drop_key}
+    os.makedirs(ckpt_dir, exist_ok=True)
+    with _cpu_checkpoint_io():
+        dist_checkpointing.save(sharded, ckpt_dir)
+    loss, _ = forward_backward(model)
+    return {"experts": _global_expert_state(model), "rest": _non_expert_state(model), "loss": loss}
+
+
+def load_checkpoint(kind: str, ep: int, ckpt_dir: str) -> dict:
+    """Build a model with different seeded weights, load the checkpoint into it, and return
+    its weights (global expert view) and the loss of this rank's batch."""
+    from megatron.core import dist_checkpointing
+
+    init(ep)
+    model = build_gpt(kind, seed=99)
+    before = _global_expert_state(model)
+    with _cpu_checkpoint_io():
+        loaded = dist_checkpointing.load(model.sharded_state_dict(), ckpt_dir)
+    model.load_state_dict(loaded)
+    loss, _ = forward_backward(model)
+    return {"experts": _global_expert_state(model), "rest": _non_expert_state(model), "loss": loss,
+            "before": before}
+
+
+def sharded_layout(kind: str, ep: int) -> list:
+    """(sharded key, global shape, global offset, axis fragmentations, replica id, local
+    values) of every expert ShardedTensor and ShardedObject this rank would save, with factories
+    applied: the on-disk layout, compared between native and ext."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    init(ep)
+    model = build_gpt(kind, seed=1234)
+    if kind == "ext":  # identical weights, so the local values can be compared too
+        model.load_state_dict(build_gpt("native", seed=1234).state_dict())
+    sharded = model.sharded_state_dict()
+    apply_factories(sharded)
+    layout = []
+    for v in nested_values(sharded):
+        if "experts" not in v.key:
+            continue
+        if isinstance(v, ShardedTensor):
+            layout.append((v.key, v.global_shape, v.global_offset, v.axis_fragmentations,
+                           v.replica_id, v.data.detach().clone()))
+        elif isinstance(v, ShardedObject):
+            layout.append((v.key, v.global_shape, v.global_offset, None, v.replica_id, v.data))
+    return sorted(layout, key=lambda t: (t[0], t[2]))
