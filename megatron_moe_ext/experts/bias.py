@@ -137,11 +137,12 @@ class _DeterministicBiasRepeatInterleave(torch.autograd.Function):
     def forward(ctx, bias: torch.Tensor, token_counts: torch.Tensor, output_size: int) -> torch.Tensor:
         """Arguments: bias `[e, D]`; token_counts `[e]` int64 on bias's device; output_size P.
 
-        Returns: `[P, D]` in bias's dtype, expert i's row repeated over its rows, 0 on padding.
+        Returns: `[P, D]` fp32, expert i's row repeated over its rows, 0 on padding. fp32 so
+        the incoming gradient (already weighted by the probs) is reduced before any rounding.
         """
         ctx.save_for_backward(token_counts)
         ctx.bias_dtype = bias.dtype
-        padded = torch.cat([bias, bias.new_zeros(1, bias.shape[1])])
+        padded = torch.cat([bias.float(), bias.new_zeros(1, bias.shape[1], dtype=torch.float32)])
         return padded.index_select(0, _row_expert_ids(token_counts, output_size))
 
     @staticmethod
@@ -236,7 +237,7 @@ def _apply_bias(value: torch.Tensor, bias: torch.Tensor, tokens_per_expert: Toke
                          f"[{value.shape[0]}, 1]")
     if value.shape[0] > _BIAS_CHUNK_THRESHOLD:
         return _ChunkedBiasAdd.apply(value, bias, counts_e, permuted_probs, reuse_input)
-    expanded = _DeterministicBiasRepeatInterleave.apply(bias, counts_e, value.shape[0]).float()
+    expanded = _DeterministicBiasRepeatInterleave.apply(bias, counts_e, value.shape[0])
     if permuted_probs is not None:
         expanded = expanded * permuted_probs
     return (value + expanded).to(value.dtype)

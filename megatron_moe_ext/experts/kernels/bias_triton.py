@@ -44,7 +44,10 @@ def _deterministic_bias_grad_kernel(grad_output_ptr, token_offsets_ptr, probs_pt
     lanes = tl.arange(0, BLOCK_TOKENS)
     hi = tl.zeros([BLOCK_TOKENS, BLOCK_HIDDEN], dtype=tl.float32)
     lo = tl.zeros([BLOCK_TOKENS, BLOCK_HIDDEN], dtype=tl.float32)
-    for first in range(start, end, BLOCK_TOKENS):
+    # A while loop, not range(start, end): the Triton interpreter (how CI runs this kernel)
+    # cannot take loaded scalars as range bounds.
+    first = start
+    while first < end:
         rows = first + lanes
         row_mask = rows < end
         ptrs = grad_output_ptr + rows.to(tl.int64)[:, None] * grad_stride_0 + cols[None, :]
@@ -53,6 +56,7 @@ def _deterministic_bias_grad_kernel(grad_output_ptr, token_offsets_ptr, probs_pt
             prob = tl.load(probs_ptr + rows.to(tl.int64) * probs_stride_0, mask=row_mask, other=0.0)
             x = x * prob.to(tl.float32)[:, None]
         hi, lo = _two_sum(hi, lo, x)
+        first += BLOCK_TOKENS
     # Fold the lanes in lane order; extracting one lane by a masked sum is exact.
     total = tl.zeros([BLOCK_HIDDEN], dtype=tl.float32)
     comp = tl.zeros([BLOCK_HIDDEN], dtype=tl.float32)
@@ -92,8 +96,8 @@ def _weighted_bias_add_kernel(value_ptr, bias_ptr, expert_ids_ptr, probs_ptr, ou
 
 @triton.jit
 def _weighted_bias_probs_grad_kernel(grad_output_ptr, bias_ptr, expert_ids_ptr, grad_probs_ptr,
-                                     rows, hidden, n_experts, grad_stride_0, bias_stride_0,
-                                     BLOCK_ROWS: tl.constexpr, BLOCK_HIDDEN: tl.constexpr):
+                                     rows, hidden: tl.constexpr, n_experts, grad_stride_0,
+                                     bias_stride_0, BLOCK_ROWS: tl.constexpr, BLOCK_HIDDEN: tl.constexpr):
     """`grad_probs[row] = sum_d grad_output[row, d] * bias[expert(row), d]` (0 for padding rows).
 
     Grid: (cdiv(rows, BLOCK_ROWS),). Each program walks its rows' features in a fixed order.

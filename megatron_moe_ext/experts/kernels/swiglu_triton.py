@@ -16,8 +16,8 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
-def _swiglu_fwd_kernel(x_ptr, probs_ptr, out_ptr, inter, x_stride, probs_stride, out_stride,
-                       limit, CLAMP: tl.constexpr, BLOCK: tl.constexpr):
+def _swiglu_fwd_kernel(x_ptr, probs_ptr, out_ptr, inter: tl.constexpr, x_stride, probs_stride,
+                       out_stride, limit, CLAMP: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     prob = tl.load(probs_ptr + row * probs_stride).to(tl.float32)
     for start in range(0, inter, BLOCK):
@@ -33,7 +33,8 @@ def _swiglu_fwd_kernel(x_ptr, probs_ptr, out_ptr, inter, x_stride, probs_stride,
 
 
 @triton.jit
-def _swiglu_bwd_kernel(grad_out_ptr, x_ptr, probs_ptr, grad_x_ptr, grad_probs_ptr, inter,
+def _swiglu_bwd_kernel(grad_out_ptr, x_ptr, probs_ptr, grad_x_ptr, grad_probs_ptr,
+                       inter: tl.constexpr,
                        grad_out_stride, x_stride, probs_stride, grad_x_stride, limit,
                        CLAMP: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
