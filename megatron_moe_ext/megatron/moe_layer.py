@@ -3,12 +3,15 @@
 Megatron's router, experts, shared experts, aux losses and recompute are inherited
 unchanged; only the token dispatcher is swapped. The dispatcher is chosen from the
 `TransformerConfig` (`TokenDispatcherConfig.from_transformer_config`) unless a
-`dispatcher_config` is given (spec `params`, or the patch module's `apply`).
+`dispatcher_config` is given (spec functions in `specs.py`, or the patch module's
+`apply`). `experts`, an `ExpertsBuilder`, optionally replaces the spec's experts (for
+example this package's grouped-GEMM experts).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import threading
 
@@ -45,12 +48,20 @@ def _megatron_builds_dispatcher(factory):
 class FlexMoELayer(MoELayer):
     """Megatron `MoELayer` whose token dispatcher is `MoEFlexTokenDispatcher`.
 
-    Arguments are Megatron's, plus `dispatcher_config` to choose the backend and its
-    options explicitly (default: derived from `config`).
+    Arguments are Megatron's, plus:
+        dispatcher_config: the backend and its options (default: derived from `config`).
+        experts: an `ExpertsBuilder` `(num_local_experts, config, *, pg_collection, name)`
+            that replaces `submodules.experts` (default: the spec's experts).
     """
 
     def __init__(self, config, submodules=None, layer_number=None, pg_collection=None,
-                 is_mtp_layer=False, name=None, dispatcher_config: TokenDispatcherConfig | None = None):
+                 is_mtp_layer=False, name=None, dispatcher_config: TokenDispatcherConfig | None = None,
+                 experts=None):
+        if experts is not None:
+            if submodules is None:
+                raise ValueError("experts: needs the layer's submodules (MoESubmodules) to replace "
+                                 "their experts; build the layer from an MoE spec")
+            submodules = dataclasses.replace(submodules, experts=experts)
         if dispatcher_config is None:
             dispatcher_config = TokenDispatcherConfig.from_transformer_config(config)
         factory = functools.partial(MoEFlexTokenDispatcher, dispatcher_config=dispatcher_config)

@@ -138,3 +138,89 @@ def run_layer_parity(case: LayerCase) -> dict:
         )
     finally:
         megatron_cpu.uninstall()
+
+
+# ---- GPT model built from Megatron's own block spec (specs.py / patches) -------------------
+def gpt_config(ep_size: int, moe_layer_freq=(1, 0, 1)):
+    """A tiny GPT-MoE `TransformerConfig` (local modules, fp32, CPU init); dense layers where
+    `moe_layer_freq` has 0."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=len(moe_layer_freq), hidden_size=16, num_attention_heads=2, ffn_hidden_size=24,
+        num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=12, moe_layer_freq=list(moe_layer_freq),
+        moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=0.01, expert_model_parallel_size=ep_size, transformer_impl="local",
+        add_bias_linear=False, use_cpu_initialization=True, params_dtype=torch.float32,
+        hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def _gpt(config, spec):
+    from megatron.core.models.gpt import GPTModel
+
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=32, max_sequence_length=8)
+
+
+def _gpt_loss_and_grads(model, rank: int):
+    gen = torch.Generator().manual_seed(11 + rank)
+    tokens = torch.randint(0, 32, (2, 8), generator=gen)
+    labels = torch.randint(0, 32, (2, 8), generator=gen)
+    position_ids = torch.arange(8).expand(2, 8)
+    # Explicit causal mask (True = masked): Megatron's default one is built on "cuda".
+    causal_mask = torch.triu(torch.ones(8, 8, dtype=torch.bool), diagonal=1)[None, None]
+    model.zero_grad(set_to_none=True)
+    loss_BS = model(tokens, position_ids, causal_mask, labels=labels)
+    loss_BS.mean().backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss_BS.detach(), grads
+
+
+def _mlp_kinds(model) -> list[str]:
+    return [type(layer.mlp).__name__ for layer in model.decoder.layers]
+
+
+def run_gpt_spec_paths(ep_size: int | None = None) -> dict:
+    """Build the same tiny GPT four ways on this rank and run a step with each:
+    Megatron's block spec unpatched, after `patches.apply()`, after `revert()`, and from
+    `specs.get_flex_decoder_block_spec`. Returns the MLP classes per layer and the
+    loss/gradient differences of the flex models from the native one (same weights)."""
+    # Imported before apply() on purpose: the patch must catch pre-imported builder names.
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from megatron_moe_ext import patches
+    from megatron_moe_ext.megatron.specs import get_flex_decoder_block_spec
+
+    megatron_cpu.install()
+    try:
+        rank = dist.get_rank()
+        ep = dist.get_world_size() if ep_size is None else ep_size
+        megatron_cpu.init_parallel_state(ep)
+        config = gpt_config(ep)
+        native = _gpt(config, get_gpt_decoder_block_spec(config, use_transformer_engine=False))
+        patches.apply()
+        try:
+            patched = _gpt(config, get_gpt_decoder_block_spec(config, use_transformer_engine=False))
+        finally:
+            patches.revert()
+        reverted = _gpt(config, get_gpt_decoder_block_spec(config, use_transformer_engine=False))
+        from_spec_fn = _gpt(config, get_flex_decoder_block_spec(config))
+
+        state = native.state_dict()
+        loss_n, grads_n = _gpt_loss_and_grads(native, rank)
+        result = dict(kinds={}, loss_err={}, grad_err={}, grad_names={})
+        for name, model in (("native", native), ("patched", patched), ("reverted", reverted),
+                            ("spec_fn", from_spec_fn)):
+            result["kinds"][name] = _mlp_kinds(model)
+            if model is native:
+                continue
+            incompatible = model.load_state_dict(state, strict=False)
+            assert not incompatible.missing_keys, incompatible.missing_keys
+            assert all(k.endswith("_extra_state") for k in incompatible.unexpected_keys), incompatible
+            loss, grads = _gpt_loss_and_grads(model, rank)
+            result["loss_err"][name] = _rel_err(loss, loss_n)
+            result["grad_names"][name] = sorted(grads) == sorted(grads_n)
+            result["grad_err"][name] = max(_rel_err(grads[n], grads_n[n]) for n in grads_n)
+        result["num_grads"] = len(grads_n)
+        return result
+    finally:
+        megatron_cpu.uninstall()

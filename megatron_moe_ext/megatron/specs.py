@@ -1,0 +1,175 @@
+"""Spec entry points: Megatron's own GPT layer/block specs with `FlexMoELayer` at every MoE position.
+
+Every function here calls Megatron's builders (`get_gpt_decoder_block_spec`,
+`get_gpt_layer_local_spec`, `get_gpt_layer_with_transformer_engine_spec`) and then swaps
+the MoE layer in the result with `use_flex_moe_layer`, so attention, norms, dense layers,
+router, shared experts and the pipeline slicing stay exactly Megatron's.
+
+Megatron-LM (`--spec megatron_moe_ext.megatron.specs <name>`):
+- `get_flex_decoder_block_spec` is a callable `(config, vp_stage=None)`, the form
+  Megatron-LM's `GPTModelBuilder` (megatron/training/models/gpt.py) calls with the model
+  config and the virtual pipeline stage. It honours `moe_layer_freq` (dense and MoE layers).
+- `flex_moe_layer_spec` is a ready layer spec object (every layer MoE), the form
+  `pretrain_gpt.py`'s `gpt_builder` passes to `GPTModel` unchanged (it imports the named
+  object and does not call it). The expert count comes from `--num-experts` at build time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from megatron.core.extensions.transformer_engine import HAVE_TE
+from megatron.core.models.gpt import gpt_layer_specs
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_moe_ext.config import TokenDispatcherConfig
+from megatron_moe_ext.megatron.moe_layer import FlexMoELayer
+
+
+def _flex_kwargs(dispatcher_config, experts) -> dict:
+    if dispatcher_config is not None and not isinstance(dispatcher_config, TokenDispatcherConfig):
+        raise ValueError(f"dispatcher_config: expected a TokenDispatcherConfig or None, "
+                         f"got {type(dispatcher_config).__name__}")
+    if experts is not None and not callable(experts):
+        raise ValueError(f"experts: expected an ExpertsBuilder (a callable "
+                         f"(num_local_experts, config, *, pg_collection, name)), got {experts!r}")
+    kwargs = {}
+    if dispatcher_config is not None:
+        kwargs["dispatcher_config"] = dispatcher_config
+    if experts is not None:
+        kwargs["experts"] = experts
+    return kwargs
+
+
+def flex_layer_builder(dispatcher_config: TokenDispatcherConfig | None = None, experts=None):
+    """`FlexMoELayer`, or a partial of it carrying `dispatcher_config` / `experts`: what
+    Megatron's MoE module spec wraps in `functools.partial(..., submodules=...)`."""
+    extra = _flex_kwargs(dispatcher_config, experts)
+    return functools.partial(FlexMoELayer, **extra) if extra else FlexMoELayer
+
+
+def flex_moe_builder(mlp, dispatcher_config: TokenDispatcherConfig | None = None, experts=None):
+    """One MLP builder: an MoE layer builder becomes the same builder of `FlexMoELayer`.
+
+    Megatron 0.19 builds an MoE layer from `functools.partial(MoELayer, submodules=...)`
+    (older specs used `ModuleSpec(module=MoELayer, ...)`); both forms are handled. Any other
+    MLP (dense MLP, identity) is returned unchanged.
+    """
+    extra = _flex_kwargs(dispatcher_config, experts)
+    if isinstance(mlp, functools.partial) and isinstance(mlp.func, type) and issubclass(mlp.func, MoELayer):
+        return functools.partial(FlexMoELayer, *mlp.args, **{**mlp.keywords, **extra})
+    if isinstance(mlp, ModuleSpec) and isinstance(mlp.module, type) and issubclass(mlp.module, MoELayer):
+        return dataclasses.replace(mlp, module=FlexMoELayer, params={**mlp.params, **extra})
+    return mlp
+
+
+def use_flex_moe_layer(spec, dispatcher_config: TokenDispatcherConfig | None = None, experts=None):
+    """Return a copy of a layer or block spec whose MoE layers are `FlexMoELayer`.
+
+    Arguments:
+        spec: a `TransformerBlockSubmodules`, a transformer-layer `ModuleSpec`, or a list
+            of layer specs (what Megatron's GPT spec builders return).
+        dispatcher_config: passed to every `FlexMoELayer` (default: derived per layer from
+            the `TransformerConfig`).
+        experts: an `ExpertsBuilder` replacing the spec's experts (default: keep them).
+
+    Returns:
+        The same kind of object; the input is not modified (Megatron shares one layer spec
+        object between all MoE layers of a block).
+    """
+    if isinstance(spec, TransformerBlockSubmodules):
+        layers = [use_flex_moe_layer(s, dispatcher_config, experts) for s in spec.layer_specs]
+        return dataclasses.replace(spec, layer_specs=layers)
+    if isinstance(spec, list):
+        return [use_flex_moe_layer(s, dispatcher_config, experts) for s in spec]
+    if isinstance(spec, ModuleSpec) and hasattr(spec.submodules, "mlp"):
+        mlp = flex_moe_builder(spec.submodules.mlp, dispatcher_config, experts)
+        return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=mlp))
+    raise ValueError(f"spec: expected TransformerBlockSubmodules, a transformer-layer ModuleSpec "
+                     f"or a list of them, got {type(spec).__name__}")
+
+
+def _transformer_config(config) -> TransformerConfig:
+    """Megatron-LM's `GPTModelConfig` wraps the `TransformerConfig` in `.transformer`."""
+    if isinstance(config, TransformerConfig):
+        return config
+    inner = getattr(config, "transformer", None)
+    if isinstance(inner, TransformerConfig):
+        return inner
+    raise ValueError(f"config: expected a TransformerConfig (or a model config holding one in "
+                     f".transformer), got {type(config).__name__}")
+
+
+def _use_te(config: TransformerConfig, use_transformer_engine: bool | None) -> bool:
+    if use_transformer_engine is None:
+        return HAVE_TE and config.transformer_impl == "transformer_engine"
+    if use_transformer_engine and not HAVE_TE:
+        raise ValueError("use_transformer_engine: True needs Transformer Engine, which is not "
+                         "importable here; pass False (or None to choose automatically)")
+    return use_transformer_engine
+
+
+def get_flex_decoder_block_spec(config, vp_stage: int | None = None, *,
+                                use_transformer_engine: bool | None = None,
+                                dispatcher_config: TokenDispatcherConfig | None = None,
+                                experts=None, pp_rank: int | None = None) -> TransformerBlockSubmodules:
+    """Megatron's GPT decoder block spec with `FlexMoELayer` in every MoE layer.
+
+    Arguments:
+        config: `TransformerConfig` (or Megatron-LM's model config holding one).
+        vp_stage: virtual pipeline stage, as Megatron's `get_gpt_decoder_block_spec`.
+        use_transformer_engine: None = TE when importable and `config.transformer_impl`
+            is "transformer_engine", else Megatron's local modules.
+        dispatcher_config, experts: see `use_flex_moe_layer`.
+        pp_rank: pipeline rank, as Megatron's builder.
+
+    Returns:
+        `TransformerBlockSubmodules` of this pipeline stage's layers.
+    """
+    config = _transformer_config(config)
+    block = gpt_layer_specs.get_gpt_decoder_block_spec(
+        config, use_transformer_engine=_use_te(config, use_transformer_engine),
+        normalization=config.normalization, qk_l2_norm=config.qk_l2_norm,
+        vp_stage=vp_stage, pp_rank=pp_rank)
+    return use_flex_moe_layer(block, dispatcher_config, experts)
+
+
+def get_flex_layer_spec(num_experts: int, moe_grouped_gemm: bool = False, *,
+                        use_transformer_engine: bool | None = None,
+                        dispatcher_config: TokenDispatcherConfig | None = None,
+                        experts=None, **layer_kwargs) -> ModuleSpec:
+    """One GPT transformer-layer spec with `FlexMoELayer` as its MLP (like Megatron's
+    `get_gpt_layer_local_spec(num_experts=...)` / `..._with_transformer_engine_spec`).
+
+    Arguments:
+        num_experts: must be set (this is an MoE layer); the layer reads the actual count
+            from `config.num_moe_experts`.
+        moe_grouped_gemm: Megatron's experts choice (TE grouped MLP when True).
+        use_transformer_engine: None = TE when importable.
+        dispatcher_config, experts: see `use_flex_moe_layer`.
+        layer_kwargs: passed to Megatron's builder (qk_layernorm, normalization, ...).
+
+    Returns:
+        `ModuleSpec(module=TransformerLayer, ...)`.
+    """
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts: expected an int >= 1 for an MoE layer, got {num_experts!r}")
+    if use_transformer_engine is None:
+        use_transformer_engine = HAVE_TE
+    elif use_transformer_engine and not HAVE_TE:
+        raise ValueError("use_transformer_engine: True needs Transformer Engine, which is not "
+                         "importable here; pass False (or None to choose automatically)")
+    builder = (gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec if use_transformer_engine
+               else gpt_layer_specs.get_gpt_layer_local_spec)
+    spec = builder(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm, **layer_kwargs)
+    return use_flex_moe_layer(spec, dispatcher_config, experts)
+
+
+# For `pretrain_gpt.py --spec megatron_moe_ext.megatron.specs flex_moe_layer_spec`, which
+# passes the imported object itself to GPTModel. Any positive count builds the MoE spec;
+# the layer takes its expert count from the config.
+flex_moe_layer_spec = get_flex_layer_spec(num_experts=1)
