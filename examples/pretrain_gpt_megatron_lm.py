@@ -80,7 +80,8 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 def forward_step(data_iterator, model):
     """One micro-batch: with TP = PP = CP = 1 every rank reads its own batch, no broadcast needed."""
-    batch = {k: v.cuda(non_blocking=True) if torch.is_tensor(v) else v
+    device = torch.cuda.current_device()
+    batch = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v
              for k, v in next(data_iterator).items()}
     output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
                    labels=batch["labels"], loss_mask=batch["loss_mask"])

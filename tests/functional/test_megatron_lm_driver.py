@@ -1,6 +1,6 @@
 """examples/pretrain_gpt_megatron_lm.py parses a Megatron-LM command line with --spec and builds
-the model through megatron.training's own GPT builder (training itself needs CUDA: the GPU
-runner bench/gpu/pretrain_ep2.sh runs it)."""
+the model through megatron.training's own GPT builder, and its forward_step/loss run one mock
+batch forward and backward (pretrain() itself needs CUDA: bench/gpu/pretrain_ep2.sh runs it)."""
 
 import json
 import os
@@ -14,7 +14,8 @@ TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32
         "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 2 --train-iters 3 "
         "--lr 1e-3 --num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 1 --mock-data "
         "--tokenizer-type NullTokenizer --vocab-size 128 --transformer-impl local "
-        "--use-cpu-initialization --no-gradient-accumulation-fusion --no-persist-layer-norm").split()
+        "--use-cpu-initialization --no-gradient-accumulation-fusion --no-persist-layer-norm "
+        "--swiglu --disable-bias-linear").split()
 
 
 def _check(*flags: str) -> subprocess.CompletedProcess:
@@ -33,4 +34,9 @@ def test_driver_builds_flex_layers_from_spec():
     assert built["moe_layers"] == ["FlexMoELayer"] * 2
     assert built["backends"] == ["torch"] * 2
     assert built["train_iters"] == 3
+    # One MockGPTDataset micro-batch (2 x 32 tokens) through the driver's forward_step and loss;
+    # an untrained model over a 128-token vocabulary starts near ln(128) = 4.85.
+    assert built["num_tokens"] == 2 * 32 and built["report_keys"] == ["lm loss"]
+    assert 3.5 < built["lm_loss"] < 6.5
+    assert built["all_moe_params_have_grad"]
 
