@@ -65,16 +65,16 @@ def topk_to_dense(indices_TK: torch.Tensor, probs_TK: torch.Tensor, num_experts:
     """Differentiable scatter of top-k routing into `(mask [T, E] bool, probs [T, E])`."""
     valid = indices_TK >= 0
     safe = indices_TK.clamp(min=0)
-    probs_TE = torch.zeros(indices_TK.shape[0], num_experts, dtype=probs_TK.dtype)
+    probs_TE = torch.zeros(indices_TK.shape[0], num_experts, dtype=probs_TK.dtype, device=indices_TK.device)
     probs_TE = probs_TE.scatter_add(1, safe, torch.where(valid, probs_TK, 0.0))
-    mask_TE = torch.zeros(indices_TK.shape[0], num_experts, dtype=torch.int32)
+    mask_TE = torch.zeros(indices_TK.shape[0], num_experts, dtype=torch.int32, device=indices_TK.device)
     mask_TE = mask_TE.scatter_add(1, safe, valid.int()) > 0
     return mask_TE, probs_TE
 
 
 def dense_moe_reference(x_TH, mask_TE, probs_TE, params) -> torch.Tensor:
     """`y_t = sum_e mask[t, e] * p[t, e] * expert_e(x_t)` in fp32."""
-    out = torch.zeros(x_TH.shape[0], x_TH.shape[1], dtype=torch.float32)
+    out = torch.zeros(x_TH.shape[0], x_TH.shape[1], dtype=torch.float32, device=x_TH.device)
     for e in range(mask_TE.shape[1]):
         w = (probs_TE[:, e].float() * mask_TE[:, e])[:, None]
         out = out + w * toy_expert(x_TH, e, params)
@@ -94,6 +94,6 @@ def apply_local_experts(tokens_PH, tokens_per_expert, probs_P, local_expert_ids,
         start += count
     tail = tokens_PH.shape[0] - start
     if tail:
-        outs.append(torch.zeros(tail, tokens_PH.shape[1]))
-    out = torch.cat(outs) if outs else torch.zeros(0, tokens_PH.shape[1])
+        outs.append(torch.zeros(tail, tokens_PH.shape[1], device=tokens_PH.device))
+    out = torch.cat(outs) if outs else torch.zeros(0, tokens_PH.shape[1], device=tokens_PH.device)
     return out.to(tokens_PH.dtype)
