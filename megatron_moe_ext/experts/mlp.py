@@ -133,7 +133,7 @@ def _checkpointed_chunked_expert_mlp(hidden_states: torch.Tensor, gate_and_up_pr
                                      tokens_per_expert: TokenCounts, permuted_probs: torch.Tensor,
                                      activation_fn: Activation,
                                      apply_router_weight_after_down: bool = False,
-                                     chunk_bytes: int = _EXPERT_MLP_CHUNK_BYTES) -> torch.Tensor:
+                                     chunk_bytes: int | None = None) -> torch.Tensor:
     """Run the grouped expert MLP in checkpointed row chunks of about `chunk_bytes`.
 
     A chunk holds as many rows as fit `chunk_bytes` of its `[rows, 2I]` intermediate. Chunks
@@ -146,13 +146,15 @@ def _checkpointed_chunked_expert_mlp(hidden_states: torch.Tensor, gate_and_up_pr
         activation_fn, gate_up_proj_bias, down_proj_bias: as `_torch_mm_experts_fwd`.
         apply_router_weight_after_down: multiply by the prob after the down projection
             (`prob * (act(x W1 + b1) W2 + b2)`) instead of inside `activation_fn`.
-        chunk_bytes: target size of one chunk's `[rows, 2I]` intermediate.
+        chunk_bytes: target size of one chunk's `[rows, 2I]` intermediate
+            (default `_EXPERT_MLP_CHUNK_BYTES`).
 
     Returns:
         `[P, H]` in hidden_states' dtype with its own storage; equal to the unchunked result.
     """
     rows, hidden = hidden_states.shape
     dtype = hidden_states.dtype
+    chunk_bytes = _EXPERT_MLP_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     chunk_rows = max(1, chunk_bytes // (gate_and_up_projs.shape[-1] * hidden_states.element_size()))
     host = _host_counts(tokens_per_expert)
     counts_e = None if host is not None else _counts_on(tokens_per_expert, hidden_states.device)
