@@ -6,7 +6,7 @@ driver is its smallest equivalent (GPT, mock data, TP = PP = CP = 1) so the reci
 `examples/pretrain_with_megatron_lm.md` can be run with nothing but `pip install`:
 
     torchrun --nproc-per-node 2 examples/pretrain_gpt_megatron_lm.py \\
-        --spec megatron_moe_ext.megatron.specs get_moe_ext_decoder_block_spec \\
+        --spec megatron_moe_ext.megatron.specs get_flex_decoder_block_spec \\
         --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep \\
         --expert-model-parallel-size 2 ... --mock-data --tokenizer-type NullTokenizer --vocab-size 1024
 

@@ -138,8 +138,6 @@ def transformer_config(cfg: GPTMoEConfig, ep_size: int):
 
 def layer_spec(cfg: GPTMoEConfig, layer: str, backend: str, config):
     """Megatron's local GPT layer spec with SequentialMLP experts; `ext` swaps in `FlexMoELayer`."""
-    import functools
-
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(num_experts=cfg.num_moe_experts, moe_grouped_gemm=False)
@@ -148,14 +146,11 @@ def layer_spec(cfg: GPTMoEConfig, layer: str, backend: str, config):
     if layer != "ext":
         raise ValueError(f"layer={layer!r} is invalid: allowed values are {LAYERS}")
     from megatron_moe_ext.config import TokenDispatcherConfig
-    from megatron_moe_ext.megatron.moe_layer import FlexMoELayer
+    from megatron_moe_ext.megatron.specs import use_flex_moe_layer
 
     dispatcher_config = TokenDispatcherConfig.from_transformer_config(
         config, moe_flex_dispatcher_backend=backend)
-    native_moe = spec.submodules.mlp
-    spec.submodules.mlp = functools.partial(
-        FlexMoELayer, *native_moe.args, **native_moe.keywords, dispatcher_config=dispatcher_config)
-    return spec
+    return use_flex_moe_layer(spec, dispatcher_config=dispatcher_config)
 
 
 def build_model(cfg: GPTMoEConfig, layer: str, backend: str, ep_size: int):

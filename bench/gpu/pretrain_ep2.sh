@@ -37,7 +37,7 @@ DRIVER="$RUN examples/pretrain_gpt_megatron_lm.py --num-layers 4 --hidden-size 5
 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 --expert-model-parallel-size 2 --transformer-impl local \
 --no-persist-layer-norm --no-gradient-accumulation-fusion --swiglu --disable-bias-linear --mock-data --tokenizer-type NullTokenizer \
 --vocab-size 4096 --log-interval 1 --eval-iters 0 \
---spec megatron_moe_ext.megatron.specs get_moe_ext_decoder_block_spec"
+--spec megatron_moe_ext.megatron.specs get_flex_decoder_block_spec"
 driver() {  # name, dispatcher flags
   local name=$1; shift
   local cmd="$DRIVER $*"

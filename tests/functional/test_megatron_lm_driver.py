@@ -26,7 +26,7 @@ def _check(*flags: str) -> subprocess.CompletedProcess:
 
 def test_driver_builds_flex_layers_from_spec():
     pytest.importorskip("megatron_moe_ext.megatron.specs")
-    run = _check("--spec", "megatron_moe_ext.megatron.specs", "get_moe_ext_decoder_block_spec",
+    run = _check("--spec", "megatron_moe_ext.megatron.specs", "get_flex_decoder_block_spec",
                  "--moe-token-dispatcher-type", "alltoall")
     line = [x for x in run.stdout.splitlines() if x.startswith("DRIVER_CHECK ")]
     assert run.returncode == 0 and line, run.stdout[-3000:] + run.stderr[-3000:]
