@@ -9,10 +9,12 @@ gradient hides layout bugs) and returns forward, gradient and token-count differ
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from megatron.core.transformer.moe.experts import SequentialMLP
 
 from tests.shims import megatron_cpu
 
@@ -224,3 +226,43 @@ def run_gpt_spec_paths(ep_size: int | None = None) -> dict:
         return result
     finally:
         megatron_cpu.uninstall()
+
+
+def run_patched_layer_with_experts() -> dict:
+    """`patches.apply(dispatcher_config=..., experts=...)`, then Megatron's unmodified
+    `get_moe_module_spec` builds a layer with exactly that dispatcher config and experts."""
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    from megatron_moe_ext import patches
+    from megatron_moe_ext.config import TokenDispatcherConfig
+
+    megatron_cpu.install()
+    try:
+        ep = dist.get_world_size()
+        pg = megatron_cpu.init_parallel_state(ep)
+        config = layer_config(LayerCase("experts_override"), ep)
+        experts = functools.partial(_MarkedExperts, submodules=MLPSubmodules(
+            linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
+        dcfg = TokenDispatcherConfig(moe_flex_dispatcher_backend="torch", num_moe_experts=4,
+                                     moe_router_topk=2, moe_share_token_dispatcher=False)
+        patches.apply(dispatcher_config=dcfg, experts=experts)
+        try:
+            layer = get_moe_module_spec(use_te=False, num_experts=4)(config=config, pg_collection=pg)
+        finally:
+            patches.revert()
+        x = torch.randn(4, 2, 16, generator=torch.Generator().manual_seed(dist.get_rank()))
+        out, _ = layer(x)
+        out.square().mean().backward()
+        return dict(layer=type(layer).__name__, experts=type(layer.experts).__name__,
+                    is_sequential=isinstance(layer.experts, SequentialMLP),
+                    same_config=layer.dispatcher_config is dcfg,
+                    dispatcher_share=layer.token_dispatcher.dispatcher_config.moe_share_token_dispatcher,
+                    router_grad=float(layer.router.weight.grad.norm()))
+    finally:
+        megatron_cpu.uninstall()
+
+
+class _MarkedExperts(SequentialMLP):
+    """Megatron's SequentialMLP under another name: proves the `experts` builder was used."""
