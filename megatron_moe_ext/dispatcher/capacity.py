@@ -1,0 +1,203 @@
+"""Capacity mode for the portable ``torch`` backend: dispatch without any host sync.
+
+The dropless torch backend must read the per-rank send counts on the host to size its
+all-to-all. In capacity mode (`moe_hybridep_capacity_factor`) the first dispatch is a
+dropless calibration (one host sync); it fixes, as EP-group maxima times the factor,
+- `send_capacity`: rows any rank may send to any one rank, and
+- `capacity`: permuted rows any rank may receive (after per-expert padding).
+Every later dispatch then uses equal, fixed all-to-all splits of `send_capacity` rows per
+rank pair, computes every layout on the device, keeps `tokens_per_expert` on the device and
+returns `capacity` permuted rows; rows past `sum(tokens_per_expert)` are zero padding that
+experts must not trust and combine never reads. Overflow of either capacity sets a device
+flag checked by an async device assert whose message names the capacity: training never
+continues on dropped tokens.
+
+Legend: T local tokens, K top-k, W ranks, e local experts, C send capacity per rank pair,
+S = W*C sent slots, R = W*C received slots, N permuted pairs, P permuted-row capacity.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_moe_ext.dispatcher import permute as P
+from megatron_moe_ext.dispatcher.backends import torch_a2a
+from megatron_moe_ext.dispatcher.deepep_manager import _DeepepManager
+
+# Capacities are rounded to this many rows (or to the expert pad multiple when set).
+_CAPACITY_ALIGNMENT = 4
+
+
+def assert_no_overflow(overflow: torch.Tensor, capacity_text: str) -> None:
+    """Fail on the device, without a host sync, when `overflow` (a 0-d bool) is set."""
+    torch._assert_async(
+        ~overflow,
+        f"capacity-mode dispatch overflowed its {capacity_text}: tokens would be dropped. "
+        "Raise moe_hybridep_capacity_factor.",
+    )
+
+
+@dataclass(frozen=True)
+class CapacityHandle:
+    """State of one fixed-capacity dispatch that permute, combine and both backwards reuse.
+
+    send_token_ids_S: local token id of each sent slot (T marks an empty slot).
+    send_capacity: C, rows per rank pair.
+    num_tokens: T.
+    """
+
+    send_token_ids_S: torch.Tensor
+    send_capacity: int
+    num_tokens: int
+
+
+class _TorchCapacityManager(_DeepepManager):
+    """The torch backend's manager with capacity mode (see the module docstring).
+
+    Arguments:
+        hybridep_capacity_factor: capacity = calibrated rows times this factor.
+        **kwargs: `_DeepepManager`'s arguments (the torch backend's dispatch/combine).
+    """
+
+    def __init__(self, hybridep_capacity_factor: float, **kwargs):
+        super().__init__(**kwargs)
+        self.hybridep_capacity_factor = hybridep_capacity_factor
+        self.settings = self.settings + (hybridep_capacity_factor,)
+        self.send_capacity: int | None = None
+        self.capacity: int | None = None
+
+    def _release_dispatch_state(self) -> None:
+        super()._release_dispatch_state()
+        self.overflow: torch.Tensor | None = None
+
+    def _fixed(self) -> bool:
+        return isinstance(self.handle, CapacityHandle)
+
+    # ---- calibration --------------------------------------------------------------------
+    def _calibrate(self, device) -> None:
+        """One MAX all-reduce of both capacities; the counts are on the host already."""
+        multiple = self.pad_multiple or _CAPACITY_ALIGNMENT
+        rows = sum(P.align_up(n, multiple if self.pad_multiple else 1) for n in self.tokens_per_expert.tolist())
+        pair_rows = max(self.handle.send_splits)
+
+        def scaled(n, m):
+            return P.align_up(max(math.ceil(n * self.hybridep_capacity_factor), 1), m)
+
+        local = torch.tensor([scaled(pair_rows, _CAPACITY_ALIGNMENT), scaled(rows, multiple)], device=device)
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group)
+        self.send_capacity, self.capacity = local.tolist()
+
+    # ---- communication ------------------------------------------------------------------
+    def dispatch(self, hidden_states, async_finish=False, allocate_on_comm_stream=False):
+        if self.capacity is None:
+            hidden = super().dispatch(hidden_states, async_finish, allocate_on_comm_stream)
+            self._calibrate(hidden_states.device)
+            return hidden
+        return self._dispatch_fixed(hidden_states)
+
+    def _dispatch_fixed(self, x_TH: torch.Tensor) -> torch.Tensor:
+        group, e, C = self.group, self.num_local_experts, self.send_capacity
+        world = dist.get_world_size(group)
+        indices_TK, probs_TK = self.token_indices, self.token_probs
+        num_tokens, topk = indices_TK.shape
+        device = x_TH.device
+
+        dest_TK = torch.where(indices_TK >= 0, indices_TK // e, world)
+        in_rank_TW = torch.zeros(num_tokens, world + 1, dtype=torch.int32, device=device)
+        in_rank_TW = in_rank_TW.scatter_add_(1, dest_TK, torch.ones_like(dest_TK, dtype=torch.int32))[:, :world] > 0
+        # A token's slot is its position among the tokens sent to the same rank.
+        pos_TW = torch.cumsum(in_rank_TW.int(), dim=0) - 1
+        fits_TW = in_rank_TW & (pos_TW < C)
+        send_overflow = (in_rank_TW & ~fits_TW).any()
+        slot_TW = torch.arange(world, device=device) * C + pos_TW
+        slot_TW = torch.where(fits_TW, slot_TW, world * C)
+        token_TW = torch.arange(num_tokens, device=device)[:, None].expand(-1, world)
+        send_token_ids_S = torch.full((world * C + 1,), num_tokens, dtype=torch.long, device=device)
+        send_token_ids_S = send_token_ids_S.index_put((slot_TW.flatten(),), token_TW.flatten())[:-1]
+        send_rank_S = torch.arange(world, device=device).repeat_interleave(C)
+
+        # Empty slots point at an appended zero token routed nowhere.
+        x_pad = torch.cat([x_TH, x_TH.new_zeros(1, x_TH.shape[1])])
+        indices_pad = torch.cat([indices_TK, indices_TK.new_full((1, topk), -1)])
+        probs_pad = torch.cat([probs_TK, probs_TK.new_zeros(1, topk)])
+        sent_SK = indices_pad.index_select(0, send_token_ids_S)
+        mine_SK = (sent_SK >= 0) & (sent_SK // e == send_rank_S[:, None])
+        local_SK = torch.where(mine_SK, sent_SK - send_rank_S[:, None] * e, -1)
+        probs_SK = torch.where(mine_SK, probs_pad.index_select(0, send_token_ids_S), 0.0)
+        meta_SK2 = torch.cat([local_SK.float(), probs_SK], dim=1)
+
+        splits = [C] * world
+        recv_x_RH = torch_a2a._AllToAllRows.apply(x_pad.index_select(0, send_token_ids_S), splits, splits, group)
+        recv_meta = torch_a2a._AllToAllRows.apply(meta_SK2, splits, splits, group)
+        self.dispatched_indices = recv_meta[:, :topk].detach().long()
+        self.dispatched_probs = recv_meta[:, topk:]
+        self.handle = CapacityHandle(send_token_ids_S, C, num_tokens)
+        self.token_indices = self.token_probs = None
+
+        # The receive-side check is local, so both flags are known here, after the only
+        # collectives of the dispatch: no rank can leave a peer waiting in one.
+        routing_Re, _ = self._indices_to_multihot(self.dispatched_indices, self.dispatched_probs)
+        counts_e = routing_Re.sum(0)
+        multiple = self.pad_multiple or 1
+        recv_overflow = ((counts_e + multiple - 1) // multiple * multiple).sum() > self.capacity
+        assert_no_overflow(send_overflow | recv_overflow,
+                           f"capacity (send capacity {C} rows per rank pair, capacity {self.capacity} "
+                           "permuted rows per rank)")
+        return recv_x_RH
+
+    def combine(self, hidden_states, async_finish=False, allocate_on_comm_stream=False):
+        if not self._fixed():
+            return super().combine(hidden_states, async_finish, allocate_on_comm_stream)
+        h = self.handle
+        world = dist.get_world_size(self.group)
+        # Empty slots gather into the extra token row T, which is sliced off.
+        a2a_handle = torch_a2a.TorchDispatchHandle(h.send_token_ids_S, [h.send_capacity] * world,
+                                                   [h.send_capacity] * world, h.num_tokens + 1)
+        out_TH, _ = torch_a2a.combine(hidden_states, self.group, a2a_handle)
+        self._release_dispatch_state()
+        return out_TH[: h.num_tokens]
+
+    # ---- local permutation ----------------------------------------------------------------
+    def get_permuted_hidden_states_by_experts(self, hidden_states):
+        if not self._fixed():
+            return super().get_permuted_hidden_states_by_experts(hidden_states)
+        capacity, num_rows = self.capacity, hidden_states.shape[0]
+        routing_Re, probs_Re = self._indices_to_multihot(self.dispatched_indices, self.dispatched_probs)
+        multiple = self.pad_multiple or 1
+        counts_e = routing_Re.sum(0)
+        padded_e = (counts_e + multiple - 1) // multiple * multiple
+        offsets_e = torch.cumsum(counts_e, 0) - counts_e
+        padded_offsets_e = torch.cumsum(padded_e, 0) - padded_e
+        # Expert-major pairs, at most `capacity` of them: a static size, so no host sync.
+        pairs_N2 = torch.nonzero_static(routing_Re.t(), size=capacity, fill_value=-1)
+        expert_N, row_N = pairs_N2[:, 0], pairs_N2[:, 1]
+        safe_expert_N = expert_N.clamp(min=0)
+        dest_N = torch.arange(capacity, device=hidden_states.device) - offsets_e[safe_expert_N] \
+            + padded_offsets_e[safe_expert_N]
+        valid_N = (expert_N >= 0) & (dest_N < capacity)
+        # Invalid pairs read row 0 and land in an extra row `capacity`, sliced off.
+        dest_N = torch.where(valid_N, dest_N, capacity)
+        row_N = torch.where(valid_N, row_N, num_rows)
+        safe_row_N = row_N.clamp(max=num_rows - 1) if num_rows else row_N
+        rows_NH = hidden_states.index_select(0, safe_row_N)
+        permuted_PH = hidden_states.new_zeros(capacity + 1, hidden_states.shape[1]).index_copy(0, dest_N, rows_NH)
+        probs_N = probs_Re[safe_row_N, safe_expert_N]
+        permuted_probs_P = probs_N.new_zeros(capacity + 1).index_copy(0, dest_N, probs_N)
+        self.reversed_mapping_for_combine = P.PermutationState(row_N, dest_N, num_rows + 1)
+        self.tokens_per_expert = padded_e
+        self.dispatched_indices = self.dispatched_probs = None
+        permuted_probs_P = permuted_probs_P[:capacity]
+        if self.router_dtype == "fp64":
+            permuted_probs_P = permuted_probs_P.double()
+        return permuted_PH[:capacity], permuted_probs_P
+
+    def get_restored_hidden_states_by_experts(self, hidden_states):
+        if not self._fixed():
+            return super().get_restored_hidden_states_by_experts(hidden_states)
+        padded_PH = torch.cat([hidden_states, hidden_states.new_zeros(1, hidden_states.shape[1])])
+        state = self.reversed_mapping_for_combine
+        return P.unpermute_from_experts(padded_PH, state)[: state.num_rows - 1]
