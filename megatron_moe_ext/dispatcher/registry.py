@@ -31,11 +31,13 @@ def _build_torch(cfg, group, num_local_experts, tp_size):
     from megatron_moe_ext.dispatcher.backends import torch_a2a
     from megatron_moe_ext.dispatcher.deepep_manager import _DeepepManager
 
-    return _DeepepManager(
-        **_deepep_style_kwargs(cfg, group, num_local_experts, tp_size),
-        _dispatch_fn=torch_a2a.dispatch,
-        _combine_fn=torch_a2a.combine,
-    )
+    kwargs = dict(**_deepep_style_kwargs(cfg, group, num_local_experts, tp_size),
+                  _dispatch_fn=torch_a2a.dispatch, _combine_fn=torch_a2a.combine)
+    if cfg.moe_hybridep_capacity_factor is not None:
+        from megatron_moe_ext.dispatcher.capacity import _TorchCapacityManager
+
+        return _TorchCapacityManager(cfg.moe_hybridep_capacity_factor, **kwargs)
+    return _DeepepManager(**kwargs)
 
 
 def _build_deepep(cfg, group, num_local_experts, tp_size):
