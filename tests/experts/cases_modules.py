@@ -48,6 +48,9 @@ class ModuleCase:
     tokens_per_rank is indexed by rank; masked_fraction of tokens get token_mask False;
     unused_fraction of slots get index -1; empty_expert (if set) receives no token.
     ep_mode: "none" (no EP group: EP=1), "group" (ProcessGroup), "mesh" (DeviceMesh).
+    backend / dispatcher_options: the flex dispatcher of the DeepEP and TE modules; 'deepep'
+    and 'hybridep' run on their test doubles unless the real library is importable.
+    repeats: forward+backward passes (capacity modes calibrate on the first); the last is checked.
     """
 
     name: str
@@ -67,6 +70,9 @@ class ModuleCase:
     unused_fraction: float = 0.0
     empty_expert: int | None = None
     fp8_align_size: int | None = None
+    backend: str = "torch"
+    dispatcher_options: tuple[tuple[str, object], ...] = ()
+    repeats: int = 1
     seed: int = 0
 
 
@@ -79,8 +85,21 @@ def te_double_or_none():
     return GroupedLinear
 
 
+def _install_backend(backend: str) -> None:
+    if backend == "deepep":
+        from tests.doubles import deep_ep_buffer
+
+        deep_ep_buffer.install()
+    elif backend == "hybridep":
+        from tests.doubles import hybrid_ep_buffer
+
+        hybrid_ep_buffer.install()
+
+
 def build_module(case: ModuleCase, **overrides):
     """The case's module for all E experts (EP is set up separately)."""
+    _install_backend(case.backend)
+    overrides = {"device": "cpu", **dict(case.dispatcher_options), **overrides}
     _, param_dtype = DTYPES[case.dtype]
     config = ExpertsConfig(
         n_routed_experts=case.experts, n_activated_experts=case.topk, dim=case.hidden,
@@ -88,12 +107,12 @@ def build_module(case: ModuleCase, **overrides):
         activation_alpha=ALPHA, activation_limit=case.limit, dtype=param_dtype,
         use_torch_mm=case.module != "grouped_loop")
     if case.module in ("grouped_loop", "grouped_mm"):
-        return GroupedExperts(config, device="cpu", **overrides)
+        return GroupedExperts(config, **overrides)
     if case.module == "deepep":
-        return GroupedExpertsDeepEP(config, dispatcher_backend="torch", device="cpu", **overrides)
-    return GroupedExpertsTE(config, dispatcher_backend="torch", device="cpu",
-                            fp8_align_size=case.fp8_align_size,
-                            grouped_linear_cls=te_double_or_none(), **overrides)
+        return GroupedExpertsDeepEP(config, dispatcher_backend=case.backend, **overrides)
+    overrides.setdefault("grouped_linear_cls", te_double_or_none())
+    return GroupedExpertsTE(config, dispatcher_backend=case.backend, fp8_align_size=case.fp8_align_size,
+                            **overrides)
 
 
 def setup_ep(module, ep_mode: str) -> None:
@@ -217,12 +236,16 @@ def run_module_case(case: ModuleCase) -> dict:
     local = slice(rank * e, (rank + 1) * e)
     module.load_state_dict({k: v[local].to(DTYPES[case.dtype][1]) for k, v in params.items()}, strict=True)
 
+    tail_rows = _record_tail_rows(module)
+
     inputs = [make_inputs(case, r) for r in range(world)]
     x, token_mask, weights, indices, grad_out = inputs[rank]
-    x1 = x.to(act_dtype).requires_grad_()
-    w1 = weights.clone().requires_grad_()
-    y = module(x1, token_mask, w1, indices)
-    (y.float() * grad_out).sum().backward()
+    for _ in range(case.repeats):
+        module.zero_grad(set_to_none=True)
+        x1 = x.to(act_dtype).requires_grad_()
+        w1 = weights.clone().requires_grad_()
+        y = module(x1, token_mask, w1, indices)
+        (y.float() * grad_out).sum().backward()
 
     # The reference sees the module's parameter values (bf16-rounded where stored in bf16).
     ref_params = {k: v.to(DTYPES[case.dtype][1]).float().requires_grad_() for k, v in params.items()}
@@ -256,7 +279,25 @@ def run_module_case(case: ModuleCase) -> dict:
                                   and (w1.grad[masked] == 0).all()),
         "params_without_grad": [n for n, p in module.named_parameters() if p.grad is None],
         "local_tokens_per_expert": [int((indices[token_mask] == i).sum()) for i in range(case.experts)],
+        "tail_rows": tail_rows,
     }
+
+
+def _record_tail_rows(module) -> list[int]:
+    """Per dispatch, the rows past sum(tokens_per_expert) handed to the experts (capacity padding)."""
+    tails: list[int] = []
+    dispatch = getattr(module, "token_dispatch", None)
+    if dispatch is None:
+        return tails
+    inner = dispatch.dispatch
+
+    def recording(*args):
+        rows, tokens_per_expert, probs = inner(*args)
+        tails.append(rows.shape[0] - int(torch.as_tensor(tokens_per_expert).sum()))
+        return rows, tokens_per_expert, probs
+
+    dispatch.dispatch = recording
+    return tails
 
 
 def run_state_dict_interop(case: ModuleCase) -> dict:

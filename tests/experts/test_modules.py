@@ -35,6 +35,20 @@ CASES = [
     ModuleCase("loop_relu2_bf16_ep2_no_limit", "grouped_loop", "relu2", "bf16", False, 2, limit=0.0),
     ModuleCase("mm_oai_fp32_no_limit_ep2_all_masked_rank", "grouped_mm", "swiglu_oai", "fp32", False, 2,
                limit=0.0, tokens_per_rank=(6, 3), masked_fraction=0.5),
+    ModuleCase("deepep_torch_capacity_swiglu_fp32_bias_ep2", "deepep", "swiglu", "fp32", True, 2,
+               repeats=2, dispatcher_options=(("moe_hybridep_capacity_factor", 2.0),)),
+    ModuleCase("te_torch_capacity_relu2_fp32_bias_ep2", "te", "relu2", "fp32", True, 2, repeats=2,
+               dispatcher_options=(("moe_hybridep_capacity_factor", 2.0),), tokens_per_rank=(8, 3)),
+    ModuleCase("deepep_on_deepep_backend_swiglu_bf16_bias_ep2", "deepep", "swiglu", "bf16", True, 2,
+               backend="deepep"),
+    # Capacity mode: the dispatcher hands over rows past sum(tokens_per_expert).
+    ModuleCase("deepep_on_hybridep_capacity_clamped_bf16_bias_ep2", "deepep", "swiglu_clamped", "bf16", True, 2,
+               backend="hybridep", repeats=2, dispatcher_options=(("moe_hybridep_capacity_factor", 2.0),)),
+    ModuleCase("te_on_hybridep_capacity_oai_bf16master_bias_ep2", "te", "swiglu_oai", "bf16_fp32_master", True, 2,
+               backend="hybridep", repeats=2, dispatcher_options=(("moe_hybridep_capacity_factor", 2.0),)),
+    ModuleCase("mm_swiglu_fp32_bias_ep2_no_tokens_anywhere", "grouped_mm", "swiglu", "fp32", True, 2,
+               tokens_per_rank=(0, 0)),
+    ModuleCase("te_swiglu_fp32_ep2_no_tokens_anywhere", "te", "swiglu", "fp32", False, 2, tokens_per_rank=(0, 0)),
 ]
 
 
@@ -49,6 +63,8 @@ def test_module_matches_dense_reference(dist_pools, case):
             assert err <= r["tol"], f"rank {rank}: {key} relative error {err:.3g} > {r['tol']}"
         assert r["masked_exact_zero"], f"rank {rank}: masked tokens got output or gradient"
         assert r["params_without_grad"] == [], f"rank {rank}: no gradient for {r['params_without_grad']}"
+    if dict(case.dispatcher_options).get("moe_hybridep_capacity_factor"):
+        assert max(max(r["tail_rows"]) for r in results) > 0, "capacity mode produced no padding rows"
     if case.empty_expert is not None:
         assert sum(r["local_tokens_per_expert"][case.empty_expert] for r in results) == 0
 
