@@ -34,6 +34,7 @@ class LayerCase:
     shared_expert_size: int | None = None
     recompute: bool = False
     capacity_factor: float | None = None
+    pad_to_capacity: bool = False
     gated: bool = False
     seed: int = 7
 
@@ -56,7 +57,8 @@ def layer_config(case: LayerCase, ep_size: int):
         extra.update(recompute_granularity="selective", recompute_modules=["moe"])
     if case.capacity_factor is not None:
         extra.update(moe_expert_capacity_factor=case.capacity_factor,
-                     moe_token_drop_policy="probs", moe_pad_expert_input_to_capacity=False)
+                     moe_token_drop_policy="probs",
+                     moe_pad_expert_input_to_capacity=case.pad_to_capacity)
     return TransformerConfig(
         num_layers=1, hidden_size=case.hidden, num_attention_heads=2, ffn_hidden_size=case.ffn,
         num_moe_experts=case.num_experts, moe_router_topk=case.topk, moe_ffn_hidden_size=case.ffn,
