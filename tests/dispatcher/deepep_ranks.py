@@ -44,9 +44,14 @@ def reference_capacity_drop(indices_TK, probs_TK, num_experts: int, factor: floa
     return kept
 
 
-def capacity_drop_case(case, dtype: str, factor: float, backend: str = "deepep"):
+def _on(device, *tensors):
+    return tuple(t.to(device) for t in tensors)
+
+
+def capacity_drop_case(case, dtype: str, factor: float, backend: str = "deepep", device: str = "cpu"):
     """Dispatcher with moe_expert_capacity_factor vs the dense reference of the same batch
-    with the drop rule applied independently; dropped slots must get zero gradient."""
+    with the drop rule applied independently; dropped slots must get zero gradient.
+    The dispatcher runs on `device`; the reference on the CPU."""
     INSTALLERS[backend]()
     rank = dist.get_rank()
     disp = build_dispatcher(case, backend, moe_expert_capacity_factor=factor)
@@ -54,9 +59,11 @@ def capacity_drop_case(case, dtype: str, factor: float, backend: str = "deepep")
     x, indices, probs = make_routing(case, rank, DTYPES[dtype])
     g = torch.randn(x.shape, generator=torch.Generator().manual_seed(7 + rank))
 
-    x1, p1 = x.clone().requires_grad_(), probs.clone().requires_grad_()
-    y, tpe = run_through_dispatcher(disp, "topk", x1, indices, p1, case.num_experts, params)
-    (y.float() * g).sum().backward()
+    x1, p1 = (t.clone().to(device).requires_grad_() for t in (x, probs))
+    y, tpe = run_through_dispatcher(disp, "topk", x1, indices.to(device), p1, case.num_experts,
+                                    _on(device, *params))
+    (y.float() * g.to(device)).sum().backward()
+    y, x1, p1 = y.cpu(), x1.grad.cpu(), p1.grad.cpu()
 
     kept = reference_capacity_drop(indices, probs, case.num_experts, factor)
     x2, p2 = x.clone().float().requires_grad_(), probs.clone().requires_grad_()
@@ -65,24 +72,24 @@ def capacity_drop_case(case, dtype: str, factor: float, backend: str = "deepep")
     (y_ref * g).sum().backward()
     dropped = (indices >= 0) & (kept < 0)
     return {
-        "y": _max_err(y, y_ref), "grad_x": _max_err(x1.grad, x2.grad),
-        "grad_probs": _max_err(p1.grad, p2.grad),
+        "y": _max_err(y, y_ref), "grad_x": _max_err(x1, x2.grad),
+        "grad_probs": _max_err(p1, p2.grad),
         "dropped_slots": int(dropped.sum()),
-        "max_grad_at_dropped": float(p1.grad[dropped].abs().max()) if dropped.any() else 0.0,
+        "max_grad_at_dropped": float(p1[dropped].abs().max()) if dropped.any() else 0.0,
         "kept_pairs": int((kept >= 0).sum()),
         "received_pairs": int(sum(torch.as_tensor(tpe).tolist())),
         "tol": TOLERANCE[dtype],
     }
 
 
-def pad_multiple_case(case, dtype: str, multiple: int, backend: str = "deepep"):
+def pad_multiple_case(case, dtype: str, multiple: int, backend: str = "deepep", device: str = "cpu"):
     """With moe_router_expert_pad_multiple every expert's row group is padded with zero rows,
     and the result still equals the dense reference."""
     INSTALLERS[backend]()
     rank, world = dist.get_rank(), dist.get_world_size()
     disp = build_dispatcher(case, backend, moe_router_expert_pad_multiple=multiple)
-    params = toy_expert_params(case.num_experts, case.hidden)
-    x, indices, probs = make_routing(case, rank, DTYPES[dtype])
+    params = _on(device, *toy_expert_params(case.num_experts, case.hidden))
+    x, indices, probs = _on(device, *make_routing(case, rank, DTYPES[dtype]))
 
     rows, tpe, pprobs = disp.token_permutation2(x, x.shape[0], probs, indices)
     counts = [int(c) for c in torch.as_tensor(tpe).tolist()]

@@ -114,8 +114,10 @@ def _config_table(kind: str, num_ranks: int) -> Config:
 def _pack(columns: list[torch.Tensor]) -> torch.Tensor:
     """Rows of several tensors (any dtypes) -> one `[N, bytes]` uint8 tensor."""
     n = columns[0].shape[0]
-    return torch.cat([c.contiguous().reshape(n, math.prod(c.shape[1:])).view(torch.uint8) for c in columns],
-                     dim=1)
+    if n == 0:
+        width = sum(math.prod(c.shape[1:]) * c.element_size() for c in columns)
+        return torch.empty(0, width, dtype=torch.uint8)
+    return torch.cat([c.contiguous().reshape(n, -1).view(torch.uint8) for c in columns], dim=1)
 
 
 def _unpack(packed: torch.Tensor, like: list[tuple[torch.dtype, tuple]]) -> list[torch.Tensor]:
