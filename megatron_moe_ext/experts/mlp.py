@@ -27,17 +27,36 @@ _EXPERT_MLP_CHUNK_BYTES = 512 * 1024 * 1024
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward hands on a contiguous gradient: `_grouped_mm`'s CPU backward
-    rejects expanded zero-stride gradients (such as the one `.sum()` produces)."""
+class _GroupedMmOutput(torch.autograd.Function):
+    """Wraps a `_grouped_mm` output: zeroes its padding rows (which `_grouped_mm` leaves
+    uninitialised) in place, and hands backward a contiguous gradient, since `_grouped_mm`'s
+    CPU backward rejects expanded zero-stride gradients (such as the one `.sum()` produces)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, out: torch.Tensor, valid_P1: torch.Tensor | None) -> torch.Tensor:
+        if valid_P1 is None:
+            return out.view_as(out)
+        ctx.mark_dirty(out)
+        return out.masked_fill_(~valid_P1, 0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.contiguous(), None
+
+
+class _ZeroGradOnPadding(torch.autograd.Function):
+    """Identity whose backward zeroes the padding rows' gradient: `_grouped_mm` leaves the
+    input gradient of rows outside every group uninitialised."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, valid_P1: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(valid_P1)
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad.contiguous()
+    def backward(ctx, grad: torch.Tensor):
+        (valid_P1,) = ctx.saved_tensors
+        return torch.where(valid_P1, grad, 0), None
 
 
 def _host_counts(tokens_per_expert: TokenCounts) -> list[int] | None:
@@ -62,29 +81,30 @@ def _grouped_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor, down_
     counts_e = _counts_on(tokens_per_expert, hidden_PH.device)
     valid_P1 = None
     if host is None:
-        # Device counts: the padding rows are unknown without a sync, so mask them. Masking
-        # the inputs zeroes their gradients; `_grouped_mm` never reads them for the weights.
+        # Device counts: the padding rows are unknown without a sync, so they are masked on
+        # the device. `_grouped_mm` never reads them (so they add nothing to weight
+        # gradients) but leaves their output and input gradient uninitialised: zero those,
+        # and the probs, which may be garbage there and would turn 0 * bias into NaN.
         valid_P1 = (torch.arange(rows, device=hidden_PH.device) < counts_e.sum())[:, None]
-        hidden_PH = torch.where(valid_P1, hidden_PH, 0)
+        hidden_PH = _ZeroGradOnPadding.apply(hidden_PH, valid_P1)
         permuted_probs_P1 = torch.where(valid_P1, permuted_probs_P1, 0)
     offsets_e = torch.cumsum(counts_e, 0).to(torch.int32)
     act_probs_P1 = permuted_probs_P1
     if apply_router_weight_after_down:
         act_probs_P1 = torch.ones_like(permuted_probs_P1)
-    up_PI = _ContiguousGrad.apply(
-        torch._grouped_mm(hidden_PH, gate_and_up_projs.to(dtype), offs=offsets_e))
+    up_PI = _GroupedMmOutput.apply(
+        torch._grouped_mm(hidden_PH, gate_and_up_projs.to(dtype), offs=offsets_e), None)
     if gate_up_proj_bias is not None:
         up_PI = _apply_bias(up_PI, gate_up_proj_bias, counts_e)
     act_PI = activation_fn(up_PI, act_probs_P1)
-    out_PH = _ContiguousGrad.apply(torch._grouped_mm(act_PI, down_projs.to(dtype), offs=offsets_e))
+    out_PH = _GroupedMmOutput.apply(
+        torch._grouped_mm(act_PI, down_projs.to(dtype), offs=offsets_e), valid_P1)
     if apply_router_weight_after_down:
         if down_proj_bias is not None:
             out_PH = _apply_bias(out_PH, down_proj_bias, counts_e)
         out_PH = (out_PH * permuted_probs_P1).to(dtype)
     elif down_proj_bias is not None:
         out_PH = _apply_bias(out_PH, down_proj_bias, counts_e, permuted_probs_P1)
-    if valid_P1 is not None:
-        out_PH = torch.where(valid_P1, out_PH, 0)
     return out_PH
 
 

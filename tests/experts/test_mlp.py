@@ -47,6 +47,10 @@ def _case(kind, with_bias, seed=0, counts=COUNTS, tail=TAIL, param_dtype=torch.f
     if with_bias:
         tensors["b1"] = torch.randn(experts, width, generator=gen)
         tensors["b2"] = torch.randn(experts, HIDDEN, generator=gen)
+    if tail:
+        # Capacity padding may hold anything (stale buffers): it must not leak anywhere.
+        tensors["x"][-tail:] = float("nan")
+        tensors["probs"][-tail:] = float("nan")
     tensors = {k: v.to(param_dtype) if k not in ("probs",) else v for k, v in tensors.items()}
     grad_out = torch.randn(HIDDEN, rows, generator=gen).t()  # non-contiguous, padding rows too
     return tensors, grad_out
