@@ -41,7 +41,8 @@ class _GroupedMmOutput(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad.contiguous(), None
+        # An empty tensor counts as contiguous whatever its strides, so give it real ones.
+        return (grad.contiguous() if grad.numel() else grad.new_zeros(grad.shape)), None
 
 
 class _ZeroGradOnPadding(torch.autograd.Function):

@@ -243,3 +243,18 @@ def test_bad_inputs_raise_value_error():
         bad_args[index] = bad
         with pytest.raises(ValueError, match=match):
             mlp.run_grouped_expert_mlp(*bad_args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows", [0, 4])
+def test_no_routed_rows_still_gives_zero_gradients(rows, device, counts_on):
+    """A rank that received nothing (or only padding) still produces every gradient, as zeros."""
+    tensors, _ = _case("swiglu", True, counts=[0, 0, 0], tail=rows)
+    leaves = {k: v.detach().to(device, copy=True).requires_grad_(True) for k, v in tensors.items()}
+    out = mlp.run_grouped_expert_mlp(leaves["x"], leaves["w1"], leaves["w2"], leaves["b1"],
+                                     leaves["b2"], _counts(counts_on, device, [0, 0, 0]),
+                                     leaves["probs"], swiglu)
+    assert out.shape == (rows, HIDDEN) and torch.all(out == 0)
+    out.sum().backward()
+    for name, leaf in leaves.items():
+        assert leaf.grad is not None and leaf.grad.abs().sum() == 0, name
