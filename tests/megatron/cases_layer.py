@@ -186,13 +186,14 @@ def _mlp_kinds(model) -> list[str]:
 def run_gpt_spec_paths(ep_size: int | None = None) -> dict:
     """Build the same tiny GPT four ways on this rank and run a step with each:
     Megatron's block spec unpatched, after `patches.apply()`, after `revert()`, and from
-    `specs.get_flex_decoder_block_spec`. Returns the MLP classes per layer and the
+    `specs.get_flex_decoder_block_spec` (plus one from the all-MoE `specs.flex_moe_layer_spec`
+    object, which has other layers and is only run). Returns the MLP classes per layer and the
     loss/gradient differences of the flex models from the native one (same weights)."""
     # Imported before apply() on purpose: the patch must catch pre-imported builder names.
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     from megatron_moe_ext import patches
-    from megatron_moe_ext.megatron.specs import get_flex_decoder_block_spec
+    from megatron_moe_ext.megatron.specs import flex_moe_layer_spec, get_flex_decoder_block_spec
 
     megatron_cpu.install()
     try:
@@ -208,6 +209,9 @@ def run_gpt_spec_paths(ep_size: int | None = None) -> dict:
             patches.revert()
         reverted = _gpt(config, get_gpt_decoder_block_spec(config, use_transformer_engine=False))
         from_spec_fn = _gpt(config, get_flex_decoder_block_spec(config))
+        # pretrain_gpt.py's form: the imported layer-spec object, every layer MoE.
+        from_spec_object = _gpt(config, flex_moe_layer_spec)
+        object_loss, _ = _gpt_loss_and_grads(from_spec_object, rank)
 
         state = native.state_dict()
         loss_n, grads_n = _gpt_loss_and_grads(native, rank)
@@ -224,6 +228,8 @@ def run_gpt_spec_paths(ep_size: int | None = None) -> dict:
             result["loss_err"][name] = _rel_err(loss, loss_n)
             result["grad_names"][name] = sorted(grads) == sorted(grads_n)
             result["grad_err"][name] = max(_rel_err(grads[n], grads_n[n]) for n in grads_n)
+        result["kinds"]["spec_object"] = _mlp_kinds(from_spec_object)
+        result["spec_object_loss_finite"] = bool(torch.isfinite(object_loss).all())
         result["num_grads"] = len(grads_n)
         return result
     finally:

@@ -44,6 +44,8 @@ def test_gpt_model_from_megatron_block_spec(dist_pools, world):
         assert r["kinds"]["patched"] == ["FlexMoELayer", "MLP", "FlexMoELayer"]
         assert r["kinds"]["reverted"] == ["MoELayer", "MLP", "MoELayer"]
         assert r["kinds"]["spec_fn"] == ["FlexMoELayer", "MLP", "FlexMoELayer"]
+        assert r["kinds"]["spec_object"] == ["FlexMoELayer"] * 3
+        assert r["spec_object_loss_finite"]
         assert r["num_grads"] > 20
         for name in ("patched", "reverted", "spec_fn"):
             assert r["grad_names"][name], f"rank {rank} {name}: different parameters got gradients"
