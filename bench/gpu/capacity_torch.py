@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -85,7 +86,8 @@ def main() -> None:
     try:
         y_cap, gx_cap, gp_cap = step(capped, *args)
     except RuntimeError as exc:
-        error = f"{type(exc).__name__}: {exc}"
+        # The last frames name the op that synchronised.
+        error = f"{type(exc).__name__}: {exc}\n" + "".join(traceback.format_exc().splitlines(True)[-12:])
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()

@@ -54,3 +54,13 @@ def test_hybridep_equal_token_counts(dist_pools, case):
     results = dist_pools(2).run(run_dense_reference_case, fixed, "dense", "bf16", "hybridep", DOUBLE,
                                 dict(moe_hybridep_equal_token_counts=True), 1)
     check(results)
+
+
+@pytest.mark.parametrize("mode", ["blocking", "capacity", "static", "compact"])
+@pytest.mark.parametrize("case", CASES[1:3], ids=lambda c: c.name)
+def test_hybridep_dense_probs_face(dist_pools, mode, case):
+    """The seed's `token_permutation(hidden, T, probs[T, E])` face (routing = nonzero top-k)."""
+    overrides, repeats = MODES[mode]
+    results = dist_pools(2).run(run_dense_reference_case, case, "dense", "bf16", "hybridep",
+                                DOUBLE, overrides, repeats)
+    check(results)

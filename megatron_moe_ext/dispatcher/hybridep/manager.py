@@ -113,8 +113,23 @@ class _HybridEPCombine(torch.autograd.Function):
 
 
 class _HybridEPManager(_DispatchManager):
-    """Fused permute + all-to-all + permute with HybridEP (seed arguments, plus the two
-    Megatron settings HybridEP needs: the expert pad multiple and the router dtype)."""
+    """Fused permute + all-to-all + permute with HybridEP.
+
+    Arguments:
+        group: the TPxEP communication group.
+        num_local_experts / num_experts: e and E (TP-expanded when expert TP > 1).
+        router_topk: K, used when only dense probs are given.
+        permute_fusion: fused top-k -> dense probs conversion (`_HybridEPMetadataProcessor`).
+        moe_hybridep_num_sms, *_num_sms_preprocessing, *_num_blocks_permute,
+            *_num_blocks_unpermute: HybridEPBuffer occupancy settings.
+        moe_hybridep_permute_fusion: HybridEP's fused permute+dispatch / unpermute+combine.
+        moe_hybridep_compact_routing: send `[T, K]` indices instead of the `[T, E]` map.
+        benchmark_static_routing: pin the padded and permuted counts (see module docstring).
+        moe_hybridep_capacity_factor: capacity mode; None keeps the blocking path.
+        moe_hybridep_equal_token_counts: every rank sends the same count: no all-reduce.
+        moe_router_expert_pad_multiple: pad each expert's rows (HybridEP's `pad_multiple`).
+        router_dtype: "fp64" hands fp64 permuted probs to the experts.
+    """
 
     def __init__(
         self,
