@@ -19,6 +19,9 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from tests.shims import megatron_cpu
 
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
 @dataclass(frozen=True)
 class LayerCase:
     """One MoE layer configuration; every rank derives its tokens from (seed, rank)."""
@@ -36,6 +39,8 @@ class LayerCase:
     capacity_factor: float | None = None
     pad_to_capacity: bool = False
     gated: bool = False
+    backend: str = "torch"  # the flex layer's backend; others run over their tests/doubles
+    dtype: str = "fp32"
     seed: int = 7
 
 
@@ -64,7 +69,7 @@ def layer_config(case: LayerCase, ep_size: int):
         num_moe_experts=case.num_experts, moe_router_topk=case.topk, moe_ffn_hidden_size=case.ffn,
         moe_token_dispatcher_type="alltoall", expert_model_parallel_size=ep_size,
         gated_linear_unit=case.gated, add_bias_linear=False, use_cpu_initialization=True,
-        params_dtype=torch.float32, bf16=False, fp16=False, **extra)
+        params_dtype=DTYPES[case.dtype], bf16=case.dtype == "bf16", fp16=False, **extra)
 
 
 def _record_tokens_per_expert(layer) -> list:
@@ -102,9 +107,14 @@ def run_layer_parity(case: LayerCase) -> dict:
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
+    from megatron_moe_ext.config import TokenDispatcherConfig
     from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
     from megatron_moe_ext.megatron.moe_layer import FlexMoELayer
 
+    if case.backend != "torch":
+        from tests.doubles import deep_ep_buffer, hybrid_ep_buffer, uccl_ep
+
+        {"deepep": deep_ep_buffer, "uccl_ep": uccl_ep, "hybridep": hybrid_ep_buffer}[case.backend].install()
     megatron_cpu.install()
     try:
         ep, rank = dist.get_world_size(), dist.get_rank()
@@ -112,19 +122,23 @@ def run_layer_parity(case: LayerCase) -> dict:
         config = layer_config(case, ep)
         spec = get_moe_module_spec(use_te=False, num_experts=case.num_experts)
         native = spec(config=config, pg_collection=pg, layer_number=1)
+        dispatcher_config = None
+        if case.backend != "torch":
+            dispatcher_config = TokenDispatcherConfig.from_transformer_config(
+                config, moe_flex_dispatcher_backend=case.backend)
         flex = FlexMoELayer(config, submodules=spec.keywords["submodules"], pg_collection=pg,
-                            layer_number=1)
+                            layer_number=1, dispatcher_config=dispatcher_config)
         for layer in (native, flex):
             layer.set_layer_number(1)  # as TransformerLayer does; the aux-loss tracker needs it
         assert isinstance(native.token_dispatcher, MoEAlltoAllTokenDispatcher)
         assert isinstance(flex.token_dispatcher, MoEFlexTokenDispatcher)
-        assert flex.dispatcher_config.moe_flex_dispatcher_backend == "torch"
+        assert flex.dispatcher_config.moe_flex_dispatcher_backend == case.backend
         missing = flex.load_state_dict(native.state_dict(), strict=True)
         assert not missing.missing_keys and not missing.unexpected_keys, missing
 
         gen = torch.Generator().manual_seed(case.seed * 100 + rank)
-        x = torch.randn(case.seq, case.batch, case.hidden, generator=gen)
-        g = torch.randn(case.seq, case.batch, case.hidden, generator=gen)
+        x = torch.randn(case.seq, case.batch, case.hidden, generator=gen).to(DTYPES[case.dtype])
+        g = torch.randn(case.seq, case.batch, case.hidden, generator=gen).to(DTYPES[case.dtype])
         seen_native, seen_flex = _record_tokens_per_expert(native), _record_tokens_per_expert(flex)
 
         out_n, gx_n, grads_n, aux_n = _forward_backward(native, x, g)

@@ -1,13 +1,15 @@
 """Megatron's own MoELayer (alltoall dispatcher) and `FlexMoELayer` (torch backend) give the
 same outputs, input gradients and parameter gradients (router, every expert, shared
 expert), the same tokens per expert and the same aux losses, at EP 1 and 2 on real gloo
-ranks. Same weights (the flex layer loads the native state_dict), fp32, SequentialMLP."""
+ranks. Same weights (the flex layer loads the native state_dict), fp32, SequentialMLP.
+The DeepEP, UCCL-EP and HybridEP backends run the same layer over their test doubles
+(tests/doubles/; the real libraries where importable) at EP 2 in bf16."""
 
 import pytest
 
 from tests.megatron.cases_layer import LayerCase, run_layer_parity
 
-TOL = 1e-5
+TOL = {"fp32": 1e-5, "bf16": 2e-2}
 
 CASES = [
     LayerCase("top2"),
@@ -21,20 +23,30 @@ CASES = [
     # sends only the routed rows (no padding), so the outputs and gradients agree but
     # tokens_per_expert do not. (Megatron's own alltoall fails once capacity > tokens.)
     LayerCase("capacity_pad", capacity_factor=0.75, pad_to_capacity=True),
+    LayerCase("bf16", dtype="bf16", aux_loss=True),
 ]
+
+# Backends whose libraries need a GPU: EP 2 (DeepEP's intranode kernels refuse EP 1), bf16
+# (HybridEP and DeepEP's combine move 16-bit tokens).
+BACKEND_CASES = [
+    LayerCase(f"{backend}_bf16", backend=backend, dtype="bf16", aux_loss=True)
+    for backend in ("deepep", "uccl_ep", "hybridep")
+] + [LayerCase("deepep_top3_of_8_shared", backend="deepep", dtype="bf16", topk=3, num_experts=8,
+               shared_expert_size=10, gated=True)]
 
 
 def check_parity(case: LayerCase, results: list) -> None:
+    tol = TOL[case.dtype]
     for rank, r in enumerate(results):
         where = f"{case.name} rank {rank}"
-        assert r["out"] <= TOL, f"{where}: output differs by {r['out']:.3g} (relative)"
-        assert r["grad_x"] <= TOL, f"{where}: input gradient differs by {r['grad_x']:.3g}"
+        assert r["out"] <= tol, f"{where}: output differs by {r['out']:.3g} (relative)"
+        assert r["grad_x"] <= tol, f"{where}: input gradient differs by {r['grad_x']:.3g}"
         assert "router.weight" in r["grads"], f"{where}: router got no gradient"
         assert r["grad_norms"]["router.weight"] > 0, f"{where}: router gradient is zero"
         expert_grads = [n for n in r["grads"] if n.startswith("experts.")]
         assert expert_grads, f"{where}: no expert received a gradient"
         for name, err in r["grads"].items():
-            assert err <= TOL, f"{where}: gradient of {name} differs by {err:.3g}"
+            assert err <= tol, f"{where}: gradient of {name} differs by {err:.3g}"
         if case.pad_to_capacity:
             assert sum(map(sum, r["tokens_flex"])) <= sum(map(sum, r["tokens_native"])), where
         else:
@@ -42,7 +54,7 @@ def check_parity(case: LayerCase, results: list) -> None:
                 f"{where}: tokens per expert {r['tokens_flex']} != Megatron's {r['tokens_native']}")
         assert r["aux_flex"].keys() == r["aux_native"].keys()
         for name, value in r["aux_native"].items():
-            assert r["aux_flex"][name] == pytest.approx(value, rel=TOL), f"{where}: {name}"
+            assert r["aux_flex"][name] == pytest.approx(value, rel=tol), f"{where}: {name}"
         if case.aux_loss:
             assert "load_balancing_loss" in r["aux_native"], f"{where}: aux loss not recorded"
         if case.shared_expert_size:
@@ -63,3 +75,8 @@ def check_parity(case: LayerCase, results: list) -> None:
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_flex_layer_matches_megatron_alltoall_layer(dist_pools, world, case):
     check_parity(case, dist_pools(world).run(run_layer_parity, case))
+
+
+@pytest.mark.parametrize("case", BACKEND_CASES, ids=lambda c: c.name)
+def test_flex_layer_other_backends_match_megatron_alltoall_layer(dist_pools, case):
+    check_parity(case, dist_pools(2).run(run_layer_parity, case))
