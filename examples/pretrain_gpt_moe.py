@@ -27,6 +27,7 @@ import os
 import socket
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -71,13 +72,9 @@ def on_gpu() -> bool:
 
 def default_backend() -> str:
     """`deepep` on a GPU where DeepEP imports, else the portable `torch` backend."""
-    if on_gpu():
-        try:
-            import deep_ep  # noqa: F401
-            return "deepep"
-        except ImportError:
-            pass
-    return "torch"
+    from megatron_moe_ext.utils.optional import try_import
+
+    return "deepep" if on_gpu() and try_import("deep_ep") is not None else "torch"
 
 
 def setup_parallel(ep_size: int, seed: int) -> None:
@@ -154,13 +151,22 @@ def layer_spec(cfg: GPTMoEConfig, layer: str, backend: str, config):
 
 
 def build_model(cfg: GPTMoEConfig, layer: str, backend: str, ep_size: int):
-    """A `GPTModel` on this rank's device (parallel state must be set up first)."""
+    """A `GPTModel` on this rank's device (parallel state must be set up first), wrapped in
+    Megatron's `Float16Module` when `cfg.bf16`."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     config = transformer_config(cfg, ep_size)
     model = GPTModel(config=config, transformer_layer_spec=layer_spec(cfg, layer, backend, config),
                      vocab_size=cfg.vocab_size, max_sequence_length=cfg.seq_length)
-    return model.cuda() if on_gpu() else model
+    if on_gpu():
+        model = model.cuda()
+    if cfg.bf16:
+        # Megatron's own bf16 wrapper: every parameter and activation in bf16, fp32 loss.
+        # (No fp32 master weights: fine for a demo; the parity tests run fp32.)
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)
+    return model
 
 
 def successor_table(cfg: GPTMoEConfig) -> torch.Tensor:
@@ -327,7 +333,21 @@ def run(args) -> None:
         print(f"[pretrain_gpt_moe] wrote {args.json}", flush=True)
 
 
+def _shutdown() -> None:
+    """Free communication buffers (DeepEP's hold peer memory) before the process group goes."""
+    from megatron.core import parallel_state
+
+    from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
+
+    MoEFlexTokenDispatcher.release_shared_managers()
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
 def _spawned_rank(rank: int, world: int, port: int, args) -> None:
+    # Expected on a CPU machine (ENVIRONMENT.md): Megatron falls back to torch for TE/apex.
+    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) .*not installed")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
@@ -335,7 +355,7 @@ def _spawned_rank(rank: int, world: int, port: int, args) -> None:
     try:
         run(args)
     finally:
-        dist.destroy_process_group()
+        _shutdown()
 
 
 def parse_args(argv=None):
@@ -370,7 +390,7 @@ def main(argv=None) -> None:
         try:
             run(args)
         finally:
-            dist.destroy_process_group()
+            _shutdown()
         return
     if on_gpu():
         raise SystemExit("on a GPU machine start this with torchrun --nproc-per-node N")
