@@ -18,7 +18,6 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 
 from tests.shims import megatron_cpu
 
-
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -45,7 +44,7 @@ class LayerCase:
 
 
 def layer_config(case: LayerCase, ep_size: int):
-    """The Megatron `TransformerConfig` of `case` (fp32, CPU init, no TE)."""
+    """The Megatron `TransformerConfig` of `case` (`case.dtype` parameters, CPU init, no TE)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     extra = {}
@@ -201,7 +200,7 @@ def run_gpt_spec_paths(ep_size: int | None = None) -> dict:
     """Build the same tiny GPT four ways on this rank and run a step with each:
     Megatron's block spec unpatched, after `patches.apply()`, after `revert()`, and from
     `specs.get_flex_decoder_block_spec` (plus one from the all-MoE `specs.flex_moe_layer_spec`
-    object, which has other layers and is only run). Returns the MLP classes per layer and the
+    object: a different layer layout, so it is only run, not compared). Returns the MLP classes per layer and the
     loss/gradient differences of the flex models from the native one (same weights)."""
     # Imported before apply() on purpose: the patch must catch pre-imported builder names.
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
