@@ -3,7 +3,8 @@
     python bench/experts_bench.py [--iters 10] [--warmup 3]
 
 In one run, on the same bf16 tokens, weights and probs, it times forward + backward of
-- grouped: `run_grouped_expert_mlp` (two `torch._grouped_mm` + fused SwiGLU),
+- grouped: `run_grouped_expert_mlp` (two `torch._grouped_mm` + fused SwiGLU) with the
+  counts on the device (sync-free padding masks), and grouped_host_counts with a host list,
 - loop: a per-expert Python loop of plain matmuls with the same activation,
 - megatron_sequential: Megatron-Core's `SequentialMLP` (its per-expert `MLP`s with the
   same weights; fused weighted SwiGLU, TP = EP = 1),
@@ -13,8 +14,10 @@ Shapes: DeepSeek-V3 experts (H 7168, I 2048, 8 local experts) and Qwen3-30B-A3B 
 (H 2048, I 768, 64 local experts), 128 ... 4096 tokens per expert, balanced.
 TFLOP/s count the six GEMMs only: 18 * P * H * I per forward + backward. Timing: CUDA
 events around each iteration after warmup, median. A correctness check (grouped vs loop vs
-Megatron on the same weights) is stored beside the numbers. Writes $OUT/experts_h200.json
-(OUT defaults to ./outputs).
+Megatron on the same weights) is stored beside the numbers. A last section times the bias
+gradient reduction at the largest DeepSeek-V3 size ([P, H] bf16 rows): the deterministic
+Triton kernel, the float64 fallback, and a plain (atomic, non-deterministic) `index_add_`.
+Writes $OUT/experts_h200.json (OUT defaults to ./outputs).
 """
 
 from __future__ import annotations
@@ -174,6 +177,34 @@ def check_agreement(shape: dict, device, megatron) -> dict:
             for name, (out, gx) in results.items() if name != "grouped"}
 
 
+def bench_bias_grad(shape: dict, tokens_per_expert: int, device, iters: int, warmup: int) -> dict:
+    """Milliseconds and GB/s (bytes of the `[P, H]` gradient read) of the per-expert bias
+    gradient reduction, plus whether each method is bitwise reproducible over 5 runs."""
+    from megatron_moe_ext.experts import bias
+
+    experts, hidden = shape["experts"], shape["hidden"]
+    rows = experts * tokens_per_expert
+    gen = torch.Generator(device=device).manual_seed(0)
+    grad = torch.randn(rows, hidden, generator=gen, device=device).bfloat16()
+    probs = torch.rand(rows, 1, generator=gen, device=device)
+    counts = torch.full((experts,), tokens_per_expert, dtype=torch.int64, device=device)
+    expert_ids = bias._row_expert_ids(counts, rows)
+    methods = {
+        "triton_deterministic": lambda: bias._reduce_bias_grad(grad, counts, probs, torch.bfloat16),
+        "fallback_float64": lambda: bias._reduce_bias_grad_chunked_fallback(grad, counts, probs,
+                                                                            torch.bfloat16),
+        "index_add_atomic": lambda: torch.zeros(experts, hidden, device=device).index_add_(
+            0, expert_ids, grad.float() * probs).bfloat16(),
+    }
+    out = {"rows": rows, "hidden": hidden}
+    for name, fn in methods.items():
+        seconds = median_seconds(fn, iters, warmup)
+        runs = [fn() for _ in range(5)]
+        out[name] = {"ms": round(seconds * 1e3, 4), "gb_per_s": round(grad.nbytes / seconds / 1e9, 1),
+                     "bitwise_reproducible": all(torch.equal(r, runs[0]) for r in runs[1:])}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--iters", type=int, default=10)
@@ -211,6 +242,8 @@ def main() -> None:
             steps = {
                 "grouped": training_step(lambda: grouped_forward(x, probs, w1, w2, counts),
                                          (x, probs, w1, w2), grad),
+                "grouped_host_counts": training_step(
+                    lambda: grouped_forward(x, probs, w1, w2, counts_host), (x, probs, w1, w2), grad),
                 "loop": training_step(lambda: loop_forward(x, probs, w1, w2, counts_host),
                                       (x, probs, w1, w2), grad),
                 "dense_bf16": dense_step(rows, hidden, inter, device),
@@ -221,7 +254,8 @@ def main() -> None:
                     lambda: megatron(x, counts, probs.view(-1))[0],
                     (x, probs, *megatron.parameters()), grad)
             row = {"rows": rows}
-            for name in ("grouped", "loop", "megatron_sequential", "dense_bf16"):
+            for name in ("grouped", "grouped_host_counts", "loop", "megatron_sequential",
+                         "dense_bf16"):
                 if name not in steps:
                     row[f"{name}_tflops"] = None
                     continue
@@ -233,6 +267,9 @@ def main() -> None:
             del steps, x, probs, w1, w2, grad
             torch.cuda.empty_cache()
         result["shapes"][shape_name] = entry
+    result["bias_grad_reduction"] = bench_bias_grad(SHAPES["deepseek_v3"], max(args.tokens_per_expert),
+                                                    device, args.iters, args.warmup)
+    print("bias_grad_reduction", result["bias_grad_reduction"], flush=True)
     result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     out_dir = os.environ.get("OUT", "./outputs")
     os.makedirs(out_dir, exist_ok=True)
@@ -240,6 +277,8 @@ def main() -> None:
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
     print("wrote", path)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
