@@ -36,7 +36,7 @@ DTYPES = {
     "bf16": (torch.bfloat16, torch.bfloat16),
     "bf16_fp32_master": (torch.bfloat16, torch.float32),
 }
-TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 5e-2}
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
 STACKED = ("gate_and_up_projs", "down_projs", "gate_up_proj_bias", "down_proj_bias")
 ALPHA = 1.702
 
@@ -51,6 +51,7 @@ class ModuleCase:
     backend / dispatcher_options: the flex dispatcher of the DeepEP and TE modules; 'deepep'
     and 'hybridep' run on their test doubles unless the real library is importable.
     repeats: forward+backward passes (capacity modes calibrate on the first); the last is checked.
+    device: where the module runs (the reference always runs on the CPU in fp32).
     """
 
     name: str
@@ -73,6 +74,7 @@ class ModuleCase:
     backend: str = "torch"
     dispatcher_options: tuple[tuple[str, object], ...] = ()
     repeats: int = 1
+    device: str = "cpu"
     seed: int = 0
 
 
@@ -99,7 +101,7 @@ def _install_backend(backend: str) -> None:
 def build_module(case: ModuleCase, **overrides):
     """The case's module for all E experts (EP is set up separately)."""
     _install_backend(case.backend)
-    overrides = {"device": "cpu", **dict(case.dispatcher_options), **overrides}
+    overrides = {"device": case.device, **dict(case.dispatcher_options), **overrides}
     _, param_dtype = DTYPES[case.dtype]
     config = ExpertsConfig(
         n_routed_experts=case.experts, n_activated_experts=case.topk, dim=case.hidden,
@@ -210,15 +212,18 @@ def stacked_grads(module) -> dict[str, torch.Tensor | None]:
     return {name: getattr(module, name).grad for name in STACKED if getattr(module, name, None) is not None}
 
 
-def _rel_err(actual: torch.Tensor | None, expected: torch.Tensor) -> float:
-    if actual is None:
-        return float("inf")
-    if actual.shape != expected.shape:
+def _rel_err(actual: torch.Tensor | None, expected: torch.Tensor, dtype: torch.dtype) -> float:
+    """fp32: max abs error over max |expected|. bf16: error norm over norm, because a bf16
+    pre-activation that rounds to the other side of a clamp limit flips single gradient
+    entries (an exact, legitimate difference), which the norm weighs by how rare it is."""
+    if actual is None or actual.shape != expected.shape:
         return float("inf")
     if expected.numel() == 0:
         return 0.0
-    scale = max(float(expected.abs().max()), 1e-3)
-    return float((actual.detach().float() - expected.float()).abs().max()) / scale
+    diff = actual.detach().float() - expected.float()
+    if dtype == torch.float32:
+        return float(diff.abs().max()) / max(float(expected.abs().max()), 1e-3)
+    return float(diff.norm()) / max(float(expected.float().norm()), 1e-3)
 
 
 def run_module_case(case: ModuleCase) -> dict:
@@ -240,12 +245,14 @@ def run_module_case(case: ModuleCase) -> dict:
 
     inputs = [make_inputs(case, r) for r in range(world)]
     x, token_mask, weights, indices, grad_out = inputs[rank]
+    dev = torch.device(case.device)
     for _ in range(case.repeats):
         module.zero_grad(set_to_none=True)
-        x1 = x.to(act_dtype).requires_grad_()
-        w1 = weights.clone().requires_grad_()
-        y = module(x1, token_mask, w1, indices)
-        (y.float() * grad_out).sum().backward()
+        x1 = x.to(dev, act_dtype, copy=True).requires_grad_()
+        w1 = weights.to(dev, copy=True).requires_grad_()
+        y = module(x1, token_mask.to(dev), w1, indices.to(dev))
+        (y.float() * grad_out.to(dev)).sum().backward()
+    y, x_grad, w_grad = y.detach().cpu(), x1.grad.cpu(), w1.grad.cpu()
 
     # The reference sees the module's parameter values (bf16-rounded where stored in bf16).
     ref_params = {k: v.to(DTYPES[case.dtype][1]).float().requires_grad_() for k, v in params.items()}
@@ -263,20 +270,21 @@ def run_module_case(case: ModuleCase) -> dict:
     tol = TOLERANCE[act_dtype]
     grads = stacked_grads(module)
     errors = {
-        "y": _rel_err(y, y_ref),
-        "grad_x": _rel_err(x1.grad, ref_x[rank].grad),
-        "grad_weights": _rel_err(w1.grad, ref_w[rank].grad),
+        "y": _rel_err(y, y_ref, act_dtype),
+        "grad_x": _rel_err(x_grad, ref_x[rank].grad, act_dtype),
+        "grad_weights": _rel_err(w_grad, ref_w[rank].grad, act_dtype),
     }
     for name, ref in ref_params.items():
-        errors[f"grad_{name}"] = _rel_err(grads.get(name), ref.grad[local])
+        grad = grads.get(name)
+        errors[f"grad_{name}"] = _rel_err(None if grad is None else grad.cpu(), ref.grad[local], act_dtype)
     masked = ~token_mask
     return {
         "errors": errors,
         "tol": tol,
         "y_dtype": str(y.dtype),
         "y_shape": tuple(y.shape),
-        "masked_exact_zero": bool((y[masked] == 0).all() and (x1.grad[masked] == 0).all()
-                                  and (w1.grad[masked] == 0).all()),
+        "masked_exact_zero": bool((y[masked] == 0).all() and (x_grad[masked] == 0).all()
+                                  and (w_grad[masked] == 0).all()),
         "params_without_grad": [n for n, p in module.named_parameters() if p.grad is None],
         "local_tokens_per_expert": [int((indices[token_mask] == i).sum()) for i in range(case.experts)],
         "tail_rows": tail_rows,
