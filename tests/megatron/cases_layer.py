@@ -34,6 +34,7 @@ class LayerCase:
     batch: int = 2
     aux_loss: bool = False
     shared_expert_size: int | None = None
+    shared_overlap: bool = False  # Megatron's shared-expert overlap (side stream; shimmed on CPU)
     recompute: bool = False
     capacity_factor: float | None = None
     pad_to_capacity: bool = False
@@ -54,7 +55,7 @@ def layer_config(case: LayerCase, ep_size: int):
         extra.update(moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
     if case.shared_expert_size:
         extra.update(moe_shared_expert_intermediate_size=case.shared_expert_size,
-                     moe_shared_expert_overlap=False)
+                     moe_shared_expert_overlap=case.shared_overlap)
     if case.topk == 1:
         extra.update(moe_router_pre_softmax=True)  # Megatron requires it for top-1
     if case.recompute:
@@ -152,6 +153,7 @@ def run_layer_parity(case: LayerCase) -> dict:
             tokens_native=seen_native, tokens_flex=seen_flex,
             routed_slots=case.seq * case.batch * case.topk,
             recompute=(native.moe_layer_recompute, flex.moe_layer_recompute),
+            shared_overlap=(native.shared_expert_overlap, flex.shared_expert_overlap),
         )
     finally:
         megatron_cpu.uninstall()

@@ -17,6 +17,7 @@ CASES = [
     LayerCase("top3_of_8_swiglu", topk=3, num_experts=8, gated=True),
     LayerCase("aux_loss", aux_loss=True),
     LayerCase("shared_expert", shared_expert_size=10),
+    LayerCase("shared_expert_overlap", shared_expert_size=10, shared_overlap=True),
     LayerCase("recompute_moe", recompute=True, aux_loss=True),
     LayerCase("capacity_drop", capacity_factor=0.5),
     # Megatron pads every expert's input to its capacity with prob-0 rows; the flex layer
@@ -60,6 +61,7 @@ def check_parity(case: LayerCase, results: list) -> None:
         if case.shared_expert_size:
             assert any(n.startswith("shared_experts.") for n in r["grads"]), where
         assert r["recompute"] == (case.recompute, case.recompute), f"{where}: {r['recompute']}"
+        assert r["shared_overlap"] == (case.shared_overlap, case.shared_overlap), where
 
     received = sum(sum(sum(step) for step in r["tokens_native"]) for r in results)
     routed = sum(r["routed_slots"] * (2 if case.recompute else 1) for r in results)
