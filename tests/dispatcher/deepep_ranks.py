@@ -167,13 +167,13 @@ def deepep_refuses_uccl_wrapper():
     return "constructed"
 
 
-def misaligned_hidden_error(backend: str, hidden: int, dtype: str):
+def topk_over_limit_error(backend: str):
     from tests.reference import RoutingCase
 
     INSTALLERS[backend]()
-    case = RoutingCase("x", (5,), hidden=hidden)
+    case = RoutingCase("x", (5,), num_experts=64, topk=33)
     disp = build_dispatcher(case, backend)
-    x, indices, probs = make_routing(case, dist.get_rank(), DTYPES[dtype])
+    x, indices, probs = make_routing(case, dist.get_rank(), DTYPES["bf16"])
     try:
         disp.token_permutation2(x, x.shape[0], probs, indices)
     except ValueError as exc:
@@ -183,8 +183,6 @@ def misaligned_hidden_error(backend: str, hidden: int, dtype: str):
 
 def buffer_lifecycle(backend: str):
     """Reuse, growth, up-front allocation and release of the process-global buffer."""
-    from megatron_moe_ext.dispatcher.backends import deepep
-
     INSTALLERS[backend]()
     comm = _communicator(backend)
     group = dist.group.WORLD
@@ -241,7 +239,9 @@ def buffer_lifecycle(backend: str):
     except RuntimeError as exc:
         log["small_buffer"] = str(exc)
     small.destroy()
-    log["hidden_bytes_fp16"] = deepep.hidden_bytes_for(64, torch.float16)
+    log["hidden_bytes"] = [comm.hidden_bytes_for(hidden, dtype) for hidden, dtype in
+                           ((64, torch.float16), (12, torch.bfloat16), (7168, torch.bfloat16),
+                            (7168, torch.float32))]
     return log
 
 
@@ -259,7 +259,7 @@ def async_mode_events(backend: str, async_dispatch: bool):
     return result
 
 
-def matches_torch_backend(backend: str, dtype: str):
+def matches_torch_backend(backend: str, dtype: str, hidden: int = 16):
     """Raw dispatch/combine of the backend (over its double) vs the torch backend: the same
     received rows in the same order (both group by source rank, token order within)."""
     from megatron_moe_ext.dispatcher.backends import torch_a2a
@@ -268,7 +268,7 @@ def matches_torch_backend(backend: str, dtype: str):
     comm, group, rank = _communicator(backend), dist.group.WORLD, dist.get_rank()
     g = torch.Generator().manual_seed(3 + rank)
     tokens = (11, 0, 7, 5)[rank]
-    x = torch.randn(tokens, 16, generator=g).to(DTYPES[dtype])
+    x = torch.randn(tokens, hidden, generator=g).to(DTYPES[dtype])
     idx = torch.randint(0, 8, (tokens, 3), generator=g)
     idx[::4, 1] = -1
     probs = torch.rand(tokens, 3, generator=g)

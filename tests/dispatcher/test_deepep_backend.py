@@ -15,10 +15,10 @@ from tests.dispatcher.deepep_ranks import (
     capacity_drop_case,
     deepep_refuses_uccl_wrapper,
     matches_torch_backend,
-    misaligned_hidden_error,
     missing_library_error,
     pad_multiple_case,
     refused_group_size,
+    topk_over_limit_error,
 )
 from tests.dispatcher.test_dense_reference import CASES, check
 from tests.doubles.deep_ep_buffer import _real_library_importable
@@ -50,10 +50,12 @@ def test_uccl_matches_dense_reference(dist_pools, world, face, dtype, case):
 
 
 @pytest.mark.parametrize("backend", ["deepep", "uccl_ep"])
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype,hidden", [("fp32", 16), ("bf16", 16), ("bf16", 12), ("bf16", 8200), ("fp32", 4100)])
 @pytest.mark.parametrize("world", [2, 4])
-def test_raw_dispatch_matches_torch_backend(dist_pools, backend, dtype, world):
-    for rank, r in enumerate(dist_pools(world).run(matches_torch_backend, backend, dtype)):
+def test_raw_dispatch_matches_torch_backend(dist_pools, backend, dtype, hidden, world):
+    """Bitwise-equal received rows, also for padded (hidden 12) and chunked (8200 bf16,
+    4100 fp32: wider than one SM90 TMA row) rows."""
+    for rank, r in enumerate(dist_pools(world).run(matches_torch_backend, backend, dtype, hidden)):
         assert r["rows"] and r["indices"] and r["probs"] and r["counts"], (rank, r)
         # DeepEP sums in fp32 then rounds; the torch backend accumulates in the input dtype.
         assert r["combined_err"] <= (0.0 if dtype == "fp32" else 2e-2), (rank, r)
@@ -110,10 +112,26 @@ def test_deepep_backend_refuses_uccl_wrapper(dist_pools):
         assert "UCCL-EP's DeepEP wrapper" in msg and "uccl_ep" in msg, msg
 
 
-@pytest.mark.parametrize("dtype,hidden", [("bf16", 12), ("fp32", 6)])
-def test_misaligned_hidden_refused(dist_pools, dtype, hidden):
-    for msg in dist_pools(2).run(misaligned_hidden_error, "deepep", hidden, dtype):
-        assert msg.startswith("hidden_states") and "16-byte" in msg and str(hidden) in msg, msg
+# Rows the kernels cannot take as they are: not a multiple of 32 bytes (padded), or wider
+# than the SM90 dispatch kernel's 16368-byte TMA row (sent in column chunks).
+ODD_ROWS = [
+    ("bf16", RoutingCase("bf16_hidden_12", tokens_per_rank=(7, 0, 5, 3), hidden=12, topk=3)),
+    ("fp32", RoutingCase("fp32_hidden_6", tokens_per_rank=(4, 9), hidden=6)),
+    ("fp32", RoutingCase("fp32_hidden_4100", tokens_per_rank=(3, 0, 2, 4), hidden=4100)),
+]
+
+
+@pytest.mark.parametrize("backend", ["deepep", "uccl_ep"])
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("dtype,case", ODD_ROWS, ids=lambda v: v if isinstance(v, str) else v.name)
+def test_padded_and_chunked_rows_match_reference(dist_pools, backend, world, dtype, case):
+    results = dist_pools(world).run(run_dense_reference_case, case, "topk", dtype, backend, DOUBLE[backend])
+    check(results, world)
+
+
+def test_topk_over_32_refused(dist_pools):
+    for msg in dist_pools(2).run(topk_over_limit_error, "deepep"):
+        assert msg.startswith("moe_router_topk") and "32" in msg, msg
 
 
 @pytest.mark.parametrize("backend", ["deepep", "uccl_ep"])
@@ -129,7 +147,8 @@ def test_buffer_reuse_growth_release(dist_pools, backend):
         assert log["released"][0] and log["double_release_is_noop"] == log["released"][1], log
         assert log["manager_allocated"] and log["manager_released"], log
         assert "num_nvl_bytes" in log["small_buffer"], log
-        assert log["hidden_bytes_fp16"] == 64 * 4, log
+        # fp16 is combined through fp32 rows; rows round up to 32 bytes; SM90 caps a chunk.
+        assert log["hidden_bytes"] == [256, 32, 14336, 16352], log
 
 
 @pytest.mark.parametrize("backend", ["deepep", "uccl_ep"])

@@ -15,8 +15,10 @@ deep_ep/buffer.py, csrc/deep_ep.cpp and csrc/kernels/intranode.cu. What is model
   rows summed in fp32 over source ranks in rank order, plus biases, rounded to bf16;
   optional top-k weights are summed the same way in fp32.
 - The kernels' buffer-size assertions against `num_nvl_bytes`, the 16-byte row rule,
-  the ranks the intranode kernels are compiled for (2, 4, 8), and
-  `allocate_on_comm_stream` requiring a previous event and `async_finish`.
+  the SM90 build's dispatch row rule (`is_sm90_compiled()` is True: the H200 build; a row
+  is a multiple of 32 bytes and at most 16368 bytes, or the kernel's device assert fires;
+  modelled as RuntimeError), top-k <= 32, the ranks the intranode kernels are compiled
+  for (2, 4, 8), and `allocate_on_comm_stream` requiring a previous event and `async_finish`.
 - `EventOverlap` / `EventHandle` and `capture()`; `STATS` counts events and buffers so
   tests can see async ordering and buffer reuse.
 Not modelled (refused loudly): FP8/NVFP4 tuples, `num_worst_tokens`, internode and
@@ -173,6 +175,10 @@ class Buffer:
         Buffer.num_sms = new_num_sms
 
     @staticmethod
+    def is_sm90_compiled() -> bool:
+        return True
+
+    @staticmethod
     def capture() -> EventOverlap:
         return EventOverlap(EventHandle())
 
@@ -265,6 +271,9 @@ class Buffer:
         _assert(config.num_sms % 2 == 0, "config.num_sms % 2 == 0")
         _assert(x.dim() == 2 and x.is_contiguous(), "x.dim() == 2 and x.is_contiguous()")
         _assert(x.shape[1] * x.element_size() % 16 == 0, "(x.size(1) * x.element_size()) % sizeof(int4) == 0")
+        hidden_int4 = x.shape[1] * x.element_size() // 16
+        _assert(hidden_int4 % 2 == 0 and hidden_int4 // 2 * 16 + 8 <= 8192,
+                "device: hidden_int4 % 2 == 0 and half_hidden_bytes + sizeof(uint64_t) <= kNumTMABytesPerWarp")
         world, rank, num_tokens, hidden = self.group_size, self.rank, x.shape[0], x.shape[1]
         num_channels = config.num_sms // 2
 
@@ -284,6 +293,7 @@ class Buffer:
             experts_per_rank = num_tokens_per_expert.numel() // world
             num_topk = 0 if topk_idx is None else topk_idx.shape[1]
             if topk_idx is not None:
+                _assert(num_topk <= 32, "device: num_topk <= 32")
                 _assert(topk_idx.dtype == torch.int64 and topk_idx.shape[0] == num_tokens, "topk_idx [T, K] int64")
                 _assert(topk_weights.dtype == torch.float32 and topk_weights.shape == topk_idx.shape,
                         "topk_weights [T, K] float32")
@@ -360,6 +370,7 @@ class Buffer:
                     and topk_weights.shape[0] == x.shape[0] and topk_weights.dtype == torch.float32,
                     "topk_weights is [num_tokens, K] float32")
             num_topk = topk_weights.shape[1]
+            _assert(num_topk <= 32, "device: num_topk <= 32")
         slots = (config.num_sms // 2) * world
         needed = slots * 4 * 2 + slots * config.num_max_nvl_chunked_recv_tokens * (
             hidden * x.element_size() + 4 + num_topk * 4)

@@ -28,9 +28,15 @@ import torch.distributed as dist
 from megatron_moe_ext.utils.optional import require
 
 SUPPORTED_EP_SIZES = (2, 4, 8)
-# DeepEP copies rows in 16-byte units (int4): a row's byte size must be a multiple.
-_ROW_ALIGN_BYTES = 16
-_FP32_COLUMNS_PER_UNIT = _ROW_ALIGN_BYTES // 4
+# The kernels move rows in 16-byte units (int4); on SM90 builds the dispatch kernel copies
+# each row as two TMA halves, so a row must be a multiple of 32 bytes and half a row plus an
+# 8-byte mbarrier must fit the 8192-byte per-warp TMA buffer (csrc/kernels/intranode.cu).
+# Rows are zero-padded up to the unit and wider rows are sent in column chunks.
+_UNIT_BYTES = 16
+_SM90_UNIT_BYTES = 32
+_SM90_MAX_DISPATCH_ROW_BYTES = (2 * (8192 - 8)) // _SM90_UNIT_BYTES * _SM90_UNIT_BYTES
+# Kernels assert num_topk <= 32 on the device.
+MAX_TOPK = 32
 
 
 @dataclass(frozen=True)
@@ -62,25 +68,9 @@ class DeepEPHandle:
         return self.raw[-3][: self.num_recv_rows]
 
 
-def _check_row_bytes(x: torch.Tensor, field: str) -> None:
-    if x.dim() != 2:
-        raise ValueError(f"{field}: expected a [rows, H] tensor, got shape {tuple(x.shape)}")
-    if (x.shape[1] * x.element_size()) % _ROW_ALIGN_BYTES:
-        raise ValueError(
-            f"{field}: DeepEP moves rows in {_ROW_ALIGN_BYTES}-byte units, but hidden size "
-            f"{x.shape[1]} x {x.element_size()} bytes ({x.dtype}) is not a multiple of "
-            f"{_ROW_ALIGN_BYTES}; use a hidden size divisible by {_ROW_ALIGN_BYTES // x.element_size()}")
-
-
-def hidden_bytes_for(hidden: int, dtype: torch.dtype) -> int:
-    """Bytes per row the buffer is sized for.
-
-    bf16 rows travel as they are (`H * 2`). Any other dtype is combined through fp32 rows
-    (see `_return_rows`), so it is sized for at least 4 bytes per element; the extra
-    index/weight columns of that path fit inside the top-k margin of DeepEP's size hint.
-    """
-    elem = torch.empty((), dtype=dtype).element_size()
-    return hidden * (max(elem, 2) if dtype == torch.bfloat16 else max(elem, 4))
+def _pad_columns(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    pad = -x.shape[1] % multiple
+    return torch.nn.functional.pad(x, (0, pad)) if pad else x
 
 
 class DeepEPCommunicator:
@@ -115,6 +105,37 @@ class DeepEPCommunicator:
                              "positive SM count (one channel = a send and a receive block)")
         self.library().Buffer.set_num_sms(num_sms)
 
+    # ---- row layout -------------------------------------------------------------------
+    def _dispatch_row_rule(self) -> tuple[int, int | None]:
+        """(unit bytes, max bytes per dispatched row or None) of the library's build."""
+        buffer_cls = self.library().Buffer
+        sm90 = buffer_cls.is_sm90_compiled() if hasattr(buffer_cls, "is_sm90_compiled") else True
+        return (_SM90_UNIT_BYTES, _SM90_MAX_DISPATCH_ROW_BYTES) if sm90 else (_UNIT_BYTES, None)
+
+    def hidden_bytes_for(self, hidden: int, dtype: torch.dtype) -> int:
+        """Bytes per row the buffer is sized for: the widest dispatched column chunk.
+
+        bf16 rows travel as they are. Any other dtype is combined through fp32 rows (see
+        `_return_rows`), so it is sized for at least 4 bytes per element; the index/weight
+        columns of that path fit inside the top-k margin of DeepEP's size hint.
+        """
+        elem = torch.empty((), dtype=dtype).element_size()
+        elem = max(elem, 2) if dtype == torch.bfloat16 else max(elem, 4)
+        unit, max_bytes = self._dispatch_row_rule()
+        row_bytes = -(-hidden * elem // unit) * unit
+        return row_bytes if max_bytes is None else min(row_bytes, max_bytes)
+
+    def _column_chunks(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """`[N, H]` -> zero-padded contiguous column chunks the dispatch kernel accepts."""
+        unit, max_bytes = self._dispatch_row_rule()
+        elem = x.element_size()
+        unit_cols = max(unit // elem, 1)
+        x = _pad_columns(x, unit_cols)
+        if max_bytes is None or x.shape[1] * elem <= max_bytes:
+            return [x.contiguous()]
+        max_cols = max_bytes // elem // unit_cols * unit_cols
+        return [chunk.contiguous() for chunk in x.split(max_cols, dim=1)]
+
     # ---- the process-global buffer ----------------------------------------------------
     def get_buffer(self, group, hidden_bytes: int):
         """The buffer, (re)allocated only when the group or library changes or it is too small.
@@ -142,7 +163,7 @@ class DeepEPCommunicator:
 
     def allocate_buffer(self, group, hidden: int, dtype: torch.dtype):
         """Allocate up front (at expert setup, before any activation checkpoint)."""
-        return self.get_buffer(group, hidden_bytes_for(hidden, dtype))
+        return self.get_buffer(group, self.hidden_bytes_for(hidden, dtype))
 
     def release_buffers(self) -> None:
         """Free the buffer now (collective; call on every rank before destroying the group)."""
@@ -165,53 +186,62 @@ class DeepEPCommunicator:
         if async_finish:
             event.current_stream_wait()
 
+    def _cached(self, buffer, chunk, raw_handle, async_finish, alloc):
+        previous = self._begin(async_finish)
+        recv, _, _, _, _, event = buffer.dispatch(
+            chunk, handle=raw_handle, previous_event=previous, async_finish=async_finish,
+            allocate_on_comm_stream=alloc)
+        self._end(event, async_finish)
+        return recv
+
     def dispatch_raw(self, x_TH, indices_TK, probs_TK, num_experts, group, async_finish, alloc):
-        _check_row_bytes(x_TH, "hidden_states")
-        buffer = self.get_buffer(group, hidden_bytes_for(x_TH.shape[1], x_TH.dtype))
+        if indices_TK.shape[1] > MAX_TOPK:
+            raise ValueError(f"moe_router_topk: {self.name} kernels take at most {MAX_TOPK} "
+                             f"slots per token, got {indices_TK.shape[1]}")
+        buffer = self.get_buffer(group, self.hidden_bytes_for(x_TH.shape[1], x_TH.dtype))
         alloc = alloc and async_finish  # the library requires a previous event for it
+        first, *rest = self._column_chunks(x_TH)
         previous = self._begin(async_finish)
         per_rank, per_rdma_rank, per_expert, in_rank_TW, event = buffer.get_dispatch_layout(
             indices_TK, num_experts, previous_event=previous, async_finish=async_finish,
             allocate_on_comm_stream=alloc)
-        recv_x_RH, recv_indices_RK, recv_probs_RK, tokens_per_expert, raw, event = buffer.dispatch(
-            x_TH, topk_idx=indices_TK, topk_weights=probs_TK,
+        recv_RH, recv_indices_RK, recv_probs_RK, tokens_per_expert, raw, event = buffer.dispatch(
+            first, topk_idx=indices_TK, topk_weights=probs_TK,
             num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank,
             is_token_in_rank=in_rank_TW, num_tokens_per_expert=per_expert,
             previous_event=event if async_finish else None, async_finish=async_finish,
             allocate_on_comm_stream=alloc)
         self._end(event, async_finish)
-        handle = DeepEPHandle(raw, recv_x_RH.shape[0], x_TH.shape[0])
-        return recv_x_RH, recv_indices_RK, recv_probs_RK, list(tokens_per_expert), handle
+        if rest:
+            recv_RH = torch.cat([recv_RH] + [self._cached(buffer, c, raw, async_finish, alloc) for c in rest], 1)
+        recv_RH = recv_RH[:, :x_TH.shape[1]]
+        handle = DeepEPHandle(raw, recv_RH.shape[0], x_TH.shape[0])
+        return recv_RH, recv_indices_RK, recv_probs_RK, list(tokens_per_expert), handle
 
     def cached_dispatch_raw(self, x_TH, handle: DeepEPHandle, group, async_finish, alloc):
         """Send `[T, H]` rows along a previous dispatch's routes -> `[R, H]`."""
-        _check_row_bytes(x_TH, "grad_output")
-        buffer = self.get_buffer(group, hidden_bytes_for(x_TH.shape[1], x_TH.dtype))
+        buffer = self.get_buffer(group, self.hidden_bytes_for(x_TH.shape[1], x_TH.dtype))
         alloc = alloc and async_finish
-        previous = self._begin(async_finish)
-        recv_x_RH, _, _, _, _, event = buffer.dispatch(
-            x_TH.contiguous(), handle=handle.raw, previous_event=previous,
-            async_finish=async_finish, allocate_on_comm_stream=alloc)
-        self._end(event, async_finish)
-        return recv_x_RH
+        chunks = [self._cached(buffer, c, handle.raw, async_finish, alloc) for c in self._column_chunks(x_TH)]
+        return torch.cat(chunks, 1)[:, :x_TH.shape[1]]
 
     def combine_raw(self, x_RH, handle: DeepEPHandle, group, async_finish, alloc, weights_RK=None):
         """Sum each token's rows back on its owner: `[R, H]` (+ `[R, K]` fp32) -> `[T, H]` (+ `[T, K]`)."""
-        if x_RH.shape[0] != handle.num_recv_rows:
-            raise ValueError(f"combine input has {x_RH.shape[0]} rows but dispatch delivered "
-                             f"{handle.num_recv_rows}: pass the restored rows of the same dispatch")
-        _check_row_bytes(x_RH, "hidden_states")
+        if x_RH.dim() != 2 or x_RH.shape[0] != handle.num_recv_rows:
+            raise ValueError(f"combine input has shape {tuple(x_RH.shape)} but dispatch delivered "
+                             f"{handle.num_recv_rows} rows: pass the restored rows of the same dispatch")
         if x_RH.dtype != torch.bfloat16:
             return self._return_rows(x_RH, weights_RK, handle, group, async_finish, alloc)
-        buffer = self.get_buffer(group, hidden_bytes_for(x_RH.shape[1], x_RH.dtype))
+        hidden = x_RH.shape[1]
+        buffer = self.get_buffer(group, self.hidden_bytes_for(hidden, x_RH.dtype))
         alloc = alloc and async_finish
         previous = self._begin(async_finish)
         out_TH, weights_TK, event = buffer.combine(
-            x_RH.contiguous(), handle.raw,
+            _pad_columns(x_RH, _UNIT_BYTES // 2).contiguous(), handle.raw,
             topk_weights=None if weights_RK is None else weights_RK.float().contiguous(),
             previous_event=previous, async_finish=async_finish, allocate_on_comm_stream=alloc)
         self._end(event, async_finish)
-        return out_TH, weights_TK
+        return out_TH[:, :hidden], weights_TK
 
     def _return_rows(self, x_RH, weights_RK, handle: DeepEPHandle, group, async_finish, alloc):
         """Exact combine for dtypes the combine kernel lacks: dispatch the rows back.
@@ -221,36 +251,37 @@ class DeepEPCommunicator:
         owner then sums a token's (at most W) rows in fp32, deterministically.
         """
         num_rows, hidden = x_RH.shape
-        buffer = self.get_buffer(group, hidden_bytes_for(hidden, x_RH.dtype))
+        buffer = self.get_buffer(group, self.hidden_bytes_for(hidden, x_RH.dtype))
         world = buffer.group_size
-        columns = [x_RH.float()]
+        # The source token index leads, so it travels in the first column chunk.
+        columns = [handle.recv_src_idx_R.float()[:, None], x_RH.float()]  # exact below 2**24 tokens
         if weights_RK is not None:
             columns.append(weights_RK.float())
-        columns.append(handle.recv_src_idx_R.float()[:, None])  # exact below 2**24 tokens
         rows_RC = torch.cat(columns, dim=1)
-        pad = -rows_RC.shape[1] % _FP32_COLUMNS_PER_UNIT
-        rows_RC = torch.nn.functional.pad(rows_RC, (0, pad)).contiguous()
+        width = rows_RC.shape[1]
         # Rows are grouped by source: row r came from the first rank whose prefix exceeds r.
         prefix_W = handle.rank_prefix_matrix_WW[:, buffer.rank].long()
         rows = torch.arange(num_rows, device=x_RH.device)
         owner_R1 = torch.searchsorted(prefix_W, rows, right=True)[:, None].contiguous()
 
         alloc = alloc and async_finish
+        first, *rest = self._column_chunks(rows_RC)
         previous = self._begin(async_finish)
         per_rank, per_rdma_rank, per_owner, to_owner_RW, event = buffer.get_dispatch_layout(
             owner_R1, world, previous_event=previous, async_finish=async_finish,
             allocate_on_comm_stream=alloc)
-        back_NC, _, _, _, _, event = buffer.dispatch(
-            rows_RC, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank,
+        back_NC, _, _, _, back_handle, event = buffer.dispatch(
+            first, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank,
             is_token_in_rank=to_owner_RW, num_tokens_per_expert=per_owner,
             previous_event=event if async_finish else None, async_finish=async_finish,
             allocate_on_comm_stream=alloc)
         self._end(event, async_finish)
-
-        width = x_RH.shape[1] + (0 if weights_RK is None else weights_RK.shape[1])
-        token_ids_N = back_NC[:, width].long()
-        out_TC = back_NC.new_zeros(handle.num_tokens, width)
-        out_TC = out_TC.index_put((token_ids_N,), back_NC[:, :width], accumulate=True)
+        if rest:
+            back_NC = torch.cat([back_NC] + [self._cached(buffer, c, back_handle, async_finish, alloc)
+                                             for c in rest], 1)
+        token_ids_N = back_NC[:, 0].long()
+        out_TC = back_NC.new_zeros(handle.num_tokens, width - 1)
+        out_TC = out_TC.index_put((token_ids_N,), back_NC[:, 1:width], accumulate=True)
         out_TH = out_TC[:, :hidden].to(x_RH.dtype)
         return out_TH, (None if weights_RK is None else out_TC[:, hidden:])
 
@@ -260,7 +291,7 @@ class DeepEPCommunicator:
         """Send each token to the ranks of its experts.
 
         Arguments:
-            x_TH: `[T, H]` tokens; a row must be a multiple of 16 bytes.
+            x_TH: `[T, H]` tokens, any H (rows are padded and chunked for the kernels).
             indices_TK: `[T, K]` int global expert ids, -1 for masked/dropped slots.
             probs_TK: `[T, K]` routing weights (sent as fp32).
             num_experts: E, divisible by the group size.
