@@ -33,7 +33,8 @@ def is_gated_activation(activation: str) -> bool:
         False for relu2 (up projection only, `[e, H, I]`), True for the GLU variants.
     """
     if activation not in ACTIVATIONS:
-        raise ValueError(f"expert_activation={activation!r} is invalid: allowed values are {ACTIVATIONS}")
+        raise ValueError(f"expert_activation={activation!r} is invalid: allowed values are "
+                         f"{ACTIVATIONS}")
     return activation != "relu2"
 
 
@@ -66,7 +67,8 @@ def swiglu(x: torch.Tensor, permuted_probs: torch.Tensor) -> torch.Tensor:
     return swiglu_clamped_deepep(x, permuted_probs, 0.0)
 
 
-def swiglu_clamped_deepep(x: torch.Tensor, permuted_probs: torch.Tensor, limit: float) -> torch.Tensor:
+def swiglu_clamped_deepep(x: torch.Tensor, permuted_probs: torch.Tensor,
+                          limit: float) -> torch.Tensor:
     """Clamped SwiGLU (DeepSeek-V4): gate clamped above at `limit`, up to `[-limit, limit]`.
 
     Arguments:

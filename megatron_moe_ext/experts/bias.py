@@ -109,7 +109,8 @@ def _reduce_bias_grad_chunked_fallback(grad_output: torch.Tensor, token_counts: 
     return total.to(output_dtype)
 
 
-def _reduce_bias_grad_fallback(grad_output: torch.Tensor, token_counts: torch.Tensor) -> torch.Tensor:
+def _reduce_bias_grad_fallback(grad_output: torch.Tensor,
+                               token_counts: torch.Tensor) -> torch.Tensor:
     """Reduce grouped token gradients without Triton.
 
     Arguments:
@@ -134,7 +135,8 @@ class _DeterministicBiasRepeatInterleave(torch.autograd.Function):
     """Expand expert biases over their row groups; reduce the gradient deterministically."""
 
     @staticmethod
-    def forward(ctx, bias: torch.Tensor, token_counts: torch.Tensor, output_size: int) -> torch.Tensor:
+    def forward(ctx, bias: torch.Tensor, token_counts: torch.Tensor,
+                output_size: int) -> torch.Tensor:
         """Arguments: bias `[e, D]`; token_counts `[e]` int64 on bias's device; output_size P.
 
         Returns: `[P, D]` fp32, expert i's row repeated over its rows, 0 on padding. fp32 so
@@ -202,7 +204,8 @@ class _ChunkedBiasAdd(torch.autograd.Function):
 def _probs_grad_fallback(grad_output: torch.Tensor, bias: torch.Tensor,
                          expert_ids_P: torch.Tensor) -> torch.Tensor:
     padded = torch.cat([bias, bias.new_zeros(1, bias.shape[1])])
-    grad_probs = torch.empty(grad_output.shape[0], 1, dtype=torch.float32, device=grad_output.device)
+    grad_probs = torch.empty(grad_output.shape[0], 1, dtype=torch.float32,
+                             device=grad_output.device)
     for first in range(0, grad_output.shape[0], _BIAS_CHUNK_ROWS):
         rows = slice(first, first + _BIAS_CHUNK_ROWS)
         expanded = padded.index_select(0, expert_ids_P[rows]).float()
@@ -211,7 +214,8 @@ def _probs_grad_fallback(grad_output: torch.Tensor, bias: torch.Tensor,
 
 
 def _apply_bias(value: torch.Tensor, bias: torch.Tensor, tokens_per_expert: TokenCounts,
-                permuted_probs: torch.Tensor | None = None, reuse_input: bool = False) -> torch.Tensor:
+                permuted_probs: torch.Tensor | None = None,
+                reuse_input: bool = False) -> torch.Tensor:
     """Add each expert's bias to its rows of grouped GEMM output: `value + prob * bias`.
 
     Arguments:

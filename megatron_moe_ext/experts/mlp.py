@@ -204,12 +204,16 @@ def _validate(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor, down_pro
         raise ValueError(f"gate_and_up_projs must be [e, {hidden}, 2I or I], got "
                          f"{tuple(gate_and_up_projs.shape)}")
     if down_projs.dim() != 3 or down_projs.shape[0] != experts or down_projs.shape[2] != hidden:
-        raise ValueError(f"down_projs must be [{experts}, I, {hidden}], got {tuple(down_projs.shape)}")
+        raise ValueError(f"down_projs must be [{experts}, I, {hidden}], got "
+                         f"{tuple(down_projs.shape)}")
     if permuted_probs_P1.shape != (rows, 1):
-        raise ValueError(f"permuted_probs_P1 must be [{rows}, 1], got {tuple(permuted_probs_P1.shape)}")
-    count_len = tokens_per_expert.numel() if isinstance(tokens_per_expert, torch.Tensor) else len(tokens_per_expert)
+        raise ValueError(f"permuted_probs_P1 must be [{rows}, 1], got "
+                         f"{tuple(permuted_probs_P1.shape)}")
+    count_len = (tokens_per_expert.numel() if isinstance(tokens_per_expert, torch.Tensor)
+                 else len(tokens_per_expert))
     if count_len != experts:
-        raise ValueError(f"tokens_per_expert has {count_len} entries; expected one per local expert ({experts})")
+        raise ValueError(f"tokens_per_expert has {count_len} entries; expected one per local "
+                         f"expert ({experts})")
     host = _host_counts(tokens_per_expert)
     if host is not None and (min(host, default=0) < 0 or sum(host) > rows):
         raise ValueError(f"tokens_per_expert={host} is invalid: counts must be >= 0 and sum to at "
@@ -223,7 +227,8 @@ def _validate(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor, down_pro
 def run_grouped_expert_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor,
                            down_projs: torch.Tensor, gate_up_proj_bias: torch.Tensor | None,
                            down_proj_bias: torch.Tensor | None, tokens_per_expert: TokenCounts,
-                           permuted_probs_P1: torch.Tensor, activation_fn: Activation) -> torch.Tensor:
+                           permuted_probs_P1: torch.Tensor,
+                           activation_fn: Activation) -> torch.Tensor:
     """The expert MLP the modules call: single shot, or checkpointed chunks when the
     `[P, 2I]` intermediate would exceed `_EXPERT_MLP_CHUNK_BYTES`.
 

@@ -97,7 +97,8 @@ def _weighted_bias_add_kernel(value_ptr, bias_ptr, expert_ids_ptr, probs_ptr, ou
 @triton.jit
 def _weighted_bias_probs_grad_kernel(grad_output_ptr, bias_ptr, expert_ids_ptr, grad_probs_ptr,
                                      rows, hidden: tl.constexpr, n_experts, grad_stride_0,
-                                     bias_stride_0, BLOCK_ROWS: tl.constexpr, BLOCK_HIDDEN: tl.constexpr):
+                                     bias_stride_0, BLOCK_ROWS: tl.constexpr,
+                                     BLOCK_HIDDEN: tl.constexpr):
     """`grad_probs[row] = sum_d grad_output[row, d] * bias[expert(row), d]` (0 for padding rows).
 
     Grid: (cdiv(rows, BLOCK_ROWS),). Each program walks its rows' features in a fixed order.

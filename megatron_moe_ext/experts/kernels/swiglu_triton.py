@@ -43,7 +43,8 @@ def _swiglu_bwd_kernel(grad_out_ptr, x_ptr, probs_ptr, grad_x_ptr, grad_probs_pt
     for start in range(0, inter, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < inter
-        dy = tl.load(grad_out_ptr + row * grad_out_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(grad_out_ptr + row * grad_out_stride + cols, mask=mask,
+                     other=0.0).to(tl.float32)
         gate_raw = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
         up_raw = tl.load(x_ptr + row * x_stride + inter + cols, mask=mask, other=0.0).to(tl.float32)
         gate = gate_raw
@@ -68,7 +69,7 @@ def _swiglu_bwd_kernel(grad_out_ptr, x_ptr, probs_ptr, grad_x_ptr, grad_probs_pt
 
 
 def supported(x: torch.Tensor, permuted_probs: torch.Tensor) -> bool:
-    """Whether the kernels take these inputs: `x [P, 2I]` with unit column stride, probs `[P, 1]`."""
+    """Whether the kernels take these inputs: `x [P, 2I]`, unit column stride; probs `[P, 1]`."""
     return (x.dim() == 2 and x.shape[1] % 2 == 0 and x.stride(1) == 1 and x.dtype in _DTYPES
             and permuted_probs.dim() == 2 and permuted_probs.shape == (x.shape[0], 1)
             and permuted_probs.dtype in _DTYPES)
