@@ -185,17 +185,10 @@ class GroupedGemmExperts(MegatronModule):
             (out [P, H] in the activation dtype, None): Megatron's (output, bias) pair; the down
             bias is already added, weighted by the prob, so no bias is returned.
         """
-        dtype = dispatched_input.dtype
+        # Weights may be fp32 masters: run_grouped_expert_mlp computes in the rows' dtype.
         out_PH = run_grouped_expert_mlp(
-            dispatched_input,
-            self.gate_and_up_projs.to(dtype),
-            self.down_projs.to(dtype),
-            None if self.gate_up_proj_bias is None else self.gate_up_proj_bias.to(dtype),
-            None if self.down_proj_bias is None else self.down_proj_bias.to(dtype),
-            tokens_per_expert,
-            permuted_probs.unsqueeze(-1),
-            self.activation_fn,
-        )
+            dispatched_input, self.gate_and_up_projs, self.down_projs, self.gate_up_proj_bias,
+            self.down_proj_bias, tokens_per_expert, permuted_probs.unsqueeze(-1), self.activation_fn)
         return out_PH, None
 
     def backward_dw(self) -> None:

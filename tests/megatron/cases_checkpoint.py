@@ -28,7 +28,7 @@ ACTIVATIONS = {  # name -> TransformerConfig fields of Megatron's expert MLP
 }
 
 
-def _config(activation: str = "swiglu", bias: bool = False):
+def _config(activation: str = "swiglu", bias: bool = False, experts: int = EXPERTS):
     """TransformerConfig of the tiny model, on the parallel state set up by `init(ep)`."""
     from megatron.core.activations import squared_relu
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -38,7 +38,7 @@ def _config(activation: str = "swiglu", bias: bool = False):
         act["activation_func"] = squared_relu
     return TransformerConfig(
         num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=4 * HIDDEN,
-        num_moe_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=FFN,
+        num_moe_experts=experts, moe_router_topk=TOPK, moe_ffn_hidden_size=FFN,
         expert_model_parallel_size=_ep_size(),
         add_bias_linear=bias, bias_activation_fusion=False, use_cpu_initialization=True,
         moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0,
@@ -57,7 +57,8 @@ def init(ep: int) -> None:
     megatron_cpu.init_parallel_state(ep)
 
 
-def build_gpt(kind: str, activation: str = "swiglu", bias: bool = False, seed: int = 1234):
+def build_gpt(kind: str, activation: str = "swiglu", bias: bool = False, seed: int = 1234,
+              experts: int = EXPERTS):
     """A 2-layer GPT-MoE ("native" or "ext") on this rank, with seeded initialisation."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -68,8 +69,8 @@ def build_gpt(kind: str, activation: str = "swiglu", bias: bool = False, seed: i
 
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
-    config = _config(activation, bias)
-    spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False)
+    config = _config(activation, bias, experts)
+    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False)
     if kind == "ext":
         native_mlp = spec.submodules.mlp
         moe_submodules = dataclasses.replace(native_mlp.keywords["submodules"],
@@ -268,23 +269,27 @@ def _cpu_checkpoint_io():
         torch.cuda.synchronize = synchronize
 
 
-def save_checkpoint(kind: str, ep: int, ckpt_dir: str, drop_key: str | None = None) -> dict:
-    """Build a seeded model, save it as a Megatron distributed checkpoint, return its weights
-    (global expert view) and the loss of this rank's batch. `drop_key` leaves out every shard
-    of that sharded key (a checkpoint missing an expert tensor)."""
+def save_checkpoint(kind: str, ep: int, ckpt_dir: str, drop_key: str | None = None,
+                    experts: int = EXPERTS) -> dict:
+    """Build a seeded model with `experts` experts per layer, save it as a Megatron distributed
+    checkpoint, return its weights (global expert view) and the loss of this rank's batch.
+    `drop_key` leaves every shard of that sharded key out of the checkpoint."""
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+    from megatron.core.dist_checkpointing.mapping import apply_factories
 
     init(ep)
-    model = build_gpt(kind, seed=1234 if kind == "native" else 4321)
+    model = build_gpt(kind, seed=1234 if kind == "native" else 4321, experts=experts)
     sharded = model.sharded_state_dict()
     if drop_key is not None:
+        apply_factories(sharded)
         sharded = {k: v for k, v in sharded.items()
-                   if not (isinstance(v, ShardedTensorFactory) or hasattr(v, "key"))
-                   or v.key != drop_key}
+                   if not any(getattr(t, "key", None) == drop_key
+                              for t in (v if isinstance(v, list) else [v]))}
     os.makedirs(ckpt_dir, exist_ok=True)
     with _cpu_checkpoint_io():
         dist_checkpointing.save(sharded, ckpt_dir)
+    if experts != EXPERTS:
+        return {}
     loss, _ = forward_backward(model)
     return {"experts": _global_expert_state(model), "rest": _non_expert_state(model), "loss": loss}
 
