@@ -8,7 +8,7 @@ Both layers come from Megatron's MoE module spec (TopKRouter, SequentialMLP expe
 the same `TransformerConfig`; the flex layer loads the native layer's state_dict, so only
 the token dispatcher differs. For each backend (`torch`, plus `deepep` when `deep_ep` is
 importable) and dtype (fp32, bf16) one forward+backward with a dense output gradient is
-compared: output, input gradient and every parameter gradient (relative max error), and
+compared (bf16 also with a shared expert on Megatron's overlap stream): output, input gradient and every parameter gradient (relative max error), and
 tokens per expert. Rank 0 writes $OUT/megatron_layer_parity_ep<N>.json; the exit status
 is non-zero when a check fails. Timings (mean of a few steps after warmup) are reported
 for information only.
@@ -34,10 +34,12 @@ TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def layer_config(dtype_name: str, ep: int):
+def layer_config(dtype_name: str, ep: int, shared_overlap: bool):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     bf16 = dtype_name == "bf16"
+    shared = dict(moe_shared_expert_intermediate_size=FFN, moe_shared_expert_overlap=True) \
+        if shared_overlap else {}
     return TransformerConfig(
         num_layers=1, hidden_size=HIDDEN, num_attention_heads=8, ffn_hidden_size=FFN,
         num_moe_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=FFN,
@@ -45,7 +47,7 @@ def layer_config(dtype_name: str, ep: int):
         moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01,
         moe_router_dtype="fp32", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
         add_bias_linear=False, params_dtype=DTYPES[dtype_name], bf16=bf16,
-        use_cpu_initialization=True, moe_permute_fusion=False)
+        use_cpu_initialization=True, moe_permute_fusion=False, **shared)
 
 
 def rel_err(a, b) -> float:
@@ -74,7 +76,7 @@ def step(layer, x, g, timed: int = 0):
     return out.detach(), xr.grad.detach(), grads, seen, elapsed
 
 
-def run_case(backend: str, dtype_name: str, pg, device, timed: int) -> dict:
+def run_case(backend: str, dtype_name: str, shared_overlap: bool, pg, device, timed: int) -> dict:
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 
     from megatron_moe_ext.config import TokenDispatcherConfig
@@ -82,7 +84,7 @@ def run_case(backend: str, dtype_name: str, pg, device, timed: int) -> dict:
     from megatron_moe_ext.megatron.moe_layer import FlexMoELayer
 
     ep, rank = dist.get_world_size(), dist.get_rank()
-    config = layer_config(dtype_name, ep)
+    config = layer_config(dtype_name, ep, shared_overlap)
     spec = get_moe_module_spec(use_te=False, num_experts=EXPERTS)
     native = spec(config=config, pg_collection=pg).to(device)
     dcfg = TokenDispatcherConfig.from_transformer_config(
@@ -101,7 +103,7 @@ def run_case(backend: str, dtype_name: str, pg, device, timed: int) -> dict:
     MoEFlexTokenDispatcher.release_shared_managers()
     tol = TOLERANCE[dtype_name]
     grad_err = {n: rel_err(grads_f[n], grads_n[n]) for n in grads_n}
-    result = dict(backend=backend, dtype=dtype_name, rank=rank, tolerance=tol,
+    result = dict(backend=backend, dtype=dtype_name, shared_overlap=shared_overlap, rank=rank, tolerance=tol,
                   out=rel_err(out_f, out_n), grad_x=rel_err(gx_f, gx_n),
                   max_param_grad=max(grad_err.values()), param_grads=len(grad_err),
                   same_param_set=sorted(grads_n) == sorted(grads_f),
@@ -145,12 +147,13 @@ def main() -> int:
         pass
     results, errors = [], []
     for backend in backends:
-        for dtype_name in ("fp32", "bf16"):
+        for dtype_name, shared_overlap in (("fp32", False), ("bf16", False), ("bf16", True)):
             try:
-                results.append(run_case(backend, dtype_name, pg, device, timed=0 if cpu else 5))
+                results.append(run_case(backend, dtype_name, shared_overlap, pg, device,
+                                        timed=0 if cpu else 5))
             except Exception:  # noqa: BLE001 - keep going, report the failure
-                errors.append(dict(backend=backend, dtype=dtype_name, rank=dist.get_rank(),
-                                   error=traceback.format_exc()))
+                errors.append(dict(backend=backend, dtype=dtype_name, shared_overlap=shared_overlap,
+                                   rank=dist.get_rank(), error=traceback.format_exc()))
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, dict(results=results, errors=errors))
     ok = all(r["ok"] for part in gathered for r in part["results"]) and not any(
@@ -169,7 +172,8 @@ def main() -> int:
             json.dump(report, f, indent=1)
         for part in gathered:
             for r in part["results"]:
-                print(f"rank {r['rank']} {r['backend']:6s} {r['dtype']}: out {r['out']:.2e} "
+                print(f"rank {r['rank']} {r['backend']:6s} {r['dtype']} shared_overlap "
+                      f"{r['shared_overlap']}: out {r['out']:.2e} "
                       f"grad_x {r['grad_x']:.2e} params {r['max_param_grad']:.2e} "
                       f"tokens_equal {r['tokens_native'] == r['tokens_flex']} "
                       f"ms native/flex {r['ms_native']}/{r['ms_flex']} ok {r['ok']}")
