@@ -54,3 +54,5 @@ def test_lm_loss_matches_megatron_native_layer(case_run):
     bad = [(step + 1, e, n) for step, (e, n) in enumerate(zip(ext["lm_loss"], native["lm_loss"]))
            if not math.isclose(e, n, rel_tol=EXT_VS_NATIVE_RTOL, abs_tol=0.0)]
     assert not bad, f"ext vs native lm loss differ by > {EXT_VS_NATIVE_RTOL} relative (step, ext, native): {bad}"
+    name, diff = results[0]["max_param_rel_diff"]
+    assert diff <= EXT_VS_NATIVE_RTOL, f"trained {name} differs from the native layer's by {diff:.2e}"
