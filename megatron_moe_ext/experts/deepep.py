@@ -44,12 +44,15 @@ class ExpertDispatch:
     communication, no backend library needed).
 
     Arguments:
-        n_experts / topk: E and K.
+        n_experts: E.
         ep: the expert-parallel group (`common.resolve_ep_group`).
         dispatcher_config: the flex dispatcher's settings (used only when EP > 1).
+        hidden_size / dtype: size the backend's communication buffer now, at setup, so no
+            collective allocation happens later inside an activation-checkpoint recompute.
     """
 
-    def __init__(self, n_experts: int, topk: int, ep: ExpertParallel, dispatcher_config: TokenDispatcherConfig):
+    def __init__(self, n_experts: int, ep: ExpertParallel, dispatcher_config: TokenDispatcherConfig,
+                 hidden_size: int, dtype: torch.dtype):
         from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
 
         self.n_local_experts = n_experts // ep.size
@@ -58,6 +61,9 @@ class ExpertDispatch:
         if ep.group is not None:
             local = list(range(self.experts_start_idx, self.experts_start_idx + self.n_local_experts))
             self.dispatcher = MoEFlexTokenDispatcher(self.n_local_experts, local, dispatcher_config, ep.group)
+            allocate = getattr(self.dispatcher._comm_manager, "allocate_buffers", None)
+            if allocate is not None:
+                allocate(hidden_size, dtype)
         self._local_state: tuple[torch.Tensor, int] | None = None
 
     def dispatch(self, x, token_mask, weights, indices):
@@ -130,15 +136,15 @@ class GroupedExpertsDeepEP(StackedExperts):
             config, dispatcher_backend, dispatcher_num_sms, dispatcher_share_token_dispatcher,
             dispatcher_async_dispatch, static_routing, **dispatcher_options)
         self.expert_activation = get_expert_activation_for_deepep(config)
-        self.token_dispatch = ExpertDispatch(config.n_routed_experts, config.n_activated_experts,
-                                             self.ep, self.dispatcher_config)
+        self.token_dispatch = ExpertDispatch(config.n_routed_experts, self.ep, self.dispatcher_config,
+                                             config.dim, config.dtype)
 
     def init_token_dispatcher(self, ep_mesh) -> None:
         """Join the expert-parallel group (DeviceMesh or ProcessGroup), keep the local experts
         and build the dispatcher (and its communication buffers, before any checkpointing)."""
         ep = self._set_expert_parallel(ep_mesh)
-        self.token_dispatch = ExpertDispatch(self.n_routed_experts, self.config.n_activated_experts,
-                                             ep, self.dispatcher_config)
+        self.token_dispatch = ExpertDispatch(self.n_routed_experts, ep, self.dispatcher_config,
+                                             self.config.dim, self.config.dtype)
 
     def get_pipeline_runtime_initializers(self) -> tuple:
         """Dispatcher-owned resources to prepare before a pipeline-parallel step (HybridEP's

@@ -124,8 +124,8 @@ class GroupedExpertsTE(nn.Module):
         self.dispatcher_config = make_dispatcher_config(
             config, dispatcher_backend, dispatcher_num_sms, dispatcher_share_token_dispatcher,
             dispatcher_async_dispatch, static_routing, **dispatcher_options)
-        self.token_dispatch = ExpertDispatch(config.n_routed_experts, config.n_activated_experts,
-                                             resolve_ep_group(None), self.dispatcher_config)
+        self.token_dispatch = ExpertDispatch(config.n_routed_experts, resolve_ep_group(None),
+                                             self.dispatcher_config, config.dim, config.dtype)
 
     def _build_linears(self, num_experts: int, device: torch.device) -> None:
         up = (2 if self.is_gated else 1) * self.moe_inter_dim
@@ -196,8 +196,8 @@ class GroupedExpertsTE(nn.Module):
                 self._set_stacked_bias(self.gate_up_linear, stacked["gate_up_proj_bias"][start:end])
                 self._set_stacked_bias(self.down_linear, stacked["down_proj_bias"][start:end])
         self.ep_rank, self.num_local_experts = ep.rank, end - start
-        self.token_dispatch = ExpertDispatch(self.n_routed_experts, self.config.n_activated_experts,
-                                             ep, self.dispatcher_config)
+        self.token_dispatch = ExpertDispatch(self.n_routed_experts, ep, self.dispatcher_config,
+                                             self.dim, self.config.dtype)
 
     def init_weights(self, buffer_device: torch.device, init_std: float = 0.02) -> None:
         """Weights ~ N(0, init_std), biases zero, on `buffer_device`."""

@@ -354,3 +354,18 @@ def run_all_gather_varlen(lengths: tuple[int, ...]) -> dict:
     expected_grad = sum(grads).narrow(0, start, lengths[rank])
     return {"forward": bool(torch.equal(out, torch.cat(local))),
             "backward": bool(torch.allclose(x.grad, expected_grad, atol=1e-6))}
+
+
+def run_deepep_buffer_at_setup(module_name: str) -> dict:
+    """DeepEP's buffer is allocated by `init_token_dispatcher` (before any forward, hence
+    before any activation-checkpoint recompute), and a forward allocates no other."""
+    from tests.doubles import deep_ep_buffer
+
+    case = ModuleCase("buffer", module_name, "swiglu", "bf16", False, dist.get_world_size(), backend="deepep")
+    module = build_module(case)
+    before = deep_ep_buffer.STATS["buffers_constructed"]
+    setup_ep(module, "group")
+    at_setup = deep_ep_buffer.STATS["buffers_constructed"] - before
+    x, token_mask, weights, indices, _ = make_inputs(case, dist.get_rank())
+    module(x.bfloat16(), token_mask, weights, indices)
+    return {"at_setup": at_setup, "in_forward": deep_ep_buffer.STATS["buffers_constructed"] - before - at_setup}

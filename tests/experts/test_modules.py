@@ -9,7 +9,14 @@ and bias setting appears at least once, with zero-token ranks and empty experts 
 
 import pytest
 
-from tests.experts.cases_modules import ModuleCase, run_all_gather_varlen, run_module_case, run_state_dict_interop
+from megatron_moe_ext.utils.optional import try_import
+from tests.experts.cases_modules import (
+    ModuleCase,
+    run_all_gather_varlen,
+    run_deepep_buffer_at_setup,
+    run_module_case,
+    run_state_dict_interop,
+)
 
 CASES = [
     ModuleCase("loop_swiglu_fp32_bias_ep2_empty_rank", "grouped_loop", "swiglu", "fp32", True, 2,
@@ -84,3 +91,11 @@ def test_state_dict_moves_between_modules(dist_pools, bias):
 def test_all_gather_concat_varlen(dist_pools, lengths):
     for r in dist_pools(2).run(run_all_gather_varlen, lengths):
         assert r == {"forward": True, "backward": True}
+
+
+@pytest.mark.skipif(try_import("deep_ep") is not None and not getattr(try_import("deep_ep"), "IS_TEST_DOUBLE", False),
+                    reason="counts buffers through the DeepEP test double")
+@pytest.mark.parametrize("module_name", ["deepep", "te"])
+def test_deepep_buffer_is_allocated_at_setup(dist_pools, module_name):
+    for r in dist_pools(2).run(run_deepep_buffer_at_setup, module_name):
+        assert r == {"at_setup": 1, "in_forward": 0}
