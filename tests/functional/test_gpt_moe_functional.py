@@ -13,6 +13,8 @@ import pytest
 
 from tests.functional.gpt_moe_case import case_fields, load_case, load_golden_lm_loss, train_native_and_ext
 
+pytestmark = pytest.mark.slow  # trains GPT models on real ranks
+
 MEGATRON_LM_LOSS_RTOL = 0.05
 EXT_VS_NATIVE_RTOL = 1e-4
 

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # a fresh process importing megatron.training
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
         "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 2 --train-iters 3 "
@@ -25,7 +27,6 @@ def _check(*flags: str) -> subprocess.CompletedProcess:
 
 
 def test_driver_builds_flex_layers_from_spec():
-    pytest.importorskip("megatron_moe_ext.megatron.specs")
     run = _check("--spec", "megatron_moe_ext.megatron.specs", "get_flex_decoder_block_spec",
                  "--moe-token-dispatcher-type", "alltoall")
     line = [x for x in run.stdout.splitlines() if x.startswith("DRIVER_CHECK ")]

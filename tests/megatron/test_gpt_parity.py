@@ -17,6 +17,8 @@ import pytest
 from examples.pretrain_gpt_moe import GPTMoEConfig
 from tests.functional.gpt_moe_case import train_native_and_ext
 
+pytestmark = pytest.mark.slow  # trains GPT models on real ranks
+
 STEPS = 10
 RTOL = 1e-4
 WORLD_SIZE = 2
