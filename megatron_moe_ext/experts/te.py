@@ -202,7 +202,10 @@ class GroupedExpertsTE(nn.Module):
     def init_weights(self, buffer_device: torch.device, init_std: float = 0.02) -> None:
         """Weights ~ N(0, init_std), biases zero, on `buffer_device`."""
         for linear in (self.gate_up_linear, self.down_linear):
-            linear.to(buffer_device)
+            if any(p.is_meta for p in linear.parameters()):
+                linear.to_empty(device=buffer_device)  # every value is written below
+            else:
+                linear.to(buffer_device)
             with torch.no_grad():
                 for i in range(linear.num_gemms):
                     getattr(linear, f"weight{i}").normal_(0.0, init_std)

@@ -162,8 +162,9 @@ def test_init_weights_materialises_meta_parameters():
                 assert torch.equal(p, torch.zeros_like(p)), name
             else:
                 assert 0.3 < float(p.std()) < 0.7, name
-    te = build_module(dataclasses.replace(case, module="te"))
+    te = build_module(dataclasses.replace(case, module="te"), device="meta")
     te.init_weights(torch.device("cpu"), init_std=0.5)
+    assert all(p.device.type == "cpu" for p in te.parameters())
     assert 0.3 < float(te.gate_and_up_projs.std()) < 0.7
     assert torch.equal(te.down_proj_bias, torch.zeros_like(te.down_proj_bias))
 
