@@ -37,12 +37,17 @@ _align_up = P.align_up
 
 def _assert_no_hybridep_overflow(handle, capacity: int) -> None:
     """Device-side guard: HybridEP truncates silently past the capacity and sets
-    `overflow_flag`, the last handle item (one-element device tensor); fail loudly instead of
-    training on dropped tokens, without a host sync."""
+    `overflow_flag`; fail loudly instead of training on dropped tokens, without a host sync.
+
+    Arguments:
+        handle: HybridEP dispatch handle (tuple); its last item is the one-element int32
+            device `overflow_flag`, non-zero after a truncated dispatch.
+        capacity: the permuted-row count the dispatch was sized to (quoted in the error).
+    """
     torch._assert_async(
         handle[-1].reshape(()) == 0,
         f"HybridEP dispatch overflowed its capacity of {capacity} permuted rows: tokens were "
-        f"dropped. Raise moe_hybridep_capacity_factor (or the static-routing token count).",
+        "dropped. Raise moe_hybridep_capacity_factor (or the static-routing token count).",
     )
 
 
