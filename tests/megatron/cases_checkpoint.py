@@ -246,6 +246,52 @@ def tokens_per_expert_forms(activation: str, bias: bool) -> dict:
     }
 
 
+def plain_state_dict_roundtrip() -> dict:
+    """ext -> SequentialMLP keys -> native (strict) -> ext (strict, through the load hook):
+    every tensor must come back bit-identical; a per-expert dict missing one expert's tensor
+    must raise naming it."""
+    from megatron_moe_ext.megatron.checkpoint import sequential_mlp_to_grouped
+
+    init(1)
+    ext = build_gpt("ext", bias=True, seed=5)
+    native = build_gpt("native", bias=True, seed=6)
+    ext_state = {k: v.clone() for k, v in ext.state_dict().items() if v is not None}
+    # Megatron's linears also expect their (empty) `_extra_state`; nothing else may be missing.
+    missing, unexpected = native.load_state_dict(_expert_view(ext_state), strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    back = build_gpt("ext", bias=True, seed=7)
+    back.load_state_dict(native.state_dict(), strict=True)  # SequentialMLP keys, via the hook
+    differ = [k for k, v in back.state_dict().items()
+              if v is not None and not torch.equal(v, ext_state[k])]
+    native_view = _expert_view(native.state_dict())
+    differ += [k for k, v in _expert_view(ext_state).items() if not torch.equal(v, native_view[k])]
+    broken = {k: v for k, v in native.state_dict().items()
+              if k != "decoder.layers.1.mlp.experts.local_experts.2.linear_fc2.weight"}
+    try:
+        sequential_mlp_to_grouped(broken, EXPERTS, "decoder.layers.1.mlp.experts.")
+        error = None
+    except ValueError as exc:
+        error = str(exc)
+    return {"differ": differ, "missing": list(missing), "unexpected": list(unexpected),
+            "num_tensors": len(ext_state), "error": error}
+
+
+def unsupported_config_error(field: str, value) -> str | None:
+    """Build GroupedGemmExperts from a config with `field=value`; return the ValueError text."""
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+    from megatron_moe_ext.megatron.experts import GroupedGemmExperts
+
+    init(1)
+    config = _config()
+    setattr(config, field, value)
+    try:
+        GroupedGemmExperts(EXPERTS, config, pg_collection=get_default_pg_collection())
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 # ---- test_checkpoint_interop ------------------------------------------------------------
 
 @contextlib.contextmanager
@@ -310,7 +356,7 @@ def load_checkpoint(kind: str, ep: int, ckpt_dir: str) -> dict:
             "before": before}
 
 
-def sharded_layout(kind: str, ep: int) -> list:
+def sharded_layout(kind: str, ep: int, singleton_local_shards: bool = False) -> list:
     """(sharded key, global shape, global offset, axis fragmentations, replica id, local
     values) of every expert ShardedTensor and ShardedObject this rank would save, with factories
     applied: the on-disk layout, compared between native and ext."""
@@ -321,7 +367,7 @@ def sharded_layout(kind: str, ep: int) -> list:
     model = build_gpt(kind, seed=1234)
     if kind == "ext":  # identical weights, so the local values can be compared too
         model.load_state_dict(build_gpt("native", seed=1234).state_dict())
-    sharded = model.sharded_state_dict()
+    sharded = model.sharded_state_dict(metadata={"singleton_local_shards": singleton_local_shards})
     apply_factories(sharded)
     layout = []
     for v in nested_values(sharded):

@@ -42,11 +42,13 @@ def test_checkpoint_roundtrip(dist_pools, tmp_path, src, src_ep, dst, dst_ep):
     _assert_same_model(saved, loaded)
 
 
-def test_ext_writes_sequential_mlp_layout(dist_pools):
+@pytest.mark.parametrize("ep,singleton", [(2, False), (1, False), (2, True)])
+def test_ext_writes_sequential_mlp_layout(dist_pools, ep, singleton):
     """Same weights: every expert ShardedTensor / ShardedObject the ext model saves equals the
-    native one in key, global shape, offset, fragmentation, replica id and values."""
-    native = dist_pools(WORLD).run(sharded_layout, "native", 2)
-    ext = dist_pools(WORLD).run(sharded_layout, "ext", 2)
+    native one in key, global shape, offset, fragmentation, replica id and values (also with
+    Megatron's `singleton_local_shards`, and with expert-data-parallel replicas at EP 1)."""
+    native = dist_pools(WORLD).run(sharded_layout, "native", ep, singleton)
+    ext = dist_pools(WORLD).run(sharded_layout, "ext", ep, singleton)
     for rank, (n, x) in enumerate(zip(native, ext)):
         assert [t[:5] for t in n] == [t[:5] for t in x], f"rank {rank}: layouts differ"
         for tn, tx in zip(n, x):

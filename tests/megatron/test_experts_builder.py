@@ -6,7 +6,12 @@ or as a tensor, and capacity tail rows, against a per-expert reference."""
 
 import pytest
 
-from tests.megatron.cases_checkpoint import native_vs_ext_forward_backward, tokens_per_expert_forms
+from tests.megatron.cases_checkpoint import (
+    native_vs_ext_forward_backward,
+    plain_state_dict_roundtrip,
+    tokens_per_expert_forms,
+    unsupported_config_error,
+)
 
 RTOL = 1e-5
 
@@ -36,3 +41,25 @@ def test_tokens_per_expert_host_device_and_capacity_tail(dist_pools, activation,
     assert r["device_vs_host"] == 0.0, r
     assert r["tail_vs_host"] == 0.0, r
     assert r["finite"], r
+
+
+def test_plain_state_dict_conversion_roundtrip(dist_pools):
+    (r,) = dist_pools(1).run(plain_state_dict_roundtrip)
+    assert r["num_tensors"] > 0 and r["differ"] == [], r["differ"]
+    assert r["missing"] == [] and r["unexpected"] == [], r
+    assert r["error"] is not None and "local_experts.2.linear_fc2.weight" in r["error"], r["error"]
+
+
+@pytest.mark.parametrize("field,value,named", [
+    ("activation_func", "gelu", "activation_func"),
+    ("glu_linear_offset", 1.0, "glu_linear_offset"),
+    ("moe_apply_probs_on_input", True, "moe_apply_probs_on_input"),
+    ("delay_wgrad_compute", True, "delay_wgrad_compute"),
+    ("moe_latent_size", 8, "moe_latent_size"),
+])
+def test_unsupported_megatron_settings_raise_naming_the_field(dist_pools, field, value, named):
+    if value == "gelu":
+        import torch.nn.functional as F
+        value = F.gelu
+    (message,) = dist_pools(1).run(unsupported_config_error, field, value)
+    assert message is not None and named in message, message
