@@ -42,8 +42,8 @@ DRIVER="$RUN examples/pretrain_gpt_megatron_lm.py --num-layers 4 --hidden-size 5
 --global-batch-size 16 --train-iters 10 --lr 1e-3 --num-experts 8 --moe-ffn-hidden-size 1024 \
 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 --expert-model-parallel-size 2 --transformer-impl local \
 --no-persist-layer-norm --no-gradient-accumulation-fusion --swiglu --disable-bias-linear --mock-data --tokenizer-type NullTokenizer \
---vocab-size 4096 --log-interval 1 --eval-iters 0 \
---spec megatron_moe_ext.megatron.specs get_flex_decoder_block_spec"
+--vocab-size 4096 --log-interval 1 --eval-iters 0"
+SPEC="--spec megatron_moe_ext.megatron.specs get_flex_decoder_block_spec"
 driver() {  # name, dispatcher flags
   local name=$1; shift
   local cmd="$DRIVER $*"
@@ -51,9 +51,10 @@ driver() {  # name, dispatcher flags
   echo "$cmd" > "$OUT/pretrain_ep2_$name.cmd"
   timeout 300 $cmd > "$OUT/pretrain_ep2_$name.log" 2>&1 || echo "   FAILED (rc $?), see $OUT/pretrain_ep2_$name.log"
 }
-driver megatron_training_torch --moe-token-dispatcher-type alltoall
-if [ $HAVE_DEEPEP = 1 ]; then
-  driver megatron_training_deepep --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep; fi
+driver megatron_training_ext_torch $SPEC --moe-token-dispatcher-type alltoall
+[ $HAVE_DEEPEP = 1 ] && driver megatron_training_ext_deepep $SPEC --moe-token-dispatcher-type flex \
+  --moe-flex-dispatcher-backend deepep
+driver megatron_training_native --moe-token-dispatcher-type alltoall  # Megatron's own local spec
 
 $PY - "$OUT" <<'PYEOF'
 import glob, json, os, re, sys
@@ -81,6 +82,11 @@ for name, run in ex.items():
     if name.startswith("ext_") and native and "lm_loss" in run and "lm_loss" in native:
         run["max_rel_diff_vs_native"] = max(abs(a - b) / abs(b) for a, b in zip(run["lm_loss"], native["lm_loss"]))
         run["speedup_vs_native"] = native["mean_step_time_s_after_first"] / run["mean_step_time_s_after_first"]
+mt = result["megatron_training"]
+native = mt.get("megatron_training_native", {}).get("lm_loss")
+for name, run in mt.items():
+    if name != "megatron_training_native" and native and run["lm_loss"]:
+        run["max_rel_diff_vs_native"] = max(abs(a - b) / abs(b) for a, b in zip(run["lm_loss"], native))
 path = os.path.join(out, "pretrain_ep2_h200.json")
 json.dump(result, open(path, "w"), indent=1)
 for name, run in ex.items():
@@ -88,8 +94,9 @@ for name, run in ex.items():
         print(f"{name:16s} FAILED"); continue
     print(f"{name:16s} lm loss {run['lm_loss'][0]:.4f} -> {run['lm_loss'][-1]:.4f}  "
           f"{1000 * run['mean_step_time_s_after_first']:.1f} ms/step  "
-          f"rel diff vs native {run.get('max_rel_diff_vs_native', 0):.2e}")
+          f"rel diff vs native {run.get('max_rel_diff_vs_native', float('nan')):.2e}")
 for name, run in result["megatron_training"].items():
-    print(f"{name}: lm loss {run['lm_loss'][:1]} -> {run['lm_loss'][-1:]}, {len(run['lm_loss'])} iterations")
+    print(f"{name}: lm loss {run['lm_loss'][:1]} -> {run['lm_loss'][-1:]}, {len(run['lm_loss'])} iterations, "
+          f"rel diff vs native {run.get('max_rel_diff_vs_native')}")
 print("wrote", path)
 PYEOF
