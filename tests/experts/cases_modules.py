@@ -369,3 +369,11 @@ def run_deepep_buffer_at_setup(module_name: str) -> dict:
     x, token_mask, weights, indices, _ = make_inputs(case, dist.get_rank())
     module(x.bfloat16(), token_mask, weights, indices)
     return {"at_setup": at_setup, "in_forward": deep_ep_buffer.STATS["buffers_constructed"] - before - at_setup}
+
+
+def run_pipeline_initializers(module_name: str, backend: str) -> list[str]:
+    """Class names of the module's pipeline runtime initializers at EP = world size."""
+    case = ModuleCase("pp", module_name, "swiglu", "bf16", False, dist.get_world_size(), backend=backend)
+    module = build_module(case)
+    setup_ep(module, "group")
+    return [type(i).__name__ for i in module.get_pipeline_runtime_initializers()]

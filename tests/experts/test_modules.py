@@ -15,6 +15,7 @@ from tests.experts.cases_modules import (
     run_all_gather_varlen,
     run_deepep_buffer_at_setup,
     run_module_case,
+    run_pipeline_initializers,
     run_state_dict_interop,
 )
 
@@ -99,3 +100,10 @@ def test_all_gather_concat_varlen(dist_pools, lengths):
 def test_deepep_buffer_is_allocated_at_setup(dist_pools, module_name):
     for r in dist_pools(2).run(run_deepep_buffer_at_setup, module_name):
         assert r == {"at_setup": 1, "in_forward": 0}
+
+
+@pytest.mark.parametrize("module_name", ["deepep", "te"])
+def test_pipeline_runtime_initializers_come_from_the_dispatcher(dist_pools, module_name):
+    assert dist_pools(2).run(run_pipeline_initializers, module_name, "torch") == [[], []]
+    assert dist_pools(2).run(run_pipeline_initializers, module_name, "hybridep") == [
+        ["HybridEPPipelineRuntimeInitializer"]] * 2
