@@ -214,21 +214,29 @@ def _reduce_gradients(model) -> None:
     """Average gradients over the data-parallel ranks that hold a copy of each parameter.
 
     Dense parameters are replicated on every data-parallel rank; an expert's parameters on
-    every rank of the expert-data-parallel group. Both are divided by the dense data-parallel
-    size because each rank's loss is its own micro-batch mean and the objective is their mean.
+    every rank of the expert-data-parallel group (Megatron marks them `allreduce=False`).
+    Both are divided by the dense data-parallel size because each rank's loss is its own
+    micro-batch mean and the objective is their mean. One flat all-reduce per group.
     """
     from megatron.core import parallel_state
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
     dp_size = parallel_state.get_data_parallel_world_size()
+    grads = {False: [], True: []}
     for param in model.parameters():
-        if param.grad is None:
-            continue
-        is_expert = not getattr(param, "allreduce", True)
+        if param.grad is not None:
+            grads[not getattr(param, "allreduce", True)].append(param.grad)
+    for is_expert, group_grads in grads.items():
         group = (parallel_state.get_expert_data_parallel_group() if is_expert
                  else parallel_state.get_data_parallel_group())
+        if not group_grads:
+            continue
         if dist.get_world_size(group) > 1:
-            dist.all_reduce(param.grad, group=group)
-        param.grad.div_(dp_size)
+            flat = _flatten_dense_tensors(group_grads)
+            dist.all_reduce(flat, group=group)
+            for grad, reduced in zip(group_grads, _unflatten_dense_tensors(flat, group_grads)):
+                grad.copy_(reduced)
+        torch._foreach_div_(group_grads, dp_size)
 
 
 def causal_mask(seq_length: int, device) -> torch.Tensor:
