@@ -167,6 +167,9 @@ def uninstall() -> None:
 def init_parallel_state(ep_size: int | None = None, seed: int = 1234):
     """Initialise Megatron's `parallel_state` on the current gloo world; return its MoE groups.
 
+    Also reseeds Megatron's RNG tracker and drops its MoE metrics (aux-loss) tracker, so a
+    worker process can build one model after another.
+
     Arguments:
         ep_size: expert-model-parallel size (default: the world size); tensor and pipeline
             parallel sizes are 1, so the rest of the world is data parallel.
@@ -178,6 +181,7 @@ def init_parallel_state(ep_size: int | None = None, seed: int = 1234):
     """
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
     if not dist.is_initialized():
@@ -194,4 +198,7 @@ def init_parallel_state(ep_size: int | None = None, seed: int = 1234):
         tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
         expert_model_parallel_size=ep_size, create_gloo_process_groups=False)
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    # The aux-loss tracker is process-global and sized by the first model's layer count;
+    # a fresh parallel state means a fresh model, so start it afresh too.
+    destroy_moe_metrics_tracker()
     return get_default_pg_collection()
