@@ -3,7 +3,9 @@
 Two tiny GPT-MoE models, identical but for their MoE layer:
 - "native": Megatron's own `MoELayer` + `SequentialMLP` experts + alltoall dispatcher,
 - "ext": this package's `FlexMoELayer` + `GroupedGemmExperts` (torch backend),
-both on CPU through tests/shims/megatron_cpu.py. Every body returns plain (picklable) values.
+on CPU through tests/shims/megatron_cpu.py, or on the GPU when CUDA is there (the same bodies
+run under torchrun by gpu_check_megatron_experts.py). Every body returns CPU tensors and
+plain (picklable) values.
 """
 
 from __future__ import annotations
@@ -52,9 +54,23 @@ def _ep_size() -> int:
 
 
 def init(ep: int) -> None:
-    """Megatron's parallel state on the gloo world with EP `ep` (once per body: re-initialising
+    """Megatron's parallel state on the world with EP `ep` (once per body: re-initialising
     would destroy the groups of models already built)."""
-    megatron_cpu.init_parallel_state(ep)
+    if not torch.cuda.is_available():
+        megatron_cpu.init_parallel_state(ep)
+        return
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)
+    model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
 
 
 def build_gpt(kind: str, activation: str = "swiglu", bias: bool = False, seed: int = 1234,
@@ -79,7 +95,9 @@ def build_gpt(kind: str, activation: str = "swiglu", bias: bool = False, seed: i
             spec.submodules, mlp=functools.partial(FlexMoELayer, submodules=moe_submodules)))
     elif kind != "native":
         raise ValueError(f"kind={kind!r}: expected 'native' or 'ext'")
-    return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ)
+    # Initialised on the CPU generator (use_cpu_initialization), so the weights do not depend
+    # on the device the model then runs on.
+    return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ).to(_device())
 
 
 def _batch(seed: int = 7):
@@ -90,7 +108,7 @@ def _batch(seed: int = 7):
     position_ids = torch.arange(SEQ).expand(BATCH, SEQ)
     # Explicit causal mask (True = hidden): Megatron's default one is built on "cuda".
     causal_mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]
-    return tokens, position_ids, causal_mask, labels
+    return tuple(t.to(_device()) for t in (tokens, position_ids, causal_mask, labels))
 
 
 def forward_backward(model):
@@ -99,17 +117,17 @@ def forward_backward(model):
     model.zero_grad(set_to_none=True)
     loss_BS = model(tokens, position_ids, attention_mask=causal_mask, labels=labels)
     # A non-uniform upstream gradient: `.sum()` alone would hide stride bugs in backward.
-    weights_BS = torch.linspace(0.5, 1.5, loss_BS.numel()).view_as(loss_BS)
+    weights_BS = torch.linspace(0.5, 1.5, loss_BS.numel(), device=loss_BS.device).view_as(loss_BS)
     (loss_BS * weights_BS).sum().backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return loss_BS.detach(), grads
+    grads = {n: p.grad.detach().cpu() for n, p in model.named_parameters() if p.grad is not None}
+    return loss_BS.detach().cpu(), grads
 
 
 def _expert_view(state: dict) -> dict:
     """Any model's state dict in SequentialMLP's per-expert form (the common currency)."""
     from megatron_moe_ext.megatron.checkpoint import grouped_to_sequential_mlp
 
-    out = {k: v for k, v in state.items() if not k.endswith("_extra_state")}
+    out = {k: v.detach().cpu() for k, v in state.items() if not k.endswith("_extra_state")}
     for layer in range(LAYERS):
         prefix = f"decoder.layers.{layer}.mlp.experts."
         if f"{prefix}gate_and_up_projs" in out:
@@ -296,7 +314,7 @@ def unsupported_config_error(field: str, value) -> str | None:
 
 @contextlib.contextmanager
 def _cpu_checkpoint_io():
-    """Let dist_checkpointing's torch_dist writer run on a CPU rank of the harness.
+    """Let dist_checkpointing's torch_dist writer run on a CPU rank of the harness (no-op on GPU).
 
     It returns its results through a `multiprocessing.Manager` queue, i.e. a child process,
     which the harness's daemonic ranks may not start; the save is synchronous here, so an
@@ -305,6 +323,9 @@ def _cpu_checkpoint_io():
     """
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
+    if torch.cuda.is_available():
+        yield
+        return
     if filesystem_async._results_queue is None:
         filesystem_async._results_queue = queue.Queue()
     synchronize = torch.cuda.synchronize
@@ -375,7 +396,7 @@ def sharded_layout(kind: str, ep: int, singleton_local_shards: bool = False) -> 
             continue
         if isinstance(v, ShardedTensor):
             layout.append((v.key, v.global_shape, v.global_offset, v.axis_fragmentations,
-                           v.replica_id, v.data.detach().clone()))
+                           v.replica_id, v.data.detach().cpu()))
         elif isinstance(v, ShardedObject):
             layout.append((v.key, v.global_shape, v.global_offset, None, v.replica_id, v.data))
     return sorted(layout, key=lambda t: (t[0], t[2]))
