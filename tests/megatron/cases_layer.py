@@ -10,6 +10,7 @@ gradient hides layout bugs) and returns forward, gradient and token-count differ
 from __future__ import annotations
 
 import functools
+import types
 from dataclasses import dataclass
 
 import torch
@@ -244,6 +245,11 @@ def run_gpt_spec_paths(ep_size: int | None = None) -> dict:
             result["grad_names"][name] = sorted(grads) == sorted(grads_n)
             result["grad_err"][name] = max(_rel_err(grads[n], grads_n[n]) for n in grads_n)
         result["kinds"]["spec_object"] = _mlp_kinds(from_spec_object)
+        # Megatron-LM's GPTModelBuilder calls the --spec function with its model config,
+        # which holds the TransformerConfig in `.transformer`.
+        wrapped = get_flex_decoder_block_spec(types.SimpleNamespace(transformer=config), vp_stage=None)
+        result["kinds"]["model_config_spec"] = [
+            getattr(layer.submodules.mlp, "func", None).__name__ for layer in wrapped.layer_specs]
         result["spec_object_loss_finite"] = bool(torch.isfinite(object_loss).all())
         result["num_grads"] = len(grads_n)
         return result

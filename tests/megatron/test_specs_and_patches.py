@@ -45,6 +45,7 @@ def test_gpt_model_from_megatron_block_spec(dist_pools, world):
         assert r["kinds"]["reverted"] == ["MoELayer", "MLP", "MoELayer"]
         assert r["kinds"]["spec_fn"] == ["FlexMoELayer", "MLP", "FlexMoELayer"]
         assert r["kinds"]["spec_object"] == ["FlexMoELayer"] * 3
+        assert r["kinds"]["model_config_spec"] == ["FlexMoELayer", "as_mlp_submodule", "FlexMoELayer"]
         assert r["spec_object_loss_finite"]
         assert r["num_grads"] > 20
         for name in ("patched", "reverted", "spec_fn"):
@@ -122,6 +123,11 @@ def test_use_flex_moe_layer_copies_and_keeps_dense_layers():
     assert swapped[0].submodules.mlp.keywords["submodules"] is native.submodules.mlp.keywords["submodules"]
     with pytest.raises(ValueError, match="spec"):
         specs.use_flex_moe_layer(object())
+
+
+def test_block_spec_function_refuses_a_non_config():
+    with pytest.raises(ValueError, match="config"):
+        specs.get_flex_decoder_block_spec(object())
 
 
 def test_transformer_engine_choice_is_checked():
