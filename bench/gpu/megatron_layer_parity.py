@@ -7,11 +7,12 @@ Run on the 2-GPU machine (megatron-core installed):
 Both layers come from Megatron's MoE module spec (TopKRouter, SequentialMLP experts) on
 the same `TransformerConfig`; the flex layer loads the native layer's state_dict, so only
 the token dispatcher differs. For each backend (`torch`, plus `deepep` when `deep_ep` is
-importable) and dtype (fp32, bf16) one forward+backward with a dense output gradient is
-compared (bf16 also with a shared expert on Megatron's overlap stream): output, input gradient and every parameter gradient (relative max error), and
-tokens per expert. Rank 0 writes $OUT/megatron_layer_parity_ep<N>.json; the exit status
-is non-zero when a check fails. Timings (mean of a few steps after warmup) are reported
-for information only.
+importable) and dtype (fp32, bf16; bf16 also with a shared expert on Megatron's overlap
+stream) one forward+backward with a dense output gradient is compared: output, input
+gradient and every parameter gradient (relative max error), and tokens per expert.
+Rank 0 writes $OUT/megatron_layer_parity_ep<N>.json; the exit status is non-zero when a
+check fails. Timings (mean of 5 forward+backward steps after the compared one) are
+reported for information only.
 
 `--cpu` runs the same script on gloo with the test-only CPU shims (for CI smoke runs:
 `torchrun --nproc-per-node 2 bench/gpu/megatron_layer_parity.py --cpu`, from the repo root).

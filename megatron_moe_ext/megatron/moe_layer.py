@@ -55,8 +55,8 @@ class FlexMoELayer(MoELayer):
     """
 
     def __init__(self, config, submodules=None, layer_number=None, pg_collection=None,
-                 is_mtp_layer=False, name=None, dispatcher_config: TokenDispatcherConfig | None = None,
-                 experts=None):
+                 is_mtp_layer=False, name=None,
+                 dispatcher_config: TokenDispatcherConfig | None = None, experts=None):
         if experts is not None:
             if submodules is None:
                 raise ValueError("experts: needs the layer's submodules (MoESubmodules) to replace "

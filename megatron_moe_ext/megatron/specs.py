@@ -1,4 +1,4 @@
-"""Spec entry points: Megatron's own GPT layer/block specs with `FlexMoELayer` at every MoE position.
+"""Spec entry points: Megatron's GPT layer/block specs with `FlexMoELayer` at every MoE position.
 
 Every function here calls Megatron's builders (`get_gpt_decoder_block_spec`,
 `get_gpt_layer_local_spec`, `get_gpt_layer_with_transformer_engine_spec`) and then swaps
@@ -52,6 +52,10 @@ def flex_layer_builder(dispatcher_config: TokenDispatcherConfig | None = None, e
     return functools.partial(FlexMoELayer, **extra) if extra else FlexMoELayer
 
 
+def _is_moe_layer_class(obj) -> bool:
+    return isinstance(obj, type) and issubclass(obj, MoELayer)
+
+
 def flex_moe_builder(mlp, dispatcher_config: TokenDispatcherConfig | None = None, experts=None):
     """One MLP builder: an MoE layer builder becomes the same builder of `FlexMoELayer`.
 
@@ -60,9 +64,9 @@ def flex_moe_builder(mlp, dispatcher_config: TokenDispatcherConfig | None = None
     MLP (dense MLP, identity) is returned unchanged.
     """
     extra = _flex_kwargs(dispatcher_config, experts)
-    if isinstance(mlp, functools.partial) and isinstance(mlp.func, type) and issubclass(mlp.func, MoELayer):
+    if isinstance(mlp, functools.partial) and _is_moe_layer_class(mlp.func):
         return functools.partial(FlexMoELayer, *mlp.args, **{**mlp.keywords, **extra})
-    if isinstance(mlp, ModuleSpec) and isinstance(mlp.module, type) and issubclass(mlp.module, MoELayer):
+    if isinstance(mlp, ModuleSpec) and _is_moe_layer_class(mlp.module):
         return dataclasses.replace(mlp, module=FlexMoELayer, params={**mlp.params, **extra})
     return mlp
 
@@ -116,7 +120,8 @@ def _use_te(config: TransformerConfig, use_transformer_engine: bool | None) -> b
 def get_flex_decoder_block_spec(config, vp_stage: int | None = None, *,
                                 use_transformer_engine: bool | None = None,
                                 dispatcher_config: TokenDispatcherConfig | None = None,
-                                experts=None, pp_rank: int | None = None) -> TransformerBlockSubmodules:
+                                experts=None,
+                                pp_rank: int | None = None) -> TransformerBlockSubmodules:
     """Megatron's GPT decoder block spec with `FlexMoELayer` in every MoE layer.
 
     Arguments:
