@@ -9,6 +9,7 @@ gradient hides layout bugs) and returns forward, gradient and token-count differ
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import types
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ class LayerCase:
     pad_to_capacity: bool = False
     gated: bool = False
     backend: str = "torch"  # the flex layer's backend; others run over their tests/doubles
+    backend_from_flags: bool = False  # select it by Megatron's own flex flags, not a config
     dtype: str = "fp32"
     seed: int = 7
 
@@ -123,11 +125,14 @@ def run_layer_parity(case: LayerCase) -> dict:
         config = layer_config(case, ep)
         spec = get_moe_module_spec(use_te=False, num_experts=case.num_experts)
         native = spec(config=config, pg_collection=pg, layer_number=1)
-        dispatcher_config = None
-        if case.backend != "torch":
+        dispatcher_config, flex_config = None, config
+        if case.backend_from_flags:
+            flex_config = dataclasses.replace(config, moe_token_dispatcher_type="flex",
+                                              moe_flex_dispatcher_backend=case.backend)
+        elif case.backend != "torch":
             dispatcher_config = TokenDispatcherConfig.from_transformer_config(
                 config, moe_flex_dispatcher_backend=case.backend)
-        flex = FlexMoELayer(config, submodules=spec.keywords["submodules"], pg_collection=pg,
+        flex = FlexMoELayer(flex_config, submodules=spec.keywords["submodules"], pg_collection=pg,
                             layer_number=1, dispatcher_config=dispatcher_config)
         for layer in (native, flex):
             layer.set_layer_number(1)  # as TransformerLayer does; the aux-loss tracker needs it

@@ -32,8 +32,12 @@ CASES = [
 BACKEND_CASES = [
     LayerCase(f"{backend}_bf16", backend=backend, dtype="bf16", aux_loss=True)
     for backend in ("deepep", "uccl_ep", "hybridep")
-] + [LayerCase("deepep_top3_of_8_shared", backend="deepep", dtype="bf16", topk=3, num_experts=8,
-               shared_expert_size=10, gated=True)]
+] + [
+    LayerCase("deepep_top3_of_8_shared", backend="deepep", dtype="bf16", topk=3, num_experts=8,
+              shared_expert_size=10, gated=True),
+    # --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep, no explicit config
+    LayerCase("deepep_from_megatron_flags", backend="deepep", backend_from_flags=True, dtype="bf16"),
+]
 
 
 def check_parity(case: LayerCase, results: list) -> None:
