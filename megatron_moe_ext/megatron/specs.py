@@ -12,6 +12,9 @@ Megatron-LM (`--spec megatron_moe_ext.megatron.specs <name>`):
 - `flex_moe_layer_spec` is a ready layer spec object (every layer MoE), the form
   `pretrain_gpt.py`'s `gpt_builder` passes to `GPTModel` unchanged (it imports the named
   object and does not call it). The expert count comes from `--num-experts` at build time.
+  A function given to that builder would reach `GPTModel` uncalled and fail there; for a
+  mix of dense and MoE layers under `pretrain_gpt.py`, call `megatron_moe_ext.patches.apply()`
+  before the model is built instead of passing `--spec`.
 """
 
 from __future__ import annotations
