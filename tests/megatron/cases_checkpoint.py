@@ -123,6 +123,18 @@ def forward_backward(model):
     return loss_BS.detach().cpu(), grads
 
 
+def _random_expert_biases(model) -> None:
+    """Megatron zero-initialises biases; seeded random ones make the bias paths observable."""
+    from megatron.core import parallel_state
+
+    # Per EP rank: expert-data-parallel replicas of an expert must hold the same values.
+    g = torch.Generator().manual_seed(11 + parallel_state.get_expert_model_parallel_rank())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") and "experts" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+
+
 def _expert_view(state: dict) -> dict:
     """Any model's state dict in SequentialMLP's per-expert form (the common currency)."""
     from megatron_moe_ext.megatron.checkpoint import grouped_to_sequential_mlp
@@ -169,11 +181,7 @@ def native_vs_ext_forward_backward(ep: int, activation: str, bias: bool) -> dict
     gradient compared on this rank; returns the largest relative errors."""
     init(ep)
     native = build_gpt("native", activation, bias)
-    if bias:  # Megatron zero-initialises biases; random ones make the bias path observable.
-        with torch.no_grad():
-            for name, p in native.named_parameters():
-                if name.endswith("bias") and "experts" in name:
-                    p.normal_(0.0, 0.1)
+    _random_expert_biases(native)
     ext = build_gpt("ext", activation, bias)
     ext.load_state_dict(native.state_dict())  # SequentialMLP keys are converted on load
     loss_n, grads_n = forward_backward(native)
@@ -337,7 +345,7 @@ def _cpu_checkpoint_io():
 
 
 def save_checkpoint(kind: str, ep: int, ckpt_dir: str, drop_key: str | None = None,
-                    experts: int = EXPERTS) -> dict:
+                    experts: int = EXPERTS, bias: bool = False) -> dict:
     """Build a seeded model with `experts` experts per layer, save it as a Megatron distributed
     checkpoint, return its weights (global expert view) and the loss of this rank's batch.
     `drop_key` leaves every shard of that sharded key out of the checkpoint."""
@@ -345,7 +353,8 @@ def save_checkpoint(kind: str, ep: int, ckpt_dir: str, drop_key: str | None = No
     from megatron.core.dist_checkpointing.mapping import apply_factories
 
     init(ep)
-    model = build_gpt(kind, seed=1234 if kind == "native" else 4321, experts=experts)
+    model = build_gpt(kind, bias=bias, seed=1234 if kind == "native" else 4321, experts=experts)
+    _random_expert_biases(model)
     sharded = model.sharded_state_dict()
     if drop_key is not None:
         apply_factories(sharded)
@@ -361,13 +370,13 @@ def save_checkpoint(kind: str, ep: int, ckpt_dir: str, drop_key: str | None = No
     return {"experts": _global_expert_state(model), "rest": _non_expert_state(model), "loss": loss}
 
 
-def load_checkpoint(kind: str, ep: int, ckpt_dir: str) -> dict:
+def load_checkpoint(kind: str, ep: int, ckpt_dir: str, bias: bool = False) -> dict:
     """Build a model with different seeded weights, load the checkpoint into it, and return
     its weights (global expert view) and the loss of this rank's batch."""
     from megatron.core import dist_checkpointing
 
     init(ep)
-    model = build_gpt(kind, seed=99)
+    model = build_gpt(kind, bias=bias, seed=99)
     before = _global_expert_state(model)
     with _cpu_checkpoint_io():
         loaded = dist_checkpointing.load(model.sharded_state_dict(), ckpt_dir)
@@ -377,7 +386,8 @@ def load_checkpoint(kind: str, ep: int, ckpt_dir: str) -> dict:
             "before": before}
 
 
-def sharded_layout(kind: str, ep: int, singleton_local_shards: bool = False) -> list:
+def sharded_layout(kind: str, ep: int, singleton_local_shards: bool = False,
+                   activation: str = "swiglu", bias: bool = False) -> list:
     """(sharded key, global shape, global offset, axis fragmentations, replica id, local
     values) of every expert ShardedTensor and ShardedObject this rank would save, with factories
     applied: the on-disk layout, compared between native and ext."""
@@ -385,9 +395,13 @@ def sharded_layout(kind: str, ep: int, singleton_local_shards: bool = False) -> 
     from megatron.core.dist_checkpointing.dict_utils import nested_values
 
     init(ep)
-    model = build_gpt(kind, seed=1234)
+    model = build_gpt(kind, activation, bias, seed=1234)
     if kind == "ext":  # identical weights, so the local values can be compared too
-        model.load_state_dict(build_gpt("native", seed=1234).state_dict())
+        native = build_gpt("native", activation, bias, seed=1234)
+        _random_expert_biases(native)
+        model.load_state_dict(native.state_dict())
+    else:
+        _random_expert_biases(model)
     sharded = model.sharded_state_dict(metadata={"singleton_local_shards": singleton_local_shards})
     apply_factories(sharded)
     layout = []

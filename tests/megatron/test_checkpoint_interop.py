@@ -14,10 +14,11 @@ WORLD = 2
 LOSS_RTOL = 1e-6
 
 
-def _assert_same_model(saved, loaded):
+def _assert_same_model(saved, loaded, bias):
     for rank, (s, l) in enumerate(zip(saved, loaded)):
         assert sorted(s["experts"]) == sorted(l["experts"]), f"rank {rank}: expert tensors differ"
-        assert len(s["experts"]) == 2 * 4 * 2, f"rank {rank}: expected 2 layers x 4 experts x 2"
+        expected = 2 * 4 * (4 if bias else 2)  # layers x experts x (fc1, fc2 [, their biases])
+        assert len(s["experts"]) == expected, f"rank {rank}: {len(s['experts'])} expert tensors"
         for k, v in s["experts"].items():
             assert torch.equal(v, l["experts"][k]), f"rank {rank}: {k} not bit-identical"
             # The target started from other weights, so equality means the load did it.
@@ -28,28 +29,40 @@ def _assert_same_model(saved, loaded):
         torch.testing.assert_close(l["loss"], s["loss"], rtol=LOSS_RTOL, atol=0)
 
 
-@pytest.mark.parametrize("src,src_ep,dst,dst_ep", [
-    ("native", 2, "ext", 1),
-    ("ext", 2, "native", 1),
-    ("ext", 2, "ext", 1),
-    ("native", 1, "ext", 2),
+# Native models with expert biases only at EP 2: Megatron's SequentialMLP cannot run its
+# forward with biases at EP 1 / TP 1 (see test_experts_builder.py).
+@pytest.mark.parametrize("src,src_ep,dst,dst_ep,bias", [
+    ("native", 2, "ext", 1, False),
+    ("ext", 2, "native", 1, False),
+    ("ext", 2, "ext", 1, False),
+    ("native", 1, "ext", 2, False),
+    ("native", 2, "ext", 1, True),
+    ("ext", 1, "native", 2, True),
 ])
-def test_checkpoint_roundtrip(dist_pools, tmp_path, src, src_ep, dst, dst_ep):
+def test_checkpoint_roundtrip(dist_pools, tmp_path, src, src_ep, dst, dst_ep, bias):
     pool = dist_pools(WORLD)
     ckpt = str(tmp_path / "ckpt")
-    saved = pool.run(save_checkpoint, src, src_ep, ckpt)
-    loaded = pool.run(load_checkpoint, dst, dst_ep, ckpt)
-    _assert_same_model(saved, loaded)
+    saved = pool.run(save_checkpoint, src, src_ep, ckpt, bias=bias)
+    loaded = pool.run(load_checkpoint, dst, dst_ep, ckpt, bias=bias)
+    _assert_same_model(saved, loaded, bias)
 
 
-@pytest.mark.parametrize("ep,singleton", [(2, False), (1, False), (2, True)])
-def test_ext_writes_sequential_mlp_layout(dist_pools, ep, singleton):
+@pytest.mark.parametrize("ep,singleton,activation,bias", [
+    (2, False, "swiglu", False), (1, False, "swiglu", False), (2, True, "swiglu", True),
+    (2, False, "swiglu", True), (2, False, "relu2", True)])
+def test_ext_writes_sequential_mlp_layout(dist_pools, ep, singleton, activation, bias):
     """Same weights: every expert ShardedTensor / ShardedObject the ext model saves equals the
     native one in key, global shape, offset, fragmentation, replica id and values (also with
-    Megatron's `singleton_local_shards`, and with expert-data-parallel replicas at EP 1)."""
-    native = dist_pools(WORLD).run(sharded_layout, "native", ep, singleton)
-    ext = dist_pools(WORLD).run(sharded_layout, "ext", ep, singleton)
+    Megatron's `singleton_local_shards`, with expert-data-parallel replicas at EP 1, with
+    biases, and non-gated)."""
+    native = dist_pools(WORLD).run(sharded_layout, "native", ep, singleton, activation, bias)
+    ext = dist_pools(WORLD).run(sharded_layout, "ext", ep, singleton, activation, bias)
     for rank, (n, x) in enumerate(zip(native, ext)):
+        # Per layer and local expert: fc1 (two halves when gated), fc2, the same for the
+        # biases, and the two linears' `_extra_state` objects.
+        fc1 = 2 if activation == "swiglu" else 1
+        per_expert = (fc1 + 1) * (2 if bias else 1) + 2
+        assert len(n) == 2 * (4 // ep) * per_expert, f"rank {rank}: {len(n)} entries"
         assert [t[:5] for t in n] == [t[:5] for t in x], f"rank {rank}: layouts differ"
         for tn, tx in zip(n, x):
             if tn[5] is not None:
