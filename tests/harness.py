@@ -35,8 +35,14 @@ def _reset_worker_state() -> None:
 
     MoEFlexTokenDispatcher.release_shared_managers()
     try:
+        import megatron_moe_ext.patches as patches
         from megatron.core import parallel_state
 
+        from tests.shims import megatron_cpu
+
+        patches.revert()
+        if megatron_cpu.is_installed():
+            megatron_cpu.uninstall()
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
     except Exception:  # noqa: BLE001 - cleanup must never mask the task's own result
