@@ -52,12 +52,14 @@ def experts_config_from_transformer_config(config) -> ExpertsConfig:
     act = config.activation_func
     clamp = config.activation_func_clamp_value
     offset = float(config.glu_linear_offset)
+    # A limit of 0 disables clamping; plain swiglu and relu2 never read it.
+    limit = 0.0 if clamp is None else float(clamp)
     if gated and act is F.silu and offset == 0.0:
-        activation, limit = ("swiglu", 7.0) if clamp is None else ("swiglu_clamped", float(clamp))
+        activation = "swiglu" if clamp is None else "swiglu_clamped"
     elif gated and act is quick_gelu and offset == 1.0:
-        activation, limit = "swiglu_oai", 0.0 if clamp is None else float(clamp)
+        activation = "swiglu_oai"
     elif not gated and act is squared_relu and clamp is None:
-        activation, limit = "relu2", 7.0
+        activation = "relu2"
     else:
         raise _unsupported(
             "activation_func/gated_linear_unit/glu_linear_offset/activation_func_clamp_value",

@@ -27,17 +27,22 @@ LAYERS, HIDDEN, HEADS, EXPERTS, TOPK, FFN = 2, 16, 2, 4, 2, 8
 ACTIVATIONS = {  # name -> TransformerConfig fields of Megatron's expert MLP
     "swiglu": dict(gated_linear_unit=True, activation_func=F.silu),
     "relu2": dict(gated_linear_unit=False, activation_func="squared_relu"),
+    # Clamps small enough for the tiny model's activations to reach them.
+    "swiglu_clamped": dict(gated_linear_unit=True, activation_func=F.silu,
+                           activation_func_clamp_value=0.05),
+    "swiglu_oai": dict(gated_linear_unit=True, activation_func="quick_gelu", glu_linear_offset=1.0,
+                       activation_func_clamp_value=0.05),
 }
 
 
 def _config(activation: str = "swiglu", bias: bool = False, experts: int = EXPERTS):
     """TransformerConfig of the tiny model, on the parallel state set up by `init(ep)`."""
-    from megatron.core.activations import squared_relu
+    from megatron.core import activations
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     act = dict(ACTIVATIONS[activation])
-    if act["activation_func"] == "squared_relu":
-        act["activation_func"] = squared_relu
+    if isinstance(act["activation_func"], str):
+        act["activation_func"] = getattr(activations, act["activation_func"])
     return TransformerConfig(
         num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=4 * HIDDEN,
         num_moe_experts=experts, moe_router_topk=TOPK, moe_ffn_hidden_size=FFN,
@@ -75,7 +80,8 @@ def _device() -> torch.device:
 
 def build_gpt(kind: str, activation: str = "swiglu", bias: bool = False, seed: int = 1234,
               experts: int = EXPERTS):
-    """A 2-layer GPT-MoE ("native" or "ext") on this rank, with seeded initialisation."""
+    """A 2-layer GPT-MoE on this rank, with seeded initialisation: "native", "ext", or
+    "ext_experts" (Megatron's own MoELayer and dispatcher with GroupedGemmExperts)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -87,14 +93,15 @@ def build_gpt(kind: str, activation: str = "swiglu", bias: bool = False, seed: i
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     config = _config(activation, bias, experts)
     spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False)
-    if kind == "ext":
+    if kind in ("ext", "ext_experts"):
         native_mlp = spec.submodules.mlp
         moe_submodules = dataclasses.replace(native_mlp.keywords["submodules"],
                                              experts=GroupedGemmExperts)
+        layer = FlexMoELayer if kind == "ext" else native_mlp.func
         spec = dataclasses.replace(spec, submodules=dataclasses.replace(
-            spec.submodules, mlp=functools.partial(FlexMoELayer, submodules=moe_submodules)))
+            spec.submodules, mlp=functools.partial(layer, submodules=moe_submodules)))
     elif kind != "native":
-        raise ValueError(f"kind={kind!r}: expected 'native' or 'ext'")
+        raise ValueError(f"kind={kind!r}: expected 'native', 'ext' or 'ext_experts'")
     # Initialised on the CPU generator (use_cpu_initialization), so the weights do not depend
     # on the device the model then runs on.
     return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ).to(_device())
@@ -176,13 +183,13 @@ def _non_expert_state(model) -> dict:
 
 # ---- test_experts_builder --------------------------------------------------------------
 
-def native_vs_ext_forward_backward(ep: int, activation: str, bias: bool) -> dict:
+def native_vs_ext_forward_backward(ep: int, activation: str, bias: bool, kind: str = "ext") -> dict:
     """Same weights (native -> ext through the plain state-dict conversion): losses and every
     gradient compared on this rank; returns the largest relative errors."""
     init(ep)
     native = build_gpt("native", activation, bias)
     _random_expert_biases(native)
-    ext = build_gpt("ext", activation, bias)
+    ext = build_gpt(kind, activation, bias)
     ext.load_state_dict(native.state_dict())  # SequentialMLP keys are converted on load
     loss_n, grads_n = forward_backward(native)
     loss_e, grads_e = forward_backward(ext)
