@@ -107,7 +107,8 @@ def grouped_experts_sharded_state_dict(experts, prefix: str = "", sharded_offset
                 if spec.glu_split:
                     gate, up = torch.chunk(t, 2, dim=0)
                     if singleton:
-                        halves = ((f"{base}_w", gate, (axis, 0, 1)), (f"{base}_v", up, (axis, 0, 1)))
+                        halves = ((f"{base}_w", gate, (axis, 0, 1)),
+                                  (f"{base}_v", up, (axis, 0, 1)))
                     else:
                         halves = ((base, gate, (axis, 0, 2)), (base, up, (axis, 1, 2)))
                     for k, half, offset in halves:
@@ -164,7 +165,8 @@ def sequential_mlp_to_grouped(state_dict: Mapping[str, torch.Tensor], num_local_
         if missing:
             raise ValueError(f"SequentialMLP state dict is missing {missing[0]} (expected "
                              f"{spec.leaf} for all {num_local_experts} local experts)")
-        out[f"{prefix}{spec.param}"] = torch.stack([_to_megatron(state_dict[k], spec) for k in keys])
+        out[f"{prefix}{spec.param}"] = torch.stack(
+            [_to_megatron(state_dict[k], spec) for k in keys])
     return out
 
 
@@ -187,11 +189,13 @@ def grouped_to_sequential_mlp(state_dict: Mapping[str, torch.Tensor],
         if stacked is None:
             continue
         for i in range(stacked.shape[0]):
-            out[f"{prefix}local_experts.{i}.{spec.leaf}"] = _to_megatron(stacked[i], spec).contiguous()
+            out[f"{prefix}local_experts.{i}.{spec.leaf}"] = (
+                _to_megatron(stacked[i], spec).contiguous())
     return out
 
 
-def convert_sequential_mlp_keys_inplace(state_dict: dict, prefix: str, num_local_experts: int) -> None:
+def convert_sequential_mlp_keys_inplace(state_dict: dict, prefix: str,
+                                        num_local_experts: int) -> None:
     """Replace SequentialMLP's per-expert keys under `prefix` by the stacked ones, in place.
 
     Used by `GroupedGemmExperts._load_from_state_dict`. The per-expert `_extra_state` entries

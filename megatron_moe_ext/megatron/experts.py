@@ -113,7 +113,8 @@ class GroupedGemmExperts(MegatronModule):
         (or [e, I]) and down_proj_bias [e, H].
     """
 
-    def __init__(self, num_local_experts: int, config, *, pg_collection=None, name: str | None = None):
+    def __init__(self, num_local_experts: int, config, *, pg_collection=None,
+                 name: str | None = None):
         super().__init__(config=config)
         if pg_collection is None:
             raise ValueError("GroupedGemmExperts: pg_collection is required (it names the ep and "
@@ -129,7 +130,8 @@ class GroupedGemmExperts(MegatronModule):
 
         hidden, inter = config.hidden_size, config.moe_ffn_hidden_size
         fc1_out = 2 * inter if self.gated else inter
-        device = torch.device("cpu") if config.use_cpu_initialization else torch.cuda.current_device()
+        device = (torch.device("cpu") if config.use_cpu_initialization
+                  else torch.cuda.current_device())
         dtype = config.params_dtype
         self.gate_and_up_projs = torch.nn.Parameter(
             torch.empty(num_local_experts, hidden, fc1_out, device=device, dtype=dtype))
@@ -190,7 +192,8 @@ class GroupedGemmExperts(MegatronModule):
         # Weights may be fp32 masters: run_grouped_expert_mlp computes in the rows' dtype.
         out_PH = run_grouped_expert_mlp(
             dispatched_input, self.gate_and_up_projs, self.down_projs, self.gate_up_proj_bias,
-            self.down_proj_bias, tokens_per_expert, permuted_probs.unsqueeze(-1), self.activation_fn)
+            self.down_proj_bias, tokens_per_expert, permuted_probs.unsqueeze(-1),
+            self.activation_fn)
         return out_PH, None
 
     def backward_dw(self) -> None:

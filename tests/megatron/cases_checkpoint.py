@@ -44,7 +44,8 @@ def _config(activation: str = "swiglu", bias: bool = False, experts: int = EXPER
     if isinstance(act["activation_func"], str):
         act["activation_func"] = getattr(activations, act["activation_func"])
     return TransformerConfig(
-        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=4 * HIDDEN,
+        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
+        ffn_hidden_size=4 * HIDDEN,
         num_moe_experts=experts, moe_router_topk=TOPK, moe_ffn_hidden_size=FFN,
         expert_model_parallel_size=_ep_size(),
         add_bias_linear=bias, bias_activation_fusion=False, use_cpu_initialization=True,
@@ -398,7 +399,11 @@ def sharded_layout(kind: str, ep: int, singleton_local_shards: bool = False,
     """(sharded key, global shape, global offset, axis fragmentations, replica id, local
     values) of every expert ShardedTensor and ShardedObject this rank would save, with factories
     applied: the on-disk layout, compared between native and ext."""
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
+    from megatron.core.dist_checkpointing.mapping import (
+        ShardedObject,
+        ShardedTensor,
+        apply_factories,
+    )
     from megatron.core.dist_checkpointing.dict_utils import nested_values
 
     init(ep)

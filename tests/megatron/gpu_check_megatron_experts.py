@@ -87,7 +87,8 @@ def main() -> int:
     for name, fn, args in plan:
         try:
             ok, detail = fn(*args)
-            detail = {k: v for k, v in detail.items() if isinstance(v, (int, float, str, bool, list))}
+            detail = {k: v for k, v in detail.items()
+                      if isinstance(v, (int, float, str, bool, list))}
         except Exception:  # noqa: BLE001 - one failing case must not hide the others
             ok, detail = False, {"error": traceback.format_exc()}
         _release_dispatchers()

@@ -31,7 +31,8 @@ CASES = [(1, "swiglu", False, "ext"), (1, "relu2", False, "ext"),
 def test_ext_matches_megatron_sequential_mlp(dist_pools, ep, activation, bias, kind):
     results = dist_pools(ep).run(native_vs_ext_forward_backward, ep, activation, bias, kind)
     for rank, r in enumerate(results):
-        # The comparison must see expert gradients: 2 layers x (fc1, fc2 [, biases]) x local experts.
+        # The comparison must see expert gradients:
+        # 2 layers x (fc1, fc2 [, biases]) x local experts.
         assert r["num_expert_grads"] == 2 * (4 if bias else 2) * (4 // ep), r
         assert r["expert_grad_norm"] > 0, r
         assert r["loss"] <= RTOL, f"rank {rank}: loss rel. error {r['loss']:.3g}"
