@@ -157,12 +157,14 @@ def _expert_view(state: dict) -> dict:
     return out
 
 
-def _global_expert_state(model) -> dict:
-    """Expert tensors of the whole model, keyed by global expert id (gathered over EP)."""
+def _global_expert_state(model, state: dict | None = None) -> dict:
+    """Expert tensors of the whole model (or of `state`, a dict keyed like the model's state
+    dict), keyed by global expert id (gathered over EP)."""
     from megatron.core import parallel_state
 
     ep_rank = parallel_state.get_expert_model_parallel_rank()
-    local = {k: v for k, v in _expert_view(model.state_dict()).items() if "local_experts." in k}
+    state = model.state_dict() if state is None else state
+    local = {k: v for k, v in _expert_view(state).items() if "local_experts." in k}
     e = EXPERTS // parallel_state.get_expert_model_parallel_world_size()
     renamed = {}
     for k, v in local.items():
@@ -392,6 +394,83 @@ def load_checkpoint(kind: str, ep: int, ckpt_dir: str, bias: bool = False) -> di
     loss, _ = forward_backward(model)
     return {"experts": _global_expert_state(model), "rest": _non_expert_state(model), "loss": loss,
             "before": before}
+
+
+def _adam_sharded_state_dict(model, optimizer, model_sharded: dict) -> dict:
+    """The optimizer's sharded state dict as Megatron's (non-distributed) optimizers build it:
+    one ShardedTensor (or factory) per Adam state per parameter, from the model's; `step` is
+    excluded as Megatron does."""
+    from megatron.core.dist_checkpointing.optimizer import (
+        get_param_id_to_sharded_param_map,
+        optim_state_to_sharding_state,
+    )
+
+    id_to_sharded = get_param_id_to_sharded_param_map(
+        model_sharded, (p for g in optimizer.param_groups for p in g["params"]))
+    state = optimizer.state_dict()
+    optim_state_to_sharding_state(state, id_to_sharded, exclude_keys=("step",))
+    return state
+
+
+def _adam_moments(model, optimizer) -> dict:
+    """{'exp_avg' | 'exp_avg_sq': global expert view of that Adam moment}."""
+    return {m: _global_expert_state(model, {n: optimizer.state[p][m]
+                                            for n, p in model.named_parameters()})
+            for m in ("exp_avg", "exp_avg_sq")}
+
+
+def _average_replica_grads(model) -> None:
+    """What Megatron's DDP does: average each gradient over the ranks holding replicas of its
+    parameter (expert-data-parallel for experts, data-parallel otherwise), so the replicas'
+    optimizer states stay equal and the one a checkpoint keeps stands for all."""
+    from megatron.core import parallel_state
+
+    for name, p in model.named_parameters():
+        group = (parallel_state.get_expert_data_parallel_group() if ".mlp.experts." in name
+                 else parallel_state.get_data_parallel_group())
+        dist.all_reduce(p.grad, group=group)
+        p.grad /= dist.get_world_size(group)
+
+
+def save_with_optimizer(kind: str, ep: int, ckpt_dir: str) -> dict:
+    """One Adam step on a seeded model, then model + optimizer saved in one distributed
+    checkpoint; returns the Adam moments (global expert view)."""
+    from megatron.core import dist_checkpointing
+
+    init(ep)
+    model = build_gpt(kind, seed=1234)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    forward_backward(model)
+    _average_replica_grads(model)
+    optimizer.step()
+    sharded = model.sharded_state_dict()
+    state = {"model": sharded, "optimizer": _adam_sharded_state_dict(model, optimizer, sharded)}
+    os.makedirs(ckpt_dir, exist_ok=True)
+    with _cpu_checkpoint_io():
+        dist_checkpointing.save(state, ckpt_dir)
+    return _adam_moments(model, optimizer)
+
+
+def load_with_optimizer(kind: str, ep: int, ckpt_dir: str) -> dict:
+    """Load model + Adam state into another model (its own step taken, so every moment exists
+    and differs); returns the Adam moments (global expert view) after the load."""
+    from megatron.core import dist_checkpointing
+
+    init(ep)
+    model = build_gpt(kind, seed=99)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    forward_backward(model)
+    optimizer.step()
+    sharded = model.sharded_state_dict()
+    state = {"model": sharded, "optimizer": _adam_sharded_state_dict(model, optimizer, sharded)}
+    with _cpu_checkpoint_io():
+        loaded = dist_checkpointing.load(state, ckpt_dir)
+    model.load_state_dict(loaded["model"])
+    steps = {i: s["step"] for i, s in optimizer.state_dict()["state"].items()}
+    for i, s in loaded["optimizer"]["state"].items():
+        s["step"] = steps[i]  # Megatron keeps `step` outside the sharded tensors
+    optimizer.load_state_dict(loaded["optimizer"])
+    return _adam_moments(model, optimizer)
 
 
 def sharded_layout(kind: str, ep: int, singleton_local_shards: bool = False,

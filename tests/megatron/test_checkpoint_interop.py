@@ -8,7 +8,13 @@ naming its key."""
 import pytest
 import torch
 
-from tests.megatron.cases_checkpoint import load_checkpoint, save_checkpoint, sharded_layout
+from tests.megatron.cases_checkpoint import (
+    load_checkpoint,
+    load_with_optimizer,
+    save_checkpoint,
+    save_with_optimizer,
+    sharded_layout,
+)
 
 WORLD = 2
 LOSS_RTOL = 1e-6
@@ -76,3 +82,19 @@ def test_missing_expert_tensor_fails_naming_the_key(dist_pools, tmp_path):
     pool.run(save_checkpoint, "native", 2, ckpt, key)
     with pytest.raises(AssertionError, match=key.replace(".", r"\.")):
         pool.run(load_checkpoint, "ext", 1, ckpt)
+
+
+@pytest.mark.parametrize("src,src_ep,dst,dst_ep", [("native", 2, "ext", 1), ("ext", 1, "native", 2)])
+def test_optimizer_state_moves_with_the_model(dist_pools, tmp_path, src, src_ep, dst, dst_ep):
+    """Adam moments saved through Megatron's optimizer sharding (model factories reused for the
+    optimizer states) load bit-identically into the other MoE implementation and EP size."""
+    pool = dist_pools(WORLD)
+    ckpt = str(tmp_path / "ckpt")
+    saved = pool.run(save_with_optimizer, src, src_ep, ckpt)
+    loaded = pool.run(load_with_optimizer, dst, dst_ep, ckpt)
+    for rank, (s, l) in enumerate(zip(saved, loaded)):
+        for moment in ("exp_avg", "exp_avg_sq"):
+            assert len(s[moment]) == 2 * 4 * 2, f"rank {rank}: {len(s[moment])} {moment} tensors"
+            for k, v in s[moment].items():
+                assert v.abs().sum() > 0, f"rank {rank}: {moment} {k} is zero"
+                assert torch.equal(v, l[moment][k]), f"rank {rank}: {moment} {k} differs"
