@@ -84,7 +84,8 @@ def test_missing_expert_tensor_fails_naming_the_key(dist_pools, tmp_path):
         pool.run(load_checkpoint, "ext", 1, ckpt)
 
 
-@pytest.mark.parametrize("src,src_ep,dst,dst_ep", [("native", 2, "ext", 1), ("ext", 1, "native", 2)])
+@pytest.mark.parametrize("src,src_ep,dst,dst_ep",
+                         [("native", 2, "ext", 1), ("ext", 1, "native", 2)])
 def test_optimizer_state_moves_with_the_model(dist_pools, tmp_path, src, src_ep, dst, dst_ep):
     """Adam moments saved through Megatron's optimizer sharding (model factories reused for the
     optimizer states) load bit-identically into the other MoE implementation and EP size."""
