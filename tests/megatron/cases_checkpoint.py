@@ -186,6 +186,18 @@ def _non_expert_state(model) -> dict:
 
 # ---- test_experts_builder --------------------------------------------------------------
 
+# Megatron's own SequentialMLP cannot run with expert biases at EP 1 / TP 1: its fc2 output is
+# the input of `_ReduceFromModelParallelRegion` returned as is, and MLP.forward then adds the
+# weighted bias in place ("a view ... is being modified inplace"); so biases are checked at EP 2.
+# "ext": FlexMoELayer + GroupedGemmExperts; "ext_experts": Megatron's own MoELayer and
+# alltoall dispatcher (host tokens_per_expert) + GroupedGemmExperts.
+FORWARD_CASES = [(1, "swiglu", False, "ext"), (1, "relu2", False, "ext"),
+                 (2, "swiglu", False, "ext"), (2, "swiglu", True, "ext"),
+                 (2, "relu2", False, "ext"),
+                 (2, "swiglu_clamped", False, "ext"), (2, "swiglu_oai", True, "ext"),
+                 (2, "swiglu", True, "ext_experts")]
+
+
 def native_vs_ext_forward_backward(ep: int, activation: str, bias: bool, kind: str = "ext") -> dict:
     """Same weights (native -> ext through the plain state-dict conversion): losses and every
     gradient compared on this rank; returns the largest relative errors."""

@@ -7,6 +7,7 @@ or as a tensor, and capacity tail rows, against a per-expert reference."""
 import pytest
 
 from tests.megatron.cases_checkpoint import (
+    FORWARD_CASES,
     native_vs_ext_forward_backward,
     plain_state_dict_roundtrip,
     tokens_per_expert_forms,
@@ -16,18 +17,7 @@ from tests.megatron.cases_checkpoint import (
 RTOL = 1e-5
 
 
-# Megatron's own SequentialMLP cannot run with expert biases at EP 1 / TP 1: its fc2 output is
-# the input of `_ReduceFromModelParallelRegion` returned as is, and MLP.forward then adds the
-# weighted bias in place ("a view ... is being modified inplace"); so biases are checked at EP 2.
-# "ext": FlexMoELayer + GroupedGemmExperts; "ext_experts": Megatron's own MoELayer and
-# alltoall dispatcher (host tokens_per_expert) + GroupedGemmExperts.
-CASES = [(1, "swiglu", False, "ext"), (1, "relu2", False, "ext"),
-         (2, "swiglu", False, "ext"), (2, "swiglu", True, "ext"), (2, "relu2", False, "ext"),
-         (2, "swiglu_clamped", False, "ext"), (2, "swiglu_oai", True, "ext"),
-         (2, "swiglu", True, "ext_experts")]
-
-
-@pytest.mark.parametrize("ep,activation,bias,kind", CASES)
+@pytest.mark.parametrize("ep,activation,bias,kind", FORWARD_CASES)
 def test_ext_matches_megatron_sequential_mlp(dist_pools, ep, activation, bias, kind):
     results = dist_pools(ep).run(native_vs_ext_forward_backward, ep, activation, bias, kind)
     for rank, r in enumerate(results):
