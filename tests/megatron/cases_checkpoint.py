@@ -35,7 +35,8 @@ ACTIVATIONS = {  # name -> TransformerConfig fields of Megatron's expert MLP
 }
 
 
-def _config(activation: str = "swiglu", bias: bool = False, experts: int = EXPERTS):
+def _config(activation: str = "swiglu", bias: bool = False, experts: int = EXPERTS,
+            cpu_init: bool = True):
     """TransformerConfig of the tiny model, on the parallel state set up by `init(ep)`."""
     from megatron.core import activations
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -48,7 +49,7 @@ def _config(activation: str = "swiglu", bias: bool = False, experts: int = EXPER
         ffn_hidden_size=4 * HIDDEN,
         num_moe_experts=experts, moe_router_topk=TOPK, moe_ffn_hidden_size=FFN,
         expert_model_parallel_size=_ep_size(),
-        add_bias_linear=bias, bias_activation_fusion=False, use_cpu_initialization=True,
+        add_bias_linear=bias, bias_activation_fusion=False, use_cpu_initialization=cpu_init,
         moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0,
         hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32, **act)
 
@@ -80,7 +81,7 @@ def _device() -> torch.device:
 
 
 def build_gpt(kind: str, activation: str = "swiglu", bias: bool = False, seed: int = 1234,
-              experts: int = EXPERTS):
+              experts: int = EXPERTS, cpu_init: bool = True):
     """A 2-layer GPT-MoE on this rank, with seeded initialisation: "native", "ext", or
     "ext_experts" (Megatron's own MoELayer and dispatcher with GroupedGemmExperts)."""
     from megatron.core.models.gpt import GPTModel
@@ -92,7 +93,7 @@ def build_gpt(kind: str, activation: str = "swiglu", bias: bool = False, seed: i
 
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
-    config = _config(activation, bias, experts)
+    config = _config(activation, bias, experts, cpu_init)
     spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False)
     if kind in ("ext", "ext_experts"):
         native_mlp = spec.submodules.mlp
@@ -103,8 +104,8 @@ def build_gpt(kind: str, activation: str = "swiglu", bias: bool = False, seed: i
             spec.submodules, mlp=functools.partial(layer, submodules=moe_submodules)))
     elif kind != "native":
         raise ValueError(f"kind={kind!r}: expected 'native', 'ext' or 'ext_experts'")
-    # Initialised on the CPU generator (use_cpu_initialization), so the weights do not depend
-    # on the device the model then runs on.
+    # By default initialised on the CPU generator (use_cpu_initialization), so the weights do
+    # not depend on the device the model then runs on.
     return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ).to(_device())
 
 
@@ -224,6 +225,17 @@ def native_vs_ext_forward_backward(ep: int, activation: str, bias: bool, kind: s
         "num_expert_grads": len(expert_grads),
         "expert_grad_norm": sum(grads_n[k].norm().item() for k in expert_grads),
     }
+
+
+def same_seed_same_weights(ep: int, cpu_init: bool) -> list:
+    """Names of the tensors that differ between a native and an ext model built with the same
+    seed (both of Megatron's initialisation paths: CPU generator, or expert RNG tracker)."""
+    init(ep)
+    native = _expert_view(build_gpt("native", seed=5, cpu_init=cpu_init).state_dict())
+    ext = _expert_view(build_gpt("ext", seed=5, cpu_init=cpu_init).state_dict())
+    if sorted(native) != sorted(ext):
+        return sorted(set(native) ^ set(ext))
+    return [k for k in native if not torch.equal(native[k], ext[k])]
 
 
 def tokens_per_expert_forms(activation: str, bias: bool) -> dict:

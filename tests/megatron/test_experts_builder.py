@@ -10,6 +10,7 @@ from tests.megatron.cases_checkpoint import (
     FORWARD_CASES,
     native_vs_ext_forward_backward,
     plain_state_dict_roundtrip,
+    same_seed_same_weights,
     tokens_per_expert_forms,
     unsupported_config_error,
 )
@@ -27,6 +28,14 @@ def test_ext_matches_megatron_sequential_mlp(dist_pools, ep, activation, bias, k
         assert r["expert_grad_norm"] > 0, r
         assert r["loss"] <= RTOL, f"rank {rank}: loss rel. error {r['loss']:.3g}"
         assert r["grads"] <= RTOL, f"rank {rank}: grad rel. error {r['grads']:.3g} ({r['worst']})"
+
+
+@pytest.mark.parametrize("cpu_init", [True, False])
+def test_same_seed_gives_megatron_expert_weights(dist_pools, cpu_init):
+    """GroupedGemmExperts initialises like SequentialMLP (order, init methods, RNG stream), so
+    a seeded ext model equals the seeded native one, at EP 2 (expert RNG tracker per rank)."""
+    for differ in dist_pools(2).run(same_seed_same_weights, 2, cpu_init):
+        assert differ == [], differ
 
 
 @pytest.mark.parametrize("activation,bias", [("swiglu", True), ("relu2", False)])
