@@ -88,10 +88,24 @@ def forward_step(data_iterator, model):
     return output, partial(loss_func, batch["loss_mask"])
 
 
+def _use_prebuilt_dataset_helpers() -> None:
+    """The megatron-core wheel ships `helpers_cpp` compiled but not the Makefile that
+    `initialize_megatron` runs to rebuild it, so that `make` fails and exits. Skip the
+    rebuild when the compiled module imports (a Megatron-LM checkout has the Makefile)."""
+    import megatron.core.datasets.utils as dataset_utils
+
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError:
+        return
+    dataset_utils.compile_helpers = lambda: None
+
+
 def main() -> None:
     from megatron.core.enums import ModelType
     from megatron.training.training import pretrain
 
+    _use_prebuilt_dataset_helpers()
     _, cfg = build_pretrain_config()
     pretrain(cfg, datasets_provider, ModelType.encoder_or_decoder, forward_step)
 
