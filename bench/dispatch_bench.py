@@ -142,6 +142,7 @@ def main():
     parser.add_argument("--num-sms", type=int, default=24)
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=4, help="alternating raw/ext rounds")
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     args = parser.parse_args()
 
@@ -157,9 +158,18 @@ def main():
     for name in args.shapes:
         shape = SHAPES[name]
         x_TH, indices_TK, probs_TK = make_inputs(shape, rank, device)
-        raw_rows, raw_times = bench_raw(deep_ep, shape, x_TH, indices_TK, probs_TK, group, args.iters, args.warmup)
-        ext_rows, ext_times = bench_ext(args.backend, shape, x_TH, indices_TK, probs_TK, group,
-                                        args.num_sms, args.iters, args.warmup)
+        # Alternate the order over rounds so neither side profits from running second.
+        raw_times, ext_times = [], []
+        for r in range(args.rounds):
+            for side in (("raw", "ext") if r % 2 == 0 else ("ext", "raw")):
+                if side == "raw":
+                    raw_rows, times = bench_raw(deep_ep, shape, x_TH, indices_TK, probs_TK, group,
+                                                args.iters, args.warmup)
+                    raw_times += times
+                else:
+                    ext_rows, times = bench_ext(args.backend, shape, x_TH, indices_TK, probs_TK, group,
+                                                args.num_sms, args.iters, args.warmup)
+                    ext_times += times
         nvl_bytes = raw_rows.numel() * 2  # dispatch_bf16_nvl_recv_bytes == combine_bf16_nvl_send_bytes
         medians = {f"{side}_{op}_s": statistics.median(t[i] for t in times)
                    for side, times in (("raw", raw_times), ("ext", ext_times))
@@ -189,7 +199,7 @@ def main():
             "command": " ".join(["torchrun", f"--nproc-per-node {world}"] + sys.argv),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "device": f"{world}x {device_name}",
-            "num_sms": args.num_sms, "iters": args.iters, "warmup": args.warmup,
+            "num_sms": args.num_sms, "iters": args.iters, "warmup": args.warmup, "rounds": args.rounds,
             "ext_backend": args.backend, "shapes": results,
         }
         with open(path, "w") as f:

@@ -8,6 +8,7 @@
 #             layer parity with DeepEP, uccl import probe (needs deep_ep on PYTHONPATH)
 #   bench     experts benchmark and GPT-MoE pretraining at EP2 (ext vs native)
 #   pack      tar every log and JSON into $OUT/results.tgz (the device tool returns <= 8 files)
+#   NAME      any single task of run_named below
 # DeepEP itself is built outside this repository (it is not ours to ship); put the built
 # package on PYTHONPATH before the deepep and bench stages.
 set -uo pipefail
@@ -31,37 +32,41 @@ task() {  # name timeout_s command...: run one check, record rc and seconds, nev
   tail -4 "$RAW/$name.log"
 }
 
+run_named() {  # one named task
+  case $1 in
+    experts_pytest) task experts_pytest 240 $PY -m pytest tests/experts/test_activations.py \
+        tests/experts/test_bias.py tests/experts/test_kernels.py tests/experts/test_mlp.py -q -rs -p no:cacheprovider ;;
+    capacity_torch) task capacity_torch 180 $TORCHRUN bench/gpu/capacity_torch.py ;;
+    experts_modules) task experts_modules 240 $TORCHRUN bench/gpu/experts_modules_check.py ;;
+    megatron_experts) task megatron_experts 240 $TORCHRUN tests/megatron/gpu_check_megatron_experts.py ;;
+    deepep_suite) task deepep_suite 240 $TORCHRUN bench/gpu/deepep_suite.py ;;
+    dispatch_bench) task dispatch_bench 300 $TORCHRUN bench/dispatch_bench.py ;;
+    dispatch_bench_torch) task dispatch_bench_torch 240 $TORCHRUN bench/dispatch_bench.py --backend torch ;;
+    layer_parity) task layer_parity 180 $TORCHRUN bench/gpu/megatron_layer_parity.py ;;
+    uccl_probe) task uccl_probe 60 bash -c "$PY -m pip install -q --no-index --no-deps --target /tmp/uccl .gpu/wheels/*.whl \
+        && LD_LIBRARY_PATH=/tmp/uccl/nvidia/cuda_runtime/lib:\${LD_LIBRARY_PATH:-} PYTHONPATH=/tmp/uccl:\$PYTHONPATH \
+        $PY -c 'import torch, uccl.ep as ep; print(\"uccl.ep imported\", [n for n in dir(ep) if not n.startswith(\"_\")][:20])'" ;;
+    experts_bench) task experts_bench 300 $PY bench/experts_bench.py ;;
+    pretrain_ep2) task pretrain_ep2 420 bash bench/gpu/pretrain_ep2.sh ;;
+    *) echo "unknown task $1"; exit 2 ;;
+  esac
+}
+
 for stage in "$@"; do
   case $stage in
     setup)
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$RAW/nvidia_smi.txt"
       $PY -m pip install -q --no-index --no-deps .whl/megatron_core-*.whl 2>&1 | tail -2
-      $PY -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>&1 | tail -2
-      $PY -c "import torch, megatron.core, megatron_moe_ext.patches; print('torch', torch.__version__, 'gpus', torch.cuda.device_count(), 'mcore', megatron.core.__version__)" | tee "$RAW/versions.txt"
+      $PY -m pip install --no-index --no-deps --no-build-isolation -e . > "$RAW/pip_install_e.log" 2>&1 \
+        || tail -15 "$RAW/pip_install_e.log"
+      $PY -c "import torch, megatron.core; print('torch', torch.__version__, 'gpus', torch.cuda.device_count(), 'mcore', megatron.core.__version__)" | tee "$RAW/versions.txt"
       ;;
-    nodeepep)
-      task experts_pytest 240 $PY -m pytest tests/experts/test_activations.py tests/experts/test_bias.py \
-        tests/experts/test_kernels.py tests/experts/test_mlp.py -q -rs -p no:cacheprovider
-      task capacity_torch 180 $TORCHRUN bench/gpu/capacity_torch.py
-      task experts_modules 240 $TORCHRUN bench/gpu/experts_modules_check.py
-      ;;
+    nodeepep) for t in experts_pytest capacity_torch experts_modules megatron_experts; do run_named $t; done ;;
     deepep)
       $PY -c "import deep_ep; print('deep_ep', deep_ep.__file__)" 2>&1 | tee -a "$RAW/tasks.log"
-      task deepep_suite 240 $TORCHRUN bench/gpu/deepep_suite.py
-      task dispatch_bench 240 $TORCHRUN bench/dispatch_bench.py
-      task dispatch_bench_torch 180 $TORCHRUN bench/dispatch_bench.py --backend torch
-      task layer_parity 180 $TORCHRUN bench/gpu/megatron_layer_parity.py
-      task uccl_probe 60 bash -c "$PY -m pip install -q --no-index --no-deps --target /tmp/uccl .gpu/wheels/*.whl \
-        && LD_LIBRARY_PATH=/tmp/uccl/nvidia/cuda_runtime/lib:\${LD_LIBRARY_PATH:-} PYTHONPATH=/tmp/uccl:\$PYTHONPATH \
-        $PY -c 'import torch, uccl.ep as ep; print(\"uccl.ep imported\", [n for n in dir(ep) if not n.startswith(\"_\")][:20])'"
-      ;;
-    bench)
-      task experts_bench 300 $PY bench/experts_bench.py
-      task pretrain_ep2 420 bash bench/gpu/pretrain_ep2.sh
-      ;;
-    pack)
-      tar czf "$FINAL/results.tgz" -C "$RAW" . && rm -rf "$RAW"
-      ;;
-    *) echo "unknown stage $stage"; exit 2 ;;
+      for t in deepep_suite dispatch_bench dispatch_bench_torch layer_parity uccl_probe; do run_named $t; done ;;
+    bench) for t in experts_bench pretrain_ep2; do run_named $t; done ;;
+    pack) tar czf "$FINAL/results.tgz" -C "$RAW" . && rm -rf "$RAW" ;;
+    *) run_named "$stage" ;;
   esac
 done

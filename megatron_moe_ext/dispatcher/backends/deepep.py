@@ -87,6 +87,10 @@ class DeepEPCommunicator:
         self.name = name
         self._buffer = None
         self._group = None
+        # Host-side answers that never change for a given buffer class / group / row size,
+        # cached because everything before DeepEP's host sync is exposed GPU idle time.
+        self._row_rules: dict[type, tuple[int, int | None]] = {}
+        self._size_hints: dict[tuple, tuple[int, int]] = {}
 
     # ---- configuration ----------------------------------------------------------------
     def check_group(self, group) -> None:
@@ -109,8 +113,12 @@ class DeepEPCommunicator:
     def _dispatch_row_rule(self) -> tuple[int, int | None]:
         """(unit bytes, max bytes per dispatched row or None) of the library's build."""
         buffer_cls = self.library().Buffer
-        sm90 = buffer_cls.is_sm90_compiled() if hasattr(buffer_cls, "is_sm90_compiled") else True
-        return (_SM90_UNIT_BYTES, _SM90_MAX_DISPATCH_ROW_BYTES) if sm90 else (_UNIT_BYTES, None)
+        rule = self._row_rules.get(buffer_cls)
+        if rule is None:
+            sm90 = buffer_cls.is_sm90_compiled() if hasattr(buffer_cls, "is_sm90_compiled") else True
+            rule = (_SM90_UNIT_BYTES, _SM90_MAX_DISPATCH_ROW_BYTES) if sm90 else (_UNIT_BYTES, None)
+            self._row_rules[buffer_cls] = rule
+        return rule
 
     def hidden_bytes_for(self, hidden: int, dtype: torch.dtype) -> int:
         """Bytes per row the buffer is sized for: the widest dispatched column chunk.
@@ -144,11 +152,15 @@ class DeepEPCommunicator:
         rank must reach it together: sizes depend only on H, dtype and the SM count.
         """
         buffer_cls = self.library().Buffer
-        world = dist.get_world_size(group)
-        num_nvl_bytes = num_rdma_bytes = 0
-        for config in (buffer_cls.get_dispatch_config(world), buffer_cls.get_combine_config(world)):
-            num_nvl_bytes = max(num_nvl_bytes, config.get_nvl_buffer_size_hint(hidden_bytes, world))
-            num_rdma_bytes = max(num_rdma_bytes, config.get_rdma_buffer_size_hint(hidden_bytes, world))
+        key = (buffer_cls, group, hidden_bytes, getattr(buffer_cls, "num_sms", None))
+        hints = self._size_hints.get(key)
+        if hints is None:
+            world = dist.get_world_size(group)
+            configs = (buffer_cls.get_dispatch_config(world), buffer_cls.get_combine_config(world))
+            hints = (max(c.get_nvl_buffer_size_hint(hidden_bytes, world) for c in configs),
+                     max(c.get_rdma_buffer_size_hint(hidden_bytes, world) for c in configs))
+            self._size_hints[key] = hints
+        num_nvl_bytes, num_rdma_bytes = hints
         buffer = self._buffer
         if buffer is not None and self._group is group and type(buffer) is buffer_cls:
             if buffer.num_nvl_bytes >= num_nvl_bytes and buffer.num_rdma_bytes >= num_rdma_bytes:
