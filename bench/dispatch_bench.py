@@ -25,6 +25,7 @@ import json
 import os
 import statistics
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -62,6 +63,11 @@ def timed(fn, iters: int, warmup: int) -> list[float]:
     return [[s.elapsed_time(e) / 1e3 for s, e in r] for r in regions]
 
 
+# Host seconds of each timed dispatch call (DeepEP's dispatch waits on the host for the
+# receive counts, so host work before that wait is GPU idle time inside the event region).
+host_s: list[float] = []
+
+
 def event_pair():
     return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
@@ -84,9 +90,11 @@ def bench_raw(deep_ep, shape, x_TH, indices_TK, probs_TK, group, iters, warmup):
 
     def step():
         (d0, d1), (c0, c1) = event_pair(), event_pair()
+        t0 = time.perf_counter()
         d0.record()
         rx, _, _, _, h, _ = dispatch()
         d1.record()
+        host_s.append(time.perf_counter() - t0)
         c0.record()
         buffer.combine(rx, h)
         c1.record()
@@ -111,10 +119,12 @@ def bench_ext(backend, shape, x_TH, indices_TK, probs_TK, group, num_sms, iters,
 
     def step():
         (d0, d1), (c0, c1) = event_pair(), event_pair()
+        t0 = time.perf_counter()
         d0.record()
         hidden, _ = disp.dispatch_preprocess2(x_TH, tokens, probs_TK, indices_TK)
         rows_RH, _ = disp.token_dispatch(hidden)
         d1.record()
+        host_s.append(time.perf_counter() - t0)
         if not first_rows:
             first_rows.append(rows_RH)
         permuted, _, _ = disp.dispatch_postprocess(rows_RH)
@@ -159,22 +169,28 @@ def main():
         shape = SHAPES[name]
         x_TH, indices_TK, probs_TK = make_inputs(shape, rank, device)
         # Alternate the order over rounds so neither side profits from running second.
-        raw_times, ext_times = [], []
+        raw_times, ext_times, raw_host, ext_host = [], [], [], []
+        warmup_n = args.warmup
         for r in range(args.rounds):
             for side in (("raw", "ext") if r % 2 == 0 else ("ext", "raw")):
+                host_s.clear()
                 if side == "raw":
                     raw_rows, times = bench_raw(deep_ep, shape, x_TH, indices_TK, probs_TK, group,
                                                 args.iters, args.warmup)
                     raw_times += times
+                    raw_host += host_s[warmup_n:]
                 else:
                     ext_rows, times = bench_ext(args.backend, shape, x_TH, indices_TK, probs_TK, group,
                                                 args.num_sms, args.iters, args.warmup)
                     ext_times += times
+                    ext_host += host_s[warmup_n:]
         nvl_bytes = raw_rows.numel() * 2  # dispatch_bf16_nvl_recv_bytes == combine_bf16_nvl_send_bytes
         medians = {f"{side}_{op}_s": statistics.median(t[i] for t in times)
                    for side, times in (("raw", raw_times), ("ext", ext_times))
                    for i, op in enumerate(("dispatch", "combine"))}
-        entry = {"shape": shape, "nvl_bytes_rank": nvl_bytes, **medians}
+        entry = {"shape": shape, "nvl_bytes_rank": nvl_bytes, **medians,
+                 "raw_dispatch_host_s": statistics.median(raw_host),
+                 "ext_dispatch_host_s": statistics.median(ext_host)}
         for op in ("dispatch", "combine"):
             entry[f"ext_{op}_gbps"] = gbps(nvl_bytes, medians[f"ext_{op}_s"])
             entry[f"raw_{op}_gbps"] = gbps(nvl_bytes, medians[f"raw_{op}_s"])

@@ -42,7 +42,7 @@ DRIVER="$RUN examples/pretrain_gpt_megatron_lm.py --num-layers 4 --hidden-size 5
 --global-batch-size 16 --train-iters 10 --lr 1e-3 --num-experts 8 --moe-ffn-hidden-size 1024 \
 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 --expert-model-parallel-size 2 --transformer-impl local \
 --no-persist-layer-norm --no-gradient-accumulation-fusion --swiglu --disable-bias-linear --mock-data --tokenizer-type NullTokenizer \
---vocab-size 4096 --log-interval 1 --eval-iters 0"
+--vocab-size 4096 --log-interval 1 --eval-iters 0 --eval-interval 1000"
 SPEC="--spec megatron_moe_ext.megatron.specs get_flex_decoder_block_spec"
 driver() {  # name, dispatcher flags
   local name=$1; shift

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole GPU check and benchmark on the 2x H200 machine, in stages so that it fits the
 # device tool's 10-minute calls:  bash bench/gpu/run_all.sh STAGE [STAGE ...]
-#   setup     install the carried megatron-core wheel (.whl/) and this package (no index)
+#   setup     install the carried megatron-core wheel (.whl/); this package runs from PYTHONPATH
+#             (pip -e would fetch setuptools from an index the machine cannot reach)
 #   nodeepep  checks that need no DeepEP: experts tests on CUDA, torch capacity mode without
 #             host syncs, expert modules over NCCL, FlexMoELayer vs Megatron (torch backend)
 #   deepep    DeepEP suite vs the torch backend, dispatch benchmark (ours vs raw Buffer),
@@ -57,8 +58,6 @@ for stage in "$@"; do
     setup)
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$RAW/nvidia_smi.txt"
       $PY -m pip install -q --no-index --no-deps .whl/megatron_core-*.whl 2>&1 | tail -2
-      $PY -m pip install --no-index --no-deps --no-build-isolation -e . > "$RAW/pip_install_e.log" 2>&1 \
-        || tail -15 "$RAW/pip_install_e.log"
       $PY -c "import torch, megatron.core; print('torch', torch.__version__, 'gpus', torch.cuda.device_count(), 'mcore', megatron.core.__version__)" | tee "$RAW/versions.txt"
       ;;
     nodeepep) for t in experts_pytest capacity_torch experts_modules megatron_experts; do run_named $t; done ;;
