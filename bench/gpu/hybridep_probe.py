@@ -65,12 +65,12 @@ def main() -> None:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                __file__, name]
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=90, env={**os.environ, **env})
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=40, env={**os.environ, **env})
             lines = [l for l in (proc.stdout + proc.stderr).splitlines() if "[" + name + "]" in l or "Error" in l
                      or "Signal" in l or "exitcode" in l]
             results[name] = {"returncode": proc.returncode, "lines": lines[-8:]}
         except subprocess.TimeoutExpired:
-            results[name] = {"returncode": None, "lines": ["timed out after 90 s"]}
+            results[name] = {"returncode": None, "lines": ["timed out after 40 s"]}
         print(name, json.dumps(results[name]), flush=True)
     with open(os.path.join(out_dir, "hybridep_probe.json"), "w") as f:
         json.dump({"command": "python3 bench/gpu/hybridep_probe.py", "variants": results}, f, indent=2)

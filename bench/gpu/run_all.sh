@@ -47,7 +47,7 @@ run_named() {  # one named task
     uccl_probe) task uccl_probe 60 bash -c "$PY -m pip install -q --no-index --no-deps --target /tmp/uccl .gpu/wheels/*.whl \
         && LD_LIBRARY_PATH=/tmp/uccl/nvidia/cuda_runtime/lib:\${LD_LIBRARY_PATH:-} PYTHONPATH=/tmp/uccl:\$PYTHONPATH \
         $PY -c 'import torch, uccl.ep as ep; print(\"uccl.ep imported\", [n for n in dir(ep) if not n.startswith(\"_\")][:20])'" ;;
-    hybridep_probe) task hybridep_probe 400 $PY bench/gpu/hybridep_probe.py ;;
+    hybridep_probe) task hybridep_probe 200 $PY bench/gpu/hybridep_probe.py ;;
     experts_bench) task experts_bench 300 $PY bench/experts_bench.py ;;
     pretrain_ep2) task pretrain_ep2 420 bash bench/gpu/pretrain_ep2.sh ;;
     *) echo "unknown task $1"; exit 2 ;;
