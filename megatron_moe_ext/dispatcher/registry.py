@@ -40,34 +40,31 @@ def _build_torch(cfg, group, num_local_experts, tp_size):
     return _DeepepManager(**kwargs)
 
 
-def _build_deepep(cfg, group, num_local_experts, tp_size):
-    from megatron_moe_ext.dispatcher.backends import deepep
+def _deepep_contract_manager(backend, cfg, group, num_local_experts, tp_size):
+    """A `_DeepepManager` over a backend module exposing DeepEP's Buffer contract."""
     from megatron_moe_ext.dispatcher.deepep_manager import _DeepepManager
 
-    deepep.check_group(group)
-    deepep.set_num_sms(cfg.moe_deepep_num_sms)
+    backend.check_group(group)
+    backend.set_num_sms(cfg.moe_deepep_num_sms)
     return _DeepepManager(
         **_deepep_style_kwargs(cfg, group, num_local_experts, tp_size),
-        _dispatch_fn=deepep.dispatch,
-        _combine_fn=deepep.combine,
-        _allocate_fn=deepep.allocate_buffer,
-        _release_fn=deepep.release_buffers,
+        _dispatch_fn=backend.dispatch,
+        _combine_fn=backend.combine,
+        _allocate_fn=backend.allocate_buffer,
+        _release_fn=backend.release_buffers,
     )
+
+
+def _build_deepep(cfg, group, num_local_experts, tp_size):
+    from megatron_moe_ext.dispatcher.backends import deepep
+
+    return _deepep_contract_manager(deepep, cfg, group, num_local_experts, tp_size)
 
 
 def _build_uccl(cfg, group, num_local_experts, tp_size):
     from megatron_moe_ext.dispatcher.backends import uccl
-    from megatron_moe_ext.dispatcher.deepep_manager import _DeepepManager
 
-    uccl.check_group(group)
-    uccl.set_num_sms(cfg.moe_deepep_num_sms)
-    return _DeepepManager(
-        **_deepep_style_kwargs(cfg, group, num_local_experts, tp_size),
-        _dispatch_fn=uccl.dispatch,
-        _combine_fn=uccl.combine,
-        _allocate_fn=uccl.allocate_buffer,
-        _release_fn=uccl.release_buffers,
-    )
+    return _deepep_contract_manager(uccl, cfg, group, num_local_experts, tp_size)
 
 
 def _build_hybridep(cfg, group, num_local_experts, tp_size):
