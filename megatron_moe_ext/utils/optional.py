@@ -7,6 +7,7 @@ without CUDA, so every guard catches Exception and re-raises ImportError.
 from __future__ import annotations
 
 import importlib
+import sys
 from types import ModuleType
 
 INSTALL_HINTS = {
@@ -36,6 +37,9 @@ def try_import(name: str) -> ModuleType | None:
 
 def require(name: str, feature: str) -> ModuleType:
     """Import `name` for `feature` or raise ImportError naming the package and the fix."""
+    module = sys.modules.get(name)
+    if module is not None:  # hot path: backends call this on every dispatch
+        return module
     try:
         return importlib.import_module(name)
     except Exception as exc:  # noqa: BLE001

@@ -127,7 +127,7 @@ class DeepEPCommunicator:
         `_return_rows`), so it is sized for at least 4 bytes per element; the index/weight
         columns of that path fit inside the top-k margin of DeepEP's size hint.
         """
-        elem = torch.empty((), dtype=dtype).element_size()
+        elem = dtype.itemsize
         elem = max(elem, 2) if dtype == torch.bfloat16 else max(elem, 4)
         unit, max_bytes = self._dispatch_row_rule()
         row_bytes = -(-hidden * elem // unit) * unit
