@@ -211,24 +211,36 @@ class DeepEPCommunicator:
             raise ValueError(f"moe_router_topk: {self.name} kernels take at most {MAX_TOPK} "
                              f"slots per token, got {indices_TK.shape[1]}")
         buffer = self.get_buffer(group, self.hidden_bytes_for(x_TH.shape[1], x_TH.dtype))
-        alloc = alloc and async_finish  # the library requires a previous event for it
-        first, *rest = self._column_chunks(x_TH)
-        previous = self._begin(async_finish)
-        per_rank, per_rdma_rank, per_expert, in_rank_TW, event = buffer.get_dispatch_layout(
-            indices_TK, num_experts, previous_event=previous, async_finish=async_finish,
-            allocate_on_comm_stream=alloc)
-        recv_RH, recv_indices_RK, recv_probs_RK, tokens_per_expert, raw, event = buffer.dispatch(
-            first, topk_idx=indices_TK, topk_weights=probs_TK,
-            num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank,
-            is_token_in_rank=in_rank_TW, num_tokens_per_expert=per_expert,
-            previous_event=event if async_finish else None, async_finish=async_finish,
-            allocate_on_comm_stream=alloc)
-        self._end(event, async_finish)
-        if rest:
-            recv_RH = torch.cat([recv_RH] + [self._cached(buffer, c, raw, async_finish, alloc) for c in rest], 1)
+        recv_RH, recv_indices_RK, recv_probs_RK, tokens_per_expert, raw = self._layout_and_dispatch(
+            buffer, x_TH, indices_TK, num_experts, async_finish, alloc, topk_weights=probs_TK)
         recv_RH = recv_RH[:, :x_TH.shape[1]]
         handle = DeepEPHandle(raw, recv_RH.shape[0], x_TH.shape[0])
         return recv_RH, recv_indices_RK, recv_probs_RK, list(tokens_per_expert), handle
+
+    def _layout_and_dispatch(self, buffer, x_NC, routes_NK, num_experts, async_finish, alloc,
+                             topk_weights=None):
+        """`get_dispatch_layout` + `dispatch` of `[N, C]` rows along `[N, K]` routes (the
+        first column chunk; the others follow through the cached handle).
+
+        Returns `(recv [R, C'], recv_routes, recv_weights, per-expert counts, raw handle)`,
+        with `C'` >= C (padded columns are the caller's to slice off).
+        """
+        alloc = alloc and async_finish  # the library requires a previous event for it
+        first, *rest = self._column_chunks(x_NC)
+        previous = self._begin(async_finish)
+        per_rank, per_rdma_rank, per_expert, in_rank_NW, event = buffer.get_dispatch_layout(
+            routes_NK, num_experts, previous_event=previous, async_finish=async_finish,
+            allocate_on_comm_stream=alloc)
+        extra = {} if topk_weights is None else dict(topk_idx=routes_NK, topk_weights=topk_weights)
+        recv, recv_routes, recv_weights, counts, raw, event = buffer.dispatch(
+            first, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank,
+            is_token_in_rank=in_rank_NW, num_tokens_per_expert=per_expert,
+            previous_event=event if async_finish else None, async_finish=async_finish,
+            allocate_on_comm_stream=alloc, **extra)
+        self._end(event, async_finish)
+        if rest:
+            recv = torch.cat([recv] + [self._cached(buffer, c, raw, async_finish, alloc) for c in rest], 1)
+        return recv, recv_routes, recv_weights, counts, raw
 
     def cached_dispatch_raw(self, x_TH, handle: DeepEPHandle, group, async_finish, alloc):
         """Send `[T, H]` rows along a previous dispatch's routes -> `[R, H]`."""
@@ -276,21 +288,7 @@ class DeepEPCommunicator:
         rows = torch.arange(num_rows, device=x_RH.device)
         owner_R1 = torch.searchsorted(prefix_W, rows, right=True)[:, None].contiguous()
 
-        alloc = alloc and async_finish
-        first, *rest = self._column_chunks(rows_RC)
-        previous = self._begin(async_finish)
-        per_rank, per_rdma_rank, per_owner, to_owner_RW, event = buffer.get_dispatch_layout(
-            owner_R1, world, previous_event=previous, async_finish=async_finish,
-            allocate_on_comm_stream=alloc)
-        back_NC, _, _, _, back_handle, event = buffer.dispatch(
-            first, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank,
-            is_token_in_rank=to_owner_RW, num_tokens_per_expert=per_owner,
-            previous_event=event if async_finish else None, async_finish=async_finish,
-            allocate_on_comm_stream=alloc)
-        self._end(event, async_finish)
-        if rest:
-            back_NC = torch.cat([back_NC] + [self._cached(buffer, c, back_handle, async_finish, alloc)
-                                             for c in rest], 1)
+        back_NC, *_ = self._layout_and_dispatch(buffer, rows_RC, owner_R1, world, async_finish, alloc)
         token_ids_N = back_NC[:, 0].long()
         out_TC = back_NC.new_zeros(handle.num_tokens, width - 1)
         out_TC = out_TC.index_put((token_ids_N,), back_NC[:, 1:width], accumulate=True)
