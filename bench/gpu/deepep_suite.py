@@ -39,6 +39,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher  # noqa: E402
+from tests.dispatcher.cases import CASES as BASE_CASES  # noqa: E402
 from tests.dispatcher.cases import DTYPES, FACES, TOLERANCE, build_dispatcher, run_through_dispatcher  # noqa: E402
 from tests.dispatcher.deepep_ranks import capacity_drop_case, pad_multiple_case  # noqa: E402
 from tests.reference import (  # noqa: E402
@@ -51,14 +52,7 @@ from tests.reference import (  # noqa: E402
 
 DEVICE = torch.device("cpu")
 
-CASES = [
-    RoutingCase("uneven_with_empty_rank", tokens_per_rank=(5, 0, 9, 3)),
-    RoutingCase("empty_rank_first", tokens_per_rank=(0, 7)),
-    RoutingCase("masked_slots", tokens_per_rank=(12, 7, 3, 10), topk=3, masked_fraction=0.35),
-    RoutingCase("all_to_one_expert", tokens_per_rank=(6, 4, 5, 8), single_expert=7),
-    RoutingCase("top1", tokens_per_rank=(9, 6), topk=1),
-    RoutingCase("top8_all_experts", tokens_per_rank=(7, 5, 6, 2), topk=8),
-    RoutingCase("wider", tokens_per_rank=(40, 33, 17, 25), hidden=24, num_experts=16, topk=4),
+CASES = BASE_CASES + [
     RoutingCase("larger", tokens_per_rank=(700, 517), hidden=512, num_experts=32, topk=6, masked_fraction=0.1),
 ]
 

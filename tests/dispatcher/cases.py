@@ -26,6 +26,17 @@ from tests.reference import (
 )
 
 FACES = ("topk", "dense", "megatron")
+
+# The routing cases every backend's dense-reference suite runs.
+CASES = [
+    RoutingCase("uneven_with_empty_rank", tokens_per_rank=(5, 0, 9, 3)),
+    RoutingCase("empty_rank_first", tokens_per_rank=(0, 7)),
+    RoutingCase("masked_slots", tokens_per_rank=(12, 7, 3, 10), topk=3, masked_fraction=0.35),
+    RoutingCase("all_to_one_expert", tokens_per_rank=(6, 4, 5, 8), single_expert=7),
+    RoutingCase("top1", tokens_per_rank=(9, 6), topk=1),
+    RoutingCase("top8_all_experts", tokens_per_rank=(7, 5, 6, 2), topk=8),
+    RoutingCase("wider", tokens_per_rank=(40, 33, 17, 25), hidden=24, num_experts=16, topk=4),
+]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TOLERANCE = {"fp32": 1e-5, "bf16": 3e-2}
 
