@@ -4,16 +4,19 @@ Run on one node with real DeepEP V1 built (hybrid-ep branch):
     torchrun --nproc-per-node 2 bench/dispatch_bench.py [--backend deepep|torch]
 
 In one run, on the same inputs, it times
-- ext: `MoEFlexTokenDispatcher` (the chosen backend): dispatch = top-k metadata setup +
-  `token_dispatch`; combine = `token_combine` of the restored `[R, H]` rows. The local
-  permutation around them is outside the timed regions (DeepEP's raw calls have none).
+- ext: `MoEFlexTokenDispatcher` (the chosen backend) under autograd, as in training (the
+  tokens and probs require grad; the graph is dropped unused): dispatch = top-k metadata
+  setup + `token_dispatch`; combine = `token_combine` of the restored `[R, H]` rows. The
+  local permutation around them is outside the timed regions (DeepEP's raw calls have none).
 - raw: `Buffer.get_dispatch_layout` + `Buffer.dispatch`; `Buffer.combine` with the handle.
 Shapes: DeepSeek-V3 (4096 tokens/rank, hidden 7168, top-8 of 256 experts, bf16) and
 Qwen3-30B-A3B (4096 tokens, hidden 2048, top-8 of 128 experts, bf16).
 
 Bandwidth uses DeepEP's NVLink accounting (tests/test_intranode.py):
 `dispatch_bf16_nvl_recv_bytes = recv_x.numel() * 2` and `combine_bf16_nvl_send_bytes` =
-the same, over the median of CUDA-event-timed iterations after warmup. Writes
+the same, over the median of CUDA-event-timed iterations after warmup. `--num-sms` takes
+several SM counts; each is one raw-vs-ext comparison (`Buffer.set_num_sms` for both sides,
+DeepEP's default `Config` for that count); the first fills `shapes`. Writes
 `$OUT/dispatch_<backend>_ep<W>_h200.json` (OUT defaults to ./outputs).
 """
 
@@ -68,11 +71,64 @@ def timed(fn, iters: int, warmup: int) -> list[float]:
 host_s: list[float] = []
 
 
+# --timeline: host timestamps at entry/exit of the library's layout and dispatch calls.
+marks: dict[str, float] = {}
+phases: list[dict] = []
+
+
+def install_timeline(deep_ep) -> None:
+    def stamped(name, fn):
+        def wrapper(*args, **kwargs):
+            marks[f"{name}_in"] = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                marks[f"{name}_out"] = time.perf_counter()
+        return wrapper
+
+    for name in ("get_dispatch_layout", "dispatch"):
+        setattr(deep_ep.Buffer, name, stamped(name, getattr(deep_ep.Buffer, name)))
+
+
+def record_phases(t0: float, t_end: float) -> None:
+    """Host microseconds: before the layout call, layout, between the calls, DeepEP's
+    dispatch (its host sync included), and after it until the dispatch face returned."""
+    keys = ("get_dispatch_layout_in", "get_dispatch_layout_out", "dispatch_in", "dispatch_out")
+    if all(k in marks for k in keys):  # the torch backend never calls the library
+        m = marks
+        points = (t0, m["get_dispatch_layout_in"], m["get_dispatch_layout_out"], m["dispatch_in"],
+                  m["dispatch_out"], t_end)
+        names = ("before_layout", "layout", "between", "library_dispatch", "after_dispatch")
+        phases.append({n: (b - a) * 1e6 for n, a, b in zip(names, points, points[1:])})
+    marks.clear()
+
+
+# --prelude-us: GPU work queued before each timed region, as the router's kernels precede
+# the dispatch in a training step; the host's work then overlaps it instead of idling the GPU.
+SLEEP_CYCLES_PER_US = 0.0
+
+
+def calibrate_sleep() -> None:
+    global SLEEP_CYCLES_PER_US
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1000)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    SLEEP_CYCLES_PER_US = 10_000_000 / (start.elapsed_time(end) * 1e3)
+
+
+def prelude(us: float) -> None:
+    if us > 0:
+        torch.cuda._sleep(int(us * SLEEP_CYCLES_PER_US))
+
+
 def event_pair():
     return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
 
-def bench_raw(deep_ep, shape, x_TH, indices_TK, probs_TK, group, iters, warmup):
+def bench_raw(deep_ep, shape, x_TH, indices_TK, probs_TK, group, iters, warmup, prelude_us):
     world = dist.get_world_size(group)
     hidden_bytes = shape["hidden"] * 2
     num_nvl_bytes = max(cfg.get_nvl_buffer_size_hint(hidden_bytes, world)
@@ -90,11 +146,15 @@ def bench_raw(deep_ep, shape, x_TH, indices_TK, probs_TK, group, iters, warmup):
 
     def step():
         (d0, d1), (c0, c1) = event_pair(), event_pair()
+        prelude(prelude_us)
         t0 = time.perf_counter()
         d0.record()
         rx, _, _, _, h, _ = dispatch()
         d1.record()
         host_s.append(time.perf_counter() - t0)
+        record_phases(t0, t0 + host_s[-1])
+        dist.barrier()  # both ranks enter combine together (see `step` in bench_ext)
+        prelude(prelude_us)
         c0.record()
         buffer.combine(rx, h)
         c1.record()
@@ -105,7 +165,7 @@ def bench_raw(deep_ep, shape, x_TH, indices_TK, probs_TK, group, iters, warmup):
     return recv_x, times
 
 
-def bench_ext(backend, shape, x_TH, indices_TK, probs_TK, group, num_sms, iters, warmup):
+def bench_ext(backend, shape, x_TH, indices_TK, probs_TK, group, num_sms, iters, warmup, prelude_us):
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     e = shape["experts"] // world
     cfg = TokenDispatcherConfig(moe_flex_dispatcher_backend=backend, num_moe_experts=shape["experts"],
@@ -115,28 +175,34 @@ def bench_ext(backend, shape, x_TH, indices_TK, probs_TK, group, num_sms, iters,
     if allocate is not None:
         allocate(shape["hidden"], torch.bfloat16)
     tokens = x_TH.shape[0]
+    x_TH, probs_TK = x_TH.detach().requires_grad_(), probs_TK.detach().requires_grad_()
     first_rows = []
 
     def step():
         (d0, d1), (c0, c1) = event_pair(), event_pair()
+        prelude(prelude_us)
         t0 = time.perf_counter()
         d0.record()
         hidden, _ = disp.dispatch_preprocess2(x_TH, tokens, probs_TK, indices_TK)
         rows_RH, _ = disp.token_dispatch(hidden)
         d1.record()
         host_s.append(time.perf_counter() - t0)
+        record_phases(t0, t0 + host_s[-1])
         if not first_rows:
-            first_rows.append(rows_RH)
+            first_rows.append(rows_RH.detach())
         permuted, _, _ = disp.dispatch_postprocess(rows_RH)
         restored_RH = disp.combine_preprocess(permuted)
+        # The permutation between the two is host work raw DeepEP does not have: without a
+        # barrier one rank's combine would also time the other rank's lag.
+        dist.barrier()
+        prelude(prelude_us)
         c0.record()
         out = disp.token_combine(restored_RH)
         c1.record()
         disp.combine_postprocess(out)
         return [(d0, d1), (c0, c1)]
 
-    with torch.no_grad():
-        times = timed(step, iters, warmup)
+    times = timed(step, iters, warmup)
     MoEFlexTokenDispatcher.release_shared_managers()
     return first_rows[0], times
 
@@ -145,15 +211,75 @@ def gbps(num_bytes: int, seconds: float) -> float:
     return num_bytes / 1e9 / seconds
 
 
+def compare(args, deep_ep, name, num_sms, group, device) -> dict:
+    """One shape at one SM count: alternating raw/ext rounds on the same inputs."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    deep_ep.Buffer.set_num_sms(num_sms)
+    shape = SHAPES[name]
+    x_TH, indices_TK, probs_TK = make_inputs(shape, rank, device)
+    # Alternate the order over rounds so neither side profits from running second.
+    raw_times, ext_times, raw_host, ext_host = [], [], [], []
+    side_phases = {"raw": [], "ext": []}
+    for r in range(args.rounds):
+        for side in (("raw", "ext") if r % 2 == 0 else ("ext", "raw")):
+            host_s.clear()
+            phases.clear()
+            if side == "raw":
+                raw_rows, times = bench_raw(deep_ep, shape, x_TH, indices_TK, probs_TK, group,
+                                            args.iters, args.warmup, args.prelude_us)
+                raw_times += times
+                raw_host += host_s[args.warmup:]
+            else:
+                ext_rows, times = bench_ext(args.backend, shape, x_TH, indices_TK, probs_TK, group,
+                                            num_sms, args.iters, args.warmup, args.prelude_us)
+                ext_times += times
+                ext_host += host_s[args.warmup:]
+            side_phases[side] += phases[args.warmup:]
+    nvl_bytes = raw_rows.numel() * 2  # dispatch_bf16_nvl_recv_bytes == combine_bf16_nvl_send_bytes
+    medians = {f"{side}_{op}_s": statistics.median(t[i] for t in times)
+               for side, times in (("raw", raw_times), ("ext", ext_times))
+               for i, op in enumerate(("dispatch", "combine"))}
+    entry = {"shape": shape, "num_sms": num_sms, "nvl_bytes_rank": nvl_bytes, **medians,
+             "raw_dispatch_host_s": statistics.median(raw_host),
+             "ext_dispatch_host_s": statistics.median(ext_host)}
+    for op in ("dispatch", "combine"):
+        entry[f"ext_{op}_gbps"] = gbps(nvl_bytes, medians[f"ext_{op}_s"])
+        entry[f"raw_{op}_gbps"] = gbps(nvl_bytes, medians[f"raw_{op}_s"])
+        entry[f"{op}_ratio"] = entry[f"ext_{op}_gbps"] / entry[f"raw_{op}_gbps"]
+    if side_phases["raw"]:
+        entry["host_phases_us"] = {side: {n: round(statistics.median(p[n] for p in ph), 1) for n in ph[0]}
+                                   for side, ph in side_phases.items()}
+    entry["ext_rows_equal_raw"] = bool(ext_rows.shape == raw_rows.shape and torch.equal(ext_rows, raw_rows))
+    per_rank = [None] * world
+    dist.all_gather_object(per_rank, entry)
+    if rank == 0:
+        print(f"[{name}, {num_sms} SMs] ext({args.backend}) dispatch {entry['ext_dispatch_gbps']:.1f} GB/s "
+              f"vs raw {entry['raw_dispatch_gbps']:.1f} (ratio {entry['dispatch_ratio']:.3f}); combine "
+              f"{entry['ext_combine_gbps']:.1f} vs {entry['raw_combine_gbps']:.1f} "
+              f"(ratio {entry['combine_ratio']:.3f}); host us/dispatch ext "
+              f"{entry['ext_dispatch_host_s'] * 1e6:.0f} raw {entry['raw_dispatch_host_s'] * 1e6:.0f}; "
+              f"rows equal: {entry['ext_rows_equal_raw']}", flush=True)
+        if "host_phases_us" in entry:
+            print(f"  host phases (us): {entry['host_phases_us']}", flush=True)
+    return {**per_rank[0], "per_rank": per_rank}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", choices=("deepep", "torch"), default="deepep",
                         help="backend of our dispatcher (raw DeepEP is always the baseline)")
-    parser.add_argument("--num-sms", type=int, default=24)
+    parser.add_argument("--num-sms", type=int, nargs="+", default=[24],
+                        help="SM counts to compare at; the first fills `shapes`")
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=4, help="alternating raw/ext rounds")
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--timeline", action="store_true",
+                        help="stamp host time around the library's calls and report the phases "
+                             "(adds a little host time to both sides)")
+    parser.add_argument("--prelude-us", type=float, default=0.0,
+                        help="GPU busy time (torch.cuda._sleep) queued before every timed region, "
+                             "for both sides; 0 starts each region on an idle GPU")
     args = parser.parse_args()
 
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -162,61 +288,28 @@ def main():
     group, rank, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
     import deep_ep
 
-    deep_ep.Buffer.set_num_sms(args.num_sms)
+    if args.timeline:
+        install_timeline(deep_ep)
+    calibrate_sleep()
     device = torch.device("cuda", local_rank)
-    results = {}
-    for name in args.shapes:
-        shape = SHAPES[name]
-        x_TH, indices_TK, probs_TK = make_inputs(shape, rank, device)
-        # Alternate the order over rounds so neither side profits from running second.
-        raw_times, ext_times, raw_host, ext_host = [], [], [], []
-        warmup_n = args.warmup
-        for r in range(args.rounds):
-            for side in (("raw", "ext") if r % 2 == 0 else ("ext", "raw")):
-                host_s.clear()
-                if side == "raw":
-                    raw_rows, times = bench_raw(deep_ep, shape, x_TH, indices_TK, probs_TK, group,
-                                                args.iters, args.warmup)
-                    raw_times += times
-                    raw_host += host_s[warmup_n:]
-                else:
-                    ext_rows, times = bench_ext(args.backend, shape, x_TH, indices_TK, probs_TK, group,
-                                                args.num_sms, args.iters, args.warmup)
-                    ext_times += times
-                    ext_host += host_s[warmup_n:]
-        nvl_bytes = raw_rows.numel() * 2  # dispatch_bf16_nvl_recv_bytes == combine_bf16_nvl_send_bytes
-        medians = {f"{side}_{op}_s": statistics.median(t[i] for t in times)
-                   for side, times in (("raw", raw_times), ("ext", ext_times))
-                   for i, op in enumerate(("dispatch", "combine"))}
-        entry = {"shape": shape, "nvl_bytes_rank": nvl_bytes, **medians,
-                 "raw_dispatch_host_s": statistics.median(raw_host),
-                 "ext_dispatch_host_s": statistics.median(ext_host)}
-        for op in ("dispatch", "combine"):
-            entry[f"ext_{op}_gbps"] = gbps(nvl_bytes, medians[f"ext_{op}_s"])
-            entry[f"raw_{op}_gbps"] = gbps(nvl_bytes, medians[f"raw_{op}_s"])
-            entry[f"{op}_ratio"] = entry[f"ext_{op}_gbps"] / entry[f"raw_{op}_gbps"]
-        entry["ext_rows_equal_raw"] = bool(ext_rows.shape == raw_rows.shape and torch.equal(ext_rows, raw_rows))
-        per_rank = [None] * world
-        dist.all_gather_object(per_rank, entry)
-        results[name] = {**per_rank[0], "per_rank": per_rank}
-        if rank == 0:
-            print(f"[{name}] ext({args.backend}) dispatch {entry['ext_dispatch_gbps']:.1f} GB/s vs raw "
-                  f"{entry['raw_dispatch_gbps']:.1f} (ratio {entry['dispatch_ratio']:.3f}); combine "
-                  f"{entry['ext_combine_gbps']:.1f} vs {entry['raw_combine_gbps']:.1f} "
-                  f"(ratio {entry['combine_ratio']:.3f}); rows equal: {entry['ext_rows_equal_raw']}", flush=True)
+    by_num_sms = {str(n): {name: compare(args, deep_ep, name, n, group, device) for name in args.shapes}
+                  for n in args.num_sms}
 
     if rank == 0:
         out_dir = os.environ.get("OUT", "./outputs")
         os.makedirs(out_dir, exist_ok=True)
         device_name = torch.cuda.get_device_name(device)
         tag = "h200" if "H200" in device_name else device_name.lower().replace(" ", "_")
-        path = os.path.join(out_dir, f"dispatch_{args.backend}_ep{world}_{tag}.json")
+        suffix = ("_timeline" if args.timeline else "") + (f"_prelude{args.prelude_us:g}us" if args.prelude_us else "")
+        path = os.path.join(out_dir, f"dispatch_{args.backend}_ep{world}_{tag}{suffix}.json")
         record = {
             "command": " ".join(["torchrun", f"--nproc-per-node {world}"] + sys.argv),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "device": f"{world}x {device_name}",
-            "num_sms": args.num_sms, "iters": args.iters, "warmup": args.warmup, "rounds": args.rounds,
-            "ext_backend": args.backend, "shapes": results,
+            "num_sms": args.num_sms[0], "iters": args.iters, "warmup": args.warmup, "rounds": args.rounds,
+            "ext_backend": args.backend, "timeline": args.timeline,
+            "prelude_us": args.prelude_us, "shapes": by_num_sms[str(args.num_sms[0])],
+            "by_num_sms": {n: r for n, r in by_num_sms.items() if n != str(args.num_sms[0])},
         }
         with open(path, "w") as f:
             json.dump(record, f, indent=2)

@@ -13,7 +13,10 @@ In one run, on the same bf16 tokens, weights and probs, it times forward + backw
 Shapes: DeepSeek-V3 experts (H 7168, I 2048, 8 local experts) and Qwen3-30B-A3B experts
 (H 2048, I 768, 64 local experts), 128 ... 4096 tokens per expert, balanced.
 TFLOP/s count the six GEMMs only: 18 * P * H * I per forward + backward. Timing: CUDA
-events around each iteration after warmup, median. A correctness check (grouped vs loop vs
+events around each iteration after warmup, median; each iteration starts on an idle GPU,
+so host launch work before the first kernel counts. The `_busy_` columns repeat grouped
+and dense with `--prelude-us` of GPU work queued first (as the dispatch precedes the
+experts in a training step), which times the GPU work alone. A correctness check (grouped vs loop vs
 Megatron on the same weights) is stored beside the numbers. A last section times the bias
 gradient reduction at the largest DeepSeek-V3 size ([P, H] bf16 rows): the deterministic
 Triton kernel, the float64 fallback, and a plain (atomic, non-deterministic) `index_add_`.
@@ -42,14 +45,36 @@ SHAPES = {
     "qwen3_30b_a3b": dict(hidden=2048, inter=768, experts=64),
 }
 TOKENS_PER_EXPERT = [128, 256, 512, 1024, 2048, 4096]
+# Also timed after `--prelude-us` of queued GPU work (the `_busy_` columns).
+BUSY_COLUMNS = ("grouped", "grouped_host_counts", "dense_bf16")
 
 
-def median_seconds(step, iters: int, warmup: int) -> float:
+_SLEEP_CYCLES_PER_US: list[float] = []
+
+
+def gpu_busy(us: float) -> None:
+    """Queue `us` microseconds of GPU work (`torch.cuda._sleep`, calibrated once)."""
+    if not _SLEEP_CYCLES_PER_US:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(10_000_000)
+        end.record()
+        end.synchronize()
+        _SLEEP_CYCLES_PER_US.append(10_000_000 / (start.elapsed_time(end) * 1e3))
+    torch.cuda._sleep(int(us * _SLEEP_CYCLES_PER_US[0]))
+
+
+def median_seconds(step, iters: int, warmup: int, prelude_us: float = 0.0) -> float:
+    """Median CUDA-event seconds of `step`. With `prelude_us`, that much GPU work is queued
+    before each start event, so the host's launch work overlaps it (as in a training step,
+    where the dispatch precedes the experts) and the region times the GPU work alone."""
     for _ in range(warmup):
         step()
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if prelude_us:
+            gpu_busy(prelude_us)
         start.record()
         step()
         end.record()
@@ -211,6 +236,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES))
     parser.add_argument("--tokens-per-expert", type=int, nargs="*", default=TOKENS_PER_EXPERT)
+    parser.add_argument("--prelude-us", type=float, default=2000.0,
+                        help="GPU work queued before each `_busy_` iteration (0: skip them)")
     args = parser.parse_args()
     device = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -220,6 +247,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(device),
         "torch": torch.__version__,
         "flops_per_step": "18 * P * H * I (six GEMMs, forward + backward)",
+        "prelude_us": args.prelude_us,
         "shapes": {},
     }
     for shape_name in args.shapes:
@@ -262,6 +290,15 @@ def main() -> None:
                 seconds = median_seconds(steps[name], args.iters, args.warmup)
                 row[f"{name}_ms"] = round(seconds * 1e3, 4)
                 row[f"{name}_tflops"] = round(flops / seconds / 1e12, 1)
+                if name in BUSY_COLUMNS and args.prelude_us:
+                    seconds = median_seconds(steps[name], args.iters, args.warmup, args.prelude_us)
+                    row[f"{name}_busy_ms"] = round(seconds * 1e3, 4)
+                    row[f"{name}_busy_tflops"] = round(flops / seconds / 1e12, 1)
+            for prefix in ("", "_busy"):
+                if f"dense_bf16{prefix}_tflops" in row:
+                    for name in ("grouped", "grouped_host_counts"):
+                        row[f"{name}{prefix}_vs_dense"] = round(
+                            row[f"{name}{prefix}_tflops"] / row[f"dense_bf16{prefix}_tflops"], 3)
             entry["tokens_per_expert"][str(tpe)] = row
             print(shape_name, tpe, row, flush=True)
             del steps, x, probs, w1, w2, grad

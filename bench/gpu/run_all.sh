@@ -41,7 +41,9 @@ run_named() {  # one named task
     experts_modules) task experts_modules 240 $TORCHRUN bench/gpu/experts_modules_check.py ;;
     megatron_experts) task megatron_experts 240 $TORCHRUN tests/megatron/gpu_check_megatron_experts.py ;;
     deepep_suite) task deepep_suite 240 $TORCHRUN bench/gpu/deepep_suite.py ;;
-    dispatch_bench) task dispatch_bench 300 $TORCHRUN bench/dispatch_bench.py ;;
+    dispatch_bench) task dispatch_bench 300 $TORCHRUN bench/dispatch_bench.py --num-sms 24 32 ;;
+    dispatch_bench_busy) task dispatch_bench_busy 200 $TORCHRUN bench/dispatch_bench.py --prelude-us 300 ;;
+    dispatch_timeline) task dispatch_timeline 200 $TORCHRUN bench/dispatch_bench.py --timeline ;;
     dispatch_bench_torch) task dispatch_bench_torch 240 $TORCHRUN bench/dispatch_bench.py --backend torch ;;
     layer_parity) task layer_parity 180 $TORCHRUN bench/gpu/megatron_layer_parity.py ;;
     uccl_probe) task uccl_probe 60 bash -c "$PY -m pip install -q --no-index --no-deps --target /tmp/uccl .gpu/wheels/*.whl \
@@ -49,6 +51,7 @@ run_named() {  # one named task
         $PY -c 'import torch, uccl.ep as ep; print(\"uccl.ep imported\", [n for n in dir(ep) if not n.startswith(\"_\")][:20])'" ;;
     hybridep_probe) task hybridep_probe 200 $PY bench/gpu/hybridep_probe.py ;;
     experts_bench) task experts_bench 300 $PY bench/experts_bench.py ;;
+    experts_profile) task experts_profile 120 $PY bench/gpu/experts_profile.py ;;
     pretrain_ep2) task pretrain_ep2 420 bash bench/gpu/pretrain_ep2.sh ;;
     *) echo "unknown task $1"; exit 2 ;;
   esac
@@ -64,7 +67,8 @@ for stage in "$@"; do
     nodeepep) for t in experts_pytest capacity_torch experts_modules megatron_experts; do run_named $t; done ;;
     deepep)
       $PY -c "import deep_ep; print('deep_ep', deep_ep.__file__)" 2>&1 | tee -a "$RAW/tasks.log"
-      for t in deepep_suite dispatch_bench dispatch_bench_torch layer_parity uccl_probe; do run_named $t; done ;;
+      for t in deepep_suite dispatch_bench dispatch_bench_busy dispatch_timeline dispatch_bench_torch layer_parity \
+          uccl_probe; do run_named $t; done ;;
     bench) for t in experts_bench pretrain_ep2; do run_named $t; done ;;
     pack) tar czf "$FINAL/results.tgz" -C "$RAW" . && rm -rf "$RAW" ;;
     *) run_named "$stage" ;;

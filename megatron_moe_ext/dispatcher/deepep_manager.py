@@ -107,15 +107,18 @@ class _DeepepManager(_DispatchManager):
         self._set_topk(indices_TK, probs_TK)
 
     def setup_metadata_from_indices(self, token_indices: torch.Tensor, token_probs: torch.Tensor):
-        self._set_topk(token_indices.long(), token_probs)
+        self._set_topk(token_indices, token_probs)
 
     def _set_topk(self, indices_TK: torch.Tensor, probs_TK: torch.Tensor) -> None:
+        # Conversions only when needed: this runs on the host path before DeepEP's sync.
+        if indices_TK.dtype != torch.int64:
+            indices_TK = indices_TK.long()
         if self.capacity_factor is not None:
             indices_TK = P.drop_tokens_over_capacity(
                 indices_TK, probs_TK, self.num_experts, self.capacity_factor)
         # DeepEP takes fp32 weights only; fp32 also keeps the weighted sum stable.
         self.token_indices = indices_TK
-        self.token_probs = probs_TK.float()
+        self.token_probs = probs_TK if probs_TK.dtype == torch.float32 else probs_TK.float()
 
     # ---- communication ----------------------------------------------------------------
     def dispatch(self, hidden_states, async_finish=False, allocate_on_comm_stream=False):
@@ -124,7 +127,7 @@ class _DeepepManager(_DispatchManager):
             async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream,
         )
         self.handle = handle
-        self.tokens_per_expert = torch.as_tensor(tokens_per_expert, dtype=torch.long)
+        self.tokens_per_expert = P.host_counts_tensor(tokens_per_expert)
         self.dispatched_indices, self.dispatched_probs = indices, probs
         # The routing inputs are consumed: drop them so recompute cannot keep them alive.
         self.token_indices = self.token_probs = None
@@ -155,7 +158,7 @@ class _DeepepManager(_DispatchManager):
         self.hidden_shape_before_permute = hidden_states.shape
         permuted, permuted_probs, counts, state = P.permute_to_experts(
             hidden_states, routing_map, probs, self.tokens_per_expert.tolist(), self.pad_multiple)
-        self.tokens_per_expert = torch.as_tensor(counts, dtype=torch.long)
+        self.tokens_per_expert = P.host_counts_tensor(counts)
         self.reversed_mapping_for_combine = state
         self.dispatched_indices = self.dispatched_probs = None
         if self.router_dtype == "fp64":

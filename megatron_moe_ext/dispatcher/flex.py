@@ -204,6 +204,8 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         self.hidden_shape = hidden_states.shape
         token_indices, token_probs = self._expand_topk_for_tp(token_indices, token_probs)
         self._comm_manager.setup_metadata_from_indices(token_indices, token_probs)
+        if hidden_states.dim() == 2:  # already [T, H]: no view (and no autograd node) to make
+            return hidden_states
         return hidden_states.reshape(tokens, self.hidden_shape[-1])
 
     def _dispatch(self, hidden_states, async_finish=None, allocate_on_comm_stream=None):

@@ -8,6 +8,7 @@ plus padding), H hidden.
 
 from __future__ import annotations
 
+import array
 import math
 from dataclasses import dataclass
 
@@ -17,6 +18,13 @@ import torch
 def align_up(count: int, multiple: int) -> int:
     """Round `count` up to the next multiple of `multiple`."""
     return (count + multiple - 1) // multiple * multiple
+
+
+def host_counts_tensor(counts: list[int]) -> torch.Tensor:
+    """`[e]` int64 CPU tensor of host counts (a quarter of `torch.as_tensor`'s host time:
+    it runs on every dispatch)."""
+    return torch.frombuffer(array.array("q", counts), dtype=torch.int64) if counts else \
+        torch.zeros(0, dtype=torch.int64)
 
 
 def routing_map_to_topk(

@@ -21,23 +21,34 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from megatron_moe_ext.experts.bias import TokenCounts, _apply_bias, _counts_on
+from megatron_moe_ext.experts.kernels import rows_triton
 
 _EXPERT_MLP_CHUNK_BYTES = 512 * 1024 * 1024
 
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def _zero_padding_rows_(x_PD: torch.Tensor, total_1: torch.Tensor) -> torch.Tensor:
+    """Zero rows `>= total_1` of `x_PD` in place, without a host sync: a Triton kernel that
+    stores only to those rows on CUDA, a full-size mask elsewhere."""
+    if x_PD.is_cuda and x_PD.stride(1) == 1:
+        return rows_triton.zero_rows_from_(x_PD, total_1)
+    padding_P1 = (torch.arange(x_PD.shape[0], device=x_PD.device) >= total_1)[:, None]
+    return x_PD.masked_fill_(padding_P1, 0)
+
+
 class _GroupedMmOutput(torch.autograd.Function):
     """Wraps a `_grouped_mm` output: zeroes its padding rows (which `_grouped_mm` leaves
-    uninitialised) in place, and hands backward a contiguous gradient, since `_grouped_mm`'s
-    CPU backward rejects expanded zero-stride gradients (such as the one `.sum()` produces)."""
+    uninitialised) in place when `total_1` (rows in groups, on the device) is given, and hands
+    backward a contiguous gradient, since `_grouped_mm`'s CPU backward rejects expanded
+    zero-stride gradients (such as the one `.sum()` produces)."""
 
     @staticmethod
-    def forward(ctx, out: torch.Tensor, valid_P1: torch.Tensor | None) -> torch.Tensor:
-        if valid_P1 is None:
+    def forward(ctx, out: torch.Tensor, total_1: torch.Tensor | None) -> torch.Tensor:
+        if total_1 is None:
             return out.view_as(out)
         ctx.mark_dirty(out)
-        return out.masked_fill_(~valid_P1, 0)
+        return _zero_padding_rows_(out, total_1)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -50,14 +61,16 @@ class _ZeroGradOnPadding(torch.autograd.Function):
     input gradient of rows outside every group uninitialised."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, valid_P1: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(valid_P1)
+    def forward(ctx, x: torch.Tensor, total_1: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(total_1)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (valid_P1,) = ctx.saved_tensors
-        return torch.where(valid_P1, grad, 0), None
+        (total_1,) = ctx.saved_tensors
+        # In place on a contiguous copy when needed; `_grouped_mm`'s input gradient (the only
+        # consumer of this output is `_grouped_mm`) is a fresh tensor nothing else holds.
+        return _zero_padding_rows_(grad.contiguous(), total_1), None
 
 
 def _host_counts(tokens_per_expert: TokenCounts) -> list[int] | None:
@@ -80,16 +93,17 @@ def _grouped_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor, down_
                            apply_router_weight_after_down)
         return torch.nn.functional.pad(out, (0, 0, 0, rows - valid))
     counts_e = _counts_on(tokens_per_expert, hidden_PH.device)
-    valid_P1 = None
+    offsets_e = torch.cumsum(counts_e, 0).to(torch.int32)
+    total_1 = None
     if host is None:
-        # Device counts: the padding rows are unknown without a sync, so they are masked on
+        # Device counts: the padding rows are unknown without a sync, so they are zeroed on
         # the device. `_grouped_mm` never reads them (so they add nothing to weight
         # gradients) but leaves their output and input gradient uninitialised: zero those,
         # and the probs, which may be garbage there and would turn 0 * bias into NaN.
-        valid_P1 = (torch.arange(rows, device=hidden_PH.device) < counts_e.sum())[:, None]
-        hidden_PH = _ZeroGradOnPadding.apply(hidden_PH, valid_P1)
-        permuted_probs_P1 = torch.where(valid_P1, permuted_probs_P1, 0)
-    offsets_e = torch.cumsum(counts_e, 0).to(torch.int32)
+        total_1 = offsets_e[-1:]
+        hidden_PH = _ZeroGradOnPadding.apply(hidden_PH, total_1)
+        permuted_probs_P1 = torch.where(
+            (torch.arange(rows, device=hidden_PH.device) < total_1)[:, None], permuted_probs_P1, 0)
     act_probs_P1 = permuted_probs_P1
     if apply_router_weight_after_down:
         act_probs_P1 = torch.ones_like(permuted_probs_P1)
@@ -99,7 +113,7 @@ def _grouped_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor, down_
         up_PI = _apply_bias(up_PI, gate_up_proj_bias, counts_e)
     act_PI = activation_fn(up_PI, act_probs_P1)
     out_PH = _GroupedMmOutput.apply(
-        torch._grouped_mm(act_PI, down_projs.to(dtype), offs=offsets_e), valid_P1)
+        torch._grouped_mm(act_PI, down_projs.to(dtype), offs=offsets_e), total_1)
     if apply_router_weight_after_down:
         if down_proj_bias is not None:
             out_PH = _apply_bias(out_PH, down_proj_bias, counts_e)

@@ -10,7 +10,7 @@ import torch
 
 from megatron_moe_ext.experts import bias
 from megatron_moe_ext.experts.activations import _swiglu_torch
-from megatron_moe_ext.experts.kernels import bias_triton, swiglu_triton
+from megatron_moe_ext.experts.kernels import bias_triton, rows_triton, swiglu_triton
 from tests.experts.bias_cases import (
     SEGMENT_SIZES,
     cancellation_case,
@@ -133,3 +133,21 @@ def test_swiglu_kernel_matches_torch(dtype, limit):
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
     for got, ref in zip(run(swiglu_triton.swiglu, DEVICE), run(_swiglu_torch, "cpu")):
         torch.testing.assert_close(got, ref, **tol)
+
+
+@pytest.mark.parametrize("start", [0, 1, 7, 13])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zero_rows_kernel_zeroes_only_padding_rows(dtype, start):
+    """Rows >= start become 0 in place, the others are untouched; the row stride may exceed
+    the width (a column slice) and the width need not be a power of two."""
+    gen = torch.Generator().manual_seed(5)
+    base = torch.randn(13, 1100, generator=gen).to(dtype).to(DEVICE)
+    x = base[:, 3:1033]  # unit column stride, row stride 1100
+    expected = x.clone().cpu()
+    expected[start:] = 0
+    out = rows_triton.zero_rows_from_(x, torch.tensor([start], dtype=torch.int32, device=DEVICE))
+    assert out.data_ptr() == x.data_ptr()
+    torch.testing.assert_close(x.cpu(), expected, rtol=0, atol=0)
+    torch.testing.assert_close(base[:, :3].cpu(), torch.randn(13, 1100, generator=torch.Generator()
+                                                              .manual_seed(5)).to(dtype)[:, :3],
+                               rtol=0, atol=0)

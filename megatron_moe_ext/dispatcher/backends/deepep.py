@@ -91,6 +91,8 @@ class DeepEPCommunicator:
         # cached because everything before DeepEP's host sync is exposed GPU idle time.
         self._row_rules: dict[type, tuple[int, int | None]] = {}
         self._size_hints: dict[tuple, tuple[int, int]] = {}
+        # (group, H, dtype) -> (buffer, rows go as they are): valid while that buffer lives.
+        self._plans: dict[tuple, tuple[object, bool]] = {}
 
     # ---- configuration ----------------------------------------------------------------
     def check_group(self, group) -> None:
@@ -108,6 +110,7 @@ class DeepEPCommunicator:
             raise ValueError(f"moe_deepep_num_sms: {num_sms} is not allowed: expected an even "
                              "positive SM count (one channel = a send and a receive block)")
         self.library().Buffer.set_num_sms(num_sms)
+        self._plans.clear()  # the size hints scale with the SM count
 
     # ---- row layout -------------------------------------------------------------------
     def _dispatch_row_rule(self) -> tuple[int, int | None]:
@@ -143,6 +146,19 @@ class DeepEPCommunicator:
             return [x.contiguous()]
         max_cols = max_bytes // elem // unit_cols * unit_cols
         return [chunk.contiguous() for chunk in x.split(max_cols, dim=1)]
+
+    def _plan(self, group, hidden: int, dtype: torch.dtype) -> tuple[object, bool]:
+        """`(buffer, direct)` for `[T, H]` rows of `dtype`: `direct` when a row needs no column
+        padding or chunking. Cached while the buffer lives: this runs before every dispatch."""
+        key = (group, hidden, dtype)
+        plan = self._plans.get(key)
+        if plan is None or plan[0] is not self._buffer:
+            buffer = self.get_buffer(group, self.hidden_bytes_for(hidden, dtype))
+            unit, max_bytes = self._dispatch_row_rule()
+            row_bytes = hidden * dtype.itemsize
+            plan = (buffer, row_bytes % unit == 0 and (max_bytes is None or row_bytes <= max_bytes))
+            self._plans[key] = plan
+        return plan
 
     # ---- the process-global buffer ----------------------------------------------------
     def get_buffer(self, group, hidden_bytes: int):
@@ -207,26 +223,36 @@ class DeepEPCommunicator:
         return recv
 
     def dispatch_raw(self, x_TH, indices_TK, probs_TK, num_experts, group, async_finish, alloc):
+        """No autograd: `[T, H]` rows, `[T, K]` int64 ids and fp32 weights -> see `dispatch`."""
         if indices_TK.shape[1] > MAX_TOPK:
             raise ValueError(f"moe_router_topk: {self.name} kernels take at most {MAX_TOPK} "
                              f"slots per token, got {indices_TK.shape[1]}")
-        buffer = self.get_buffer(group, self.hidden_bytes_for(x_TH.shape[1], x_TH.dtype))
+        hidden = x_TH.shape[1]
+        buffer, direct = self._plan(group, hidden, x_TH.dtype)
         recv_RH, recv_indices_RK, recv_probs_RK, tokens_per_expert, raw = self._layout_and_dispatch(
-            buffer, x_TH, indices_TK, num_experts, async_finish, alloc, topk_weights=probs_TK)
-        recv_RH = recv_RH[:, :x_TH.shape[1]]
+            buffer, x_TH, indices_TK, num_experts, async_finish, alloc, topk_weights=probs_TK,
+            direct=direct)
+        if recv_RH.shape[1] != hidden:
+            recv_RH = recv_RH[:, :hidden]
         handle = DeepEPHandle(raw, recv_RH.shape[0], x_TH.shape[0])
-        return recv_RH, recv_indices_RK, recv_probs_RK, list(tokens_per_expert), handle
+        return recv_RH, recv_indices_RK, recv_probs_RK, tokens_per_expert, handle
 
     def _layout_and_dispatch(self, buffer, x_NC, routes_NK, num_experts, async_finish, alloc,
-                             topk_weights=None):
+                             topk_weights=None, direct=False):
         """`get_dispatch_layout` + `dispatch` of `[N, C]` rows along `[N, K]` routes (the
         first column chunk; the others follow through the cached handle).
 
+        `direct`: the contiguous rows already meet the kernel's row rule (see `_plan`), so
+        they go as they are, with no Python work before the library's host sync.
         Returns `(recv [R, C'], recv_routes, recv_weights, per-expert counts, raw handle)`,
         with `C'` >= C (padded columns are the caller's to slice off).
         """
         alloc = alloc and async_finish  # the library requires a previous event for it
-        first, *rest = self._column_chunks(x_NC)
+        if direct:
+            first, rest = x_NC, ()
+        else:
+            with torch.no_grad():
+                first, *rest = self._column_chunks(x_NC)
         previous = self._begin(async_finish)
         per_rank, per_rdma_rank, per_expert, in_rank_NW, event = buffer.get_dispatch_layout(
             routes_NK, num_experts, previous_event=previous, async_finish=async_finish,
@@ -244,8 +270,10 @@ class DeepEPCommunicator:
 
     def cached_dispatch_raw(self, x_TH, handle: DeepEPHandle, group, async_finish, alloc):
         """Send `[T, H]` rows along a previous dispatch's routes -> `[R, H]`."""
-        buffer = self.get_buffer(group, self.hidden_bytes_for(x_TH.shape[1], x_TH.dtype))
+        buffer, direct = self._plan(group, x_TH.shape[1], x_TH.dtype)
         alloc = alloc and async_finish
+        if direct:
+            return self._cached(buffer, x_TH, handle.raw, async_finish, alloc)
         chunks = [self._cached(buffer, c, handle.raw, async_finish, alloc) for c in self._column_chunks(x_TH)]
         return torch.cat(chunks, 1)[:, :x_TH.shape[1]]
 
@@ -257,15 +285,15 @@ class DeepEPCommunicator:
         if x_RH.dtype != torch.bfloat16:
             return self._return_rows(x_RH, weights_RK, handle, group, async_finish, alloc)
         hidden = x_RH.shape[1]
-        buffer = self.get_buffer(group, self.hidden_bytes_for(hidden, x_RH.dtype))
+        buffer, direct = self._plan(group, hidden, x_RH.dtype)  # direct rows meet combine's rule too
         alloc = alloc and async_finish
         previous = self._begin(async_finish)
         out_TH, weights_TK, event = buffer.combine(
-            _pad_columns(x_RH, _UNIT_BYTES // 2).contiguous(), handle.raw,
+            x_RH if direct else _pad_columns(x_RH, _UNIT_BYTES // 2).contiguous(), handle.raw,
             topk_weights=None if weights_RK is None else weights_RK.float().contiguous(),
             previous_event=previous, async_finish=async_finish, allocate_on_comm_stream=alloc)
         self._end(event, async_finish)
-        return out_TH[:, :hidden], weights_TK
+        return (out_TH if direct else out_TH[:, :hidden]), weights_TK
 
     def _return_rows(self, x_RH, weights_RK, handle: DeepEPHandle, group, async_finish, alloc):
         """Exact combine for dtypes the combine kernel lacks: dispatch the rows back.
@@ -296,6 +324,9 @@ class DeepEPCommunicator:
         return out_TH, (None if weights_RK is None else out_TC[:, hidden:])
 
     # ---- autograd faces (the DeepEP contract) -----------------------------------------
+    # Both faces communicate first and record autograd after: everything on the host before
+    # the library's calls is GPU idle time (dispatch waits on the host for the receive
+    # counts), while host work after them overlaps the kernels they launched.
     def dispatch(self, x_TH, indices_TK, probs_TK, num_experts, group,
                  async_finish: bool = False, allocate_on_comm_stream: bool = False):
         """Send each token to the ranks of its experts.
@@ -314,9 +345,18 @@ class DeepEPCommunicator:
             weights (0 where -1), a host list of `e` counts, and the `DeepEPHandle`.
             Backward is a combine with the handle; weights' gradients flow back too.
         """
-        return _Dispatch.apply(self, x_TH, probs_TK.float().contiguous(),
-                               indices_TK.long().contiguous(), num_experts, group,
-                               async_finish, allocate_on_comm_stream)
+        if probs_TK.dtype != torch.float32:
+            probs_TK = probs_TK.float()
+        if indices_TK.dtype != torch.int64:
+            indices_TK = indices_TK.long()
+        recv_x, recv_indices, recv_probs, tokens_per_expert, handle = self.dispatch_raw(
+            x_TH.contiguous(), indices_TK.contiguous(), probs_TK.contiguous(), num_experts, group,
+            async_finish, allocate_on_comm_stream)
+        if torch.is_grad_enabled() and (x_TH.requires_grad or probs_TK.requires_grad):
+            recv_x, recv_probs = _DispatchGrad.apply(
+                x_TH, probs_TK, recv_x, recv_probs,
+                (self, handle, group, (async_finish, allocate_on_comm_stream), recv_indices))
+        return recv_x, recv_indices, recv_probs, list(tokens_per_expert), handle
 
     def combine(self, x_RH, group, handle: DeepEPHandle,
                 async_finish: bool = False, allocate_on_comm_stream: bool = False):
@@ -324,22 +364,27 @@ class DeepEPCommunicator:
 
         Backward is a cached-handle dispatch of the gradient.
         """
-        return _Combine.apply(self, x_RH, handle, group, async_finish, allocate_on_comm_stream), None
+        out_TH, _ = self.combine_raw(x_RH.contiguous(), handle, group, async_finish,
+                                     allocate_on_comm_stream)
+        if torch.is_grad_enabled() and x_RH.requires_grad:
+            out_TH = _CombineGrad.apply(x_RH, out_TH, (self, handle, group,
+                                                       (async_finish, allocate_on_comm_stream)))
+        return out_TH, None
 
 
-class _Dispatch(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, comm, x_TH, probs_TK, indices_TK, num_experts, group, async_finish, alloc):
-        recv_x, recv_indices, recv_probs, tokens_per_expert, handle = comm.dispatch_raw(
-            x_TH.contiguous(), indices_TK, probs_TK, num_experts, group, async_finish, alloc)
-        ctx.comm, ctx.handle, ctx.group, ctx.flags = comm, handle, group, (async_finish, alloc)
-        ctx.recv_meta = (recv_x.shape, recv_x.dtype, recv_x.device)
-        ctx.save_for_backward(recv_indices)
-        ctx.mark_non_differentiable(recv_indices)
-        return recv_x, recv_indices, recv_probs, tokens_per_expert, handle
+class _DispatchGrad(torch.autograd.Function):
+    """Autograd record of a dispatch that already ran: passes the received rows and weights
+    through, and its backward combines their gradients back to `x_TH` and `probs_TK`."""
 
     @staticmethod
-    def backward(ctx, grad_x_RH, _grad_indices, grad_probs_RK, *_):
+    def forward(ctx, x_TH, probs_TK, recv_x_RH, recv_probs_RK, state):
+        ctx.comm, ctx.handle, ctx.group, ctx.flags, recv_indices_RK = state
+        ctx.recv_meta = (recv_x_RH.shape, recv_x_RH.dtype, recv_x_RH.device)
+        ctx.save_for_backward(recv_indices_RK)
+        return recv_x_RH, recv_probs_RK
+
+    @staticmethod
+    def backward(ctx, grad_x_RH, grad_probs_RK):
         (recv_indices_RK,) = ctx.saved_tensors
         if grad_x_RH is None:
             shape, dtype, device = ctx.recv_meta
@@ -352,20 +397,21 @@ class _Dispatch(torch.autograd.Function):
         grad_probs_RK = grad_probs_RK.float().masked_fill(recv_indices_RK < 0, 0.0)
         grad_x_TH, grad_probs_TK = ctx.comm.combine_raw(
             grad_x_RH.contiguous(), ctx.handle, ctx.group, *ctx.flags, weights_RK=grad_probs_RK)
-        return None, grad_x_TH, grad_probs_TK, None, None, None, None, None
+        return grad_x_TH, grad_probs_TK, None, None, None
 
 
-class _Combine(torch.autograd.Function):
+class _CombineGrad(torch.autograd.Function):
+    """Autograd record of a combine that already ran; backward is a cached-handle dispatch."""
+
     @staticmethod
-    def forward(ctx, comm, x_RH, handle, group, async_finish, alloc):
-        ctx.comm, ctx.handle, ctx.group, ctx.flags = comm, handle, group, (async_finish, alloc)
-        out_TH, _ = comm.combine_raw(x_RH.contiguous(), handle, group, async_finish, alloc)
+    def forward(ctx, x_RH, out_TH, state):
+        ctx.comm, ctx.handle, ctx.group, ctx.flags = state
         return out_TH
 
     @staticmethod
     def backward(ctx, grad_TH):
-        grad_RH = ctx.comm.cached_dispatch_raw(grad_TH, ctx.handle, ctx.group, *ctx.flags)
-        return None, grad_RH, None, None, None, None
+        grad_RH = ctx.comm.cached_dispatch_raw(grad_TH.contiguous(), ctx.handle, ctx.group, *ctx.flags)
+        return grad_RH, None, None
 
 
 def deep_ep() -> ModuleType:
