@@ -42,7 +42,7 @@ run_named() {  # one named task
     megatron_experts) task megatron_experts 240 $TORCHRUN tests/megatron/gpu_check_megatron_experts.py ;;
     deepep_suite) task deepep_suite 240 $TORCHRUN bench/gpu/deepep_suite.py ;;
     dispatch_bench) task dispatch_bench 300 $TORCHRUN bench/dispatch_bench.py --num-sms 24 32 ;;
-    dispatch_bench_busy) task dispatch_bench_busy 200 $TORCHRUN bench/dispatch_bench.py --prelude-us 300 ;;
+    dispatch_bench_busy) task dispatch_bench_busy 200 $TORCHRUN bench/dispatch_bench.py --num-sms 24 32 --prelude-us 300 ;;
     dispatch_timeline) task dispatch_timeline 200 $TORCHRUN bench/dispatch_bench.py --timeline ;;
     dispatch_bench_torch) task dispatch_bench_torch 240 $TORCHRUN bench/dispatch_bench.py --backend torch ;;
     layer_parity) task layer_parity 180 $TORCHRUN bench/gpu/megatron_layer_parity.py ;;
