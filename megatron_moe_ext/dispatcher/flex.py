@@ -147,19 +147,21 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
                              f"got shape {tuple(tensor.shape)}")
 
     def _check_topk(self, token_probs: torch.Tensor, token_indices: torch.Tensor, tokens: int):
-        if token_indices.dtype.is_floating_point or token_indices.dtype == torch.bool:
-            raise _bad_input("token_indices", f"expected an integer tensor, got {token_indices.dtype}")
+        # Runs before DeepEP's host sync on every dispatch: read each attribute once.
+        dtype, shape = token_indices.dtype, token_indices.shape
+        if dtype.is_floating_point or dtype == torch.bool:
+            raise _bad_input("token_indices", f"expected an integer tensor, got {dtype}")
         if not token_probs.dtype.is_floating_point:
             raise _bad_input("token_probs", f"expected a float tensor, got {token_probs.dtype}")
-        if token_indices.shape != token_probs.shape:
-            raise _bad_input("token_indices", f"shape {tuple(token_indices.shape)} does not match "
+        if token_probs.shape != shape:
+            raise _bad_input("token_indices", f"shape {tuple(shape)} does not match "
                              f"token_probs shape {tuple(token_probs.shape)}")
-        if token_indices.dim() != 2 or token_indices.shape[0] != tokens:
-            raise _bad_input("token_indices", f"expected [T={tokens}, K], got {tuple(token_indices.shape)}")
-        if token_indices.shape[1] > self.num_experts:
-            raise _bad_input("token_indices", f"top-k width {token_indices.shape[1]} exceeds "
+        if len(shape) != 2 or shape[0] != tokens:
+            raise _bad_input("token_indices", f"expected [T={tokens}, K], got {tuple(shape)}")
+        if shape[1] > self.num_experts:
+            raise _bad_input("token_indices", f"top-k width {shape[1]} exceeds "
                              f"num_moe_experts={self.num_experts}")
-        if token_indices.device.type == "cpu" and token_indices.numel():
+        if token_indices.is_cpu and token_indices.numel():  # a device range check would sync
             lo, hi = int(token_indices.min()), int(token_indices.max())
             if lo < -1 or hi >= self.num_experts:
                 raise _bad_input("token_indices", f"values must be in [-1, {self.num_experts - 1}], "

@@ -218,6 +218,11 @@ def buffer_lifecycle(backend: str):
     log["released"] = (comm.buffer is None, delta("buffers_destroyed"))
     comm.release_buffers()
     log["double_release_is_noop"] = delta("buffers_destroyed")
+    # The cached per-(group, H, dtype) plan must not outlive its buffer.
+    constructed = delta("buffers_constructed")
+    roundtrip(32)
+    log["after_release_reallocates"] = (comm.buffer is not None, delta("buffers_constructed") - constructed)
+    comm.release_buffers()
 
     # Through the dispatcher: the shared manager's release frees the buffer.
     from tests.reference import RoutingCase

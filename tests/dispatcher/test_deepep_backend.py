@@ -145,6 +145,7 @@ def test_buffer_reuse_growth_release(dist_pools, backend):
         assert log["no_shrink"] == (2, nvl_64), log
         assert log["more_sms_grows"], log
         assert log["released"][0] and log["double_release_is_noop"] == log["released"][1], log
+        assert log["after_release_reallocates"] == (True, 1), log
         assert log["manager_allocated"] and log["manager_released"], log
         assert "num_nvl_bytes" in log["small_buffer"], log
         # fp16 is combined through fp32 rows; rows round up to 32 bytes; SM90 caps a chunk.

@@ -149,10 +149,11 @@ class DeepEPCommunicator:
 
     def _plan(self, group, hidden: int, dtype: torch.dtype) -> tuple[object, bool]:
         """`(buffer, direct)` for `[T, H]` rows of `dtype`: `direct` when a row needs no column
-        padding or chunking. Cached while the buffer lives: this runs before every dispatch."""
+        padding or chunking. Cached until the buffer is released or replaced (both go through
+        `release_buffers`): this runs before every dispatch."""
         key = (group, hidden, dtype)
         plan = self._plans.get(key)
-        if plan is None or plan[0] is not self._buffer:
+        if plan is None:
             buffer = self.get_buffer(group, self.hidden_bytes_for(hidden, dtype))
             unit, max_bytes = self._dispatch_row_rule()
             row_bytes = hidden * dtype.itemsize
@@ -196,6 +197,7 @@ class DeepEPCommunicator:
     def release_buffers(self) -> None:
         """Free the buffer now (collective; call on every rank before destroying the group)."""
         buffer, self._buffer, self._group = self._buffer, None, None
+        self._plans.clear()  # they hold the buffer
         if buffer is not None:
             buffer.destroy()
 
