@@ -7,7 +7,7 @@
 #             host syncs, expert modules over NCCL, FlexMoELayer vs Megatron (torch backend)
 #   deepep    DeepEP suite vs the torch backend, dispatch benchmark (ours vs raw Buffer),
 #             layer parity with DeepEP, uccl import probe (needs deep_ep on PYTHONPATH)
-#   bench     experts benchmark and GPT-MoE pretraining at EP2 (ext vs native)
+#   bench     experts benchmark, kernel profile, weight-gradient probe, GPT-MoE pretraining at EP2
 #   pack      tar every log and JSON into $OUT/results.tgz (the device tool returns <= 8 files)
 #   NAME      any single task of run_named below
 # DeepEP itself is built outside this repository (it is not ours to ship); put the built
@@ -52,6 +52,7 @@ run_named() {  # one named task
     hybridep_probe) task hybridep_probe 200 $PY bench/gpu/hybridep_probe.py ;;
     experts_bench) task experts_bench 300 $PY bench/experts_bench.py ;;
     experts_profile) task experts_profile 120 $PY bench/gpu/experts_profile.py ;;
+    wgrad_probe) task wgrad_probe 120 $PY bench/gpu/wgrad_probe.py ;;
     pretrain_ep2) task pretrain_ep2 420 bash bench/gpu/pretrain_ep2.sh ;;
     *) echo "unknown task $1"; exit 2 ;;
   esac
@@ -69,7 +70,7 @@ for stage in "$@"; do
       $PY -c "import deep_ep; print('deep_ep', deep_ep.__file__)" 2>&1 | tee -a "$RAW/tasks.log"
       for t in deepep_suite dispatch_bench dispatch_bench_busy dispatch_timeline dispatch_bench_torch layer_parity \
           uccl_probe; do run_named $t; done ;;
-    bench) for t in experts_bench pretrain_ep2; do run_named $t; done ;;
+    bench) for t in experts_bench experts_profile wgrad_probe pretrain_ep2; do run_named $t; done ;;
     pack) tar czf "$FINAL/results.tgz" -C "$RAW" . && rm -rf "$RAW" ;;
     *) run_named "$stage" ;;
   esac
