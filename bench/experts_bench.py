@@ -83,6 +83,16 @@ def median_seconds(step, iters: int, warmup: int, prelude_us: float = 0.0) -> fl
     return statistics.median(times)
 
 
+def write_result(filename: str, record: dict) -> str:
+    """Write `record` as `$OUT/filename` (OUT defaults to ./outputs); return the path."""
+    out_dir = os.environ.get("OUT", "./outputs")
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, filename)
+    with open(path, "w") as f:
+        json.dump(record, f, indent=2)
+    return path
+
+
 def make_inputs(shape: dict, tokens_per_expert: int, device):
     gen = torch.Generator(device=device).manual_seed(tokens_per_expert)
     hidden, inter, experts = shape["hidden"], shape["inter"], shape["experts"]
@@ -308,12 +318,7 @@ def main() -> None:
                                                     device, args.iters, args.warmup)
     print("bias_grad_reduction", result["bias_grad_reduction"], flush=True)
     result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-    out_dir = os.environ.get("OUT", "./outputs")
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "experts_h200.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
-    print("wrote", path)
+    print("wrote", write_result("experts_h200.json", result))
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

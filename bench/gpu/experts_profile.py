@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from experts_bench import (SHAPES, dense_step, grouped_forward, make_inputs,  # noqa: E402
-                           median_seconds, training_step)
+                           median_seconds, training_step, write_result)
 
 
 def gemms_only_step(x, w1, w2, counts, grad, inter):
@@ -119,10 +119,7 @@ def main() -> None:
         entry["gemm_layouts"] = gemm_layouts(tpe, device)
         print(f"== {tpe} tokens/expert single GEMMs (ms):", json.dumps(entry["gemm_layouts"]), flush=True)
         report["runs"][str(tpe)] = entry
-    out_dir = os.environ.get("OUT", "./outputs")
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "experts_profile.json"), "w") as f:
-        json.dump(report, f, indent=2)
+    print("wrote", write_result("experts_profile.json", report))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ Writes $OUT/wgrad_probe.json.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -20,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from experts_bench import median_seconds  # noqa: E402
+from experts_bench import median_seconds, write_result  # noqa: E402
 
 
 def main() -> None:
@@ -50,10 +49,7 @@ def main() -> None:
             row = {name: round(median_seconds(fn, 30, 5, 1000) * 1e3, 4) for name, fn in cases.items()}
             result["ms"][f"{tpe}_{proj}_wgrad"] = row
             print(tpe, proj, row, flush=True)
-    out_dir = os.environ.get("OUT", "./outputs")
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "wgrad_probe.json"), "w") as f:
-        json.dump(result, f, indent=2)
+    print("wrote", write_result("wgrad_probe.json", result))
 
 
 if __name__ == "__main__":
