@@ -1,13 +1,14 @@
 """Where the grouped expert MLP's time goes, kernel by kernel (a diagnostic, not a benchmark).
 
-    python3 bench/gpu/experts_profile.py [--tokens-per-expert 512 1024]
+    python3 bench/gpu/experts_profile.py [--tokens-per-expert 512 1024] [--shape qwen3_30b_a3b]
 
-At DeepSeek-V3 expert shapes (H 7168, I 2048, 8 local experts), forward + backward of:
+At DeepSeek-V3 expert shapes (H 7168, I 2048, 8 local experts; or the `--shape` of
+`bench/experts_bench.py`), forward + backward of:
 - dense_bf16: the dense six-GEMM chain of `bench/experts_bench.py` (the ceiling),
 - gemms_only: the same two projections as `torch._grouped_mm` (no activation, no masks),
 - grouped_host / grouped_device: `run_grouped_expert_mlp` with host / device counts.
 Prints the median ms of each and the torch.profiler kernel table of one step, and writes
-$OUT/experts_profile.json.
+$OUT/experts_profile.json (`experts_profile_<shape>.json` for other shapes).
 """
 
 from __future__ import annotations
@@ -41,10 +42,9 @@ def gemms_only_step(x, w1, w2, counts, grad, inter):
     return step
 
 
-def gemm_layouts(tpe: int, device) -> dict:
+def gemm_layouts(shape: dict, tpe: int, device) -> dict:
     """Milliseconds of each single GEMM of fc1 (`[P, H] x [H, 2I]`) and fc2, grouped vs dense,
     with the weight stored `[e, K, N]` (ours) or `[e, N, K]` (K-major, Megatron/TE's)."""
-    shape = SHAPES["deepseek_v3"]
     e, hidden, inter = shape["experts"], shape["hidden"], shape["inter"]
     rows = tpe * e
     offs = torch.arange(1, e + 1, device=device, dtype=torch.int32) * tpe
@@ -91,18 +91,19 @@ def kernel_table(step) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens-per-expert", type=int, nargs="*", default=[512, 1024])
+    parser.add_argument("--shape", choices=list(SHAPES), default="deepseek_v3")
     args = parser.parse_args()
     device = torch.device("cuda")
-    shape = SHAPES["deepseek_v3"]
+    shape = SHAPES[args.shape]
     report = {"command": " ".join(["python3"] + sys.argv), "device": torch.cuda.get_device_name(device),
               "torch": torch.__version__, "shape": shape, "runs": {}}
     for tpe in args.tokens_per_expert:
         x, probs, w1, w2, grad, counts = make_inputs(shape, tpe, device)
-        rows = tpe * shape["experts"]
+        rows, counts_host = tpe * shape["experts"], counts.tolist()
         steps = {
             "dense_bf16": dense_step(rows, shape["hidden"], shape["inter"], device),
             "gemms_only": gemms_only_step(x, w1, w2, counts, grad, shape["inter"]),
-            "grouped_host": training_step(lambda: grouped_forward(x, probs, w1, w2, counts.tolist()),
+            "grouped_host": training_step(lambda: grouped_forward(x, probs, w1, w2, counts_host),
                                           (x, probs, w1, w2), grad),
             "grouped_device": training_step(lambda: grouped_forward(x, probs, w1, w2, counts),
                                             (x, probs, w1, w2), grad),
@@ -116,10 +117,11 @@ def main() -> None:
                   f"{sum(r['us'] for r in table) / 1e3:.3f} ms", flush=True)
             for r in table[:14]:
                 print(f"   {r['us']:9.1f} us  x{r['calls']:<3} {r['name']}", flush=True)
-        entry["gemm_layouts"] = gemm_layouts(tpe, device)
+        entry["gemm_layouts"] = gemm_layouts(shape, tpe, device)
         print(f"== {tpe} tokens/expert single GEMMs (ms):", json.dumps(entry["gemm_layouts"]), flush=True)
         report["runs"][str(tpe)] = entry
-    print("wrote", write_result("experts_profile.json", report))
+    suffix = "" if args.shape == "deepseek_v3" else f"_{args.shape}"
+    print("wrote", write_result(f"experts_profile{suffix}.json", report))
 
 
 if __name__ == "__main__":

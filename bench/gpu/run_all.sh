@@ -51,7 +51,7 @@ run_named() {  # one named task
         $PY -c 'import torch, uccl.ep as ep; print(\"uccl.ep imported\", [n for n in dir(ep) if not n.startswith(\"_\")][:20])'" ;;
     hybridep_probe) task hybridep_probe 200 $PY bench/gpu/hybridep_probe.py ;;
     experts_bench) task experts_bench 300 $PY bench/experts_bench.py ;;
-    experts_profile) task experts_profile 120 $PY bench/gpu/experts_profile.py ;;
+    experts_profile) task experts_profile 120 bash -c "$PY bench/gpu/experts_profile.py && $PY bench/gpu/experts_profile.py --shape qwen3_30b_a3b" ;;
     wgrad_probe) task wgrad_probe 120 $PY bench/gpu/wgrad_probe.py ;;
     pretrain_ep2) task pretrain_ep2 420 bash bench/gpu/pretrain_ep2.sh ;;
     *) echo "unknown task $1"; exit 2 ;;
