@@ -52,8 +52,9 @@ class _DeepepManager(_DispatchManager):
         if _dispatch_fn is None or _combine_fn is None:
             from megatron_moe_ext.dispatcher.backends import deepep
 
-            _dispatch_fn, _combine_fn = deepep.dispatch, deepep.combine
-            _allocate_fn, _release_fn = deepep.allocate_buffer, deepep.release_buffers
+            comm = deepep.COMMUNICATOR
+            _dispatch_fn, _combine_fn = comm.dispatch, comm.combine
+            _allocate_fn, _release_fn = comm.allocate_buffer, comm.release_buffers
         self.group = group
         self.router_topk = router_topk
         self.permute_fusion = permute_fusion

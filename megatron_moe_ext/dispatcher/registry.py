@@ -40,31 +40,31 @@ def _build_torch(cfg, group, num_local_experts, tp_size):
     return _DeepepManager(**kwargs)
 
 
-def _deepep_contract_manager(backend, cfg, group, num_local_experts, tp_size):
-    """A `_DeepepManager` over a backend module exposing DeepEP's Buffer contract."""
+def _deepep_contract_manager(comm, cfg, group, num_local_experts, tp_size):
+    """A `_DeepepManager` over a backend's `DeepEPCommunicator` (DeepEP's Buffer contract)."""
     from megatron_moe_ext.dispatcher.deepep_manager import _DeepepManager
 
-    backend.check_group(group)
-    backend.set_num_sms(cfg.moe_deepep_num_sms)
+    comm.check_group(group)
+    comm.set_num_sms(cfg.moe_deepep_num_sms)
     return _DeepepManager(
         **_deepep_style_kwargs(cfg, group, num_local_experts, tp_size),
-        _dispatch_fn=backend.dispatch,
-        _combine_fn=backend.combine,
-        _allocate_fn=backend.allocate_buffer,
-        _release_fn=backend.release_buffers,
+        _dispatch_fn=comm.dispatch,
+        _combine_fn=comm.combine,
+        _allocate_fn=comm.allocate_buffer,
+        _release_fn=comm.release_buffers,
     )
 
 
 def _build_deepep(cfg, group, num_local_experts, tp_size):
     from megatron_moe_ext.dispatcher.backends import deepep
 
-    return _deepep_contract_manager(deepep, cfg, group, num_local_experts, tp_size)
+    return _deepep_contract_manager(deepep.COMMUNICATOR, cfg, group, num_local_experts, tp_size)
 
 
 def _build_uccl(cfg, group, num_local_experts, tp_size):
     from megatron_moe_ext.dispatcher.backends import uccl
 
-    return _deepep_contract_manager(uccl, cfg, group, num_local_experts, tp_size)
+    return _deepep_contract_manager(uccl.COMMUNICATOR, cfg, group, num_local_experts, tp_size)
 
 
 def _build_hybridep(cfg, group, num_local_experts, tp_size):

@@ -431,9 +431,3 @@ def deep_ep() -> ModuleType:
 
 
 COMMUNICATOR = DeepEPCommunicator(deep_ep, "DeepEP")
-check_group = COMMUNICATOR.check_group
-set_num_sms = COMMUNICATOR.set_num_sms
-dispatch = COMMUNICATOR.dispatch
-combine = COMMUNICATOR.combine
-allocate_buffer = COMMUNICATOR.allocate_buffer
-release_buffers = COMMUNICATOR.release_buffers

@@ -36,9 +36,3 @@ def uccl_ep() -> ModuleType:
 
 
 COMMUNICATOR = DeepEPCommunicator(uccl_ep, "UCCL-EP")
-check_group = COMMUNICATOR.check_group
-set_num_sms = COMMUNICATOR.set_num_sms
-dispatch = COMMUNICATOR.dispatch
-combine = COMMUNICATOR.combine
-allocate_buffer = COMMUNICATOR.allocate_buffer
-release_buffers = COMMUNICATOR.release_buffers
