@@ -25,7 +25,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from megatron_moe_ext.config import TokenDispatcherConfig
 from megatron_moe_ext.dispatcher.base import _DispatchManager
-from megatron_moe_ext.dispatcher.registry import build_manager
+from megatron_moe_ext.dispatcher.registry import build_manager, release_backend_buffers
 
 _SHARED_ATTR = {
     "deepep": "shared_deepep_manager",
@@ -123,12 +123,14 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
 
     @classmethod
     def release_shared_managers(cls) -> None:
-        """Drop every shared manager (call before destroying the process group)."""
+        """Drop every shared manager and free the backends' communication buffers, also those
+        of unshared managers (collective: call on every rank before destroying the group)."""
         for attr in _SHARED_ATTR.values():
             manager = getattr(cls, attr)
             if manager is not None and hasattr(manager, "release_buffers"):
                 manager.release_buffers()
             setattr(cls, attr, None)
+        release_backend_buffers()
 
     # ---- input checks (cheap: shapes and dtypes only, no device sync) -----------------
     def _check_hidden(self, hidden_states: torch.Tensor, num_local_tokens: int | None = None):

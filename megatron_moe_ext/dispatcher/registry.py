@@ -40,10 +40,24 @@ def _build_torch(cfg, group, num_local_experts, tp_size):
     return _DeepepManager(**kwargs)
 
 
+# Communicators whose process-global buffer some manager may have allocated: the buffer
+# belongs to the backend, not to a manager, so unshared managers leave it to be released here.
+_USED_COMMUNICATORS: list = []
+
+
+def release_backend_buffers() -> None:
+    """Free the process-global buffers of every DeepEP-contract backend used so far
+    (collective: call on every rank before destroying the process group)."""
+    for comm in _USED_COMMUNICATORS:
+        comm.release_buffers()
+
+
 def _deepep_contract_manager(comm, cfg, group, num_local_experts, tp_size):
     """A `_DeepepManager` over a backend's `DeepEPCommunicator` (DeepEP's Buffer contract)."""
     from megatron_moe_ext.dispatcher.deepep_manager import _DeepepManager
 
+    if comm not in _USED_COMMUNICATORS:
+        _USED_COMMUNICATORS.append(comm)
     comm.check_group(group)
     comm.set_num_sms(cfg.moe_deepep_num_sms)
     return _DeepepManager(

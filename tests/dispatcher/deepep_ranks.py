@@ -232,6 +232,12 @@ def buffer_lifecycle(backend: str):
     log["manager_allocated"] = comm.buffer is not None
     MoEFlexTokenDispatcher.release_shared_managers()
     log["manager_released"] = comm.buffer is None
+    # An unshared manager's allocation is released too: the buffer is the backend's.
+    disp = build_dispatcher(RoutingCase("x", (4,)), backend, moe_share_token_dispatcher=False)
+    disp._comm_manager.allocate_buffers(16, torch.float32)
+    unshared_allocated = comm.buffer is not None
+    MoEFlexTokenDispatcher.release_shared_managers()
+    log["unshared_released"] = (unshared_allocated, comm.buffer is None)
 
     # The library itself refuses a buffer too small for the rows (as DeepEP's asserts do).
     small = comm.library().Buffer(group, 128 * 1024, 0, explicitly_destroy=True)

@@ -147,6 +147,7 @@ def test_buffer_reuse_growth_release(dist_pools, backend):
         assert log["released"][0] and log["double_release_is_noop"] == log["released"][1], log
         assert log["after_release_reallocates"] == (True, 1), log
         assert log["manager_allocated"] and log["manager_released"], log
+        assert log["unshared_released"] == (True, True), log
         assert "num_nvl_bytes" in log["small_buffer"], log
         # fp16 is combined through fp32 rows; rows round up to 32 bytes; SM90 caps a chunk.
         assert log["hidden_bytes"] == [256, 32, 14336, 16352], log
