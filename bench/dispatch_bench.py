@@ -16,8 +16,12 @@ Bandwidth uses DeepEP's NVLink accounting (tests/test_intranode.py):
 `dispatch_bf16_nvl_recv_bytes = recv_x.numel() * 2` and `combine_bf16_nvl_send_bytes` =
 the same, over the median of CUDA-event-timed iterations after warmup. `--num-sms` takes
 several SM counts; each is one raw-vs-ext comparison (`Buffer.set_num_sms` for both sides,
-DeepEP's default `Config` for that count); the first fills `shapes`. Writes
-`$OUT/dispatch_<backend>_ep<W>_h200.json` (OUT defaults to ./outputs).
+DeepEP's default `Config` for that count); the first fills `shapes`. Both ranks enter every
+dispatch and every combine from a barrier, so each region starts on an idle GPU and the
+host's work before the library's calls counts; `--prelude-us N` queues N us of GPU work
+first (as the router's kernels precede the dispatch in a training step), which leaves the
+GPU-side cost. `--timeline` adds host time per phase around the library's calls. Writes
+`$OUT/dispatch_<backend>_ep<W>_h200[_timeline][_prelude<N>us].json` (OUT defaults to ./outputs).
 """
 
 from __future__ import annotations
