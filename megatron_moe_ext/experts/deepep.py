@@ -159,16 +159,8 @@ class GroupedExpertsDeepEP(StackedExperts):
 
     def forward(self, x: torch.Tensor, token_mask: torch.Tensor, weights: torch.Tensor,
                 indices: torch.Tensor) -> torch.Tensor:
-        """Apply the routed experts.
-
-        Arguments:
-            x: `[T, H]` tokens (activation dtype). token_mask: `[T]` bool, False = padding
-                (zero output, no gradient). weights: `[T, K]` routing weights (fp32).
-            indices: `[T, K]` global expert ids, -1 for unused slots.
-
-        Returns:
-            `[T, H]` in x's dtype: each token's sum over its slots of weight x expert(token).
-        """
+        """Apply the routed experts (flex dispatch -> grouped-GEMM MLP -> combine); arguments and result as
+        `GroupedExperts.forward`: `x [T, H]`, `token_mask [T]`, `weights`/`indices [T, K]` -> `[T, H]`."""
         check_expert_inputs(self.config, x, token_mask, weights, indices)
         rows_PH, tokens_per_expert, probs_P = self._dispatch_tokens(x, token_mask, weights, indices)
         out_PH = run_grouped_expert_mlp(

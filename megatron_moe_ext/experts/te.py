@@ -267,16 +267,8 @@ class GroupedExpertsTE(nn.Module):
     # ---- forward ---------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, token_mask: torch.Tensor, weights: torch.Tensor,
                 indices: torch.Tensor) -> torch.Tensor:
-        """Apply the routed experts.
-
-        Arguments:
-            x: `[T, H]` tokens (activation dtype). token_mask: `[T]` bool, False = padding
-                (zero output, no gradient). weights: `[T, K]` routing weights (fp32).
-            indices: `[T, K]` global expert ids, -1 for unused slots.
-
-        Returns:
-            `[T, H]` in x's dtype: each token's sum over its slots of weight x expert(token).
-        """
+        """Apply the routed experts (flex dispatch -> TE `GroupedLinear` MLP -> combine); arguments and result as
+        `GroupedExperts.forward`: `x [T, H]`, `token_mask [T]`, `weights`/`indices [T, K]` -> `[T, H]`."""
         check_expert_inputs(self.config, x, token_mask, weights, indices)
         rows_PH, tokens_per_expert, probs_P = self.token_dispatch.dispatch(x, token_mask, weights, indices)
         probs_P = _stabilize_empty_routing_probs_dtype(probs_P, rows_PH.dtype)

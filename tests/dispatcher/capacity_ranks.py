@@ -8,7 +8,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from tests.dispatcher.cases import build_dispatcher
+from tests.dispatcher.cases import build_dispatcher, skewed_routing_error
 from tests.reference import RoutingCase, apply_local_experts, make_routing, toy_expert_params
 
 CASE = RoutingCase("capacity", tokens_per_rank=(32, 27, 30, 25), hidden=16, num_experts=8, topk=2, seed=3)
@@ -84,10 +84,5 @@ def torch_capacity_overflow():
     x, indices, probs = make_routing(CASE, dist.get_rank())
     _run(disp, x, indices, probs, params)
     manager = disp._comm_manager
-    skewed = torch.tensor([[0, 1]]).expand(x.shape[0], -1).contiguous()
-    error = None
-    try:
-        disp.token_permutation2(x, x.shape[0], probs, skewed)
-    except RuntimeError as exc:
-        error = str(exc)
+    error = skewed_routing_error(disp, x, probs)
     return {"error": error, "capacity": manager.capacity, "send_capacity": manager.send_capacity}

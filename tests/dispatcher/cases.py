@@ -37,6 +37,9 @@ CASES = [
     RoutingCase("top8_all_experts", tokens_per_rank=(7, 5, 6, 2), topk=8),
     RoutingCase("wider", tokens_per_rank=(40, 33, 17, 25), hidden=24, num_experts=16, topk=4),
 ]
+# The capacity-mode suites (HybridEP, torch capacity) run the four-rank cases with room to drop.
+CAPACITY_CASES = [c for c in CASES if c.name in
+                  ("uneven_with_empty_rank", "masked_slots", "all_to_one_expert", "wider")]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TOLERANCE = {"fp32": 1e-5, "bf16": 3e-2}
 
@@ -116,3 +119,14 @@ def _one_dense_reference_run(disp, case: RoutingCase, face: str, dtype: str):
         "tokens_per_expert": [int(c) for c in torch.as_tensor(tpe).tolist()],
         "tol": TOLERANCE[dtype],
     }
+
+
+def skewed_routing_error(disp: MoEFlexTokenDispatcher, x: torch.Tensor, probs: torch.Tensor) -> str | None:
+    """Route every token to experts 0 and 1 (rank 0) after calibration: the RuntimeError
+    message a capacity mode must raise, or None if it let the overflow through."""
+    skewed = torch.tensor([[0, 1]]).expand(x.shape[0], -1).contiguous()
+    try:
+        disp.token_permutation2(x, x.shape[0], probs, skewed)
+    except RuntimeError as exc:
+        return str(exc)
+    return None

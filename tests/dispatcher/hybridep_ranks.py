@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from megatron_moe_ext.dispatcher.hybridep import manager as hybridep_manager
 from megatron_moe_ext.dispatcher.hybridep import runtime as hybridep_runtime
-from tests.dispatcher.cases import build_dispatcher
+from tests.dispatcher.cases import build_dispatcher, skewed_routing_error
 from tests.doubles import hybrid_ep_buffer
 from tests.reference import RoutingCase, apply_local_experts, make_routing, toy_expert_params
 
@@ -58,13 +58,7 @@ def overflow_all_to_one_rank():
     x, indices, probs = make_routing(CASE, dist.get_rank(), torch.bfloat16)
     _step(disp, x, indices, probs, params)
     capacity = disp._comm_manager._hybridep_capacity
-    skewed = torch.tensor([[0, 1]]).expand(x.shape[0], -1).contiguous()
-    error = None
-    try:
-        disp.token_permutation2(x, x.shape[0], probs, skewed)
-    except RuntimeError as exc:
-        error = str(exc)
-    return {"capacity": capacity, "error": error}
+    return {"capacity": capacity, "error": skewed_routing_error(disp, x, probs)}
 
 
 def static_pin_sequence(pin: bool):

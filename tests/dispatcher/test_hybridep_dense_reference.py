@@ -6,17 +6,12 @@ routing. HybridEP's kernels take 16-bit tokens, so the suite runs in bf16."""
 
 import pytest
 
-from tests.dispatcher.cases import run_dense_reference_case
+from tests.dispatcher.cases import CAPACITY_CASES, run_dense_reference_case
 from tests.reference import RoutingCase
 
 DOUBLE = "tests.doubles.hybrid_ep_buffer.install"
 
-CASES = [
-    RoutingCase("uneven_with_empty_rank", tokens_per_rank=(5, 0, 9, 3)),
-    RoutingCase("masked_slots", tokens_per_rank=(12, 7, 3, 10), topk=3, masked_fraction=0.35),
-    RoutingCase("all_to_one_expert", tokens_per_rank=(6, 4, 5, 8), single_expert=7),
-    RoutingCase("wider", tokens_per_rank=(40, 33, 17, 25), hidden=24, num_experts=16, topk=4),
-]
+CASES = CAPACITY_CASES
 
 MODES = {
     "blocking": (dict(), 1),

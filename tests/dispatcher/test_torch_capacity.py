@@ -6,15 +6,9 @@ reads a device value on the host."""
 import pytest
 
 from tests.dispatcher import capacity_ranks
-from tests.dispatcher.cases import run_dense_reference_case
-from tests.reference import RoutingCase
+from tests.dispatcher.cases import CAPACITY_CASES, run_dense_reference_case
 
-CASES = [
-    RoutingCase("uneven_with_empty_rank", tokens_per_rank=(5, 0, 9, 3)),
-    RoutingCase("masked_slots", tokens_per_rank=(12, 7, 3, 10), topk=3, masked_fraction=0.35),
-    RoutingCase("all_to_one_expert", tokens_per_rank=(6, 4, 5, 8), single_expert=7),
-    RoutingCase("wider", tokens_per_rank=(40, 33, 17, 25), hidden=24, num_experts=16, topk=4),
-]
+CASES = CAPACITY_CASES
 MODES = {
     "factor1": dict(moe_hybridep_capacity_factor=1.0),
     "factor1.5_padded": dict(moe_hybridep_capacity_factor=1.5, moe_router_expert_pad_multiple=4),
