@@ -6,7 +6,8 @@
 #   nodeepep  checks that need no DeepEP: experts tests on CUDA, torch capacity mode without
 #             host syncs, expert modules over NCCL, FlexMoELayer vs Megatron (torch backend)
 #   deepep    DeepEP suite vs the torch backend, dispatch benchmark (ours vs raw Buffer),
-#             layer parity with DeepEP, uccl import probe (needs deep_ep on PYTHONPATH)
+#             layer parity with DeepEP, uccl import probe (needs deep_ep on PYTHONPATH); and
+#             our dispatcher's Python per call on this host (bench/host_overhead.py, no GPU work)
 #   bench     experts benchmark, kernel profile, weight-gradient probe, GPT-MoE pretraining at EP2
 #   pack      tar every log and JSON into $OUT/results.tgz (the device tool returns <= 8 files)
 #   NAME      any single task of run_named below
@@ -44,6 +45,7 @@ run_named() {  # one named task
     dispatch_bench) task dispatch_bench 300 $TORCHRUN bench/dispatch_bench.py --num-sms 24 32 ;;
     dispatch_bench_busy) task dispatch_bench_busy 200 $TORCHRUN bench/dispatch_bench.py --num-sms 24 32 --prelude-us 300 ;;
     dispatch_timeline) task dispatch_timeline 200 $TORCHRUN bench/dispatch_bench.py --timeline ;;
+    host_overhead) task host_overhead 90 $TORCHRUN bench/host_overhead.py ;;
     dispatch_bench_torch) task dispatch_bench_torch 240 $TORCHRUN bench/dispatch_bench.py --backend torch ;;
     layer_parity) task layer_parity 180 $TORCHRUN bench/gpu/megatron_layer_parity.py ;;
     uccl_probe) task uccl_probe 60 bash -c "$PY -m pip install -q --no-index --no-deps --target /tmp/uccl .gpu/wheels/*.whl \
@@ -68,8 +70,8 @@ for stage in "$@"; do
     nodeepep) for t in experts_pytest capacity_torch experts_modules megatron_experts; do run_named $t; done ;;
     deepep)
       $PY -c "import deep_ep; print('deep_ep', deep_ep.__file__)" 2>&1 | tee -a "$RAW/tasks.log"
-      for t in deepep_suite dispatch_bench dispatch_bench_busy dispatch_timeline dispatch_bench_torch layer_parity \
-          uccl_probe; do run_named $t; done ;;
+      for t in deepep_suite dispatch_bench dispatch_bench_busy dispatch_timeline host_overhead dispatch_bench_torch \
+          layer_parity uccl_probe; do run_named $t; done ;;
     bench) for t in experts_bench experts_profile wgrad_probe pretrain_ep2; do run_named $t; done ;;
     pack) tar czf "$FINAL/results.tgz" -C "$RAW" . && rm -rf "$RAW" ;;
     *) run_named "$stage" ;;

@@ -80,9 +80,27 @@ class _DeepepManager(_DispatchManager):
         self.dispatched_indices: torch.Tensor | None = None
         self.dispatched_probs: torch.Tensor | None = None
         self.dispatched_routing_map: torch.Tensor | None = None
-        self.tokens_per_expert: torch.Tensor | None = None
+        self.tokens_per_expert = None
         self.reversed_mapping_for_combine: P.PermutationState | None = None
         self.hidden_shape_before_permute: torch.Size | None = None
+
+    # The counts come back from the backend as a host list after every dispatch, and the
+    # permutation reads them as a list again: the `[e]` tensor is built only when it is read.
+    @property
+    def tokens_per_expert(self) -> torch.Tensor | None:
+        """`[e]` int64 host counts of the last dispatch (padded ones once permuted), or None."""
+        if self._tokens_per_expert is None and self._counts_list is not None:
+            self._tokens_per_expert = P.host_counts_tensor(self._counts_list)
+        return self._tokens_per_expert
+
+    @tokens_per_expert.setter
+    def tokens_per_expert(self, counts: list[int] | torch.Tensor | None) -> None:
+        is_list = isinstance(counts, list)
+        self._counts_list = counts if is_list else None
+        self._tokens_per_expert = None if is_list else counts
+
+    def _host_counts(self) -> list[int]:
+        return self._counts_list if self._counts_list is not None else self._tokens_per_expert.tolist()
 
     # ---- communication buffer lifetime ------------------------------------------------
     def allocate_buffers(self, hidden_size: int, dtype: torch.dtype) -> None:
@@ -125,10 +143,9 @@ class _DeepepManager(_DispatchManager):
     def dispatch(self, hidden_states, async_finish=False, allocate_on_comm_stream=False):
         hidden, indices, probs, tokens_per_expert, handle = self._fused_dispatch(
             hidden_states, self.token_indices, self.token_probs, self.num_experts, self.group,
-            async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream,
-        )
+            async_finish, allocate_on_comm_stream)
         self.handle = handle
-        self.tokens_per_expert = P.host_counts_tensor(tokens_per_expert)
+        self.tokens_per_expert = tokens_per_expert
         self.dispatched_indices, self.dispatched_probs = indices, probs
         # The routing inputs are consumed: drop them so recompute cannot keep them alive.
         self.token_indices = self.token_probs = None
@@ -158,8 +175,8 @@ class _DeepepManager(_DispatchManager):
         self.dispatched_routing_map = routing_map
         self.hidden_shape_before_permute = hidden_states.shape
         permuted, permuted_probs, counts, state = P.permute_to_experts(
-            hidden_states, routing_map, probs, self.tokens_per_expert.tolist(), self.pad_multiple)
-        self.tokens_per_expert = P.host_counts_tensor(counts)
+            hidden_states, routing_map, probs, self._host_counts(), self.pad_multiple)
+        self.tokens_per_expert = counts
         self.reversed_mapping_for_combine = state
         self.dispatched_indices = self.dispatched_probs = None
         if self.router_dtype == "fp64":

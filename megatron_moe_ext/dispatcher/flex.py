@@ -35,6 +35,11 @@ _SHARED_ATTR = {
 }
 
 
+# Routing dtypes `_check_topk` accepts without a closer look (any integer / float dtype passes).
+_USUAL_INDEX_DTYPES = (torch.int64, torch.int32)
+_USUAL_PROB_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _bad_input(field: str, message: str) -> ValueError:
     return ValueError(f"{field}: {message}")
 
@@ -134,9 +139,13 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
 
     # ---- input checks (cheap: shapes and dtypes only, no device sync) -----------------
     def _check_hidden(self, hidden_states: torch.Tensor, num_local_tokens: int | None = None):
-        if hidden_states.dim() < 2:
-            raise _bad_input("hidden_states", f"expected [..., H], got shape {tuple(hidden_states.shape)}")
-        tokens = hidden_states.numel() // hidden_states.shape[-1]
+        shape = hidden_states.shape
+        if len(shape) == 2:
+            tokens = shape[0]
+        elif len(shape) < 2:
+            raise _bad_input("hidden_states", f"expected [..., H], got shape {tuple(shape)}")
+        else:
+            tokens = hidden_states.numel() // shape[-1]
         if num_local_tokens is not None and num_local_tokens != tokens:
             raise _bad_input("num_local_tokens", f"{num_local_tokens} does not match the "
                              f"{tokens} tokens in hidden_states {tuple(hidden_states.shape)}")
@@ -149,8 +158,14 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
                              f"got shape {tuple(tensor.shape)}")
 
     def _check_topk(self, token_probs: torch.Tensor, token_indices: torch.Tensor, tokens: int):
-        # Runs before DeepEP's host sync on every dispatch: read each attribute once.
-        dtype, shape = token_indices.dtype, token_indices.shape
+        # Runs before DeepEP's host sync on every dispatch: the usual case passes in one
+        # expression; the checks below only run to find which error to raise.
+        shape = token_indices.shape
+        if (token_indices.dtype in _USUAL_INDEX_DTYPES and token_probs.dtype in _USUAL_PROB_DTYPES
+                and token_probs.shape == shape and len(shape) == 2 and shape[0] == tokens
+                and shape[1] <= self.num_experts and not token_indices.is_cpu):
+            return
+        dtype = token_indices.dtype
         if dtype.is_floating_point or dtype == torch.bool:
             raise _bad_input("token_indices", f"expected an integer tensor, got {dtype}")
         if not token_probs.dtype.is_floating_point:

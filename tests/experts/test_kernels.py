@@ -135,11 +135,14 @@ def test_swiglu_kernel_matches_torch(dtype, limit):
         torch.testing.assert_close(got, ref, **tol)
 
 
+@pytest.mark.parametrize("max_programs", [1024, 3])
 @pytest.mark.parametrize("start", [0, 1, 7, 13])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_zero_rows_kernel_zeroes_only_padding_rows(dtype, start):
+def test_zero_rows_kernel_zeroes_only_padding_rows(dtype, start, max_programs, monkeypatch):
     """Rows >= start become 0 in place, the others are untouched; the row stride may exceed
-    the width (a column slice) and the width need not be a power of two."""
+    the width (a column slice) and the width need not be a power of two. With fewer programs
+    than padding rows, each program strides over several."""
+    monkeypatch.setattr(rows_triton, "_MAX_PROGRAMS", max_programs)
     gen = torch.Generator().manual_seed(5)
     base = torch.randn(13, 1100, generator=gen).to(dtype).to(DEVICE)
     x = base[:, 3:1033]  # unit column stride, row stride 1100

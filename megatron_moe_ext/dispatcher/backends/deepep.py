@@ -18,9 +18,8 @@ C transported fp32 columns.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from types import ModuleType
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -39,9 +38,9 @@ _SM90_MAX_DISPATCH_ROW_BYTES = (2 * (8192 - 8)) // _SM90_UNIT_BYTES * _SM90_UNIT
 MAX_TOPK = 32
 
 
-@dataclass(frozen=True)
-class DeepEPHandle:
-    """A library handle plus the sizes combine and both backwards need.
+class DeepEPHandle(NamedTuple):
+    """A library handle plus the sizes combine and both backwards need (a NamedTuple: it is
+    built on every dispatch, after the library's host sync, on the host's critical path).
 
     raw: the library's handle tuple. DeepEP's is `(rank_prefix_matrix,
         channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank,
@@ -229,14 +228,13 @@ class DeepEPCommunicator:
         if indices_TK.shape[1] > MAX_TOPK:
             raise ValueError(f"moe_router_topk: {self.name} kernels take at most {MAX_TOPK} "
                              f"slots per token, got {indices_TK.shape[1]}")
-        hidden = x_TH.shape[1]
+        tokens, hidden = x_TH.shape
         buffer, direct = self._plan(group, hidden, x_TH.dtype)
         recv_RH, recv_indices_RK, recv_probs_RK, tokens_per_expert, raw = self._layout_and_dispatch(
-            buffer, x_TH, indices_TK, num_experts, async_finish, alloc, topk_weights=probs_TK,
-            direct=direct)
-        if recv_RH.shape[1] != hidden:
+            buffer, x_TH, indices_TK, num_experts, async_finish, alloc, probs_TK, direct)
+        if not direct:
             recv_RH = recv_RH[:, :hidden]
-        handle = DeepEPHandle(raw, recv_RH.shape[0], x_TH.shape[0])
+        handle = DeepEPHandle(raw, recv_RH.shape[0], tokens)
         return recv_RH, recv_indices_RK, recv_probs_RK, tokens_per_expert, handle
 
     def _layout_and_dispatch(self, buffer, x_NC, routes_NK, num_experts, async_finish, alloc,
@@ -249,22 +247,25 @@ class DeepEPCommunicator:
         Returns `(recv [R, C'], recv_routes, recv_weights, per-expert counts, raw handle)`,
         with `C'` >= C (padded columns are the caller's to slice off).
         """
-        alloc = alloc and async_finish  # the library requires a previous event for it
         if direct:
             first, rest = x_NC, ()
         else:
             with torch.no_grad():
                 first, *rest = self._column_chunks(x_NC)
-        previous = self._begin(async_finish)
-        per_rank, per_rdma_rank, per_expert, in_rank_NW, event = buffer.get_dispatch_layout(
-            routes_NK, num_experts, previous_event=previous, async_finish=async_finish,
-            allocate_on_comm_stream=alloc)
-        extra = {} if topk_weights is None else dict(topk_idx=routes_NK, topk_weights=topk_weights)
+        if async_finish:
+            per_rank, per_rdma_rank, per_expert, in_rank_NW, event = buffer.get_dispatch_layout(
+                routes_NK, num_experts, previous_event=self._begin(True), async_finish=True,
+                allocate_on_comm_stream=alloc)
+        else:  # the library's defaults: the synchronous case passes as little as possible
+            per_rank, per_rdma_rank, per_expert, in_rank_NW, event = buffer.get_dispatch_layout(
+                routes_NK, num_experts)
+            event, alloc = None, False
+        # Without weights the routes stay local: they only build the layout (see `_return_rows`).
         recv, recv_routes, recv_weights, counts, raw, event = buffer.dispatch(
             first, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank,
             is_token_in_rank=in_rank_NW, num_tokens_per_expert=per_expert,
-            previous_event=event if async_finish else None, async_finish=async_finish,
-            allocate_on_comm_stream=alloc, **extra)
+            topk_idx=None if topk_weights is None else routes_NK, topk_weights=topk_weights,
+            previous_event=event, async_finish=async_finish, allocate_on_comm_stream=alloc)
         self._end(event, async_finish)
         if rest:
             recv = torch.cat([recv] + [self._cached(buffer, c, raw, async_finish, alloc) for c in rest], 1)
@@ -356,8 +357,8 @@ class DeepEPCommunicator:
             async_finish, allocate_on_comm_stream)
         if torch.is_grad_enabled() and (x_TH.requires_grad or probs_TK.requires_grad):
             recv_x, recv_probs = _DispatchGrad.apply(
-                x_TH, probs_TK, recv_x, recv_probs,
-                (self, handle, group, (async_finish, allocate_on_comm_stream), recv_indices))
+                x_TH, probs_TK,
+                (self, handle, group, (async_finish, allocate_on_comm_stream), recv_x, recv_probs, recv_indices))
         return recv_x, recv_indices, recv_probs, list(tokens_per_expert), handle
 
     def combine(self, x_RH, group, handle: DeepEPHandle,
@@ -369,25 +370,28 @@ class DeepEPCommunicator:
         out_TH, _ = self.combine_raw(x_RH.contiguous(), handle, group, async_finish,
                                      allocate_on_comm_stream)
         if torch.is_grad_enabled() and x_RH.requires_grad:
-            out_TH = _CombineGrad.apply(x_RH, out_TH, (self, handle, group,
-                                                       (async_finish, allocate_on_comm_stream)))
+            out_TH = _CombineGrad.apply(x_RH, (self, handle, group, (async_finish, allocate_on_comm_stream),
+                                               out_TH))
         return out_TH, None
 
 
+# The two records below take the received tensors inside their non-tensor `state`, not as
+# inputs: an input returned as an output costs autograd an extra view per tensor, and this
+# runs on every dispatch and combine. They hold `recv_indices_RK` on ctx for the same reason;
+# it is neither an input nor an output, so that makes no reference cycle.
 class _DispatchGrad(torch.autograd.Function):
-    """Autograd record of a dispatch that already ran: passes the received rows and weights
-    through, and its backward combines their gradients back to `x_TH` and `probs_TK`."""
+    """Autograd record of a dispatch that already ran: returns the received rows and weights,
+    and its backward combines their gradients back to `x_TH` and `probs_TK`."""
 
     @staticmethod
-    def forward(ctx, x_TH, probs_TK, recv_x_RH, recv_probs_RK, state):
-        ctx.comm, ctx.handle, ctx.group, ctx.flags, recv_indices_RK = state
+    def forward(ctx, x_TH, probs_TK, state):
+        ctx.comm, ctx.handle, ctx.group, ctx.flags, recv_x_RH, recv_probs_RK, ctx.recv_indices_RK = state
         ctx.recv_meta = (recv_x_RH.shape, recv_x_RH.dtype, recv_x_RH.device)
-        ctx.save_for_backward(recv_indices_RK)
         return recv_x_RH, recv_probs_RK
 
     @staticmethod
     def backward(ctx, grad_x_RH, grad_probs_RK):
-        (recv_indices_RK,) = ctx.saved_tensors
+        recv_indices_RK = ctx.recv_indices_RK
         if grad_x_RH is None:
             shape, dtype, device = ctx.recv_meta
             grad_x_RH = torch.zeros(shape, dtype=dtype, device=device)
@@ -399,21 +403,21 @@ class _DispatchGrad(torch.autograd.Function):
         grad_probs_RK = grad_probs_RK.float().masked_fill(recv_indices_RK < 0, 0.0)
         grad_x_TH, grad_probs_TK = ctx.comm.combine_raw(
             grad_x_RH.contiguous(), ctx.handle, ctx.group, *ctx.flags, weights_RK=grad_probs_RK)
-        return grad_x_TH, grad_probs_TK, None, None, None
+        return grad_x_TH, grad_probs_TK, None
 
 
 class _CombineGrad(torch.autograd.Function):
     """Autograd record of a combine that already ran; backward is a cached-handle dispatch."""
 
     @staticmethod
-    def forward(ctx, x_RH, out_TH, state):
-        ctx.comm, ctx.handle, ctx.group, ctx.flags = state
+    def forward(ctx, x_RH, state):
+        ctx.comm, ctx.handle, ctx.group, ctx.flags, out_TH = state
         return out_TH
 
     @staticmethod
     def backward(ctx, grad_TH):
         grad_RH = ctx.comm.cached_dispatch_raw(grad_TH.contiguous(), ctx.handle, ctx.group, *ctx.flags)
-        return grad_RH, None, None
+        return grad_RH, None
 
 
 def deep_ep() -> ModuleType:
