@@ -75,35 +75,62 @@ def timed(fn, iters: int, warmup: int) -> list[float]:
 host_s: list[float] = []
 
 
-# --timeline: host timestamps at entry/exit of the library's layout and dispatch calls.
+# --timeline: host timestamps at entry/exit of the library's layout, dispatch and combine
+# calls, and a CUDA event at entry of the layout and combine calls: on an idle GPU the event
+# fires when the host gets there, so entry event -> region end is the region without the
+# caller's Python before the library (the same for both sides if the rest is equal).
 marks: dict[str, float] = {}
+entry_events: dict[str, torch.cuda.Event] = {}
 phases: list[dict] = []
+TIMELINE = False
 
 
 def install_timeline(deep_ep) -> None:
+    global TIMELINE
+    TIMELINE = True
+
     def stamped(name, fn):
         def wrapper(*args, **kwargs):
             marks[f"{name}_in"] = time.perf_counter()
+            if name != "dispatch":
+                entry_events[name] = torch.cuda.Event(enable_timing=True)
+                entry_events[name].record()
             try:
                 return fn(*args, **kwargs)
             finally:
                 marks[f"{name}_out"] = time.perf_counter()
         return wrapper
 
-    for name in ("get_dispatch_layout", "dispatch"):
+    for name in ("get_dispatch_layout", "dispatch", "combine"):
         setattr(deep_ep.Buffer, name, stamped(name, getattr(deep_ep.Buffer, name)))
+
+
+def library_regions(d1, c1) -> list:
+    """With --timeline: (library entry, region end) event pairs of the dispatch and combine."""
+    if not TIMELINE or not entry_events:  # the torch backend never calls the library
+        return []
+    return [(entry_events["get_dispatch_layout"], d1), (entry_events["combine"], c1)]
 
 
 def record_phases(t0: float, t_end: float) -> None:
     """Host microseconds: before the layout call, layout, between the calls, DeepEP's
     dispatch (its host sync included), and after it until the dispatch face returned."""
     keys = ("get_dispatch_layout_in", "get_dispatch_layout_out", "dispatch_in", "dispatch_out")
-    if all(k in marks for k in keys):  # the torch backend never calls the library
+    if all(k in marks for k in keys):
         m = marks
         points = (t0, m["get_dispatch_layout_in"], m["get_dispatch_layout_out"], m["dispatch_in"],
                   m["dispatch_out"], t_end)
         names = ("before_layout", "layout", "between", "library_dispatch", "after_dispatch")
         phases.append({n: (b - a) * 1e6 for n, a, b in zip(names, points, points[1:])})
+    marks.clear()
+
+
+def record_combine_phases(t0: float, t_end: float) -> None:
+    """Host microseconds: before the library's combine call, inside it, after it."""
+    if "combine_in" in marks and phases:
+        points = (t0, marks["combine_in"], marks["combine_out"], t_end)
+        names = ("before_combine", "library_combine", "after_combine")
+        phases[-1].update({n: (b - a) * 1e6 for n, a, b in zip(names, points, points[1:])})
     marks.clear()
 
 
@@ -159,10 +186,12 @@ def bench_raw(deep_ep, shape, x_TH, indices_TK, probs_TK, group, iters, warmup, 
         record_phases(t0, t0 + host_s[-1])
         dist.barrier()  # both ranks enter combine together (see `step` in bench_ext)
         prelude(prelude_us)
+        t1 = time.perf_counter()
         c0.record()
         buffer.combine(rx, h)
         c1.record()
-        return [(d0, d1), (c0, c1)]
+        record_combine_phases(t1, time.perf_counter())
+        return [(d0, d1), (c0, c1)] + library_regions(d1, c1)
 
     times = timed(step, iters, warmup)
     buffer.destroy()
@@ -200,11 +229,13 @@ def bench_ext(backend, shape, x_TH, indices_TK, probs_TK, group, num_sms, iters,
         # barrier one rank's combine would also time the other rank's lag.
         dist.barrier()
         prelude(prelude_us)
+        t1 = time.perf_counter()
         c0.record()
         out = disp.token_combine(restored_RH)
         c1.record()
+        record_combine_phases(t1, time.perf_counter())
         disp.combine_postprocess(out)
-        return [(d0, d1), (c0, c1)]
+        return [(d0, d1), (c0, c1)] + library_regions(d1, c1)
 
     times = timed(step, iters, warmup)
     MoEFlexTokenDispatcher.release_shared_managers()
@@ -243,6 +274,10 @@ def compare(args, deep_ep, name, num_sms, group, device) -> dict:
     medians = {f"{side}_{op}_s": statistics.median(t[i] for t in times)
                for side, times in (("raw", raw_times), ("ext", ext_times))
                for i, op in enumerate(("dispatch", "combine"))}
+    if len(raw_times[0]) == 4:  # --timeline: from the library's entry to the region's end
+        medians.update({f"{side}_{op}_from_library_entry_s": statistics.median(t[i] for t in times)
+                        for side, times in (("raw", raw_times), ("ext", ext_times))
+                        for i, op in ((2, "dispatch"), (3, "combine"))})
     entry = {"shape": shape, "num_sms": num_sms, "nvl_bytes_rank": nvl_bytes, **medians,
              "raw_dispatch_host_s": statistics.median(raw_host),
              "ext_dispatch_host_s": statistics.median(ext_host)}
@@ -265,6 +300,11 @@ def compare(args, deep_ep, name, num_sms, group, device) -> dict:
               f"rows equal: {entry['ext_rows_equal_raw']}", flush=True)
         if "host_phases_us" in entry:
             print(f"  host phases (us): {entry['host_phases_us']}", flush=True)
+        if "raw_dispatch_from_library_entry_s" in entry:
+            print("  GPU us from the library's entry to the region end (raw / ext): " + ", ".join(
+                f"{op} {entry[f'raw_{op}_from_library_entry_s'] * 1e6:.1f} / "
+                f"{entry[f'ext_{op}_from_library_entry_s'] * 1e6:.1f}" for op in ("dispatch", "combine")),
+                flush=True)
     return {**per_rank[0], "per_rank": per_rank}
 
 

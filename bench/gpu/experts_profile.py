@@ -7,7 +7,9 @@ At DeepSeek-V3 expert shapes (H 7168, I 2048, 8 local experts; or the `--shape` 
 - dense_bf16: the dense six-GEMM chain of `bench/experts_bench.py` (the ceiling),
 - gemms_only: the same two projections as `torch._grouped_mm` (no activation, no masks),
 - grouped_host / grouped_device: `run_grouped_expert_mlp` with host / device counts.
-Prints the median ms of each and the torch.profiler kernel table of one step, and writes
+Prints the median ms of each, the torch.profiler kernel table of one step, the host time to
+enqueue one step behind 20 ms of queued GPU work (so the host never waits) and the host
+ops that take most of it; writes
 $OUT/experts_profile.json (`experts_profile_<shape>.json` for other shapes).
 """
 
@@ -16,7 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -24,8 +28,8 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from experts_bench import (SHAPES, dense_step, grouped_forward, make_inputs,  # noqa: E402
-                           median_seconds, training_step, write_result)
+from experts_bench import (SHAPES, dense_step, gpu_busy, grouped_forward,  # noqa: E402
+                           make_inputs, median_seconds, training_step, write_result)
 
 
 def gemms_only_step(x, w1, w2, counts, grad, inter):
@@ -88,6 +92,30 @@ def kernel_table(step) -> list[dict]:
     return sorted(rows, key=lambda r: -r["us"])
 
 
+def host_enqueue_ms(step, iters: int = 20) -> float:
+    """Median host milliseconds to enqueue `step` while the GPU is still busy with earlier work."""
+    times = []
+    for _ in range(iters):
+        gpu_busy(20_000)
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+        torch.cuda.synchronize()
+    return statistics.median(times) * 1e3
+
+
+def host_op_table(step, top: int = 15) -> list[dict]:
+    """Host (self CPU) microseconds per op name over one step."""
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+        torch.cuda.synchronize()
+    rows = [{"name": evt.key[:80], "calls": evt.count, "us": round(evt.self_cpu_time_total, 1)}
+            for evt in prof.key_averages() if evt.self_cpu_time_total > 0]
+    return sorted(rows, key=lambda r: -r["us"])[:top]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens-per-expert", type=int, nargs="*", default=[512, 1024])
@@ -112,9 +140,13 @@ def main() -> None:
         for name, step in steps.items():
             ms = median_seconds(step, 20, 5) * 1e3
             table = kernel_table(step)
-            entry[name] = {"ms": round(ms, 4), "kernels": table}
+            host_ms = host_enqueue_ms(step)
+            entry[name] = {"ms": round(ms, 4), "host_enqueue_ms": round(host_ms, 4), "kernels": table,
+                           "host_ops": host_op_table(step)}
             print(f"== {tpe} tokens/expert {name}: {ms:.3f} ms; kernel sum "
-                  f"{sum(r['us'] for r in table) / 1e3:.3f} ms", flush=True)
+                  f"{sum(r['us'] for r in table) / 1e3:.3f} ms; host enqueue {host_ms:.3f} ms", flush=True)
+            for r in entry[name]["host_ops"][:10]:
+                print(f"   host {r['us']:9.1f} us  x{r['calls']:<3} {r['name']}", flush=True)
             for r in table[:14]:
                 print(f"   {r['us']:9.1f} us  x{r['calls']:<3} {r['name']}", flush=True)
         entry["gemm_layouts"] = gemm_layouts(shape, tpe, device)

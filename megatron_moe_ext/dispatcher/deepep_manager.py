@@ -123,21 +123,19 @@ class _DeepepManager(_DispatchManager):
         else:
             routing_map_TE = routing_map.reshape(num_local_tokens, self.num_experts)
             indices_TK, probs_TK = P.routing_map_to_topk(routing_map_TE, probs_TE, self.router_topk)
-        self._set_topk(indices_TK, probs_TK)
+        self.setup_metadata_from_indices(indices_TK, probs_TK)
 
-    def setup_metadata_from_indices(self, token_indices: torch.Tensor, token_probs: torch.Tensor):
-        self._set_topk(token_indices, token_probs)
-
-    def _set_topk(self, indices_TK: torch.Tensor, probs_TK: torch.Tensor) -> None:
+    def setup_metadata_from_indices(self, token_indices: torch.Tensor, token_probs: torch.Tensor) -> None:
+        """Top-k `[T, K]` expert ids (-1 = masked) and weights."""
         # Conversions only when needed: this runs on the host path before DeepEP's sync.
-        if indices_TK.dtype != torch.int64:
-            indices_TK = indices_TK.long()
+        if token_indices.dtype != torch.int64:
+            token_indices = token_indices.long()
         if self.capacity_factor is not None:
-            indices_TK = P.drop_tokens_over_capacity(
-                indices_TK, probs_TK, self.num_experts, self.capacity_factor)
+            token_indices = P.drop_tokens_over_capacity(
+                token_indices, token_probs, self.num_experts, self.capacity_factor)
         # DeepEP takes fp32 weights only; fp32 also keeps the weighted sum stable.
-        self.token_indices = indices_TK
-        self.token_probs = probs_TK if probs_TK.dtype == torch.float32 else probs_TK.float()
+        self.token_indices = token_indices
+        self.token_probs = token_probs if token_probs.dtype == torch.float32 else token_probs.float()
 
     # ---- communication ----------------------------------------------------------------
     def dispatch(self, hidden_states, async_finish=False, allocate_on_comm_stream=False):
@@ -152,10 +150,8 @@ class _DeepepManager(_DispatchManager):
         return hidden
 
     def combine(self, hidden_states, async_finish=False, allocate_on_comm_stream=False):
-        hidden, _ = self._fused_combine(
-            hidden_states, self.group, self.handle,
-            async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream,
-        )
+        hidden, _ = self._fused_combine(hidden_states, self.group, self.handle, async_finish,
+                                        allocate_on_comm_stream)
         self._release_dispatch_state()
         return hidden
 

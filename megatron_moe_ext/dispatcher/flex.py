@@ -196,9 +196,7 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         return x.reshape(num_local_tokens, self.tp_size * self.ep_size, self.num_local_experts)
 
     def _expand_topk_for_tp(self, token_indices: torch.Tensor, token_probs: torch.Tensor):
-        """`[T, K]` global ids -> `[T, K*tp]` ids in the TPxEP expert space (identity at tp=1)."""
-        if self.tp_size == 1:
-            return token_indices, token_probs
+        """`[T, K]` global ids -> `[T, K*tp]` ids in the TPxEP expert space (tp > 1)."""
         e, tp = self.num_local_experts, self.tp_size
         rank, local = token_indices // e, token_indices % e
         offsets = torch.arange(tp, device=token_indices.device)
@@ -221,7 +219,8 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         tokens = self._check_hidden(hidden_states, num_local_tokens)
         self._check_topk(token_probs, token_indices, tokens)
         self.hidden_shape = hidden_states.shape
-        token_indices, token_probs = self._expand_topk_for_tp(token_indices, token_probs)
+        if self.tp_size > 1:
+            token_indices, token_probs = self._expand_topk_for_tp(token_indices, token_probs)
         self._comm_manager.setup_metadata_from_indices(token_indices, token_probs)
         if hidden_states.dim() == 2:  # already [T, H]: no view (and no autograd node) to make
             return hidden_states

@@ -205,7 +205,7 @@ class DeepEPCommunicator:
         """The live buffer, or None."""
         return self._buffer
 
-    # ---- raw communication (no autograd) ----------------------------------------------
+    # ---- communication without autograd ----------------------------------------------
     def _begin(self, async_finish: bool):
         """Record an event on the compute stream for the comm stream to wait on."""
         return self.library().Buffer.capture() if async_finish else None
@@ -222,20 +222,6 @@ class DeepEPCommunicator:
             allocate_on_comm_stream=alloc)
         self._end(event, async_finish)
         return recv
-
-    def dispatch_raw(self, x_TH, indices_TK, probs_TK, num_experts, group, async_finish, alloc):
-        """No autograd: `[T, H]` rows, `[T, K]` int64 ids and fp32 weights -> see `dispatch`."""
-        if indices_TK.shape[1] > MAX_TOPK:
-            raise ValueError(f"moe_router_topk: {self.name} kernels take at most {MAX_TOPK} "
-                             f"slots per token, got {indices_TK.shape[1]}")
-        tokens, hidden = x_TH.shape
-        buffer, direct = self._plan(group, hidden, x_TH.dtype)
-        recv_RH, recv_indices_RK, recv_probs_RK, tokens_per_expert, raw = self._layout_and_dispatch(
-            buffer, x_TH, indices_TK, num_experts, async_finish, alloc, probs_TK, direct)
-        if not direct:
-            recv_RH = recv_RH[:, :hidden]
-        handle = DeepEPHandle(raw, recv_RH.shape[0], tokens)
-        return recv_RH, recv_indices_RK, recv_probs_RK, tokens_per_expert, handle
 
     def _layout_and_dispatch(self, buffer, x_NC, routes_NK, num_experts, async_finish, alloc,
                              topk_weights=None, direct=False):
@@ -282,20 +268,23 @@ class DeepEPCommunicator:
 
     def combine_raw(self, x_RH, handle: DeepEPHandle, group, async_finish, alloc, weights_RK=None):
         """Sum each token's rows back on its owner: `[R, H]` (+ `[R, K]` fp32) -> `[T, H]` (+ `[T, K]`)."""
-        if x_RH.dim() != 2 or x_RH.shape[0] != handle.num_recv_rows:
-            raise ValueError(f"combine input has shape {tuple(x_RH.shape)} but dispatch delivered "
+        shape, dtype = x_RH.shape, x_RH.dtype
+        if len(shape) != 2 or shape[0] != handle.num_recv_rows:
+            raise ValueError(f"combine input has shape {tuple(shape)} but dispatch delivered "
                              f"{handle.num_recv_rows} rows: pass the restored rows of the same dispatch")
-        if x_RH.dtype != torch.bfloat16:
+        if dtype != torch.bfloat16:
             return self._return_rows(x_RH, weights_RK, handle, group, async_finish, alloc)
-        hidden = x_RH.shape[1]
-        buffer, direct = self._plan(group, hidden, x_RH.dtype)  # direct rows meet combine's rule too
-        alloc = alloc and async_finish
-        previous = self._begin(async_finish)
-        out_TH, weights_TK, event = buffer.combine(
-            x_RH if direct else _pad_columns(x_RH, _UNIT_BYTES // 2).contiguous(), handle.raw,
-            topk_weights=None if weights_RK is None else weights_RK.float().contiguous(),
-            previous_event=previous, async_finish=async_finish, allocate_on_comm_stream=alloc)
-        self._end(event, async_finish)
+        hidden = shape[1]
+        buffer, direct = self._plan(group, hidden, dtype)  # direct rows meet combine's rule too
+        rows_RC = x_RH if direct else _pad_columns(x_RH, _UNIT_BYTES // 2).contiguous()
+        weights_RK = None if weights_RK is None else weights_RK.float().contiguous()
+        if async_finish:
+            out_TH, weights_TK, event = buffer.combine(
+                rows_RC, handle.raw, topk_weights=weights_RK, previous_event=self._begin(True),
+                async_finish=True, allocate_on_comm_stream=alloc)
+            event.current_stream_wait()
+        else:  # the library's defaults, as in `_layout_and_dispatch`
+            out_TH, weights_TK, _ = buffer.combine(rows_RC, handle.raw, topk_weights=weights_RK)
         return (out_TH if direct else out_TH[:, :hidden]), weights_TK
 
     def _return_rows(self, x_RH, weights_RK, handle: DeepEPHandle, group, async_finish, alloc):
@@ -348,13 +337,21 @@ class DeepEPCommunicator:
             weights (0 where -1), a host list of `e` counts, and the `DeepEPHandle`.
             Backward is a combine with the handle; weights' gradients flow back too.
         """
+        if indices_TK.shape[1] > MAX_TOPK:
+            raise ValueError(f"moe_router_topk: {self.name} kernels take at most {MAX_TOPK} "
+                             f"slots per token, got {indices_TK.shape[1]}")
         if probs_TK.dtype != torch.float32:
             probs_TK = probs_TK.float()
         if indices_TK.dtype != torch.int64:
             indices_TK = indices_TK.long()
-        recv_x, recv_indices, recv_probs, tokens_per_expert, handle = self.dispatch_raw(
-            x_TH.contiguous(), indices_TK.contiguous(), probs_TK.contiguous(), num_experts, group,
-            async_finish, allocate_on_comm_stream)
+        tokens, hidden = x_TH.shape
+        buffer, direct = self._plan(group, hidden, x_TH.dtype)
+        recv_x, recv_indices, recv_probs, tokens_per_expert, raw = self._layout_and_dispatch(
+            buffer, x_TH.contiguous(), indices_TK.contiguous(), num_experts, async_finish,
+            allocate_on_comm_stream, probs_TK.contiguous(), direct)
+        if not direct:
+            recv_x = recv_x[:, :hidden]
+        handle = DeepEPHandle(raw, recv_x.shape[0], tokens)
         if torch.is_grad_enabled() and (x_TH.requires_grad or probs_TK.requires_grad):
             recv_x, recv_probs = _DispatchGrad.apply(
                 x_TH, probs_TK,
