@@ -15,6 +15,7 @@ Legend: P permuted rows, H hidden, I intermediate, e local experts.
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Callable
 
 import torch
@@ -22,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megatron_moe_ext.experts.bias import TokenCounts, _apply_bias, _counts_on
 from megatron_moe_ext.experts.kernels import rows_triton
+from megatron_moe_ext.utils.host import to_device_async
 
 _EXPERT_MLP_CHUNK_BYTES = 512 * 1024 * 1024
 
@@ -92,10 +94,16 @@ def _grouped_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor, down_
                            down_proj_bias, host, permuted_probs_P1[:valid], activation_fn,
                            apply_router_weight_after_down)
         return torch.nn.functional.pad(out, (0, 0, 0, rows - valid))
-    counts_e = _counts_on(tokens_per_expert, hidden_PH.device)
-    offsets_e = torch.cumsum(counts_e, 0).to(torch.int32)
     total_1 = None
-    if host is None:
+    if host is not None:
+        # Offsets from the host counts, copied without a host sync (see utils/host.py): after
+        # DeepEP's blocking dispatch the GEMMs are then queued while its kernel still runs.
+        counts_e = host
+        offsets_e = to_device_async(torch.tensor(list(accumulate(host)), dtype=torch.int32),
+                                    hidden_PH.device)
+    else:
+        counts_e = _counts_on(tokens_per_expert, hidden_PH.device)
+        offsets_e = torch.cumsum(counts_e, 0, dtype=torch.int32)
         # Device counts: the padding rows are unknown without a sync, so they are zeroed on
         # the device. `_grouped_mm` never reads them (so they add nothing to weight
         # gradients) but leaves their output and input gradient uninitialised: zero those,
