@@ -36,7 +36,7 @@ task() {  # name timeout_s command...: run one check, record rc and seconds, nev
 
 run_named() {  # one named task
   case $1 in
-    experts_pytest) task experts_pytest 240 $PY -m pytest tests/test_host_copy.py tests/experts/test_activations.py \
+    experts_pytest) task experts_pytest 240 $PY -m pytest tests/experts/test_activations.py \
         tests/experts/test_bias.py tests/experts/test_kernels.py tests/experts/test_mlp.py -q -rs -p no:cacheprovider ;;
     capacity_torch) task capacity_torch 180 $TORCHRUN bench/gpu/capacity_torch.py ;;
     experts_modules) task experts_modules 240 $TORCHRUN bench/gpu/experts_modules_check.py ;;

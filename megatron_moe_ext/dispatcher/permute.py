@@ -14,8 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_moe_ext.utils.host import to_device_async
-
 
 def align_up(count: int, multiple: int) -> int:
     """Round `count` up to the next multiple of `multiple`."""
@@ -138,9 +136,10 @@ def permute_to_experts(
         return rows_NH, probs_N, list(tokens_per_expert), state
 
     padded = [align_up(n, pad_multiple) for n in tokens_per_expert]
-    shift = to_device_async(torch.tensor(
+    shift = torch.tensor(
         [p_off - off for p_off, off in zip(_offsets(padded), _offsets(tokens_per_expert))],
-        dtype=torch.long), hidden_RH.device)
+        dtype=torch.long,
+    ).to(hidden_RH.device, non_blocking=True)
     dest_N = torch.arange(num_pairs, device=hidden_RH.device) + shift[expert_ids_N]
     total = sum(padded)
     permuted_PH = hidden_RH.new_zeros(total, hidden_RH.shape[1]).index_copy(0, dest_N, rows_NH)

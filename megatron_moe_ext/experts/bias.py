@@ -18,7 +18,6 @@ from collections.abc import Sequence
 import torch
 
 from megatron_moe_ext.experts.kernels import bias_triton
-from megatron_moe_ext.utils.host import to_device_async
 
 _BIAS_CHUNK_ROWS = 4096
 _BIAS_CHUNK_THRESHOLD = 12288
@@ -33,12 +32,10 @@ def _use_triton(t: torch.Tensor) -> bool:
 
 
 def _counts_on(tokens_per_expert: TokenCounts, device: torch.device) -> torch.Tensor:
-    """`[e]` int64 counts on `device`; host counts are copied without a host sync."""
+    """`[e]` int64 counts on `device`; a host tensor is copied without waiting for the copy."""
     if not isinstance(tokens_per_expert, torch.Tensor):
         tokens_per_expert = torch.tensor(list(tokens_per_expert), dtype=torch.int64)
-    if tokens_per_expert.device.type == "cpu":
-        return to_device_async(tokens_per_expert.to(torch.int64), device)
-    return tokens_per_expert.to(device=device, dtype=torch.int64)
+    return tokens_per_expert.to(device=device, dtype=torch.int64, non_blocking=True)
 
 
 def _segment_ends(counts_e: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,6 @@ from torch.utils.checkpoint import checkpoint
 
 from megatron_moe_ext.experts.bias import TokenCounts, _apply_bias, _counts_on
 from megatron_moe_ext.experts.kernels import rows_triton
-from megatron_moe_ext.utils.host import to_device_async
 
 _EXPERT_MLP_CHUNK_BYTES = 512 * 1024 * 1024
 
@@ -96,11 +95,11 @@ def _grouped_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor, down_
         return torch.nn.functional.pad(out, (0, 0, 0, rows - valid))
     total_1 = None
     if host is not None:
-        # Offsets from the host counts, copied without a host sync (see utils/host.py): after
-        # DeepEP's blocking dispatch the GEMMs are then queued while its kernel still runs.
+        # Offsets summed on the host: one small copy (asynchronous for the host) instead of
+        # a cumsum and a cast kernel.
         counts_e = host
-        offsets_e = to_device_async(torch.tensor(list(accumulate(host)), dtype=torch.int32),
-                                    hidden_PH.device)
+        offsets_e = torch.tensor(list(accumulate(host)), dtype=torch.int32).to(
+            hidden_PH.device, non_blocking=True)
     else:
         counts_e = _counts_on(tokens_per_expert, hidden_PH.device)
         offsets_e = torch.cumsum(counts_e, 0, dtype=torch.int32)

@@ -26,7 +26,6 @@ from megatron_moe_ext.experts.deepep import (
     _stabilize_empty_routing_probs_dtype,
     make_dispatcher_config,
 )
-from megatron_moe_ext.utils.host import to_device_async
 from megatron_moe_ext.utils.optional import require
 
 # Stacked checkpoint key -> (GroupedLinear attribute, what the GroupedLinear holds).
@@ -74,7 +73,7 @@ def _pad_groups(rows_PH: torch.Tensor, probs_P: torch.Tensor, m_splits: list[int
     for n, p in zip(m_splits, padded):
         starts.extend(range(pstart, pstart + n))
         pstart += p
-    dest = to_device_async(torch.tensor(starts, dtype=torch.long), rows_PH.device)
+    dest = torch.tensor(starts, dtype=torch.long).to(rows_PH.device, non_blocking=True)
     rows = rows_PH.new_zeros(pstart, rows_PH.shape[1]).index_copy(0, dest, rows_PH)
     probs = probs_P.new_zeros(pstart).index_copy(0, dest, probs_P)
     return rows, probs, padded, dest

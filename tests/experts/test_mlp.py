@@ -258,3 +258,36 @@ def test_no_routed_rows_still_gives_zero_gradients(rows, device, counts_on):
     out.sum().backward()
     for name, leaf in leaves.items():
         assert leaf.grad is not None and leaf.grad.abs().sum() == 0, name
+
+
+def _gpu_still_busy_after(fn) -> bool:
+    """Queue about 0.25 s of GPU sleep, run `fn` on the host, and tell whether the sleep was
+    still running when `fn` returned (a check of ordering, not of a duration)."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(500_000_000)
+    queued = torch.cuda.Event()
+    queued.record()
+    fn()
+    busy = not queued.query()
+    torch.cuda.synchronize()
+    return busy
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_forward_with_host_counts_never_waits_for_the_gpu(with_bias):
+    """After DeepEP's blocking dispatch the expert GEMMs must be queued while its kernel still
+    runs: the bf16 forward with host counts may not wait for queued GPU work."""
+    assert not _gpu_still_busy_after(torch.cuda.synchronize)  # the probe sees a wait
+    tensors, _ = _case("swiglu", with_bias, tail=0)
+    leaves = {k: v.cuda().bfloat16() if k != "probs" else v.cuda() for k, v in tensors.items()}
+    leaves["x"].requires_grad_(True)
+
+    def forward():
+        return mlp.run_grouped_expert_mlp(leaves["x"], leaves["w1"], leaves["w2"], leaves.get("b1"),
+                                          leaves.get("b2"), COUNTS, leaves["probs"], swiglu)
+
+    reference = forward().detach()  # compiles the Triton kernels before the checked call
+    out = []
+    assert _gpu_still_busy_after(lambda: out.append(forward()))
+    torch.testing.assert_close(out[0].detach(), reference, rtol=0, atol=0)
