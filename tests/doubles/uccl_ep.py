@@ -1,10 +1,13 @@
 """Test double of UCCL-EP: the `uccl.ep` engine module and its DeepEP-compatible `Buffer`.
 
-UCCL-EP (uccl-project/uccl, `ep/`) exposes `Config` and `EventHandle` from the extension
-`uccl.ep` and ships the Python `Buffer` as a drop-in package named `deep_ep`
+Follows uccl-project/uccl at tag v0.1.1 (73ee4f1, the source of PyPI's `uccl` 0.1.1 wheel):
+ep/bench/buffer.py and ep/bench/utils.py, which ep/deep_ep_wrapper/deep_ep/ links to, and the
+intranode kernels of ep/src/intranode.cu. UCCL-EP exposes `Config` and `EventHandle` from the
+extension `uccl.ep` and ships the Python `Buffer` as a drop-in package named `deep_ep`
 (`ep/deep_ep_wrapper`: `from uccl.ep import Config, EventHandle`, plus `initialize_uccl` /
-`destroy_uccl` for its proxies). The Buffer has DeepEP's dispatch/combine/layout API; this
-double reuses the DeepEP double's semantics and models UCCL's differences:
+`destroy_uccl` for its proxies). Its intranode path is DeepEP's: the same config tables, NVL
+size hint, row rules, -1 slots (local id -1, weight 0) and a bf16-only combine kernel, so
+this double reuses the DeepEP double's semantics and models UCCL's differences:
 - constructor `(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank,
   allow_nvlink_for_low_latency_mode, allow_mnnvl, explicitly_destroy, is_intranode)`
   (no `allow_nvlink_for_normal_mode`, `use_fabric`, `comm`) that starts proxies;
@@ -24,9 +27,10 @@ from tests.doubles.deep_ep_buffer import STATS, Config, EventHandle, EventOverla
 IS_TEST_DOUBLE = True
 
 
-def initialize_uccl(*args, **kwargs):
+def initialize_uccl(scratch_ptr, scratch_nbytes, rank, num_ranks, group, num_experts=0,
+                    is_intranode=None, use_normal_mode=False, rdma_buffer_is_host_allocated=False):
     STATS["uccl_proxies_started"] += 1
-    return [object()], []
+    return [object()], None
 
 
 def destroy_uccl(proxies, workers) -> None:
@@ -42,7 +46,8 @@ class Buffer(_deepep.Buffer):
                  explicitly_destroy: bool = False, is_intranode=None):
         if low_latency_mode:
             raise NotImplementedError("the UCCL-EP test double models intranode normal mode only")
-        self.proxies, self.workers = initialize_uccl(None, num_rdma_bytes)
+        self.proxies, self.workers = initialize_uccl(None, num_rdma_bytes, group.rank(), group.size(), group,
+                                                     use_normal_mode=True, is_intranode=is_intranode)
         self._init_common(group, num_nvl_bytes, num_rdma_bytes, explicitly_destroy)
 
     def destroy(self) -> None:

@@ -1,10 +1,12 @@
 """UCCL-EP backend: the DeepEP backend's code over UCCL-EP's DeepEP-compatible buffer.
 
 UCCL-EP (uccl-project/uccl, `ep/`) builds its engine as the extension `uccl.ep` (the C++
-runtime, `Config`, `EventHandle`) and ships the DeepEP-compatible Python `Buffer` as a
-drop-in package named `deep_ep` (`ep/deep_ep_wrapper`, recognisable by its
-`initialize_uccl`). Its `Buffer` has DeepEP's dispatch/combine/layout/config API; the
-differences that matter here are absorbed by `DeepEPCommunicator`:
+runtime, `Config`, `EventHandle`; PyPI's `uccl` wheel ships it) and keeps the
+DeepEP-compatible Python `Buffer` in the repository only, as a drop-in package named
+`deep_ep` (`ep/deep_ep_wrapper`, recognisable by its `initialize_uccl`), which must come
+from the same release as the engine. Written against v0.1.1 (73ee4f1). Its `Buffer` has
+DeepEP's dispatch/combine/layout/config API; the differences that matter here are absorbed
+by `DeepEPCommunicator`:
 - the constructor has no `allow_nvlink_for_normal_mode` / `use_fabric` / `comm` and starts
   UCCL proxies (it picks the device from LOCAL_RANK); only `(group, num_nvl_bytes,
   num_rdma_bytes, explicitly_destroy=True)` is passed, which both accept;
@@ -14,6 +16,7 @@ differences that matter here are absorbed by `DeepEPCommunicator`:
 
 from __future__ import annotations
 
+import importlib
 from types import ModuleType
 
 from megatron_moe_ext.dispatcher.backends.deepep import DeepEPCommunicator
@@ -25,13 +28,18 @@ _FEATURE = "moe_flex_dispatcher_backend='uccl_ep'"
 def uccl_ep() -> ModuleType:
     """UCCL-EP's DeepEP-compatible buffer module (ImportError with install hint when missing)."""
     engine = require("uccl.ep", _FEATURE)
-    wrapper = require("deep_ep", _FEATURE)
-    if not hasattr(wrapper, "initialize_uccl") or getattr(wrapper, "Config", None) is not engine.Config:
+    try:
+        wrapper, found = importlib.import_module("deep_ep"), "is another library"
+    except Exception as exc:  # noqa: BLE001 - any failure leaves the backend without a Buffer
+        wrapper, found = None, f"cannot be imported ({type(exc).__name__}: {exc})"
+    is_uccl = hasattr(wrapper, "initialize_uccl") and getattr(wrapper, "Config", None) is engine.Config
+    if not is_uccl:
         raise ImportError(
-            f"{_FEATURE} needs UCCL-EP's DeepEP-compatible Buffer (the 'deep_ep' package built "
-            "from uccl/ep/deep_ep_wrapper over the installed uccl.ep), but the importable "
-            "'deep_ep' is another library. To fix: cd uccl/ep/deep_ep_wrapper && python setup.py "
-            "install, or choose moe_flex_dispatcher_backend='deepep'")
+            f"{_FEATURE} needs UCCL-EP's DeepEP-compatible Buffer (the 'deep_ep' package of "
+            "uccl/ep/deep_ep_wrapper over the installed uccl.ep; pip's uccl wheel does not ship it), "
+            f"but 'deep_ep' {found}. To fix: check out uccl-project/uccl at the "
+            "installed uccl's release tag (v0.1.1 for uccl 0.1.1), cd ep/deep_ep_wrapper && pip "
+            "install ., or choose moe_flex_dispatcher_backend='torch'")
     return wrapper
 
 
