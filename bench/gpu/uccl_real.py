@@ -32,6 +32,7 @@ import json
 import multiprocessing as mp
 import os
 import queue
+import shutil
 import socket
 import subprocess
 import sys
@@ -86,7 +87,7 @@ def _child(mode: str, rank: int, world: int, port: int, site: str, results, dead
     try:
         # UCCL's Buffer takes LOCAL_RANK as its device index; every rank here uses device 0.
         os.environ.pop("LOCAL_RANK", None)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
         sys.path[:0] = [site, LAYER, ROOT, os.path.join(ROOT, "bench", "gpu")]
         # The wheel's engine needs libcudart.so.12: loaded by path, it satisfies that soname.
         ctypes.CDLL(os.path.join(LAYER, "lib", "libcudart.so.12"), mode=ctypes.RTLD_GLOBAL)
@@ -107,7 +108,10 @@ def _child(mode: str, rank: int, world: int, port: int, site: str, results, dead
             "torch": torch.__version__, "device": torch.cuda.get_device_name(0),
             "uccl_ep_file": uccl.ep.__file__, "deep_ep_file": deep_ep.__file__,
             "is_sm90_compiled": deep_ep.Buffer.is_sm90_compiled()})
-        (_ep1 if mode == "ep1" else _ep2)(backend, deep_ep, stage, report, deadline)
+        if mode == "ep1":
+            _ep1(backend, deep_ep, stage, report)
+        else:
+            _ep2(backend, torch.device("cuda", 0), stage, report, deadline)
         stage("teardown")
         dist.destroy_process_group()
         report("done")
@@ -115,7 +119,7 @@ def _child(mode: str, rank: int, world: int, port: int, site: str, results, dead
         report("error", text=traceback.format_exc(limit=12))
 
 
-def _ep1(backend, deep_ep, stage, report, deadline) -> None:
+def _ep1(backend, deep_ep, stage, report) -> None:
     import torch.distributed as dist
 
     stage("construct")
@@ -137,14 +141,14 @@ def _ep1(backend, deep_ep, stage, report, deadline) -> None:
     report("result", key="backend_at_world_size_1", value=answer)
 
 
-def _ep2(backend, deep_ep, stage, report, deadline) -> None:
+def _ep2(backend, device, stage, report, deadline: float) -> None:
     import torch
     import torch.distributed as dist
 
     import deepep_suite
     from tests.dispatcher.cases import CASES, FACES, TOLERANCE
 
-    deepep_suite.DEVICE = torch.device("cuda", 0)
+    deepep_suite.DEVICE = device
     comm, group = backend.COMMUNICATOR, dist.group.WORLD
     stage("construct")
     start = time.time()
@@ -162,7 +166,8 @@ def _ep2(backend, deep_ep, stage, report, deadline) -> None:
                 name = f"dense/{case.name}/{face}/{dtype}"
                 stage(name)
                 start = time.time()
-                result = deepep_suite.dense_case(case, face, dtype, "uccl_ep", {})
+                # Unshared: releasing a shared manager would free (and re-create) the buffer.
+                result = deepep_suite.dense_case(case, face, dtype, "uccl_ep", {"moe_share_token_dispatcher": False})
                 errors = deepep_suite.gather(result["errors"])
                 received = sum(sum(t) for t in deepep_suite.gather(result["tokens_per_expert"]))
                 sent = sum(deepep_suite.gather(result["sent_pairs"]))
@@ -186,15 +191,15 @@ def _launch(mode: str, world: int, site: str, limit_s: float) -> dict:
     for p in procs:
         p.start()
     out = {"world_size": world, "results": {}, "cases": {}, "errors": {}, "last_stage": {}}
-    finished, died = set(), None
+    finished, stopping_since = set(), None
     while len(finished) < world and time.time() < end:
         try:
             msg = results.get(timeout=1.0)
         except queue.Empty:
             gone = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in finished]
-            if (gone or out["errors"]) and died is None:
-                died = time.time()  # drain what is left, then stop: its peers would wait forever
-            if died is not None and time.time() - died > 3:
+            if (gone or out["errors"]) and stopping_since is None:
+                stopping_since = time.time()  # drain what is left, then stop: its peers would wait forever
+            if stopping_since is not None and time.time() - stopping_since > 3:
                 break
             continue
         rank = msg["rank"]
@@ -209,7 +214,7 @@ def _launch(mode: str, world: int, site: str, limit_s: float) -> dict:
             if msg["kind"] == "error":
                 out["errors"][rank] = {"stage": msg["stage"], "text": msg["text"]}
                 print(f"[{mode}] rank {rank} failed in {msg['stage']}:\n{msg['text']}", flush=True)
-    out["timed_out"] = len(finished) < world and died is None
+    out["timed_out"] = len(finished) < world and stopping_since is None
     for p in procs:
         p.join(5 if len(finished) == world else 0)  # a finished rank is flushing its queue
         if p.is_alive():
@@ -243,6 +248,8 @@ def main() -> None:
         record["ep2"] = _launch("ep2", 2, site, TOTAL_LIMIT_S - (time.time() - begin))
     except Exception:  # noqa: BLE001 - a setup failure is itself the result to record
         record["setup_error"] = traceback.format_exc(limit=6)
+    finally:
+        shutil.rmtree(site, ignore_errors=True)
     ep2 = record.get("ep2", {})
     cases = ep2.get("cases", {})
     planned = ep2.get("results", {}).get("planned_cases", {}).get(0)
@@ -250,8 +257,8 @@ def main() -> None:
     record["summary"] = {
         "passed": sum(c["ok"] for c in cases.values()), "failed": sum(not c["ok"] for c in cases.values()),
         "not_run": None if planned is None else planned - len(cases),
-        "first_error": (errors[0]["text"].strip().splitlines()[-1] if errors
-                        else record.get("setup_error", "").strip().splitlines()[-1:] or None),
+        "first_error": next((text.strip().splitlines()[-1] for text in
+                             [e["text"] for e in errors] + [record.get("setup_error", "")] if text.strip()), None),
         "ep2_timed_out": ep2.get("timed_out"), "seconds": round(time.time() - begin, 1)}
     out_dir = os.environ.get("OUT", "./outputs")
     os.makedirs(out_dir, exist_ok=True)
@@ -259,6 +266,7 @@ def main() -> None:
     with open(path, "w") as f:
         json.dump(record, f, indent=2, default=str)
     print(f"uccl_real: {record['summary']}; wrote {path}", flush=True)
+    sys.exit(0 if planned and record["summary"]["passed"] == planned else 1)
 
 
 if __name__ == "__main__":
