@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from megatron_moe_ext.config import TokenDispatcherConfig
-from megatron_moe_ext.experts.activations import get_expert_activation_for_deepep
+from megatron_moe_ext.experts.activations import get_expert_activation
 from megatron_moe_ext.experts.common import ExpertParallel, StackedExperts, check_expert_inputs
 from megatron_moe_ext.experts.config import ExpertsConfig
 from megatron_moe_ext.experts.grouped import _permute_tokens_for_grouped_mm
@@ -135,7 +135,7 @@ class GroupedExpertsDeepEP(StackedExperts):
         self.dispatcher_config = make_dispatcher_config(
             config, dispatcher_backend, dispatcher_num_sms, dispatcher_share_token_dispatcher,
             dispatcher_async_dispatch, static_routing, **dispatcher_options)
-        self.expert_activation = get_expert_activation_for_deepep(config)
+        self.expert_activation = get_expert_activation(config)
         self.token_dispatch = ExpertDispatch(config.n_routed_experts, self.ep, self.dispatcher_config,
                                              config.dim, config.dtype)
 

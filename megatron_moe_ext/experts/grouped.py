@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_moe_ext.experts.activations import get_expert_activation_for_deepep
+from megatron_moe_ext.experts.activations import get_expert_activation
 from megatron_moe_ext.experts.common import StackedExperts, check_expert_inputs
 from megatron_moe_ext.experts.config import ExpertsConfig
 from megatron_moe_ext.experts.mlp import run_grouped_expert_mlp
@@ -128,7 +128,7 @@ class GroupedExperts(StackedExperts):
     def __init__(self, config: ExpertsConfig, device: torch.device | str | None = None):
         super().__init__(config, device)
         self.use_torch_mm = config.use_torch_mm
-        self.expert_activation_grouped = get_expert_activation_for_deepep(config)
+        self.expert_activation_grouped = get_expert_activation(config)
 
     def init_token_dispatcher(self, ep_mesh) -> None:
         """Join the expert-parallel group (DeviceMesh or ProcessGroup) and keep the local experts."""

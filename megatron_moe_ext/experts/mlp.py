@@ -263,7 +263,7 @@ def run_grouped_expert_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Ten
             rows past their sum are capacity padding (output 0, no gradient into weights).
         permuted_probs_P1: `[P, 1]` routing probabilities (fp32).
         activation_fn: `fn(x [P, 2I or I], probs [P, 1]) -> [P, I]`, e.g. from
-            `get_expert_activation_for_deepep`.
+            `get_expert_activation`.
 
     Returns:
         `[P, H]` in hidden_PH's dtype.

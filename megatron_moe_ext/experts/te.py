@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from megatron_moe_ext.dispatcher.permute import align_up
-from megatron_moe_ext.experts.activations import get_expert_activation_for_deepep, is_gated_activation
+from megatron_moe_ext.experts.activations import get_expert_activation, is_gated_activation
 from megatron_moe_ext.experts.bias import _apply_bias
 from megatron_moe_ext.experts.common import check_expert_inputs, local_expert_range, resolve_ep_group
 from megatron_moe_ext.experts.config import ExpertsConfig
@@ -116,7 +116,7 @@ class GroupedExpertsTE(nn.Module):
         self.static_routing = static_routing
         self.fp8_align_size = fp8_align_size
         self._static_m_splits: list | None = None
-        self.expert_activation = get_expert_activation_for_deepep(config)
+        self.expert_activation = get_expert_activation(config)
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.ep_rank, self.num_local_experts = 0, config.n_routed_experts

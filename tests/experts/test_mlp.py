@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_moe_ext.experts import mlp
-from megatron_moe_ext.experts.activations import quick_geglu_deepep, relu2_deepep, swiglu
+from megatron_moe_ext.experts.activations import quick_geglu, relu2, swiglu
 from tests.experts.devices import DEVICES
 from tests.experts.memory import LiveStorageTracker
 
@@ -31,7 +31,7 @@ def _ref_activation(kind, h, probs):
     return F.relu(h) ** 2 * probs
 
 
-ACTIVATIONS = {"swiglu": swiglu, "quick_geglu": quick_geglu_deepep, "relu2": relu2_deepep}
+ACTIVATIONS = {"swiglu": swiglu, "quick_geglu": quick_geglu, "relu2": relu2}
 
 
 def _case(kind, with_bias, seed=0, counts=COUNTS, tail=TAIL, param_dtype=torch.float32):
