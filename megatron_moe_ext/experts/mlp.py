@@ -6,6 +6,12 @@ do the projections; `_apply_bias` adds the biases (`_grouped_mm` has none, and t
 is weighted by the prob). Large inputs run in checkpointed row chunks so the `[P, 2I]` and
 `[P, I]` intermediates never exist at full size.
 
+Feature padding: `torch._grouped_mm` needs every row stride to be a multiple of 16 bytes.
+Hidden or intermediate sizes that are not (e.g. H 12 in bf16, I 10 in fp32) are zero-padded
+to the next multiple for the two GEMMs only and sliced back: zero columns of `x` meet zero
+rows of the weights, and the padded intermediate columns are sliced off before the bias and
+activation, so the result and every gradient equal the unpadded math.
+
 Capacity padding: rows past `sum(tokens_per_expert)` belong to no expert. Their output is
 unspecified but finite (it is 0 here), they add nothing to any weight or bias gradient, and
 their input and prob gradients are 0. When the counts live on the host that is free (the
@@ -74,6 +80,32 @@ class _ZeroGradOnPadding(torch.autograd.Function):
         return _zero_padding_rows_(grad.contiguous(), total_1), None
 
 
+def _stride_multiple(dtype: torch.dtype) -> int:
+    """Elements per 16 bytes: `torch._grouped_mm`'s row-stride granularity."""
+    return max(1, 16 // torch.empty(0, dtype=dtype).element_size())
+
+
+def _pad_dims(t: torch.Tensor, multiple: int, dims: tuple[int, ...]) -> torch.Tensor:
+    """Zero-pad the trailing `dims` (negative indices) of `t` to multiples of `multiple`;
+    `t` itself when no padding is needed."""
+    pad = [0] * (2 * -min(dims))
+    for d in dims:
+        pad[2 * (-d - 1) + 1] = -t.shape[d] % multiple
+    return torch.nn.functional.pad(t, pad) if any(pad) else t
+
+
+def _grouped_mm_any_width(x_PK: torch.Tensor, w_eKN: torch.Tensor,
+                          offsets_e: torch.Tensor, total_1: torch.Tensor | None) -> torch.Tensor:
+    """`torch._grouped_mm(x, w, offs)` for any K and N: both are zero-padded to 16-byte rows
+    when needed and the result is sliced back to `[P, N]` (see "Feature padding")."""
+    multiple = _stride_multiple(x_PK.dtype)
+    width = w_eKN.shape[2]
+    out = _GroupedMmOutput.apply(
+        torch._grouped_mm(_pad_dims(x_PK, multiple, (-1,)), _pad_dims(w_eKN, multiple, (-2, -1)),
+                          offs=offsets_e), total_1)
+    return out if out.shape[1] == width else out[:, :width].contiguous()
+
+
 def _host_counts(tokens_per_expert: TokenCounts) -> list[int] | None:
     """The counts as ints when they are on the host (reading them costs no sync), else None."""
     if isinstance(tokens_per_expert, torch.Tensor):
@@ -114,13 +146,11 @@ def _grouped_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor, down_
     act_probs_P1 = permuted_probs_P1
     if apply_router_weight_after_down:
         act_probs_P1 = torch.ones_like(permuted_probs_P1)
-    up_PI = _GroupedMmOutput.apply(
-        torch._grouped_mm(hidden_PH, gate_and_up_projs.to(dtype), offs=offsets_e), None)
+    up_PI = _grouped_mm_any_width(hidden_PH, gate_and_up_projs.to(dtype), offsets_e, None)
     if gate_up_proj_bias is not None:
         up_PI = _apply_bias(up_PI, gate_up_proj_bias, counts_e)
     act_PI = activation_fn(up_PI, act_probs_P1)
-    out_PH = _GroupedMmOutput.apply(
-        torch._grouped_mm(act_PI, down_projs.to(dtype), offs=offsets_e), total_1)
+    out_PH = _grouped_mm_any_width(act_PI, down_projs.to(dtype), offsets_e, total_1)
     if apply_router_weight_after_down:
         if down_proj_bias is not None:
             out_PH = _apply_bias(out_PH, down_proj_bias, counts_e)

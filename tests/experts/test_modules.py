@@ -56,6 +56,13 @@ CASES = [
                backend="hybridep", repeats=2, dispatcher_options=(("moe_hybridep_capacity_factor", 2.0),)),
     ModuleCase("mm_swiglu_fp32_bias_ep2_no_tokens_anywhere", "grouped_mm", "swiglu", "fp32", True, 2,
                tokens_per_rank=(0, 0)),
+    # Rows that are not a multiple of 16 bytes (torch._grouped_mm's stride rule): padded inside.
+    ModuleCase("mm_swiglu_bf16_bias_hidden12_ep1", "grouped_mm", "swiglu", "bf16", True, 1, hidden=12),
+    ModuleCase("deepep_relu2_fp32_bias_hidden10_inter5_ep2", "deepep", "relu2", "fp32", True, 2,
+               hidden=10, inter=5),
+    ModuleCase("mm_oai_fp32_inter3_ep2", "grouped_mm", "swiglu_oai", "fp32", False, 2, inter=3),
+    ModuleCase("deepep_clamped_bf16master_hidden12_inter6_ep1", "deepep", "swiglu_clamped",
+               "bf16_fp32_master", True, 1, hidden=12, inter=6),
     ModuleCase("te_swiglu_fp32_ep2_no_tokens_anywhere", "te", "swiglu", "fp32", False, 2, tokens_per_rank=(0, 0)),
 ]
 

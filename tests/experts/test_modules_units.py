@@ -11,7 +11,7 @@ import torch
 from megatron_moe_ext.experts import GroupedExpertsDeepEP, GroupedExpertsTE
 from megatron_moe_ext.experts.common import ExpertParallel, local_expert_range
 from megatron_moe_ext.experts.deepep import _stabilize_empty_routing_probs_dtype
-from megatron_moe_ext.experts.grouped import _permute_tokens_for_grouped_mm
+from megatron_moe_ext.experts.common import permute_local, unpermute_local
 from megatron_moe_ext.experts.te import _resolve_m_splits
 from megatron_moe_ext.utils.optional import try_import
 from tests.experts.cases_modules import (
@@ -34,19 +34,22 @@ def _loaded(case: ModuleCase):
     return module
 
 
-def test_permute_tokens_for_grouped_mm_matches_brute_force():
+def test_permute_local_matches_brute_force():
     g = torch.Generator().manual_seed(3)
     indices = torch.randint(-1, 8, (13, 3), generator=g)
     weights = torch.rand(13, 3, generator=g)
     mask = torch.rand(13, generator=g) > 0.3
-    ids, w, counts, offs, slots = _permute_tokens_for_grouped_mm(indices, weights, mask, 3, 2, return_slot_ids=True)
-    expected = [(e, t, k) for e in range(2, 5) for t in range(13) for k in range(3)
-                if mask[t] and indices[t, k] == e]
-    assert [(int(indices.flatten()[s]), int(t), int(s) % 3) for s, t in zip(slots, ids)] == expected
-    assert ids.tolist() == [t for _, t, _ in expected]
-    assert torch.equal(w, torch.stack([weights[t, k] for _, t, k in expected]))
-    assert counts.tolist() == [sum(1 for e, _, _ in expected if e == x) for x in range(2, 5)]
-    assert offs.dtype == torch.int32 and offs.tolist() == torch.cumsum(counts, 0).tolist()
+    x = torch.randn(13, 4, generator=g)
+    perm = permute_local(x, mask, weights, indices, 2, 3)
+    # Expert-major, token order within an expert; a duplicated id sums its probs.
+    expected = [(e, t) for e in range(2, 5) for t in range(13) if mask[t] and (indices[t] == e).any()]
+    assert perm.tokens_per_expert == [sum(1 for e, _ in expected if e == x) for x in range(2, 5)]
+    assert torch.equal(perm.rows_PH, x[[t for _, t in expected]])
+    probs = [float(weights[t][indices[t] == e].sum()) for e, t in expected]
+    torch.testing.assert_close(perm.probs_P, torch.tensor(probs))
+    back = unpermute_local(perm.rows_PH, perm)
+    copies = torch.tensor([sum(1 for _, t in expected if t == u) for u in range(13)], dtype=x.dtype)
+    torch.testing.assert_close(back, x * copies[:, None])
 
 
 def test_resolve_m_splits_reads_counts_and_caches_under_static_routing():
