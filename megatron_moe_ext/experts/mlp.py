@@ -1,7 +1,7 @@
 """The grouped-GEMM expert MLP core: `act(x @ W1 + b1) @ W2 + prob * b2` per expert segment.
 
 Rows arrive grouped contiguously by local expert (`tokens_per_expert` rows each), as the
-dispatchers and `_permute_tokens_for_grouped_mm` deliver them. Two `torch._grouped_mm` calls
+dispatchers and `common.permute_local` deliver them. Two `torch._grouped_mm` calls
 do the projections; `_apply_bias` adds the biases (`_grouped_mm` has none, and the down bias
 is weighted by the prob). Large inputs run in checkpointed row chunks so the `[P, 2I]` and
 `[P, I]` intermediates never exist at full size.

@@ -158,7 +158,7 @@ def make_inputs(case: ModuleCase, rank: int):
 
 
 def reference_activation(name: str, h: torch.Tensor, limit: float) -> torch.Tensor:
-    """The activations' math from SPEC section 7, without the routing prob."""
+    """The activations' math (docs/DESIGN.md), written independently, without the routing prob."""
     if name == "relu2":
         return F.relu(h) ** 2
     if name == "quick_geglu":
