@@ -105,12 +105,12 @@ def apply_bias_candidates(meg_apply_bias):
         return torch.autograd.grad(out, (value, bias, probs), grad_out)
 
     def ext_torch(*args):
-        saved = ext_bias._BIAS_GRAD_TRITON_AVAILABLE
-        ext_bias._BIAS_GRAD_TRITON_AVAILABLE = False
+        saved = ext_bias._use_triton
+        ext_bias._use_triton = lambda t: False
         try:
             return ext(*args)
         finally:
-            ext_bias._BIAS_GRAD_TRITON_AVAILABLE = saved
+            ext_bias._use_triton = saved
 
     out = {"ext_triton": ext, "ext_torch": ext_torch}
     if meg_apply_bias is not None:

@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from megatron_moe_ext.experts.bias import TokenCounts, _apply_bias, _counts_on
+from megatron_moe_ext.experts.bias import TokenCounts, _apply_bias, _chunk_counts, _counts_on
 from megatron_moe_ext.experts.kernels import rows_triton
 
 _EXPERT_MLP_CHUNK_BYTES = 512 * 1024 * 1024
@@ -193,11 +193,6 @@ def _chunk_counts_host(host: list[int], first: int, last: int) -> list[int]:
     return counts
 
 
-def _chunk_counts_device(counts_e: torch.Tensor, first: int, last: int) -> torch.Tensor:
-    ends_e = torch.cumsum(counts_e, 0)
-    return ends_e.clamp(first, last) - (ends_e - counts_e).clamp(first, last)
-
-
 def _checkpointed_chunked_expert_mlp(hidden_states: torch.Tensor, gate_and_up_projs: torch.Tensor,
                                      down_projs: torch.Tensor,
                                      gate_up_proj_bias: torch.Tensor | None,
@@ -236,7 +231,7 @@ def _checkpointed_chunked_expert_mlp(hidden_states: torch.Tensor, gate_and_up_pr
     for first in range(0, rows, chunk_rows):
         last = min(first + chunk_rows, rows)
         counts = (_chunk_counts_host(host, first, last) if host is not None
-                  else _chunk_counts_device(counts_e, first, last))
+                  else _chunk_counts(counts_e, first, last))
         out_PH[first:last] = checkpoint(
             _grouped_mlp, hidden_states[first:last], gate_and_up_projs, down_projs,
             gate_up_proj_bias, down_proj_bias, counts, permuted_probs[first:last], activation_fn,
