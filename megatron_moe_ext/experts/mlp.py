@@ -117,6 +117,12 @@ def _grouped_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor, down_
                  gate_up_proj_bias: torch.Tensor | None, down_proj_bias: torch.Tensor | None,
                  tokens_per_expert: TokenCounts, permuted_probs_P1: torch.Tensor,
                  activation_fn: Activation, apply_router_weight_after_down: bool) -> torch.Tensor:
+    """The grouped MLP in one shot (arguments as `run_grouped_expert_mlp`, unchecked).
+
+    apply_router_weight_after_down: multiply by the prob after the down projection
+    (`prob * (act(x W1 + b1) W2 + b2)`) instead of inside `activation_fn`.
+    Returns `[P, H]` in hidden_PH's dtype; padding rows are 0.
+    """
     dtype, rows = hidden_PH.dtype, hidden_PH.shape[0]
     host = _host_counts(tokens_per_expert)
     if host is not None and sum(host) < rows:
@@ -160,31 +166,6 @@ def _grouped_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor, down_
     return out_PH
 
 
-def _torch_mm_experts_fwd(hidden_states: torch.Tensor, gate_and_up_projs: torch.Tensor,
-                          down_projs: torch.Tensor, tokens_per_expert: TokenCounts,
-                          permuted_probs: torch.Tensor, activation_fn: Activation,
-                          gate_up_proj_bias: torch.Tensor | None = None,
-                          down_proj_bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The grouped expert MLP in one shot with `torch._grouped_mm`.
-
-    Arguments:
-        hidden_states: `[P, H]` rows grouped by expert, in the compute dtype.
-        gate_and_up_projs: `[e, H, 2I]` (`[e, H, I]` non-gated); fp32 masters are cast to
-            the compute dtype.
-        down_projs: `[e, I, H]`.
-        tokens_per_expert: `[e]` counts, host or device; rows past their sum are padding.
-        permuted_probs: `[P, 1]` routing probabilities (fp32), applied inside `activation_fn`.
-        activation_fn: `fn(x [P, 2I or I], probs [P, 1]) -> [P, I]`.
-        gate_up_proj_bias: optional `[e, 2I]`, added unweighted.
-        down_proj_bias: optional `[e, H]`, added as `prob * bias`.
-
-    Returns:
-        `[P, H]` in hidden_states' dtype; padding rows are 0.
-    """
-    return _grouped_mlp(hidden_states, gate_and_up_projs, down_projs, gate_up_proj_bias,
-                        down_proj_bias, tokens_per_expert, permuted_probs, activation_fn, False)
-
-
 def _chunk_counts_host(host: list[int], first: int, last: int) -> list[int]:
     counts, start = [], 0
     for count in host:
@@ -210,7 +191,7 @@ def _checkpointed_chunked_expert_mlp(hidden_states: torch.Tensor, gate_and_up_pr
 
     Arguments:
         hidden_states, gate_and_up_projs, down_projs, tokens_per_expert, permuted_probs,
-        activation_fn, gate_up_proj_bias, down_proj_bias: as `_torch_mm_experts_fwd`.
+        activation_fn, gate_up_proj_bias, down_proj_bias: as `run_grouped_expert_mlp`.
         apply_router_weight_after_down: multiply by the prob after the down projection
             (`prob * (act(x W1 + b1) W2 + b2)`) instead of inside `activation_fn`.
         chunk_bytes: target size of one chunk's `[rows, 2I]` intermediate
@@ -300,6 +281,5 @@ def run_grouped_expert_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Ten
         return _checkpointed_chunked_expert_mlp(
             hidden_PH, gate_and_up_projs, down_projs, gate_up_proj_bias, down_proj_bias,
             tokens_per_expert, permuted_probs_P1, activation_fn)
-    return _torch_mm_experts_fwd(hidden_PH, gate_and_up_projs, down_projs, tokens_per_expert,
-                                 permuted_probs_P1, activation_fn, gate_up_proj_bias,
-                                 down_proj_bias)
+    return _grouped_mlp(hidden_PH, gate_and_up_projs, down_projs, gate_up_proj_bias,
+                        down_proj_bias, tokens_per_expert, permuted_probs_P1, activation_fn, False)

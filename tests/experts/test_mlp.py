@@ -1,6 +1,6 @@
 """The grouped-GEMM expert MLP against a per-expert loop of plain float64 matmuls.
 
-Covers both entry points (`run_grouped_expert_mlp`, `_torch_mm_experts_fwd`), host and
+Covers both entry points (`run_grouped_expert_mlp`, the unchunked `_grouped_mlp`), host and
 device counts (the latter's sync-free masking path is forced on the CPU), capacity padding
 rows, empty experts, fp32 master weights under bf16 compute, the checkpointed chunked path,
 and its peak memory at 32768 rows.
@@ -91,7 +91,7 @@ def _run_grouped(x, w1, w2, b1, b2, counts, probs, act):
 
 
 def _torch_mm(x, w1, w2, b1, b2, counts, probs, act):
-    return mlp._torch_mm_experts_fwd(x, w1, w2, counts, probs, act, b1, b2)
+    return mlp._grouped_mlp(x, w1, w2, b1, b2, counts, probs, act, False)
 
 
 def _check(out, grads, ref_out, ref_grads, rows_valid, tol):
