@@ -13,6 +13,8 @@ I intermediate.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -262,11 +264,16 @@ class GroupedExpertsTE(nn.Module):
 
     def _linears(self, rows: torch.Tensor, m_splits) -> torch.Tensor:
         """gate/up GEMM (+ b1) -> activation -> down GEMM (+ b2), the prob left out (1)."""
-        mixed = rows.dtype != self.config.dtype
-        with torch.autocast(rows.device.type, dtype=rows.dtype, enabled=mixed):
+        def compute_dtype():
+            # A surrounding autocast region is left alone when the dtypes already match.
+            if rows.dtype == self.config.dtype:
+                return contextlib.nullcontext()
+            return torch.autocast(rows.device.type, dtype=rows.dtype)
+
+        with compute_dtype():
             up = self.gate_up_linear(rows, m_splits)
         hidden = self.expert_activation(up, up.new_ones(up.shape[0], 1, dtype=torch.float32))
-        with torch.autocast(rows.device.type, dtype=rows.dtype, enabled=mixed):
+        with compute_dtype():
             return self.down_linear(hidden, m_splits)
 
     def _grouped_mlp(self, rows_PH: torch.Tensor, probs_P: torch.Tensor,
