@@ -64,10 +64,10 @@ def swiglu(x: torch.Tensor, permuted_probs: torch.Tensor) -> torch.Tensor:
     Returns:
         `[P, I]` in x's dtype.
     """
-    return swiglu_clamped_deepep(x, permuted_probs, 0.0)
+    return swiglu_clamped(x, permuted_probs, 0.0)
 
 
-def swiglu_clamped_deepep(x: torch.Tensor, permuted_probs: torch.Tensor,
+def swiglu_clamped(x: torch.Tensor, permuted_probs: torch.Tensor,
                           limit: float) -> torch.Tensor:
     """Clamped SwiGLU (DeepSeek-V4): gate clamped above at `limit`, up to `[-limit, limit]`.
 
@@ -84,7 +84,7 @@ def swiglu_clamped_deepep(x: torch.Tensor, permuted_probs: torch.Tensor,
     return _swiglu_torch(x, permuted_probs, limit)
 
 
-def swiglu_oai_deepep(
+def swiglu_oai(
     x: torch.Tensor, permuted_probs: torch.Tensor, alpha: float = 1.702, limit: float = 7.0
 ) -> torch.Tensor:
     """SwiGLU-OAI (GPT-OSS): `g * sigmoid(alpha * g) * (u + 1) * prob` in fp32, `[gate | up]`.
@@ -106,7 +106,7 @@ def swiglu_oai_deepep(
     return (gate * torch.sigmoid(alpha * gate) * (up + 1.0) * permuted_probs).to(x.dtype)
 
 
-def quick_geglu_deepep(
+def quick_geglu(
     x: torch.Tensor,
     permuted_probs: torch.Tensor,
     alpha: float = 1.702,
@@ -139,7 +139,7 @@ def quick_geglu_deepep(
     return (glu * permuted_probs).to(x.dtype)
 
 
-def relu2_deepep(x: torch.Tensor, permuted_probs: torch.Tensor) -> torch.Tensor:
+def relu2(x: torch.Tensor, permuted_probs: torch.Tensor) -> torch.Tensor:
     """Squared ReLU (non-gated): `relu(x)^2 * prob` in fp32.
 
     Arguments:
@@ -152,20 +152,20 @@ def relu2_deepep(x: torch.Tensor, permuted_probs: torch.Tensor) -> torch.Tensor:
     return (torch.square(F.relu(x.float())) * permuted_probs).to(x.dtype)
 
 
-def get_expert_activation_for_deepep(config: ExpertsConfig) -> ExpertActivation:
+def get_expert_activation(config: ExpertsConfig) -> ExpertActivation:
     """The activation `fn(x, permuted_probs) -> [P, I]` that `config.expert_activation` names,
     with `config.activation_alpha` / `activation_limit` bound."""
     name = config.expert_activation
     if name == "swiglu":
         return swiglu
     if name == "swiglu_clamped":
-        return functools.partial(swiglu_clamped_deepep, limit=config.activation_limit)
+        return functools.partial(swiglu_clamped, limit=config.activation_limit)
     if name == "swiglu_oai":
-        return functools.partial(swiglu_oai_deepep, alpha=config.activation_alpha,
+        return functools.partial(swiglu_oai, alpha=config.activation_alpha,
                                  limit=config.activation_limit)
     if name == "quick_geglu":
-        return functools.partial(quick_geglu_deepep, alpha=config.activation_alpha,
+        return functools.partial(quick_geglu, alpha=config.activation_alpha,
                                  limit=config.activation_limit)
     if name == "relu2":
-        return relu2_deepep
+        return relu2
     raise ValueError(f"expert_activation={name!r} is invalid: allowed values are {ACTIVATIONS}")

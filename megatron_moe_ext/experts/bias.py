@@ -21,14 +21,13 @@ from megatron_moe_ext.experts.kernels import bias_triton
 
 _BIAS_CHUNK_ROWS = 4096
 _BIAS_CHUNK_THRESHOLD = 12288
-# Triton is a hard dependency; the kernels need a CUDA tensor (or the Triton interpreter).
-_BIAS_GRAD_TRITON_AVAILABLE = True
 
 TokenCounts = torch.Tensor | Sequence[int]
 
 
 def _use_triton(t: torch.Tensor) -> bool:
-    return _BIAS_GRAD_TRITON_AVAILABLE and t.is_cuda
+    """The Triton kernels run on CUDA tensors (Triton is a hard dependency)."""
+    return t.is_cuda
 
 
 def _counts_on(tokens_per_expert: TokenCounts, device: torch.device) -> torch.Tensor:
@@ -107,20 +106,6 @@ def _reduce_bias_grad_chunked_fallback(grad_output: torch.Tensor, token_counts: 
         total += _segment_reduce_bias_grad(chunk, _chunk_counts(token_counts, first, last),
                                            torch.float64)
     return total.to(output_dtype)
-
-
-def _reduce_bias_grad_fallback(grad_output: torch.Tensor,
-                               token_counts: torch.Tensor) -> torch.Tensor:
-    """Reduce grouped token gradients without Triton.
-
-    Arguments:
-        grad_output: `[P, D]`, grouped contiguously by expert.
-        token_counts: `[e]` int64 segment lengths on grad_output's device.
-
-    Returns:
-        `[e, D]` in grad_output's dtype.
-    """
-    return _reduce_bias_grad_chunked_fallback(grad_output, token_counts, None, grad_output.dtype)
 
 
 def _reduce_bias_grad(grad_output: torch.Tensor, token_counts: torch.Tensor,

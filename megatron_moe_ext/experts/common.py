@@ -17,6 +17,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron_moe_ext.dispatcher.permute import (
+    PermutationState,
+    indices_to_multihot,
+    permute_to_experts,
+    unpermute_from_experts,
+)
 from megatron_moe_ext.experts.activations import is_gated_activation
 from megatron_moe_ext.experts.config import ExpertsConfig
 
@@ -139,3 +145,49 @@ def check_expert_inputs(config: ExpertsConfig, x: torch.Tensor, token_mask: torc
         if lo < -1 or hi >= config.n_routed_experts:
             raise ValueError(f"indices: values must be in [-1, {config.n_routed_experts - 1}] "
                              f"(-1 = unused slot), got min {lo}, max {hi}")
+
+
+@dataclass(frozen=True)
+class LocalPermutation:
+    """Rows of `[T, K]`-routed tokens grouped by this rank's experts, without communication.
+
+    rows_PH: `[P, H]` one row per (token, local expert) pair, grouped by expert (token order
+        within an expert). probs_P: `[P]` fp32 routing probs (differentiable).
+    tokens_per_expert: host list of `e` counts (P = their sum). state: what
+        `unpermute_from_experts` needs to sum the rows back into `[T, H]`.
+    """
+
+    rows_PH: torch.Tensor
+    probs_P: torch.Tensor
+    tokens_per_expert: list[int]
+    state: PermutationState
+
+
+def permute_local(x_TH: torch.Tensor, token_mask_T: torch.Tensor, weights_TK: torch.Tensor,
+                  indices_TK: torch.Tensor, experts_start_idx: int,
+                  n_local_experts: int) -> LocalPermutation:
+    """Group the tokens routed to experts `[start, start + e)` by expert, through the
+    dispatcher's permutation (`dispatcher/permute.py`), as a dispatch at EP=1 would.
+
+    Arguments:
+        x_TH: `[T, H]` tokens. token_mask_T: `[T]` bool (False: left out).
+        weights_TK / indices_TK: `[T, K]` routing probs and global expert ids (-1 unused).
+        experts_start_idx / n_local_experts: the expert range.
+
+    Returns:
+        `LocalPermutation`. A token naming one expert in two slots reaches it once with the
+        summed prob, which equals the dense per-slot sum (the expert is linear in its prob).
+        The counts are read on the host (one sync): they size the permuted buffer.
+    """
+    local_TK = indices_TK.long() - experts_start_idx
+    routed_TK = (local_TK >= 0) & (local_TK < n_local_experts) & token_mask_T[:, None]
+    routing_map_Te, probs_Te = indices_to_multihot(
+        torch.where(routed_TK, local_TK, -1), weights_TK, n_local_experts)
+    counts = routing_map_Te.sum(0).tolist()
+    rows_PH, probs_P, counts, state = permute_to_experts(x_TH, routing_map_Te, probs_Te, counts)
+    return LocalPermutation(rows_PH, probs_P, counts, state)
+
+
+def unpermute_local(out_PH: torch.Tensor, permutation: LocalPermutation) -> torch.Tensor:
+    """Expert outputs `[P, H]` (rows past P ignored) -> `[T, H]`, each token the sum of its rows."""
+    return unpermute_from_experts(out_PH, permutation.state)

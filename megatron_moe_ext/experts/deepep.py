@@ -15,10 +15,16 @@ from __future__ import annotations
 import torch
 
 from megatron_moe_ext.config import TokenDispatcherConfig
-from megatron_moe_ext.experts.activations import get_expert_activation_for_deepep
-from megatron_moe_ext.experts.common import ExpertParallel, StackedExperts, check_expert_inputs
+from megatron_moe_ext.experts.activations import get_expert_activation
+from megatron_moe_ext.experts.common import (
+    ExpertParallel,
+    LocalPermutation,
+    StackedExperts,
+    check_expert_inputs,
+    permute_local,
+    unpermute_local,
+)
 from megatron_moe_ext.experts.config import ExpertsConfig
-from megatron_moe_ext.experts.grouped import _permute_tokens_for_grouped_mm
 from megatron_moe_ext.experts.mlp import run_grouped_expert_mlp
 
 
@@ -40,7 +46,7 @@ class ExpertDispatch:
     """Dispatch/combine of `[T, K]`-routed tokens to this rank's experts.
 
     With an EP group of size > 1 it drives `MoEFlexTokenDispatcher.token_permutation2` /
-    `token_unpermutation`; at EP=1 it sorts the (token, slot) pairs locally (no
+    `token_unpermutation`; at EP=1 it groups the routed pairs locally (`common.permute_local`) (no
     communication, no backend library needed).
 
     Arguments:
@@ -64,7 +70,7 @@ class ExpertDispatch:
             allocate = getattr(self.dispatcher._comm_manager, "allocate_buffers", None)
             if allocate is not None:
                 allocate(hidden_size, dtype)
-        self._local_state: tuple[torch.Tensor, int] | None = None
+        self._local: LocalPermutation | None = None
 
     def dispatch(self, x, token_mask, weights, indices):
         """`[T, ...]` inputs -> `(rows_PH, tokens_per_expert [e], permuted_probs [P])`.
@@ -74,19 +80,19 @@ class ExpertDispatch:
         indices = indices.masked_fill(~token_mask[:, None], -1)
         if self.dispatcher is not None:
             return self.dispatcher.token_permutation2(x, x.shape[0], weights.float(), indices)
-        token_ids, probs, tokens_per_expert, _ = _permute_tokens_for_grouped_mm(
-            indices, weights.float(), token_mask, self.n_local_experts, self.experts_start_idx)
-        self._local_state = (token_ids, x.shape[0])
-        return x.index_select(0, token_ids), tokens_per_expert, probs
+        self._local = permute_local(x, token_mask, weights.float(), indices,
+                                    self.experts_start_idx, self.n_local_experts)
+        return self._local.rows_PH, self._local.tokens_per_expert, self._local.probs_P
 
     def combine(self, rows_PH: torch.Tensor) -> torch.Tensor:
         """Expert outputs `[P, H]` -> `[T, H]`, each token the sum of its rows."""
         if self.dispatcher is not None:
             return self.dispatcher.token_unpermutation(rows_PH)
-        token_ids, num_tokens = self._local_state
-        self._local_state = None
-        out = rows_PH.new_zeros(num_tokens, rows_PH.shape[1])
-        return out.index_put((token_ids,), rows_PH[: token_ids.shape[0]], accumulate=True)
+        local, self._local = self._local, None
+        if local is None:
+            raise RuntimeError("ExpertDispatch.combine: no dispatch to combine (each dispatch "
+                               "is combined once)")
+        return unpermute_local(rows_PH, local)
 
     def pipeline_runtime_initializers(self, hidden_dim: int, dtype: torch.dtype) -> tuple:
         if self.dispatcher is None:
@@ -135,7 +141,7 @@ class GroupedExpertsDeepEP(StackedExperts):
         self.dispatcher_config = make_dispatcher_config(
             config, dispatcher_backend, dispatcher_num_sms, dispatcher_share_token_dispatcher,
             dispatcher_async_dispatch, static_routing, **dispatcher_options)
-        self.expert_activation = get_expert_activation_for_deepep(config)
+        self.expert_activation = get_expert_activation(config)
         self.token_dispatch = ExpertDispatch(config.n_routed_experts, self.ep, self.dispatcher_config,
                                              config.dim, config.dtype)
 

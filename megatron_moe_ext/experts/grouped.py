@@ -7,7 +7,8 @@ cost of moving every token to every rank.
 
 Two compute paths over the gathered tokens: a per-expert loop of plain matmuls
 (`config.use_torch_mm=False`), and `torch._grouped_mm` over (token, slot) pairs stably
-sorted by expert (`_permute_tokens_for_grouped_mm` + `run_grouped_expert_mlp`).
+grouped by expert (`common.permute_local`, the dispatcher's permutation, then
+`run_grouped_expert_mlp`).
 
 Legend: T local tokens, N gathered tokens, H hidden, E experts, e local experts, K top-k,
 P (token, slot) pairs routed to this rank's experts, I intermediate.
@@ -18,8 +19,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_moe_ext.experts.activations import get_expert_activation_for_deepep
-from megatron_moe_ext.experts.common import StackedExperts, check_expert_inputs
+from megatron_moe_ext.experts.activations import get_expert_activation
+from megatron_moe_ext.experts.common import (
+    StackedExperts,
+    check_expert_inputs,
+    permute_local,
+    unpermute_local,
+)
 from megatron_moe_ext.experts.config import ExpertsConfig
 from megatron_moe_ext.experts.mlp import run_grouped_expert_mlp
 
@@ -76,44 +82,6 @@ class _AllReduceNarrowFn(torch.autograd.Function):
         return _all_gather_varlen(grad_output.contiguous(), ctx.group, lens, max(lens)), None, None
 
 
-def _permute_tokens_for_grouped_mm(
-    indices: torch.Tensor,
-    weights: torch.Tensor,
-    token_mask: torch.Tensor,
-    n_local_experts: int,
-    experts_start_idx: int,
-    return_slot_ids: bool = False,
-):
-    """Sort the (token, slot) pairs routed to experts `[start, start + e)` by expert, stably.
-
-    Arguments:
-        indices: `[T, K]` global expert ids (-1 = unused slot).
-        weights: `[T, K]` routing weights (differentiable: the sorted weights keep the graph).
-        token_mask: `[T]` bool; masked tokens are left out.
-        n_local_experts / experts_start_idx: the expert range `[start, start + e)`.
-        return_slot_ids: also return each pair's flat slot id `t * K + k`.
-
-    Returns:
-        `(sorted_token_ids [P] int64, sorted_weights [P], tokens_per_expert [e] int64,
-        offsets [e] int32)` (+ `slot_ids [P]`), where `offsets` is the inclusive cumsum of
-        the counts, the `offs` argument of `torch._grouped_mm`. P is read on the host
-        (one sync): the gathered token count is host-side already on this path.
-    """
-    topk = indices.shape[1]
-    local_TK = indices - experts_start_idx
-    routed_TK = (local_TK >= 0) & (local_TK < n_local_experts) & token_mask[:, None]
-    # Unrouted slots get key e, so the stable sort puts them after every expert's group.
-    keys = torch.where(routed_TK, local_TK, n_local_experts).flatten()
-    order = torch.argsort(keys, stable=True)
-    tokens_per_expert = torch.bincount(keys, minlength=n_local_experts + 1)[:n_local_experts]
-    num_pairs = int(routed_TK.sum())
-    slot_ids = order[:num_pairs]
-    sorted_weights = weights.flatten().index_select(0, slot_ids)
-    offsets = torch.cumsum(tokens_per_expert, 0).to(torch.int32)
-    out = (slot_ids // topk, sorted_weights, tokens_per_expert, offsets)
-    return out + (slot_ids,) if return_slot_ids else out
-
-
 class GroupedExperts(StackedExperts):
     """Sparse MoE experts with expert parallelism by all-gather and all-reduce.
 
@@ -128,7 +96,7 @@ class GroupedExperts(StackedExperts):
     def __init__(self, config: ExpertsConfig, device: torch.device | str | None = None):
         super().__init__(config, device)
         self.use_torch_mm = config.use_torch_mm
-        self.expert_activation_grouped = get_expert_activation_for_deepep(config)
+        self.expert_activation_grouped = get_expert_activation(config)
 
     def init_token_dispatcher(self, ep_mesh) -> None:
         """Join the expert-parallel group (DeviceMesh or ProcessGroup) and keep the local experts."""
@@ -190,14 +158,13 @@ class GroupedExperts(StackedExperts):
 
     def _forward_grouped_mm(self, x, token_mask, weights, indices, gate_and_up_projs, down_projs,
                             gate_up_proj_bias, down_proj_bias, n_local_experts, experts_start_idx):
-        """Grouped-GEMM path: sort pairs by expert, one `run_grouped_expert_mlp`, scatter-add back."""
-        token_ids_P, weights_P, tokens_per_expert, _ = _permute_tokens_for_grouped_mm(
-            indices, weights, token_mask, n_local_experts, experts_start_idx)
+        """Grouped-GEMM path: group the routed pairs by expert, one `run_grouped_expert_mlp`,
+        sum each token's rows back."""
+        perm = permute_local(x, token_mask, weights.float(), indices, experts_start_idx, n_local_experts)
         out_PH = run_grouped_expert_mlp(
-            x.index_select(0, token_ids_P), gate_and_up_projs, down_projs, gate_up_proj_bias,
-            down_proj_bias, tokens_per_expert, weights_P.float()[:, None], self.expert_activation_grouped)
-        # index_put with accumulate is deterministic, unlike CUDA's atomic index_add_.
-        return x.new_zeros(x.shape).index_put((token_ids_P,), out_PH.to(x.dtype), accumulate=True)
+            perm.rows_PH, gate_and_up_projs, down_projs, gate_up_proj_bias, down_proj_bias,
+            perm.tokens_per_expert, perm.probs_P[:, None], self.expert_activation_grouped)
+        return unpermute_local(out_PH.to(x.dtype), perm)
 
     def _forward_loop(self, x, weights, indices, token_mask, gate_and_up_projs, down_projs,
                       gate_up_proj_bias, down_proj_bias, n_local_experts, experts_start_idx,

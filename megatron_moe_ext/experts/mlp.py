@@ -1,10 +1,16 @@
 """The grouped-GEMM expert MLP core: `act(x @ W1 + b1) @ W2 + prob * b2` per expert segment.
 
 Rows arrive grouped contiguously by local expert (`tokens_per_expert` rows each), as the
-dispatchers and `_permute_tokens_for_grouped_mm` deliver them. Two `torch._grouped_mm` calls
+dispatchers and `common.permute_local` deliver them. Two `torch._grouped_mm` calls
 do the projections; `_apply_bias` adds the biases (`_grouped_mm` has none, and the down bias
 is weighted by the prob). Large inputs run in checkpointed row chunks so the `[P, 2I]` and
 `[P, I]` intermediates never exist at full size.
+
+Feature padding: `torch._grouped_mm` needs every row stride to be a multiple of 16 bytes.
+Hidden or intermediate sizes that are not (e.g. H 12 in bf16, I 10 in fp32) are zero-padded
+to the next multiple for the two GEMMs only and sliced back: zero columns of `x` meet zero
+rows of the weights, and the padded intermediate columns are sliced off before the bias and
+activation, so the result and every gradient equal the unpadded math.
 
 Capacity padding: rows past `sum(tokens_per_expert)` belong to no expert. Their output is
 unspecified but finite (it is 0 here), they add nothing to any weight or bias gradient, and
@@ -21,7 +27,7 @@ from typing import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from megatron_moe_ext.experts.bias import TokenCounts, _apply_bias, _counts_on
+from megatron_moe_ext.experts.bias import TokenCounts, _apply_bias, _chunk_counts, _counts_on
 from megatron_moe_ext.experts.kernels import rows_triton
 
 _EXPERT_MLP_CHUNK_BYTES = 512 * 1024 * 1024
@@ -74,6 +80,32 @@ class _ZeroGradOnPadding(torch.autograd.Function):
         return _zero_padding_rows_(grad.contiguous(), total_1), None
 
 
+def _stride_multiple(dtype: torch.dtype) -> int:
+    """Elements per 16 bytes: `torch._grouped_mm`'s row-stride granularity."""
+    return max(1, 16 // torch.empty(0, dtype=dtype).element_size())
+
+
+def _pad_dims(t: torch.Tensor, multiple: int, dims: tuple[int, ...]) -> torch.Tensor:
+    """Zero-pad the trailing `dims` (negative indices) of `t` to multiples of `multiple`;
+    `t` itself when no padding is needed."""
+    pad = [0] * (2 * -min(dims))
+    for d in dims:
+        pad[2 * (-d - 1) + 1] = -t.shape[d] % multiple
+    return torch.nn.functional.pad(t, pad) if any(pad) else t
+
+
+def _grouped_mm_any_width(x_PK: torch.Tensor, w_eKN: torch.Tensor,
+                          offsets_e: torch.Tensor, total_1: torch.Tensor | None) -> torch.Tensor:
+    """`torch._grouped_mm(x, w, offs)` for any K and N: both are zero-padded to 16-byte rows
+    when needed and the result is sliced back to `[P, N]` (see "Feature padding")."""
+    multiple = _stride_multiple(x_PK.dtype)
+    width = w_eKN.shape[2]
+    out = _GroupedMmOutput.apply(
+        torch._grouped_mm(_pad_dims(x_PK, multiple, (-1,)), _pad_dims(w_eKN, multiple, (-2, -1)),
+                          offs=offsets_e), total_1)
+    return out if out.shape[1] == width else out[:, :width].contiguous()
+
+
 def _host_counts(tokens_per_expert: TokenCounts) -> list[int] | None:
     """The counts as ints when they are on the host (reading them costs no sync), else None."""
     if isinstance(tokens_per_expert, torch.Tensor):
@@ -85,6 +117,12 @@ def _grouped_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor, down_
                  gate_up_proj_bias: torch.Tensor | None, down_proj_bias: torch.Tensor | None,
                  tokens_per_expert: TokenCounts, permuted_probs_P1: torch.Tensor,
                  activation_fn: Activation, apply_router_weight_after_down: bool) -> torch.Tensor:
+    """The grouped MLP in one shot (arguments as `run_grouped_expert_mlp`, unchecked).
+
+    apply_router_weight_after_down: multiply by the prob after the down projection
+    (`prob * (act(x W1 + b1) W2 + b2)`) instead of inside `activation_fn`.
+    Returns `[P, H]` in hidden_PH's dtype; padding rows are 0.
+    """
     dtype, rows = hidden_PH.dtype, hidden_PH.shape[0]
     host = _host_counts(tokens_per_expert)
     if host is not None and sum(host) < rows:
@@ -114,13 +152,11 @@ def _grouped_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor, down_
     act_probs_P1 = permuted_probs_P1
     if apply_router_weight_after_down:
         act_probs_P1 = torch.ones_like(permuted_probs_P1)
-    up_PI = _GroupedMmOutput.apply(
-        torch._grouped_mm(hidden_PH, gate_and_up_projs.to(dtype), offs=offsets_e), None)
+    up_PI = _grouped_mm_any_width(hidden_PH, gate_and_up_projs.to(dtype), offsets_e, None)
     if gate_up_proj_bias is not None:
         up_PI = _apply_bias(up_PI, gate_up_proj_bias, counts_e)
     act_PI = activation_fn(up_PI, act_probs_P1)
-    out_PH = _GroupedMmOutput.apply(
-        torch._grouped_mm(act_PI, down_projs.to(dtype), offs=offsets_e), total_1)
+    out_PH = _grouped_mm_any_width(act_PI, down_projs.to(dtype), offsets_e, total_1)
     if apply_router_weight_after_down:
         if down_proj_bias is not None:
             out_PH = _apply_bias(out_PH, down_proj_bias, counts_e)
@@ -130,42 +166,12 @@ def _grouped_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor, down_
     return out_PH
 
 
-def _torch_mm_experts_fwd(hidden_states: torch.Tensor, gate_and_up_projs: torch.Tensor,
-                          down_projs: torch.Tensor, tokens_per_expert: TokenCounts,
-                          permuted_probs: torch.Tensor, activation_fn: Activation,
-                          gate_up_proj_bias: torch.Tensor | None = None,
-                          down_proj_bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The grouped expert MLP in one shot with `torch._grouped_mm`.
-
-    Arguments:
-        hidden_states: `[P, H]` rows grouped by expert, in the compute dtype.
-        gate_and_up_projs: `[e, H, 2I]` (`[e, H, I]` non-gated); fp32 masters are cast to
-            the compute dtype.
-        down_projs: `[e, I, H]`.
-        tokens_per_expert: `[e]` counts, host or device; rows past their sum are padding.
-        permuted_probs: `[P, 1]` routing probabilities (fp32), applied inside `activation_fn`.
-        activation_fn: `fn(x [P, 2I or I], probs [P, 1]) -> [P, I]`.
-        gate_up_proj_bias: optional `[e, 2I]`, added unweighted.
-        down_proj_bias: optional `[e, H]`, added as `prob * bias`.
-
-    Returns:
-        `[P, H]` in hidden_states' dtype; padding rows are 0.
-    """
-    return _grouped_mlp(hidden_states, gate_and_up_projs, down_projs, gate_up_proj_bias,
-                        down_proj_bias, tokens_per_expert, permuted_probs, activation_fn, False)
-
-
 def _chunk_counts_host(host: list[int], first: int, last: int) -> list[int]:
     counts, start = [], 0
     for count in host:
         counts.append(max(0, min(start + count, last) - max(start, first)))
         start += count
     return counts
-
-
-def _chunk_counts_device(counts_e: torch.Tensor, first: int, last: int) -> torch.Tensor:
-    ends_e = torch.cumsum(counts_e, 0)
-    return ends_e.clamp(first, last) - (ends_e - counts_e).clamp(first, last)
 
 
 def _checkpointed_chunked_expert_mlp(hidden_states: torch.Tensor, gate_and_up_projs: torch.Tensor,
@@ -185,7 +191,7 @@ def _checkpointed_chunked_expert_mlp(hidden_states: torch.Tensor, gate_and_up_pr
 
     Arguments:
         hidden_states, gate_and_up_projs, down_projs, tokens_per_expert, permuted_probs,
-        activation_fn, gate_up_proj_bias, down_proj_bias: as `_torch_mm_experts_fwd`.
+        activation_fn, gate_up_proj_bias, down_proj_bias: as `run_grouped_expert_mlp`.
         apply_router_weight_after_down: multiply by the prob after the down projection
             (`prob * (act(x W1 + b1) W2 + b2)`) instead of inside `activation_fn`.
         chunk_bytes: target size of one chunk's `[rows, 2I]` intermediate
@@ -206,7 +212,7 @@ def _checkpointed_chunked_expert_mlp(hidden_states: torch.Tensor, gate_and_up_pr
     for first in range(0, rows, chunk_rows):
         last = min(first + chunk_rows, rows)
         counts = (_chunk_counts_host(host, first, last) if host is not None
-                  else _chunk_counts_device(counts_e, first, last))
+                  else _chunk_counts(counts_e, first, last))
         out_PH[first:last] = checkpoint(
             _grouped_mlp, hidden_states[first:last], gate_and_up_projs, down_projs,
             gate_up_proj_bias, down_proj_bias, counts, permuted_probs[first:last], activation_fn,
@@ -263,7 +269,7 @@ def run_grouped_expert_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Ten
             rows past their sum are capacity padding (output 0, no gradient into weights).
         permuted_probs_P1: `[P, 1]` routing probabilities (fp32).
         activation_fn: `fn(x [P, 2I or I], probs [P, 1]) -> [P, I]`, e.g. from
-            `get_expert_activation_for_deepep`.
+            `get_expert_activation`.
 
     Returns:
         `[P, H]` in hidden_PH's dtype.
@@ -275,6 +281,5 @@ def run_grouped_expert_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Ten
         return _checkpointed_chunked_expert_mlp(
             hidden_PH, gate_and_up_projs, down_projs, gate_up_proj_bias, down_proj_bias,
             tokens_per_expert, permuted_probs_P1, activation_fn)
-    return _torch_mm_experts_fwd(hidden_PH, gate_and_up_projs, down_projs, tokens_per_expert,
-                                 permuted_probs_P1, activation_fn, gate_up_proj_bias,
-                                 down_proj_bias)
+    return _grouped_mlp(hidden_PH, gate_and_up_projs, down_projs, gate_up_proj_bias,
+                        down_proj_bias, tokens_per_expert, permuted_probs_P1, activation_fn, False)

@@ -13,12 +13,13 @@ I intermediate.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
-from megatron_moe_ext.dispatcher.permute import align_up
-from megatron_moe_ext.experts.activations import get_expert_activation_for_deepep, is_gated_activation
-from megatron_moe_ext.experts.bias import _apply_bias
+from megatron_moe_ext.experts.activations import get_expert_activation, is_gated_activation
+from megatron_moe_ext.experts.bias import TokenCounts, _counts_on
 from megatron_moe_ext.experts.common import check_expert_inputs, local_expert_range, resolve_ep_group
 from megatron_moe_ext.experts.config import ExpertsConfig
 from megatron_moe_ext.experts.deepep import (
@@ -26,6 +27,7 @@ from megatron_moe_ext.experts.deepep import (
     _stabilize_empty_routing_probs_dtype,
     make_dispatcher_config,
 )
+from megatron_moe_ext.experts.mlp import _host_counts
 from megatron_moe_ext.utils.optional import require
 
 # Stacked checkpoint key -> (GroupedLinear attribute, what the GroupedLinear holds).
@@ -33,81 +35,57 @@ _STACKED_WEIGHTS = {"gate_and_up_projs": "gate_up_linear", "down_projs": "down_l
 _STACKED_BIASES = {"gate_up_proj_bias": "gate_up_linear", "down_proj_bias": "down_linear"}
 
 
-def _resolve_m_splits(tokens_per_expert, static_routing: bool, cached_m_splits: list | None) -> list:
-    """Resolve the per-expert split sizes for TE's grouped GEMM.
+def _static_or_host_m_splits(tokens_per_expert: TokenCounts, static_routing: bool,
+                             cached: list[int] | None) -> list[int] | None:
+    """The split sizes as a host list when that costs no sync, else None (device counts).
 
-    Arguments:
-        tokens_per_expert: `[e]` counts (host or device tensor from the dispatcher, or a sequence).
-        static_routing: benchmark-only mode in which the counts are the same every microbatch.
-        cached_m_splits: the first microbatch's list, or None before it is known.
-
-    Returns:
-        The split sizes as a host list of ints. Under static routing with a warm cache that
-        list is returned without reading the device counts (no device-to-host sync).
+    Under static routing (benchmark-only: the counts are the same every microbatch) the
+    first microbatch's list is reused, so its device counts are read only once.
     """
-    if static_routing and cached_m_splits is not None:
-        return cached_m_splits
-    if isinstance(tokens_per_expert, torch.Tensor):
-        return [int(c) for c in tokens_per_expert.tolist()]
-    return [int(c) for c in tokens_per_expert]
-
-
-def _fp8_align_size() -> int | None:
-    """Rows per expert group must be a multiple of this under TE's FP8 autocast, else None."""
-    quantization = require("transformer_engine.pytorch.quantization", "GroupedExpertsTE FP8 padding")
-    manager = quantization.FP8GlobalStateManager
-    if not manager.is_fp8_enabled():
-        return None
-    return quantization.get_align_size_for_quantization(manager.get_fp8_recipe())
-
-
-def _pad_groups(rows_PH: torch.Tensor, probs_P: torch.Tensor, m_splits: list[int], align: int):
-    """Pad each expert's row group with zero rows (prob 0) to a multiple of `align`.
-
-    Returns:
-        `(padded rows, padded probs, padded m_splits, dest [P])`, where `dest` is each
-        original row's position, so `padded_out.index_select(0, dest)` unpads.
-    """
-    padded = [align_up(n, align) for n in m_splits]
-    starts, pstart = [], 0
-    for n, p in zip(m_splits, padded):
-        starts.extend(range(pstart, pstart + n))
-        pstart += p
-    dest = torch.tensor(starts, dtype=torch.long).to(rows_PH.device, non_blocking=True)
-    rows = rows_PH.new_zeros(pstart, rows_PH.shape[1]).index_copy(0, dest, rows_PH)
-    probs = probs_P.new_zeros(pstart).index_copy(0, dest, probs_P)
-    return rows, probs, padded, dest
+    if static_routing and cached is not None:
+        return cached
+    return _host_counts(tokens_per_expert)
 
 
 class GroupedExpertsTE(nn.Module):
     """MoE experts on TE's `GroupedLinear` (gate/up and down), with flex token dispatch.
 
     Arguments:
-        config: `ExpertsConfig`; `dtype` is the parameters' dtype.
+        config: `ExpertsConfig`; `dtype` is the parameters' dtype. Inputs of another dtype
+            (e.g. bf16 rows with fp32 master weights) run the GEMMs under `torch.autocast` in
+            the input's dtype, since TE refuses mixed dtypes outside autocast.
         dispatcher_backend / dispatcher_num_sms / dispatcher_share_token_dispatcher /
             dispatcher_async_dispatch / static_routing / **dispatcher_options: as in
             `GroupedExpertsDeepEP`.
-        fp8_align_size: pad each expert's rows to this multiple; None asks TE's FP8 autocast
-            (16, or 32 for MXFP8; no padding outside FP8).
+        fp8_align_size: pad each expert's rows to this multiple (TE's `Fp8Padding` /
+            `Fp8Unpadding`); None pads only under TE's FP8 autocast, to the recipe's multiple.
         device: where to allocate the parameters (default: CUDA when available).
-        grouped_linear_cls: a `GroupedLinear` class to use instead of TE's (a test double).
+        te: the module providing `GroupedLinear`, `Fp8Padding` and `Fp8Unpadding` (default
+            `transformer_engine.pytorch`; tests pass tests/doubles/te_grouped_linear).
 
-    TE's GEMM adds the down bias unweighted; the routing prob belongs on it, so the output
-    is corrected by `(prob - 1) * bias` (`_apply_bias`).
+    The routing prob multiplies each row after the down GEMM (`prob * (act(x W1 + b1) W2
+    + b2)`): the expert is linear in it, TE adds the down bias inside the GEMM, and padding
+    rows then need no prob at all.
+
+    Host syncs: none when the dispatcher gives host counts. With device counts (capacity
+    modes) this module reads nothing on the host, but TE 2.20.2 does: `GroupedLinear`'s
+    split path calls `m_splits.tolist()` (its grouped-tensor path, `use_grouped_tensor=True`,
+    bf16 on Hopper or newer, takes device splits without a sync), and under FP8 padding the
+    counts are read once per forward here, because `Fp8Padding` takes host lists.
     """
 
     def __init__(self, config: ExpertsConfig, dispatcher_backend: str = "deepep",
                  dispatcher_num_sms: int = 20, dispatcher_share_token_dispatcher: bool = True,
                  dispatcher_async_dispatch: bool = False, *, static_routing: bool = False,
                  fp8_align_size: int | None = None, device: torch.device | str | None = None,
-                 grouped_linear_cls=None, **dispatcher_options):
+                 te=None, **dispatcher_options):
         super().__init__()
-        self._uses_te = grouped_linear_cls is None
+        self._uses_te = te is None
         if self._uses_te:
-            grouped_linear_cls = require("transformer_engine.pytorch", "GroupedExpertsTE").GroupedLinear
+            te = require("transformer_engine.pytorch", "GroupedExpertsTE")
         if fp8_align_size is not None and (isinstance(fp8_align_size, bool) or fp8_align_size < 1):
             raise ValueError(f"fp8_align_size={fp8_align_size!r} is invalid: expected a positive int or None")
-        self._grouped_linear_cls = grouped_linear_cls
+        self._te = te
         self.config = config
         self.dim, self.moe_inter_dim = config.dim, config.moe_inter_dim
         self.n_routed_experts = config.n_routed_experts
@@ -115,8 +93,8 @@ class GroupedExpertsTE(nn.Module):
         self.is_gated = is_gated_activation(config.expert_activation)
         self.static_routing = static_routing
         self.fp8_align_size = fp8_align_size
-        self._static_m_splits: list | None = None
-        self.expert_activation = get_expert_activation_for_deepep(config)
+        self._static_m_splits: list[int] | None = None
+        self.expert_activation = get_expert_activation(config)
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.ep_rank, self.num_local_experts = 0, config.n_routed_experts
@@ -129,11 +107,14 @@ class GroupedExpertsTE(nn.Module):
 
     def _build_linears(self, num_experts: int, device: torch.device) -> None:
         up = (2 if self.is_gated else 1) * self.moe_inter_dim
-        make = self._grouped_linear_cls
-        self.gate_up_linear = make(num_experts, self.dim, up, bias=self.expert_bias,
-                                   params_dtype=self.config.dtype, device=device)
-        self.down_linear = make(num_experts, self.moe_inter_dim, self.dim, bias=self.expert_bias,
-                                params_dtype=self.config.dtype, device=device)
+        te = self._te
+        self.gate_up_linear = te.GroupedLinear(num_experts, self.dim, up, bias=self.expert_bias,
+                                               params_dtype=self.config.dtype, device=device)
+        self.down_linear = te.GroupedLinear(num_experts, self.moe_inter_dim, self.dim,
+                                            bias=self.expert_bias, params_dtype=self.config.dtype,
+                                            device=device)
+        self.fp8_padding = te.Fp8Padding(num_experts, self.fp8_align_size)
+        self.fp8_unpadding = te.Fp8Unpadding(num_experts, self.fp8_align_size)
 
     # ---- stacked views ------------------------------------------------------------------
     @staticmethod
@@ -180,7 +161,7 @@ class GroupedExpertsTE(nn.Module):
     def init_token_dispatcher(self, ep_mesh, moe_mesh=None) -> None:
         """Join the expert-parallel group (DeviceMesh or ProcessGroup), rebuild the
         GroupedLinears for the `e = E / ep` local experts (keeping their current weights) and
-        build the dispatcher. `moe_mesh` is accepted for the seed's signature; unused."""
+        build the dispatcher. `moe_mesh` is accepted for the original interface's signature; unused."""
         ep = resolve_ep_group(ep_mesh)
         start, end = local_expert_range(self.n_routed_experts, ep)
         if end - start != self.num_local_experts:
@@ -272,36 +253,63 @@ class GroupedExpertsTE(nn.Module):
         check_expert_inputs(self.config, x, token_mask, weights, indices)
         rows_PH, tokens_per_expert, probs_P = self.token_dispatch.dispatch(x, token_mask, weights, indices)
         probs_P = _stabilize_empty_routing_probs_dtype(probs_P, rows_PH.dtype)
-        m_splits = _resolve_m_splits(tokens_per_expert, self.static_routing, self._static_m_splits)
-        if self.static_routing and self._static_m_splits is None:
-            self._static_m_splits = m_splits
-        return self.token_dispatch.combine(self._grouped_mlp(rows_PH, probs_P, m_splits).to(x.dtype))
+        return self.token_dispatch.combine(self._grouped_mlp(rows_PH, probs_P, tokens_per_expert).to(x.dtype))
 
-    def _grouped_mlp(self, rows_PH: torch.Tensor, probs_P: torch.Tensor, m_splits: list[int]) -> torch.Tensor:
-        """gate/up GEMM -> activation (x prob) -> down GEMM -> down-bias correction.
+    def _pads_groups(self) -> bool:
+        if self.fp8_align_size is not None:
+            return True
+        return self._uses_te and require(
+            "transformer_engine.pytorch.quantization", "GroupedExpertsTE FP8 padding"
+        ).FP8GlobalStateManager.is_fp8_enabled()
 
-        Rows past `sum(m_splits)` (capacity-mode padding) are not computed: their output
-        is zero and combine never reads it.
+    def _linears(self, rows: torch.Tensor, m_splits) -> torch.Tensor:
+        """gate/up GEMM (+ b1) -> activation -> down GEMM (+ b2), the prob left out (1)."""
+        def compute_dtype():
+            # A surrounding autocast region is left alone when the dtypes already match.
+            if rows.dtype == self.config.dtype:
+                return contextlib.nullcontext()
+            return torch.autocast(rows.device.type, dtype=rows.dtype)
+
+        with compute_dtype():
+            up = self.gate_up_linear(rows, m_splits)
+        hidden = self.expert_activation(up, up.new_ones(up.shape[0], 1, dtype=torch.float32))
+        with compute_dtype():
+            return self.down_linear(hidden, m_splits)
+
+    def _grouped_mlp(self, rows_PH: torch.Tensor, probs_P: torch.Tensor,
+                     tokens_per_expert: TokenCounts) -> torch.Tensor:
+        """`prob * (act(x W1 + b1) W2 + b2)` per row; rows past `sum(tokens_per_expert)`
+        (capacity padding) come out 0 and add nothing to any gradient.
+
+        Host counts: the padding is sliced off and, under FP8, each group padded by TE's
+        `Fp8Padding`. Device counts: the padding rows join the last expert's group (zeroed,
+        prob 0), so the splits cover every row without reading the counts on the host.
         """
-        routed = sum(m_splits)
-        tail = rows_PH.shape[0] - routed
-        if tail < 0:
-            raise ValueError(f"tokens_per_expert sums to {routed} but only {rows_PH.shape[0]} rows "
-                             "were dispatched")
-        rows, probs = rows_PH[:routed], probs_P[:routed]
-        align = self.fp8_align_size
-        if align is None and self._uses_te:
-            align = _fp8_align_size()
-        splits, dest = m_splits, None
-        if align is not None and any(n % align for n in m_splits):
-            rows, probs, splits, dest = _pad_groups(rows, probs, m_splits, align)
-        probs_P1 = probs.reshape(-1, 1)
-        hidden = self.expert_activation(self.gate_up_linear(rows, splits), probs_P1)
-        out = self.down_linear(hidden, splits)
-        if self.expert_bias:
-            out = _apply_bias(out, self.down_proj_bias, splits, probs_P1.float() - 1.0)
-        if dest is not None:
-            out = out.index_select(0, dest)
-        if tail:
-            out = torch.cat([out, out.new_zeros(tail, out.shape[1])])
-        return out
+        rows = rows_PH.shape[0]
+        pad_groups = self._pads_groups()
+        host = _static_or_host_m_splits(tokens_per_expert, self.static_routing, self._static_m_splits)
+        if host is None and (pad_groups or self.static_routing):
+            # Fp8Padding needs host splits; static routing reads them once and caches them.
+            host = [int(n) for n in tokens_per_expert.tolist()]
+        if self.static_routing and self._static_m_splits is None:
+            self._static_m_splits = host
+        if host is not None:
+            routed = sum(host)
+            if routed > rows:
+                raise ValueError(f"tokens_per_expert sums to {routed} but only {rows} rows were "
+                                 "dispatched")
+            valid_PH = rows_PH[:routed]
+            if pad_groups:
+                padded_PH, padded_splits = self.fp8_padding(valid_PH, host)
+                out_PH = self.fp8_unpadding(self._linears(padded_PH, padded_splits), host)
+            else:
+                out_PH = self._linears(valid_PH, host)
+            out_PH = (out_PH.float() * probs_P[:routed, None].float()).to(out_PH.dtype)
+            return torch.nn.functional.pad(out_PH, (0, 0, 0, rows - routed))
+        counts_e = _counts_on(tokens_per_expert, rows_PH.device)
+        valid_P1 = (torch.arange(rows, device=rows_PH.device) < counts_e.sum())[:, None]
+        m_splits_e = counts_e.clone()
+        m_splits_e[-1] += rows - counts_e.sum()
+        out_PH = self._linears(torch.where(valid_P1, rows_PH, 0), m_splits_e)
+        probs_P1 = torch.where(valid_P1, probs_P[:, None].float(), 0)
+        return (out_PH.float() * probs_P1).to(out_PH.dtype)

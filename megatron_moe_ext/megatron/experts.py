@@ -2,7 +2,7 @@
 
 `GroupedGemmExperts(num_local_experts, config, *, pg_collection, name=None)` slots into
 `MoESubmodules(experts=...)` of Megatron's (or this package's) MoE layer. It holds the
-stacked weights of SPEC section 7 (`gate_and_up_projs [e, H, 2I]`, `down_projs [e, I, H]`)
+stacked weights of docs/DESIGN.md (`gate_and_up_projs [e, H, 2I]`, `down_projs [e, I, H]`)
 and computes with `run_grouped_expert_mlp`; its checkpoints use Megatron's SequentialMLP
 keys and global shapes (`megatron/checkpoint.py`), so a model moves between the two.
 
@@ -20,7 +20,8 @@ from megatron.core.tensor_parallel.random import (
 )
 from megatron.core.transformer.module import MegatronModule
 
-from megatron_moe_ext.experts.activations import get_expert_activation_for_deepep
+from megatron_moe_ext.experts.activations import get_expert_activation
+from megatron_moe_ext.experts.common import stacked_shapes
 from megatron_moe_ext.experts.config import ExpertsConfig
 from megatron_moe_ext.experts.mlp import run_grouped_expert_mlp
 from megatron_moe_ext.megatron import checkpoint as _checkpoint
@@ -126,25 +127,17 @@ class GroupedGemmExperts(MegatronModule):
         self.ep_group = pg_collection.ep
         self.dp_group = pg_collection.expt_dp
         self.gated = self.experts_config.expert_activation != "relu2"
-        self.activation_fn = get_expert_activation_for_deepep(self.experts_config)
+        self.activation_fn = get_expert_activation(self.experts_config)
 
-        hidden, inter = config.hidden_size, config.moe_ffn_hidden_size
-        fc1_out = 2 * inter if self.gated else inter
         device = (torch.device("cpu") if config.use_cpu_initialization
                   else torch.cuda.current_device())
-        dtype = config.params_dtype
-        self.gate_and_up_projs = torch.nn.Parameter(
-            torch.empty(num_local_experts, hidden, fc1_out, device=device, dtype=dtype))
-        self.down_projs = torch.nn.Parameter(
-            torch.empty(num_local_experts, inter, hidden, device=device, dtype=dtype))
-        if config.add_bias_linear:
-            self.gate_up_proj_bias = torch.nn.Parameter(
-                torch.zeros(num_local_experts, fc1_out, device=device, dtype=dtype))
-            self.down_proj_bias = torch.nn.Parameter(
-                torch.zeros(num_local_experts, hidden, device=device, dtype=dtype))
-        else:
-            self.gate_up_proj_bias = None
-            self.down_proj_bias = None
+        # The stacked layout of every expert module of the package (experts/common.py).
+        for param_name, shape in stacked_shapes(self.experts_config, num_local_experts).items():
+            init = torch.zeros if param_name.endswith("bias") else torch.empty
+            self.register_parameter(param_name, torch.nn.Parameter(
+                init(shape, device=device, dtype=config.params_dtype)))
+        if not config.add_bias_linear:
+            self.gate_up_proj_bias = self.down_proj_bias = None
         if config.perform_initialization:
             self._init_weights()
         # Megatron's DDP reduces expert grads over the expert-data-parallel group only when

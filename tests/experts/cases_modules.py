@@ -6,8 +6,8 @@ library: for every token and each of its valid slots, `weight x (act(x @ W1[e] +
 rank's inputs from seeds, so it can evaluate the reference (and the weight gradients,
 which collect contributions from all ranks' tokens) on its own.
 
-GroupedExpertsTE runs on Transformer Engine when it is importable, else on the
-GroupedLinear test double (tests/doubles/te_grouped_linear.py).
+GroupedExpertsTE runs on Transformer Engine (on CUDA) when it is importable, else on the
+test double (tests/doubles/te_grouped_linear.py) on the CPU; see tests/experts/devices.py.
 
 Legend: T tokens, H hidden, E experts, e local experts, K top-k, I intermediate.
 """
@@ -27,7 +27,7 @@ from megatron_moe_ext.experts import (
     GroupedExpertsDeepEP,
     GroupedExpertsTE,
 )
-from megatron_moe_ext.utils.optional import try_import
+from tests.experts.devices import TE_DEVICE, te_module
 
 MODULES = ("grouped_loop", "grouped_mm", "deepep", "te")
 # name -> (activation dtype, parameter dtype)
@@ -51,7 +51,8 @@ class ModuleCase:
     backend / dispatcher_options: the flex dispatcher of the DeepEP and TE modules; 'deepep'
     and 'hybridep' run on their test doubles unless the real library is importable.
     repeats: forward+backward passes (capacity modes calibrate on the first); the last is checked.
-    device: where the module runs (the reference always runs on the CPU in fp32).
+    device: where the module runs (the reference always runs on the CPU in fp32); None:
+        the CPU, or for TE the device of tests/experts/devices.py (CUDA with real TE).
     """
 
     name: str
@@ -74,17 +75,15 @@ class ModuleCase:
     backend: str = "torch"
     dispatcher_options: tuple[tuple[str, object], ...] = ()
     repeats: int = 1
-    device: str = "cpu"
+    device: str | None = None
     seed: int = 0
 
 
-def te_double_or_none():
-    """None when real TE is importable (the module then uses it), else the test double."""
-    if try_import("transformer_engine.pytorch") is not None:
-        return None
-    from tests.doubles.te_grouped_linear import GroupedLinear
-
-    return GroupedLinear
+def case_device(case: ModuleCase) -> torch.device:
+    """Where the case's module runs."""
+    if case.device is not None:
+        return torch.device(case.device)
+    return torch.device(TE_DEVICE if case.module == "te" else "cpu")
 
 
 def _install_backend(backend: str) -> None:
@@ -101,7 +100,7 @@ def _install_backend(backend: str) -> None:
 def build_module(case: ModuleCase, **overrides):
     """The case's module for all E experts (EP is set up separately)."""
     _install_backend(case.backend)
-    overrides = {"device": case.device, **dict(case.dispatcher_options), **overrides}
+    overrides = {"device": case_device(case), **dict(case.dispatcher_options), **overrides}
     _, param_dtype = DTYPES[case.dtype]
     config = ExpertsConfig(
         n_routed_experts=case.experts, n_activated_experts=case.topk, dim=case.hidden,
@@ -112,7 +111,7 @@ def build_module(case: ModuleCase, **overrides):
         return GroupedExperts(config, **overrides)
     if case.module == "deepep":
         return GroupedExpertsDeepEP(config, dispatcher_backend=case.backend, **overrides)
-    overrides.setdefault("grouped_linear_cls", te_double_or_none())
+    overrides.setdefault("te", te_module())
     return GroupedExpertsTE(config, dispatcher_backend=case.backend, fp8_align_size=case.fp8_align_size,
                             **overrides)
 
@@ -159,7 +158,7 @@ def make_inputs(case: ModuleCase, rank: int):
 
 
 def reference_activation(name: str, h: torch.Tensor, limit: float) -> torch.Tensor:
-    """The activations' math from SPEC section 7, without the routing prob."""
+    """The activations' math (docs/DESIGN.md), written independently, without the routing prob."""
     if name == "relu2":
         return F.relu(h) ** 2
     if name == "quick_geglu":
@@ -245,7 +244,7 @@ def run_module_case(case: ModuleCase) -> dict:
 
     inputs = [make_inputs(case, r) for r in range(world)]
     x, token_mask, weights, indices, grad_out = inputs[rank]
-    dev = torch.device(case.device)
+    dev = case_device(case)
     for _ in range(case.repeats):
         module.zero_grad(set_to_none=True)
         x1 = x.to(dev, act_dtype, copy=True).requires_grad_()

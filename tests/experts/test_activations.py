@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from megatron_moe_ext.experts.activations import (
-    get_expert_activation_for_deepep,
+    get_expert_activation,
     is_gated_activation,
-    quick_geglu_deepep,
-    relu2_deepep,
+    quick_geglu,
+    relu2,
     swiglu,
-    swiglu_clamped_deepep,
-    swiglu_oai_deepep,
+    swiglu_clamped,
+    swiglu_oai,
 )
 from megatron_moe_ext.experts.config import ExpertsConfig
 from tests.experts.devices import DEVICES
@@ -67,10 +67,10 @@ def _reference(kind: str, x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
 def _under_test(kind: str):
     return {
         "swiglu": swiglu,
-        "swiglu_clamped": lambda x, p: swiglu_clamped_deepep(x, p, LIMIT),
-        "swiglu_oai": lambda x, p: swiglu_oai_deepep(x, p, alpha=ALPHA, limit=LIMIT),
-        "quick_geglu": lambda x, p: quick_geglu_deepep(x, p, alpha=ALPHA, limit=LIMIT),
-        "relu2": relu2_deepep,
+        "swiglu_clamped": lambda x, p: swiglu_clamped(x, p, LIMIT),
+        "swiglu_oai": lambda x, p: swiglu_oai(x, p, alpha=ALPHA, limit=LIMIT),
+        "quick_geglu": lambda x, p: quick_geglu(x, p, alpha=ALPHA, limit=LIMIT),
+        "relu2": relu2,
     }[kind]
 
 
@@ -144,8 +144,8 @@ def test_gradients_match_numeric_reference(kind, dtype, device):
 
 def test_limit_zero_disables_clamping():
     x, probs = _inputs(4, 16, torch.float32, "cpu")
-    torch.testing.assert_close(swiglu_clamped_deepep(x, probs, 0.0), swiglu(x, probs))
-    assert not torch.allclose(swiglu_clamped_deepep(x, probs, LIMIT), swiglu(x, probs))
+    torch.testing.assert_close(swiglu_clamped(x, probs, 0.0), swiglu(x, probs))
+    assert not torch.allclose(swiglu_clamped(x, probs, LIMIT), swiglu(x, probs))
 
 
 def test_config_selects_activation_and_binds_constants():
@@ -153,7 +153,7 @@ def test_config_selects_activation_and_binds_constants():
     for name in KINDS:
         config = ExpertsConfig(n_routed_experts=4, n_activated_experts=2, dim=8, moe_inter_dim=8,
                                expert_activation=name, activation_alpha=ALPHA, activation_limit=LIMIT)
-        fn = get_expert_activation_for_deepep(config)
+        fn = get_expert_activation(config)
         torch.testing.assert_close(fn(x, probs), _under_test(name)(x, probs))
         assert is_gated_activation(name) == (name != "relu2")
 
@@ -162,6 +162,6 @@ def test_bad_inputs_raise_value_error():
     with pytest.raises(ValueError, match="expert_activation"):
         is_gated_activation("gelu")
     odd = torch.randn(3, 5)
-    for fn in (swiglu, swiglu_oai_deepep, quick_geglu_deepep):
+    for fn in (swiglu, swiglu_oai, quick_geglu):
         with pytest.raises(ValueError, match="even"):
             fn(odd, torch.ones(3, 1))

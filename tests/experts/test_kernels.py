@@ -55,7 +55,7 @@ def test_bias_grad_kernel_compensates_cancellation():
     got = bias_triton.reduce_bias_grad(rows.to(DEVICE), _offsets([rows.shape[0]]), None,
                                        torch.float32)
     assert torch.equal(got[0].cpu(), expected)
-    fallback = bias._reduce_bias_grad_fallback(rows, torch.tensor([rows.shape[0]]))
+    fallback = bias._reduce_bias_grad_chunked_fallback(rows, torch.tensor([rows.shape[0]]), None, rows.dtype)
     assert torch.equal(got[0].cpu(), fallback[0])
 
 

@@ -1,6 +1,6 @@
 """The grouped-GEMM expert MLP against a per-expert loop of plain float64 matmuls.
 
-Covers both entry points (`run_grouped_expert_mlp`, `_torch_mm_experts_fwd`), host and
+Covers both entry points (`run_grouped_expert_mlp`, the unchunked `_grouped_mlp`), host and
 device counts (the latter's sync-free masking path is forced on the CPU), capacity padding
 rows, empty experts, fp32 master weights under bf16 compute, the checkpointed chunked path,
 and its peak memory at 32768 rows.
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_moe_ext.experts import mlp
-from megatron_moe_ext.experts.activations import quick_geglu_deepep, relu2_deepep, swiglu
+from megatron_moe_ext.experts.activations import quick_geglu, relu2, swiglu
 from tests.experts.devices import DEVICES
 from tests.experts.memory import LiveStorageTracker
 
@@ -31,7 +31,7 @@ def _ref_activation(kind, h, probs):
     return F.relu(h) ** 2 * probs
 
 
-ACTIVATIONS = {"swiglu": swiglu, "quick_geglu": quick_geglu_deepep, "relu2": relu2_deepep}
+ACTIVATIONS = {"swiglu": swiglu, "quick_geglu": quick_geglu, "relu2": relu2}
 
 
 def _case(kind, with_bias, seed=0, counts=COUNTS, tail=TAIL, param_dtype=torch.float32):
@@ -91,7 +91,7 @@ def _run_grouped(x, w1, w2, b1, b2, counts, probs, act):
 
 
 def _torch_mm(x, w1, w2, b1, b2, counts, probs, act):
-    return mlp._torch_mm_experts_fwd(x, w1, w2, counts, probs, act, b1, b2)
+    return mlp._grouped_mlp(x, w1, w2, b1, b2, counts, probs, act, False)
 
 
 def _check(out, grads, ref_out, ref_grads, rows_valid, tol):

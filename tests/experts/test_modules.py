@@ -10,6 +10,7 @@ and bias setting appears at least once, with zero-token ranks and empty experts 
 import pytest
 
 from megatron_moe_ext.utils.optional import try_import
+from tests.experts.devices import TE_MULTI_RANK_SKIP
 from tests.experts.cases_modules import (
     ModuleCase,
     run_all_gather_varlen,
@@ -37,6 +38,13 @@ CASES = [
                ep_mode="mesh", unused_fraction=0.3),
     ModuleCase("mm_relu2_fp32_bias_ep2_mesh_empty_expert", "grouped_mm", "relu2", "fp32", True, 2,
                ep_mode="mesh", empty_expert=3, unused_fraction=0.3),
+    # TE at EP 1 (these also run against real TE on one GPU): fp32 masters under bf16 rows,
+    # TE's Fp8Padding / Fp8Unpadding outside FP8, an empty expert, no tokens at all.
+    ModuleCase("te_swiglu_bf16master_bias_ep1_fp8_padding", "te", "swiglu", "bf16_fp32_master", True, 1,
+               fp8_align_size=16, tokens_per_rank=(11,)),
+    ModuleCase("te_oai_bf16_bias_ep1_empty_expert", "te", "swiglu_oai", "bf16", True, 1, empty_expert=1),
+    ModuleCase("te_quick_geglu_fp32_bias_ep1_no_tokens", "te", "quick_geglu", "fp32", True, 1,
+               tokens_per_rank=(0,)),
     ModuleCase("te_clamped_bf16_bias_no_group", "te", "swiglu_clamped", "bf16", True, 1, ep_mode="none"),
     ModuleCase("deepep_quick_geglu_bf16master_bias_ep2", "deepep", "quick_geglu", "bf16_fp32_master", True, 2,
                experts=8, topk=3, tokens_per_rank=(11, 4)),
@@ -56,11 +64,24 @@ CASES = [
                backend="hybridep", repeats=2, dispatcher_options=(("moe_hybridep_capacity_factor", 2.0),)),
     ModuleCase("mm_swiglu_fp32_bias_ep2_no_tokens_anywhere", "grouped_mm", "swiglu", "fp32", True, 2,
                tokens_per_rank=(0, 0)),
+    # Rows that are not a multiple of 16 bytes (torch._grouped_mm's stride rule): padded inside.
+    ModuleCase("mm_swiglu_bf16_bias_hidden12_ep1", "grouped_mm", "swiglu", "bf16", True, 1, hidden=12),
+    ModuleCase("deepep_relu2_fp32_bias_hidden10_inter5_ep2", "deepep", "relu2", "fp32", True, 2,
+               hidden=10, inter=5),
+    ModuleCase("mm_oai_fp32_inter3_ep2", "grouped_mm", "swiglu_oai", "fp32", False, 2, inter=3),
+    ModuleCase("deepep_clamped_bf16master_hidden12_inter6_ep1", "deepep", "swiglu_clamped",
+               "bf16_fp32_master", True, 1, hidden=12, inter=6),
     ModuleCase("te_swiglu_fp32_ep2_no_tokens_anywhere", "te", "swiglu", "fp32", False, 2, tokens_per_rank=(0, 0)),
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def _marked(case: ModuleCase):
+    """TE cases at EP 2 are skipped against real TE (CUDA only; the ranks here are gloo)."""
+    marks = [TE_MULTI_RANK_SKIP] if case.module == "te" and case.world > 1 else []
+    return pytest.param(case, marks=marks, id=case.name)
+
+
+@pytest.mark.parametrize("case", [_marked(c) for c in CASES])
 def test_module_matches_dense_reference(dist_pools, case):
     results = dist_pools(case.world).run(run_module_case, case)
     for rank, r in enumerate(results):
@@ -77,6 +98,7 @@ def test_module_matches_dense_reference(dist_pools, case):
         assert sum(r["local_tokens_per_expert"][case.empty_expert] for r in results) == 0
 
 
+@TE_MULTI_RANK_SKIP
 @pytest.mark.parametrize("bias", [False, True])
 def test_state_dict_moves_between_modules(dist_pools, bias):
     case = ModuleCase("interop", "grouped_mm", "swiglu", "fp32", bias, 2, tokens_per_rank=(6, 4))
@@ -96,13 +118,13 @@ def test_all_gather_concat_varlen(dist_pools, lengths):
 
 @pytest.mark.skipif(try_import("deep_ep") is not None and not getattr(try_import("deep_ep"), "IS_TEST_DOUBLE", False),
                     reason="counts buffers through the DeepEP test double")
-@pytest.mark.parametrize("module_name", ["deepep", "te"])
+@pytest.mark.parametrize("module_name", ["deepep", pytest.param("te", marks=TE_MULTI_RANK_SKIP)])
 def test_deepep_buffer_is_allocated_at_setup(dist_pools, module_name):
     for r in dist_pools(2).run(run_deepep_buffer_at_setup, module_name):
         assert r == {"at_setup": 1, "in_forward": 0}
 
 
-@pytest.mark.parametrize("module_name", ["deepep", "te"])
+@pytest.mark.parametrize("module_name", ["deepep", pytest.param("te", marks=TE_MULTI_RANK_SKIP)])
 def test_pipeline_runtime_initializers_come_from_the_dispatcher(dist_pools, module_name):
     assert dist_pools(2).run(run_pipeline_initializers, module_name, "torch") == [[], []]
     assert dist_pools(2).run(run_pipeline_initializers, module_name, "hybridep") == [

@@ -1,30 +1,33 @@
 """In-process unit tests of the expert modules' helpers and boundaries (EP=1, no ranks):
-the grouped-GEMM permutation, m_splits resolution, empty-prob dtype, FP8 group padding,
-input validation, weight initialisation, and the GroupedLinear double's TE contract
-(run against real TE instead when it is importable)."""
+the local permutation, m_splits resolution, empty-prob dtype, FP8 group padding, capacity
+tail rows with host and device counts, input validation, weight initialisation, and the
+TE contract the TE module relies on. TE tests run against real TE on CUDA when it imports,
+else against the test double on the CPU (tests/experts/devices.py)."""
 
 import dataclasses
 
 import pytest
 import torch
 
-from megatron_moe_ext.experts import GroupedExpertsDeepEP, GroupedExpertsTE
-from megatron_moe_ext.experts.common import ExpertParallel, local_expert_range
+from megatron_moe_ext.experts import GroupedExpertsDeepEP, GroupedExpertsTE, mlp, te
+from megatron_moe_ext.experts.common import (
+    ExpertParallel,
+    local_expert_range,
+    permute_local,
+    unpermute_local,
+)
 from megatron_moe_ext.experts.deepep import _stabilize_empty_routing_probs_dtype
-from megatron_moe_ext.experts.grouped import _permute_tokens_for_grouped_mm
-from megatron_moe_ext.experts.te import _resolve_m_splits
-from megatron_moe_ext.utils.optional import try_import
 from tests.experts.cases_modules import (
     ModuleCase,
     build_module,
+    case_device,
     dense_reference,
     global_weights,
     make_inputs,
     stacked_grads,
-    te_double_or_none,
 )
+from tests.experts.devices import TE_REAL, te_grouped_linear_module
 
-TE_REAL = try_import("transformer_engine.pytorch") is not None
 CASE = ModuleCase("unit", "grouped_mm", "swiglu", "fp32", True, 1, ep_mode="none", tokens_per_rank=(9,))
 
 
@@ -34,28 +37,36 @@ def _loaded(case: ModuleCase):
     return module
 
 
-def test_permute_tokens_for_grouped_mm_matches_brute_force():
+def _inputs(case: ModuleCase):
+    """`make_inputs` on the device the case's module runs on."""
+    return tuple(t.to(case_device(case)) for t in make_inputs(case, 0))
+
+
+def test_permute_local_matches_brute_force():
     g = torch.Generator().manual_seed(3)
     indices = torch.randint(-1, 8, (13, 3), generator=g)
     weights = torch.rand(13, 3, generator=g)
     mask = torch.rand(13, generator=g) > 0.3
-    ids, w, counts, offs, slots = _permute_tokens_for_grouped_mm(indices, weights, mask, 3, 2, return_slot_ids=True)
-    expected = [(e, t, k) for e in range(2, 5) for t in range(13) for k in range(3)
-                if mask[t] and indices[t, k] == e]
-    assert [(int(indices.flatten()[s]), int(t), int(s) % 3) for s, t in zip(slots, ids)] == expected
-    assert ids.tolist() == [t for _, t, _ in expected]
-    assert torch.equal(w, torch.stack([weights[t, k] for _, t, k in expected]))
-    assert counts.tolist() == [sum(1 for e, _, _ in expected if e == x) for x in range(2, 5)]
-    assert offs.dtype == torch.int32 and offs.tolist() == torch.cumsum(counts, 0).tolist()
+    x = torch.randn(13, 4, generator=g)
+    perm = permute_local(x, mask, weights, indices, 2, 3)
+    # Expert-major, token order within an expert; a duplicated id sums its probs.
+    expected = [(e, t) for e in range(2, 5) for t in range(13) if mask[t] and (indices[t] == e).any()]
+    assert perm.tokens_per_expert == [sum(1 for e, _ in expected if e == x) for x in range(2, 5)]
+    assert torch.equal(perm.rows_PH, x[[t for _, t in expected]])
+    probs = [float(weights[t][indices[t] == e].sum()) for e, t in expected]
+    torch.testing.assert_close(perm.probs_P, torch.tensor(probs))
+    back = unpermute_local(perm.rows_PH, perm)
+    copies = torch.tensor([sum(1 for _, t in expected if t == u) for u in range(13)], dtype=x.dtype)
+    torch.testing.assert_close(back, x * copies[:, None])
 
 
-def test_resolve_m_splits_reads_counts_and_caches_under_static_routing():
-    assert _resolve_m_splits(torch.tensor([3, 0, 2]), False, None) == [3, 0, 2]
-    assert _resolve_m_splits((1, 2), False, [9, 9]) == [1, 2]
-    # A meta tensor cannot be read: a warm static cache must not try.
-    assert _resolve_m_splits(torch.empty(2, device="meta"), True, [4, 5]) == [4, 5]
-    with pytest.raises(Exception):
-        _resolve_m_splits(torch.empty(2, device="meta"), False, [4, 5])
+def test_m_splits_are_read_only_from_the_host_or_the_static_cache():
+    assert te._static_or_host_m_splits(torch.tensor([3, 0, 2]), False, None) == [3, 0, 2]
+    assert te._static_or_host_m_splits((1, 2), False, [9, 9]) == [1, 2]
+    # Device counts (a meta tensor stands for them: reading it would fail) are never read...
+    assert te._static_or_host_m_splits(torch.empty(2, device="meta"), False, [4, 5]) is None
+    # ... except through the static-routing cache, which needs no read.
+    assert te._static_or_host_m_splits(torch.empty(2, device="meta"), True, [4, 5]) == [4, 5]
 
 
 def test_stabilize_empty_routing_probs_dtype():
@@ -66,8 +77,9 @@ def test_stabilize_empty_routing_probs_dtype():
 
 
 def test_te_static_routing_caches_m_splits_once():
-    module = build_module(dataclasses.replace(CASE, module="te"), static_routing=True)
-    x, mask, w, idx, _ = make_inputs(CASE, 0)
+    case = dataclasses.replace(CASE, module="te")
+    module = build_module(case, static_routing=True)
+    x, mask, w, idx, _ = _inputs(case)
     module(x, mask, w, idx)
     first = module._static_m_splits
     assert first is not None and sum(first) == int(((idx >= 0) & mask[:, None]).sum())
@@ -75,24 +87,19 @@ def test_te_static_routing_caches_m_splits_once():
     assert module._static_m_splits is first
 
 
-class _RecordingLinear(te_double_or_none() or object):
-    seen: list = []
-
-    def forward(self, inp, m_splits, is_first_microbatch=None):
-        _RecordingLinear.seen.append(list(m_splits))
-        return super().forward(inp, m_splits)
-
-
-@pytest.mark.skipif(TE_REAL, reason="records splits through the double")
 def test_te_fp8_padding_aligns_every_group_and_changes_nothing():
+    """TE's Fp8Padding / Fp8Unpadding around both GEMMs: every group TE sees is a multiple of
+    the alignment, and the result equals the unpadded module's."""
     case = dataclasses.replace(CASE, module="te", tokens_per_rank=(11,))
-    x, mask, w, idx, _ = make_inputs(case, 0)
+    x, mask, w, idx, _ = _inputs(case)
     plain = _loaded(case)(x, mask, w, idx)
-    module = build_module(dataclasses.replace(case, fp8_align_size=8), grouped_linear_cls=_RecordingLinear)
-    module.load_state_dict(global_weights(case))
-    _RecordingLinear.seen.clear()
+    module = _loaded(dataclasses.replace(case, fp8_align_size=8))
+    seen = []
+    for linear in (module.gate_up_linear, module.down_linear):
+        linear.register_forward_pre_hook(lambda _, args: seen.append((args[0].shape[0], list(args[1]))))
     padded = module(x, mask, w, idx)
-    assert _RecordingLinear.seen and all(n % 8 == 0 for s in _RecordingLinear.seen for n in s)
+    assert len(seen) == 2 and all(n % 8 == 0 for _, s in seen for n in s), seen
+    assert all(rows == sum(s) > int(((idx >= 0) & mask[:, None]).sum()) for rows, s in seen), seen
     torch.testing.assert_close(padded, plain, rtol=1e-5, atol=1e-6)
 
 
@@ -106,7 +113,7 @@ class _TailRowsDispatch:
 
     def dispatch(self, *args):
         rows, counts, probs = self.inner.dispatch(*args)
-        garbage = torch.full((self.tail, rows.shape[1]), 3.0, dtype=rows.dtype)
+        garbage = rows.new_full((self.tail, rows.shape[1]), float("nan"))
         return torch.cat([rows, garbage]), counts, torch.cat([probs, probs.new_full((self.tail,), 7.0)])
 
     def combine(self, rows):
@@ -114,30 +121,39 @@ class _TailRowsDispatch:
         return self.inner.combine(rows)
 
 
+@pytest.mark.parametrize("counts", ["host", "device"])
 @pytest.mark.parametrize("module_name", ["deepep", "te"])
-def test_capacity_tail_rows_are_tolerated(module_name):
+def test_capacity_tail_rows_are_tolerated(monkeypatch, module_name, counts):
+    """NaN padding rows past the counts change no real row, output or gradient. "device":
+    the modules take their device-count path (no host read), which on the CPU needs the
+    host-count shortcut switched off."""
     case = dataclasses.replace(CASE, module=module_name)
+    if counts == "device":
+        monkeypatch.setattr(mlp, "_host_counts", lambda _: None)
+        monkeypatch.setattr(te, "_host_counts", lambda _: None)
     x, mask, w, idx, g = make_inputs(case, 0)
+    dev = case_device(case)
     params = {k: v.requires_grad_() for k, v in global_weights(case).items()}
     module = _loaded(case)
     module.token_dispatch = _TailRowsDispatch(module.token_dispatch, tail=5)
-    x1 = x.clone().requires_grad_()
-    y = module(x1, mask, w, idx)
-    (y * g).sum().backward()
+    x1 = x.to(dev, copy=True).requires_grad_()
+    y = module(x1, mask.to(dev), w.to(dev), idx.to(dev))
+    (y * g.to(dev)).sum().backward()
     assert module.token_dispatch.combined_rows == int(((idx >= 0) & mask[:, None]).sum()) + 5
     x2 = x.clone().requires_grad_()
     y_ref = dense_reference(case, x2, mask, w, idx, params)
     (y_ref * g).sum().backward()
-    torch.testing.assert_close(y, y_ref.detach(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y.cpu(), y_ref.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x1.grad.cpu(), x2.grad, rtol=1e-5, atol=1e-5)
     for name, grad in stacked_grads(module).items():
-        torch.testing.assert_close(grad, params[name].grad, rtol=1e-5, atol=1e-5, msg=name)
+        torch.testing.assert_close(grad.cpu(), params[name].grad, rtol=1e-5, atol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize("module_name", ["grouped_loop", "grouped_mm", "deepep", "te"])
 def test_bad_inputs_raise_value_error_naming_the_field(module_name):
-    module = _loaded(dataclasses.replace(CASE, module=module_name))
-    x, mask, w, idx, _ = make_inputs(CASE, 0)
+    case = dataclasses.replace(CASE, module=module_name)
+    module = _loaded(case)
+    x, mask, w, idx, _ = _inputs(case)
     bad = {
         "x": (x[:, :-1], mask, w, idx),
         "token_mask": (x, mask.float(), w, idx),
@@ -162,11 +178,12 @@ def test_init_weights_materialises_meta_parameters():
                 assert torch.equal(p, torch.zeros_like(p)), name
             else:
                 assert 0.3 < float(p.std()) < 0.7, name
-    te = build_module(dataclasses.replace(case, module="te"), device="meta")
-    te.init_weights(torch.device("cpu"), init_std=0.5)
-    assert all(p.device.type == "cpu" for p in te.parameters())
-    assert 0.3 < float(te.gate_and_up_projs.std()) < 0.7
-    assert torch.equal(te.down_proj_bias, torch.zeros_like(te.down_proj_bias))
+    te_case = dataclasses.replace(case, module="te")
+    te_experts = build_module(te_case, device="meta")
+    te_experts.init_weights(case_device(te_case), init_std=0.5)
+    assert all(p.device.type == case_device(te_case).type for p in te_experts.parameters())
+    assert 0.3 < float(te_experts.gate_and_up_projs.std()) < 0.7
+    assert torch.equal(te_experts.down_proj_bias, torch.zeros_like(te_experts.down_proj_bias))
 
 
 def test_no_ep_group_has_no_dispatcher_and_no_pipeline_initializers():
@@ -197,29 +214,72 @@ def test_te_module_without_te_raises_import_error_with_hint():
         GroupedExpertsTE(build_module(CASE).config, dispatcher_backend="torch")
 
 
-def _grouped_linear_cls():
-    te = try_import("transformer_engine.pytorch")
-    return te.GroupedLinear if te is not None else te_double_or_none()
-
-
-def test_grouped_linear_contract():
-    """What GroupedExpertsTE relies on from TE's GroupedLinear (the double or real TE)."""
-    device = "cuda" if TE_REAL else "cpu"
-    linear = _grouped_linear_cls()(3, 4, 5, bias=True, params_dtype=torch.float32, device=device)
+def test_grouped_linear_contract(te_device):
+    """What GroupedExpertsTE relies on from TE 2.20.2's GroupedLinear (the double or real TE)."""
+    te_pt = te_grouped_linear_module()
+    linear = te_pt.GroupedLinear(3, 4, 5, bias=True, params_dtype=torch.float32, device=te_device)
     names = dict(linear.named_parameters())
     assert {f"weight{i}" for i in range(3)} | {f"bias{i}" for i in range(3)} == set(names)
     assert names["weight0"].shape == (5, 4) and names["bias0"].shape == (5,)
+    assert all(p.dtype == torch.float32 and p.device.type == te_device.type for p in names.values())
     with torch.no_grad():
         for i in range(3):
             names[f"bias{i}"].fill_(i + 1.0)
-    inp = torch.randn(6, 4, device=device, dtype=torch.bfloat16)
+    inp = torch.randn(6, 4, device=te_device)
     out = linear(inp, [2, 0, 4])
-    assert out.shape == (6, 5) and out.dtype == torch.bfloat16
-    expected = torch.cat([inp[:2].float() @ names["weight0"].t() + 1.0, inp[2:].float() @ names["weight2"].t() + 3.0])
-    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
+    assert out.shape == (6, 5) and out.dtype == torch.float32
+    expected = torch.cat([inp[:2] @ names["weight0"].t() + 1.0, inp[2:] @ names["weight2"].t() + 3.0])
+    # TF32 may be on in TE's GEMM.
+    torch.testing.assert_close(out, expected, rtol=2e-3, atol=2e-3)
+    # Device splits are accepted too (TE's split path reads them on the host).
+    torch.testing.assert_close(linear(inp, torch.tensor([2, 0, 4], device=te_device)), out)
     with pytest.raises(ValueError):
         linear(inp, [6, 0])
     with pytest.raises(RuntimeError):
         linear(inp, [2, 0, 3])
-    no_bias = _grouped_linear_cls()(2, 4, 5, bias=False, params_dtype=torch.float32, device=device)
+    # Outside autocast, TE refuses inputs whose dtype differs from the parameters'.
+    with pytest.raises(TypeError, match="Data types for parameters must match"):
+        linear(inp.bfloat16(), [2, 0, 4])
+    with torch.autocast(te_device.type, dtype=torch.bfloat16):
+        mixed = linear(inp.bfloat16(), [2, 0, 4])
+    assert mixed.dtype == torch.bfloat16
+    torch.testing.assert_close(mixed.float(), expected, rtol=3e-2, atol=3e-2)
+    no_bias = te_pt.GroupedLinear(2, 4, 5, bias=False, params_dtype=torch.bfloat16, device=te_device)
     assert {n for n, _ in no_bias.named_parameters()} == {"weight0", "weight1"}
+    assert no_bias.weight0.dtype == torch.bfloat16
+
+
+def test_grouped_linear_positional_arguments_follow_te():
+    """TE 2.20.2's order: (num_gemms, in_features, out_features, sequence_parallel,
+    fuse_wgrad_accumulation, tp_group, tp_size, get_rng_state_tracker, rng_tracker_name,
+    init_method, bias, return_bias, params_dtype, parallel_mode, device)."""
+    te_pt = te_grouped_linear_module()
+    device = torch.device("cuda" if TE_REAL else "cpu")
+    init = lambda w: torch.nn.init.constant_(w, 0.5)  # noqa: E731
+    linear = te_pt.GroupedLinear(2, 3, 4, False, False, None, 1, None, None, init, False, False,
+                                 torch.float64 if not TE_REAL else torch.bfloat16, None, device)
+    assert not linear.use_bias and linear.weight1.shape == (4, 3)
+    assert linear.weight0.dtype == (torch.float64 if not TE_REAL else torch.bfloat16)
+    assert bool((linear.weight1 == 0.5).all())
+
+
+def test_fp8_padding_pads_each_group_with_zero_rows_and_unpads(te_device):
+    te_pt = te_grouped_linear_module()
+    splits = [3, 0, 5]
+    inp = torch.arange(8 * 2, dtype=torch.float32, device=te_device).reshape(8, 2).bfloat16() + 1
+    pad, unpad = te_pt.Fp8Padding(3, 4), te_pt.Fp8Unpadding(3, 4)
+    out, padded = pad(inp, splits)
+    assert padded == [4, 0, 8] and out.shape == (12, 2)
+    assert torch.equal(out[:3], inp[:3]) and torch.equal(out[4:9], inp[3:])
+    assert bool((out[3] == 0).all()) and bool((out[9:] == 0).all())
+    assert torch.equal(unpad(out, splits), inp)
+    # Nothing to pad: the same tensor and list come back.
+    aligned = [4, 0, 4]
+    same, same_splits = pad(inp, aligned)
+    assert same is inp and same_splits == aligned
+    assert unpad(inp, aligned) is inp
+    # The padding is differentiable: padded rows get no gradient back.
+    leaf = inp.float().requires_grad_()
+    out, _ = pad(leaf, splits)
+    out.sum().backward()
+    assert torch.equal(leaf.grad, torch.ones_like(leaf))

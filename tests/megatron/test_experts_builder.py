@@ -67,3 +67,63 @@ def test_unsupported_megatron_settings_raise_naming_the_field(dist_pools, field,
         value = F.gelu
     (message,) = dist_pools(1).run(unsupported_config_error, field, value)
     assert message is not None and named in message, message
+
+
+def odd_size_experts(hidden: int, ffn: int, dtype_name: str) -> dict:
+    """GroupedGemmExperts at a hidden / FFN size whose rows are not a multiple of 16 bytes
+    (`torch._grouped_mm`'s stride rule) vs a per-expert fp32 loop over its own weights."""
+    import dataclasses
+
+    import torch
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+    from megatron_moe_ext.megatron.experts import GroupedGemmExperts
+    from tests.megatron.cases_checkpoint import EXPERTS, _config, init
+
+    init(1)
+    torch.manual_seed(5)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    config = dataclasses.replace(_config("swiglu", bias=True), hidden_size=hidden,
+                                 moe_ffn_hidden_size=ffn, params_dtype=dtype)
+    experts = GroupedGemmExperts(EXPERTS, config, pg_collection=get_default_pg_collection())
+    with torch.no_grad():
+        experts.gate_up_proj_bias.normal_(0.0, 0.1)
+        experts.down_proj_bias.normal_(0.0, 0.1)
+    counts = [3, 0, 5, 2]
+    x = torch.randn(sum(counts), hidden).to(dtype).requires_grad_()
+    probs = torch.rand(sum(counts))
+    grad_out = torch.randn(sum(counts), hidden)
+    out, _ = experts(x, counts, probs)
+    (out.float() * grad_out).sum().backward()
+
+    params = {n: p.detach().float().requires_grad_() for n, p in experts.named_parameters()}
+    x_ref = x.detach().float().requires_grad_()
+    ref, start = [], 0
+    for i, n in enumerate(counts):
+        h = x_ref[start:start + n] @ params["gate_and_up_projs"][i] + params["gate_up_proj_bias"][i]
+        h = h.to(dtype).float()  # the module's GEMM output is rounded to its dtype
+        gate, up = torch.chunk(h, 2, dim=-1)
+        p = probs[start:start + n, None]
+        ref.append((torch.nn.functional.silu(gate) * up * p) @ params["down_projs"][i]
+                   + p * params["down_proj_bias"][i])
+        start += n
+    ref = torch.cat(ref)
+    (ref * grad_out).sum().backward()
+
+    def err(a, b):
+        return ((a.float() - b).norm() / b.norm()).item()
+
+    errors = {"out": err(out.detach(), ref.detach()), "grad_x": err(x.grad, x_ref.grad)}
+    for name, p in experts.named_parameters():
+        errors[f"grad_{name}"] = err(p.grad, params[name].grad)
+    return errors
+
+
+@pytest.mark.parametrize("hidden,ffn,dtype_name,tol", [
+    (12, 8, "bf16", 2e-2),   # 24-byte hidden rows
+    (10, 5, "fp32", 1e-5),   # 40-byte hidden rows, 2I = 10 and I = 5 columns
+    (16, 3, "bf16", 2e-2),   # 12-byte intermediate rows
+])
+def test_grouped_gemm_experts_take_any_hidden_and_ffn_size(dist_pools, hidden, ffn, dtype_name, tol):
+    (errors,) = dist_pools(1).run(odd_size_experts, hidden, ffn, dtype_name)
+    assert all(e <= tol for e in errors.values()), errors
