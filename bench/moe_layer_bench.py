@@ -97,7 +97,8 @@ def tokens_per_expert(logits_TE: torch.Tensor, topk: int) -> list[int]:
 
 
 # ---- model construction -----------------------------------------------------------------
-def layer_config(shape: dict, *, permute_fusion: bool = False, cpu: bool = False):
+def layer_config(shape: dict, *, permute_fusion: bool = False, grouped_gemm: bool = False,
+                 cpu: bool = False):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = torch.bfloat16
@@ -106,7 +107,8 @@ def layer_config(shape: dict, *, permute_fusion: bool = False, cpu: bool = False
         ffn_hidden_size=4 * shape["hidden"], num_moe_experts=shape["experts"],
         moe_router_topk=shape["topk"], moe_ffn_hidden_size=shape["ffn"],
         moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="aux_loss",
-        moe_aux_loss_coeff=1e-3, moe_permute_fusion=permute_fusion, gated_linear_unit=True,
+        moe_aux_loss_coeff=1e-3, moe_permute_fusion=permute_fusion, moe_grouped_gemm=grouped_gemm,
+        gated_linear_unit=True,
         activation_func=F.silu, bias_activation_fusion=not cpu, add_bias_linear=False,
         bf16=True, params_dtype=dtype, use_cpu_initialization=cpu, hidden_dropout=0.0)
 
@@ -151,7 +153,10 @@ def build_variant(name: str, shape: dict, pg, device, cpu: bool):
     from megatron_moe_ext.megatron.experts import GroupedGemmExperts
     from megatron_moe_ext.megatron.moe_layer import FlexMoELayer
 
-    config = layer_config(shape, permute_fusion=name == "megatron_te_permute_fusion", cpu=cpu)
+    # moe_grouped_gemm as `--moe-grouped-gemm` sets it for the TE layers; the other variants
+    # pass their experts explicitly (FlexMoELayer would otherwise pick its grouped experts).
+    config = layer_config(shape, permute_fusion=name == "megatron_te_permute_fusion",
+                          grouped_gemm=name in TE_VARIANTS, cpu=cpu)
     kw = dict(config=config, pg_collection=pg, layer_number=1)
     local = get_moe_module_spec(use_te=False, num_experts=shape["experts"]).keywords["submodules"]
     if name in ("megatron_te", "megatron_te_permute_fusion", "flex_te_grouped_mlp"):
@@ -207,14 +212,16 @@ def time_layer(layer, x_SBH, grad_SBH, warmup: int, iters: int, cuda: bool) -> d
     """Median forward + backward time (ms) and peak memory over the timed iterations."""
     from megatron.core.transformer.moe.moe_utils import get_moe_metrics_tracker
 
+    tracker = get_moe_metrics_tracker()
+
     def step():
         x = x_SBH.detach().requires_grad_()
         out, _ = layer(x)
         out.backward(grad_SBH)
-        get_moe_metrics_tracker().clear()
 
     for _ in range(warmup):
         step()
+        tracker.clear()
     for p in layer.parameters():
         p.grad = None
     times = []
@@ -234,6 +241,7 @@ def time_layer(layer, x_SBH, grad_SBH, warmup: int, iters: int, cuda: bool) -> d
             t0 = time.perf_counter()
             step()
             times.append(1e3 * (time.perf_counter() - t0))
+        tracker.clear()  # the aux-loss tracker accumulates per step, as between training steps
     times.sort()
     result = dict(median_ms=statistics.median(times), p10_ms=times[len(times) // 10],
                   p90_ms=times[(9 * len(times)) // 10], iters=iters)
