@@ -8,7 +8,7 @@ honours the flag in both modes:
 |---|---|---|
 | `SequentialMLP` (local spec, or no TE) | True | this package's `GroupedGemmExperts` |
 | `TEGroupedMLP` (TE spec) | True | `TE_GROUPED_EXPERTS` (below) |
-| anything | False | the spec's, unchanged |
+| anything | False | the spec's, unchanged (None) |
 | any other class (a custom spec) | True | the spec's, unchanged |
 """
 
@@ -30,7 +30,7 @@ def _builder_class(experts):
 
 
 def grouped_gemm_experts(config, spec_experts, te_choice: str | None = None):
-    """The experts builder a `FlexMoELayer` uses, given its config and its spec's experts.
+    """The experts builder that replaces the spec's in a `FlexMoELayer`, if any.
 
     Arguments:
         config: Megatron `TransformerConfig`; only `moe_grouped_gemm` is read.
@@ -38,17 +38,17 @@ def grouped_gemm_experts(config, spec_experts, te_choice: str | None = None):
         te_choice: one of `TE_GROUPED_EXPERTS_CHOICES` (default: `TE_GROUPED_EXPERTS`).
 
     Returns:
-        An `ExpertsBuilder`: `spec_experts` itself, or this package's `GroupedGemmExperts`.
+        This package's `GroupedGemmExperts`, or None where the spec's experts stay.
     """
     te_choice = TE_GROUPED_EXPERTS if te_choice is None else te_choice
     if te_choice not in TE_GROUPED_EXPERTS_CHOICES:
         raise ValueError(f"te_choice={te_choice!r} is invalid: allowed values are "
                          f"{TE_GROUPED_EXPERTS_CHOICES}")
     if not config.moe_grouped_gemm:
-        return spec_experts
+        return None
     cls = _builder_class(spec_experts)
     if cls is SequentialMLP or (cls is TEGroupedMLP and te_choice == "grouped_gemm_experts"):
         from megatron_moe_ext.megatron.experts import GroupedGemmExperts
 
         return GroupedGemmExperts
-    return spec_experts
+    return None

@@ -79,12 +79,12 @@ class FlexMoELayer(MoELayer):
     def __init__(self, config, submodules=None, layer_number=None, pg_collection=None,
                  is_mtp_layer=False, name=None,
                  dispatcher_config: TokenDispatcherConfig | None = None, experts=None):
-        if experts is not None and submodules is None:
-            raise ValueError("experts: needs the layer's submodules (MoESubmodules) to replace "
-                             "their experts; build the layer from an MoE spec")
         if experts is None and submodules is not None:
             experts = grouped_gemm_experts(config, submodules.experts)
         if experts is not None:
+            if submodules is None:
+                raise ValueError("experts: needs the layer's submodules (MoESubmodules) to replace "
+                                 "their experts; build the layer from an MoE spec")
             submodules = dataclasses.replace(submodules, experts=experts)
         if dispatcher_config is None:
             dispatcher_config = TokenDispatcherConfig.from_transformer_config(config)

@@ -96,8 +96,6 @@ REFUSED = [
     ("moe_permute_fusion", True, None),
     ("moe_permute_fusion_into_hybridep", True, None),
     ("moe_flex_dispatcher_backend", "ncclep", dict(moe_token_dispatcher_type="flex")),
-    ("moe_flex_dispatcher_num_sms", 7,
-     dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep")),
 ]
 
 
@@ -129,13 +127,13 @@ def test_position_drop_policy_is_honoured_by_the_router(dist_pools):
 def test_expert_choice_under_te_spec():
     te_spec = functools.partial(TEGroupedMLP, submodules=None)
     on, off = types.SimpleNamespace(moe_grouped_gemm=True), types.SimpleNamespace(moe_grouped_gemm=False)
-    assert expert_choice.grouped_gemm_experts(on, te_spec) is te_spec  # default: TEGroupedMLP
+    assert expert_choice.grouped_gemm_experts(on, te_spec) is None  # default: keep TEGroupedMLP
     assert expert_choice.grouped_gemm_experts(on, te_spec, "grouped_gemm_experts") is GroupedGemmExperts
-    assert expert_choice.grouped_gemm_experts(off, te_spec, "grouped_gemm_experts") is te_spec
+    assert expert_choice.grouped_gemm_experts(off, te_spec, "grouped_gemm_experts") is None
     local = functools.partial(SequentialMLP, submodules=None)
     assert expert_choice.grouped_gemm_experts(on, local) is GroupedGemmExperts
-    custom = functools.partial(GroupedGemmExperts)
-    assert expert_choice.grouped_gemm_experts(on, custom) is custom
+    assert expert_choice.grouped_gemm_experts(off, local) is None
+    assert expert_choice.grouped_gemm_experts(on, functools.partial(GroupedGemmExperts)) is None
     with pytest.raises(ValueError, match="te_choice"):
         expert_choice.grouped_gemm_experts(on, te_spec, "GroupedExpertsTE")
 
