@@ -1,11 +1,14 @@
 """megatron-moe-ext: a drop-in Mixture-of-Experts layer for Megatron-Core.
 
-The top-level ``patches/`` folder installs as ``megatron_moe_ext.patches``.
+The top-level ``patches/`` folder is ``megatron_moe_ext.patches``: installed through
+``package_dir``, and in a source checkout through the link ``megatron_moe_ext/patches``.
 """
 
 from setuptools import find_packages, setup
 
-packages = find_packages(include=["megatron_moe_ext", "megatron_moe_ext.*"])
+# find_packages follows the megatron_moe_ext/patches link; package_dir below points that
+# package at the real folder either way.
+packages = find_packages(include=["megatron_moe_ext", "megatron_moe_ext.*"], exclude=["megatron_moe_ext.patches"])
 
 setup(
     name="megatron-moe-ext",

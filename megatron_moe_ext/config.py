@@ -138,6 +138,7 @@ class TokenDispatcherConfig:
         if backend == "ncclep":
             _fail("moe_flex_dispatcher_backend", backend,
                   f"megatron_moe_ext supports {BACKENDS}; Megatron's 'ncclep' is not wrapped")
+        _refuse_unhonoured_megatron_settings(config, backend)
         pad_multiple = None
         if getattr(config, "moe_router_padding_for_quantization", False):
             from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
@@ -167,3 +168,35 @@ class TokenDispatcherConfig:
                 getattr(config, "moe_permute_fusion_into_hybridep", False))
         values.update(overrides)
         return cls(**values)
+
+
+# Megatron settings the flex layer does not honour, with the value that means "off" and why.
+# (Router-side settings, e.g. moe_token_drop_policy, are honoured by Megatron's own router,
+# which FlexMoELayer keeps: with `moe_expert_capacity_factor` the router drops by either
+# policy, and the dispatcher's own capacity check then never drops again.)
+_UNHONOURED_MEGATRON_SETTINGS = {
+    "moe_pad_expert_input_to_capacity": (
+        False, "the flex dispatcher sends only the routed rows, so expert inputs are never padded "
+        "to capacity; for static shapes use moe_hybridep_capacity_factor (TokenDispatcherConfig)"),
+    "moe_hybridep_pad_uneven_dispatch_inputs": (
+        False, "use TokenDispatcherConfig(moe_hybridep_equal_token_counts=True) instead"),
+    "moe_pad_experts_for_cuda_graph_inference": (
+        False, "padded inference experts for CUDA graphs are not implemented"),
+}
+# Backends on which Megatron's `moe_permute_fusion` selects a fused kernel of this package.
+_PERMUTE_FUSION_BACKENDS = ("hybridep",)
+
+
+def _refuse_unhonoured_megatron_settings(config: Any, backend: str) -> None:
+    """Raise ValueError naming the first Megatron MoE setting the flex layer would ignore."""
+    for field, (off, why) in _UNHONOURED_MEGATRON_SETTINGS.items():
+        value = getattr(config, field, off)
+        if value != off:
+            _fail(field, value, f"not supported by megatron_moe_ext's MoE layer ({why}); set it to {off!r}")
+    if getattr(config, "moe_permute_fusion", False) and backend not in _PERMUTE_FUSION_BACKENDS:
+        _fail("moe_permute_fusion", True,
+              f"the {backend!r} backend has no fused permutation kernel, "
+              f"so the flag would be ignored; drop --moe-permute-fusion (fused on: {_PERMUTE_FUSION_BACKENDS})")
+    if getattr(config, "moe_permute_fusion_into_hybridep", False) and backend != "hybridep":
+        _fail("moe_permute_fusion_into_hybridep", True,
+              f"only the 'hybridep' backend fuses the permutation into dispatch, backend is {backend!r}")

@@ -22,14 +22,39 @@ import threading
 
 from megatron_moe_ext.config import TokenDispatcherConfig
 
+from megatron.core.models.gpt import moe_module_specs as _moe_module_specs
+
+EXPECTED_MEGATRON_CORE = "megatron-core 0.19.x"
+# The spec functions that read the module global `MoELayer` at call time.
+_READERS = ("get_moe_module_spec_for_backend", "get_inference_optimized_moe_spec")
+
 _lock = threading.Lock()
 _applied: dict | None = None  # {"original": MoELayer, "dispatcher_config": ..., "experts": ...}
 
 
-def _spec_module():
-    from megatron.core.models.gpt import moe_module_specs
+def _check_megatron_target() -> None:
+    """Refuse at import, naming the expected version, if Megatron no longer builds MoE layers
+    from the `moe_module_specs.MoELayer` global (the patch would then change nothing)."""
+    stale = [] if hasattr(_moe_module_specs, "MoELayer") else ["MoELayer"]
+    for name in _READERS:
+        reader = getattr(_moe_module_specs, name, None)
+        if reader is None or "MoELayer" not in reader.__code__.co_names:
+            stale.append(name)
+    if stale:
+        from megatron.core import __version__
 
-    return moe_module_specs
+        raise ImportError(
+            f"megatron_moe_ext.patches expects {EXPECTED_MEGATRON_CORE}, whose "
+            f"megatron.core.models.gpt.moe_module_specs builds MoE layers from its module "
+            f"global MoELayer in {_READERS}; the installed megatron-core {__version__} "
+            f"does not ({stale})")
+
+
+_check_megatron_target()
+
+
+def _spec_module():
+    return _moe_module_specs
 
 
 def apply(dispatcher_config: TokenDispatcherConfig | None = None, experts=None) -> None:

@@ -1,2 +1,3 @@
 """Megatron adapters: `moe_layer.py` (the MoE layer), `experts.py` (ExpertsBuilder
-adapters), `specs.py` (`--spec` entry points), `checkpoint.py` (sharded state dicts)."""
+adapters), `expert_choice.py` (what `--moe-grouped-gemm` builds), `specs.py` (`--spec` entry
+points), `checkpoint.py` (sharded state dicts)."""

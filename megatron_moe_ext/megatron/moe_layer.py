@@ -5,7 +5,8 @@ unchanged; only the token dispatcher is swapped. The dispatcher is chosen from t
 `TransformerConfig` (`TokenDispatcherConfig.from_transformer_config`) unless a
 `dispatcher_config` is given (spec functions in `specs.py`, or the patch module's
 `apply`). `experts`, an `ExpertsBuilder`, optionally replaces the spec's experts (for
-example this package's grouped-GEMM experts).
+example this package's grouped-GEMM experts); without it, `config.moe_grouped_gemm` picks
+grouped-GEMM experts (`expert_choice.py`), also where Megatron's local spec would not.
 """
 
 from __future__ import annotations
@@ -20,11 +21,31 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from megatron_moe_ext.config import TokenDispatcherConfig
 from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
+from megatron_moe_ext.megatron.expert_choice import grouped_gemm_experts
 
 # The names under which Megatron's MoELayer.__init__ looks up its dispatcher classes.
 _MEGATRON_DISPATCHER_NAMES = (
     "MoEAllGatherTokenDispatcher", "MoEAlltoAllTokenDispatcher", "MoEFlexTokenDispatcher")
+EXPECTED_MEGATRON_CORE = "megatron-core 0.19.x"
 _swap_lock = threading.Lock()
+
+
+def _check_megatron_target() -> None:
+    """The swap below needs MoELayer.__init__ to read its dispatcher classes as globals of
+    Megatron's moe_layer module; refuse at import (naming the version) if that changed."""
+    missing = [n for n in _MEGATRON_DISPATCHER_NAMES if not hasattr(_megatron_moe_layer, n)]
+    unread = [n for n in _MEGATRON_DISPATCHER_NAMES if n not in MoELayer.__init__.__code__.co_names]
+    if missing or unread:
+        from megatron.core import __version__
+
+        raise ImportError(
+            f"megatron_moe_ext.megatron.moe_layer expects {EXPECTED_MEGATRON_CORE}, where "
+            f"MoELayer.__init__ builds its token dispatcher from the module globals "
+            f"{_MEGATRON_DISPATCHER_NAMES} of megatron.core.transformer.moe.moe_layer; the "
+            f"installed megatron-core {__version__} lacks {missing or unread}")
+
+
+_check_megatron_target()
 
 
 @contextlib.contextmanager
@@ -51,12 +72,15 @@ class FlexMoELayer(MoELayer):
     Arguments are Megatron's, plus:
         dispatcher_config: the backend and its options (default: derived from `config`).
         experts: an `ExpertsBuilder` `(num_local_experts, config, *, pg_collection, name)`
-            that replaces `submodules.experts` (default: the spec's experts).
+            that replaces `submodules.experts` (default: the spec's experts, or with
+            `config.moe_grouped_gemm` the grouped-GEMM experts of `expert_choice.py`).
     """
 
     def __init__(self, config, submodules=None, layer_number=None, pg_collection=None,
                  is_mtp_layer=False, name=None,
                  dispatcher_config: TokenDispatcherConfig | None = None, experts=None):
+        if experts is None and submodules is not None:
+            experts = grouped_gemm_experts(config, submodules.experts)
         if experts is not None:
             if submodules is None:
                 raise ValueError("experts: needs the layer's submodules (MoESubmodules) to replace "

@@ -177,7 +177,34 @@ def get_flex_layer_spec(num_experts: int, moe_grouped_gemm: bool = False, *,
     return use_flex_moe_layer(spec, dispatcher_config, experts)
 
 
+class _DeferredLayerSpec(ModuleSpec):
+    """A `ModuleSpec` whose fields are read from `build()`'s spec, built on first read.
+
+    Megatron-LM's `--spec` importer reads the object with `vars(module)[name]`, so it must
+    exist at import; deferring its fields keeps that import free of spec building (and of
+    the Transformer Engine probe it makes). `dataclasses.replace` of it, which calls this
+    class with ModuleSpec's fields, gives an already-built one.
+    """
+
+    def __init__(self, *args, build=None, **fields):
+        self._build = build
+        self._spec = None if build is not None else ModuleSpec(*args, **fields)
+
+    def _built(self) -> ModuleSpec:
+        if self._spec is None:
+            self._spec = self._build()
+        return self._spec
+
+
+def _deferred_field(name: str) -> property:
+    return property(lambda self: getattr(self._built(), name),
+                    lambda self, value: setattr(self._built(), name, value))
+
+
+for _field in dataclasses.fields(ModuleSpec):
+    setattr(_DeferredLayerSpec, _field.name, _deferred_field(_field.name))
+
 # For `pretrain_gpt.py --spec megatron_moe_ext.megatron.specs flex_moe_layer_spec`, which
 # passes the imported object itself to GPTModel. Any positive count builds the MoE spec;
 # the layer takes its expert count from the config.
-flex_moe_layer_spec = get_flex_layer_spec(num_experts=1)
+flex_moe_layer_spec = _DeferredLayerSpec(build=functools.partial(get_flex_layer_spec, num_experts=1))

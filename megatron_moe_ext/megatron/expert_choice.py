@@ -1,0 +1,54 @@
+"""Which experts `--moe-grouped-gemm` builds inside `FlexMoELayer`.
+
+Megatron-Core 0.19 builds grouped-GEMM experts only with Transformer Engine (`TEGroupedMLP`);
+its local spec silently keeps `SequentialMLP` (one GEMM pair per expert). `FlexMoELayer`
+honours the flag in both modes:
+
+| spec's experts (Megatron's choice) | `config.moe_grouped_gemm` | experts built |
+|---|---|---|
+| `SequentialMLP` (local spec, or no TE) | True | this package's `GroupedGemmExperts` |
+| `TEGroupedMLP` (TE spec) | True | `TE_GROUPED_EXPERTS` (below) |
+| anything | False | the spec's, unchanged (None) |
+| any other class (a custom spec) | True | the spec's, unchanged |
+"""
+
+from __future__ import annotations
+
+import functools
+
+from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
+
+# Experts `--moe-grouped-gemm` builds under Transformer Engine. "te_grouped_mlp": Megatron's
+# TEGroupedMLP, kept from the spec; "grouped_gemm_experts": this package's
+# GroupedGemmExperts (torch._grouped_mm), as without TE. One place to flip the default.
+TE_GROUPED_EXPERTS = "te_grouped_mlp"
+TE_GROUPED_EXPERTS_CHOICES = ("te_grouped_mlp", "grouped_gemm_experts")
+
+
+def _builder_class(experts):
+    return experts.func if isinstance(experts, functools.partial) else experts
+
+
+def grouped_gemm_experts(config, spec_experts, te_choice: str | None = None):
+    """The experts builder that replaces the spec's in a `FlexMoELayer`, if any.
+
+    Arguments:
+        config: Megatron `TransformerConfig`; only `moe_grouped_gemm` is read.
+        spec_experts: the spec's `ExpertsBuilder` (`MoESubmodules.experts`).
+        te_choice: one of `TE_GROUPED_EXPERTS_CHOICES` (default: `TE_GROUPED_EXPERTS`).
+
+    Returns:
+        This package's `GroupedGemmExperts`, or None where the spec's experts stay.
+    """
+    te_choice = TE_GROUPED_EXPERTS if te_choice is None else te_choice
+    if te_choice not in TE_GROUPED_EXPERTS_CHOICES:
+        raise ValueError(f"te_choice={te_choice!r} is invalid: allowed values are "
+                         f"{TE_GROUPED_EXPERTS_CHOICES}")
+    if not config.moe_grouped_gemm:
+        return None
+    cls = _builder_class(spec_experts)
+    if cls is SequentialMLP or (cls is TEGroupedMLP and te_choice == "grouped_gemm_experts"):
+        from megatron_moe_ext.megatron.experts import GroupedGemmExperts
+
+        return GroupedGemmExperts
+    return None
