@@ -52,8 +52,8 @@ def test_capacity_mode_pins_the_token_count(dist_pools, world):
 @pytest.mark.parametrize("world", WORLDS)
 def test_capacity_is_calibrated_per_layer_over_one_buffer(dist_pools, world):
     for r in dist_pools(world).run(hybridep_ranks.capacity_per_layer):
-        spread, skewed = r["capacities"]
-        assert spread is not None and skewed is not None and spread != skewed
+        top2, top1 = r["capacities"]
+        assert top1 is not None and top2 is not None and top1 < top2
         assert r["same_buffer"]
 
 

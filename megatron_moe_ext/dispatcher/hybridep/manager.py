@@ -93,9 +93,9 @@ class _HybridEPDispatch(torch.autograd.Function):
     """`dispatch_with_permute`; backward is `combine_with_unpermute` with the same handle."""
 
     @staticmethod
-    def forward(ctx, x_TH, probs_TE, outputs, buffer, routing, kwargs):
+    def forward(ctx, x_TH, probs_TE, outputs, buffer, kwargs):
         rows_PH, probs_P, _, tokens_per_expert, handle = buffer.dispatch_with_permute(
-            hidden=x_TH, probs=probs_TE, **routing, **kwargs)
+            hidden=x_TH, probs=probs_TE, **kwargs)
         outputs.handle, outputs.tokens_per_expert = handle, tokens_per_expert
         ctx.buffer, ctx.handle = buffer, handle
         ctx.pad_multiple, ctx.fused = kwargs["pad_multiple"], kwargs["fuse_permute_dispatch"]
@@ -106,7 +106,7 @@ class _HybridEPDispatch(torch.autograd.Function):
         grad_TH, grad_probs_TE = ctx.buffer.combine_with_unpermute(
             hidden=grad_PH.contiguous(), probs=None if grad_probs_P is None else grad_probs_P.float().contiguous(),
             handle=ctx.handle, pad_multiple=ctx.pad_multiple, fuse_unpermute_combine=ctx.fused)
-        return grad_TH, grad_probs_TE, None, None, None, None
+        return grad_TH, grad_probs_TE, None, None, None
 
 
 class _HybridEPCombine(torch.autograd.Function):
@@ -348,14 +348,13 @@ class _HybridEPManager(_DispatchManager):
         if padded > x_TH.shape[0]:
             x_TH = torch.cat([x_TH, x_TH.new_zeros(padded - x_TH.shape[0], x_TH.shape[1])])
         num_permuted = self._resolve_num_permuted_tokens(capacity_mode)
-        routing = dict(routing_map=self.routing_map)
-        kwargs = dict(num_of_experts_per_rank=self.num_local_experts, num_permuted_tokens=num_permuted,
+        kwargs = dict(routing_map=self.routing_map, num_of_experts_per_rank=self.num_local_experts, num_permuted_tokens=num_permuted,
                       pad_multiple=self.pad_multiple, non_blocking=num_permuted is not None,
                       fuse_permute_dispatch=self.hybridep_permute_fusion)
         outputs = _DispatchOutputs()
         self.buffer = self._buffer(x_TH.shape[1], padded)
         rows_PH, self.dispatched_probs = _HybridEPDispatch.apply(
-            x_TH, self.token_probs, outputs, self.buffer, routing, kwargs)
+            x_TH, self.token_probs, outputs, self.buffer, kwargs)
         self.handle, self.tokens_per_expert = outputs.handle, outputs.tokens_per_expert
         self.num_permuted_tokens = rows_PH.shape[0]
         if num_permuted is not None:
