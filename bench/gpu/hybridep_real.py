@@ -1,17 +1,19 @@
 """The package's HybridEP tests against the real `HybridEPBuffer` on one GPU.
 
 Runs tests/dispatcher/test_hybridep_{manager,dense_reference,metadata}.py with
-MOE_EXT_HYBRIDEP_REAL=1 (every rank on CUDA device 0, gloo group): at EP1 in four pytest
+MOE_EXT_HYBRIDEP_REAL=1 (every rank on CUDA device 0, gloo group): at EP1 in seven pytest
 shards side by side (each shard's first dispatch/combine of a new shape JIT-compiles
 HybridEP's kernels with nvcc, which is CPU work), then at EP2 as two processes on the one
-GPU (correctness only; stops at the first failure and records how it failed).
+GPU (correctness only; stops at the first failure and records how it failed). About four
+minutes on one H200 with 16 cores.
 
-    python3 bench/gpu/hybridep_real.py [--hybridep-dir .gpu/hybridep] [--skip-ep2]
+    python3 bench/gpu/hybridep_real.py [--hybridep-dir .gpu/hybridep] [--skip-ep2] [--skip-bench]
 
 Needs the built HybridEP folder (bench/gpu/HYBRIDEP.md) and nvcc (CUDA_HOME is taken from
 `nvcc` on PATH when unset). Writes $OUT/hybridep_real_h200.json (command, DeepEP commit,
 pass/fail counts per test and per mode) and the pytest logs and JUnit files under
-$OUT/hybridep_real/.
+$OUT/hybridep_real/; last, it runs bench/gpu/hybridep_bench.py (the EP1 timing, written to
+$OUT/hybridep_bench_h200.json) in the same environment.
 """
 
 from __future__ import annotations
@@ -29,16 +31,18 @@ import xml.etree.ElementTree as ET
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TESTS = "tests/dispatcher/"
+DENSE = TESTS + "test_hybridep_dense_reference.py"
+#: Side by side: each shard's worker compiles its own kernels (nvcc is single-threaded).
 EP1_SHARDS = {
     "manager": [TESTS + "test_hybridep_manager.py", TESTS + "test_hybridep_metadata.py"],
-    "dense_blocking_static_compact": [TESTS + "test_hybridep_dense_reference.py", "-k",
-                                      "matches_dense_reference and (blocking or static or compact) "
-                                      "and not capacity"],
-    "dense_capacity": [TESTS + "test_hybridep_dense_reference.py", "-k", "matches_dense_reference and capacity"],
-    "dense_equal_counts_and_probs_face": [TESTS + "test_hybridep_dense_reference.py", "-k",
-                                          "equal_token_counts or dense_probs_face"],
+    "dense_blocking_static": [DENSE, "-k", "matches_dense_reference and (blocking or static)"],
+    "dense_compact": [DENSE, "-k", "matches_dense_reference and compact and not capacity"],
+    "dense_capacity": [DENSE, "-k", "matches_dense_reference and capacity and not padded and not compact"],
+    "dense_capacity_padded": [DENSE, "-k", "matches_dense_reference and capacity_padded"],
+    "dense_compact_fused_capacity": [DENSE, "-k", "matches_dense_reference and compact_fused_capacity"],
+    "dense_equal_counts_and_probs_face": [DENSE, "-k", "equal_token_counts or dense_probs_face"],
 }
-EP2_SELECTION = [TESTS + "test_hybridep_dense_reference.py", TESTS + "test_hybridep_manager.py", "-x", "-k",
+EP2_SELECTION = [DENSE, TESTS + "test_hybridep_manager.py", "-x", "-k",
                  "(matches_dense_reference and uneven and topk and (blocking or capacity or compact)) "
                  "or capacity_mode_pins or overflow"]
 
@@ -130,7 +134,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hybridep-dir", default=os.path.join(ROOT, ".gpu", "hybridep"))
     parser.add_argument("--skip-ep2", action="store_true")
-    parser.add_argument("--ep1-timeout", type=int, default=170)
+    parser.add_argument("--skip-bench", action="store_true")
+    parser.add_argument("--ep1-timeout", type=int, default=150)
     parser.add_argument("--ep2-timeout", type=int, default=75)
     args = parser.parse_args()
     out_root = os.environ.get("OUT", "./outputs")
@@ -154,6 +159,14 @@ def main() -> None:
     report["deepep_v1_buffer_ep2_one_gpu"] = (
         "not run: DeepEP's V1 Buffer needs the deep_ep_cpp extension, which this folder does not carry "
         "(only hybrid_ep_cpp is built); its intranode kernels also spin on the peer rank's flags like HybridEP's")
+    if not args.skip_bench:
+        # The EP1 timing (bench/gpu/hybridep_bench.py) in the same environment.
+        log = os.path.join(out_dir, "bench.log")
+        with open(log, "w") as f:
+            proc = subprocess.run(["timeout", "100", sys.executable, "bench/gpu/hybridep_bench.py"], cwd=ROOT,
+                                  env={**env, "OUT": out_root}, stdout=f, stderr=subprocess.STDOUT)
+        report["bench"] = {"rc": proc.returncode, "log_tail": open(log).read().splitlines()[-6:]}
+        print("bench:", json.dumps(report["bench"]), flush=True)
     path = os.path.join(out_root, "hybridep_real_h200.json")
     with open(path, "w") as f:
         json.dump(report, f, indent=2)
