@@ -52,9 +52,14 @@ def gpu_environment(hybridep_dir: str) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, os.path.abspath(hybridep_dir), env.get("PYTHONPATH")]))
     if not env.get("CUDA_HOME"):
+        # A toolkit with nvcc and headers: /usr/local/cuda, else the one `nvcc` on PATH is in
+        # (which may be a wrapper script outside the toolkit, hence the header check).
         nvcc = shutil.which("nvcc")
-        if nvcc:
-            env["CUDA_HOME"] = os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+        candidates = ["/usr/local/cuda"] + ([os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))] if nvcc else [])
+        for home in candidates:
+            if os.path.exists(os.path.join(home, "bin", "nvcc")) and os.path.exists(os.path.join(home, "include", "cuda.h")):
+                env["CUDA_HOME"] = home
+                break
     env.setdefault("HYBRID_EP_CACHE_DIR", "/tmp/hybridep_jit")
     env.update(MOE_EXT_HYBRIDEP_REAL="1", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
                NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
@@ -120,13 +125,29 @@ def run_stage(label: str, shards: dict, env: dict, out_dir: str, timeout: int) -
 
 
 def library_probe(env: dict) -> dict:
-    """Import the real library and construct one buffer (the earliest place a setup error shows)."""
-    code = ("import torch, torch.distributed as dist, deep_ep, hybrid_ep_cpp; "
-            "dist.init_process_group('gloo', rank=0, world_size=1, init_method='tcp://127.0.0.1:29561'); "
-            "torch.cuda.set_device(0); "
-            "b = deep_ep.HybridEPBuffer(group=dist.group.WORLD, hidden_dim=1024, max_num_of_tokens_per_rank=256, "
-            "num_local_experts=8); print('constructed', deep_ep.HybridEPBuffer.__module__, hybrid_ep_cpp.__file__)")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    """Import the real library, construct one buffer over a gloo group and run one dispatch and
+    combine (the earliest place a setup error shows)."""
+    code = "\n".join([
+        "import torch, torch.distributed as dist, deep_ep, hybrid_ep_cpp",
+        "dist.init_process_group('gloo', rank=0, world_size=1, init_method='tcp://127.0.0.1:29561')",
+        "torch.cuda.set_device(0)",
+        "b = deep_ep.HybridEPBuffer(group=dist.group.WORLD, hidden_dim=1024, max_num_of_tokens_per_rank=256,"
+        " num_local_experts=8)",
+        "print('constructed', hybrid_ep_cpp.__file__, flush=True)",
+        "x = torch.randn(256, 1024, device='cuda').bfloat16()",
+        "idx = torch.rand(256, 8, device='cuda').topk(2).indices",
+        "m = torch.zeros(256, 8, dtype=torch.bool, device='cuda').scatter(1, idx, True)",
+        "rows, probs, _, tpe, h = b.dispatch_with_permute(hidden=x, routing_map=m, probs=m.float(),"
+        " num_of_experts_per_rank=8)",
+        "y, _ = b.combine_with_unpermute(hidden=rows, handle=h)",
+        "torch.cuda.synchronize()",
+        "print('dispatch+combine ok', tuple(rows.shape), tpe.tolist(), float((y.float() - 2 * x.float()).abs().max()))",
+    ])
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=90)
+    except subprocess.TimeoutExpired:
+        return {"rc": None, "output": ["timed out after 90 s"]}
     return {"rc": proc.returncode, "output": (proc.stdout + proc.stderr).strip().splitlines()[-6:]}
 
 
