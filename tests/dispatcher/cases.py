@@ -80,26 +80,28 @@ def run_through_dispatcher(disp, face, x, indices, probs, num_experts, params):
 
 def run_dense_reference_case(case: RoutingCase, face: str, dtype: str, backend: str = "torch",
                              patch_backend: str | None = None, cfg_overrides: dict | None = None,
-                             repeats: int = 1):
+                             repeats: int = 1, device: str = "cpu"):
     """`repeats` > 1 runs the same batch again through the same dispatcher (modes that
-    calibrate or pin on the first dispatch) and reports the worst errors over all runs."""
+    calibrate or pin on the first dispatch) and reports the worst errors over all runs.
+    `device` holds the dispatcher's inputs (a real GPU library); the reference stays on CPU."""
     _install(patch_backend)
     disp = build_dispatcher(case, backend, **(cfg_overrides or {}))
-    runs = [_one_dense_reference_run(disp, case, face, dtype) for _ in range(repeats)]
+    runs = [_one_dense_reference_run(disp, case, face, dtype, device) for _ in range(repeats)]
     worst = {key: max(r[key] for r in runs) for key in ("y", "grad_x", "grad_probs")}
     return {**runs[-1], **worst}
 
 
-def _one_dense_reference_run(disp, case: RoutingCase, face: str, dtype: str):
+def _one_dense_reference_run(disp, case: RoutingCase, face: str, dtype: str, device: str = "cpu"):
     rank = dist.get_rank()
     params = toy_expert_params(case.num_experts, case.hidden)
     x, indices, probs = make_routing(case, rank, DTYPES[dtype])
     g = torch.randn(x.shape, generator=torch.Generator().manual_seed(99 + rank))
 
-    x1, p1 = x.clone().requires_grad_(), probs.clone().requires_grad_()
-    y, tpe = run_through_dispatcher(disp, face, x1, indices, p1, case.num_experts, params)
+    x1, p1 = x.to(device, copy=True).requires_grad_(), probs.to(device, copy=True).requires_grad_()
+    y, tpe = run_through_dispatcher(disp, face, x1, indices.to(device), p1, case.num_experts,
+                                    tuple(p.to(device) for p in params))
     assert y.shape == x.shape and y.dtype == x.dtype, (y.shape, y.dtype)
-    (y.float() * g).sum().backward()
+    (y.float() * g.to(device)).sum().backward()
 
     x2, p2 = x.clone().float().requires_grad_(), probs.clone().requires_grad_()
     mask_TE, probs_TE = topk_to_dense(indices, p2, case.num_experts)
@@ -109,7 +111,7 @@ def _one_dense_reference_run(disp, case: RoutingCase, face: str, dtype: str):
     def err(a, b):
         if a is None:
             return 0.0 if b is None or not b.abs().max() > 0 else float("inf")
-        return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
+        return float((a.cpu().float() - b.float()).abs().max()) if a.numel() else 0.0
 
     return {
         "y": err(y, y_ref),
@@ -124,7 +126,7 @@ def _one_dense_reference_run(disp, case: RoutingCase, face: str, dtype: str):
 def skewed_routing_error(disp: MoEFlexTokenDispatcher, x: torch.Tensor, probs: torch.Tensor) -> str | None:
     """Route every token to experts 0 and 1 (rank 0) after calibration: the RuntimeError
     message a capacity mode must raise, or None if it let the overflow through."""
-    skewed = torch.tensor([[0, 1]]).expand(x.shape[0], -1).contiguous()
+    skewed = torch.tensor([[0, 1]], device=x.device).expand(x.shape[0], -1).contiguous()
     try:
         disp.token_permutation2(x, x.shape[0], probs, skewed)
     except RuntimeError as exc:

@@ -1,6 +1,8 @@
 """HybridEP manager behaviour beyond the dense reference: the overflow guard, the
-static-routing pin, padding, the double's own refusals, the pipeline runtime initializer
-and the runtime warmup, on real gloo ranks with the HybridEPBuffer test double."""
+static-routing pin, capacity mode's pinned token count, per-layer calibration over one shared
+buffer, padding, what the buffer does with `topk_idx`, the double's own refusals, the
+pipeline runtime initializer and the runtime warmup, on real gloo ranks with the
+HybridEPBuffer test double (or the real library with MOE_EXT_HYBRIDEP_REAL=1)."""
 
 import pytest
 import torch
@@ -10,16 +12,10 @@ from megatron_moe_ext.dispatcher.hybridep import (
     _assert_no_hybridep_overflow,
 )
 from tests.dispatcher import hybridep_ranks
+from tests.dispatcher.hybridep_ranks import REAL, WORLDS
+from tests.harness import shutdown_pools
 
-
-@pytest.mark.parametrize("world", [2, 4])
-def test_overflow_past_calibrated_capacity_names_it(dist_pools, world):
-    results = dist_pools(world).run(hybridep_ranks.overflow_all_to_one_rank)
-    capacity = results[0]["capacity"]
-    assert all(r["capacity"] == capacity for r in results)
-    assert results[0]["error"] is not None and f"capacity of {capacity}" in results[0]["error"]
-    # The other ranks receive nothing in that batch: nothing overflows there.
-    assert all(r["error"] is None for r in results[1:])
+double_only = pytest.mark.skipif(REAL, reason="checks the test double itself")
 
 
 def test_assert_no_overflow_reads_last_handle_item():
@@ -28,7 +24,7 @@ def test_assert_no_overflow_reads_last_handle_item():
         _assert_no_hybridep_overflow((None, torch.ones(1, dtype=torch.int32)), 64)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", WORLDS)
 def test_static_pin_reuses_counts_and_repins_on_growth(dist_pools, world):
     steps = dist_pools(world).run(hybridep_ranks.static_pin_sequence, True)[0]
     assert [s["all_reduces"] for s in steps] == [1, 0, 1, 0]
@@ -37,15 +33,50 @@ def test_static_pin_reuses_counts_and_repins_on_growth(dist_pools, world):
 
 
 def test_static_pin_disabled_by_env_switch(dist_pools):
-    steps = dist_pools(2).run(hybridep_ranks.static_pin_sequence, False)[0]
+    steps = dist_pools(WORLDS[0]).run(hybridep_ranks.static_pin_sequence, False)[0]
     assert [s["all_reduces"] for s in steps] == [1, 1, 1, 1]
     assert [s["non_blocking"] for s in steps] == [0, 0, 0, 0]
 
 
+@pytest.mark.parametrize("world", WORLDS)
+def test_capacity_mode_pins_the_token_count(dist_pools, world):
+    for r in dist_pools(world).run(hybridep_ranks.capacity_pins_token_count):
+        first, smaller, same, larger = r["steps"]
+        # Calibration: the padded-count exchange and the capacity exchange, then none.
+        assert first["all_reduces"] == 2 and first["non_blocking"] == 0 and first["error"] is None
+        assert smaller == same == {"all_reduces": 0, "error": None, "non_blocking": 1}
+        assert larger["all_reduces"] == 0 and larger["non_blocking"] == 0
+        assert "static per-rank token count" in larger["error"] and "16" in larger["error"]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_capacity_is_calibrated_per_layer_over_one_buffer(dist_pools, world):
+    for r in dist_pools(world).run(hybridep_ranks.capacity_per_layer):
+        top2, top1 = r["capacities"]
+        assert top1 is not None and top2 is not None and top1 < top2
+        assert r["same_buffer"]
+
+
+@pytest.mark.parametrize("with_weights", [False, True])
+def test_topk_idx_probs_come_from_topk_weights(dist_pools, with_weights):
+    """HybridEP (94a9f8f) rebuilds the probs from `topk_weights`, dropping any `probs` passed."""
+    r = dist_pools(WORLDS[0]).run(hybridep_ranks.indices_to_map_behaviour, with_weights, False)[0]
+    assert r["error"] is None and r["probs_none"] == (not with_weights)
+
+
+@double_only
+def test_topk_idx_with_minus_one_is_out_of_bounds(dist_pools):
+    """The raw -1 scatter (a device-side assert on CUDA, so not run on the real library)."""
+    r = dist_pools(2).run(hybridep_ranks.indices_to_map_behaviour, True, True)[0]
+    assert r["error"] is not None and "out of bounds" in r["error"]
+
+
 def test_equal_token_counts_skip_the_all_reduce(dist_pools):
-    assert dist_pools(2).run(hybridep_ranks.equal_token_counts_all_reduces) == [0, 0]
+    world = WORLDS[0]
+    assert dist_pools(world).run(hybridep_ranks.equal_token_counts_all_reduces) == [0] * world
 
 
+@double_only
 def test_padding_rows_get_no_gradient(dist_pools):
     results = dist_pools(2).run(hybridep_ranks.padding_gets_no_gradient)
     for rank, r in enumerate(results):
@@ -54,6 +85,7 @@ def test_padding_rows_get_no_gradient(dist_pools):
         assert r["pad_grad_max"] == 0.0 and r["real_grad_max"] > 0.0
 
 
+@double_only
 @pytest.mark.parametrize("tokens, message", [((5, 5), "TMA 16B alignment"), ((4, 8), "same token count")])
 def test_double_refuses_unequal_or_unaligned_counts(dist_pools, tokens, message):
     for error in dist_pools(2).run(hybridep_ranks.double_refuses_bad_counts, tokens):
@@ -65,22 +97,39 @@ def test_required_capacity_matches_hybridep_rounding():
     assert [cap(n) for n in (1, 100, 512, 513, 600, 1000, 4096)] == [512, 512, 512, 576, 640, 1024, 4096]
 
 
-def test_prepare_grows_only_and_refuses_conflicts(dist_pools):
-    for r in dist_pools(2).run(hybridep_ranks.prepare_grows_only):
+def test_prepare_grows_only_and_is_keyed_by_buffer(dist_pools):
+    for r in dist_pools(WORLDS[0]).run(hybridep_ranks.prepare_grows_only):
         assert r[100] == {"ran": True, "published": 512}
         assert r[200] == {"ran": False, "published": 512}
         assert r[600] == {"ran": True, "published": 640}
         assert r[300] == {"ran": False, "published": 640}
         assert "num_tokens" in r["bad_0"] and "num_tokens" in r["bad_-3"]
-        assert r["same_key"] and r["conflict"] is not None and "conflicts" in r["conflict"]
+        assert not r["other_same_key"] and r["other_published"] == 512
+        assert r["twin_same_key"] and r["conflict"] is not None and "conflicts" in r["conflict"]
         assert r["failure"] is not None and r["published_after_failure"] == 640
 
 
 def test_initialize_runtime_leaves_manager_grad_and_rng_untouched(dist_pools):
-    for r in dist_pools(2).run(hybridep_ranks.initialize_runtime_restores_state):
+    for r in dist_pools(WORLDS[0]).run(hybridep_ranks.initialize_runtime_restores_state):
         assert r["same_keys"] and r["changed"] == [], r["changed"]
         assert r["capacity"] == r["capacity_before"] is not None
         assert r["grad_unchanged"] and r["rng_unchanged"] and r["finite"]
         # Forward dispatch + combine ran, and so did backward (combine's cached-handle dispatch).
         assert r["calls"]["dispatch_blocking"] == 1 and r["calls"]["dispatch_with_handle"] >= 1
         assert r["calls"]["combine"] == 2
+
+
+# Last in the file: on the real library the guard's device-side assert leaves the ranks'
+# CUDA contexts unusable, so the pools are restarted after it.
+@pytest.mark.parametrize("world", WORLDS)
+def test_overflow_past_calibrated_capacity_names_it(dist_pools, world):
+    results = dist_pools(world).run(hybridep_ranks.overflow_all_to_one_rank)
+    if REAL:
+        shutdown_pools()
+    capacity = results[0]["capacity"]
+    assert all(r["capacity"] == capacity for r in results)
+    # On CUDA the message is printed by the device assert; the exception says only that.
+    expected = "device-side assert" if REAL else f"capacity of {capacity}"
+    assert results[0]["error"] is not None and expected in results[0]["error"]
+    # The other ranks receive nothing in that batch: nothing overflows there.
+    assert all(r["error"] is None for r in results[1:])

@@ -1,11 +1,16 @@
-"""Test double of DeepEP's `HybridEPBuffer` (branch hybrid-ep) over torch.distributed (gloo).
+"""Test double of DeepEP's `HybridEPBuffer` (hybrid-ep branch, commit 94a9f8f) over
+torch.distributed (gloo).
 
-It implements the documented semantics of `dispatch_with_permute` / `combine_with_unpermute`
-as read from deep_ep/hybrid_ep_buffer.py and csrc/hybrid_ep (executor.cu, permute.cu, the
+It follows `dispatch_with_permute` / `combine_with_unpermute` as written at 94a9f8f in
+deep_ep/hybrid_ep_buffer.py and csrc/hybrid_ep (hybrid_ep.cu, executor.cu, permute.cu, the
 preprocessing kernel), not what the manager expects:
+- `topk_idx` goes through `indices_to_map` as the library writes it: a plain scatter of the
+  raw indices, so a -1 slot is out of bounds (an IndexError-like RuntimeError here, a
+  device-side assert on CUDA), and the probs are rebuilt from `topk_weights` (a scatter that
+  needs fp32 weights), replacing any `probs` passed, or None when `topk_weights` is None;
 - every rank must pass the same token count (HybridEP all-gathers the routing map), and the
   count must satisfy the TMA rule `(T % 64) * ranks * 4 % 16 == 0`; otherwise it raises;
-- hidden rows must be 16-bit (bf16/fp16) and probs fp32;
+- hidden rows must be 16-bit (bf16/fp16), the hidden size a multiple of 16, probs fp32;
 - rows are grouped by local expert in global (source rank, token) order, each expert's group
   padded with zero rows to `pad_multiple`;
 - blocking mode (`non_blocking=False`) returns `tokens_per_expert` on the host and sizes the
@@ -54,7 +59,18 @@ def _all_gather_rows(x: torch.Tensor, group) -> torch.Tensor:
     return full.view(x.dtype) if as_bytes else full
 
 
-class HybridEPBuffer:
+def indices_to_map(topk_idx, topk_weights, num_of_tokens: int, num_of_experts: int, device):
+    """hybrid_ep_buffer.indices_to_map at 94a9f8f, on `device` instead of "cuda": no masking of
+    -1 slots, and the probs are None without `topk_weights`."""
+    routing_map = torch.zeros(num_of_tokens, num_of_experts, device=device, dtype=torch.bool)
+    routing_map = routing_map.scatter(1, topk_idx.to(torch.int64), 1).bool()
+    if topk_weights is None:
+        return routing_map, None
+    probs = torch.zeros(num_of_tokens, num_of_experts, device=device, dtype=torch.float32)
+    return routing_map, probs.scatter(1, topk_idx.to(torch.int64), topk_weights)
+
+
+class _HybridEPBufferDouble:
     """Same constructor and call signatures as `deep_ep.HybridEPBuffer`."""
 
     def __init__(self, group, hidden_dim: int, max_num_of_tokens_per_rank: int,
@@ -63,7 +79,6 @@ class HybridEPBuffer:
                  num_blocks_unpermute=None, load_cached_kernels: bool = False,
                  use_shared_buffer: bool = True, enable_custom_allgather: bool = False,
                  num_of_hybrid_ep_ranks_per_nvlink_domain=None, use_mnnvl=None):
-        CALLS["init"] += 1
         self.group = group
         self.rank = group.rank()
         self.group_size = group.size()
@@ -77,8 +92,6 @@ class HybridEPBuffer:
             self.hidden_dim = max(self.hidden_dim, hidden_dim)
         if num_of_tokens_per_rank is not None:
             grown = _align(max(_align(num_of_tokens_per_rank, 16), self.max_num_of_tokens_per_rank), _CHUNK)
-            if grown > self.max_num_of_tokens_per_rank:
-                CALLS["grow"] += 1
             self.max_num_of_tokens_per_rank = grown
 
     # ---- checks the real buffer makes -----------------------------------------------
@@ -96,6 +109,8 @@ class HybridEPBuffer:
     def _check_hidden(hidden: torch.Tensor) -> None:
         if hidden.element_size() != 2:
             raise TypeError(f"HybridEP permute/unpermute kernels take 16-bit tokens, got {hidden.dtype}")
+        if hidden.shape[1] % 16:  # HybridEpConfigInstance::is_valid (TMA)
+            raise AssertionError("The config is not valid.")
 
     # ---- dispatch ---------------------------------------------------------------------
     def dispatch_with_permute(self, *, hidden, topk_idx=None, topk_weights=None,
@@ -116,21 +131,15 @@ class HybridEPBuffer:
         if num_permuted_tokens is not None and not isinstance(num_permuted_tokens, int):
             raise TypeError("num_permuted_tokens must be a host int")
         if handle is not None:
-            CALLS["dispatch_with_handle"] += 1
             return self._dispatch_with_handle(hidden, handle, num_permuted_tokens)
-        CALLS["dispatch"] += 1
-        CALLS["dispatch_non_blocking" if non_blocking else "dispatch_blocking"] += 1
         num_tokens = hidden.shape[0]
+        if routing_map is None and topk_idx is not None:
+            if num_of_experts is None:
+                raise AssertionError("The number of experts should be provided on index-based routing.")
+            routing_map, probs = indices_to_map(topk_idx, topk_weights, num_tokens, num_of_experts,
+                                                hidden.device)
         if routing_map is None:
-            if topk_idx is None or num_of_experts is None:
-                raise AssertionError("topk_idx and num_of_experts are needed without a routing_map")
-            routing_map = torch.zeros(num_tokens, num_of_experts, dtype=torch.int32, device=hidden.device)
-            valid = topk_idx >= 0
-            routing_map = routing_map.scatter_add_(1, topk_idx.clamp(min=0).long(), valid.int()) > 0
-            if probs is None and topk_weights is not None:
-                probs = torch.zeros(num_tokens, num_of_experts, device=hidden.device)
-                probs = probs.scatter_add(1, topk_idx.clamp(min=0).long(),
-                                          torch.where(valid, topk_weights.float(), 0.0))
+            raise AssertionError("The handle and routing_map should not be both None")
         if routing_map.dtype != torch.bool or routing_map.shape[0] != num_tokens:
             raise AssertionError("routing_map must be bool [T, E] with the hidden's row count")
         if probs is not None and probs.dtype != torch.float32:
@@ -197,7 +206,6 @@ class HybridEPBuffer:
         if handle is None:
             raise AssertionError("The handle is necessary in the combine pass.")
         self._check_hidden(hidden)
-        CALLS["combine"] += 1
         row_N, dest_N, expert_N, num_tokens = handle[0], handle[1], handle[6], handle[8]
         e = handle[9]["e"]
         world = self.group_size
@@ -216,6 +224,46 @@ class HybridEPBuffer:
             dist.all_to_all_single(recv_p, local, group=self.group)
             combined_probs = recv_p.view(world, num_tokens, -1).sum(0)
         return combined, combined_probs
+
+
+def counting(cls):
+    """`cls` (the double or the real `HybridEPBuffer`) with its calls counted in `CALLS`."""
+
+    class Counting(cls):
+        COUNTS_CALLS = True
+
+        def dispatch_with_permute(self, **kwargs):
+            non_blocking = kwargs.get("non_blocking", False)
+            if kwargs.get("use_host_meta") is not None:
+                non_blocking = not kwargs["use_host_meta"]
+            if kwargs.get("handle") is not None:
+                CALLS["dispatch_with_handle"] += 1
+            else:
+                CALLS["dispatch_non_blocking" if non_blocking else "dispatch_blocking"] += 1
+            return super().dispatch_with_permute(**kwargs)
+
+        def combine_with_unpermute(self, **kwargs):
+            CALLS["combine"] += 1
+            return super().combine_with_unpermute(**kwargs)
+
+    Counting.__name__ = Counting.__qualname__ = cls.__name__
+    return Counting
+
+
+HybridEPBuffer = counting(_HybridEPBufferDouble)
+
+
+def install_real() -> None:
+    """Point `deep_ep.HybridEPBuffer` at the real class with its calls counted (GPU runs);
+    raises if only the double (or nothing) is importable."""
+    import deep_ep
+
+    real = getattr(deep_ep, "HybridEPBuffer", None)
+    if getattr(real, "COUNTS_CALLS", False) and not issubclass(real, _HybridEPBufferDouble):
+        return
+    if real is None or getattr(deep_ep, "IS_TEST_DOUBLE", False) or issubclass(real, _HybridEPBufferDouble):
+        raise RuntimeError("MOE_EXT_HYBRIDEP_REAL=1 needs the real deep_ep.HybridEPBuffer on the path")
+    deep_ep.HybridEPBuffer = counting(real)
 
 
 def install() -> None:

@@ -8,7 +8,12 @@ What the manager adds around the buffer (docs/SPEC.md section 6):
 - equal, 4-aligned per-rank token counts (zero padding rows, sliced off after combine);
 - the static-routing pin of the padded count and the permuted-row count;
 - capacity mode: one blocking calibration dispatch, then non-blocking fixed-size dispatches
-  guarded by a device-side overflow assert.
+  guarded by a device-side overflow assert. The calibration also pins the padded per-rank
+  token count, so no later dispatch exchanges counts or reads the device: capacity mode
+  needs a static per-rank token count, and a larger batch raises ValueError.
+
+Per layer: each manager calibrates its own capacity and keeps its own pins. Shared: only the
+`HybridEPBuffer`, one per `buffer_key` (group and constructor settings).
 
 Legend: T local tokens, T' padded tokens, H hidden, E experts, e local experts, K top-k,
 P permuted rows (grouped by local expert; in non-blocking mode the tail past
@@ -25,10 +30,12 @@ import torch.distributed as dist
 
 from megatron_moe_ext.dispatcher import permute as P
 from megatron_moe_ext.dispatcher.base import _DispatchManager
-from megatron_moe_ext.dispatcher.hybridep.metadata import _HybridEPMetadataProcessor
+from megatron_moe_ext.dispatcher.hybridep.metadata import _HybridEPMetadataProcessor, indices_to_routing_map
 
 #: HybridEP's TMA loads need every rank's token count to be a multiple of this.
 _HYBRIDEP_TOKEN_ALIGNMENT = 4
+#: ... and the hidden size a multiple of this (its config check, `hidden_dim % 16`).
+_HYBRIDEP_HIDDEN_ALIGNMENT = 16
 #: Set NEMO_STATIC_ROUTING_PAD_PIN=0 to keep the per-dispatch all-reduce under static routing.
 _STATIC_ROUTING_PAD_PIN = os.environ.get("NEMO_STATIC_ROUTING_PAD_PIN", "1") != "0"
 
@@ -51,21 +58,28 @@ def _assert_no_hybridep_overflow(handle, capacity: int) -> None:
     )
 
 
-class _Buffer:
-    """The one process-global `HybridEPBuffer`; HybridEP grows it in place on larger batches."""
+#: The one thing managers share: `buffer_key(...)` -> the `HybridEPBuffer` built for it.
+#: HybridEP grows a buffer in place (hidden size, tokens per rank), so those are not in the key.
+_BUFFERS: dict[tuple, object] = {}
 
-    buffer = None
-    key: tuple | None = None
 
-    @classmethod
-    def get(cls, key: tuple, make):
-        if cls.buffer is None or cls.key != key:
-            cls.buffer, cls.key = make(), key
-        return cls.buffer
+def buffer_key(group, num_local_experts: int, num_sms: int, num_sms_preprocessing, num_blocks_permute,
+               num_blocks_unpermute) -> tuple:
+    """The registry key: the group and every constructor setting of the buffer."""
+    return ("hybridep", group, num_local_experts, num_sms, num_sms_preprocessing, num_blocks_permute,
+            num_blocks_unpermute)
 
-    @classmethod
-    def release(cls) -> None:
-        cls.buffer = cls.key = None
+
+def shared_buffer(key: tuple, make):
+    """The buffer registered under `key`, built by `make()` on first use."""
+    if key not in _BUFFERS:
+        _BUFFERS[key] = make()
+    return _BUFFERS[key]
+
+
+def release_buffers() -> None:
+    """Drop every registered buffer (collective teardown: call on every rank)."""
+    _BUFFERS.clear()
 
 
 class _DispatchOutputs:
@@ -79,9 +93,9 @@ class _HybridEPDispatch(torch.autograd.Function):
     """`dispatch_with_permute`; backward is `combine_with_unpermute` with the same handle."""
 
     @staticmethod
-    def forward(ctx, x_TH, probs_TE, outputs, buffer, routing, kwargs):
+    def forward(ctx, x_TH, probs_TE, outputs, buffer, kwargs):
         rows_PH, probs_P, _, tokens_per_expert, handle = buffer.dispatch_with_permute(
-            hidden=x_TH, probs=probs_TE, **routing, **kwargs)
+            hidden=x_TH, probs=probs_TE, **kwargs)
         outputs.handle, outputs.tokens_per_expert = handle, tokens_per_expert
         ctx.buffer, ctx.handle = buffer, handle
         ctx.pad_multiple, ctx.fused = kwargs["pad_multiple"], kwargs["fuse_permute_dispatch"]
@@ -92,7 +106,7 @@ class _HybridEPDispatch(torch.autograd.Function):
         grad_TH, grad_probs_TE = ctx.buffer.combine_with_unpermute(
             hidden=grad_PH.contiguous(), probs=None if grad_probs_P is None else grad_probs_P.float().contiguous(),
             handle=ctx.handle, pad_multiple=ctx.pad_multiple, fuse_unpermute_combine=ctx.fused)
-        return grad_TH, grad_probs_TE, None, None, None, None
+        return grad_TH, grad_probs_TE, None, None, None
 
 
 class _HybridEPCombine(torch.autograd.Function):
@@ -128,7 +142,11 @@ class _HybridEPManager(_DispatchManager):
         moe_hybridep_num_sms, *_num_sms_preprocessing, *_num_blocks_permute,
             *_num_blocks_unpermute: HybridEPBuffer occupancy settings.
         moe_hybridep_permute_fusion: HybridEP's fused permute+dispatch / unpermute+combine.
-        moe_hybridep_compact_routing: send `[T, K]` indices instead of the `[T, E]` map.
+        moe_hybridep_compact_routing: the metadata processor keeps the `[T, K]` indices and
+            the manager builds HybridEP's `[T, E]` map from them at dispatch. HybridEP's own
+            `topk_idx` path (`indices_to_map` at hybrid-ep 94a9f8f) scatters the raw indices,
+            so a -1 slot is out of bounds, and it drops the probs unless `topk_weights` is
+            given; it builds the same dense map before its all-gather, so nothing is lost.
         benchmark_static_routing: pin the padded and permuted counts (see module docstring).
         moe_hybridep_capacity_factor: capacity mode; None keeps the blocking path.
         moe_hybridep_equal_token_counts: every rank sends the same count: no all-reduce.
@@ -185,15 +203,18 @@ class _HybridEPManager(_DispatchManager):
             moe_hybridep_capacity_factor, moe_hybridep_equal_token_counts, moe_router_expert_pad_multiple,
             router_dtype,
         )
-        # Persistent state: the calibrated capacity and the static-routing pins.
+        self.buffer_key = buffer_key(group, num_local_experts, moe_hybridep_num_sms,
+                                     moe_hybridep_num_sms_preprocessing, moe_hybridep_num_blocks_permute,
+                                     moe_hybridep_num_blocks_unpermute)
+        # Persistent per-layer state: the calibrated capacity, and the padded token count and
+        # permuted-row count pinned by capacity calibration or static routing.
         self._hybridep_capacity: int | None = None
-        self._static_target_tokens: int | None = None
+        self._pinned_tokens: int | None = None
         self._static_num_permuted_tokens: int | None = None
         self._release_dispatch_state()
 
     def _release_dispatch_state(self) -> None:
         self.routing_map: torch.Tensor | None = None
-        self.token_indices: torch.Tensor | None = None
         self.token_probs: torch.Tensor | None = None
         self.handle = None
         self.buffer = None
@@ -203,10 +224,11 @@ class _HybridEPManager(_DispatchManager):
         self.num_unpadded_tokens: int | None = None
 
     def release_buffers(self) -> None:
-        """Drop the process-global buffer (call before destroying the process group)."""
+        """Drop every HybridEP buffer and its published capacity (collective teardown: call on
+        every rank before destroying the process group)."""
         from megatron_moe_ext.dispatcher.hybridep.runtime import release_published_capacity
 
-        _Buffer.release()
+        release_buffers()
         release_published_capacity()
 
     # ---- metadata ---------------------------------------------------------------------
@@ -219,44 +241,50 @@ class _HybridEPManager(_DispatchManager):
             return
         routing_map_TE = routing_map.reshape(num_local_tokens, self.num_experts).bool()
         # Unrouted entries must not carry probability mass into HybridEP's dense probs.
-        self._set_metadata(routing_map_TE, None, torch.where(routing_map_TE, probs_TE.float(), 0.0))
+        self._set_metadata(routing_map_TE, torch.where(routing_map_TE, probs_TE.float(), 0.0))
 
     def setup_metadata_from_indices(self, token_indices: torch.Tensor, token_probs: torch.Tensor):
         """Top-k `[T, K]` ids (-1 = masked) and probs, through the metadata processor."""
         metadata, probs_TE = self.metadata_processor(token_indices, token_probs)
         if self.compact_routing:
-            self._set_metadata(None, metadata, probs_TE)
-        else:
-            self._set_metadata(metadata, None, probs_TE)
+            metadata = indices_to_routing_map(metadata, self.num_experts)
+        self._set_metadata(metadata, probs_TE)
 
-    def _set_metadata(self, routing_map_TE, indices_TK, probs_TE) -> None:
+    def _set_metadata(self, routing_map_TE, probs_TE) -> None:
         num_tokens = probs_TE.shape[0]
         padded = self._resolve_padded_tokens(num_tokens, probs_TE.device)
         pad = padded - num_tokens
         self.num_unpadded_tokens = num_tokens
         # Padding rows route nowhere with prob 0; they are constants, so they get no gradient.
-        if routing_map_TE is not None:
-            self.routing_map = torch.cat([routing_map_TE, routing_map_TE.new_zeros(pad, self.num_experts)])
-        if indices_TK is not None:
-            self.token_indices = torch.cat([indices_TK, indices_TK.new_full((pad, indices_TK.shape[1]), -1)])
+        self.routing_map = torch.cat([routing_map_TE, routing_map_TE.new_zeros(pad, self.num_experts)])
         self.token_probs = torch.cat([probs_TE.float(), probs_TE.new_zeros(pad, self.num_experts).float()])
 
     def _static_pin(self) -> bool:
         return self.benchmark_static_routing and _STATIC_ROUTING_PAD_PIN
 
     def _resolve_padded_tokens(self, num_tokens: int, device) -> int:
-        """Every rank must send the same 4-aligned count: the EP-group max, padded."""
+        """Every rank must send the same 4-aligned count: the EP-group max, padded.
+
+        Only the first dispatch exchanges it (a MAX all-reduce read on the host) when a pin
+        applies; capacity mode refuses a batch past its pin rather than exchange again.
+        """
         if self.equal_token_counts:
             return _align_up(num_tokens, _HYBRIDEP_TOKEN_ALIGNMENT)
-        if self._static_pin() and self._static_target_tokens is not None \
-                and num_tokens <= self._static_target_tokens:
-            return self._static_target_tokens
+        if self._pinned_tokens is not None:
+            if num_tokens <= self._pinned_tokens:
+                return self._pinned_tokens
+            if self._hybridep_capacity is not None:
+                raise ValueError(
+                    f"hidden_states: {num_tokens} tokens on this rank, but moe_hybridep_capacity_factor "
+                    f"needs a static per-rank token count and was calibrated at {self._pinned_tokens}; "
+                    "keep every batch at or below it, or set moe_hybridep_equal_token_counts=True "
+                    "(fixed-shape batches)")
         count = torch.tensor([num_tokens], dtype=torch.long, device=device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
         padded = _align_up(int(count.item()), _HYBRIDEP_TOKEN_ALIGNMENT)
         if self._static_pin():
             # First dispatch, or a larger batch: (re-)pin, and re-record the permuted count.
-            self._static_target_tokens = padded
+            self._pinned_tokens = padded
             self._static_num_permuted_tokens = None
         return padded
 
@@ -272,8 +300,9 @@ class _HybridEPManager(_DispatchManager):
             return self._static_num_permuted_tokens
         return None
 
-    def _calibrate_hybridep_capacity(self, tokens_per_expert: torch.Tensor, device) -> None:
-        """Capacity = `align(ceil(rows * factor))`, the EP-group max, from one blocking dispatch.
+    def _calibrate_hybridep_capacity(self, tokens_per_expert: torch.Tensor, padded_tokens: int, device) -> None:
+        """Capacity = `align(ceil(rows * factor))`, the EP-group max, from one blocking dispatch;
+        the dispatch's padded token count (already equal on every rank) is pinned with it.
 
         `tokens_per_expert` came back on the host with the blocking dispatch, so its sum is free;
         the single all-reduce makes every rank size the same buffers.
@@ -285,16 +314,19 @@ class _HybridEPManager(_DispatchManager):
         capacity = torch.tensor([local], dtype=torch.long, device=device)
         dist.all_reduce(capacity, op=dist.ReduceOp.MAX, group=self.group)
         self._hybridep_capacity = int(capacity.item())
+        if not self.equal_token_counts:
+            self._pinned_tokens = padded_tokens
 
     # ---- communication ----------------------------------------------------------------
     def _buffer(self, hidden_dim: int, num_tokens: int):
-        key = (self.group, self.num_local_experts, self.num_sms, self.num_sms_preprocessing,
-               self.num_blocks_permute, self.num_blocks_unpermute)
-        return _Buffer.get(key, lambda: self._buffer_cls(
+        return shared_buffer(self.buffer_key, lambda: self._buffer_cls(
             group=self.group, hidden_dim=hidden_dim, max_num_of_tokens_per_rank=num_tokens,
             num_local_experts=self.num_local_experts, num_sms_dispatch_api=self.num_sms,
             num_sms_combine_api=self.num_sms, num_sms_preprocessing_api=self.num_sms_preprocessing,
-            num_blocks_permute=self.num_blocks_permute, num_blocks_unpermute=self.num_blocks_unpermute))
+            num_blocks_permute=self.num_blocks_permute, num_blocks_unpermute=self.num_blocks_unpermute,
+            # A buffer rebuilt after a release reuses the kernels this process already compiled
+            # (HybridEP's JIT folder is per process) instead of running nvcc again.
+            load_cached_kernels=True))
 
     def dispatch(self, hidden_states, async_finish=True, allocate_on_comm_stream=True, capacity_mode=None):
         """Dispatch `[T, H]` rows; returns `[P, H]` rows grouped by local expert.
@@ -306,6 +338,9 @@ class _HybridEPManager(_DispatchManager):
         if hidden_states.element_size() != 2:
             raise ValueError(f"hidden_states: HybridEP dispatches 16-bit tokens (bf16/fp16), got "
                              f"{hidden_states.dtype}; cast the activations or use another backend")
+        if hidden_states.shape[-1] % _HYBRIDEP_HIDDEN_ALIGNMENT:
+            raise ValueError(f"hidden_states: HybridEP needs a hidden size that is a multiple of "
+                             f"{_HYBRIDEP_HIDDEN_ALIGNMENT}, got {hidden_states.shape[-1]}")
         if capacity_mode is None:
             capacity_mode = self.hybridep_capacity_factor is not None
         padded = self.token_probs.shape[0]
@@ -313,29 +348,24 @@ class _HybridEPManager(_DispatchManager):
         if padded > x_TH.shape[0]:
             x_TH = torch.cat([x_TH, x_TH.new_zeros(padded - x_TH.shape[0], x_TH.shape[1])])
         num_permuted = self._resolve_num_permuted_tokens(capacity_mode)
-        # Dense inputs (Megatron's routing map) travel as the map even in compact mode.
-        if self.token_indices is not None:
-            routing = dict(topk_idx=self.token_indices, num_of_experts=self.num_experts)
-        else:
-            routing = dict(routing_map=self.routing_map)
-        kwargs = dict(num_of_experts_per_rank=self.num_local_experts, num_permuted_tokens=num_permuted,
+        kwargs = dict(routing_map=self.routing_map, num_of_experts_per_rank=self.num_local_experts, num_permuted_tokens=num_permuted,
                       pad_multiple=self.pad_multiple, non_blocking=num_permuted is not None,
                       fuse_permute_dispatch=self.hybridep_permute_fusion)
         outputs = _DispatchOutputs()
         self.buffer = self._buffer(x_TH.shape[1], padded)
         rows_PH, self.dispatched_probs = _HybridEPDispatch.apply(
-            x_TH, self.token_probs, outputs, self.buffer, routing, kwargs)
+            x_TH, self.token_probs, outputs, self.buffer, kwargs)
         self.handle, self.tokens_per_expert = outputs.handle, outputs.tokens_per_expert
         self.num_permuted_tokens = rows_PH.shape[0]
         if num_permuted is not None:
             _assert_no_hybridep_overflow(self.handle, num_permuted)
         else:
             if capacity_mode and self._hybridep_capacity is None:
-                self._calibrate_hybridep_capacity(self.tokens_per_expert, x_TH.device)
+                self._calibrate_hybridep_capacity(self.tokens_per_expert, padded, x_TH.device)
             if self._static_pin() and self._static_num_permuted_tokens is None:
                 self._static_num_permuted_tokens = self.num_permuted_tokens
         # The routing inputs are consumed: drop them so recompute cannot keep them alive.
-        self.routing_map = self.token_indices = self.token_probs = None
+        self.routing_map = self.token_probs = None
         return rows_PH
 
     def combine(self, hidden_states, async_finish=True, allocate_on_comm_stream=True):
@@ -382,6 +412,8 @@ class _HybridEPManager(_DispatchManager):
         """
         saved = dict(self.__dict__)
         try:
+            # A plain blocking dispatch: it neither uses nor records this layer's pins.
+            self._pinned_tokens = self._hybridep_capacity = self._static_num_permuted_tokens = None
             with torch.inference_mode(False), torch.enable_grad():
                 device = torch.device(device)
                 tokens = torch.arange(num_tokens, device=device)

@@ -1,9 +1,10 @@
 """`_HybridEPMetadataProcessor`: top-k routing `[T, K]` -> what HybridEP consumes.
 
-HybridEP takes a dense `[T, E]` routing map with dense `[T, E]` fp32 probs, or in compact
-mode the `[T, K]` indices themselves with the dense probs. The probs stay dense in both
-modes so the router gradient keeps its dense layout; their gradient is the gather of the
-dense gradient at the routed slots (0 for -1 slots).
+HybridEP takes a dense `[T, E]` routing map with dense `[T, E]` fp32 probs. In compact mode
+the processor keeps the `[T, K]` indices (no dense map in its graph) and the manager builds
+the map at dispatch. The probs stay dense in both modes so the router gradient keeps its
+dense layout; their gradient is the gather of the dense gradient at the routed slots (0 for
+-1 slots).
 
 It is an `nn.Module` (no parameters) so it can be a CUDA-graph capture boundary.
 
@@ -16,6 +17,15 @@ import torch
 from torch import nn
 
 from megatron_moe_ext.dispatcher import permute as P
+
+
+def indices_to_routing_map(indices_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """`[T, K]` expert ids (-1 = masked) -> `[T, E]` bool routing map.
+
+    scatter_add (not scatter) so a masked slot clamped onto expert 0 cannot erase a real one.
+    """
+    hits_TE = torch.zeros(indices_TK.shape[0], num_experts, dtype=torch.int32, device=indices_TK.device)
+    return hits_TE.scatter_add_(1, indices_TK.clamp(min=0).long(), (indices_TK >= 0).int()) > 0
 
 
 class _ScatterProbs(torch.autograd.Function):
@@ -68,9 +78,6 @@ class _HybridEPMetadataProcessor(nn.Module):
             probs_TE = _ScatterProbs.apply(token_probs, indices_TK, self.num_experts)
             if self.compact_routing:
                 return indices_TK, probs_TE
-            routing_map_TE = torch.zeros_like(probs_TE, dtype=torch.int32)
-            routing_map_TE = routing_map_TE.scatter_add_(
-                1, indices_TK.clamp(min=0), (indices_TK >= 0).int()) > 0
-            return routing_map_TE, probs_TE
+            return indices_to_routing_map(indices_TK, self.num_experts), probs_TE
         routing_map_TE, probs_TE = P.indices_to_multihot(indices_TK, token_probs, self.num_experts)
         return (indices_TK if self.compact_routing else routing_map_TE), probs_TE

@@ -1,9 +1,10 @@
 """`HybridEPPipelineRuntimeInitializer`: size HybridEP's buffer before pipeline traffic.
 
-HybridEP's buffer is process-global and grows lazily, and growth contains a collective (and
-a JIT compile), so under pipeline parallelism it must happen before any P2P work is posted,
-or stages would serialise on it. One capacity is published per process, keyed by
-`resource_key`; it only ever grows, and only after a successful initialisation.
+A HybridEP buffer is shared by every manager with the same `buffer_key` and grows lazily,
+and growth contains a collective (and a JIT compile), so under pipeline parallelism it must
+happen before any P2P work is posted, or stages would serialise on it. One capacity is
+published per buffer, keyed by `resource_key`; it only ever grows, and only after a
+successful initialisation.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ _MIN_TOKEN_CAPACITY = 512
 _DEFAULT_COMBINE_CHUNK = 64
 _TEMPLATE_ALIGNMENT = 16
 
-#: resource_key -> (signature, published capacity).
+#: resource_key (one per shared buffer) -> (signature, published capacity).
 _PUBLISHED: dict[tuple, tuple[tuple, int]] = {}
 
 
@@ -39,7 +40,7 @@ def _default_device() -> torch.device:
 
 
 class HybridEPPipelineRuntimeInitializer:
-    """Prepare HybridEP's process-global buffer before pipeline traffic.
+    """Prepare a manager's (shared) HybridEP buffer before pipeline traffic.
 
     Arguments:
         manager: the `_HybridEPManager` whose dispatch warms the buffer.
@@ -54,8 +55,8 @@ class HybridEPPipelineRuntimeInitializer:
 
     @property
     def resource_key(self) -> tuple:
-        """The same for every manager: there is one HybridEP buffer per process."""
-        return (HybridEPPipelineRuntimeInitializer, "hybridep_buffer")
+        """The same for every manager that shares the buffer (same `buffer_key`)."""
+        return (HybridEPPipelineRuntimeInitializer, self.manager.buffer_key)
 
     def _signature(self, device) -> tuple:
         m = self.manager
@@ -65,7 +66,7 @@ class HybridEPPipelineRuntimeInitializer:
 
     @property
     def signature(self) -> tuple:
-        """The immutable configuration served by the global buffer, device last."""
+        """The immutable configuration served by the shared buffer, device last."""
         return self._signature(_default_device())
 
     @staticmethod
@@ -98,8 +99,8 @@ class HybridEPPipelineRuntimeInitializer:
         signature = self._signature(device)
         published = _PUBLISHED.get(self.resource_key)
         if published is not None and published[0] != signature:
-            raise RuntimeError(f"the process-global HybridEP buffer serves {published[0]}, which conflicts "
-                               f"with this dispatcher's {signature}; use one buffer configuration per process")
+            raise RuntimeError(f"the shared HybridEP buffer serves {published[0]}, which conflicts "
+                               f"with this dispatcher's {signature}; use one configuration per buffer")
         capacity = self._resolve_group_capacity(num_tokens, device)
         if published is not None and published[1] >= capacity:
             return
