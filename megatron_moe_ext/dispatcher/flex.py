@@ -140,8 +140,13 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
                 f"(its next step is {_NEXT_CALL[inflight.step]}): a dispatcher holds one dispatch "
                 "at a time; combine it first, or give each layer its own dispatcher")
 
-    def _advance(self, call: str, after: str) -> _InFlight:
-        """The dispatch in flight, checked to be just past `after`, the step `call` needs."""
+    def _advance(self, call: str, after: str, rows_TH=None, num_rows: int | None = None,
+                 what: str = "") -> _InFlight:
+        """The dispatch in flight, moved one step past `after` (the step `call` needs).
+
+        `rows_TH`, when given, must be `[num_rows, H]` (any rows if `num_rows` is None); a
+        refused call leaves the dispatch where it was, so a corrected call can follow.
+        """
         inflight = self._inflight
         if inflight is None:
             raise RuntimeError(f"{call} called without a dispatch in flight on this dispatcher: "
@@ -149,6 +154,12 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         if inflight.step != after:
             raise RuntimeError(f"{call} called out of order: the dispatch in flight needs "
                                f"{_NEXT_CALL[inflight.step]} next")
+        if rows_TH is not None:
+            hidden_size = inflight.hidden_shape[-1]
+            rows = rows_TH.shape[0] if num_rows is None else num_rows
+            if rows_TH.dim() != 2 or rows_TH.shape != (rows, hidden_size):
+                raise _bad_input("hidden_states", f"{call} expects [{rows if num_rows is not None else 'T'}, "
+                                 f"H={hidden_size}] ({what}), got {tuple(rows_TH.shape)}")
         inflight.step = _STEPS[_STEPS.index(after) + 1]
         return inflight
 
@@ -244,12 +255,8 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         return hidden_states.reshape(tokens, hidden_states.shape[-1])
 
     def _dispatch(self, hidden_states, async_finish, allocate_on_comm_stream):
-        inflight = self._advance("token_dispatch", "routed")
-        hidden_size = inflight.hidden_shape[-1]
-        if hidden_states.dim() != 2 or hidden_states.shape[-1] != hidden_size:
-            inflight.step = "routed"
-            raise _bad_input("hidden_states", f"token_dispatch expects [T, H={hidden_size}] (the "
-                             f"output of dispatch_preprocess), got {tuple(hidden_states.shape)}")
+        inflight = self._advance("token_dispatch", "routed", hidden_states, None,
+                                 "the output of dispatch_preprocess")
         rows = self._comm_manager.dispatch(hidden_states, async_finish, allocate_on_comm_stream)
         inflight.num_rows = rows.shape[0]
         return rows
@@ -260,30 +267,14 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         inflight.num_permuted = tokens.shape[0]
         return tokens, self._comm_manager.get_number_of_tokens_per_expert(), permuted_probs
 
-    def _check_rows(self, call: str, hidden_states, rows: int, what: str) -> None:
-        hidden_size = self._inflight.hidden_shape[-1]
-        if hidden_states.dim() != 2 or hidden_states.shape != (rows, hidden_size):
-            raise _bad_input("hidden_states", f"{call} expects [{rows}, H={hidden_size}] ({what}), "
-                             f"got {tuple(hidden_states.shape)}")
-
     def _unpermute(self, hidden_states):
-        inflight = self._advance("combine_preprocess", "permuted")
-        try:
-            self._check_rows("combine_preprocess", hidden_states, inflight.num_permuted,
-                             "one row per permuted row handed to the experts")
-        except ValueError:
-            inflight.step = "permuted"
-            raise
+        self._advance("combine_preprocess", "permuted", hidden_states, self._inflight and self._inflight.num_permuted,
+                      "one row per permuted row handed to the experts")
         return self._comm_manager.get_restored_hidden_states_by_experts(hidden_states)
 
     def _combine(self, hidden_states, async_finish, allocate_on_comm_stream):
-        inflight = self._advance("token_combine", "restored")
-        try:
-            self._check_rows("token_combine", hidden_states, inflight.num_rows,
-                             "one row per row the dispatch delivered")
-        except ValueError:
-            inflight.step = "restored"
-            raise
+        self._advance("token_combine", "restored", hidden_states, self._inflight and self._inflight.num_rows,
+                      "one row per row the dispatch delivered")
         return self._comm_manager.combine(hidden_states, async_finish, allocate_on_comm_stream)
 
     def _restore_shape(self, hidden_states):

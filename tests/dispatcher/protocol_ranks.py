@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.dispatcher.capacity_ranks import HostReadCounter
 from tests.dispatcher.cases import DTYPES, TOLERANCE, _install, build_dispatcher
 from tests.reference import (
     RoutingCase,
@@ -114,7 +115,6 @@ def misuse_errors():
 # Ops whose result size or value the host must read: each is a device->host sync on the GPU.
 _SYNCING_OPS = ("aten.nonzero.default", "aten.masked_select.default", "aten._local_scalar_dense.default",
                 "aten.unique", "aten._unique2.default")
-_HOST_READS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__")
 
 
 class _OpLog(TorchDispatchMode):
@@ -145,39 +145,14 @@ def _in_input_check() -> bool:
     return False
 
 
-class _HostReads:
-    """Python-level reads of tensor values on the host, by calling function."""
-
-    def __init__(self):
-        self.calls: list[str] = []
-        self._originals = {name: getattr(torch.Tensor, name) for name in _HOST_READS}
-
-    def __enter__(self):
-        for name, fn in self._originals.items():
-            setattr(torch.Tensor, name, self._wrap(name, fn))
-        return self
-
-    def __exit__(self, *exc):
-        for name, fn in self._originals.items():
-            setattr(torch.Tensor, name, fn)
-
-    def _wrap(self, name, fn):
-        def counted(tensor, *args, **kwargs):
-            caller = sys._getframe(1).f_code.co_name
-            # The toy experts' own reads are not the dispatcher's.
-            if caller != "apply_local_experts" and not _in_input_check():
-                self.calls.append(f"{name} in {caller}")
-            return fn(tensor, *args, **kwargs)
-        return counted
-
-
 def ep1_work(face: str, dtype: str):
     """One forward + backward at EP1 (torch backend) under the op log: collectives, syncing
     ops and host reads, and the errors against the dense reference."""
     case = RoutingCase("ep1", tokens_per_rank=(24,), hidden=16, num_experts=8, topk=2, masked_fraction=0.2)
     layer = _Layer(case, "torch", face, dtype, expert_seed=11)
     grad_y = torch.randn(layer.x.shape, generator=torch.Generator().manual_seed(3))
-    ops, reads = _OpLog(), _HostReads()
+    # The toy experts read the counts themselves; those reads are not the dispatcher's.
+    ops, reads = _OpLog(), HostReadCounter(ignore_callers=("_check_topk", "apply_local_experts"))
     with ops, reads:
         layer.dispatch()
         layer.combine()
