@@ -56,10 +56,8 @@ class _DeepepManager(_DispatchManager):
         self.handle = None
         self.dispatched_indices: torch.Tensor | None = None
         self.dispatched_probs: torch.Tensor | None = None
-        self.dispatched_routing_map: torch.Tensor | None = None
         self.tokens_per_expert = None
         self.reversed_mapping_for_combine: P.PermutationState | None = None
-        self.hidden_shape_before_permute: torch.Size | None = None
 
     # The counts come back from the backend as a host list after every dispatch, and the
     # permutation reads them as a list again: the `[e]` tensor is built only when it is read.
@@ -140,8 +138,6 @@ class _DeepepManager(_DispatchManager):
 
     def get_permuted_hidden_states_by_experts(self, hidden_states):
         routing_map, probs = self._indices_to_multihot(self.dispatched_indices, self.dispatched_probs)
-        self.dispatched_routing_map = routing_map
-        self.hidden_shape_before_permute = hidden_states.shape
         permuted, permuted_probs, counts, state = P.permute_to_experts(
             hidden_states, routing_map, probs, self._host_counts(), self.pad_multiple)
         self.tokens_per_expert = counts

@@ -43,11 +43,9 @@ def _bad_input(field: str, message: str) -> ValueError:
     return ValueError(f"{field}: {message}")
 
 
-# The steps of one dispatch, in order; each needs the one before it.
-_STEPS = ("routed", "dispatched", "permuted", "restored", "combined", "done")
-_NEXT_CALL = {"routed": "token_dispatch", "dispatched": "dispatch_postprocess",
-              "permuted": "combine_preprocess", "restored": "token_combine",
-              "combined": "combine_postprocess"}
+# The calls of one dispatch, in order (the seed's faces make the same calls).
+_CALLS = ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess", "combine_preprocess",
+          "token_combine", "combine_postprocess")
 
 
 @dataclass
@@ -57,13 +55,13 @@ class _InFlight:
     hidden_shape: the input's shape, restored at the end.
     num_rows: R, rows the dispatch delivered (set by `_dispatch`).
     num_permuted: P, rows handed to the experts (set by `_permute`).
-    step: the last step done, one of `_STEPS`.
+    next_call: index in `_CALLS` of the call the dispatch needs next.
     """
 
     hidden_shape: torch.Size
     num_rows: int | None = None
     num_permuted: int | None = None
-    step: str = "routed"
+    next_call: int = 1
 
 
 class MoEFlexTokenDispatcher(MoETokenDispatcher):
@@ -134,15 +132,14 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
     # ---- the dispatch in flight -------------------------------------------------------
     def _check_idle(self) -> None:
         inflight = self._inflight
-        if inflight is not None and inflight.step != "combined":
+        if inflight is not None and _CALLS[inflight.next_call] != "combine_postprocess":
             raise RuntimeError(
                 f"dispatch started while this dispatcher's previous dispatch is still in flight "
-                f"(its next step is {_NEXT_CALL[inflight.step]}): a dispatcher holds one dispatch "
+                f"(its next step is {_CALLS[inflight.next_call]}): a dispatcher holds one dispatch "
                 "at a time; combine it first, or give each layer its own dispatcher")
 
-    def _advance(self, call: str, after: str, rows_TH=None, num_rows: int | None = None,
-                 what: str = "") -> _InFlight:
-        """The dispatch in flight, moved one step past `after` (the step `call` needs).
+    def _advance(self, call: str, rows_TH=None, num_rows: int | None = None, what: str = "") -> _InFlight:
+        """The dispatch in flight, checked to need `call` next and moved past it.
 
         `rows_TH`, when given, must be `[num_rows, H]` (any rows if `num_rows` is None); a
         refused call leaves the dispatch where it was, so a corrected call can follow.
@@ -151,16 +148,16 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         if inflight is None:
             raise RuntimeError(f"{call} called without a dispatch in flight on this dispatcher: "
                                "call dispatch_preprocess and token_dispatch first")
-        if inflight.step != after:
+        if _CALLS[inflight.next_call] != call:
             raise RuntimeError(f"{call} called out of order: the dispatch in flight needs "
-                               f"{_NEXT_CALL[inflight.step]} next")
+                               f"{_CALLS[inflight.next_call]} next")
         if rows_TH is not None:
             hidden_size = inflight.hidden_shape[-1]
             rows = rows_TH.shape[0] if num_rows is None else num_rows
             if rows_TH.dim() != 2 or rows_TH.shape != (rows, hidden_size):
                 raise _bad_input("hidden_states", f"{call} expects [{rows if num_rows is not None else 'T'}, "
                                  f"H={hidden_size}] ({what}), got {tuple(rows_TH.shape)}")
-        inflight.step = _STEPS[_STEPS.index(after) + 1]
+        inflight.next_call += 1
         return inflight
 
     # ---- input checks (cheap: shapes and dtypes only, no device sync) -----------------
@@ -255,30 +252,30 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         return hidden_states.reshape(tokens, hidden_states.shape[-1])
 
     def _dispatch(self, hidden_states, async_finish, allocate_on_comm_stream):
-        inflight = self._advance("token_dispatch", "routed", hidden_states, None,
+        inflight = self._advance("token_dispatch", hidden_states, None,
                                  "the output of dispatch_preprocess")
         rows = self._comm_manager.dispatch(hidden_states, async_finish, allocate_on_comm_stream)
         inflight.num_rows = rows.shape[0]
         return rows
 
     def _permute(self, hidden_states):
-        inflight = self._advance("dispatch_postprocess", "dispatched")
+        inflight = self._advance("dispatch_postprocess")
         tokens, permuted_probs = self._comm_manager.get_permuted_hidden_states_by_experts(hidden_states)
         inflight.num_permuted = tokens.shape[0]
         return tokens, self._comm_manager.get_number_of_tokens_per_expert(), permuted_probs
 
     def _unpermute(self, hidden_states):
-        self._advance("combine_preprocess", "permuted", hidden_states, self._inflight and self._inflight.num_permuted,
+        self._advance("combine_preprocess", hidden_states, self._inflight and self._inflight.num_permuted,
                       "one row per permuted row handed to the experts")
         return self._comm_manager.get_restored_hidden_states_by_experts(hidden_states)
 
     def _combine(self, hidden_states, async_finish, allocate_on_comm_stream):
-        self._advance("token_combine", "restored", hidden_states, self._inflight and self._inflight.num_rows,
+        self._advance("token_combine", hidden_states, self._inflight and self._inflight.num_rows,
                       "one row per row the dispatch delivered")
         return self._comm_manager.combine(hidden_states, async_finish, allocate_on_comm_stream)
 
     def _restore_shape(self, hidden_states):
-        inflight = self._advance("combine_postprocess", "combined")
+        inflight = self._advance("combine_postprocess")
         self._inflight = None
         return hidden_states.view(inflight.hidden_shape)
 
