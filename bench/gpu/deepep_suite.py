@@ -9,7 +9,7 @@ Over NCCL, with CUDA tensors, it checks:
   and bf16, for backend=deepep (real `deep_ep.Buffer`) and backend=torch; forward and the
   gradients of hidden states and routing probs against the dense reference (computed on
   the CPU), and deepep against torch directly;
-- raw parity: `backends.deepep.COMMUNICATOR.dispatch` vs `backends.torch_a2a.dispatch` on the same
+- raw parity: `backends.deepep.communicator(group).dispatch` vs `backends.torch_a2a.dispatch` on the same
   inputs. Both order received rows by source rank and, within a source, by token index
   (DeepEP: each channel sends a contiguous token range and the receiver writes channel
   after channel; torch: rank-major nonzero). The suite verifies that order from DeepEP's
@@ -107,7 +107,7 @@ def raw_parity(dtype: str, tokens: int, hidden: int, num_experts: int, topk: int
     idx[::5, 0] = -1
     probs = torch.rand(x.shape[0], topk, generator=g, device=device)
 
-    got = deepep.COMMUNICATOR.dispatch(x, idx, probs, num_experts, group)
+    got = deepep.communicator(group).dispatch(x, idx, probs, num_experts, group)
     want = torch_a2a.dispatch(x, idx, probs, num_experts, group)
     handle = got[4]
     src_rank = torch.searchsorted(handle.rank_prefix_matrix_WW[:, rank].long(),
@@ -121,7 +121,7 @@ def raw_parity(dtype: str, tokens: int, hidden: int, num_experts: int, topk: int
         "rows_equal": torch.equal(rows, want[0]), "indices_equal": torch.equal(ids, want[1]),
         "probs_equal": torch.equal(weights, want[2]), "counts_equal": got[3] == want[3],
     }
-    y_got, _ = deepep.COMMUNICATOR.combine(got[0], group, handle)
+    y_got, _ = deepep.communicator(group).combine(got[0], group, handle)
     y_want, _ = torch_a2a.combine(want[0], group, want[4])
     result["combine_err"] = _err(y_got, y_want)
     fp32_sum = torch_a2a.combine(want[0].float(), group, want[4])[0]
@@ -136,7 +136,7 @@ def buffer_lifecycle():
     from megatron_moe_ext.dispatcher.backends import deepep
 
     group = dist.group.WORLD
-    comm = deepep.COMMUNICATOR
+    comm = deepep.communicator(group)
     comm.release_buffers()
     comm.allocate_buffer(group, 1024, torch.bfloat16)
     first = comm.buffer

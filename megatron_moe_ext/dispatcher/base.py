@@ -1,9 +1,10 @@
 """The narrow interface every communication manager implements.
 
-A manager owns one dispatch at a time: `setup_metadata*` -> `dispatch` ->
-`get_permuted_hidden_states_by_experts` -> (experts) -> `get_restored_hidden_states_by_experts`
--> `combine`. Backward never reads manager state (it lives in the autograd graph), so a
-manager can be shared by every layer and its per-dispatch state released after combine.
+A manager belongs to one layer and owns one dispatch at a time: `setup_metadata*` ->
+`dispatch` -> `get_permuted_hidden_states_by_experts` -> (experts) ->
+`get_restored_hidden_states_by_experts` -> `combine` (the dispatcher enforces the order).
+Backward never reads manager state (it lives in the autograd graph), so per-dispatch state
+is released after combine. Only the backend's buffer is shared (`buffers.py`).
 """
 
 from __future__ import annotations
@@ -15,9 +16,6 @@ import torch
 
 class _DispatchManager(ABC):
     """A manager class to handle dispatch and combine processes for MoE models."""
-
-    #: Settings that must agree for two dispatchers to share this manager.
-    settings: tuple = ()
 
     @abstractmethod
     def setup_metadata(self, num_local_tokens: int, probs: torch.Tensor, routing_map=None):

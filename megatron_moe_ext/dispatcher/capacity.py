@@ -18,7 +18,6 @@ S = W*C sent slots, R = W*C received slots, N permuted pairs, P permuted-row cap
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -66,7 +65,6 @@ class _TorchCapacityManager(_DeepepManager):
     def __init__(self, hybridep_capacity_factor: float, **kwargs):
         super().__init__(**kwargs)
         self.hybridep_capacity_factor = hybridep_capacity_factor
-        self.settings = self.settings + (hybridep_capacity_factor,)
         self.send_capacity: int | None = None
         self.capacity: int | None = None
 
@@ -79,17 +77,18 @@ class _TorchCapacityManager(_DeepepManager):
 
     # ---- calibration --------------------------------------------------------------------
     def _calibrate(self, device) -> None:
-        """One MAX all-reduce of both capacities; the counts are on the host already."""
+        """One MAX all-reduce of both capacities (none within one rank); the counts are on the
+        host already."""
         multiple = self.pad_multiple or _CAPACITY_ALIGNMENT
         rows = sum(P.align_up(n, multiple if self.pad_multiple else 1) for n in self.tokens_per_expert.tolist())
         pair_rows = max(self.handle.send_splits)
-
-        def scaled(n, m):
-            return P.align_up(max(math.ceil(n * self.hybridep_capacity_factor), 1), m)
-
-        local = torch.tensor([scaled(pair_rows, _CAPACITY_ALIGNMENT), scaled(rows, multiple)], device=device)
-        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group)
-        self.send_capacity, self.capacity = local.tolist()
+        factor = self.hybridep_capacity_factor
+        local = [P.capacity_rows(pair_rows, factor, _CAPACITY_ALIGNMENT), P.capacity_rows(rows, factor, multiple)]
+        if dist.get_world_size(self.group) > 1:
+            local_t = torch.tensor(local, device=device)
+            dist.all_reduce(local_t, op=dist.ReduceOp.MAX, group=self.group)
+            local = local_t.tolist()
+        self.send_capacity, self.capacity = local
 
     # ---- communication ------------------------------------------------------------------
     def dispatch(self, hidden_states, async_finish=False, allocate_on_comm_stream=False):
@@ -106,9 +105,7 @@ class _TorchCapacityManager(_DeepepManager):
         num_tokens, topk = indices_TK.shape
         device = x_TH.device
 
-        dest_TK = torch.where(indices_TK >= 0, indices_TK // e, world)
-        in_rank_TW = torch.zeros(num_tokens, world + 1, dtype=torch.int32, device=device)
-        in_rank_TW = in_rank_TW.scatter_add_(1, dest_TK, torch.ones_like(dest_TK, dtype=torch.int32))[:, :world] > 0
+        in_rank_TW = torch_a2a.token_ranks(indices_TK, e, world)
         # A token's slot is its position among the tokens sent to the same rank.
         pos_TW = torch.cumsum(in_rank_TW.int(), dim=0) - 1
         fits_TW = in_rank_TW & (pos_TW < C)
@@ -124,26 +121,18 @@ class _TorchCapacityManager(_DeepepManager):
         x_pad = torch.cat([x_TH, x_TH.new_zeros(1, x_TH.shape[1])])
         indices_pad = torch.cat([indices_TK, indices_TK.new_full((1, topk), -1)])
         probs_pad = torch.cat([probs_TK, probs_TK.new_zeros(1, topk)])
-        sent_SK = indices_pad.index_select(0, send_token_ids_S)
-        mine_SK = (sent_SK >= 0) & (sent_SK // e == send_rank_S[:, None])
-        local_SK = torch.where(mine_SK, sent_SK - send_rank_S[:, None] * e, -1)
-        probs_SK = torch.where(mine_SK, probs_pad.index_select(0, send_token_ids_S), 0.0)
-        meta_SK2 = torch.cat([local_SK.float(), probs_SK], dim=1)
-
         splits = [C] * world
-        recv_x_RH = torch_a2a._AllToAllRows.apply(x_pad.index_select(0, send_token_ids_S), splits, splits, group)
-        recv_meta = torch_a2a._AllToAllRows.apply(meta_SK2, splits, splits, group)
-        self.dispatched_indices = recv_meta[:, :topk].detach().long()
-        self.dispatched_probs = recv_meta[:, topk:]
+        recv_x_RH = torch_a2a.all_to_all_rows(x_pad.index_select(0, send_token_ids_S), splits, splits, group)
+        self.dispatched_indices, self.dispatched_probs = torch_a2a.send_routing(
+            indices_pad.index_select(0, send_token_ids_S), probs_pad.index_select(0, send_token_ids_S),
+            send_rank_S, e, splits, splits, group)
         self.handle = CapacityHandle(send_token_ids_S, C, num_tokens)
         self.token_indices = self.token_probs = None
 
         # The receive-side check is local, so both flags are known here, after the only
         # collectives of the dispatch: no rank can leave a peer waiting in one.
         routing_Re, _ = self._indices_to_multihot(self.dispatched_indices, self.dispatched_probs)
-        counts_e = routing_Re.sum(0)
-        multiple = self.pad_multiple or 1
-        recv_overflow = ((counts_e + multiple - 1) // multiple * multiple).sum() > self.capacity
+        recv_overflow = P.align_up(routing_Re.sum(0), self.pad_multiple or 1).sum() > self.capacity
         assert_no_overflow(send_overflow | recv_overflow,
                            f"capacity (send capacity {C} rows per rank pair, capacity {self.capacity} "
                            "permuted rows per rank)")
@@ -167,11 +156,10 @@ class _TorchCapacityManager(_DeepepManager):
             return super().get_permuted_hidden_states_by_experts(hidden_states)
         capacity, num_rows = self.capacity, hidden_states.shape[0]
         routing_Re, probs_Re = self._indices_to_multihot(self.dispatched_indices, self.dispatched_probs)
-        multiple = self.pad_multiple or 1
         counts_e = routing_Re.sum(0)
-        padded_e = (counts_e + multiple - 1) // multiple * multiple
-        offsets_e = torch.cumsum(counts_e, 0) - counts_e
-        padded_offsets_e = torch.cumsum(padded_e, 0) - padded_e
+        padded_e = P.align_up(counts_e, self.pad_multiple or 1)
+        offsets_e = P.start_offsets(counts_e)
+        padded_offsets_e = P.start_offsets(padded_e)
         # Expert-major pairs, at most `capacity` of them: a static size, so no host sync.
         pairs_N2 = torch.nonzero_static(routing_Re.t(), size=capacity, fill_value=-1)
         expert_N, row_N = pairs_N2[:, 0], pairs_N2[:, 1]

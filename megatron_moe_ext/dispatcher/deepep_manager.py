@@ -2,26 +2,24 @@
 
 DeepEP, UCCL-EP and the portable torch backend all take `[T, K]` expert ids and fp32
 weights and return received rows with local ids; they differ only in the injected
-`dispatch_fn` / `combine_fn` pair (see `backends/`). Everything else — top-k metadata,
+`comm` (see `backends/`). Everything else — top-k metadata,
 token dropping, multihot conversion, per-expert permutation and padding — lives here once.
 """
 
 from __future__ import annotations
-
-import logging
 
 import torch
 
 from megatron_moe_ext.dispatcher import permute as P
 from megatron_moe_ext.dispatcher.base import _DispatchManager
 
-logger = logging.getLogger(__name__)
-
 
 class _DeepepManager(_DispatchManager):
-    """Fused all-to-all dispatch/combine with DeepEP's contract.
+    """Fused all-to-all dispatch/combine with DeepEP's contract, for one layer.
 
     Arguments:
+        comm: the backend: `dispatch` / `combine` with DeepEP's contract (`backends.torch_a2a`,
+            or a `DeepEPCommunicator`, which also has `allocate_buffer`).
         group: the TPxEP communication group.
         router_topk: K (times the expert-TP size when TP > 1).
         capacity_factor: Megatron's `moe_expert_capacity_factor`; slots over an expert's
@@ -29,48 +27,27 @@ class _DeepepManager(_DispatchManager):
         num_experts / num_local_experts: E (TP-expanded) and e.
         router_dtype: "fp64" hands fp64 permuted probs to the experts.
         moe_router_expert_pad_multiple: pad each expert's row group with zero rows.
-        _dispatch_fn / _combine_fn: the backend (`backends.deepep` when None).
-        _allocate_fn / _release_fn: the backend's buffer lifetime, `(group, hidden, dtype)`
-            and `()`; None for backends without a persistent buffer.
     """
 
     def __init__(
         self,
+        comm,
         group,
         router_topk: int,
-        permute_fusion: bool = False,
         capacity_factor: float | None = None,
         num_experts: int | None = None,
         num_local_experts: int | None = None,
         router_dtype: str | None = None,
         moe_router_expert_pad_multiple: int | None = None,
-        _dispatch_fn=None,
-        _combine_fn=None,
-        _allocate_fn=None,
-        _release_fn=None,
     ):
-        if _dispatch_fn is None or _combine_fn is None:
-            from megatron_moe_ext.dispatcher.backends import deepep
-
-            comm = deepep.COMMUNICATOR
-            _dispatch_fn, _combine_fn = comm.dispatch, comm.combine
-            _allocate_fn, _release_fn = comm.allocate_buffer, comm.release_buffers
+        self.comm = comm
         self.group = group
         self.router_topk = router_topk
-        self.permute_fusion = permute_fusion
         self.capacity_factor = capacity_factor
         self.num_experts = num_experts
         self.num_local_experts = num_local_experts
         self.router_dtype = router_dtype
         self.pad_multiple = moe_router_expert_pad_multiple
-        self._fused_dispatch = _dispatch_fn
-        self._fused_combine = _combine_fn
-        self._allocate_fn = _allocate_fn
-        self._release_fn = _release_fn
-        self.settings = (
-            group, router_topk, capacity_factor, num_experts, num_local_experts,
-            router_dtype, moe_router_expert_pad_multiple, _dispatch_fn, _combine_fn,
-        )
         self._release_dispatch_state()
 
     def _release_dispatch_state(self) -> None:
@@ -79,10 +56,8 @@ class _DeepepManager(_DispatchManager):
         self.handle = None
         self.dispatched_indices: torch.Tensor | None = None
         self.dispatched_probs: torch.Tensor | None = None
-        self.dispatched_routing_map: torch.Tensor | None = None
         self.tokens_per_expert = None
         self.reversed_mapping_for_combine: P.PermutationState | None = None
-        self.hidden_shape_before_permute: torch.Size | None = None
 
     # The counts come back from the backend as a host list after every dispatch, and the
     # permutation reads them as a list again: the `[e]` tensor is built only when it is read.
@@ -102,17 +77,12 @@ class _DeepepManager(_DispatchManager):
     def _host_counts(self) -> list[int]:
         return self._counts_list if self._counts_list is not None else self._tokens_per_expert.tolist()
 
-    # ---- communication buffer lifetime ------------------------------------------------
     def allocate_buffers(self, hidden_size: int, dtype: torch.dtype) -> None:
         """Allocate the backend's buffer now (experts call it at setup, before any activation
         checkpoint, so no collective allocation happens inside a recompute)."""
-        if self._allocate_fn is not None:
-            self._allocate_fn(self.group, hidden_size, dtype)
-
-    def release_buffers(self) -> None:
-        """Free the backend's buffer (on every rank, before the process group is destroyed)."""
-        if self._release_fn is not None:
-            self._release_fn()
+        allocate = getattr(self.comm, "allocate_buffer", None)
+        if allocate is not None:
+            allocate(self.group, hidden_size, dtype)
 
     # ---- metadata ---------------------------------------------------------------------
     def setup_metadata(self, num_local_tokens: int, probs: torch.Tensor, routing_map=None):
@@ -139,7 +109,7 @@ class _DeepepManager(_DispatchManager):
 
     # ---- communication ----------------------------------------------------------------
     def dispatch(self, hidden_states, async_finish=False, allocate_on_comm_stream=False):
-        hidden, indices, probs, tokens_per_expert, handle = self._fused_dispatch(
+        hidden, indices, probs, tokens_per_expert, handle = self.comm.dispatch(
             hidden_states, self.token_indices, self.token_probs, self.num_experts, self.group,
             async_finish, allocate_on_comm_stream)
         self.handle = handle
@@ -150,8 +120,8 @@ class _DeepepManager(_DispatchManager):
         return hidden
 
     def combine(self, hidden_states, async_finish=False, allocate_on_comm_stream=False):
-        hidden, _ = self._fused_combine(hidden_states, self.group, self.handle, async_finish,
-                                        allocate_on_comm_stream)
+        hidden, _ = self.comm.combine(hidden_states, self.group, self.handle, async_finish,
+                                      allocate_on_comm_stream)
         self._release_dispatch_state()
         return hidden
 
@@ -168,8 +138,6 @@ class _DeepepManager(_DispatchManager):
 
     def get_permuted_hidden_states_by_experts(self, hidden_states):
         routing_map, probs = self._indices_to_multihot(self.dispatched_indices, self.dispatched_probs)
-        self.dispatched_routing_map = routing_map
-        self.hidden_shape_before_permute = hidden_states.shape
         permuted, permuted_probs, counts, state = P.permute_to_experts(
             hidden_states, routing_map, probs, self._host_counts(), self.pad_multiple)
         self.tokens_per_expert = counts

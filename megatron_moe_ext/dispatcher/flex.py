@@ -9,31 +9,30 @@ The seed's face: `token_permutation(hidden, num_local_tokens, probs[T, E])`,
 `token_permutation2(hidden, num_local_tokens, token_probs[T, K], token_indices[T, K])`,
 `token_unpermutation(expert_out)` and the split steps.
 
-Both faces end in the same four private steps: `_setup_*` -> `_dispatch` ->
-`_permute` -> (experts) -> `_unpermute` -> `_combine` -> `_restore_shape`.
+Both faces end in the same private steps: `_setup_*` -> `_dispatch` -> `_permute` ->
+(experts) -> `_unpermute` -> `_combine` -> `_restore_shape`.
 
-Legend: T local tokens, H hidden, E global experts, e local experts, K top-k, P rows.
+Each dispatcher serves one layer: it owns its manager (routing, handles, calibrated
+capacity) and tracks its one dispatch in flight (`_InFlight`), so a step out of order
+raises instead of mixing two dispatches; layers share only communication buffers
+(`dispatcher/buffers.py`). See docs/DESIGN.md.
+
+Legend: T local tokens, H hidden, E global experts, e local experts, K top-k, R received
+rows, P permuted rows.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar, List
+from dataclasses import dataclass
+from typing import List
 
 import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from megatron_moe_ext.config import TokenDispatcherConfig
-from megatron_moe_ext.dispatcher.base import _DispatchManager
-from megatron_moe_ext.dispatcher.registry import build_manager, release_backend_buffers
-
-_SHARED_ATTR = {
-    "deepep": "shared_deepep_manager",
-    "hybridep": "shared_hybridep_manager",
-    "uccl_ep": "shared_uccl_manager",
-    "torch": "shared_torch_manager",
-}
-
+from megatron_moe_ext.dispatcher import buffers
+from megatron_moe_ext.dispatcher.registry import build_manager
 
 # Routing dtypes `_check_topk` accepts without a closer look (any integer / float dtype passes).
 _USUAL_INDEX_DTYPES = (torch.int64, torch.int32)
@@ -44,6 +43,27 @@ def _bad_input(field: str, message: str) -> ValueError:
     return ValueError(f"{field}: {message}")
 
 
+# The calls of one dispatch, in order (the seed's faces make the same calls).
+_CALLS = ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess", "combine_preprocess",
+          "token_combine", "combine_postprocess")
+
+
+@dataclass
+class _InFlight:
+    """The dispatch a dispatcher has in flight, from routing to the restored output.
+
+    hidden_shape: the input's shape, restored at the end.
+    num_rows: R, rows the dispatch delivered (set by `_dispatch`).
+    num_permuted: P, rows handed to the experts (set by `_permute`).
+    next_call: index in `_CALLS` of the call the dispatch needs next.
+    """
+
+    hidden_shape: torch.Size
+    num_rows: int | None = None
+    num_permuted: int | None = None
+    next_call: int = 1
+
+
 class MoEFlexTokenDispatcher(MoETokenDispatcher):
     """Flex token dispatcher supporting DeepEP, HybridEP, UCCL-EP and torch backends.
 
@@ -51,14 +71,9 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
     TokenDispatcherConfig, ep_group)`, or Megatron's way, `(num_local_experts,
     local_expert_indices, config=TransformerConfig, pg_collection=...)`; in Megatron's
     way `dispatcher_config` overrides what is derived from the TransformerConfig.
+    `moe_share_token_dispatcher` decides whether this layer shares its communication
+    buffer with the other layers of the same settings; all other state is this layer's.
     """
-
-    shared_deepep_manager: ClassVar[_DispatchManager | None] = None
-    shared_hybridep_manager: ClassVar[_DispatchManager | None] = None
-    shared_uccl_manager: ClassVar[_DispatchManager | None] = None
-    shared_torch_manager: ClassVar[_DispatchManager | None] = None
-    #: HybridEP's top-k -> dense/compact metadata converter (a graphable nn.Module), else None.
-    hybridep_metadata_processor = None
 
     def __init__(
         self,
@@ -102,40 +117,48 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         self.local_expert_indices = list(local_expert_indices)
         self.num_experts = dispatcher_config.num_moe_experts
         self.topk = dispatcher_config.moe_router_topk
-        self._comm_manager = self._get_or_create_manager()
+        self._comm_manager = build_manager(dispatcher_config, self.tp_ep_group, num_local_experts, self.tp_size)
+        #: HybridEP's top-k -> dense/compact metadata converter (a graphable nn.Module), else None.
         self.hybridep_metadata_processor = getattr(self._comm_manager, "metadata_processor", None)
-        self.hidden_shape: torch.Size | None = None
-        self._dispatched_hidden_size: int | None = None
+        self._inflight: _InFlight | None = None
 
-    # ---- manager sharing --------------------------------------------------------------
-    def _get_or_create_manager(self) -> _DispatchManager:
-        cfg = self.dispatcher_config
-        manager = build_manager(cfg, self.tp_ep_group, self.num_local_experts, self.tp_size)
-        if not cfg.moe_share_token_dispatcher:
-            return manager
-        attr = _SHARED_ATTR[cfg.moe_flex_dispatcher_backend]
-        shared = getattr(MoEFlexTokenDispatcher, attr)
-        if shared is None:
-            setattr(MoEFlexTokenDispatcher, attr, manager)
-            return manager
-        if shared.settings != manager.settings:
-            raise ValueError(
-                f"moe_share_token_dispatcher=True but this layer's dispatcher settings differ from "
-                f"the shared {cfg.moe_flex_dispatcher_backend} manager's "
-                f"({manager.settings} vs {shared.settings}); use identical settings in every "
-                "layer or set moe_share_token_dispatcher=False")
-        return shared
+    @staticmethod
+    def release_shared_managers() -> None:
+        """Free the communication buffers of every layer, shared or not (collective: call on
+        every rank before destroying the process group). Layers stay usable: a later
+        dispatch allocates again."""
+        buffers.release_all()
 
-    @classmethod
-    def release_shared_managers(cls) -> None:
-        """Drop every shared manager and free the backends' communication buffers, also those
-        of unshared managers (collective: call on every rank before destroying the group)."""
-        for attr in _SHARED_ATTR.values():
-            manager = getattr(cls, attr)
-            if manager is not None and hasattr(manager, "release_buffers"):
-                manager.release_buffers()
-            setattr(cls, attr, None)
-        release_backend_buffers()
+    # ---- the dispatch in flight -------------------------------------------------------
+    def _check_idle(self) -> None:
+        inflight = self._inflight
+        if inflight is not None and _CALLS[inflight.next_call] != "combine_postprocess":
+            raise RuntimeError(
+                f"dispatch started while this dispatcher's previous dispatch is still in flight "
+                f"(its next step is {_CALLS[inflight.next_call]}): a dispatcher holds one dispatch "
+                "at a time; combine it first, or give each layer its own dispatcher")
+
+    def _advance(self, call: str, rows_TH=None, num_rows: int | None = None, what: str = "") -> _InFlight:
+        """The dispatch in flight, checked to need `call` next and moved past it.
+
+        `rows_TH`, when given, must be `[num_rows, H]` (any rows if `num_rows` is None); a
+        refused call leaves the dispatch where it was, so a corrected call can follow.
+        """
+        inflight = self._inflight
+        if inflight is None:
+            raise RuntimeError(f"{call} called without a dispatch in flight on this dispatcher: "
+                               "call dispatch_preprocess and token_dispatch first")
+        if _CALLS[inflight.next_call] != call:
+            raise RuntimeError(f"{call} called out of order: the dispatch in flight needs "
+                               f"{_CALLS[inflight.next_call]} next")
+        if rows_TH is not None:
+            hidden_size = inflight.hidden_shape[-1]
+            rows = rows_TH.shape[0] if num_rows is None else num_rows
+            if rows_TH.dim() != 2 or rows_TH.shape != (rows, hidden_size):
+                raise _bad_input("hidden_states", f"{call} expects [{rows if num_rows is not None else 'T'}, "
+                                 f"H={hidden_size}] ({what}), got {tuple(rows_TH.shape)}")
+        inflight.next_call += 1
+        return inflight
 
     # ---- input checks (cheap: shapes and dtypes only, no device sync) -----------------
     def _check_hidden(self, hidden_states: torch.Tensor, num_local_tokens: int | None = None):
@@ -211,49 +234,50 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         if routing_map is not None:
             self._check_dense("routing_map", routing_map, tokens)
             routing_map = self._initialize_metadata(tokens, routing_map)
-        self.hidden_shape = hidden_states.shape
+        self._check_idle()
         self._comm_manager.setup_metadata(tokens, self._initialize_metadata(tokens, probs), routing_map)
-        return hidden_states.reshape(tokens, self.hidden_shape[-1])
+        self._inflight = _InFlight(hidden_states.shape)
+        return hidden_states.reshape(tokens, hidden_states.shape[-1])
 
     def _setup_topk(self, hidden_states, num_local_tokens, token_probs, token_indices):
         tokens = self._check_hidden(hidden_states, num_local_tokens)
         self._check_topk(token_probs, token_indices, tokens)
-        self.hidden_shape = hidden_states.shape
+        self._check_idle()
         if self.tp_size > 1:
             token_indices, token_probs = self._expand_topk_for_tp(token_indices, token_probs)
         self._comm_manager.setup_metadata_from_indices(token_indices, token_probs)
+        self._inflight = _InFlight(hidden_states.shape)
         if hidden_states.dim() == 2:  # already [T, H]: no view (and no autograd node) to make
             return hidden_states
-        return hidden_states.reshape(tokens, self.hidden_shape[-1])
+        return hidden_states.reshape(tokens, hidden_states.shape[-1])
 
-    def _dispatch(self, hidden_states, async_finish=None, allocate_on_comm_stream=None):
-        async_mode = self.dispatcher_config.moe_deepep_async_dispatch
-        async_finish = async_mode if async_finish is None else async_finish
-        allocate_on_comm_stream = async_mode if allocate_on_comm_stream is None else allocate_on_comm_stream
-        self._dispatched_hidden_size = hidden_states.shape[-1]
-        return self._comm_manager.dispatch(hidden_states, async_finish, allocate_on_comm_stream)
+    def _dispatch(self, hidden_states, async_finish, allocate_on_comm_stream):
+        inflight = self._advance("token_dispatch", hidden_states, None,
+                                 "the output of dispatch_preprocess")
+        rows = self._comm_manager.dispatch(hidden_states, async_finish, allocate_on_comm_stream)
+        inflight.num_rows = rows.shape[0]
+        return rows
 
     def _permute(self, hidden_states):
+        inflight = self._advance("dispatch_postprocess")
         tokens, permuted_probs = self._comm_manager.get_permuted_hidden_states_by_experts(hidden_states)
+        inflight.num_permuted = tokens.shape[0]
         return tokens, self._comm_manager.get_number_of_tokens_per_expert(), permuted_probs
 
     def _unpermute(self, hidden_states):
-        if self._dispatched_hidden_size is None:
-            raise RuntimeError("combine called without a preceding dispatch")
-        if hidden_states.dim() != 2 or hidden_states.shape[-1] != self._dispatched_hidden_size:
-            raise _bad_input("hidden_states", f"combine expects [P, H={self._dispatched_hidden_size}] "
-                             f"(the dispatched hidden size), got {tuple(hidden_states.shape)}")
+        self._advance("combine_preprocess", hidden_states, self._inflight and self._inflight.num_permuted,
+                      "one row per permuted row handed to the experts")
         return self._comm_manager.get_restored_hidden_states_by_experts(hidden_states)
 
-    def _combine(self, hidden_states, async_finish=None, allocate_on_comm_stream=None):
-        async_mode = self.dispatcher_config.moe_deepep_async_dispatch
-        async_finish = async_mode if async_finish is None else async_finish
-        allocate_on_comm_stream = async_mode if allocate_on_comm_stream is None else allocate_on_comm_stream
-        self._dispatched_hidden_size = None
+    def _combine(self, hidden_states, async_finish, allocate_on_comm_stream):
+        self._advance("token_combine", hidden_states, self._inflight and self._inflight.num_rows,
+                      "one row per row the dispatch delivered")
         return self._comm_manager.combine(hidden_states, async_finish, allocate_on_comm_stream)
 
     def _restore_shape(self, hidden_states):
-        return hidden_states.view(self.hidden_shape)
+        inflight = self._advance("combine_postprocess")
+        self._inflight = None
+        return hidden_states.view(inflight.hidden_shape)
 
     # ---- Megatron's six methods -------------------------------------------------------
     def dispatch_preprocess(self, hidden_states, routing_map_or_num_tokens, probs):
@@ -265,7 +289,10 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
             hidden = self._setup_dense(hidden_states, probs, num_local_tokens=routing_map_or_num_tokens)
         return hidden, self._comm_manager.token_probs
 
-    def token_dispatch(self, hidden_states, probs=None, async_finish=None, allocate_on_comm_stream=None):
+    def token_dispatch(self, hidden_states, probs=None, async_finish=True, allocate_on_comm_stream=True):
+        """`[T, H]` -> `(rows [R, H], dispatched probs)`. Asynchronous by default, as
+        Megatron's flex dispatcher is (DeepEP and UCCL-EP run on their comm stream, ordered by
+        events; the other backends ignore the flags)."""
         if self.shared_experts is not None:
             self.shared_experts.wait_current_stream()
         dispatched = self._dispatch(hidden_states, async_finish, allocate_on_comm_stream)
@@ -281,7 +308,8 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
     def combine_preprocess(self, hidden_states):
         return self._unpermute(hidden_states)
 
-    def token_combine(self, hidden_states, async_finish=None, allocate_on_comm_stream=None):
+    def token_combine(self, hidden_states, async_finish=True, allocate_on_comm_stream=True):
+        """`[R, H]` restored rows -> `[T, H]` (asynchronous by default, as `token_dispatch`)."""
         if self.shared_experts is not None:
             self.shared_experts.wait_current_stream()
         return self._combine(hidden_states, async_finish, allocate_on_comm_stream)
@@ -306,21 +334,26 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
     def combine_all_to_all(self, hidden_states, async_finish=True, allocate_on_comm_stream=True):
         return self.token_combine(hidden_states, async_finish, allocate_on_comm_stream)
 
+    # The seed's one-call faces communicate asynchronously only under moe_deepep_async_dispatch.
     def token_permutation(self, hidden_states, num_local_tokens, probs):
         """Dense probs `[T, E]` -> `(tokens [P, H], tokens_per_expert [e], permuted_probs [P])`."""
         hidden, _ = self.dispatch_preprocess(hidden_states, num_local_tokens, probs)
-        dispatched, _ = self.token_dispatch(hidden)
+        async_mode = self.dispatcher_config.moe_deepep_async_dispatch
+        dispatched, _ = self.token_dispatch(hidden, None, async_mode, async_mode)
         return self._permute(dispatched)
 
     def token_permutation2(self, hidden_states, num_local_tokens, token_probs, token_indices):
         """Top-k routing -> `(tokens [P, H], tokens_per_expert [e], permuted_probs [P])`."""
         hidden, _ = self.dispatch_preprocess2(hidden_states, num_local_tokens, token_probs, token_indices)
-        dispatched, _ = self.token_dispatch(hidden)
+        async_mode = self.dispatcher_config.moe_deepep_async_dispatch
+        dispatched, _ = self.token_dispatch(hidden, None, async_mode, async_mode)
         return self._permute(dispatched)
 
     def token_unpermutation(self, hidden_states):
         """Expert outputs `[P, H]` -> combined tokens in the input's original shape."""
-        return self.combine_postprocess(self.token_combine(self.combine_preprocess(hidden_states)))
+        async_mode = self.dispatcher_config.moe_deepep_async_dispatch
+        rows = self.token_combine(self.combine_preprocess(hidden_states), async_mode, async_mode)
+        return self.combine_postprocess(rows)
 
     def get_pipeline_runtime_initializers(self, hidden_dim: int, dtype: torch.dtype) -> tuple:
         """Initializers to run before a pipeline step (HybridEP's buffer), else ()."""

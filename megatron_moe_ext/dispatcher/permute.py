@@ -1,5 +1,12 @@
 """Local (communication-free) steps around a dispatch: routing formats, token dropping,
-and the permutation of dispatched rows into per-expert groups and back.
+capacities, and the permutation of dispatched rows into per-expert groups and back: the
+one permutation of the package (every backend's manager and the expert modules use it).
+
+Megatron-Core's `moe_utils` helpers are reused where their semantics match (`get_capacity`);
+`moe_utils.permute` / `unpermute` are not: their unfused path sizes its output with a
+`masked_select` (a host sync, where the host counts are already known here) and sums back
+with CUDA's atomic `scatter_add_` (not bitwise reproducible), and `pad_routing_map` pads
+with real tokens routed at probability 0 where the experts here get zero rows.
 
 Legend: T local tokens, E global experts, e local experts, K top-k, R received token
 rows (one per token per destination rank), P permuted rows (one per token-expert pair,
@@ -9,15 +16,26 @@ plus padding), H hidden.
 from __future__ import annotations
 
 import array
-import math
 from dataclasses import dataclass
 
 import torch
+from megatron.core.transformer.moe.moe_utils import get_capacity
 
 
-def align_up(count: int, multiple: int) -> int:
-    """Round `count` up to the next multiple of `multiple`."""
+def align_up(count, multiple: int):
+    """Round `count` (an int or an integer tensor) up to the next multiple of `multiple`."""
     return (count + multiple - 1) // multiple * multiple
+
+
+def start_offsets(counts_e: torch.Tensor) -> torch.Tensor:
+    """`[e]` first row of each expert's group: the exclusive prefix sum of `[e]` counts."""
+    return torch.cumsum(counts_e, 0) - counts_e
+
+
+def capacity_rows(rows: int, factor: float, multiple: int) -> int:
+    """The rows a capacity mode reserves after measuring `rows`: `ceil(rows * factor)`, at
+    least one (a rank that measured none still has room), rounded up to `multiple`."""
+    return align_up(get_capacity(rows, 1, factor, min_capacity=1), multiple)
 
 
 def host_counts_tensor(counts: list[int]) -> torch.Tensor:
@@ -75,7 +93,7 @@ def drop_tokens_over_capacity(
     highest-probability slots; the others become -1 (they are neither sent nor combined,
     so they contribute nothing and get no gradient)."""
     num_tokens, topk = indices_TK.shape
-    capacity = math.ceil(num_tokens * topk / num_experts * capacity_factor)
+    capacity = get_capacity(num_tokens * topk, num_experts, capacity_factor)
     if capacity >= num_tokens:
         return indices_TK
     valid_TK = indices_TK >= 0
@@ -135,12 +153,12 @@ def permute_to_experts(
         state = PermutationState(row_ids_N, None, hidden_RH.shape[0])
         return rows_NH, probs_N, list(tokens_per_expert), state
 
-    padded = [align_up(n, pad_multiple) for n in tokens_per_expert]
-    shift = torch.tensor(
-        [p_off - off for p_off, off in zip(_offsets(padded), _offsets(tokens_per_expert))],
-        dtype=torch.long,
-    ).to(hidden_RH.device, non_blocking=True)
-    dest_N = torch.arange(num_pairs, device=hidden_RH.device) + shift[expert_ids_N]
+    counts_e = host_counts_tensor(tokens_per_expert)
+    padded_e = align_up(counts_e, pad_multiple)
+    # Host tensors: the shift of each expert's rows is known without touching the device.
+    shift_e = start_offsets(padded_e - counts_e).to(hidden_RH.device, non_blocking=True)
+    dest_N = torch.arange(num_pairs, device=hidden_RH.device) + shift_e[expert_ids_N]
+    padded = padded_e.tolist()
     total = sum(padded)
     permuted_PH = hidden_RH.new_zeros(total, hidden_RH.shape[1]).index_copy(0, dest_N, rows_NH)
     permuted_probs_P = probs_N.new_zeros(total).index_copy(0, dest_N, probs_N)
@@ -159,10 +177,3 @@ def unpermute_from_experts(expert_out_PH: torch.Tensor, state: PermutationState)
     out_RH = expert_out_PH.new_zeros(state.num_rows, expert_out_PH.shape[-1])
     return out_RH.index_put((state.row_ids_N,), rows_NH, accumulate=True)
 
-
-def _offsets(counts: list[int]) -> list[int]:
-    out, acc = [], 0
-    for c in counts:
-        out.append(acc)
-        acc += c
-    return out

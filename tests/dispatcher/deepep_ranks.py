@@ -20,10 +20,11 @@ from tests.reference import dense_moe_reference, make_routing, topk_to_dense, to
 INSTALLERS = {"deepep": deep_ep_buffer.install, "uccl_ep": uccl_ep.install}
 
 
-def _communicator(backend: str):
+def _communicator(backend: str, num_sms: int = 20):
+    """The backend's shared buffer owner for WORLD (from the shared-buffer registry)."""
     from megatron_moe_ext.dispatcher.backends import deepep, uccl
 
-    return {"deepep": deepep.COMMUNICATOR, "uccl_ep": uccl.COMMUNICATOR}[backend]
+    return {"deepep": deepep, "uccl_ep": uccl}[backend].communicator(dist.group.WORLD, num_sms)
 
 
 def _max_err(a, b) -> float:
@@ -182,7 +183,7 @@ def topk_over_limit_error(backend: str):
 
 
 def buffer_lifecycle(backend: str):
-    """Reuse, growth, up-front allocation and release of the process-global buffer."""
+    """Reuse, growth, up-front allocation, sharing and release of the registry's buffers."""
     INSTALLERS[backend]()
     comm = _communicator(backend)
     group = dist.group.WORLD
@@ -209,11 +210,16 @@ def buffer_lifecycle(backend: str):
     log["grown"] = (delta("buffers_constructed"), delta("buffers_destroyed"), comm.buffer.num_nvl_bytes)
     roundtrip(32)
     log["no_shrink"] = (delta("buffers_constructed"), comm.buffer.num_nvl_bytes)
-    nvl_before_sms = comm.buffer.num_nvl_bytes
-    comm.set_num_sms(2 * comm.library().Buffer.num_sms)
-    roundtrip(32)
-    log["more_sms_grows"] = comm.buffer.num_nvl_bytes > nvl_before_sms
-    comm.set_num_sms(20)
+    # Another SM count is another owner with its own buffer and Configs; the library's
+    # class-global SM count is left as it was.
+    buffer_cls = comm.library().Buffer
+    global_sms = buffer_cls.num_sms
+    more_sms = _communicator(backend, 2 * comm.num_sms)
+    more_sms.allocate_buffer(group, 32, torch.bfloat16)
+    log["more_sms"] = (more_sms is not comm, more_sms.buffer.num_nvl_bytes > log["after_allocate"][1],
+                       more_sms._dispatch_config.num_sms, comm._dispatch_config.num_sms,
+                       buffer_cls.num_sms == global_sms)
+    more_sms.release_buffers()
     comm.release_buffers()
     log["released"] = (comm.buffer is None, delta("buffers_destroyed"))
     comm.release_buffers()
@@ -224,20 +230,20 @@ def buffer_lifecycle(backend: str):
     log["after_release_reallocates"] = (comm.buffer is not None, delta("buffers_constructed") - constructed)
     comm.release_buffers()
 
-    # Through the dispatcher: the shared manager's release frees the buffer.
+    # Through dispatchers: layers of the same settings share one owner, an unshared layer or
+    # another SM count gets its own, and release_shared_managers frees every buffer.
     from tests.reference import RoutingCase
 
-    disp = build_dispatcher(RoutingCase("x", (4,)), backend)
-    disp._comm_manager.allocate_buffers(16, torch.float32)
-    log["manager_allocated"] = comm.buffer is not None
+    case = RoutingCase("x", (4,))
+    owners = [build_dispatcher(case, backend, **kw)._comm_manager.comm for kw in
+              ({}, {}, {"moe_share_token_dispatcher": False}, {"moe_deepep_num_sms": 40})]
+    log["owners"] = (owners[0] is owners[1] is comm, owners[2] is not comm, owners[3] is not comm,
+                     owners[3] is not owners[2])
+    for owner in owners:
+        owner.allocate_buffer(group, 16, torch.float32)
     MoEFlexTokenDispatcher.release_shared_managers()
-    log["manager_released"] = comm.buffer is None
-    # An unshared manager's allocation is released too: the buffer is the backend's.
-    disp = build_dispatcher(RoutingCase("x", (4,)), backend, moe_share_token_dispatcher=False)
-    disp._comm_manager.allocate_buffers(16, torch.float32)
-    unshared_allocated = comm.buffer is not None
-    MoEFlexTokenDispatcher.release_shared_managers()
-    log["unshared_released"] = (unshared_allocated, comm.buffer is None)
+    log["all_released"] = [owner.buffer is None for owner in owners]
+    log["fresh_owner_after_release"] = _communicator(backend) is not comm
 
     # The library itself refuses a buffer too small for the rows (as DeepEP's asserts do).
     small = comm.library().Buffer(group, 128 * 1024, 0, explicitly_destroy=True)
@@ -256,14 +262,15 @@ def buffer_lifecycle(backend: str):
     return log
 
 
-def async_mode_events(backend: str, async_dispatch: bool):
-    """Dense reference under moe_deepep_async_dispatch; returns errors and event counts."""
+def async_mode_events(backend: str, face: str, async_dispatch: bool):
+    """Dense reference through `face` under moe_deepep_async_dispatch; returns errors and
+    event counts."""
     from tests.dispatcher.cases import run_dense_reference_case
     from tests.reference import RoutingCase
 
     INSTALLERS[backend]()
     before = dict(deep_ep_buffer.STATS)
-    result = run_dense_reference_case(RoutingCase("async", (9, 4), topk=3), "megatron", "bf16", backend,
+    result = run_dense_reference_case(RoutingCase("async", (9, 4), topk=3), face, "bf16", backend,
                                       cfg_overrides={"moe_deepep_async_dispatch": async_dispatch})
     for key in ("events_recorded", "events_waited"):
         result[key] = deep_ep_buffer.STATS[key] - before.get(key, 0)

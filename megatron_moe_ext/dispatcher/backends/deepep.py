@@ -1,5 +1,5 @@
 """DeepEP V1 `deep_ep.Buffer` backend: DeepEP-contract `dispatch` / `combine` as autograd
-functions over one process-global buffer.
+functions over a buffer from the shared-buffer registry (`dispatcher/buffers.py`).
 
 The code is written over a *buffer library provider* (`DeepEPCommunicator(library)`): any
 module exposing DeepEP's Python `Buffer` API works. This module binds it to `deep_ep`;
@@ -24,6 +24,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
+from megatron_moe_ext.dispatcher import buffers
 from megatron_moe_ext.utils.optional import require
 
 SUPPORTED_EP_SIZES = (2, 4, 8)
@@ -73,22 +74,27 @@ def _pad_columns(x: torch.Tensor, multiple: int) -> torch.Tensor:
 
 
 class DeepEPCommunicator:
-    """Dispatch/combine over one process-global buffer of a DeepEP-compatible library.
+    """Dispatch/combine over one buffer of a DeepEP-compatible library (the owner of that
+    buffer in `dispatcher/buffers.py`; get one with `communicator`).
 
     Arguments:
         library: returns the module that provides `Buffer` (and raises ImportError with an
             install hint when it is missing).
         name: the backend name used in error messages.
+        num_sms: SMs of the normal-mode kernels (even: a channel is a send and a receive block).
     """
 
-    def __init__(self, library: Callable[[], ModuleType], name: str):
+    def __init__(self, library: Callable[[], ModuleType], name: str, num_sms: int):
         self.library = library
         self.name = name
+        self.num_sms = num_sms
         self._buffer = None
         self._group = None
+        self._dispatch_config = self._combine_config = None
         # Host-side answers that never change for a given buffer class / group / row size,
         # cached because everything before DeepEP's host sync is exposed GPU idle time.
         self._row_rules: dict[type, tuple[int, int | None]] = {}
+        self._configs: dict[tuple, tuple[object, object]] = {}
         self._size_hints: dict[tuple, tuple[int, int]] = {}
         # (group, H, dtype) -> (buffer, rows go as they are): valid while that buffer lives.
         self._plans: dict[tuple, tuple[object, bool]] = {}
@@ -104,12 +110,24 @@ class DeepEPCommunicator:
                 f"kernels: allowed sizes are {SUPPORTED_EP_SIZES}; use "
                 "moe_flex_dispatcher_backend='torch' for EP=1 or other sizes")
 
-    def set_num_sms(self, num_sms: int) -> None:
-        if num_sms <= 0 or num_sms % 2:
-            raise ValueError(f"moe_deepep_num_sms: {num_sms} is not allowed: expected an even "
-                             "positive SM count (one channel = a send and a receive block)")
-        self.library().Buffer.set_num_sms(num_sms)
-        self._plans.clear()  # the size hints scale with the SM count
+    def _kernel_configs(self, buffer_cls, world: int) -> tuple[object, object]:
+        """`(dispatch, combine)` Configs: the library's tuned table at this owner's SM count.
+
+        The library builds them from its class-global `Buffer.num_sms`; it is set only for
+        that call and restored, and the Configs go with every call, so layers with different
+        SM counts never change each other's.
+        """
+        key = (buffer_cls, world)
+        configs = self._configs.get(key)
+        if configs is None:
+            saved = buffer_cls.num_sms
+            buffer_cls.num_sms = self.num_sms
+            try:
+                configs = (buffer_cls.get_dispatch_config(world), buffer_cls.get_combine_config(world))
+            finally:
+                buffer_cls.num_sms = saved
+            self._configs[key] = configs
+        return configs
 
     # ---- row layout -------------------------------------------------------------------
     def _dispatch_row_rule(self) -> tuple[int, int | None]:
@@ -160,19 +178,23 @@ class DeepEPCommunicator:
             self._plans[key] = plan
         return plan
 
-    # ---- the process-global buffer ----------------------------------------------------
+    # ---- the buffer ------------------------------------------------------------------
     def get_buffer(self, group, hidden_bytes: int):
         """The buffer, (re)allocated only when the group or library changes or it is too small.
 
         Allocation is collective over `group` (the library exchanges IPC handles), so every
         rank must reach it together: sizes depend only on H, dtype and the SM count.
+        Sized as Megatron-Core's `fused_a2a.get_buffer` does: the larger of the dispatch and
+        combine Configs' NVLink and RDMA size hints. The RDMA bytes are 0 within one node;
+        beyond 8 ranks they would size the internode buffer, which `check_group` refuses for
+        now (internode sizing is unverified here: no multi-node machine).
         """
         buffer_cls = self.library().Buffer
-        key = (buffer_cls, group, hidden_bytes, getattr(buffer_cls, "num_sms", None))
+        world = dist.get_world_size(group)
+        configs = self._kernel_configs(buffer_cls, world)
+        key = (buffer_cls, world, hidden_bytes)
         hints = self._size_hints.get(key)
         if hints is None:
-            world = dist.get_world_size(group)
-            configs = (buffer_cls.get_dispatch_config(world), buffer_cls.get_combine_config(world))
             hints = (max(c.get_nvl_buffer_size_hint(hidden_bytes, world) for c in configs),
                      max(c.get_rdma_buffer_size_hint(hidden_bytes, world) for c in configs))
             self._size_hints[key] = hints
@@ -187,6 +209,7 @@ class DeepEPCommunicator:
         self.release_buffers()
         self._buffer = buffer_cls(group, num_nvl_bytes, num_rdma_bytes, explicitly_destroy=True)
         self._group = group
+        self._dispatch_config, self._combine_config = configs
         return self._buffer
 
     def allocate_buffer(self, group, hidden: int, dtype: torch.dtype):
@@ -219,7 +242,7 @@ class DeepEPCommunicator:
         previous = self._begin(async_finish)
         recv, _, _, _, _, event = buffer.dispatch(
             chunk, handle=raw_handle, previous_event=previous, async_finish=async_finish,
-            allocate_on_comm_stream=alloc)
+            allocate_on_comm_stream=alloc, config=self._dispatch_config)
         self._end(event, async_finish)
         return recv
 
@@ -242,7 +265,7 @@ class DeepEPCommunicator:
             per_rank, per_rdma_rank, per_expert, in_rank_NW, event = buffer.get_dispatch_layout(
                 routes_NK, num_experts, previous_event=self._begin(True), async_finish=True,
                 allocate_on_comm_stream=alloc)
-        else:  # the library's defaults: the synchronous case passes as little as possible
+        else:  # the synchronous case passes only the arguments that differ from the defaults
             per_rank, per_rdma_rank, per_expert, in_rank_NW, event = buffer.get_dispatch_layout(
                 routes_NK, num_experts)
             event, alloc = None, False
@@ -251,7 +274,8 @@ class DeepEPCommunicator:
             first, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank,
             is_token_in_rank=in_rank_NW, num_tokens_per_expert=per_expert,
             topk_idx=None if topk_weights is None else routes_NK, topk_weights=topk_weights,
-            previous_event=event, async_finish=async_finish, allocate_on_comm_stream=alloc)
+            previous_event=event, async_finish=async_finish, allocate_on_comm_stream=alloc,
+            config=self._dispatch_config)
         self._end(event, async_finish)
         if rest:
             recv = torch.cat([recv] + [self._cached(buffer, c, raw, async_finish, alloc) for c in rest], 1)
@@ -281,10 +305,11 @@ class DeepEPCommunicator:
         if async_finish:
             out_TH, weights_TK, event = buffer.combine(
                 rows_RC, handle.raw, topk_weights=weights_RK, previous_event=self._begin(True),
-                async_finish=True, allocate_on_comm_stream=alloc)
+                async_finish=True, allocate_on_comm_stream=alloc, config=self._combine_config)
             event.current_stream_wait()
-        else:  # the library's defaults, as in `_layout_and_dispatch`
-            out_TH, weights_TK, _ = buffer.combine(rows_RC, handle.raw, topk_weights=weights_RK)
+        else:  # as few arguments as possible, as in `_layout_and_dispatch`
+            out_TH, weights_TK, _ = buffer.combine(rows_RC, handle.raw, topk_weights=weights_RK,
+                                                   config=self._combine_config)
         return (out_TH if direct else out_TH[:, :hidden]), weights_TK
 
     def _return_rows(self, x_RH, weights_RK, handle: DeepEPHandle, group, async_finish, alloc):
@@ -431,4 +456,8 @@ def deep_ep() -> ModuleType:
     return module
 
 
-COMMUNICATOR = DeepEPCommunicator(deep_ep, "DeepEP")
+def communicator(group, num_sms: int = 20, shared: bool = True) -> DeepEPCommunicator:
+    """The DeepEP buffer owner for `(group, num_sms)` from the shared-buffer registry
+    (`shared=False`: one of its own, for a layer that does not share its buffer)."""
+    return buffers.acquire(("deepep", group, num_sms), lambda: DeepEPCommunicator(deep_ep, "DeepEP", num_sms),
+                           shared)

@@ -47,16 +47,61 @@ class _AllToAllRows(torch.autograd.Function):
         return _AllToAllRows.apply(grad, in_splits, out_splits, ctx.group), None, None, None
 
 
+def all_to_all_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """Autograd all-to-all of `x`'s rows; within one rank it is the identity (no collective)."""
+    if len(in_splits) == 1:
+        return x
+    return _AllToAllRows.apply(x, out_splits, in_splits, group)
+
+
+def token_ranks(indices_TK: torch.Tensor, num_local_experts: int, world: int) -> torch.Tensor:
+    """`[T, W]` bool: whether token t goes to rank w (it hosts one of t's experts)."""
+    dest_TK = torch.where(indices_TK >= 0, indices_TK // num_local_experts, world).long()
+    # One extra column swallows masked slots; it is sliced off.
+    hits_TW = torch.zeros(indices_TK.shape[0], world + 1, dtype=torch.int32, device=indices_TK.device)
+    hits_TW = hits_TW.scatter_add_(1, dest_TK, torch.ones_like(dest_TK, dtype=torch.int32))
+    return hits_TW[:, :world] > 0
+
+
+def send_routing(sent_indices_SK, sent_probs_SK, send_rank_S, num_local_experts, recv_splits,
+                 send_splits, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Send each row's routing to its destination as that rank's local expert ids.
+
+    Arguments:
+        sent_indices_SK / sent_probs_SK: `[S, K]` global ids (-1 = masked) and probs of each
+            sent row; send_rank_S: `[S]` its destination rank.
+        recv_splits / send_splits: rows received from / sent to each rank.
+
+    Returns:
+        `(recv_indices_RK, recv_probs_RK)`: local ids (-1 = not this rank's) and fp32 probs
+        (0 there), differentiable in the probs.
+    """
+    mine_SK = (sent_indices_SK >= 0) & (sent_indices_SK // num_local_experts == send_rank_S[:, None])
+    local_SK = torch.where(mine_SK, sent_indices_SK - send_rank_S[:, None] * num_local_experts, -1)
+    probs_SK = torch.where(mine_SK, sent_probs_SK.float(), 0.0)
+    # Ids travel as fp32 next to the weights (exact below 2**24 experts): one collective for both.
+    recv_meta = all_to_all_rows(torch.cat([local_SK.float(), probs_SK], dim=1), recv_splits, send_splits, group)
+    topk = sent_indices_SK.shape[1]
+    return recv_meta[:, :topk].detach().long(), recv_meta[:, topk:]
+
+
+def count_per_expert(indices_RK: torch.Tensor, num_local_experts: int) -> list[int]:
+    """Host list of rows per local expert (-1 slots are not counted): the one host read."""
+    counts = torch.bincount(indices_RK.flatten() + 1, minlength=num_local_experts + 1)
+    return counts[1:].tolist()
+
+
 @dataclass(frozen=True)
 class TorchDispatchHandle:
     """Dispatch state that combine and both backwards reuse.
 
-    send_token_ids_S: local token id of each sent row, grouped by destination rank.
+    send_token_ids_S: local token id of each sent row, grouped by destination rank; None
+        within one rank, where every token stays in place.
     send_splits / recv_splits: rows sent to / received from each rank (host lists).
     num_tokens: T, the local token count combine restores.
     """
 
-    send_token_ids_S: torch.Tensor
+    send_token_ids_S: torch.Tensor | None
     send_splits: list[int]
     recv_splits: list[int]
     num_tokens: int
@@ -88,14 +133,15 @@ def dispatch(
     """
     world = dist.get_world_size(group)
     num_local_experts = num_experts // world
-    num_tokens, topk = indices_TK.shape
-    device = x_TH.device
+    num_tokens = indices_TK.shape[0]
+    if world == 1:
+        # Every expert is local: the rows stay where they are and the dispatch is only the
+        # count of rows per expert (the one host read Megatron's alltoall dispatcher makes too).
+        recv_probs_TK = torch.where(indices_TK >= 0, probs_TK.float(), 0.0)
+        counts = count_per_expert(indices_TK, num_local_experts)
+        return x_TH, indices_TK.long(), recv_probs_TK, counts, TorchDispatchHandle(None, [num_tokens], [num_tokens], num_tokens)
 
-    dest_TK = torch.where(indices_TK >= 0, indices_TK // num_local_experts, world)
-    # One extra column swallows masked slots; it is sliced off.
-    in_rank_TW = torch.zeros(num_tokens, world + 1, dtype=torch.int32, device=device)
-    in_rank_TW = in_rank_TW.scatter_add_(1, dest_TK.long(), torch.ones_like(dest_TK, dtype=torch.int32))
-    in_rank_TW = in_rank_TW[:, :world] > 0
+    in_rank_TW = token_ranks(indices_TK, num_local_experts, world)
     send_counts_W = in_rank_TW.sum(0)
     # Rank-major send order, token order within a rank (what DeepEP's layout produces too).
     pairs_S2 = torch.nonzero(in_rank_TW.t())
@@ -106,21 +152,11 @@ def dispatch(
     counts = torch.stack([send_counts_W, recv_counts_W]).tolist()
     send_splits, recv_splits = counts[0], counts[1]
 
-    # Expert ids become the destination's local ids; other ranks' slots are masked.
-    sent_indices_SK = indices_TK.index_select(0, send_token_ids_S)
-    mine_SK = (sent_indices_SK >= 0) & (sent_indices_SK // num_local_experts == send_rank_S[:, None])
-    local_SK = torch.where(mine_SK, sent_indices_SK - send_rank_S[:, None] * num_local_experts, -1)
-    probs_SK = torch.where(mine_SK, probs_TK.float().index_select(0, send_token_ids_S), 0.0)
-    # Ids travel as fp32 next to the weights (exact below 2**24 experts): one collective for both.
-    meta_SK2 = torch.cat([local_SK.float(), probs_SK], dim=1)
-
-    recv_x_RH = _AllToAllRows.apply(x_TH.index_select(0, send_token_ids_S), recv_splits, send_splits, group)
-    recv_meta = _AllToAllRows.apply(meta_SK2, recv_splits, send_splits, group)
-    recv_indices_RK = recv_meta[:, :topk].detach().long()
-    recv_probs_RK = recv_meta[:, topk:]
-
-    valid = recv_indices_RK[recv_indices_RK >= 0]
-    tokens_per_expert = torch.bincount(valid, minlength=num_local_experts).tolist()
+    recv_x_RH = all_to_all_rows(x_TH.index_select(0, send_token_ids_S), recv_splits, send_splits, group)
+    recv_indices_RK, recv_probs_RK = send_routing(
+        indices_TK.index_select(0, send_token_ids_S), probs_TK.index_select(0, send_token_ids_S),
+        send_rank_S, num_local_experts, recv_splits, send_splits, group)
+    tokens_per_expert = count_per_expert(recv_indices_RK, num_local_experts)
     handle = TorchDispatchHandle(send_token_ids_S, send_splits, recv_splits, num_tokens)
     return recv_x_RH, recv_indices_RK, recv_probs_RK, tokens_per_expert, handle
 
@@ -138,7 +174,9 @@ def combine(
             f"combine input has {x_RH.shape[0]} rows but dispatch delivered "
             f"{sum(handle.recv_splits)}: pass the restored rows of the same dispatch"
         )
-    rows_SH = _AllToAllRows.apply(x_RH, handle.send_splits, handle.recv_splits, group)
+    if handle.send_token_ids_S is None:
+        return x_RH, None
+    rows_SH = all_to_all_rows(x_RH, handle.send_splits, handle.recv_splits, group)
     out_TH = rows_SH.new_zeros(handle.num_tokens, x_RH.shape[1])
     # accumulate=True is deterministic (no atomics), so results are bitwise reproducible.
     return out_TH.index_put((handle.send_token_ids_S,), rows_SH, accumulate=True), None

@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+from megatron_moe_ext.dispatcher import buffers
 from megatron_moe_ext.dispatcher.backends.deepep import DeepEPCommunicator
 from megatron_moe_ext.utils.optional import require
 
@@ -43,4 +44,8 @@ def uccl_ep() -> ModuleType:
     return wrapper
 
 
-COMMUNICATOR = DeepEPCommunicator(uccl_ep, "UCCL-EP")
+def communicator(group, num_sms: int = 20, shared: bool = True) -> DeepEPCommunicator:
+    """The UCCL-EP buffer owner for `(group, num_sms)` from the shared-buffer registry
+    (`shared=False`: one of its own, for a layer that does not share its buffer)."""
+    return buffers.acquire(("uccl_ep", group, num_sms), lambda: DeepEPCommunicator(uccl_ep, "UCCL-EP", num_sms),
+                           shared)

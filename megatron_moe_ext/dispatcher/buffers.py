@@ -1,0 +1,54 @@
+"""The one registry of communication buffers: the only dispatcher state layers share.
+
+Every layer has its own dispatcher and manager (routing, handles, calibrated capacity);
+what is expensive to have per layer is the backend's communication buffer (NVLink/RDMA
+memory registered with every peer). Backends keep that buffer in an owner object that
+they get from `acquire`, under a key naming the backend, the process group and every
+setting that sizes or configures the buffer (SM counts included), so two layers share a
+buffer only when it serves both exactly as it is. See docs/DESIGN.md.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Callable, Protocol, TypeVar
+
+
+class BufferOwner(Protocol):
+    def release_buffers(self) -> None:
+        """Free the buffer (collective over its group)."""
+
+
+OwnerT = TypeVar("OwnerT", bound=BufferOwner)
+
+_OWNERS: dict[tuple, BufferOwner] = {}
+_PRIVATE = itertools.count()
+
+
+def acquire(key: tuple, make: Callable[[], OwnerT], shared: bool = True) -> OwnerT:
+    """The buffer owner registered under `key`, made by `make()` on first use.
+
+    Arguments:
+        key: `(backend, group, *settings)`: everything that sizes or configures the buffer.
+        make: builds the owner; it should allocate nothing until the first call uses it.
+        shared: False gives this caller its own owner (`moe_share_token_dispatcher=False`),
+            still registered so `release_all` frees it.
+
+    Returns:
+        The owner (any object with `release_buffers()`).
+    """
+    if not shared:
+        key = key + (("private", next(_PRIVATE)),)
+    owner = _OWNERS.get(key)
+    if owner is None:
+        owner = _OWNERS[key] = make()
+    return owner
+
+
+def release_all() -> None:
+    """Free every registered buffer and forget its owner (collective: call on every rank, in
+    the same order of layers, before the process group is destroyed)."""
+    owners = list(_OWNERS.values())
+    _OWNERS.clear()
+    for owner in owners:
+        owner.release_buffers()
