@@ -134,7 +134,7 @@ def _ep1(backend, deep_ep, stage, report) -> None:
     buffer.destroy()
     stage("backend_check_group")
     try:
-        backend.COMMUNICATOR.check_group(dist.group.WORLD)
+        backend.communicator(dist.group.WORLD).check_group(dist.group.WORLD)
         answer = "accepted"
     except ValueError as exc:
         answer = f"ValueError: {exc}"
@@ -149,7 +149,8 @@ def _ep2(backend, device, stage, report, deadline: float) -> None:
     from tests.dispatcher.cases import CASES, FACES, TOLERANCE
 
     deepep_suite.DEVICE = device
-    comm, group = backend.COMMUNICATOR, dist.group.WORLD
+    group = dist.group.WORLD
+    comm = backend.communicator(group)
     stage("construct")
     start = time.time()
     # One buffer for every case: the widest rows (fp32 combine adds index and weight columns).
@@ -166,8 +167,8 @@ def _ep2(backend, device, stage, report, deadline: float) -> None:
                 name = f"dense/{case.name}/{face}/{dtype}"
                 stage(name)
                 start = time.time()
-                # Unshared: releasing a shared manager would free (and re-create) the buffer.
-                result = deepep_suite.dense_case(case, face, dtype, "uccl_ep", {"moe_share_token_dispatcher": False})
+                # Shared (the default): every case reuses the buffer allocated above.
+                result = deepep_suite.dense_case(case, face, dtype, "uccl_ep", {})
                 errors = deepep_suite.gather(result["errors"])
                 received = sum(sum(t) for t in deepep_suite.gather(result["tokens_per_expert"]))
                 sent = sum(deepep_suite.gather(result["sent_pairs"]))
