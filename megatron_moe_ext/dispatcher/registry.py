@@ -63,14 +63,9 @@ def _build_uccl(cfg, group, num_local_experts, tp_size):
 
 
 def _build_hybridep(cfg, group, num_local_experts, tp_size):
-    from megatron_moe_ext.dispatcher import buffers
     from megatron_moe_ext.dispatcher.hybridep import build_hybridep_manager
 
-    manager = build_hybridep_manager(cfg, group, num_local_experts, tp_size)
-    # HybridEP keeps its own process-global buffer; registering a manager lets
-    # `buffers.release_all` free it with the others.
-    buffers.acquire(("hybridep", "process-global buffer"), lambda: manager)
-    return manager
+    return build_hybridep_manager(cfg, group, num_local_experts, tp_size)
 
 
 BUILDERS: dict[str, ManagerBuilder] = {

@@ -272,12 +272,11 @@ def capacity_pins_token_count():
 
 
 def capacity_per_layer():
-    """Two layers (unshared managers) calibrate their own capacities on different routing and
-    share one buffer."""
+    """Two layers (each with its own manager) calibrate their own capacities on different
+    routing and share one buffer (moe_share_token_dispatcher=True, the default)."""
     use_backend()
     params = _params()
-    layers = [build_dispatcher(CASE, "hybridep", moe_share_token_dispatcher=False,
-                               moe_hybridep_capacity_factor=1.0) for _ in range(2)]
+    layers = [build_dispatcher(CASE, "hybridep", moe_hybridep_capacity_factor=1.0) for _ in range(2)]
     x, indices, probs = _routing(CASE)
     # Layer 0 routes top-2, layer 1 top-1 (second slot masked): half the rows to calibrate on.
     for disp, idx in zip(layers, (indices, indices.index_fill(1, torch.tensor([1], device=DEVICE), -1))):

@@ -7,10 +7,8 @@ HybridEPBuffer test double (or the real library with MOE_EXT_HYBRIDEP_REAL=1).""
 import pytest
 import torch
 
-from megatron_moe_ext.dispatcher.hybridep import (
-    HybridEPPipelineRuntimeInitializer,
-    _assert_no_hybridep_overflow,
-)
+from megatron_moe_ext.dispatcher.hybridep import HybridEPPipelineRuntimeInitializer
+from megatron_moe_ext.dispatcher.hybridep.manager import _assert_no_hybridep_overflow
 from tests.dispatcher import hybridep_ranks
 from tests.dispatcher.hybridep_ranks import REAL, WORLDS
 from tests.harness import shutdown_pools

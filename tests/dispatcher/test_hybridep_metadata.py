@@ -5,7 +5,7 @@ fused and unfused conversions agree exactly."""
 import pytest
 import torch
 
-from megatron_moe_ext.dispatcher.hybridep import _HybridEPMetadataProcessor
+from megatron_moe_ext.dispatcher.hybridep.metadata import _HybridEPMetadataProcessor
 
 E = 8
 

@@ -2,26 +2,11 @@
 
 from __future__ import annotations
 
-from megatron_moe_ext.dispatcher.hybridep.manager import (
-    _HYBRIDEP_TOKEN_ALIGNMENT,
-    _STATIC_ROUTING_PAD_PIN,
-    _align_up,
-    _assert_no_hybridep_overflow,
-    _HybridEPManager,
-)
+from megatron_moe_ext.dispatcher.hybridep.manager import _HybridEPManager
 from megatron_moe_ext.dispatcher.hybridep.metadata import _HybridEPMetadataProcessor
 from megatron_moe_ext.dispatcher.hybridep.runtime import HybridEPPipelineRuntimeInitializer
 
-__all__ = [
-    "HybridEPPipelineRuntimeInitializer",
-    "_HYBRIDEP_TOKEN_ALIGNMENT",
-    "_HybridEPManager",
-    "_HybridEPMetadataProcessor",
-    "_STATIC_ROUTING_PAD_PIN",
-    "_align_up",
-    "_assert_no_hybridep_overflow",
-    "build_hybridep_manager",
-]
+__all__ = ["HybridEPPipelineRuntimeInitializer", "build_hybridep_manager"]
 
 
 def build_hybridep_manager(cfg, group, num_local_experts: int, tp_size: int) -> _HybridEPManager:
@@ -43,4 +28,5 @@ def build_hybridep_manager(cfg, group, num_local_experts: int, tp_size: int) -> 
         moe_hybridep_equal_token_counts=cfg.moe_hybridep_equal_token_counts,
         moe_router_expert_pad_multiple=cfg.moe_router_expert_pad_multiple,
         router_dtype=cfg.moe_router_dtype,
+        share_buffer=cfg.moe_share_token_dispatcher,
     )

@@ -28,6 +28,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from megatron_moe_ext.dispatcher import buffers
 from megatron_moe_ext.dispatcher import permute as P
 from megatron_moe_ext.dispatcher.base import _DispatchManager
 from megatron_moe_ext.dispatcher.hybridep.metadata import _HybridEPMetadataProcessor, indices_to_routing_map
@@ -39,7 +40,6 @@ _HYBRIDEP_HIDDEN_ALIGNMENT = 16
 #: Set NEMO_STATIC_ROUTING_PAD_PIN=0 to keep the per-dispatch all-reduce under static routing.
 _STATIC_ROUTING_PAD_PIN = os.environ.get("NEMO_STATIC_ROUTING_PAD_PIN", "1") != "0"
 
-_align_up = P.align_up
 
 
 def _assert_no_hybridep_overflow(handle, capacity: int) -> None:
@@ -58,28 +58,27 @@ def _assert_no_hybridep_overflow(handle, capacity: int) -> None:
     )
 
 
-#: The one thing managers share: `buffer_key(...)` -> the `HybridEPBuffer` built for it.
-#: HybridEP grows a buffer in place (hidden size, tokens per rank), so those are not in the key.
-_BUFFERS: dict[tuple, object] = {}
-
-
 def buffer_key(group, num_local_experts: int, num_sms: int, num_sms_preprocessing, num_blocks_permute,
                num_blocks_unpermute) -> tuple:
-    """The registry key: the group and every constructor setting of the buffer."""
+    """The shared-buffer registry key: the group and every constructor setting of the buffer.
+    HybridEP grows a buffer in place (hidden size, tokens per rank), so those are not in it."""
     return ("hybridep", group, num_local_experts, num_sms, num_sms_preprocessing, num_blocks_permute,
             num_blocks_unpermute)
 
 
-def shared_buffer(key: tuple, make):
-    """The buffer registered under `key`, built by `make()` on first use."""
-    if key not in _BUFFERS:
-        _BUFFERS[key] = make()
-    return _BUFFERS[key]
+class _BufferOwner:
+    """One `HybridEPBuffer` in the shared-buffer registry (dispatcher/buffers.py), built by the
+    first dispatch that needs it."""
 
+    def __init__(self, key: tuple):
+        self.key = key
+        self.buffer = None
 
-def release_buffers() -> None:
-    """Drop every registered buffer (collective teardown: call on every rank)."""
-    _BUFFERS.clear()
+    def release_buffers(self) -> None:
+        from megatron_moe_ext.dispatcher.hybridep.runtime import release_published_capacity
+
+        self.buffer = None  # HybridEP frees its memory when the buffer object is collected
+        release_published_capacity(self.key)
 
 
 class _DispatchOutputs:
@@ -172,6 +171,7 @@ class _HybridEPManager(_DispatchManager):
         moe_hybridep_equal_token_counts: bool = False,
         moe_router_expert_pad_multiple: int | None = None,
         router_dtype: str | None = None,
+        share_buffer: bool = True,
     ):
         from megatron_moe_ext.utils.optional import require
 
@@ -196,16 +196,11 @@ class _HybridEPManager(_DispatchManager):
         self.pad_multiple = moe_router_expert_pad_multiple
         self.router_dtype = router_dtype
         self.metadata_processor = _HybridEPMetadataProcessor(num_experts, permute_fusion, moe_hybridep_compact_routing)
-        self.settings = (
-            group, num_local_experts, num_experts, router_topk, permute_fusion, moe_hybridep_num_sms,
-            moe_hybridep_permute_fusion, moe_hybridep_compact_routing, moe_hybridep_num_sms_preprocessing,
-            moe_hybridep_num_blocks_permute, moe_hybridep_num_blocks_unpermute, benchmark_static_routing,
-            moe_hybridep_capacity_factor, moe_hybridep_equal_token_counts, moe_router_expert_pad_multiple,
-            router_dtype,
-        )
         self.buffer_key = buffer_key(group, num_local_experts, moe_hybridep_num_sms,
                                      moe_hybridep_num_sms_preprocessing, moe_hybridep_num_blocks_permute,
                                      moe_hybridep_num_blocks_unpermute)
+        self._buffer_owner = buffers.acquire(self.buffer_key, lambda: _BufferOwner(self.buffer_key),
+                                             share_buffer)
         # Persistent per-layer state: the calibrated capacity, and the padded token count and
         # permuted-row count pinned by capacity calibration or static routing.
         self._hybridep_capacity: int | None = None
@@ -224,12 +219,9 @@ class _HybridEPManager(_DispatchManager):
         self.num_unpadded_tokens: int | None = None
 
     def release_buffers(self) -> None:
-        """Drop every HybridEP buffer and its published capacity (collective teardown: call on
-        every rank before destroying the process group)."""
-        from megatron_moe_ext.dispatcher.hybridep.runtime import release_published_capacity
-
-        release_buffers()
-        release_published_capacity()
+        """Drop this layer's HybridEP buffer and its published capacity (collective teardown:
+        call on every rank before destroying the process group)."""
+        self._buffer_owner.release_buffers()
 
     # ---- metadata ---------------------------------------------------------------------
     def setup_metadata(self, num_local_tokens: int, probs: torch.Tensor, routing_map=None):
@@ -269,7 +261,7 @@ class _HybridEPManager(_DispatchManager):
         applies; capacity mode refuses a batch past its pin rather than exchange again.
         """
         if self.equal_token_counts:
-            return _align_up(num_tokens, _HYBRIDEP_TOKEN_ALIGNMENT)
+            return P.align_up(num_tokens, _HYBRIDEP_TOKEN_ALIGNMENT)
         if self._pinned_tokens is not None:
             if num_tokens <= self._pinned_tokens:
                 return self._pinned_tokens
@@ -281,7 +273,7 @@ class _HybridEPManager(_DispatchManager):
                     "(fixed-shape batches)")
         count = torch.tensor([num_tokens], dtype=torch.long, device=device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
-        padded = _align_up(int(count.item()), _HYBRIDEP_TOKEN_ALIGNMENT)
+        padded = P.align_up(int(count.item()), _HYBRIDEP_TOKEN_ALIGNMENT)
         if self._static_pin():
             # First dispatch, or a larger batch: (re-)pin, and re-record the permuted count.
             self._pinned_tokens = padded
@@ -310,7 +302,7 @@ class _HybridEPManager(_DispatchManager):
         rows = int(tokens_per_expert.sum())
         multiple = self.pad_multiple or _HYBRIDEP_TOKEN_ALIGNMENT
         # At least one aligned block, so a rank that saw no rows still has room.
-        local = _align_up(max(math.ceil(rows * self.hybridep_capacity_factor), 1), multiple)
+        local = P.align_up(max(math.ceil(rows * self.hybridep_capacity_factor), 1), multiple)
         capacity = torch.tensor([local], dtype=torch.long, device=device)
         dist.all_reduce(capacity, op=dist.ReduceOp.MAX, group=self.group)
         self._hybridep_capacity = int(capacity.item())
@@ -319,14 +311,17 @@ class _HybridEPManager(_DispatchManager):
 
     # ---- communication ----------------------------------------------------------------
     def _buffer(self, hidden_dim: int, num_tokens: int):
-        return shared_buffer(self.buffer_key, lambda: self._buffer_cls(
-            group=self.group, hidden_dim=hidden_dim, max_num_of_tokens_per_rank=num_tokens,
-            num_local_experts=self.num_local_experts, num_sms_dispatch_api=self.num_sms,
-            num_sms_combine_api=self.num_sms, num_sms_preprocessing_api=self.num_sms_preprocessing,
-            num_blocks_permute=self.num_blocks_permute, num_blocks_unpermute=self.num_blocks_unpermute,
-            # A buffer rebuilt after a release reuses the kernels this process already compiled
-            # (HybridEP's JIT folder is per process) instead of running nvcc again.
-            load_cached_kernels=True))
+        owner = self._buffer_owner
+        if owner.buffer is None:
+            owner.buffer = self._buffer_cls(
+                group=self.group, hidden_dim=hidden_dim, max_num_of_tokens_per_rank=num_tokens,
+                num_local_experts=self.num_local_experts, num_sms_dispatch_api=self.num_sms,
+                num_sms_combine_api=self.num_sms, num_sms_preprocessing_api=self.num_sms_preprocessing,
+                num_blocks_permute=self.num_blocks_permute, num_blocks_unpermute=self.num_blocks_unpermute,
+                # A buffer rebuilt after a release reuses the kernels this process already
+                # compiled (HybridEP's JIT folder is per process) instead of running nvcc again.
+                load_cached_kernels=True)
+        return owner.buffer
 
     def dispatch(self, hidden_states, async_finish=True, allocate_on_comm_stream=True, capacity_mode=None):
         """Dispatch `[T, H]` rows; returns `[P, H]` rows grouped by local expert.

@@ -28,9 +28,9 @@ _TEMPLATE_ALIGNMENT = 16
 _PUBLISHED: dict[tuple, tuple[tuple, int]] = {}
 
 
-def release_published_capacity() -> None:
-    """Forget every published capacity (the buffer it described has been released)."""
-    _PUBLISHED.clear()
+def release_published_capacity(buffer_key: tuple) -> None:
+    """Forget the capacity published for a released buffer."""
+    _PUBLISHED.pop((HybridEPPipelineRuntimeInitializer, buffer_key), None)
 
 
 def _default_device() -> torch.device:
