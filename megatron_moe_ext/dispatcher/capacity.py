@@ -144,10 +144,13 @@ class _TorchCapacityManager(_DeepepManager):
         counts_e = routing_Re.sum(0)
         multiple = self.pad_multiple or 1
         recv_overflow = ((counts_e + multiple - 1) // multiple * multiple).sum() > self.capacity
-        assert_no_overflow(send_overflow | recv_overflow,
-                           f"capacity (send capacity {C} rows per rank pair, capacity {self.capacity} "
-                           "permuted rows per rank)")
+        self._on_overflow(send_overflow | recv_overflow)
         return recv_x_RH
+
+    def _on_overflow(self, overflow: torch.Tensor) -> None:
+        """Capacity mode never continues on dropped tokens (budget mode counts them instead)."""
+        assert_no_overflow(overflow, f"capacity (send capacity {self.send_capacity} rows per rank "
+                           f"pair, capacity {self.capacity} permuted rows per rank)")
 
     def combine(self, hidden_states, async_finish=False, allocate_on_comm_stream=False):
         if not self._fixed():

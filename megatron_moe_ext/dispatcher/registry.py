@@ -52,15 +52,17 @@ def release_backend_buffers() -> None:
         comm.release_buffers()
 
 
-def _deepep_contract_manager(comm, cfg, group, num_local_experts, tp_size):
-    """A `_DeepepManager` over a backend's `DeepEPCommunicator` (DeepEP's Buffer contract)."""
+def _deepep_contract_manager(comm, cfg, group, num_local_experts, tp_size, manager=None):
+    """A `_DeepepManager` (or `manager(**kwargs)`) over a backend's `DeepEPCommunicator`
+    (DeepEP's Buffer contract)."""
     from megatron_moe_ext.dispatcher.deepep_manager import _DeepepManager
 
+    manager = manager or _DeepepManager
     if comm not in _USED_COMMUNICATORS:
         _USED_COMMUNICATORS.append(comm)
     comm.check_group(group)
     comm.set_num_sms(cfg.moe_deepep_num_sms)
-    return _DeepepManager(
+    return manager(
         **_deepep_style_kwargs(cfg, group, num_local_experts, tp_size),
         _dispatch_fn=comm.dispatch,
         _combine_fn=comm.combine,
@@ -96,4 +98,8 @@ BUILDERS: dict[str, ManagerBuilder] = {
 
 
 def build_manager(cfg: TokenDispatcherConfig, group, num_local_experts: int, tp_size: int = 1):
+    if cfg.moe_expert_rank_capacity_factor is not None:
+        from megatron_moe_ext.dispatcher.budget import build_budget_manager
+
+        return build_budget_manager(cfg, group, num_local_experts, tp_size)
     return BUILDERS[cfg.moe_flex_dispatcher_backend](cfg, group, num_local_experts, tp_size)
