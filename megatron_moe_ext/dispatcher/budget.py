@@ -28,11 +28,14 @@ Legend: T local tokens, K top-k (TP-expanded), W ranks, e local experts, P budge
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
 from megatron_moe_ext.dispatcher import permute as P
 from megatron_moe_ext.dispatcher.capacity import _CAPACITY_ALIGNMENT, _TorchCapacityManager
+from megatron_moe_ext.dispatcher.deepep_manager import _DeepepManager
 
 
 def rank_budget(num_tokens: int, topk: int, factor: float, pad_multiple: int | None = None) -> int:
@@ -100,29 +103,31 @@ class _TorchBudgetManager(_BudgetManager):
 
 
 class _DeepepBudgetManager(_BudgetManager):
-    """DeepEP (V1 intranode) in budget mode: `num_worst_tokens = W * T` received rows."""
+    """DeepEP (V1 intranode) in budget mode: `num_worst_tokens = W * T` received rows (its
+    dispatch function is `worst_case_dispatch`)."""
 
     def dispatch(self, hidden_states, async_finish=False, allocate_on_comm_stream=False):
         if hidden_states.dtype != torch.bfloat16:
             raise ValueError(f"hidden_states: sync-free DeepEP dispatch takes bf16 rows (DeepEP's "
                              f"combine kernel is bf16 only), got {hidden_states.dtype}")
-        num_tokens = hidden_states.shape[0]
-        self._set_budget(num_tokens)
-        worst = dist.get_world_size(self.group) * num_tokens
-        hidden, indices, probs, _, handle = self._fused_dispatch(
-            hidden_states, self.token_indices, self.token_probs, self.num_experts, self.group,
-            async_finish, allocate_on_comm_stream, num_worst_tokens=worst)
-        self.handle = handle
-        self.dispatched_indices, self.dispatched_probs = indices, probs
-        self.token_indices = self.token_probs = None
-        return hidden
+        self._set_budget(hidden_states.shape[0])
+        return _DeepepManager.dispatch(self, hidden_states, async_finish, allocate_on_comm_stream)
 
     def combine(self, hidden_states, async_finish=False, allocate_on_comm_stream=False):
         # DeepEP's combine reads only the rows the layout says were received.
-        hidden, _ = self._fused_combine(hidden_states, self.group, self.handle, async_finish,
-                                        allocate_on_comm_stream)
-        self._release_dispatch_state()
-        return hidden
+        return _DeepepManager.combine(self, hidden_states, async_finish, allocate_on_comm_stream)
+
+
+@functools.cache
+def worst_case_dispatch(comm):
+    """`comm.dispatch` sized for the worst case, `W * T` received rows: no host sync (one
+    function per communicator, so layers sharing a manager compare equal settings)."""
+    def dispatch(x_TH, indices_TK, probs_TK, num_experts, group, async_finish=False,
+                 allocate_on_comm_stream=False):
+        return comm.dispatch(x_TH, indices_TK, probs_TK, num_experts, group, async_finish,
+                             allocate_on_comm_stream,
+                             num_worst_tokens=dist.get_world_size(group) * x_TH.shape[0])
+    return dispatch
 
 
 def build_budget_manager(cfg, group, num_local_experts: int, tp_size: int):
@@ -138,8 +143,10 @@ def build_budget_manager(cfg, group, num_local_experts: int, tp_size: int):
     if cfg.moe_flex_dispatcher_backend == "deepep":
         from megatron_moe_ext.dispatcher.backends import deepep
 
-        return registry._deepep_contract_manager(
-            deepep.COMMUNICATOR, cfg, group, num_local_experts, tp_size,
-            manager=lambda **kwargs: _DeepepBudgetManager(factor, **kwargs))
+        def manager(_dispatch_fn, **kwargs):
+            return _DeepepBudgetManager(factor, _dispatch_fn=worst_case_dispatch(deepep.COMMUNICATOR), **kwargs)
+
+        return registry._deepep_contract_manager(deepep.COMMUNICATOR, cfg, group, num_local_experts,
+                                                 tp_size, manager=manager)
     raise ValueError(f"moe_expert_rank_capacity_factor: backend {cfg.moe_flex_dispatcher_backend!r} "
                      "has no sync-free budget mode; allowed backends are 'torch' and 'deepep'")
