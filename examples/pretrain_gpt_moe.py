@@ -3,6 +3,7 @@
     python examples/pretrain_gpt_moe.py                      # CPU: 2 gloo ranks, EP 2, torch backend
     python examples/pretrain_gpt_moe.py --layer native       # same model, Megatron's own MoE layer
     torchrun --nproc-per-node 2 examples/pretrain_gpt_moe.py # GPU: NCCL, DeepEP if importable
+    python examples/pretrain_gpt_moe.py --moe-expert-rank-capacity-factor 2  # sync-free MoE
 
 The data is generated: every sequence is a walk on a fixed random graph in which each
 token has two possible successors, so the best reachable loss is ln 2 (0.69) against
@@ -133,8 +134,9 @@ def transformer_config(cfg: GPTMoEConfig, ep_size: int):
     )
 
 
-def layer_spec(cfg: GPTMoEConfig, layer: str, backend: str, config):
-    """Megatron's local GPT layer spec with SequentialMLP experts; `ext` swaps in `FlexMoELayer`."""
+def layer_spec(cfg: GPTMoEConfig, layer: str, backend: str, config, dispatcher_overrides=None):
+    """Megatron's local GPT layer spec with SequentialMLP experts; `ext` swaps in `FlexMoELayer`
+    (`dispatcher_overrides`: extra `TokenDispatcherConfig` fields)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(num_experts=cfg.num_moe_experts, moe_grouped_gemm=False)
@@ -146,17 +148,25 @@ def layer_spec(cfg: GPTMoEConfig, layer: str, backend: str, config):
     from megatron_moe_ext.megatron.specs import use_flex_moe_layer
 
     dispatcher_config = TokenDispatcherConfig.from_transformer_config(
-        config, moe_flex_dispatcher_backend=backend)
-    return use_flex_moe_layer(spec, dispatcher_config=dispatcher_config)
+        config, moe_flex_dispatcher_backend=backend, **(dispatcher_overrides or {}))
+    experts = None
+    if dispatcher_config.moe_expert_rank_capacity_factor is not None:
+        # Budget mode hands the experts a static row count with counts on the device;
+        # Megatron's SequentialMLP splits rows by host counts, the grouped experts do not.
+        from megatron_moe_ext.megatron.experts import GroupedGemmExperts
+
+        experts = GroupedGemmExperts
+    return use_flex_moe_layer(spec, dispatcher_config=dispatcher_config, experts=experts)
 
 
-def build_model(cfg: GPTMoEConfig, layer: str, backend: str, ep_size: int):
+def build_model(cfg: GPTMoEConfig, layer: str, backend: str, ep_size: int, dispatcher_overrides=None):
     """A `GPTModel` on this rank's device (parallel state must be set up first), wrapped in
     Megatron's `Float16Module` when `cfg.bf16`."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     config = transformer_config(cfg, ep_size)
-    model = GPTModel(config=config, transformer_layer_spec=layer_spec(cfg, layer, backend, config),
+    spec = layer_spec(cfg, layer, backend, config, dispatcher_overrides)
+    model = GPTModel(config=config, transformer_layer_spec=spec,
                      vocab_size=cfg.vocab_size, max_sequence_length=cfg.seq_length)
     if on_gpu():
         model = model.cuda()
@@ -252,6 +262,8 @@ def train(model, cfg: GPTMoEConfig, steps: int, log=None) -> TrainLog:
     """
     from megatron.core import parallel_state
 
+    from megatron_moe_ext.megatron.overflow import check_overflow
+
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu() else torch.device("cpu")
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
@@ -269,6 +281,8 @@ def train(model, cfg: GPTMoEConfig, steps: int, log=None) -> TrainLog:
         optimizer.zero_grad(set_to_none=True)
         loss = model(tokens, position_ids, mask, labels=labels).float().mean()
         loss.backward()
+        # Sync-free MoE layers: one host read per step, before the optimizer uses the step.
+        check_overflow(model)
         _reduce_gradients(model)
         optimizer.step()
         if on_gpu():
@@ -314,7 +328,11 @@ def run(args) -> None:
               f"[pretrain_gpt_moe] EP {ep_size}, MoE layer: {moe}\n"
               f"[pretrain_gpt_moe] {cfg}", flush=True)
     setup_parallel(ep_size, cfg.seed)
-    model = build_model(cfg, args.layer, backend, ep_size)
+    overrides = {}
+    if args.moe_expert_rank_capacity_factor is not None:
+        overrides = dict(moe_expert_rank_capacity_factor=args.moe_expert_rank_capacity_factor,
+                         moe_expert_rank_overflow_policy=args.moe_expert_rank_overflow_policy)
+    model = build_model(cfg, args.layer, backend, ep_size, overrides)
     result = train(model, cfg, args.steps, log=_print_step(args.steps))
     if not rank0:
         return
@@ -379,6 +397,11 @@ def parse_args(argv=None):
     p.add_argument("--nproc", type=int, default=2,
                    help="ranks to spawn when not started by torchrun (CPU, gloo)")
     p.add_argument("--json", default=None, help="write per-step losses and step times here")
+    p.add_argument("--moe-expert-rank-capacity-factor", type=float, default=None,
+                   help="sync-free MoE (--layer ext, backend torch or deepep): per-rank budget of "
+                        "permuted rows as a multiple of the balanced load")
+    p.add_argument("--moe-expert-rank-overflow-policy", choices=("error", "drop"), default="error",
+                   help="a step over the budget: raise (error) or zero and count the dropped pairs")
     defaults = GPTMoEConfig()
     for f in dataclasses.fields(GPTMoEConfig):
         if f.type == "bool":

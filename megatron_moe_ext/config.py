@@ -14,6 +14,9 @@ from typing import Any, Literal
 
 BACKENDS = ("deepep", "hybridep", "uccl_ep", "torch")
 ROUTER_DTYPES = ("fp32", "fp64", None)
+OVERFLOW_POLICIES = ("error", "drop")
+# Backends with a sync-free (per-rank budget) mode; see dispatcher/budget.py.
+_BUDGET_MODE_BACKENDS = ("torch", "deepep")
 
 # Backends whose manager understands HybridEP-style capacity mode.
 _CAPACITY_MODE_BACKENDS = ("hybridep", "torch")
@@ -63,6 +66,14 @@ class TokenDispatcherConfig:
     moe_share_token_dispatcher: bool = True
     moe_deepep_async_dispatch: bool = False
     moe_benchmark_static_routing: bool = False
+    #: Sync-free mode (dispatcher/budget.py): each rank's permuted rows are a static budget of
+    #: this many times the balanced load (T*K); Megatron's field of the same name.
+    moe_expert_rank_capacity_factor: float | None = None
+    #: What a step whose routing exceeds the budget does, read once per step outside any
+    #: CUDA graph by `megatron_moe_ext.megatron.overflow.check_overflow`: "error" raises
+    #: naming the layer and how far over budget; "drop" gives the pairs past the budget zero
+    #: output, counts them and logs the count.
+    moe_expert_rank_overflow_policy: Literal["error", "drop"] = "error"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -87,6 +98,10 @@ class TokenDispatcherConfig:
             _check_positive_int(field, getattr(self, field), optional=True)
         _check_positive_factor("moe_expert_capacity_factor", self.moe_expert_capacity_factor)
         _check_positive_factor("moe_hybridep_capacity_factor", self.moe_hybridep_capacity_factor)
+        _check_positive_factor("moe_expert_rank_capacity_factor", self.moe_expert_rank_capacity_factor)
+        if self.moe_expert_rank_overflow_policy not in OVERFLOW_POLICIES:
+            _fail("moe_expert_rank_overflow_policy", self.moe_expert_rank_overflow_policy,
+                  f"allowed values are {OVERFLOW_POLICIES}")
         if self.moe_router_dtype not in ROUTER_DTYPES:
             _fail("moe_router_dtype", self.moe_router_dtype, f"allowed values are {ROUTER_DTYPES}")
 
@@ -102,6 +117,15 @@ class TokenDispatcherConfig:
             _fail("moe_expert_capacity_factor", self.moe_expert_capacity_factor,
                   "token dropping cannot be combined with moe_hybridep_capacity_factor "
                   "(capacity mode never drops: it raises on overflow); set one of them to None")
+        if self.moe_expert_rank_capacity_factor is not None:
+            if backend not in _BUDGET_MODE_BACKENDS:
+                _fail("moe_expert_rank_capacity_factor", self.moe_expert_rank_capacity_factor,
+                      f"the sync-free budget mode exists for backends {_BUDGET_MODE_BACKENDS}, "
+                      f"backend is {backend!r}")
+            for other in ("moe_expert_capacity_factor", "moe_hybridep_capacity_factor"):
+                if getattr(self, other) is not None:
+                    _fail(other, getattr(self, other), "cannot be combined with "
+                          "moe_expert_rank_capacity_factor (the sync-free budget mode); set it to None")
         for field in ("moe_hybridep_compact_routing", "moe_hybridep_equal_token_counts",
                       "moe_hybridep_permute_fusion"):
             if getattr(self, field) and backend != "hybridep":
@@ -166,6 +190,9 @@ class TokenDispatcherConfig:
                 config, "moe_hybridep_num_sms_preprocessing", None)
             values["moe_hybridep_permute_fusion"] = bool(
                 getattr(config, "moe_permute_fusion_into_hybridep", False))
+        rank_factor = getattr(config, "moe_expert_rank_capacity_factor", None)
+        if rank_factor is not None:
+            values["moe_expert_rank_capacity_factor"] = rank_factor
         values.update(overrides)
         return cls(**values)
 

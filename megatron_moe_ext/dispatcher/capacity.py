@@ -133,10 +133,13 @@ class _TorchCapacityManager(_DeepepManager):
         # collectives of the dispatch: no rank can leave a peer waiting in one.
         routing_Re, _ = self._indices_to_multihot(self.dispatched_indices, self.dispatched_probs)
         recv_overflow = P.align_up(routing_Re.sum(0), self.pad_multiple or 1).sum() > self.capacity
-        assert_no_overflow(send_overflow | recv_overflow,
-                           f"capacity (send capacity {C} rows per rank pair, capacity {self.capacity} "
-                           "permuted rows per rank)")
+        self._on_overflow(send_overflow | recv_overflow)
         return recv_x_RH
+
+    def _on_overflow(self, overflow: torch.Tensor) -> None:
+        """Capacity mode never continues on dropped tokens (budget mode counts them instead)."""
+        assert_no_overflow(overflow, f"capacity (send capacity {self.send_capacity} rows per rank "
+                           f"pair, capacity {self.capacity} permuted rows per rank)")
 
     def combine(self, hidden_states, async_finish=False, allocate_on_comm_stream=False):
         if not self._fixed():

@@ -108,10 +108,11 @@ class _DeepepManager(_DispatchManager):
         self.token_probs = token_probs if token_probs.dtype == torch.float32 else token_probs.float()
 
     # ---- communication ----------------------------------------------------------------
-    def dispatch(self, hidden_states, async_finish=False, allocate_on_comm_stream=False):
+    def dispatch(self, hidden_states, async_finish=False, allocate_on_comm_stream=False, **backend_kwargs):
+        """`backend_kwargs`: extra arguments of the backend's dispatch (`num_worst_tokens`)."""
         hidden, indices, probs, tokens_per_expert, handle = self.comm.dispatch(
             hidden_states, self.token_indices, self.token_probs, self.num_experts, self.group,
-            async_finish, allocate_on_comm_stream)
+            async_finish, allocate_on_comm_stream, **backend_kwargs)
         self.handle = handle
         self.tokens_per_expert = tokens_per_expert
         self.dispatched_indices, self.dispatched_probs = indices, probs

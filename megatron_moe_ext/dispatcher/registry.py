@@ -78,4 +78,8 @@ BUILDERS: dict[str, ManagerBuilder] = {
 
 def build_manager(cfg: TokenDispatcherConfig, group, num_local_experts: int, tp_size: int = 1):
     """The manager of one layer for `cfg.moe_flex_dispatcher_backend`."""
+    if cfg.moe_expert_rank_capacity_factor is not None:
+        from megatron_moe_ext.dispatcher.budget import build_budget_manager
+
+        return build_budget_manager(cfg, group, num_local_experts, tp_size)
     return BUILDERS[cfg.moe_flex_dispatcher_backend](cfg, group, num_local_experts, tp_size)

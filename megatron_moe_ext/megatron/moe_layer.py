@@ -21,6 +21,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from megatron_moe_ext.config import TokenDispatcherConfig
 from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
+from megatron_moe_ext.megatron import graphs, overflow
 from megatron_moe_ext.megatron.expert_choice import grouped_gemm_experts
 
 # The names under which Megatron's MoELayer.__init__ looks up its dispatcher classes.
@@ -88,8 +89,32 @@ class FlexMoELayer(MoELayer):
             submodules = dataclasses.replace(submodules, experts=experts)
         if dispatcher_config is None:
             dispatcher_config = TokenDispatcherConfig.from_transformer_config(config)
+        graphs.check_capturable(config, dispatcher_config)
         factory = functools.partial(MoEFlexTokenDispatcher, dispatcher_config=dispatcher_config)
         with _megatron_builds_dispatcher(factory):
             super().__init__(config, submodules=submodules, layer_number=layer_number,
                              pg_collection=pg_collection, is_mtp_layer=is_mtp_layer, name=name)
         self.dispatcher_config = dispatcher_config
+        self.token_dispatcher.cudagraph_attrs = graphs.cudagraph_attrs(
+            dispatcher_config.moe_flex_dispatcher_backend)
+        # Budget mode: `[dropped pairs, rows needed]` on the device, see `overflow.py`.
+        budget = dispatcher_config.moe_expert_rank_capacity_factor is not None
+        self.register_buffer("moe_overflow_stats", overflow.new_stats(config) if budget else None,
+                             persistent=False)
+        self.moe_overflow_budget = 0
+
+    def routed_experts_compute(self, hidden_states, probs):
+        output, mlp_bias = super().routed_experts_compute(hidden_states, probs)
+        manager = self.token_dispatcher._comm_manager
+        if self.moe_overflow_stats is not None:
+            overflow.accumulate(self.moe_overflow_stats, manager.overflow_stats)
+            self.moe_overflow_budget = manager.capacity
+        return output, mlp_bias
+
+    def overflow(self) -> overflow.OverflowReport | None:
+        """This layer's budget overflow since the last read (one host read, then reset; over
+        this rank only), or None outside budget mode. `check_overflow(model)` reads every
+        layer at once and applies the policy."""
+        if self.moe_overflow_stats is None:
+            return None
+        return overflow.read_overflow([(f"layer {self.layer_number}", self)], gather=False)[0]

@@ -21,8 +21,10 @@ deep_ep/buffer.py, csrc/deep_ep.cpp and csrc/kernels/intranode.cu. What is model
   for (2, 4, 8), and `allocate_on_comm_stream` requiring a previous event and `async_finish`.
 - `EventOverlap` / `EventHandle` and `capture()`; `STATS` counts events and buffers so
   tests can see async ordering and buffer reuse.
-Not modelled (refused loudly): FP8/NVFP4 tuples, `num_worst_tokens`, internode and
-low-latency modes.
+- `num_worst_tokens` (deep_ep.cpp `intranode_dispatch`, intranode.cu `dispatch`): outputs
+  sized to it with no host sync, tails uninitialised except `recv_topk_idx` (-1), an empty
+  per-expert list; cached dispatch with such a handle returns that many rows.
+Not modelled (refused loudly): FP8/NVFP4 tuples, internode and low-latency modes.
 """
 
 from __future__ import annotations
@@ -263,8 +265,6 @@ class Buffer:
                  previous_event=None, async_finish: bool = False, allocate_on_comm_stream: bool = False):
         if isinstance(x, tuple):
             raise NotImplementedError("the DeepEP test double does not model FP8/NVFP4 inputs")
-        if num_worst_tokens:
-            raise NotImplementedError("the DeepEP test double does not model num_worst_tokens")
         config = self.get_dispatch_config(self.group_size) if config is None else config
         event = self._begin(previous_event, async_finish, allocate_on_comm_stream)
         self._check_kernel_ranks()
@@ -325,7 +325,10 @@ class Buffer:
         recv_src = torch.cat([r[1] for r in received])
 
         if cached:
-            _assert(recv_x.shape[0] == recv_src_idx.shape[0], "cached dispatch matches the handle")
+            rows = recv_src_idx.shape[0]
+            _assert(recv_x.shape[0] <= rows, "cached dispatch matches the handle")
+            # A worst-case handle sizes the output; the tail stays uninitialised (NaN here).
+            recv_x = torch.cat([recv_x, recv_x.new_full((rows - recv_x.shape[0], hidden), float("nan"))])
             return recv_x, None, None, None, None, event
 
         # One fixed-size int row per rank pair: counts, per-expert counts, channel prefix.
@@ -350,9 +353,25 @@ class Buffer:
         for j, tokens in enumerate(send_tokens):
             base = int(rank_prefix_WW[rank - 1, j]) if rank > 0 else 0
             send_head[tokens, j] = base + torch.arange(tokens.numel(), dtype=torch.int32)
+        per_expert_list = per_expert.tolist()
+        if num_worst_tokens > 0:
+            # deep_ep.cpp: no host sync, outputs sized `num_worst_tokens`, top-k required, the
+            # per-expert list empty; intranode.cu sets the tail's `recv_topk_idx` to -1 and
+            # leaves the other tails uninitialised (NaN / INT32_MAX here, so misuse shows).
+            # More received rows than that is an out-of-bounds write in the real kernel.
+            _assert(num_topk > 0, "num_worst_tokens > 0 needs topk_idx and topk_weights")
+            _assert(recv_x.shape[0] <= num_worst_tokens,
+                    f"device: {recv_x.shape[0]} received rows fit num_worst_tokens={num_worst_tokens}")
+            tail = num_worst_tokens - recv_x.shape[0]
+            recv_x = torch.cat([recv_x, recv_x.new_full((tail, hidden), float("nan"))])
+            recv_src = torch.cat([recv_src, recv_src.new_full((tail,), torch.iinfo(torch.int32).max)])
+            recv_topk_idx = torch.cat([recv_topk_idx, recv_topk_idx.new_full((tail, num_topk), -1)])
+            recv_topk_weights = torch.cat([recv_topk_weights,
+                                           recv_topk_weights.new_full((tail, num_topk), float("nan"))])
+            per_expert_list = []
         handle = self._make_handle(rank_prefix_WW, channel_prefix, recv_channel_prefix,
                                    recv_src, is_token_in_rank, send_head)
-        return recv_x, recv_topk_idx, recv_topk_weights, per_expert.tolist(), handle, event
+        return recv_x, recv_topk_idx, recv_topk_weights, per_expert_list, handle, event
 
     def combine(self, x, handle, topk_weights=None, bias=None, config: Optional[Config] = None,
                 previous_event=None, async_finish: bool = False, allocate_on_comm_stream: bool = False):

@@ -247,12 +247,13 @@ class DeepEPCommunicator:
         return recv
 
     def _layout_and_dispatch(self, buffer, x_NC, routes_NK, num_experts, async_finish, alloc,
-                             topk_weights=None, direct=False):
+                             topk_weights=None, direct=False, num_worst_tokens=0):
         """`get_dispatch_layout` + `dispatch` of `[N, C]` rows along `[N, K]` routes (the
         first column chunk; the others follow through the cached handle).
 
         `direct`: the contiguous rows already meet the kernel's row rule (see `_plan`), so
         they go as they are, with no Python work before the library's host sync.
+        `num_worst_tokens` > 0: R is that many rows, with no host sync (see `dispatch`).
         Returns `(recv [R, C'], recv_routes, recv_weights, per-expert counts, raw handle)`,
         with `C'` >= C (padded columns are the caller's to slice off).
         """
@@ -269,13 +270,14 @@ class DeepEPCommunicator:
             per_rank, per_rdma_rank, per_expert, in_rank_NW, event = buffer.get_dispatch_layout(
                 routes_NK, num_experts)
             event, alloc = None, False
+        worst = dict(num_worst_tokens=num_worst_tokens) if num_worst_tokens else {}
         # Without weights the routes stay local: they only build the layout (see `_return_rows`).
         recv, recv_routes, recv_weights, counts, raw, event = buffer.dispatch(
             first, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank,
             is_token_in_rank=in_rank_NW, num_tokens_per_expert=per_expert,
             topk_idx=None if topk_weights is None else routes_NK, topk_weights=topk_weights,
             previous_event=event, async_finish=async_finish, allocate_on_comm_stream=alloc,
-            config=self._dispatch_config)
+            config=self._dispatch_config, **worst)
         self._end(event, async_finish)
         if rest:
             recv = torch.cat([recv] + [self._cached(buffer, c, raw, async_finish, alloc) for c in rest], 1)
@@ -345,7 +347,8 @@ class DeepEPCommunicator:
     # the library's calls is GPU idle time (dispatch waits on the host for the receive
     # counts), while host work after them overlaps the kernels they launched.
     def dispatch(self, x_TH, indices_TK, probs_TK, num_experts, group,
-                 async_finish: bool = False, allocate_on_comm_stream: bool = False):
+                 async_finish: bool = False, allocate_on_comm_stream: bool = False,
+                 num_worst_tokens: int = 0):
         """Send each token to the ranks of its experts.
 
         Arguments:
@@ -355,6 +358,10 @@ class DeepEPCommunicator:
             num_experts: E, divisible by the group size.
             async_finish / allocate_on_comm_stream: run on the library's comm stream,
                 ordered by events (captured before, waited after).
+            num_worst_tokens: when > 0 (at least every token any rank may send here),
+                DeepEP's CUDA-graph-compatible path: no host sync, R = num_worst_tokens rows
+                of which those past the received count are uninitialised with ids -1, and
+                `tokens_per_expert` is an empty list.
 
         Returns:
             `(recv_x_RH, recv_indices_RK, recv_probs_RK, tokens_per_expert, handle)`:
@@ -373,7 +380,7 @@ class DeepEPCommunicator:
         buffer, direct = self._plan(group, hidden, x_TH.dtype)
         recv_x, recv_indices, recv_probs, tokens_per_expert, raw = self._layout_and_dispatch(
             buffer, x_TH.contiguous(), indices_TK.contiguous(), num_experts, async_finish,
-            allocate_on_comm_stream, probs_TK.contiguous(), direct)
+            allocate_on_comm_stream, probs_TK.contiguous(), direct, num_worst_tokens)
         if not direct:
             recv_x = recv_x[:, :hidden]
         handle = DeepEPHandle(raw, recv_x.shape[0], tokens)

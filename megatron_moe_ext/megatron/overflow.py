@@ -1,0 +1,130 @@
+"""Overflow of sync-free MoE layers: counted on the device, read once per step on the host.
+
+In budget mode (`moe_expert_rank_capacity_factor`, see `dispatcher/budget.py`) a dispatch
+never reads the device, so it cannot stop when routing exceeds a rank's budget. Instead each
+`FlexMoELayer` accumulates, on the device and inside any CUDA graph, `[dropped pairs, rows
+needed]` (a sum and a max over the step's dispatches; a recomputed forward counts again).
+A training loop calls `check_overflow(model)` once per step, outside the graphs: one
+all-gather over the ranks and one host read for the whole model, after which each layer's
+`moe_expert_rank_overflow_policy` applies:
+- "error" (default): raise `MoEOverflowError` naming every layer over budget and by how much;
+  every rank raises, at the same step boundary;
+- "drop": the pairs past the budget got zero output (like Megatron's token dropping); the
+  count is logged and returned.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+class MoEOverflowError(RuntimeError):
+    """A sync-free MoE layer's routing exceeded its per-rank budget under policy "error"."""
+
+
+@dataclass(frozen=True)
+class OverflowReport:
+    """One layer's overflow over the dispatches since the last read.
+
+    layer: the layer's name (module path, or "layer <n>").
+    dropped_pairs: routed (token, expert) pairs that got no expert row (summed over ranks).
+    rows_needed: the most permuted rows one rank needed in one dispatch.
+    budget: the per-rank budget of permuted rows.
+    policy: the layer's `moe_expert_rank_overflow_policy`.
+    """
+
+    layer: str
+    dropped_pairs: int
+    rows_needed: int
+    budget: int
+    policy: str
+
+    @property
+    def overflowed(self) -> bool:
+        return self.dropped_pairs > 0
+
+    def describe(self) -> str:
+        ratio = self.rows_needed / self.budget if self.budget else float("inf")
+        return (f"{self.layer}: needed {self.rows_needed} permuted rows on one rank, budget "
+                f"{self.budget} ({ratio:.2f}x, {self.rows_needed - self.budget:+d} rows); "
+                f"{self.dropped_pairs} (token, expert) pairs dropped")
+
+
+def new_stats(config) -> torch.Tensor:
+    """`[2]` int64 zeros on the device the layer's parameters are built on."""
+    on_gpu = torch.cuda.is_available() and not getattr(config, "use_cpu_initialization", False)
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    return torch.zeros(2, dtype=torch.int64, device=device)
+
+
+def accumulate(stats_2: torch.Tensor, dispatch_stats_2: torch.Tensor) -> None:
+    """In place, so a CUDA graph replay updates the same tensor: sum of drops, max of rows."""
+    stats_2[0].add_(dispatch_stats_2[0])
+    torch.maximum(stats_2[1], dispatch_stats_2[1], out=stats_2[1])
+
+
+def _budget_layers(model) -> list[tuple[str, torch.nn.Module]]:
+    from megatron_moe_ext.megatron.moe_layer import FlexMoELayer
+
+    modules = model if isinstance(model, (list, tuple)) else [model]
+    return [(name or f"layer {layer.layer_number}", layer)
+            for module in modules for name, layer in module.named_modules()
+            if isinstance(layer, FlexMoELayer) and layer.moe_overflow_stats is not None]
+
+
+def read_overflow(layers: list[tuple[str, torch.nn.Module]], group=None,
+                  gather: bool = True) -> list[OverflowReport]:
+    """Read the layers' counters once and reset them; with `gather`, combined over `group`
+    (a collective: every rank must call)."""
+    if not layers:
+        return []
+    stats_L2 = torch.stack([layer.moe_overflow_stats for _, layer in layers])
+    for _, layer in layers:
+        layer.moe_overflow_stats.zero_()
+    if gather and dist.is_initialized() and dist.get_world_size(group) > 1:
+        gathered = [torch.empty_like(stats_L2) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, stats_L2, group=group)
+        all_WL2 = torch.stack(gathered)
+        stats_L2 = torch.stack([all_WL2[..., 0].sum(0), all_WL2[..., 1].amax(0)], dim=1)
+    values = stats_L2.tolist()
+    return [OverflowReport(name, dropped, needed, layer.moe_overflow_budget,
+                           layer.dispatcher_config.moe_expert_rank_overflow_policy)
+            for (name, layer), (dropped, needed) in zip(layers, values)]
+
+
+def check_overflow(model, group=None) -> list[OverflowReport]:
+    """Read and reset every sync-free `FlexMoELayer`'s overflow once; apply each layer's policy.
+
+    Call it once per step, outside CUDA graphs, on every rank (it all-gathers over `group`,
+    default the world), before the optimizer step so that policy "error" stops a step
+    computed on dropped tokens.
+
+    Arguments:
+        model: a module or a list of modules (Megatron's model chunks).
+        group: the ranks whose counts are combined (default: the whole world).
+
+    Returns:
+        One `OverflowReport` per sync-free MoE layer (empty when there is none).
+
+    Raises:
+        MoEOverflowError: a layer with policy "error" dropped pairs in this step.
+    """
+    reports = read_overflow(_budget_layers(model), group)
+    over = [r for r in reports if r.overflowed]
+    errors = [r for r in over if r.policy == "error"]
+    for report in over:
+        if report.policy == "drop":
+            logger.warning("MoE budget overflow (policy drop): %s", report.describe())
+    if errors:
+        raise MoEOverflowError(
+            "MoE routing exceeded the per-rank budget (moe_expert_rank_capacity_factor) under "
+            "moe_expert_rank_overflow_policy='error': "
+            + "; ".join(r.describe() for r in errors)
+            + ". Raise moe_expert_rank_capacity_factor, or set the policy to 'drop'.")
+    return reports

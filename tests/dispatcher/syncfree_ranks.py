@@ -1,0 +1,159 @@
+"""Rank-side bodies of the sync-free (budget mode) dispatcher tests (run by tests/harness.py).
+
+Every rank dispatches the same token count (budget mode needs it). References are
+independent: the blocking dropless dispatcher of the same backend, and the dense
+per-token reference of tests/reference.py with the pairs the budget must drop masked out.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from megatron_moe_ext.dispatcher.buffers import release_all as release_buffers
+from tests.dispatcher.cases import TOLERANCE, build_dispatcher
+from tests.dispatcher.capacity_ranks import HostReadCounter
+from tests.reference import (
+    RoutingCase,
+    apply_local_experts,
+    dense_moe_reference,
+    make_routing,
+    toy_expert_params,
+    topk_to_dense,
+)
+
+T, E, K, H = 16, 8, 2, 16
+CASE = RoutingCase("syncfree", tokens_per_rank=(T,), hidden=H, num_experts=E, topk=K, seed=5)
+
+
+class LibraryHostReads(HostReadCounter):
+    """Host reads made by the package's code: those inside a test double stand for the real
+    library's own work (the CPU double exchanges sizes on the host, DeepEP's kernels do not)."""
+
+    _DOUBLES = os.path.join("tests", "doubles")
+
+    def _wrap(self, name, fn):
+        def counted(tensor, *args, **kwargs):
+            caller = frame = sys._getframe(1)
+            in_double = False
+            while frame is not None and not in_double:
+                in_double = self._DOUBLES in frame.f_code.co_filename
+                frame = frame.f_back
+            if not in_double and caller.f_code.co_name != "_check_topk":
+                self.calls.append(f"{name} in {caller.f_code.co_name}")
+            return fn(tensor, *args, **kwargs)
+        return counted
+
+
+def _step(disp, x, indices, probs, params, counter=None):
+    """Dispatch -> toy experts -> combine -> backward; the dispatcher's calls run inside
+    `counter` (the toy experts read counts on the host, as a test stand-in may)."""
+    x = x.clone().requires_grad_()
+    probs = probs.clone().requires_grad_()
+    counter = counter or LibraryHostReads()
+    with counter:
+        rows, tpe, pprobs = disp.token_permutation2(x, x.shape[0], probs, indices)
+    stats = getattr(disp._comm_manager, "overflow_stats", None)
+    stats = None if stats is None else stats.clone()
+    out = apply_local_experts(rows, tpe, pprobs, disp.local_expert_indices, params)
+    with counter:
+        y = disp.token_unpermutation(out)
+        (y.float() * torch.linspace(-1, 1, y.shape[1])).sum().backward()
+    return dict(y=y.detach(), gx=x.grad, gp=probs.grad, rows=rows.shape[0], stats=stats,
+                tpe=torch.as_tensor(tpe))
+
+
+def _dense(x, indices, probs, params):
+    x = x.clone().float().requires_grad_()
+    probs = probs.clone().requires_grad_()
+    mask_TE, probs_TE = topk_to_dense(indices, probs, E)
+    y = dense_moe_reference(x, mask_TE, probs_TE, params)
+    (y * torch.linspace(-1, 1, y.shape[1])).sum().backward()
+    return dict(y=y.detach(), gx=x.grad, gp=probs.grad)
+
+
+def _err(a, b) -> float:
+    return float((a.float() - b.float()).abs().max())
+
+
+def syncfree_vs_blocking(backend: str = "torch", dtype: str = "fp32"):
+    """The same batch through the blocking dropless dispatcher and the budget mode (a budget
+    that fits): equal results, no host read, a static row count and a zero overflow count."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if backend == "deepep":
+        from tests.doubles import deep_ep_buffer
+
+        deep_ep_buffer.install()
+    factor = 2.0
+    blocking = build_dispatcher(CASE, backend, moe_share_token_dispatcher=False)
+    budget = build_dispatcher(CASE, backend, moe_share_token_dispatcher=False,
+                              moe_expert_rank_capacity_factor=factor)
+    params = toy_expert_params(E, H)
+    x, indices, probs = make_routing(CASE, rank, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+    ref = _step(blocking, x, indices, probs, params)
+    counter = LibraryHostReads()
+    got = _step(budget, x, indices, probs, params, counter)
+    release_buffers()
+    return dict(
+        diffs={k: _err(got[k], ref[k]) for k in ("y", "gx", "gp")},
+        rows=got["rows"], budget=int(T * K * factor), world=world,
+        stats=got["stats"].tolist(), pairs=int(sum(ref["tpe"].tolist())),
+        counts_equal=got["tpe"].tolist() == ref["tpe"].tolist(),
+        counts_device=isinstance(got["tpe"], torch.Tensor),
+        host_reads=counter.calls,
+    )
+
+
+def _skewed(x):
+    """Every token of every rank to experts 0 and 1 (rank 0's at EP >= 2)."""
+    indices = torch.tensor([[0, 1]]).expand(x.shape[0], -1).contiguous()
+    probs = torch.linspace(0.2, 0.8, x.shape[0])[:, None] * torch.tensor([[1.0, 0.5]])
+    return indices, probs.contiguous()
+
+
+def syncfree_overflow_then_fit(backend: str = "torch"):
+    """A skewed step that overflows rank 0's budget only, then a step that fits.
+
+    Budget mode keeps pairs in expert-major order (expert, source rank, token): the reference
+    masks every skewed pair whose position in that order is past the budget.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dtype = torch.float32
+    if backend == "deepep":
+        from tests.doubles import deep_ep_buffer
+
+        deep_ep_buffer.install()
+        dtype = torch.bfloat16
+    # At EP 1 every pair lands on the one rank: only a factor below 1 can overflow.
+    factor = 1.0 if world > 1 else 0.5
+    budget_rows = int(T * K * factor)
+    disp = build_dispatcher(CASE, backend, moe_share_token_dispatcher=False,
+                            moe_expert_rank_capacity_factor=factor)
+    params = toy_expert_params(E, H)
+    x, _, _ = make_routing(CASE, rank, dtype)
+    counter = LibraryHostReads()
+
+    indices, probs = _skewed(x)
+    got = _step(disp, x, indices, probs, params, counter)
+    order_TK = torch.arange(K)[None, :] * world * T + rank * T + torch.arange(T)[:, None]
+    kept = torch.where(order_TK < budget_rows, indices, -1)
+    ref = _dense(x, kept, probs, params)
+    skew = dict(stats=got["stats"].tolist(), diffs={k: _err(got[k], ref[k]) for k in ("y", "gx", "gp")},
+                expected_dropped=max(world * T * K - budget_rows, 0) if rank == 0 else 0,
+                expected_needed=world * T * K if rank == 0 else 0,
+                kept_pairs=int((kept >= 0).sum()))
+
+    # Then random routing with one slot per token: at most T*K/2 <= budget pairs on average,
+    # and at EP 1 exactly T = budget.
+    _, indices, probs = make_routing(CASE, rank)
+    indices, probs = indices.clone(), probs.clone()
+    indices[:, 1], probs[:, 1] = -1, 0.0
+    got = _step(disp, x, indices, probs, params, counter)
+    ref = _dense(x, indices, probs, params)
+    fit = dict(stats=got["stats"].tolist(), diffs={k: _err(got[k], ref[k]) for k in ("y", "gx", "gp")})
+    release_buffers()
+    return dict(skew=skew, fit=fit, host_reads=counter.calls, budget=budget_rows,
+                tol=TOLERANCE["bf16" if dtype == torch.bfloat16 else "fp32"])

@@ -1,0 +1,106 @@
+"""Sync-free budget mode (`moe_expert_rank_capacity_factor`, dispatcher/budget.py).
+
+- The budget is Megatron's: `int(T * K * factor)` rounded up to the pad multiple.
+- Within the budget the mode equals the blocking dropless path of the same backend (torch,
+  and DeepEP's `num_worst_tokens` path over the DeepEP test double), with no host read.
+- A skewed step overflows rank 0 only: the device count says by how much, the pairs past the
+  budget get zero output (the dense reference with those pairs masked), then a step that
+  fits counts nothing, all without a host read.
+- Bad settings raise ValueError at construction.
+"""
+
+import types
+
+import pytest
+
+from megatron_moe_ext.config import TokenDispatcherConfig
+from megatron_moe_ext.dispatcher.budget import rank_budget
+from megatron_moe_ext.megatron import graphs
+from tests.dispatcher import syncfree_ranks
+
+
+@pytest.mark.parametrize("tokens,topk,factor,multiple", [
+    (16, 2, 1.0, None), (10, 3, 1.25, None), (10, 3, 1.25, 16), (7, 8, 0.3, None), (0, 2, 1.5, None),
+    (4096, 8, 1.1, 128)])
+def test_rank_budget_is_megatrons_formula(tokens, topk, factor, multiple):
+    # Megatron's _HybridEPManager.setup_metadata: int(T * K * f), then up to the pad multiple.
+    expected = int(tokens * topk * factor)
+    expected += -expected % (multiple or 4)
+    assert rank_budget(tokens, topk, factor, multiple) == expected
+
+
+@pytest.mark.parametrize("world,backend,dtype", [
+    (1, "torch", "fp32"), (2, "torch", "fp32"), (4, "torch", "fp32"), (2, "torch", "bf16"),
+    (2, "deepep", "bf16"), (4, "deepep", "bf16")])
+def test_syncfree_equals_blocking_within_budget(dist_pools, world, backend, dtype):
+    for r in dist_pools(world).run(syncfree_ranks.syncfree_vs_blocking, backend, dtype):
+        assert r["diffs"] == {"y": 0.0, "gx": 0.0, "gp": 0.0}, r
+        assert r["rows"] == r["budget"], r
+        assert r["counts_device"] and r["counts_equal"], r
+        assert r["stats"] == [0, r["pairs"]], r
+        assert r["host_reads"] == [], r
+
+
+@pytest.mark.parametrize("world,backend", [(1, "torch"), (2, "torch"), (4, "torch"),
+                                           (2, "deepep"), (4, "deepep")])
+def test_syncfree_overflow_counted_and_dropped_then_fits(dist_pools, world, backend):
+    results = dist_pools(world).run(syncfree_ranks.syncfree_overflow_then_fit, backend)
+    assert results[0]["skew"]["expected_dropped"] > 0
+    for rank, r in enumerate(results):
+        skew, fit = r["skew"], r["fit"]
+        assert skew["stats"] == [skew["expected_dropped"], skew["expected_needed"]], (rank, r)
+        for phase in (skew, fit):
+            for key, err in phase["diffs"].items():
+                assert err <= r["tol"], (rank, key, r)
+        assert fit["stats"][0] == 0 and fit["stats"][1] <= r["budget"], (rank, r)
+        assert r["host_reads"] == [], r
+
+
+@pytest.mark.parametrize("backend", ["uccl_ep", "hybridep"])
+def test_budget_mode_refused_on_backends_without_it(backend):
+    try:
+        TokenDispatcherConfig(moe_flex_dispatcher_backend=backend, moe_expert_rank_capacity_factor=1.5)
+    except ValueError as exc:
+        assert "moe_expert_rank_capacity_factor" in str(exc)
+    else:  # a backend that gained a budget mode must say so in the config's table
+        from megatron_moe_ext import config
+
+        assert backend in config._BUDGET_MODE_BACKENDS
+
+
+@pytest.mark.parametrize("changes,field", [
+    (dict(moe_expert_rank_capacity_factor=0.0), "moe_expert_rank_capacity_factor"),
+    (dict(moe_expert_rank_capacity_factor=-1), "moe_expert_rank_capacity_factor"),
+    (dict(moe_expert_rank_capacity_factor=1.0, moe_expert_rank_overflow_policy="ignore"),
+     "moe_expert_rank_overflow_policy"),
+    (dict(moe_expert_rank_capacity_factor=1.0, moe_expert_capacity_factor=1.0), "moe_expert_capacity_factor"),
+    (dict(moe_expert_rank_capacity_factor=1.0, moe_hybridep_capacity_factor=1.0),
+     "moe_hybridep_capacity_factor"),
+])
+def test_bad_budget_settings_raise(changes, field):
+    with pytest.raises(ValueError, match=field):
+        TokenDispatcherConfig(moe_flex_dispatcher_backend="torch", **changes)
+
+
+def test_from_transformer_config_maps_megatrons_rank_capacity_factor():
+    config = types.SimpleNamespace(moe_token_dispatcher_type="alltoall", moe_router_topk=2,
+                                   num_moe_experts=8, moe_expert_rank_capacity_factor=1.25)
+    cfg = TokenDispatcherConfig.from_transformer_config(config)
+    assert cfg.moe_expert_rank_capacity_factor == 1.25 and cfg.moe_expert_rank_overflow_policy == "error"
+
+
+@pytest.mark.parametrize("impl,modules,captured", [
+    ("local", [], True), ("local", ["moe"], True), ("transformer_engine", [], True),
+    ("full_iteration", [], True), ("local", ["attn"], False), ("local", ["moe_router"], False),
+    ("none", [], False)])
+def test_capture_without_budget_raises(impl, modules, captured):
+    from megatron.core.transformer.enums import CudaGraphModule
+
+    config = types.SimpleNamespace(cuda_graph_impl=impl, cuda_graph_modules=[CudaGraphModule[m] for m in modules])
+    dropless = TokenDispatcherConfig(moe_flex_dispatcher_backend="torch")
+    if captured:
+        with pytest.raises(ValueError, match="moe_expert_rank_capacity_factor"):
+            graphs.check_capturable(config, dropless)
+    else:
+        graphs.check_capturable(config, dropless)
+    graphs.check_capturable(config, dropless.replace(moe_expert_rank_capacity_factor=1.0))

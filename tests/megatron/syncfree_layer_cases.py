@@ -1,0 +1,117 @@
+"""Rank-side bodies: `FlexMoELayer` in budget mode, its overflow count and both policies.
+
+Routing is steered through the router's weights: a token whose input is (about) the unit
+vector d gets logits 10 for experts 2d and 2d+1 and about 0.1 elsewhere, so its top-2 is
+exactly {2d, 2d+1}. With E = 8, K = 2, T = 16 tokens per rank, factor 1.0 and expert pad
+multiple 8, the budget is 32 permuted rows per rank:
+- fitting step: at EP >= 2 each rank routes to its own first two experts (16 + 16 rows);
+  at EP 1 every token goes to experts 0 and 1 (the same 32 rows);
+- overflowing step: at EP >= 2 every rank routes to experts 0 and 1 on rank 0, which needs
+  32W rows (the other ranks none); at EP 1 the tokens spread over all 8 experts, 4 pairs
+  each, padded to 8: 64 rows, and the last four experts' 16 pairs do not fit.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tests.megatron.cases_layer import LayerCase, layer_config
+from tests.shims import megatron_cpu
+
+E, K, SEQ, BATCH, H = 8, 2, 8, 2, 16
+T = SEQ * BATCH
+
+
+def _build(policy: str):
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+
+    from megatron_moe_ext.config import TokenDispatcherConfig
+    from megatron_moe_ext.megatron.experts import GroupedGemmExperts
+    from megatron_moe_ext.megatron.moe_layer import FlexMoELayer
+
+    ep = dist.get_world_size()
+    pg = megatron_cpu.init_parallel_state(ep)
+    config = layer_config(LayerCase("syncfree", num_experts=E, topk=K, hidden=H, seq=SEQ, batch=BATCH,
+                                    gated=True), ep)
+    config.activation_func = torch.nn.functional.silu  # swiglu, what GroupedGemmExperts computes
+    dcfg = TokenDispatcherConfig.from_transformer_config(
+        config, moe_expert_rank_capacity_factor=1.0, moe_expert_rank_overflow_policy=policy,
+        moe_router_expert_pad_multiple=8, moe_share_token_dispatcher=False)
+    spec = get_moe_module_spec(use_te=False, num_experts=E)
+    layer = FlexMoELayer(config, submodules=spec.keywords["submodules"], pg_collection=pg,
+                         layer_number=3, dispatcher_config=dcfg, experts=GroupedGemmExperts)
+    layer.set_layer_number(3)
+    with torch.no_grad():
+        weight = torch.zeros(E, H)
+        weight[torch.arange(E), torch.arange(E) // 2] = 10.0
+        layer.router.weight.copy_(weight)
+    return layer
+
+
+def _tokens(dims_T: torch.Tensor) -> torch.Tensor:
+    g = torch.Generator().manual_seed(17 + dist.get_rank())
+    x_TH = torch.nn.functional.one_hot(dims_T, H).float() + 0.01 * torch.rand(T, H, generator=g)
+    return x_TH.view(SEQ, BATCH, H)
+
+
+def _step(layer, dims_T):
+    out, _ = layer(_tokens(dims_T).requires_grad_())
+    out.square().sum().backward()
+    return bool(torch.isfinite(out).all())
+
+
+def run_policy(policy: str) -> dict:
+    """Overflowing step, `check_overflow`; fitting step, `check_overflow`; `layer.overflow()`."""
+    from megatron_moe_ext.megatron.overflow import MoEOverflowError, check_overflow
+
+    megatron_cpu.install()
+    try:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        layer = _build(policy)
+        model = torch.nn.ModuleDict({"decoder": torch.nn.ModuleDict({"mlp": layer})})
+        e_local = E // world
+        fit_dims = torch.full((T,), rank * e_local // 2)
+        over_dims = torch.zeros(T, dtype=torch.long) if world > 1 else torch.arange(T) % (E // 2)
+
+        result = dict(finite=[_step(layer, over_dims)])
+        try:
+            reports = check_overflow(model)
+            result["over"] = [(r.layer, r.dropped_pairs, r.rows_needed, r.budget, r.policy) for r in reports]
+        except MoEOverflowError as exc:
+            result["error"] = str(exc)
+        result["finite"].append(_step(layer, fit_dims))
+        reports = check_overflow(model)
+        result["fit"] = [(r.layer, r.dropped_pairs, r.rows_needed, r.budget) for r in reports]
+        _step(layer, over_dims)
+        local = layer.overflow()
+        result["local"] = (local.layer, local.dropped_pairs, local.rows_needed, local.budget)
+        result["expected"] = dict(
+            dropped=16 if world == 1 else 2 * T * world - 32,
+            needed=64 if world == 1 else 2 * T * world,
+            local_dropped=16 if world == 1 else (2 * T * world - 32 if rank == 0 else 0))
+        return result
+    finally:
+        megatron_cpu.uninstall()
+
+
+def run_capture_refused() -> str:
+    """A dropless `FlexMoELayer` under Megatron's whole-layer local CUDA graph: the error."""
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+
+    from megatron_moe_ext.megatron.moe_layer import FlexMoELayer
+
+    megatron_cpu.install()
+    try:
+        pg = megatron_cpu.init_parallel_state(dist.get_world_size())
+        config = layer_config(LayerCase("capture", num_experts=E, topk=K, hidden=H), dist.get_world_size())
+        # Megatron's own validator refuses a captured dropless MoE; FlexMoELayer must too.
+        config.cuda_graph_impl, config.cuda_graph_modules = "local", []
+        spec = get_moe_module_spec(use_te=False, num_experts=E)
+        try:
+            FlexMoELayer(config, submodules=spec.keywords["submodules"], pg_collection=pg, layer_number=1)
+        except ValueError as exc:
+            return str(exc)
+        return ""
+    finally:
+        megatron_cpu.uninstall()

@@ -1,0 +1,34 @@
+"""`FlexMoELayer` in budget mode with Megatron's router and this package's grouped experts:
+the overflow count per layer, `check_overflow`'s policies at EP 1/2/4 (a step that
+overflows one rank only, then one that fits) and the capture refusal at construction.
+See tests/megatron/syncfree_layer_cases.py for the routing."""
+
+import pytest
+
+from tests.megatron import syncfree_layer_cases as cases
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_policy_error_raises_on_every_rank_then_fits(dist_pools, world):
+    for r in dist_pools(world).run(cases.run_policy, "error"):
+        exp = r["expected"]
+        assert "over" not in r and r["finite"] == [True, True], r
+        assert "decoder.mlp" in r["error"], r
+        assert f"needed {exp['needed']} permuted rows on one rank, budget 32" in r["error"], r
+        assert f"{exp['dropped']} (token, expert) pairs dropped" in r["error"], r
+        assert r["fit"][0][1] == 0 and r["fit"][0][2] <= 32, r
+        assert r["local"] == ("layer 3", exp["local_dropped"], r["local"][2], 32), r
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_policy_drop_counts_and_continues(dist_pools, world):
+    for r in dist_pools(world).run(cases.run_policy, "drop"):
+        exp = r["expected"]
+        assert "error" not in r and r["finite"] == [True, True], r
+        assert r["over"] == [("decoder.mlp", exp["dropped"], exp["needed"], 32, "drop")], r
+        assert r["fit"][0][1] == 0, r
+
+
+def test_capture_of_dropless_layer_refused_at_construction(dist_pools):
+    (message,) = dist_pools(1).run(cases.run_capture_refused)
+    assert "moe_expert_rank_capacity_factor" in message and "cuda_graph_impl='local'" in message
