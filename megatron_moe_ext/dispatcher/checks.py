@@ -8,8 +8,10 @@ token's top-k, more routes per token than ``moe_router_topk``) need the data:
   so every rank still sends consistent data and no kernel faults, and an error flag is
   kept on the device per layer (`DeferredRoutingErrors`). `raise_pending(group)` at the
   step boundary (`MoEFlexTokenDispatcher.check_input_errors`, collective) agrees on the
-  flags across the group and raises on every rank. Setting ``MOE_EXT_SYNC_INPUT_CHECKS=1``
-  (a debug setting) checks device tensors at once instead, one host sync per dispatch.
+  flags across the group and raises on every rank.
+The environment variable ``MOE_EXT_INPUT_CHECKS`` picks the mode: ``auto`` (the default,
+as above), ``sync`` (a debug setting: device tensors are checked at once, one host sync
+per dispatch) or ``deferred`` (host tensors take the device path too; the tests use it).
 
 An error that only one rank sees and that it raises before a collective: the torch
 backend's dropless dispatch carries an error flag in its counts all-to-all
@@ -32,7 +34,8 @@ import os
 import torch
 import torch.distributed as dist
 
-SYNC_CHECKS_ENV = "MOE_EXT_SYNC_INPUT_CHECKS"
+CHECK_MODE_ENV = "MOE_EXT_INPUT_CHECKS"
+_CHECK_MODES = ("auto", "sync", "deferred")
 
 # Routing dtypes that pass without a closer look.
 _USUAL_INDEX_DTYPES = (torch.int64, torch.int32)
@@ -65,8 +68,11 @@ def describe(bits: int, num_experts: int, topk: int) -> str:
 
 
 def checks_values_now(tensor: torch.Tensor) -> bool:
-    """Whether value checks on `tensor` run at once (host tensor or debug setting)."""
-    return tensor.is_cpu or os.environ.get(SYNC_CHECKS_ENV, "0") == "1"
+    """Whether value checks on `tensor` run at once, per ``MOE_EXT_INPUT_CHECKS``."""
+    mode = os.environ.get(CHECK_MODE_ENV, "auto")
+    if mode not in _CHECK_MODES:
+        raise bad_input(CHECK_MODE_ENV, f"{mode!r} is not one of {_CHECK_MODES}")
+    return mode == "sync" or (mode == "auto" and tensor.is_cpu)
 
 
 # ---- shapes and dtypes ----------------------------------------------------------------
