@@ -6,9 +6,10 @@ token's top-k, more routes per token than ``moe_router_topk``) need the data:
 - host tensors are checked at once (reading them costs nothing);
 - device tensors are checked without a host sync: the offending slots are masked to -1,
   so every rank still sends consistent data and no kernel faults, and an error flag is
-  kept on the device per layer (`DeferredRoutingErrors`). `raise_pending(group)` at the
-  step boundary (`MoEFlexTokenDispatcher.check_input_errors`, collective) agrees on the
-  flags across the group and raises on every rank.
+  kept on the device per layer (`DeferredRoutingErrors`). At the step boundary,
+  `check_model_input_errors(model)` (or `MoEFlexTokenDispatcher.check_input_errors` per
+  layer; collective) agrees on the flags across the group and raises on every rank.
+  Until it is called, a bad slot has contributed nothing: it was never sent.
 The environment variable ``MOE_EXT_INPUT_CHECKS`` picks the mode: ``auto`` (the default,
 as above), ``sync`` (a debug setting: device tensors are checked at once, one host sync
 per dispatch) or ``deferred`` (host tensors take the device path too; the tests use it).
@@ -231,3 +232,12 @@ class DeferredRoutingErrors:
         if agreed:
             raise ValueError(f"a rank of the expert-parallel group recorded bad routing input "
                              f"since the last check: {describe(agreed, num_experts, topk)}")
+
+
+def check_model_input_errors(model: torch.nn.Module) -> None:
+    """The step-boundary check for a whole model (collective: every rank, once per step, e.g.
+    before the optimizer step): `check_input_errors` of every MoE layer's flex dispatcher."""
+    for module in model.modules():
+        check = getattr(getattr(module, "token_dispatcher", None), "check_input_errors", None)
+        if check is not None:
+            check()

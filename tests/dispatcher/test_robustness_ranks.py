@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_moe_ext.config import TokenDispatcherConfig
+from megatron_moe_ext.dispatcher.checks import check_model_input_errors
 from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
 from tests.doubles import deep_ep_buffer, uccl_ep
 from tests.reference import apply_local_experts, dense_moe_reference, topk_to_dense, toy_expert_params
@@ -166,7 +167,8 @@ def _mask_bad_slots(indices):
 def deferred_checks_case(backend: str) -> dict:
     """Device-path checks: bad slots on rank 0 (a duplicate, ids E+1 and -5) and a routing map
     with too many routes on rank 1 are masked/flagged; the step matches the dense reference
-    of the masked routing on every rank; `check_input_errors` then raises on every rank."""
+    of the masked routing on every rank; `check_input_errors` then raises on every rank,
+    and so does `check_model_input_errors` after another bad step; then the flags are clear."""
     rank = dist.get_rank()
     with _env("MOE_EXT_INPUT_CHECKS", "deferred"):
         disp = _dispatcher(backend)
@@ -185,8 +187,12 @@ def deferred_checks_case(backend: str) -> dict:
             mask2[0] = True  # routed to all E experts: more than moe_router_topk
         _megatron_step(disp, x2, mask2, probs2_TE, params)
         first = _outcome(disp.check_input_errors)
-        second = _outcome(disp.check_input_errors)
-    return {"topk_err": topk_err, "first": first, "second": second,
+        layer = torch.nn.Module()  # a model whose MoE layer holds the dispatcher, as Megatron's does
+        layer.token_dispatcher = disp
+        _topk_step(disp, x, indices, probs, params)  # rank 0's bad slots again
+        second = _outcome(lambda: check_model_input_errors(torch.nn.Sequential(layer)))
+        third = _outcome(disp.check_input_errors)
+    return {"topk_err": topk_err, "first": first, "second": second, "third": third,
             "clean_step_err": _reference_error(disp, 300 + rank, params)}
 
 
@@ -301,7 +307,8 @@ def test_device_path_masks_bad_slots_and_raises_at_the_step_boundary(dist_pools,
         assert r["first"]["type"] == "ValueError", (rank, r)
         for text in ("twice", "values must be in [-1, 7]", "moe_router_topk=2"):
             assert text in r["first"]["message"], (rank, text, r)
-        assert r["second"]["type"] is None, (rank, r)
+        assert r["second"]["type"] == "ValueError" and "twice" in r["second"]["message"], (rank, r)
+        assert r["third"]["type"] is None, (rank, r)  # the flags were cleared
         assert r["clean_step_err"] < 1e-5, (rank, r)
 
 
