@@ -1,16 +1,21 @@
 """Typed configuration of the flex token dispatcher, validated once at construction.
 
 `TokenDispatcherConfig` carries exactly the fields and defaults of the seed API
-(`docs/SPEC.md` section 2) plus the portable ``"torch"`` backend.  Every check
-raises ``ValueError`` naming the field, the value and what is allowed, so a bad
-configuration fails here instead of hanging inside a collective later.
+plus the portable ``"torch"`` backend.  Every check raises ``ValueError`` naming the
+field, the value and what is allowed, so a bad configuration fails here instead of
+hanging inside a collective later. Assigning a field re-validates the whole config (the
+assignment is undone when it fails); change several fields at once with `replace`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
+
+import torch
 
 BACKENDS = ("deepep", "hybridep", "uccl_ep", "torch")
 ROUTER_DTYPES = ("fp32", "fp64", None)
@@ -20,6 +25,10 @@ _BUDGET_MODE_BACKENDS = ("torch", "deepep")
 
 # Backends whose manager understands HybridEP-style capacity mode.
 _CAPACITY_MODE_BACKENDS = ("hybridep", "torch")
+# Backends that run DeepEP's Buffer kernels (moe_deepep_num_sms).
+_DEEPEP_KERNEL_BACKENDS = ("deepep", "uccl_ep")
+# Upper bound of an SM count where no GPU can be asked (the largest GPUs have ~150).
+_MAX_SMS_WITHOUT_CUDA = 1024
 
 
 def _fail(field: str, value: Any, allowed: str) -> None:
@@ -38,8 +47,28 @@ def _check_positive_int(field: str, value: Any, *, optional: bool = False, even:
 def _check_positive_factor(field: str, value: Any) -> None:
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        _fail(field, value, "expected a capacity factor > 0, or None for dropless")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        _fail(field, value, "expected a finite capacity factor > 0, or None for dropless")
+
+
+@functools.lru_cache(maxsize=None)
+def _device_sm_count(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def max_sm_count() -> int:
+    """SMs of the current GPU, or a generous bound where CUDA is absent."""
+    if torch.cuda.is_available():
+        return _device_sm_count(torch.cuda.current_device())
+    return _MAX_SMS_WITHOUT_CUDA
+
+
+def check_sm_count(field: str, value: Any, *, optional: bool = False, even: bool = False) -> None:
+    """A positive SM count no larger than the GPU's; `field` names it in the error."""
+    _check_positive_int(field, value, optional=optional, even=even)
+    if value is not None and value > max_sm_count():
+        where = "the current GPU's SM count" if torch.cuda.is_available() else "no GPU visible: a sanity bound"
+        _fail(field, value, f"expected at most {max_sm_count()} SMs ({where})")
 
 
 @dataclass
@@ -77,20 +106,37 @@ class TokenDispatcherConfig:
 
     def __post_init__(self) -> None:
         self.validate()
+        object.__setattr__(self, "_validated", True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if not self.__dict__.get("_validated"):  # still in __init__
+            object.__setattr__(self, name, value)
+            return
+        old = getattr(self, name)
+        object.__setattr__(self, name, value)
+        try:
+            self.validate()
+        except ValueError:
+            object.__setattr__(self, name, old)
+            raise
 
     def validate(self) -> None:
         """Check every field and every combination; raise ValueError naming the field."""
         backend = self.moe_flex_dispatcher_backend
-        if backend not in BACKENDS:
+        if not isinstance(backend, str) or backend not in BACKENDS:
             _fail("moe_flex_dispatcher_backend", backend, f"allowed backends are {BACKENDS}")
+        for field in dataclasses.fields(self):
+            if field.type == "bool" and not isinstance(getattr(self, field.name), bool):
+                _fail(field.name, getattr(self, field.name), "expected a bool (True or False)")
         _check_positive_int("num_moe_experts", self.num_moe_experts)
         topk = self.moe_router_topk
         if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= self.num_moe_experts:
             _fail("moe_router_topk", topk, f"expected 1 <= topk <= num_moe_experts ({self.num_moe_experts})")
-        _check_positive_int("moe_deepep_num_sms", self.moe_deepep_num_sms, even=True)
-        _check_positive_int("moe_hybridep_num_sms", self.moe_hybridep_num_sms)
+        check_sm_count("moe_deepep_num_sms", self.moe_deepep_num_sms, even=True)
+        check_sm_count("moe_hybridep_num_sms", self.moe_hybridep_num_sms)
+        check_sm_count("moe_hybridep_num_sms_preprocessing", self.moe_hybridep_num_sms_preprocessing,
+                       optional=True)
         for field in (
-            "moe_hybridep_num_sms_preprocessing",
             "moe_hybridep_num_blocks_permute",
             "moe_hybridep_num_blocks_unpermute",
             "moe_router_expert_pad_multiple",
@@ -126,10 +172,7 @@ class TokenDispatcherConfig:
                 if getattr(self, other) is not None:
                     _fail(other, getattr(self, other), "cannot be combined with "
                           "moe_expert_rank_capacity_factor (the sync-free budget mode); set it to None")
-        for field in ("moe_hybridep_compact_routing", "moe_hybridep_equal_token_counts",
-                      "moe_hybridep_permute_fusion"):
-            if getattr(self, field) and backend != "hybridep":
-                _fail(field, True, f"only the 'hybridep' backend has this option, backend is {backend!r}")
+        self._check_backend_options(backend)
         if self.moe_benchmark_static_routing and self.moe_expert_capacity_factor is not None:
             _fail("moe_benchmark_static_routing", True,
                   "static routing pins a fixed token count, which token dropping "
@@ -137,6 +180,23 @@ class TokenDispatcherConfig:
         if self.moe_deepep_async_dispatch and backend not in ("deepep", "uccl_ep"):
             _fail("moe_deepep_async_dispatch", True,
                   f"async dispatch exists for 'deepep' and 'uccl_ep' only, backend is {backend!r}")
+
+    def _check_backend_options(self, backend: str) -> None:
+        """Options that mean nothing on `backend` are refused rather than ignored."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        hybridep_only = ("moe_hybridep_compact_routing", "moe_hybridep_equal_token_counts",
+                         "moe_hybridep_permute_fusion", "moe_permute_fusion", "moe_hybridep_num_sms",
+                         "moe_hybridep_num_sms_preprocessing", "moe_hybridep_num_blocks_permute",
+                         "moe_hybridep_num_blocks_unpermute")
+        if backend != "hybridep":
+            for field in hybridep_only:
+                if getattr(self, field) != defaults[field]:
+                    _fail(field, getattr(self, field),
+                          f"only the 'hybridep' backend has this option, backend is {backend!r}")
+        if backend not in _DEEPEP_KERNEL_BACKENDS and self.moe_deepep_num_sms != defaults["moe_deepep_num_sms"]:
+            _fail("moe_deepep_num_sms", self.moe_deepep_num_sms,
+                  f"only the {_DEEPEP_KERNEL_BACKENDS} backends use it, backend is {backend!r}"
+                  + ("; use moe_hybridep_num_sms" if backend == "hybridep" else ""))
 
     def validate_for_group(self, ep_size: int) -> None:
         """Checks that need the expert-parallel group size."""
@@ -179,9 +239,10 @@ class TokenDispatcherConfig:
             moe_flex_dispatcher_backend=backend,
         )
         num_sms = getattr(config, "moe_flex_dispatcher_num_sms", None)
-        if num_sms is not None:
-            values["moe_deepep_num_sms"] = num_sms
-            values["moe_hybridep_num_sms"] = num_sms
+        if num_sms is not None and backend != "torch":
+            sms_field = "moe_hybridep_num_sms" if backend == "hybridep" else "moe_deepep_num_sms"
+            check_sm_count("moe_flex_dispatcher_num_sms", num_sms, even=sms_field == "moe_deepep_num_sms")
+            values[sms_field] = num_sms
         for field in ("moe_hybridep_num_blocks_permute", "moe_hybridep_num_blocks_unpermute"):
             if getattr(config, field, None) is not None:
                 values[field] = getattr(config, field)

@@ -3,24 +3,30 @@
 `DistPool(world_size)` starts `world_size` spawned worker processes once, joined in one
 gloo process group. `pool.run(fn, *args)` runs the module-level function `fn(*args)` on
 every rank and returns the per-rank results (rank order). Any rank's exception fails the
-call with that rank's traceback; a call that outlives its timeout (a hang in a
-collective, say) kills the pool and fails instead of hanging the test suite. A broken
-pool is replaced on the next `get_pool`.
+call with that rank's traceback. A rank that is still running `grace` seconds after another
+rank failed, or when the call's `timeout` runs out (a hang in a collective, say), is
+reported as stuck with its Python stack (faulthandler, dumped on SIGUSR1), and the pool is
+killed instead of hanging the test suite. A broken pool is replaced on the next `get_pool`.
 
 Worker functions must be importable (module level) and return picklable values.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import queue
+import signal
 import socket
+import tempfile
 import time
 import traceback
 
 import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("MOE_EXT_TEST_TIMEOUT", "240"))
+# How long the other ranks may still run after one rank failed.
+DEFAULT_GRACE_S = 5.0
 
 
 def _free_port() -> int:
@@ -49,7 +55,10 @@ def _reset_worker_state() -> None:
         pass
 
 
-def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
+def _worker(rank: int, world_size: int, port: int, tasks, results, stack_file: str) -> None:
+    # The stack of this rank, written by the C signal handler even while it waits in a collective.
+    dump = open(stack_file, "w")  # noqa: SIM115 - open for the life of the worker
+    faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -79,16 +88,20 @@ class DistPool:
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
         port = _free_port()
+        self._stack_dir = tempfile.TemporaryDirectory(prefix="distpool-stacks-")
+        self._stack_files = [os.path.join(self._stack_dir.name, f"rank{r}.txt") for r in range(world_size)]
         self._procs = [
-            ctx.Process(target=_worker, args=(r, world_size, port, self._tasks[r], self._results),
-                        daemon=True)
+            ctx.Process(target=_worker, args=(r, world_size, port, self._tasks[r], self._results,
+                                              self._stack_files[r]), daemon=True)
             for r in range(world_size)
         ]
         for p in self._procs:
             p.start()
         self.broken = False
 
-    def run(self, fn, *args, timeout: float = DEFAULT_TIMEOUT_S, **kwargs) -> list:
+    def run(self, fn, *args, timeout: float = DEFAULT_TIMEOUT_S, grace: float = DEFAULT_GRACE_S,
+            **kwargs) -> list:
+        """`fn(*args, **kwargs)` on every rank -> per-rank results; see the module docstring."""
         if self.broken:
             raise RuntimeError("DistPool is broken; get a new one with get_pool()")
         for q in self._tasks:
@@ -96,24 +109,42 @@ class DistPool:
         out: dict[int, object] = {}
         errors: dict[int, str] = {}
         deadline = time.monotonic() + timeout
+        stuck_report = ""
         while len(out) + len(errors) < self.world_size:
-            # After a failure the other ranks may be stuck in a collective: give them a little.
-            limit = min(deadline, time.monotonic() + 10.0) if errors else deadline
+            limit = min(deadline, time.monotonic() + grace) if errors else deadline
             try:
                 rank, ok, value = self._results.get(timeout=max(limit - time.monotonic(), 0.1))
             except queue.Empty:
+                stuck = [r for r in range(self.world_size) if r not in out and r not in errors]
+                stuck_report = self._stuck_report(stuck)
                 self.shutdown()
                 if errors:
                     break
                 raise TimeoutError(f"{fn.__name__} did not finish on all {self.world_size} ranks "
-                                   f"within {timeout}s (finished: {sorted(out)}); pool killed")
+                                   f"within {timeout}s (finished: {sorted(out)}); pool killed\n"
+                                   f"{stuck_report}")
             (out if ok else errors)[rank] = value
         if errors:
-            if len(out) + len(errors) < self.world_size:
-                self.shutdown()
             rank = min(errors)
-            raise AssertionError(f"{fn.__name__} failed on rank {rank}/{self.world_size}:\n{errors[rank]}")
+            others = "".join(f"\n--- rank {r} also failed:\n{errors[r]}" for r in sorted(errors) if r != rank)
+            raise AssertionError(f"{fn.__name__} failed on rank {rank}/{self.world_size}:\n{errors[rank]}"
+                                 f"{others}\n{stuck_report}".rstrip())
         return [out[r] for r in range(self.world_size)]
+
+    def _stuck_report(self, stuck: list[int]) -> str:
+        """Each stuck rank's Python stack, dumped by its faulthandler on SIGUSR1."""
+        sizes = {r: os.path.getsize(self._stack_files[r]) for r in stuck}
+        for r in stuck:
+            if self._procs[r].is_alive():
+                os.kill(self._procs[r].pid, signal.SIGUSR1)
+        time.sleep(0.5)
+        parts = []
+        for r in stuck:
+            with open(self._stack_files[r]) as f:
+                f.seek(sizes[r])
+                stack = f.read().strip() or "(no stack dumped: the process is gone)"
+            parts.append(f"--- rank {r} was stuck; its stack:\n{stack}")
+        return "\n".join(parts)
 
     def shutdown(self) -> None:
         self.broken = True
@@ -126,6 +157,7 @@ class DistPool:
             p.join(timeout=2)
             if p.is_alive():
                 p.kill()
+        self._stack_dir.cleanup()
 
 
 _POOLS: dict[int, DistPool] = {}

@@ -23,24 +23,21 @@ rows, P permuted rows.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import List
 
 import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+from megatron.core.utils import get_pg_rank
 
 from megatron_moe_ext.config import TokenDispatcherConfig
-from megatron_moe_ext.dispatcher import buffers
+from megatron_moe_ext.dispatcher import buffers, checks
+from megatron_moe_ext.dispatcher.backends import torch_a2a
 from megatron_moe_ext.dispatcher.registry import build_manager
 
-# Routing dtypes `_check_topk` accepts without a closer look (any integer / float dtype passes).
-_USUAL_INDEX_DTYPES = (torch.int64, torch.int32)
-_USUAL_PROB_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _bad_input(field: str, message: str) -> ValueError:
-    return ValueError(f"{field}: {message}")
+_bad_input = checks.bad_input
 
 
 # The calls of one dispatch, in order (the seed's faces make the same calls).
@@ -105,6 +102,7 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
             self.tp_ep_group = self.ep_group
 
         self.dispatcher_config = dispatcher_config
+        dispatcher_config.validate()  # again: a config can change between construction and here
         dispatcher_config.validate_for_group(self.ep_size)
         expected_local = dispatcher_config.num_moe_experts // self.ep_size
         if num_local_experts != expected_local:
@@ -113,8 +111,10 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         if len(local_expert_indices) != num_local_experts:
             raise _bad_input("local_expert_indices", f"has {len(local_expert_indices)} entries, "
                              f"expected num_local_experts={num_local_experts}")
+        checks.check_local_expert_indices(local_expert_indices, get_pg_rank(self.ep_group), num_local_experts)
         self.num_local_experts = num_local_experts
         self.local_expert_indices = list(local_expert_indices)
+        self._deferred_errors = checks.DeferredRoutingErrors()
         self.num_experts = dispatcher_config.num_moe_experts
         self.topk = dispatcher_config.moe_router_topk
         self._comm_manager = build_manager(dispatcher_config, self.tp_ep_group, num_local_experts, self.tp_size)
@@ -160,52 +160,43 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         inflight.next_call += 1
         return inflight
 
-    # ---- input checks (cheap: shapes and dtypes only, no device sync) -----------------
+    # ---- input checks (megatron_moe_ext/dispatcher/checks.py; no device sync) ----------
     def _check_hidden(self, hidden_states: torch.Tensor, num_local_tokens: int | None = None):
-        shape = hidden_states.shape
-        if len(shape) == 2:
-            tokens = shape[0]
-        elif len(shape) < 2:
-            raise _bad_input("hidden_states", f"expected [..., H], got shape {tuple(shape)}")
-        else:
-            tokens = hidden_states.numel() // shape[-1]
-        if num_local_tokens is not None and num_local_tokens != tokens:
-            raise _bad_input("num_local_tokens", f"{num_local_tokens} does not match the "
-                             f"{tokens} tokens in hidden_states {tuple(hidden_states.shape)}")
-        return tokens
+        return checks.check_hidden(hidden_states, num_local_tokens)
 
     def _check_dense(self, name: str, tensor: torch.Tensor, tokens: int):
-        width = self.num_experts
-        if tensor.numel() != tokens * width:
-            raise _bad_input(name, f"expected [T={tokens}, E={width}] (or [T, tp*ep, e]), "
-                             f"got shape {tuple(tensor.shape)}")
+        checks.check_dense(name, tensor, tokens, self.ep_size, self.num_local_experts)
+        if name != "routing_map":
+            return
+        if checks.checks_values_now(tensor):
+            checks.check_routes_per_token(tensor, tokens, self.topk)
+        else:
+            self._deferred_errors.flag_routes(tensor, tokens, self.topk)
 
     def _check_topk(self, token_probs: torch.Tensor, token_indices: torch.Tensor, tokens: int):
-        # Runs before DeepEP's host sync on every dispatch: the usual case passes in one
-        # expression; the checks below only run to find which error to raise.
-        shape = token_indices.shape
-        if (token_indices.dtype in _USUAL_INDEX_DTYPES and token_probs.dtype in _USUAL_PROB_DTYPES
-                and token_probs.shape == shape and len(shape) == 2 and shape[0] == tokens
-                and shape[1] <= self.num_experts and not token_indices.is_cpu):
-            return
-        dtype = token_indices.dtype
-        if dtype.is_floating_point or dtype == torch.bool:
-            raise _bad_input("token_indices", f"expected an integer tensor, got {dtype}")
-        if not token_probs.dtype.is_floating_point:
-            raise _bad_input("token_probs", f"expected a float tensor, got {token_probs.dtype}")
-        if token_probs.shape != shape:
-            raise _bad_input("token_indices", f"shape {tuple(shape)} does not match "
-                             f"token_probs shape {tuple(token_probs.shape)}")
-        if len(shape) != 2 or shape[0] != tokens:
-            raise _bad_input("token_indices", f"expected [T={tokens}, K], got {tuple(shape)}")
-        if shape[1] > self.num_experts:
-            raise _bad_input("token_indices", f"top-k width {shape[1]} exceeds "
-                             f"num_moe_experts={self.num_experts}")
-        if token_indices.is_cpu and token_indices.numel():  # a device range check would sync
-            lo, hi = int(token_indices.min()), int(token_indices.max())
-            if lo < -1 or hi >= self.num_experts:
-                raise _bad_input("token_indices", f"values must be in [-1, {self.num_experts - 1}], "
-                                 f"got min {lo}, max {hi}")
+        """-> the ids to dispatch (on the device, bad slots masked and recorded)."""
+        checks.check_topk_shapes(token_probs, token_indices, tokens, self.num_experts)
+        if checks.checks_values_now(token_indices):
+            checks.check_topk_values(token_indices, self.num_experts)
+            return token_indices
+        return self._deferred_errors.mask_topk(token_indices, self.num_experts)
+
+    @contextlib.contextmanager
+    def _peers_see_input_errors(self):
+        """A rank that rejects its input tells the peers already waiting in the torch
+        backend's counts all-to-all, so they raise instead of waiting for it."""
+        try:
+            yield
+        except ValueError:
+            dropless = getattr(self._comm_manager, "capacity", None) is None
+            if self.dispatcher_config.moe_flex_dispatcher_backend == "torch" and dropless:
+                torch_a2a.announce_input_error(self.tp_ep_group)
+            raise
+
+    def check_input_errors(self) -> None:
+        """Step-boundary check (collective over the EP group): raise ValueError on every rank
+        if any rank's device-side value checks recorded bad routing since the last call."""
+        self._deferred_errors.raise_pending(self.tp_ep_group, self.num_experts, self.topk)
 
     # ---- the shared core -------------------------------------------------------------
     def _initialize_metadata(self, num_local_tokens: int, probs: torch.Tensor) -> torch.Tensor:
@@ -229,10 +220,12 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         return expanded.flatten(1), probs.flatten(1)
 
     def _setup_dense(self, hidden_states, probs, routing_map=None, num_local_tokens=None):
-        tokens = self._check_hidden(hidden_states, num_local_tokens)
-        self._check_dense("probs", probs, tokens)
+        with self._peers_see_input_errors():
+            tokens = self._check_hidden(hidden_states, num_local_tokens)
+            self._check_dense("probs", probs, tokens)
+            if routing_map is not None:
+                self._check_dense("routing_map", routing_map, tokens)
         if routing_map is not None:
-            self._check_dense("routing_map", routing_map, tokens)
             routing_map = self._initialize_metadata(tokens, routing_map)
         self._check_idle()
         self._comm_manager.setup_metadata(tokens, self._initialize_metadata(tokens, probs), routing_map)
@@ -240,8 +233,9 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         return hidden_states.reshape(tokens, hidden_states.shape[-1])
 
     def _setup_topk(self, hidden_states, num_local_tokens, token_probs, token_indices):
-        tokens = self._check_hidden(hidden_states, num_local_tokens)
-        self._check_topk(token_probs, token_indices, tokens)
+        with self._peers_see_input_errors():
+            tokens = self._check_hidden(hidden_states, num_local_tokens)
+            token_indices = self._check_topk(token_probs, token_indices, tokens)
         self._check_idle()
         if self.tp_size > 1:
             token_indices, token_probs = self._expand_topk_for_tp(token_indices, token_probs)
@@ -254,7 +248,13 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
     def _dispatch(self, hidden_states, async_finish, allocate_on_comm_stream):
         inflight = self._advance("token_dispatch", hidden_states, None,
                                  "the output of dispatch_preprocess")
-        rows = self._comm_manager.dispatch(hidden_states, async_finish, allocate_on_comm_stream)
+        try:
+            rows = self._comm_manager.dispatch(hidden_states, async_finish, allocate_on_comm_stream)
+        except ValueError:
+            # A peer rejected its input (torch backend): this dispatch is abandoned on every
+            # rank, and the next step starts afresh.
+            self._inflight = None
+            raise
         inflight.num_rows = rows.shape[0]
         return rows
 
@@ -265,6 +265,7 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         return tokens, self._comm_manager.get_number_of_tokens_per_expert(), permuted_probs
 
     def _unpermute(self, hidden_states):
+        checks.check_expert_output_dtype(hidden_states)
         self._advance("combine_preprocess", hidden_states, self._inflight and self._inflight.num_permuted,
                       "one row per permuted row handed to the experts")
         return self._comm_manager.get_restored_hidden_states_by_experts(hidden_states)

@@ -54,9 +54,8 @@ def routing_map_to_topk(
     expert routed with probability exactly 0 still receives the token (and its prob gradient).
     """
     topk = min(topk, routing_map_TE.shape[-1])
-    # Routed entries first: unrouted ones are pushed below any real probability.
-    scores_TE = torch.where(routing_map_TE, probs_TE.detach().float(), -1.0)
-    _, indices_TK = torch.topk(scores_TE, topk, dim=-1)
+    # Ranked by the map alone: any probability (below -1, NaN) of a routed expert is kept.
+    _, indices_TK = torch.topk(routing_map_TE.to(torch.uint8), topk, dim=-1)
     routed_TK = torch.gather(routing_map_TE, 1, indices_TK)
     probs_TK = torch.gather(probs_TE, 1, indices_TK).float() * routed_TK
     indices_TK = indices_TK.masked_fill(~routed_TK, -1)
@@ -98,14 +97,17 @@ def drop_tokens_over_capacity(
         return indices_TK
     valid_TK = indices_TK >= 0
     safe_TK = indices_TK.clamp(min=0)
-    scores_TE = torch.full((num_tokens, num_experts), -1.0, device=indices_TK.device)
+    unrouted = float("-inf")
+    scores_TE = torch.full((num_tokens, num_experts), unrouted, device=indices_TK.device)
     # amax, not a plain scatter: a masked slot (-1, clamped to expert 0) must not overwrite
     # the same token's real slot at expert 0.
-    scores_TE.scatter_reduce_(1, safe_TK, torch.where(valid_TK, probs_TK.detach().float(), -1.0),
+    scores_TE.scatter_reduce_(1, safe_TK, torch.where(valid_TK, probs_TK.detach().float(), unrouted),
                               reduce="amax")
+    # A NaN probability ranks first and is kept, as in Megatron's apply_router_token_dropping:
+    # the NaN reaches the output instead of vanishing.
     _, kept_CE = torch.topk(scores_TE, capacity, dim=0, sorted=False)
     keep_TE = torch.zeros_like(scores_TE, dtype=torch.bool).scatter_(0, kept_CE, True)
-    keep_TE &= scores_TE >= 0
+    keep_TE &= scores_TE != unrouted
     keep_TK = torch.gather(keep_TE, 1, safe_TK) & valid_TK
     return indices_TK.masked_fill(~keep_TK, -1)
 

@@ -165,6 +165,12 @@ def sequential_mlp_to_grouped(state_dict: Mapping[str, torch.Tensor], num_local_
         if missing:
             raise ValueError(f"SequentialMLP state dict is missing {missing[0]} (expected "
                              f"{spec.leaf} for all {num_local_experts} local experts)")
+        shape = state_dict[keys[0]].shape
+        odd = next((k for k in keys if state_dict[k].shape != shape), None)
+        if odd is not None:
+            raise ValueError(f"SequentialMLP state dict: {odd} has shape {tuple(state_dict[odd].shape)}, "
+                             f"but {keys[0]} has {tuple(shape)}; every local expert's {spec.leaf} "
+                             "must have the same shape")
         out[f"{prefix}{spec.param}"] = torch.stack(
             [_to_megatron(state_dict[k], spec) for k in keys])
     return out

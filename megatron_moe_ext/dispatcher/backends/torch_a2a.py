@@ -147,10 +147,14 @@ def dispatch(
     pairs_S2 = torch.nonzero(in_rank_TW.t())
     send_rank_S, send_token_ids_S = pairs_S2[:, 0], pairs_S2[:, 1]
 
-    recv_counts_W = torch.empty_like(send_counts_W)
-    dist.all_to_all_single(recv_counts_W, send_counts_W, group=group)
-    counts = torch.stack([send_counts_W, recv_counts_W]).tolist()
-    send_splits, recv_splits = counts[0], counts[1]
+    # Each count travels with an error flag (0 here): a rank that rejected its input
+    # before this collective sends 1s instead (`announce_input_error`), and every peer raises.
+    send_W2 = torch.stack([send_counts_W, torch.zeros_like(send_counts_W)], dim=1)
+    recv_W2 = torch.empty_like(send_W2)
+    dist.all_to_all_single(recv_W2, send_W2, group=group)
+    send_splits, recv_splits, peer_errors = torch.stack([send_counts_W, recv_W2[:, 0], recv_W2[:, 1]]).tolist()
+    if any(peer_errors):
+        _raise_peer_error(peer_errors)
 
     recv_x_RH = all_to_all_rows(x_TH.index_select(0, send_token_ids_S), recv_splits, send_splits, group)
     recv_indices_RK, recv_probs_RK = send_routing(
@@ -159,6 +163,24 @@ def dispatch(
     tokens_per_expert = count_per_expert(recv_indices_RK, num_local_experts)
     handle = TorchDispatchHandle(send_token_ids_S, send_splits, recv_splits, num_tokens)
     return recv_x_RH, recv_indices_RK, recv_probs_RK, tokens_per_expert, handle
+
+
+def announce_input_error(group) -> None:
+    """Collective partner of a peer's dispatch: called by a rank that rejected its own
+    input before dispatching, so the peers waiting in the counts all-to-all raise too."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    device = torch.cuda.current_device() if dist.get_backend(group) == "nccl" else "cpu"
+    flags_W2 = torch.ones(world, 2, dtype=torch.int64, device=device)
+    dist.all_to_all_single(torch.empty_like(flags_W2), flags_W2, group=group)
+
+
+def _raise_peer_error(peer_errors: list[int]) -> None:
+    ranks = [r for r, flag in enumerate(peer_errors) if flag]
+    raise ValueError(f"dispatch: expert-parallel rank(s) {ranks} of this group rejected their "
+                     "input before the all-to-all (see their ValueError); this rank's dispatch "
+                     "is abandoned")
 
 
 def combine(

@@ -1,0 +1,238 @@
+"""Input checks of the flex dispatcher: pure functions that run before the first collective.
+
+Every check raises ``ValueError`` naming the argument and what is allowed. Shapes and
+dtypes are checked on every call. Values (expert-id range, an expert named twice in one
+token's top-k, more routes per token than ``moe_router_topk``) need the data:
+- host tensors are checked at once (reading them costs nothing);
+- device tensors are checked without a host sync: the offending slots are masked to -1,
+  so every rank still sends consistent data and no kernel faults, and an error flag is
+  kept on the device per layer (`DeferredRoutingErrors`). At the step boundary,
+  `check_model_input_errors(model)` (or `MoEFlexTokenDispatcher.check_input_errors` per
+  layer; collective) agrees on the flags across the group and raises on every rank.
+  Until it is called, a bad slot has contributed nothing: it was never sent.
+The environment variable ``MOE_EXT_INPUT_CHECKS`` picks the mode: ``auto`` (the default,
+as above), ``sync`` (a debug setting: device tensors are checked at once, one host sync
+per dispatch) or ``deferred`` (host tensors take the device path too; the tests use it).
+
+An error that only one rank sees and that it raises before a collective: the torch
+backend's dropless dispatch carries an error flag in its counts all-to-all
+(`backends.torch_a2a.announce_input_error`), so the peers raise as well. Every other
+collective of the package waits at most the process group's timeout (``timeout=`` of
+``init_process_group`` / ``new_group``; the DeepEP-family kernels have their own timeout):
+the waiting peers then fail, and under ``torchrun`` the job ends instead of hanging.
+
+Duplicated expert ids in one token's top-k are rejected: Megatron's routing map cannot
+express them, and the dense reference would have to pick a meaning for them.
+
+Legend: T tokens, E global experts, e local experts, K top-k, W expert-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+
+import torch
+import torch.distributed as dist
+
+CHECK_MODE_ENV = "MOE_EXT_INPUT_CHECKS"
+_CHECK_MODES = ("auto", "sync", "deferred")
+
+# Routing dtypes that pass without a closer look.
+_USUAL_INDEX_DTYPES = (torch.int64, torch.int32)
+_USUAL_PROB_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def bad_input(field: str, message: str) -> ValueError:
+    return ValueError(f"{field}: {message}")
+
+
+class RoutingError(enum.IntFlag):
+    """Bits of the device-side error flag, one per value check."""
+
+    INDEX_RANGE = 1
+    DUPLICATE_EXPERT = 2
+    TOO_MANY_ROUTES = 4
+
+
+def describe(bits: int, num_experts: int, topk: int) -> str:
+    """The message of a set of `RoutingError` bits."""
+    parts = []
+    if bits & RoutingError.INDEX_RANGE:
+        parts.append(f"token_indices: values must be in [-1, {num_experts - 1}] (-1 = unused slot)")
+    if bits & RoutingError.DUPLICATE_EXPERT:
+        parts.append("token_indices: a token names the same expert twice in its top-k; "
+                     "each expert may appear at most once per token")
+    if bits & RoutingError.TOO_MANY_ROUTES:
+        parts.append(f"routing_map: a token is routed to more than moe_router_topk={topk} experts")
+    return "; ".join(parts)
+
+
+def checks_values_now(tensor: torch.Tensor) -> bool:
+    """Whether value checks on `tensor` run at once, per ``MOE_EXT_INPUT_CHECKS``."""
+    mode = os.environ.get(CHECK_MODE_ENV, "auto")
+    if mode not in _CHECK_MODES:
+        raise bad_input(CHECK_MODE_ENV, f"{mode!r} is not one of {_CHECK_MODES}")
+    return mode == "sync" or (mode == "auto" and tensor.is_cpu)
+
+
+# ---- shapes and dtypes ----------------------------------------------------------------
+def check_hidden(hidden_states: torch.Tensor, num_local_tokens: int | None = None) -> int:
+    """`[..., H]` float hidden states -> the token count T (the product of the leading dims)."""
+    shape = hidden_states.shape
+    if len(shape) < 2:
+        raise bad_input("hidden_states", f"expected [..., H], got shape {tuple(shape)}")
+    if not hidden_states.dtype.is_floating_point:
+        raise bad_input("hidden_states", f"expected a float tensor, got {hidden_states.dtype}")
+    tokens = shape[0] if len(shape) == 2 else hidden_states.numel() // shape[-1]
+    if num_local_tokens is not None and num_local_tokens != tokens:
+        raise bad_input("num_local_tokens", f"{num_local_tokens} does not match the "
+                        f"{tokens} tokens in hidden_states {tuple(shape)}")
+    return tokens
+
+
+def check_dense(field: str, tensor: torch.Tensor, tokens: int, ep_size: int, num_local_experts: int):
+    """Dense routing data: `[..., E]` whose leading dims hold T tokens, or `[T, ep, e]`.
+
+    A routing map must be bool (an integer map would read its counts as flags); probs float.
+    """
+    num_experts = ep_size * num_local_experts
+    shape = tuple(tensor.shape)
+    by_expert = len(shape) >= 2 and shape[-1] == num_experts and tensor.numel() == tokens * num_experts
+    by_rank = shape == (tokens, ep_size, num_local_experts)
+    if not (by_expert or by_rank):
+        raise bad_input(field, f"expected [T={tokens}, E={num_experts}] (or [T, ep={ep_size}, "
+                        f"e={num_local_experts}]), got shape {shape}")
+    if field == "routing_map" and tensor.dtype != torch.bool:
+        raise bad_input(field, f"expected a bool tensor (True = routed), got {tensor.dtype}")
+    if field == "probs" and not tensor.dtype.is_floating_point:
+        raise bad_input(field, f"expected a float tensor, got {tensor.dtype}")
+
+
+def check_topk_shapes(token_probs: torch.Tensor, token_indices: torch.Tensor, tokens: int,
+                      num_experts: int) -> None:
+    """`[T, K]` integer ids and float probs of one shape, K <= E."""
+    shape = token_indices.shape
+    if (token_indices.dtype in _USUAL_INDEX_DTYPES and token_probs.dtype in _USUAL_PROB_DTYPES
+            and token_probs.shape == shape and len(shape) == 2 and shape[0] == tokens
+            and shape[1] <= num_experts):
+        return  # the usual case in one expression: this runs on every dispatch
+    dtype = token_indices.dtype
+    if dtype.is_floating_point or dtype == torch.bool or dtype.is_complex:
+        raise bad_input("token_indices", f"expected an integer tensor, got {dtype}")
+    if not token_probs.dtype.is_floating_point:
+        raise bad_input("token_probs", f"expected a float tensor, got {token_probs.dtype}")
+    if token_probs.shape != shape:
+        raise bad_input("token_indices", f"shape {tuple(shape)} does not match "
+                        f"token_probs shape {tuple(token_probs.shape)}")
+    if len(shape) != 2 or shape[0] != tokens:
+        raise bad_input("token_indices", f"expected [T={tokens}, K], got {tuple(shape)}")
+    if shape[1] > num_experts:
+        raise bad_input("token_indices", f"top-k width {shape[1]} exceeds num_moe_experts={num_experts}")
+
+
+def check_local_expert_indices(local_expert_indices, ep_rank: int, num_local_experts: int) -> None:
+    """The dispatcher delivers rank r's tokens for experts `[r*e, (r+1)*e)` in that order."""
+    expected = list(range(ep_rank * num_local_experts, (ep_rank + 1) * num_local_experts))
+    if list(local_expert_indices) != expected:
+        raise bad_input("local_expert_indices", f"{list(local_expert_indices)} on expert-parallel "
+                        f"rank {ep_rank}; expected the contiguous range {expected}")
+
+
+def check_expert_output_dtype(hidden_states: torch.Tensor) -> None:
+    """Combine's input rows must be float (their shape is checked against the dispatch)."""
+    if not hidden_states.dtype.is_floating_point:
+        raise bad_input("hidden_states", f"combine expects float expert outputs, got "
+                        f"{hidden_states.dtype} (integer rows would be summed and truncated)")
+
+
+# ---- values ---------------------------------------------------------------------------
+def topk_bad_slots(token_indices: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`([T, K] out-of-range slots, [T, K] repeats of an expert named earlier in the row)`."""
+    out_of_range_TK = (token_indices < -1) | (token_indices >= num_experts)
+    same_TKK = token_indices[:, :, None] == token_indices[:, None, :]
+    # Only a later slot naming an earlier slot's expert is a repeat; -1 may repeat freely.
+    earlier_KK = torch.ones(same_TKK.shape[1:], dtype=torch.bool, device=token_indices.device).tril(-1)
+    repeat_TK = (same_TKK & earlier_KK).any(-1) & (token_indices >= 0)
+    return out_of_range_TK, repeat_TK
+
+
+def check_topk_values(token_indices: torch.Tensor, num_experts: int) -> None:
+    """Host check: ids in [-1, E), no expert twice in one token's top-k."""
+    if not token_indices.numel():
+        return
+    lo, hi = int(token_indices.min()), int(token_indices.max())
+    if lo < -1 or hi >= num_experts:
+        raise bad_input("token_indices", f"values must be in [-1, {num_experts - 1}] "
+                        f"(-1 = unused slot), got min {lo}, max {hi}")
+    _, repeat_TK = topk_bad_slots(token_indices, num_experts)
+    if bool(repeat_TK.any()):
+        token = int(repeat_TK.any(-1).nonzero()[0])
+        raise bad_input("token_indices", f"token {token} names an expert twice in its top-k "
+                        f"{token_indices[token].tolist()}; each expert may appear at most once per token")
+
+
+def check_routes_per_token(routing_map: torch.Tensor, tokens: int, topk: int) -> None:
+    """Host check: at most `topk` routed experts per token."""
+    if not routing_map.numel():
+        return
+    most = int(routing_map.reshape(tokens, -1).sum(-1).max())
+    if most > topk:
+        raise bad_input("routing_map", f"a token is routed to {most} experts, more than "
+                        f"moe_router_topk={topk}")
+
+
+class DeferredRoutingErrors:
+    """One layer's device-side error flag for value checks of device tensors (no host sync).
+
+    `mask_topk` / `flag_routes` record errors; `raise_pending` reads them once per step.
+    """
+
+    def __init__(self):
+        self.bits: torch.Tensor | None = None
+
+    def _record(self, bits: torch.Tensor) -> None:
+        self.bits = bits if self.bits is None else self.bits | bits
+
+    def mask_topk(self, token_indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+        """Record bad top-k slots and return the ids with those slots masked to -1."""
+        out_of_range_TK, repeat_TK = topk_bad_slots(token_indices, num_experts)
+        self._record(out_of_range_TK.any().int() * RoutingError.INDEX_RANGE
+                     | repeat_TK.any().int() * RoutingError.DUPLICATE_EXPERT)
+        return token_indices.masked_fill(out_of_range_TK | repeat_TK, -1)
+
+    def flag_routes(self, routing_map: torch.Tensor, tokens: int, topk: int) -> None:
+        """Record a token routed to more than `topk` experts."""
+        too_many = routing_map.reshape(tokens, -1).sum(-1).gt(topk).any()
+        self._record(too_many.int() * RoutingError.TOO_MANY_ROUTES)
+
+    def raise_pending(self, group, num_experts: int, topk: int) -> None:
+        """Collective (every rank of `group`): raise ValueError on every rank when any rank
+        recorded an error since the last call; one MAX all-reduce and one host read."""
+        bits = self.bits
+        self.bits = None
+        if group is None or dist.get_world_size(group) == 1:
+            local = 0 if bits is None else int(bits)
+            if local:
+                raise ValueError(describe(local, num_experts, topk))
+            return
+        flags = torch.zeros(len(RoutingError), dtype=torch.int32,
+                            device="cpu" if bits is None else bits.device)
+        if bits is not None:
+            flags = torch.stack([(bits & int(b)).ne(0).int() for b in RoutingError])
+        if dist.get_backend(group) == "nccl" and flags.is_cpu:
+            flags = flags.cuda()
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        agreed = sum(int(b) for b, f in zip(RoutingError, flags.tolist()) if f)
+        if agreed:
+            raise ValueError(f"a rank of the expert-parallel group recorded bad routing input "
+                             f"since the last check: {describe(agreed, num_experts, topk)}")
+
+
+def check_model_input_errors(model: torch.nn.Module) -> None:
+    """The step-boundary check for a whole model (collective: every rank, once per step, e.g.
+    before the optimizer step): `check_input_errors` of every MoE layer's flex dispatcher."""
+    for module in model.modules():
+        check = getattr(getattr(module, "token_dispatcher", None), "check_input_errors", None)
+        if check is not None:
+            check()
