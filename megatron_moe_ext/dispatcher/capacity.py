@@ -131,8 +131,9 @@ class _TorchCapacityManager(_DeepepManager):
         meta_SK2 = torch.cat([local_SK.float(), probs_SK], dim=1)
 
         splits = [C] * world
-        recv_x_RH = torch_a2a._AllToAllRows.apply(x_pad.index_select(0, send_token_ids_S), splits, splits, group)
-        recv_meta = torch_a2a._AllToAllRows.apply(meta_SK2, splits, splits, group)
+        name = group.group_name
+        recv_x_RH = torch_a2a.all_to_all_rows(x_pad.index_select(0, send_token_ids_S), splits, splits, name)
+        recv_meta = torch_a2a.all_to_all_rows(meta_SK2, splits, splits, name)
         self.dispatched_indices = recv_meta[:, :topk].detach().long()
         self.dispatched_probs = recv_meta[:, topk:]
         self.handle = CapacityHandle(send_token_ids_S, C, num_tokens)
@@ -156,7 +157,8 @@ class _TorchCapacityManager(_DeepepManager):
         world = dist.get_world_size(self.group)
         # Empty slots gather into the extra token row T, which is sliced off.
         a2a_handle = torch_a2a.TorchDispatchHandle(h.send_token_ids_S, [h.send_capacity] * world,
-                                                   [h.send_capacity] * world, h.num_tokens + 1)
+                                                   [h.send_capacity] * world, h.num_tokens + 1,
+                                                   self.group.group_name)
         out_TH, _ = torch_a2a.combine(hidden_states, self.group, a2a_handle)
         self._release_dispatch_state()
         return out_TH[: h.num_tokens]

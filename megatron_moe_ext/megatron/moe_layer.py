@@ -15,11 +15,13 @@ import dataclasses
 import functools
 import threading
 
+import torch
 from megatron.core.transformer.moe import moe_layer as _megatron_moe_layer
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from megatron_moe_ext.config import TokenDispatcherConfig
 from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
+from megatron_moe_ext.recompute import attach_replay
 
 # The names under which Megatron's MoELayer.__init__ looks up its dispatcher classes.
 _MEGATRON_DISPATCHER_NAMES = (
@@ -69,3 +71,18 @@ class FlexMoELayer(MoELayer):
             super().__init__(config, submodules=submodules, layer_number=layer_number,
                              pg_collection=pg_collection, is_mtp_layer=is_mtp_layer, name=name)
         self.dispatcher_config = dispatcher_config
+        # Megatron recomputes this layer (selective "moe", or the whole transformer layer):
+        # the recompute replays the original routing and layout (megatron_moe_ext.recompute).
+        self.recompute_replay = None
+        if self.moe_layer_recompute or config.recompute_granularity == "full":
+            self.recompute_replay = attach_replay(self.token_dispatcher)
+
+    def forward(self, hidden_states, *args, **kwargs):
+        """Megatron's forward; a training forward that Megatron will recompute (its own "moe"
+        checkpoint, or a no-grad forward inside a full-layer checkpoint) records its dispatches."""
+        replay = self.recompute_replay
+        if replay is None:
+            return super().forward(hidden_states, *args, **kwargs)
+        recomputed = self.training and (self.moe_layer_recompute or not torch.is_grad_enabled())
+        with replay.recording(recomputed):
+            return super().forward(hidden_states, *args, **kwargs)

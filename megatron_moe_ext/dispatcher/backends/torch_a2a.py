@@ -7,8 +7,8 @@ Contract (the same as DeepEP's intranode ``Buffer.dispatch`` / ``combine``):
 each token is sent once to every rank that hosts at least one of its experts; the receiver
 gets the row, its `[K]` expert ids translated to local ids (-1 = not mine) and the matching
 fp32 weights (0 where not mine), plus host counts per local expert. Combine sends rows
-back and sums each token's copies. Dispatch and combine are built from one autograd
-all-to-all and gather/scatter ops, so each is the other's backward by construction.
+back and sums each token's copies. Dispatch and combine are built from one all-to-all
+custom op (with autograd) and gather/scatter ops, so each is the other's backward by construction.
 
 Legend: T local tokens, K top-k, W ranks, e local experts, S sent rows, R received rows.
 """
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 # All-to-all only moves bytes, and gloo has no 16-bit types: send half types as raw bytes.
 _BYTE_VIEW_DTYPES = (torch.bfloat16, torch.float16)
@@ -33,18 +34,36 @@ def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gr
     return out.view(x.dtype) if as_bytes else out
 
 
-class _AllToAllRows(torch.autograd.Function):
-    """Variable-split all-to-all of rows; its backward is the reverse all-to-all."""
+@torch.library.custom_op("moe_ext::all_to_all_rows", mutates_args=())
+def all_to_all_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                    group_name: str) -> torch.Tensor:
+    """Variable-split all-to-all of rows as a custom op, so selective activation checkpointing
+    (`megatron_moe_ext.recompute`) can save or recompute it; its backward is the reverse one."""
+    return _all_to_all(x, out_splits, in_splits, _resolve_process_group(group_name))
 
-    @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        return _all_to_all(x, out_splits, in_splits, group)
 
-    @staticmethod
-    def backward(ctx, grad):
-        out_splits, in_splits = ctx.splits
-        return _AllToAllRows.apply(grad, in_splits, out_splits, ctx.group), None, None, None
+@all_to_all_rows.register_fake
+def _(x, out_splits, in_splits, group_name):
+    return x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+
+
+def _all_to_all_rows_setup(ctx, inputs, output):
+    _, ctx.out_splits, ctx.in_splits, ctx.group_name = inputs
+
+
+def _all_to_all_rows_backward(ctx, grad):
+    return all_to_all_rows(grad.contiguous(), ctx.in_splits, ctx.out_splits, ctx.group_name), None, None, None
+
+
+all_to_all_rows.register_autograd(_all_to_all_rows_backward, setup_context=_all_to_all_rows_setup)
+
+
+def _exchange_counts(send_counts_W: torch.Tensor, group) -> tuple[list[int], list[int]]:
+    """The layout collective: rows this rank sends to / receives from each rank (host lists)."""
+    recv_counts_W = torch.empty_like(send_counts_W)
+    dist.all_to_all_single(recv_counts_W, send_counts_W, group=group)
+    counts = torch.stack([send_counts_W, recv_counts_W]).tolist()
+    return counts[0], counts[1]
 
 
 @dataclass(frozen=True)
@@ -54,12 +73,19 @@ class TorchDispatchHandle:
     send_token_ids_S: local token id of each sent row, grouped by destination rank.
     send_splits / recv_splits: rows sent to / received from each rank (host lists).
     num_tokens: T, the local token count combine restores.
+    group_name: the process group's name (the all-to-all custom op takes names).
+    mine_SK / local_SK: per sent slot, whether it is the destination's, and its local id;
+        with them `exchange` repeats the data movement without the layout collective
+        (activation recompute, `megatron_moe_ext.recompute`).
     """
 
     send_token_ids_S: torch.Tensor
     send_splits: list[int]
     recv_splits: list[int]
     num_tokens: int
+    group_name: str
+    mine_SK: torch.Tensor | None = None
+    local_SK: torch.Tensor | None = None
 
 
 def dispatch(
@@ -101,28 +127,43 @@ def dispatch(
     pairs_S2 = torch.nonzero(in_rank_TW.t())
     send_rank_S, send_token_ids_S = pairs_S2[:, 0], pairs_S2[:, 1]
 
-    recv_counts_W = torch.empty_like(send_counts_W)
-    dist.all_to_all_single(recv_counts_W, send_counts_W, group=group)
-    counts = torch.stack([send_counts_W, recv_counts_W]).tolist()
-    send_splits, recv_splits = counts[0], counts[1]
+    send_splits, recv_splits = _exchange_counts(send_counts_W, group)
 
     # Expert ids become the destination's local ids; other ranks' slots are masked.
     sent_indices_SK = indices_TK.index_select(0, send_token_ids_S)
     mine_SK = (sent_indices_SK >= 0) & (sent_indices_SK // num_local_experts == send_rank_S[:, None])
     local_SK = torch.where(mine_SK, sent_indices_SK - send_rank_S[:, None] * num_local_experts, -1)
-    probs_SK = torch.where(mine_SK, probs_TK.float().index_select(0, send_token_ids_S), 0.0)
-    # Ids travel as fp32 next to the weights (exact below 2**24 experts): one collective for both.
-    meta_SK2 = torch.cat([local_SK.float(), probs_SK], dim=1)
-
-    recv_x_RH = _AllToAllRows.apply(x_TH.index_select(0, send_token_ids_S), recv_splits, send_splits, group)
-    recv_meta = _AllToAllRows.apply(meta_SK2, recv_splits, send_splits, group)
-    recv_indices_RK = recv_meta[:, :topk].detach().long()
-    recv_probs_RK = recv_meta[:, topk:]
-
+    layout = TorchDispatchHandle(send_token_ids_S, send_splits, recv_splits, num_tokens,
+                                 group.group_name, mine_SK, local_SK)
+    recv_x_RH, recv_indices_RK, recv_probs_RK = exchange(x_TH, probs_TK, layout)
     valid = recv_indices_RK[recv_indices_RK >= 0]
     tokens_per_expert = torch.bincount(valid, minlength=num_local_experts).tolist()
-    handle = TorchDispatchHandle(send_token_ids_S, send_splits, recv_splits, num_tokens)
+    return recv_x_RH, recv_indices_RK, recv_probs_RK, tokens_per_expert, layout
+
+
+def dispatch_cached(x_TH, probs_TK, handle: TorchDispatchHandle, recv_indices_RK, recv_probs_RK,
+                    tokens_per_expert, group, async_finish: bool = False,
+                    allocate_on_comm_stream: bool = False):
+    """Repeat a dispatch along its saved layout (activation recompute): the `dispatch` 5-tuple
+    without the layout collective or a host sync. The saved received ids and weights are not
+    used: they travel again in the one metadata collective, which rebuilds the forward's
+    autograd graph exactly (so the weights' gradient reaches `probs_TK`)."""
+    recv_x_RH, recv_indices_RK, recv_probs_RK = exchange(x_TH, probs_TK, handle)
     return recv_x_RH, recv_indices_RK, recv_probs_RK, tokens_per_expert, handle
+
+
+def exchange(x_TH: torch.Tensor, probs_TK: torch.Tensor, handle: TorchDispatchHandle):
+    """The data movement of a dispatch along `handle`'s layout (no layout collective, no host
+    sync): `(recv_x [R, H], recv_indices [R, K] int64, recv_probs [R, K] fp32)`,
+    differentiable in `x_TH` and `probs_TK`."""
+    topk = handle.local_SK.shape[1]
+    probs_SK = torch.where(handle.mine_SK, probs_TK.float().index_select(0, handle.send_token_ids_S), 0.0)
+    # Ids travel as fp32 next to the weights (exact below 2**24 experts): one collective for both.
+    meta_SK2 = torch.cat([handle.local_SK.float(), probs_SK], dim=1)
+    rows_SH = x_TH.index_select(0, handle.send_token_ids_S)
+    recv_x_RH = all_to_all_rows(rows_SH, handle.recv_splits, handle.send_splits, handle.group_name)
+    recv_meta = all_to_all_rows(meta_SK2, handle.recv_splits, handle.send_splits, handle.group_name)
+    return recv_x_RH, recv_meta[:, :topk].detach().long(), recv_meta[:, topk:]
 
 
 def combine(
@@ -138,7 +179,7 @@ def combine(
             f"combine input has {x_RH.shape[0]} rows but dispatch delivered "
             f"{sum(handle.recv_splits)}: pass the restored rows of the same dispatch"
         )
-    rows_SH = _AllToAllRows.apply(x_RH, handle.send_splits, handle.recv_splits, group)
+    rows_SH = all_to_all_rows(x_RH, handle.send_splits, handle.recv_splits, handle.group_name)
     out_TH = rows_SH.new_zeros(handle.num_tokens, x_RH.shape[1])
     # accumulate=True is deterministic (no atomics), so results are bitwise reproducible.
     return out_TH.index_put((handle.send_token_ids_S,), rows_SH, accumulate=True), None
