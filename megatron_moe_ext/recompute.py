@@ -274,6 +274,13 @@ def checkpoint_moe(fn: Callable, *args, replays: Iterable[RecomputeReplay],
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r} is invalid: allowed names are {tuple(POLICIES)}")
         policy = POLICIES[policy]
+    for replay in replays:
+        # DeepEP's first dispatch (layout + rows in one library call) and its cached replay
+        # build different autograd graphs, which non-reentrant checkpointing refuses.
+        if replay._cached_dispatch is not torch_a2a.dispatch_cached:
+            raise ValueError("moe_flex_dispatcher_backend: selective-checkpoint policies support the "
+                             "'torch' backend; recompute DeepEP/UCCL-EP layers with Megatron's "
+                             "recompute flags (reentrant), which replay their dispatch handle")
     context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
     with contextlib.ExitStack() as stack:
         for replay in replays:

@@ -63,9 +63,11 @@ class _Counter:
             setattr(owner, name, original)
 
 
-def _block(disp, params, x_TH, expert_bias_E):
-    """Router + dispatch + per-expert linear maps + combine."""
+def _block(disp, params, x_TH, state):
+    """Router + dispatch + per-expert linear maps + combine; `state["expert_bias_E"]` is read
+    at call time, so a test can change it between forward and recompute."""
     w_router_HE, w_eHH = params
+    expert_bias_E = state["expert_bias_E"]
     scores_TE = torch.softmax(x_TH.float() @ w_router_HE, dim=-1)
     _, indices_TK = torch.topk(scores_TE + expert_bias_E, TOPK, dim=-1)
     probs_TK = torch.gather(scores_TE, 1, indices_TK)
@@ -100,7 +102,7 @@ def recompute_case(backend: str, mode: str, perturb: bool = False, dtype: str = 
     w_router_HE = torch.randn(HIDDEN, NUM_EXPERTS, generator=gen).requires_grad_()
     w_eHH = (torch.randn(NUM_EXPERTS, HIDDEN, HIDDEN, generator=gen) / 4)[rank * local:(rank + 1) * local]
     w_eHH.requires_grad_()
-    expert_bias_E = torch.zeros(NUM_EXPERTS)
+    state = {"expert_bias_E": torch.zeros(NUM_EXPERTS)}
     x_TH = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(10 + rank))
     x_TH = x_TH.to(torch_dtype).requires_grad_()
     g_TH = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(20 + rank)).to(torch_dtype)
@@ -109,18 +111,18 @@ def recompute_case(backend: str, mode: str, perturb: bool = False, dtype: str = 
     counter = _Counter(backend)
     try:
         if mode == "none":
-            y = _block(disp, params, x_TH, expert_bias_E)
+            y = _block(disp, params, x_TH, state)
         elif mode == "reentrant":
             with replay.recording():
-                y = torch.utils.checkpoint.checkpoint(_block, disp, params, x_TH, expert_bias_E,
+                y = torch.utils.checkpoint.checkpoint(_block, disp, params, x_TH, state,
                                                       use_reentrant=True)
         else:
-            y = recompute.checkpoint_moe(_block, disp, params, x_TH, expert_bias_E,
+            y = recompute.checkpoint_moe(_block, disp, params, x_TH, state,
                                          replays=[replay], policy=mode)
         forward_counts = (counter.layout, counter.data)
         counter.reset()
         if perturb:  # as a load-balancing update between forward and backward would
-            expert_bias_E.copy_(torch.linspace(-1.0, 1.0, NUM_EXPERTS).roll(rank + 1))
+            state["expert_bias_E"] = torch.linspace(-1.0, 1.0, NUM_EXPERTS).roll(rank + 1)
         (y * g_TH).sum().backward()
         backward_counts = (counter.layout, counter.data)
     finally:
@@ -154,7 +156,7 @@ def megatron_layer_case(recompute_granularity: str | None, perturb: bool = False
         config = layer_config(case, ep)
         extra = dict(moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid")
         if recompute_granularity == "selective":
-            extra.update(recompute_granularity="selective", recompute_modules=["moe", "moe_act"])
+            extra.update(recompute_granularity="selective", recompute_modules=["moe"])  # moe_act needs TE grouped GEMM
         elif recompute_granularity == "full":
             extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         config = dataclasses.replace(config, **extra)
