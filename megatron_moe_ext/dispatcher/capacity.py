@@ -148,7 +148,8 @@ class _TorchCapacityManager(_DeepepManager):
         world = dist.get_world_size(self.group)
         # Empty slots gather into the extra token row T, which is sliced off.
         a2a_handle = torch_a2a.TorchDispatchHandle(h.send_token_ids_S, [h.send_capacity] * world,
-                                                   [h.send_capacity] * world, h.num_tokens + 1)
+                                                   [h.send_capacity] * world, h.num_tokens + 1,
+                                                   self.group)
         out_TH, _ = torch_a2a.combine(hidden_states, self.group, a2a_handle)
         self._release_dispatch_state()
         return out_TH[: h.num_tokens]

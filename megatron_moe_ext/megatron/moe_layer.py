@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import threading
 
+import torch
 from megatron.core.transformer.moe import moe_layer as _megatron_moe_layer
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
@@ -23,6 +24,7 @@ from megatron_moe_ext.config import TokenDispatcherConfig
 from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
 from megatron_moe_ext.megatron import graphs, overflow
 from megatron_moe_ext.megatron.expert_choice import grouped_gemm_experts
+from megatron_moe_ext.recompute import attach_replay
 
 # The names under which Megatron's MoELayer.__init__ looks up its dispatcher classes.
 _MEGATRON_DISPATCHER_NAMES = (
@@ -102,6 +104,11 @@ class FlexMoELayer(MoELayer):
         self.register_buffer("moe_overflow_stats", overflow.new_stats(config) if budget else None,
                              persistent=False)
         self.moe_overflow_budget = 0
+        # Megatron recomputes this layer (selective "moe", or the whole transformer layer):
+        # the recompute replays the original routing and layout (megatron_moe_ext.recompute).
+        self.recompute_replay = None
+        if self.moe_layer_recompute or config.recompute_granularity == "full":
+            self.recompute_replay = attach_replay(self.token_dispatcher)
 
     def routed_experts_compute(self, hidden_states, probs):
         output, mlp_bias = super().routed_experts_compute(hidden_states, probs)
@@ -118,3 +125,13 @@ class FlexMoELayer(MoELayer):
         if self.moe_overflow_stats is None:
             return None
         return overflow.read_overflow([(f"layer {self.layer_number}", self)], gather=False)[0]
+
+    def forward(self, hidden_states, *args, **kwargs):
+        """Megatron's forward; a training forward that Megatron will recompute (its own "moe"
+        checkpoint, or a no-grad forward inside a full-layer checkpoint) records its dispatches."""
+        replay = self.recompute_replay
+        if replay is None:
+            return super().forward(hidden_states, *args, **kwargs)
+        recomputed = self.training and (self.moe_layer_recompute or not torch.is_grad_enabled())
+        with replay.recording(recomputed):
+            return super().forward(hidden_states, *args, **kwargs)

@@ -390,6 +390,22 @@ class DeepEPCommunicator:
                 (self, handle, group, (async_finish, allocate_on_comm_stream), recv_x, recv_probs, recv_indices))
         return recv_x, recv_indices, recv_probs, list(tokens_per_expert), handle
 
+    def dispatch_cached(self, x_TH, probs_TK, handle: DeepEPHandle, recv_indices_RK, recv_probs_RK,
+                        tokens_per_expert, group, async_finish: bool = False,
+                        allocate_on_comm_stream: bool = False):
+        """Repeat a dispatch along its saved handle (activation recompute): the rows move again
+        through the library's cached mode (no layout, no host sync); the received ids, weights
+        and counts are the saved ones. Returns `dispatch`'s 5-tuple; the gradient of the
+        weights still reaches `probs_TK` (backward is the same combine as `dispatch`'s)."""
+        recv_x = self.cached_dispatch_raw(x_TH.contiguous(), handle, group, async_finish,
+                                          allocate_on_comm_stream)
+        recv_probs = recv_probs_RK.detach()
+        if torch.is_grad_enabled() and (x_TH.requires_grad or probs_TK.requires_grad):
+            recv_x, recv_probs = _DispatchGrad.apply(
+                x_TH, probs_TK.float(),
+                (self, handle, group, (async_finish, allocate_on_comm_stream), recv_x, recv_probs, recv_indices_RK))
+        return recv_x, recv_indices_RK, recv_probs, tokens_per_expert, handle
+
     def combine(self, x_RH, group, handle: DeepEPHandle,
                 async_finish: bool = False, allocate_on_comm_stream: bool = False):
         """Sum each token's expert-output rows on its owner: `[R, H]` -> `([T, H], None)`.

@@ -7,8 +7,8 @@ Contract (the same as DeepEP's intranode ``Buffer.dispatch`` / ``combine``):
 each token is sent once to every rank that hosts at least one of its experts; the receiver
 gets the row, its `[K]` expert ids translated to local ids (-1 = not mine) and the matching
 fp32 weights (0 where not mine), plus host counts per local expert. Combine sends rows
-back and sums each token's copies. Dispatch and combine are built from one autograd
-all-to-all and gather/scatter ops, so each is the other's backward by construction.
+back and sums each token's copies. Dispatch and combine are built from one all-to-all
+custom op (with autograd) and gather/scatter ops, so each is the other's backward by construction.
 
 Legend: T local tokens, K top-k, W ranks, e local experts, S sent rows, R received rows.
 """
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 # All-to-all only moves bytes, and gloo has no 16-bit types: send half types as raw bytes.
 _BYTE_VIEW_DTYPES = (torch.bfloat16, torch.float16)
@@ -33,25 +34,64 @@ def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gr
     return out.view(x.dtype) if as_bytes else out
 
 
-class _AllToAllRows(torch.autograd.Function):
-    """Variable-split all-to-all of rows; its backward is the reverse all-to-all."""
+@torch.library.custom_op("moe_ext::all_to_all_rows", mutates_args=())
+def _all_to_all_rows_op(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                        group_name: str) -> torch.Tensor:
+    return _all_to_all(x, out_splits, in_splits, _resolve_process_group(group_name))
 
-    @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        return _all_to_all(x, out_splits, in_splits, group)
 
-    @staticmethod
-    def backward(ctx, grad):
-        out_splits, in_splits = ctx.splits
-        return _AllToAllRows.apply(grad, in_splits, out_splits, ctx.group), None, None, None
+@_all_to_all_rows_op.register_fake
+def _(x, out_splits, in_splits, group_name):
+    return x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+
+
+def _all_to_all_rows_setup(ctx, inputs, output):
+    _, ctx.out_splits, ctx.in_splits, ctx.group_name = inputs
+
+
+def _all_to_all_rows_backward(ctx, grad):
+    return _all_to_all_rows_op(grad.contiguous(), ctx.in_splits, ctx.out_splits, ctx.group_name), None, None, None
+
+
+_all_to_all_rows_op.register_autograd(_all_to_all_rows_backward, setup_context=_all_to_all_rows_setup)
 
 
 def all_to_all_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    """Autograd all-to-all of `x`'s rows; within one rank it is the identity (no collective)."""
+    """Autograd all-to-all of `x`'s rows (its backward is the reverse one); within one rank the
+    identity. A `torch.library` custom op, so selective activation checkpointing
+    (`megatron_moe_ext.recompute`) can save or recompute it."""
     if len(in_splits) == 1:
         return x
-    return _AllToAllRows.apply(x, out_splits, in_splits, group)
+    return _all_to_all_rows_op(x, out_splits, in_splits, group.group_name)
+
+
+def _exchange_counts(send_counts_W: torch.Tensor, group) -> tuple[list[int], list[int]]:
+    """The layout collective: rows this rank sends to / receives from each rank (host lists).
+
+    Each count travels with an error flag (0 here): a rank that rejected its input before
+    this collective sends 1s instead (`announce_input_error`), and every peer raises.
+    """
+    send_W2 = torch.stack([send_counts_W, torch.zeros_like(send_counts_W)], dim=1)
+    recv_W2 = torch.empty_like(send_W2)
+    dist.all_to_all_single(recv_W2, send_W2, group=group)
+    send_splits, recv_splits, peer_errors = torch.stack([send_counts_W, recv_W2[:, 0], recv_W2[:, 1]]).tolist()
+    if any(peer_errors):
+        ranks = [r for r, flag in enumerate(peer_errors) if flag]
+        raise ValueError(f"dispatch: expert-parallel rank(s) {ranks} of this group rejected their "
+                         "input before the all-to-all (see their ValueError); this rank's dispatch "
+                         "is abandoned")
+    return send_splits, recv_splits
+
+
+def announce_input_error(group) -> None:
+    """Collective partner of a peer's dispatch: called by a rank that rejected its own
+    input before dispatching, so the peers waiting in the counts all-to-all raise too."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    device = torch.cuda.current_device() if dist.get_backend(group) == "nccl" else "cpu"
+    flags_W2 = torch.ones(world, 2, dtype=torch.int64, device=device)
+    dist.all_to_all_single(torch.empty_like(flags_W2), flags_W2, group=group)
 
 
 def token_ranks(indices_TK: torch.Tensor, num_local_experts: int, world: int) -> torch.Tensor:
@@ -61,6 +101,20 @@ def token_ranks(indices_TK: torch.Tensor, num_local_experts: int, world: int) ->
     hits_TW = torch.zeros(indices_TK.shape[0], world + 1, dtype=torch.int32, device=indices_TK.device)
     hits_TW = hits_TW.scatter_add_(1, dest_TK, torch.ones_like(dest_TK, dtype=torch.int32))
     return hits_TW[:, :world] > 0
+
+
+def _local_routing(sent_indices_SK: torch.Tensor, send_rank_S: torch.Tensor, num_local_experts: int):
+    """`([S, K] whether the slot is the destination's, [S, K] its local id there or -1)`."""
+    mine_SK = (sent_indices_SK >= 0) & (sent_indices_SK // num_local_experts == send_rank_S[:, None])
+    return mine_SK, torch.where(mine_SK, sent_indices_SK - send_rank_S[:, None] * num_local_experts, -1)
+
+
+def _send_meta(local_SK, probs_SK, recv_splits, send_splits, group):
+    """Local ids and fp32 probs to their destinations: `(recv_indices_RK, recv_probs_RK)`."""
+    topk = local_SK.shape[1]
+    # Ids travel as fp32 next to the weights (exact below 2**24 experts): one collective for both.
+    recv_meta = all_to_all_rows(torch.cat([local_SK.float(), probs_SK], dim=1), recv_splits, send_splits, group)
+    return recv_meta[:, :topk].detach().long(), recv_meta[:, topk:]
 
 
 def send_routing(sent_indices_SK, sent_probs_SK, send_rank_S, num_local_experts, recv_splits,
@@ -76,13 +130,9 @@ def send_routing(sent_indices_SK, sent_probs_SK, send_rank_S, num_local_experts,
         `(recv_indices_RK, recv_probs_RK)`: local ids (-1 = not this rank's) and fp32 probs
         (0 there), differentiable in the probs.
     """
-    mine_SK = (sent_indices_SK >= 0) & (sent_indices_SK // num_local_experts == send_rank_S[:, None])
-    local_SK = torch.where(mine_SK, sent_indices_SK - send_rank_S[:, None] * num_local_experts, -1)
+    mine_SK, local_SK = _local_routing(sent_indices_SK, send_rank_S, num_local_experts)
     probs_SK = torch.where(mine_SK, sent_probs_SK.float(), 0.0)
-    # Ids travel as fp32 next to the weights (exact below 2**24 experts): one collective for both.
-    recv_meta = all_to_all_rows(torch.cat([local_SK.float(), probs_SK], dim=1), recv_splits, send_splits, group)
-    topk = sent_indices_SK.shape[1]
-    return recv_meta[:, :topk].detach().long(), recv_meta[:, topk:]
+    return _send_meta(local_SK, probs_SK, recv_splits, send_splits, group)
 
 
 def count_per_expert(indices_RK: torch.Tensor, num_local_experts: int) -> list[int]:
@@ -93,18 +143,25 @@ def count_per_expert(indices_RK: torch.Tensor, num_local_experts: int) -> list[i
 
 @dataclass(frozen=True)
 class TorchDispatchHandle:
-    """Dispatch state that combine and both backwards reuse.
+    """Dispatch state that combine, both backwards and a recompute reuse.
 
     send_token_ids_S: local token id of each sent row, grouped by destination rank; None
         within one rank, where every token stays in place.
     send_splits / recv_splits: rows sent to / received from each rank (host lists).
     num_tokens: T, the local token count combine restores.
+    group: the process group.
+    mine_SK / local_SK: per sent slot, whether it is the destination's, and its local id
+        (within one rank: the token's own slots); with them `exchange` repeats the data
+        movement without the layout collective (activation recompute).
     """
 
     send_token_ids_S: torch.Tensor | None
     send_splits: list[int]
     recv_splits: list[int]
     num_tokens: int
+    group: object = None
+    mine_SK: torch.Tensor | None = None
+    local_SK: torch.Tensor | None = None
 
 
 def dispatch(
@@ -137,50 +194,46 @@ def dispatch(
     if world == 1:
         # Every expert is local: the rows stay where they are and the dispatch is only the
         # count of rows per expert (the one host read Megatron's alltoall dispatcher makes too).
-        recv_probs_TK = torch.where(indices_TK >= 0, probs_TK.float(), 0.0)
-        counts = count_per_expert(indices_TK, num_local_experts)
-        return x_TH, indices_TK.long(), recv_probs_TK, counts, TorchDispatchHandle(None, [num_tokens], [num_tokens], num_tokens)
+        indices_TK = indices_TK.long()
+        layout = TorchDispatchHandle(None, [num_tokens], [num_tokens], num_tokens, group,
+                                     indices_TK >= 0, indices_TK)
+    else:
+        in_rank_TW = token_ranks(indices_TK, num_local_experts, world)
+        # Rank-major send order, token order within a rank (what DeepEP's layout produces too).
+        pairs_S2 = torch.nonzero(in_rank_TW.t())
+        send_rank_S, send_token_ids_S = pairs_S2[:, 0], pairs_S2[:, 1]
+        send_splits, recv_splits = _exchange_counts(in_rank_TW.sum(0), group)
+        mine_SK, local_SK = _local_routing(indices_TK.index_select(0, send_token_ids_S), send_rank_S,
+                                           num_local_experts)
+        layout = TorchDispatchHandle(send_token_ids_S, send_splits, recv_splits, num_tokens, group,
+                                     mine_SK, local_SK)
+    recv_x_RH, recv_indices_RK, recv_probs_RK = exchange(x_TH, probs_TK, layout)
+    return recv_x_RH, recv_indices_RK, recv_probs_RK, count_per_expert(recv_indices_RK, num_local_experts), layout
 
-    in_rank_TW = token_ranks(indices_TK, num_local_experts, world)
-    send_counts_W = in_rank_TW.sum(0)
-    # Rank-major send order, token order within a rank (what DeepEP's layout produces too).
-    pairs_S2 = torch.nonzero(in_rank_TW.t())
-    send_rank_S, send_token_ids_S = pairs_S2[:, 0], pairs_S2[:, 1]
 
-    # Each count travels with an error flag (0 here): a rank that rejected its input
-    # before this collective sends 1s instead (`announce_input_error`), and every peer raises.
-    send_W2 = torch.stack([send_counts_W, torch.zeros_like(send_counts_W)], dim=1)
-    recv_W2 = torch.empty_like(send_W2)
-    dist.all_to_all_single(recv_W2, send_W2, group=group)
-    send_splits, recv_splits, peer_errors = torch.stack([send_counts_W, recv_W2[:, 0], recv_W2[:, 1]]).tolist()
-    if any(peer_errors):
-        _raise_peer_error(peer_errors)
-
-    recv_x_RH = all_to_all_rows(x_TH.index_select(0, send_token_ids_S), recv_splits, send_splits, group)
-    recv_indices_RK, recv_probs_RK = send_routing(
-        indices_TK.index_select(0, send_token_ids_S), probs_TK.index_select(0, send_token_ids_S),
-        send_rank_S, num_local_experts, recv_splits, send_splits, group)
-    tokens_per_expert = count_per_expert(recv_indices_RK, num_local_experts)
-    handle = TorchDispatchHandle(send_token_ids_S, send_splits, recv_splits, num_tokens)
+def dispatch_cached(x_TH, probs_TK, handle: TorchDispatchHandle, recv_indices_RK, recv_probs_RK,
+                    tokens_per_expert, group, async_finish: bool = False,
+                    allocate_on_comm_stream: bool = False):
+    """Repeat a dispatch along its saved layout (activation recompute): the `dispatch` 5-tuple
+    without the layout collective or a host sync. The saved received ids and weights are not
+    used: they travel again in the one metadata collective, which rebuilds the forward's
+    autograd graph exactly (so the weights' gradient reaches `probs_TK`)."""
+    recv_x_RH, recv_indices_RK, recv_probs_RK = exchange(x_TH, probs_TK, handle)
     return recv_x_RH, recv_indices_RK, recv_probs_RK, tokens_per_expert, handle
 
 
-def announce_input_error(group) -> None:
-    """Collective partner of a peer's dispatch: called by a rank that rejected its own
-    input before dispatching, so the peers waiting in the counts all-to-all raise too."""
-    world = dist.get_world_size(group)
-    if world == 1:
-        return
-    device = torch.cuda.current_device() if dist.get_backend(group) == "nccl" else "cpu"
-    flags_W2 = torch.ones(world, 2, dtype=torch.int64, device=device)
-    dist.all_to_all_single(torch.empty_like(flags_W2), flags_W2, group=group)
-
-
-def _raise_peer_error(peer_errors: list[int]) -> None:
-    ranks = [r for r, flag in enumerate(peer_errors) if flag]
-    raise ValueError(f"dispatch: expert-parallel rank(s) {ranks} of this group rejected their "
-                     "input before the all-to-all (see their ValueError); this rank's dispatch "
-                     "is abandoned")
+def exchange(x_TH: torch.Tensor, probs_TK: torch.Tensor, handle: TorchDispatchHandle):
+    """The data movement of a dispatch along `handle`'s layout (no layout collective, no host
+    sync): `(recv_x [R, H], recv_indices [R, K] int64, recv_probs [R, K] fp32)`,
+    differentiable in `x_TH` and `probs_TK`."""
+    if handle.send_token_ids_S is None:
+        return x_TH, handle.local_SK, torch.where(handle.mine_SK, probs_TK.float(), 0.0)
+    probs_SK = torch.where(handle.mine_SK, probs_TK.float().index_select(0, handle.send_token_ids_S), 0.0)
+    recv_x_RH = all_to_all_rows(x_TH.index_select(0, handle.send_token_ids_S), handle.recv_splits,
+                                handle.send_splits, handle.group)
+    recv_indices_RK, recv_probs_RK = _send_meta(handle.local_SK, probs_SK, handle.recv_splits,
+                                                handle.send_splits, handle.group)
+    return recv_x_RH, recv_indices_RK, recv_probs_RK
 
 
 def combine(
@@ -198,7 +251,7 @@ def combine(
         )
     if handle.send_token_ids_S is None:
         return x_RH, None
-    rows_SH = all_to_all_rows(x_RH, handle.send_splits, handle.recv_splits, group)
+    rows_SH = all_to_all_rows(x_RH, handle.send_splits, handle.recv_splits, handle.group)
     out_TH = rows_SH.new_zeros(handle.num_tokens, x_RH.shape[1])
     # accumulate=True is deterministic (no atomics), so results are bitwise reproducible.
     return out_TH.index_put((handle.send_token_ids_S,), rows_SH, accumulate=True), None

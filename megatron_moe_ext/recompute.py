@@ -1,0 +1,287 @@
+"""Activation recompute of the MoE layer that neither re-communicates the layout nor changes
+the routing (docs/DESIGN.md, "Recompute").
+
+A checkpointed MoE forward runs twice: once in forward, once again in backward. The second
+run must route exactly like the first (otherwise the saved activations and the recomputed
+rows disagree) and should not pay the dispatch layout again. `RecomputeReplay` wraps one
+layer's dispatch manager and
+
+- records, in a forward that will be recomputed, the top-k routing the layer dispatched
+  (ids and fp32 weights, small) and the backend's layout (torch: split sizes and
+  permutation; DeepEP/UCCL-EP: the dispatch handle) with the received ids and counts;
+- replays it in the recompute (recognised as a forward running inside backward): the
+  dispatch reuses the saved ids and layout (no layout collective, no host sync) and only the
+  token rows move again, unless a selective-checkpoint policy saved them;
+- compares, on the device, the recomputed router output with the saved one and raises
+  `RoutingChangedError` at this layer's next dispatch (a host sync point) or at `check()`.
+
+Records are consumed first-in first-out, which matches every schedule in which a layer's
+recomputes run in the order of its forwards (1F1B and interleaved pipelines included).
+
+Selective checkpointing (`torch.utils.checkpoint` with `create_selective_checkpoint_contexts`)
+sees the torch backend's data exchange as the custom op `moe_ext::all_to_all_rows`;
+`save_dispatch_outputs` saves every such output (no communication at all in the recompute),
+`recompute_all` recomputes them. `checkpoint_moe` runs a function under one of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from megatron_moe_ext.dispatcher.backends import torch_a2a
+
+
+class RoutingChangedError(RuntimeError):
+    """The recomputed router chose other experts or weights than the original forward."""
+
+
+def save_dispatch_outputs(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+    """Selective-checkpoint policy: keep the outputs of the dispatch/combine data exchange
+    (the recompute communicates nothing); recompute everything else."""
+    if func is torch.ops.moe_ext.all_to_all_rows.default:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def recompute_all(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+    """Selective-checkpoint policy: recompute everything, the data exchange included (the
+    layout is still reused through `RecomputeReplay`)."""
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+POLICIES: dict[str, Callable] = {"save_dispatch_outputs": save_dispatch_outputs,
+                                 "recompute_all": recompute_all}
+
+
+def _in_backward() -> bool:
+    """True while the autograd engine runs a backward on this thread (a recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+@dataclass(frozen=True)
+class _DispatchRecord:
+    """What one recorded dispatch hands its recompute.
+
+    indices_TK / probs_TK: the routing dispatched (after token dropping), fp32 weights detached.
+    handle: the backend's layout.
+    recv_indices_RK / recv_probs_RK / tokens_per_expert: what this rank received.
+    """
+
+    indices_TK: torch.Tensor
+    probs_TK: torch.Tensor
+    handle: object
+    recv_indices_RK: torch.Tensor
+    recv_probs_RK: torch.Tensor
+    tokens_per_expert: list[int]
+
+
+def _cached_dispatch_of(manager) -> Callable | None:
+    """The backend's layout-reusing dispatch for a `_DeepepManager`, else None."""
+    from megatron_moe_ext.dispatcher.backends.deepep import DeepEPCommunicator
+    from megatron_moe_ext.dispatcher.deepep_manager import _DeepepManager
+
+    if type(manager) is not _DeepepManager:  # capacity mode and HybridEP keep their own state
+        return None
+    comm = manager.comm
+    if comm is torch_a2a:
+        return torch_a2a.dispatch_cached
+    return comm.dispatch_cached if isinstance(comm, DeepEPCommunicator) else None
+
+
+class RecomputeReplay:
+    """One layer's view of its dispatch manager that records and replays routing and layout.
+
+    Arguments:
+        manager: the layer's `_DeepepManager` (torch, DeepEP or UCCL-EP backend); may be shared
+            by several layers, the records are this object's.
+        cached_dispatch: the backend's `dispatch_cached`.
+    """
+
+    def __init__(self, manager, cached_dispatch: Callable):
+        self._inner = manager
+        self._cached_dispatch = cached_dispatch
+        self._records: deque[_DispatchRecord] = deque()
+        self._recording = False
+        self._replaying: _DispatchRecord | None = None
+        # (device flag, host copy, event): a routing change seen by a recompute, not yet read.
+        self._pending: list[tuple[torch.Tensor, torch.Tensor, object]] = []
+
+    def __getattr__(self, name):  # everything else is the manager's
+        return getattr(self.__dict__["_inner"], name)
+
+    @property
+    def manager(self):
+        return self._inner
+
+    @property
+    def num_records(self) -> int:
+        """Recorded dispatches whose recompute has not run yet."""
+        return len(self._records)
+
+    @contextlib.contextmanager
+    def recording(self, enabled: bool = True):
+        """Record the dispatches of this forward (it will be recomputed)."""
+        saved, self._recording = self._recording, enabled
+        try:
+            yield
+        finally:
+            self._recording = saved
+
+    def clear(self) -> None:
+        """Drop unconsumed records (a checkpointed forward whose backward never ran)."""
+        self._records.clear()
+
+    # ---- routing ---------------------------------------------------------------------------
+    def setup_metadata(self, num_local_tokens: int, probs: torch.Tensor, routing_map=None):
+        self._inner.setup_metadata(num_local_tokens, probs, routing_map)
+        self._after_setup()
+
+    def setup_metadata_from_indices(self, token_indices: torch.Tensor, token_probs: torch.Tensor):
+        self._inner.setup_metadata_from_indices(token_indices, token_probs)
+        self._after_setup()
+
+    def _after_setup(self) -> None:
+        if not (_in_backward() and self._records):
+            self._replaying = None
+            self.check()
+            return
+        record = self._records.popleft()
+        inner = self._inner
+        indices_TK, probs_TK = inner.token_indices, inner.token_probs
+        if indices_TK.shape != record.indices_TK.shape:
+            raise RoutingChangedError(
+                f"the recomputed MoE forward routes {tuple(indices_TK.shape)} top-k slots, the "
+                f"original forward routed {tuple(record.indices_TK.shape)}: recomputes must run "
+                "in the order of their forwards, on the same tokens")
+        changed = (indices_TK != record.indices_TK).any() | (probs_TK.detach() != record.probs_TK).any()
+        self._flag(changed)
+        # The layout is the original one, so the ids must be too (the weights keep the
+        # recomputed graph: their gradient flows to the router).
+        inner.token_indices = record.indices_TK
+        self._replaying = record
+
+    def _flag(self, changed: torch.Tensor) -> None:
+        """Queue a device flag for the next host sync point, copied to the host without a sync."""
+        if changed.is_cuda:
+            host = torch.empty((), dtype=torch.bool, pin_memory=True)
+            host.copy_(changed, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host, event = changed, None
+        self._pending.append((changed, host, event))
+
+    def check(self) -> None:
+        """Raise `RoutingChangedError` if a recompute since the last check routed differently.
+
+        The flags were copied to the host when the recompute ran; reading them waits only for
+        that copy (long done by the next forward)."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        for _, host, event in pending:
+            if event is not None:
+                event.synchronize()
+            if bool(host):
+                raise RoutingChangedError(
+                    "the recomputed MoE router output differs from the original forward's (expert "
+                    "ids or weights): the backward used the original routing and its gradients "
+                    "do not match the recomputed router. Do not change router weights or expert "
+                    "bias between a checkpointed forward and its backward; make the router "
+                    "deterministic (bf16 top-k ties)")
+
+    # ---- communication ---------------------------------------------------------------------
+    def dispatch(self, hidden_states, async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        inner = self._inner
+        record, self._replaying = self._replaying, None
+        if record is None:
+            indices_TK, probs_TK = inner.token_indices, inner.token_probs
+            out = inner.dispatch(hidden_states, async_finish, allocate_on_comm_stream)
+            if self._recording and not _in_backward():
+                self._records.append(_DispatchRecord(
+                    indices_TK, probs_TK.detach(), inner.handle, inner.dispatched_indices,
+                    inner.dispatched_probs.detach(), list(inner._host_counts())))
+            return out
+        hidden, indices, probs, tokens_per_expert, handle = self._cached_dispatch(
+            hidden_states, inner.token_probs, record.handle, record.recv_indices_RK,
+            record.recv_probs_RK, record.tokens_per_expert, inner.group, async_finish,
+            allocate_on_comm_stream)
+        # The state `_DeepepManager.dispatch` leaves for permute and combine.
+        inner.handle = handle
+        inner.tokens_per_expert = list(tokens_per_expert)
+        inner.dispatched_indices, inner.dispatched_probs = indices, probs
+        inner.token_indices = inner.token_probs = None
+        return hidden
+
+
+def attach_replay(dispatcher) -> RecomputeReplay | None:
+    """Give `dispatcher` (a `MoEFlexTokenDispatcher`) a `RecomputeReplay` (idempotent).
+
+    Returns it, or None for backends whose recompute repeats the whole dispatch (HybridEP,
+    the torch backend's capacity mode): those stay consistent with the recomputed routing
+    but pay the layout again.
+    """
+    manager = dispatcher._comm_manager
+    if isinstance(manager, RecomputeReplay):
+        return manager
+    cached = _cached_dispatch_of(manager)
+    if cached is None:
+        return None
+    replay = RecomputeReplay(manager, cached)
+    dispatcher._comm_manager = replay
+    return replay
+
+
+def replays_in(module_or_dispatchers) -> list[RecomputeReplay]:
+    """The `RecomputeReplay`s of an `nn.Module`'s MoE layers, or of dispatchers, attached if needed."""
+    if isinstance(module_or_dispatchers, torch.nn.Module):
+        dispatchers = [m.token_dispatcher for m in module_or_dispatchers.modules()
+                       if hasattr(m, "token_dispatcher")]
+    else:
+        dispatchers = list(module_or_dispatchers)
+    return [r for r in (attach_replay(d) for d in dispatchers) if r is not None]
+
+
+def check_routing(module_or_dispatchers) -> None:
+    """Raise `RoutingChangedError` for any recompute that routed differently (one host read
+    per layer; call it once per step, before the optimizer step)."""
+    for replay in replays_in(module_or_dispatchers):
+        replay.check()
+
+
+def checkpoint_moe(fn: Callable, *args, replays: Iterable[RecomputeReplay],
+                   policy: Callable | str = save_dispatch_outputs, **kwargs):
+    """`fn(*args, **kwargs)` under non-reentrant `torch.utils.checkpoint` with a selective policy
+    whose MoE dispatches are recorded for replay.
+
+    Arguments:
+        fn: the checkpointed region (one or more MoE layers, or a whole transformer layer).
+        replays: the `RecomputeReplay`s of the MoE layers inside (see `replays_in`).
+        policy: `save_dispatch_outputs`, `recompute_all` (or their names), or any policy.
+
+    Returns:
+        `fn`'s output.
+    """
+    if isinstance(policy, str):
+        if policy not in POLICIES:
+            raise ValueError(f"policy={policy!r} is invalid: allowed names are {tuple(POLICIES)}")
+        policy = POLICIES[policy]
+    for replay in replays:
+        # DeepEP's first dispatch (layout + rows in one library call) and its cached replay
+        # build different autograd graphs, which non-reentrant checkpointing refuses.
+        if replay._cached_dispatch is not torch_a2a.dispatch_cached:
+            raise ValueError("moe_flex_dispatcher_backend: selective-checkpoint policies support the "
+                             "'torch' backend; recompute DeepEP/UCCL-EP layers with Megatron's "
+                             "recompute flags (reentrant), which replay their dispatch handle")
+    context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
+    with contextlib.ExitStack() as stack:
+        for replay in replays:
+            stack.enter_context(replay.recording())
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn, **kwargs)

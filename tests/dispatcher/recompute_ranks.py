@@ -1,0 +1,196 @@
+"""Rank-side bodies of the recompute tests (run through tests/harness.py).
+
+A small MoE block (linear router with an expert bias, top-k, the flex dispatcher's seed face,
+one linear map per expert, combine) runs forward+backward with and without activation
+recompute; every rank returns its gradients and the number of the package's collectives
+issued during backward, split into layout and data.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron_moe_ext import recompute
+from megatron_moe_ext.config import TokenDispatcherConfig
+from megatron_moe_ext.dispatcher.backends import torch_a2a
+from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
+
+NUM_EXPERTS, TOPK, HIDDEN, TOKENS = 8, 2, 16, 12
+
+
+class _Counter:
+    """Counts calls of the package's own communication functions (or the DeepEP double's)."""
+
+    def __init__(self, backend: str):
+        self.layout = self.data = 0
+        self._patches: list[tuple[object, str, object]] = []
+        if backend == "torch":
+            self._wrap(torch_a2a, "_exchange_counts", "layout")
+            self._wrap(torch_a2a, "_all_to_all", "data")
+        else:
+            import deep_ep
+
+            self._wrap(deep_ep.Buffer, "get_dispatch_layout", "layout")
+            self._wrap(deep_ep.Buffer, "dispatch", None)  # a dispatch without a handle is layout too
+            self._wrap(deep_ep.Buffer, "combine", "data")
+
+    def _wrap(self, owner, name, kind):
+        original = getattr(owner, name)
+        counter = self
+
+        @functools.wraps(original)
+        def wrapped(*args, **kwargs):
+            if kind is None:  # Buffer.dispatch(self, x, handle=...)
+                counter.data += 1
+                if kwargs.get("handle") is None and (len(args) < 3 or args[2] is None):
+                    counter.layout += 1
+            else:
+                setattr(counter, kind, getattr(counter, kind) + 1)
+            return original(*args, **kwargs)
+
+        setattr(owner, name, wrapped)
+        self._patches.append((owner, name, original))
+
+    def reset(self):
+        self.layout = self.data = 0
+
+    def restore(self):
+        for owner, name, original in reversed(self._patches):
+            setattr(owner, name, original)
+
+
+def _block(disp, params, x_TH, state):
+    """Router + dispatch + per-expert linear maps + combine; `state["expert_bias_E"]` is read
+    at call time, so a test can change it between forward and recompute."""
+    w_router_HE, w_eHH = params
+    expert_bias_E = state["expert_bias_E"]
+    scores_TE = torch.softmax(x_TH.float() @ w_router_HE, dim=-1)
+    _, indices_TK = torch.topk(scores_TE + expert_bias_E, TOPK, dim=-1)
+    probs_TK = torch.gather(scores_TE, 1, indices_TK)
+    rows_PH, tokens_per_expert, probs_P = disp.token_permutation2(x_TH, x_TH.shape[0], probs_TK, indices_TK)
+    counts = torch.as_tensor(tokens_per_expert).tolist()
+    outs = [chunk @ w_eHH[e].to(chunk.dtype) for e, chunk in enumerate(rows_PH.split(counts))]
+    out_PH = (torch.cat(outs) * probs_P.reshape(-1, 1)).to(x_TH.dtype)
+    return F.silu(disp.token_unpermutation(out_PH))
+
+
+def recompute_case(backend: str, mode: str, perturb: bool = False, dtype: str = "fp32") -> dict:
+    """One forward+backward of the block on this rank under `mode`:
+    "none", "reentrant" (Megatron-style: the forward runs without grad and is recorded),
+    "save_dispatch_outputs" or "recompute_all" (selective checkpoint policies).
+
+    Returns the gradients, the collectives issued in backward, and the routing-check error.
+    """
+    if backend != "torch":
+        from tests.doubles import deep_ep_buffer
+
+        deep_ep_buffer.install()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    local = NUM_EXPERTS // world
+    cfg = TokenDispatcherConfig(num_moe_experts=NUM_EXPERTS, moe_router_topk=TOPK,
+                                moe_flex_dispatcher_backend=backend, moe_share_token_dispatcher=False)
+    disp = MoEFlexTokenDispatcher(local, list(range(rank * local, (rank + 1) * local)), cfg,
+                                  ep_group=dist.group.WORLD)
+    replay = recompute.attach_replay(disp)
+    assert replay is not None
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    gen = torch.Generator().manual_seed(3)  # parameters equal on every rank
+    w_router_HE = torch.randn(HIDDEN, NUM_EXPERTS, generator=gen).requires_grad_()
+    w_eHH = (torch.randn(NUM_EXPERTS, HIDDEN, HIDDEN, generator=gen) / 4)[rank * local:(rank + 1) * local]
+    w_eHH.requires_grad_()
+    state = {"expert_bias_E": torch.zeros(NUM_EXPERTS)}
+    x_TH = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(10 + rank))
+    x_TH = x_TH.to(torch_dtype).requires_grad_()
+    g_TH = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(20 + rank)).to(torch_dtype)
+    params = (w_router_HE, w_eHH)
+
+    counter = _Counter(backend)
+    try:
+        if mode == "none":
+            y = _block(disp, params, x_TH, state)
+        elif mode == "reentrant":
+            with replay.recording():
+                y = torch.utils.checkpoint.checkpoint(_block, disp, params, x_TH, state,
+                                                      use_reentrant=True)
+        else:
+            y = recompute.checkpoint_moe(_block, disp, params, x_TH, state,
+                                         replays=[replay], policy=mode)
+        forward_counts = (counter.layout, counter.data)
+        counter.reset()
+        if perturb:  # as a load-balancing update between forward and backward would
+            state["expert_bias_E"] = torch.linspace(-1.0, 1.0, NUM_EXPERTS).roll(rank + 1)
+        (y * g_TH).sum().backward()
+        backward_counts = (counter.layout, counter.data)
+    finally:
+        counter.restore()
+    error = None
+    try:
+        replay.check()
+    except recompute.RoutingChangedError as exc:
+        error = str(exc)
+    return dict(grads=[t.grad.detach().clone() for t in (x_TH, w_router_HE, w_eHH)],
+                forward_counts=forward_counts, backward_counts=backward_counts,
+                pending_records=replay.num_records, error=error)
+
+
+def megatron_layer_case(recompute_granularity: str | None, perturb: bool = False) -> dict:
+    """`FlexMoELayer` (torch backend) under Megatron's own recompute flags: gradients and
+    the collectives issued during backward."""
+    import dataclasses
+
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+
+    from megatron_moe_ext.megatron.moe_layer import FlexMoELayer
+    from tests.megatron.cases_layer import LayerCase, layer_config
+    from tests.shims import megatron_cpu
+
+    megatron_cpu.install()
+    try:
+        ep, rank = dist.get_world_size(), dist.get_rank()
+        pg = megatron_cpu.init_parallel_state(ep)
+        case = LayerCase("recompute", num_experts=8, topk=2)
+        config = layer_config(case, ep)
+        extra = dict(moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid")
+        if recompute_granularity == "selective":
+            extra.update(recompute_granularity="selective", recompute_modules=["moe"])  # moe_act needs TE grouped GEMM
+        elif recompute_granularity == "full":
+            extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        config = dataclasses.replace(config, **extra)
+        spec = get_moe_module_spec(use_te=False, num_experts=case.num_experts)
+        torch.manual_seed(5)
+        layer = FlexMoELayer(config, submodules=spec.keywords["submodules"], pg_collection=pg,
+                             layer_number=1)
+        layer.set_layer_number(1)
+        gen = torch.Generator().manual_seed(100 + rank)
+        x = torch.randn(case.seq, case.batch, case.hidden, generator=gen).requires_grad_()
+        g = torch.randn(case.seq, case.batch, case.hidden, generator=gen)
+        counter = _Counter("torch")
+        try:
+            if recompute_granularity == "full":
+                from megatron.core import tensor_parallel
+
+                out, _ = tensor_parallel.checkpoint(layer, False, x)
+            else:
+                out, _ = layer(x)
+            counter.reset()
+            if perturb:
+                layer.router.expert_bias.copy_(torch.linspace(-1.0, 1.0, case.num_experts).roll(rank + 1))
+            (out * g).sum().backward()
+            counts = (counter.layout, counter.data)
+        finally:
+            counter.restore()
+        error = None
+        try:
+            recompute.check_routing(layer)
+        except recompute.RoutingChangedError as exc:
+            error = str(exc)
+        grads = {n: p.grad.detach().clone() for n, p in layer.named_parameters() if p.grad is not None}
+        grads["x"] = x.grad.detach().clone()
+        replayed = layer.recompute_replay is not None
+        return dict(grads=grads, backward_counts=counts, error=error, replayed=replayed)
+    finally:
+        megatron_cpu.uninstall()
