@@ -262,6 +262,7 @@ def train(model, cfg: GPTMoEConfig, steps: int, log=None) -> TrainLog:
     """
     from megatron.core import parallel_state
 
+    from megatron_moe_ext.dispatcher.checks import check_model_input_errors
     from megatron_moe_ext.megatron.overflow import check_overflow
 
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu() else torch.device("cpu")
@@ -281,8 +282,10 @@ def train(model, cfg: GPTMoEConfig, steps: int, log=None) -> TrainLog:
         optimizer.zero_grad(set_to_none=True)
         loss = model(tokens, position_ids, mask, labels=labels).float().mean()
         loss.backward()
-        # Sync-free MoE layers: one host read per step, before the optimizer uses the step.
+        # The once-per-step host reads, before the optimizer uses the step: budget overflow
+        # of sync-free layers, and routing values the layers checked on the device.
         check_overflow(model)
+        check_model_input_errors(model)
         _reduce_gradients(model)
         optimizer.step()
         if on_gpu():

@@ -479,8 +479,11 @@ def deep_ep() -> ModuleType:
     return module
 
 
-def communicator(group, num_sms: int = 20, shared: bool = True) -> DeepEPCommunicator:
-    """The DeepEP buffer owner for `(group, num_sms)` from the shared-buffer registry
-    (`shared=False`: one of its own, for a layer that does not share its buffer)."""
-    return buffers.acquire(("deepep", group, num_sms), lambda: DeepEPCommunicator(deep_ep, "DeepEP", num_sms),
-                           shared)
+def communicator(group, num_sms: int = 20, shared: bool = True, *, library=None,
+                 name: str = "DeepEP") -> DeepEPCommunicator:
+    """The buffer owner of a DeepEP-contract library for `(group, num_sms)` from the
+    shared-buffer registry (`shared=False`: one of its own, for a layer that does not share
+    its buffer). `library` loads the library's module (DeepEP's by default; UCCL-EP passes
+    its own) and `name` labels its keys and messages."""
+    library = library or deep_ep
+    return buffers.acquire((name, group, num_sms), lambda: DeepEPCommunicator(library, name, num_sms), shared)

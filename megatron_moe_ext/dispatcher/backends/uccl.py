@@ -16,11 +16,11 @@ by `DeepEPCommunicator`:
 
 from __future__ import annotations
 
+import functools
 import importlib
 from types import ModuleType
 
-from megatron_moe_ext.dispatcher import buffers
-from megatron_moe_ext.dispatcher.backends.deepep import DeepEPCommunicator
+from megatron_moe_ext.dispatcher.backends import deepep
 from megatron_moe_ext.utils.optional import require
 
 _FEATURE = "moe_flex_dispatcher_backend='uccl_ep'"
@@ -44,8 +44,5 @@ def uccl_ep() -> ModuleType:
     return wrapper
 
 
-def communicator(group, num_sms: int = 20, shared: bool = True) -> DeepEPCommunicator:
-    """The UCCL-EP buffer owner for `(group, num_sms)` from the shared-buffer registry
-    (`shared=False`: one of its own, for a layer that does not share its buffer)."""
-    return buffers.acquire(("uccl_ep", group, num_sms), lambda: DeepEPCommunicator(uccl_ep, "UCCL-EP", num_sms),
-                           shared)
+#: The UCCL-EP buffer owner for `(group, num_sms, shared)` (see `deepep.communicator`).
+communicator = functools.partial(deepep.communicator, library=uccl_ep, name="UCCL-EP")
