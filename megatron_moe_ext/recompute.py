@@ -36,6 +36,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from megatron_moe_ext.dispatcher.backends import torch_a2a
+from megatron_moe_ext.dispatcher.flex import _in_backward
 
 
 class RoutingChangedError(RuntimeError):
@@ -58,11 +59,6 @@ def recompute_all(ctx, func, *args, **kwargs) -> CheckpointPolicy:
 
 POLICIES: dict[str, Callable] = {"save_dispatch_outputs": save_dispatch_outputs,
                                  "recompute_all": recompute_all}
-
-
-def _in_backward() -> bool:
-    """True while the autograd engine runs a backward on this thread (a recompute)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 @dataclass(frozen=True)

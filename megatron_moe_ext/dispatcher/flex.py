@@ -40,6 +40,11 @@ from megatron_moe_ext.dispatcher.registry import build_manager
 _bad_input = checks.bad_input
 
 
+def _in_backward() -> bool:
+    """True while the autograd engine runs a backward on this thread (a recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 # The calls of one dispatch, in order (the seed's faces make the same calls).
 _CALLS = ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess", "combine_preprocess",
           "token_combine", "combine_postprocess")
@@ -53,12 +58,16 @@ class _InFlight:
     num_rows: R, rows the dispatch delivered (set by `_dispatch`).
     num_permuted: P, rows handed to the experts (set by `_permute`).
     next_call: index in `_CALLS` of the call the dispatch needs next.
+    in_recompute: started while autograd ran a backward, i.e. inside an activation
+        recompute, which non-reentrant checkpointing stops as soon as it has the tensors it
+        needs: such a dispatch may never reach its combine, and the next one replaces it.
     """
 
     hidden_shape: torch.Size
     num_rows: int | None = None
     num_permuted: int | None = None
     next_call: int = 1
+    in_recompute: bool = False
 
 
 class MoEFlexTokenDispatcher(MoETokenDispatcher):
@@ -132,7 +141,8 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
     # ---- the dispatch in flight -------------------------------------------------------
     def _check_idle(self) -> None:
         inflight = self._inflight
-        if inflight is not None and _CALLS[inflight.next_call] != "combine_postprocess":
+        if (inflight is not None and _CALLS[inflight.next_call] != "combine_postprocess"
+                and not inflight.in_recompute):
             raise RuntimeError(
                 f"dispatch started while this dispatcher's previous dispatch is still in flight "
                 f"(its next step is {_CALLS[inflight.next_call]}): a dispatcher holds one dispatch "
@@ -229,7 +239,7 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
             routing_map = self._initialize_metadata(tokens, routing_map)
         self._check_idle()
         self._comm_manager.setup_metadata(tokens, self._initialize_metadata(tokens, probs), routing_map)
-        self._inflight = _InFlight(hidden_states.shape)
+        self._inflight = _InFlight(hidden_states.shape, in_recompute=_in_backward())
         return hidden_states.reshape(tokens, hidden_states.shape[-1])
 
     def _setup_topk(self, hidden_states, num_local_tokens, token_probs, token_indices):
@@ -240,7 +250,7 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         if self.tp_size > 1:
             token_indices, token_probs = self._expand_topk_for_tp(token_indices, token_probs)
         self._comm_manager.setup_metadata_from_indices(token_indices, token_probs)
-        self._inflight = _InFlight(hidden_states.shape)
+        self._inflight = _InFlight(hidden_states.shape, in_recompute=_in_backward())
         if hidden_states.dim() == 2:  # already [T, H]: no view (and no autograd node) to make
             return hidden_states
         return hidden_states.reshape(tokens, hidden_states.shape[-1])

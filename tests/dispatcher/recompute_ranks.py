@@ -75,15 +75,20 @@ def _block(disp, params, x_TH, state):
     counts = torch.as_tensor(tokens_per_expert).tolist()
     outs = [chunk @ w_eHH[e].to(chunk.dtype) for e, chunk in enumerate(rows_PH.split(counts))]
     out_PH = (torch.cat(outs) * probs_P.reshape(-1, 1)).to(x_TH.dtype)
-    return F.silu(disp.token_unpermutation(out_PH))
+    y_TH = disp.token_unpermutation(out_PH)
+    # A residual saves nothing after the combine, so non-reentrant checkpointing may stop
+    # the recompute before it; silu saves the combined output, so the recompute runs whole.
+    return x_TH + y_TH if state.get("residual") else F.silu(y_TH)
 
 
-def recompute_case(backend: str, mode: str, perturb: bool = False, dtype: str = "fp32") -> dict:
-    """One forward+backward of the block on this rank under `mode`:
+def recompute_case(backend: str, mode: str, perturb: bool = False, dtype: str = "fp32",
+                   steps: int = 1, residual: bool = False) -> dict:
+    """`steps` forward+backward passes of the block on this rank under `mode`:
     "none", "reentrant" (Megatron-style: the forward runs without grad and is recorded),
     "save_dispatch_outputs" or "recompute_all" (selective checkpoint policies).
 
-    Returns the gradients, the collectives issued in backward, and the routing-check error.
+    Returns the last step's gradients and collectives issued in backward, and the
+    routing-check error.
     """
     if backend != "torch":
         from tests.doubles import deep_ep_buffer
@@ -102,12 +107,16 @@ def recompute_case(backend: str, mode: str, perturb: bool = False, dtype: str = 
     w_router_HE = torch.randn(HIDDEN, NUM_EXPERTS, generator=gen).requires_grad_()
     w_eHH = (torch.randn(NUM_EXPERTS, HIDDEN, HIDDEN, generator=gen) / 4)[rank * local:(rank + 1) * local]
     w_eHH.requires_grad_()
-    state = {"expert_bias_E": torch.zeros(NUM_EXPERTS)}
+    state = {"expert_bias_E": torch.zeros(NUM_EXPERTS), "residual": residual}
     x_TH = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(10 + rank))
     x_TH = x_TH.to(torch_dtype).requires_grad_()
     g_TH = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(20 + rank)).to(torch_dtype)
     params = (w_router_HE, w_eHH)
 
+    for _ in range(steps - 1):  # earlier steps on the same dispatcher, same inputs
+        recompute_step(disp, replay, params, x_TH, g_TH, state, mode)
+        for t in (x_TH, w_router_HE, w_eHH):
+            t.grad = None
     counter = _Counter(backend)
     try:
         if mode == "none":
@@ -135,6 +144,18 @@ def recompute_case(backend: str, mode: str, perturb: bool = False, dtype: str = 
     return dict(grads=[t.grad.detach().clone() for t in (x_TH, w_router_HE, w_eHH)],
                 forward_counts=forward_counts, backward_counts=backward_counts,
                 pending_records=replay.num_records, error=error)
+
+
+def recompute_step(disp, replay, params, x_TH, g_TH, state, mode: str) -> None:
+    """One forward+backward under `mode` (see `recompute_case`)."""
+    if mode == "none":
+        y = _block(disp, params, x_TH, state)
+    elif mode == "reentrant":
+        with replay.recording():
+            y = torch.utils.checkpoint.checkpoint(_block, disp, params, x_TH, state, use_reentrant=True)
+    else:
+        y = recompute.checkpoint_moe(_block, disp, params, x_TH, state, replays=[replay], policy=mode)
+    (y * g_TH).sum().backward()
 
 
 def megatron_layer_case(recompute_granularity: str | None, perturb: bool = False) -> dict:

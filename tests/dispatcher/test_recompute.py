@@ -44,6 +44,18 @@ def test_torch_recompute_matches_and_reuses_layout(dist_pools, world, mode):
         assert r["pending_records"] == 0 and r["error"] is None
 
 
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("mode", ["reentrant", "recompute_all", "save_dispatch_outputs"])
+def test_torch_recompute_twice_on_one_dispatcher(dist_pools, world, mode):
+    """Non-reentrant checkpointing stops a recompute once it has what it needs (within one
+    rank: before the combine): the next step's dispatch on the same layer must still work."""
+    pool = dist_pools(world)
+    reference = pool.run(recompute_case, "torch", "none", residual=True)
+    results = pool.run(recompute_case, "torch", mode, steps=2, residual=True)
+    _assert_same_grads(results, reference)
+    assert all(r["error"] is None and r["pending_records"] == 0 for r in results)
+
+
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("mode", ["reentrant"])
 def test_deepep_double_recompute_matches_and_reuses_handle(dist_pools, world, mode):
