@@ -2,7 +2,7 @@
 # The one-H200 GPU round (nvidia-h200), in steps that fit the device tool's calls and its
 # 30 s warm window:  bash bench/gpu/h200_round.sh STEP [STEP ...]
 #   setup      install the carried megatron-core wheel (.whl/) into the machine's python3
-#   bg NAME..  copy the tree to /tmp/round/tree and start the named correctness tasks there in
+#   bg NAME..  copy the tree to /tmp/round/tree_<time> and start the named correctness tasks there in
 #              a new session (setsid), one after another, so they go on while later calls stage
 #              Transformer Engine; their results land in /tmp/round/out
 #   wait       wait (at most 6 minutes) for the background tasks
@@ -62,15 +62,16 @@ while [ $# -gt 0 ]; do
       $PY -c "import torch, megatron.core as m; print('torch', torch.__version__, 'mcore', m.__version__)" | tee "$RES/versions.txt" ;;
     bg)
       names="$*"; set --
-      rm -rf "$ROUND/tree" && mkdir -p "$ROUND/tree" && cp -a . "$ROUND/tree/"
-      (cd "$ROUND/tree" && setsid nohup bash -c "for t in $names; do bash bench/gpu/h200_round.sh \$t; done; touch $ROUND/bg_done_\$\$" \
-        > "$ROUND/bg_$(date +%s).log" 2>&1 < /dev/null &)
+      tree="$ROUND/tree_$(date +%s)"  # a later call replaces this working tree; the copy stays
+      mkdir -p "$tree" && cp -a . "$tree/"
+      (cd "$tree" && setsid nohup bash -c "for t in $names; do bash bench/gpu/h200_round.sh \$t; done" \
+        > "$tree.log" 2>&1 < /dev/null &)
       echo "background: $names" ;;
     wait)
       for _ in $(seq 360); do pgrep -f "h200_round.sh (hybridep_real|uccl_real|device_checks|cuda_graph_train)" >/dev/null || break; sleep 1; done
       cat "$RES/tasks.tsv" ;;
     pack)
-      cp "$ROUND"/bg_*.log "$RES/" 2>/dev/null
+      cp "$ROUND"/tree_*.log "$RES/" 2>/dev/null
       tar czf "$OUT/round_$(date +%H%M%S).tgz" -C "$RES" . && ls -la "$OUT" ;;
     *) run_task "$step" ;;
   esac
