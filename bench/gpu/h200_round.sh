@@ -42,11 +42,11 @@ run_task() {
     experts_te) task experts_te 300 $PY bench/gpu/experts_te_tests.py ;;
     bias) task bias 120 $PY bench/gpu/bias_bench.py --quick ;;
     layer_bench) task layer_bench 330 $PY bench/moe_layer_bench.py ;;
-    graphs) task graphs 300 $PY bench/moe_layer_graphs.py ;;
+    graphs) task graphs 300 $PY bench/moe_layer_graphs.py ${GRAPHS_ARGS:-} ;;
     recompute) task recompute 200 $PY bench/gpu/moe_recompute.py --layers 4 --iters 5 --warmup 2 ;;
     pretrain_small) task pretrain_small 420 env RUNS="local_native local_ext te_native te_ext" \
         bash bench/gpu/pretrain_megatron_lm.sh ;;
-    pretrain_qwen3) task pretrain_qwen3 420 env RUNS="qwen3_te_native qwen3_te_ext qwen3_te_ext_patched_grouped_gemm" \
+    pretrain_qwen3) task pretrain_qwen3 420 env RUNS="${QWEN3_RUNS:-qwen3_te_native qwen3_te_ext qwen3_te_ext_patched_grouped_gemm}" \
         bash bench/gpu/pretrain_megatron_lm.sh ;;
     *) echo "unknown task $1"; return 2 ;;
   esac
@@ -65,10 +65,13 @@ while [ $# -gt 0 ]; do
       tree="$ROUND/tree_$(date +%s)"  # a later call replaces this working tree; the copy stays
       mkdir -p "$tree" && cp -a . "$tree/"
       (cd "$tree" && setsid nohup bash -c "for t in $names; do bash bench/gpu/h200_round.sh \$t; done" \
-        > "$tree.log" 2>&1 < /dev/null &)
+        > "$tree.log" 2>&1 < /dev/null & echo $! > "$tree.pid")
       echo "background: $names" ;;
     wait)
-      for _ in $(seq 360); do pgrep -f "h200_round.sh (hybridep_real|uccl_real|device_checks|cuda_graph_train)" >/dev/null || break; sleep 1; done
+      for _ in $(seq 360); do
+        busy=0; for f in "$ROUND"/tree_*.pid; do [ -f "$f" ] && kill -0 "$(cat "$f")" 2>/dev/null && busy=1; done
+        [ $busy = 0 ] && break; sleep 1
+      done
       cat "$RES/tasks.tsv" ;;
     pack)
       cp "$ROUND"/tree_*.log "$RES/" 2>/dev/null
