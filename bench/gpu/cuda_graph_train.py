@@ -54,7 +54,8 @@ def build(cfg, mode_modules):
     demo.setup_parallel(1, cfg.seed)
     config = demo.transformer_config(cfg, 1)
     if mode_modules is not None:
-        config = dataclasses.replace(config, cuda_graph_impl="local", cuda_graph_modules=[])
+        config = dataclasses.replace(config, cuda_graph_impl="local", cuda_graph_modules=[],
+                                     inference_cuda_graph_scope=None)  # re-derived for "local"
         config.cuda_graph_modules = [CudaGraphModule[m] for m in mode_modules]
     overrides = dict(moe_expert_rank_capacity_factor=1.0, moe_share_token_dispatcher=False)
     spec = demo.layer_spec(cfg, "ext", "torch", config, overrides)

@@ -7,6 +7,7 @@
 #              Transformer Engine; their results land in /tmp/round/out
 #   wait       wait (at most 6 minutes) for the background tasks
 #   NAME       run one task in the foreground (results in /tmp/round/out)
+#   summary    print every result JSON, compact and cut to SUMMARY_CHARS each
 #   pack       tar /tmp/round/out into $OUT/round_<date>.tgz (the tool returns at most 8 files)
 # Tasks: hybridep_real uccl_real device_checks cuda_graph_train experts_te bias layer_bench
 #        graphs recompute pretrain_small pretrain_qwen3.
@@ -33,7 +34,7 @@ task() {  # name timeout_s command...: one task, its log and exit code recorded;
 
 run_task() {
   case $1 in
-    hybridep_real) task hybridep_real 330 $PY bench/gpu/hybridep_real.py ;;
+    hybridep_real) task hybridep_real 480 $PY bench/gpu/hybridep_real.py ${HYBRIDEP_ARGS:-} ;;
     uccl_real) task uccl_real 200 $PY bench/gpu/uccl_real.py ;;
     device_checks) task device_checks 240 bash -c "$PY -m pytest tests/dispatcher/test_errors.py -q -rs \
         -p no:cacheprovider -k 'device_value_checks or sm_count'; $PY -m pytest tests/experts/test_kernels.py \
@@ -65,14 +66,25 @@ while [ $# -gt 0 ]; do
       tree="$ROUND/tree_$(date +%s)"  # a later call replaces this working tree; the copy stays
       mkdir -p "$tree" && cp -a . "$tree/"
       (cd "$tree" && setsid nohup bash -c "for t in $names; do bash bench/gpu/h200_round.sh \$t; done" \
-        > "$tree.log" 2>&1 < /dev/null & echo $! > "$tree.pid")
+        > "$tree.log" 2>&1 < /dev/null &)
       echo "background: $names" ;;
     wait)
-      for _ in $(seq 360); do
-        busy=0; for f in "$ROUND"/tree_*.pid; do [ -f "$f" ] && kill -0 "$(cat "$f")" 2>/dev/null && busy=1; done
-        [ $busy = 0 ] && break; sleep 1
-      done
+      # The background loops (`bg`) run "... do bash bench/gpu/h200_round.sh $t; done".
+      for _ in $(seq 360); do pgrep -f "do bash bench/gpu/h200_round.sh" > /dev/null || break; sleep 1; done
       cat "$RES/tasks.tsv" ;;
+    summary)  # every result JSON on stdout, compact (the reply's output tail comes back even
+              # when the files under $OUT do not)
+      $PY - "$RES" "${SUMMARY_CHARS:-1800}" <<'PYEOF'
+import glob, json, os, sys
+res, limit = sys.argv[1], int(sys.argv[2])
+for path in sorted(glob.glob(os.path.join(res, "**", "*.json"), recursive=True)):
+    try:
+        text = json.dumps(json.load(open(path)), separators=(",", ":"))
+    except Exception as exc:
+        text = f"unreadable: {exc}"
+    print(f"@@ {os.path.relpath(path, res)} {len(text)} {text[:limit]}")
+PYEOF
+      ;;
     pack)
       cp "$ROUND"/tree_*.log "$RES/" 2>/dev/null
       tar czf "$OUT/round_$(date +%H%M%S).tgz" -C "$RES" . && ls -la "$OUT" ;;

@@ -169,7 +169,9 @@ def main() -> None:
               "deepep_commit": commit, "deepep_branch": "hybrid-ep", "cuda_home": env.get("CUDA_HOME"),
               "probe": library_probe(env)}
     print("probe:", json.dumps(report["probe"]), flush=True)
-    report["ep1"] = run_stage("ep1", EP1_SHARDS, {**env, "MOE_EXT_HYBRIDEP_WORLDS": "1"}, out_dir, args.ep1_timeout)
+    # A per-test limit turns a hung test into a reported failure instead of a killed shard.
+    ep1_env = {**env, "MOE_EXT_HYBRIDEP_WORLDS": "1", "MOE_EXT_TEST_TIMEOUT": "60"}
+    report["ep1"] = run_stage("ep1", EP1_SHARDS, ep1_env, out_dir, args.ep1_timeout)
     if args.skip_ep2:
         report["ep2_one_gpu"] = "skipped (--skip-ep2)"
     else:

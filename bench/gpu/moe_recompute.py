@@ -153,7 +153,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
-    device = torch.device("cpu" if args.smoke else "cuda")
+    device = torch.device("cpu") if args.smoke else torch.device("cuda", 0)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
