@@ -133,16 +133,21 @@ class DistPool:
 
     def _stuck_report(self, stuck: list[int]) -> str:
         """Each stuck rank's Python stack, dumped by its faulthandler on SIGUSR1."""
-        sizes = {r: os.path.getsize(self._stack_files[r]) for r in stuck}
+        sizes = {r: os.path.getsize(self._stack_files[r]) if os.path.exists(self._stack_files[r]) else 0
+                 for r in stuck}
         for r in stuck:
             if self._procs[r].is_alive():
                 os.kill(self._procs[r].pid, signal.SIGUSR1)
         time.sleep(0.5)
         parts = []
         for r in stuck:
-            with open(self._stack_files[r]) as f:
-                f.seek(sizes[r])
-                stack = f.read().strip() or "(no stack dumped: the process is gone)"
+            try:
+                with open(self._stack_files[r]) as f:
+                    f.seek(sizes[r])
+                    stack = f.read().strip()
+            except OSError:  # the pool's temporary folder is already gone
+                stack = ""
+            stack = stack or "(no stack dumped: the process is gone)"
             parts.append(f"--- rank {r} was stuck; its stack:\n{stack}")
         return "\n".join(parts)
 
