@@ -78,8 +78,11 @@ def default_backend() -> str:
     return "deepep" if on_gpu() and try_import("deep_ep") is not None else "torch"
 
 
-def setup_parallel(ep_size: int, seed: int) -> None:
+def setup_parallel(ep_size: int, seed: int, cudagraphable_rng: bool = False) -> None:
     """Initialise Megatron's model-parallel state (TP 1, PP 1, EP `ep_size`) on the running world.
+
+    `cudagraphable_rng` selects Megatron's graph-safe CUDA RNG tracker, which its
+    `cuda_graph_impl="local"` graphs require (the tracker is rebuilt on every call).
 
     On CPU this first installs the test-only shims that stand in for CUDA streams, the CUDA
     RNG tracker and `torch.cuda.current_device()`.
@@ -101,7 +104,7 @@ def setup_parallel(ep_size: int, seed: int) -> None:
     parallel_state.initialize_model_parallel(expert_model_parallel_size=ep_size,
                                              create_gloo_process_groups=False)
     torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=cudagraphable_rng, force_reset_rng=True)
 
 
 def transformer_config(cfg: GPTMoEConfig, ep_size: int):

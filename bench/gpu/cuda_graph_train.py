@@ -51,7 +51,9 @@ def build(cfg, mode_modules):
     from megatron.core.transformer.enums import CudaGraphModule
     from megatron.core.transformer.module import Float16Module
 
-    demo.setup_parallel(1, cfg.seed)
+    # Megatron's local graphs need its graph-safe RNG tracker; every mode uses it, so the
+    # three runs start from the same weights.
+    demo.setup_parallel(1, cfg.seed, cudagraphable_rng=demo.on_gpu())
     config = demo.transformer_config(cfg, 1)
     if mode_modules is not None:
         config = dataclasses.replace(config, cuda_graph_impl="local", cuda_graph_modules=[],

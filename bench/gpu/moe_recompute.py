@@ -19,6 +19,7 @@ Shapes: Qwen3-30B-A3B (H 2048, 128 experts, top-8, FFN 768, 8192 tokens) and Dee
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import socket
@@ -85,13 +86,16 @@ def step_fn(mode, disps, params, x, grad):
             if mode == "none":
                 h = moe_block(disp, router, w1, w2, h)
             elif mode == "megatron_moe":
+                # The reentrant checkpoints take tensors and plain values only: the dispatcher
+                # goes in the function.
+                block = functools.partial(moe_block, disp)
                 with replay.recording():
                     if x.is_cuda:
                         from megatron.core import tensor_parallel
 
-                        h = tensor_parallel.checkpoint(moe_block, False, disp, router, w1, w2, h)
+                        h = tensor_parallel.checkpoint(block, False, router, w1, w2, h)
                     else:  # Megatron's checkpoint saves CUDA RNG state; the same reentrant path
-                        h = torch.utils.checkpoint.checkpoint(moe_block, disp, router, w1, w2, h,
+                        h = torch.utils.checkpoint.checkpoint(block, router, w1, w2, h,
                                                               use_reentrant=True)
             else:
                 h = recompute.checkpoint_moe(moe_block, disp, router, w1, w2, h,
