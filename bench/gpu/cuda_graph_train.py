@@ -7,7 +7,8 @@
 The model, data and optimiser are examples/pretrain_gpt_moe.py's (bf16, Megatron's
 `Float16Module`), at EP 1 on one GPU, with the torch backend in budget mode
 (`moe_expert_rank_capacity_factor` 1.0: at EP 1 the budget holds all T*K pairs) and this
-package's grouped experts. Three runs from the same initialisation and data:
+package's grouped experts, under Megatron's DDP wrapper (its local graphs accumulate weight
+gradients into `main_grad`). Three runs from the same initialisation and data:
 - eager;
 - `cuda_graph_impl="local"`, `cuda_graph_modules=[]`: every transformer layer, attention
   and MoE, captured whole;
@@ -65,7 +66,16 @@ def build(cfg, mode_modules):
                      max_sequence_length=cfg.seq_length)
     if demo.on_gpu():
         model = model.cuda()
-    return Float16Module(config, model) if cfg.bf16 else model
+    model = Float16Module(config, model) if cfg.bf16 else model
+    if demo.on_gpu():
+        # Megatron's local graphs add each weight gradient into `param.main_grad` inside the
+        # backward graph; its DDP wrapper owns those buffers, as in Megatron-LM training. Every
+        # mode runs under it, so the eager and graphed runs do the same arithmetic.
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        model = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True),
+                                        model)
+    return model
 
 
 def train(cfg, mode_modules, steps: int) -> dict:
@@ -75,7 +85,9 @@ def train(cfg, mode_modules, steps: int) -> dict:
 
     model = build(cfg, mode_modules)
     device = torch.device("cuda", torch.cuda.current_device()) if demo.on_gpu() else torch.device("cpu")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    ddp = hasattr(model, "zero_grad_buffer")
     mask = demo.causal_mask(cfg.seq_length, device)
     position_ids = torch.arange(cfg.seq_length, device=device).expand(cfg.micro_batch_size, -1)
     losses, times, dropped = [], [], 0
@@ -84,10 +96,16 @@ def train(cfg, mode_modules, steps: int) -> dict:
         tokens, labels = (t.to(device) for t in demo.synthetic_batch(cfg, step, 0))
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
+        if ddp:
+            model.zero_grad_buffer()
         loss = model(tokens, position_ids, mask, labels=labels).float().mean()
         loss.backward()
         if mode_modules is not None and step == 0:
             create_cudagraphs()
+        if ddp:
+            model.finish_grad_sync()
+            for p in params:
+                p.grad = p.main_grad.to(p.dtype)
         dropped += sum(r.dropped_pairs for r in check_overflow(model))
         optimizer.step()
         losses.append(loss.item())

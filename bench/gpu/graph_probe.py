@@ -33,7 +33,10 @@ sys.path.insert(0, _REPO_ROOT)
 
 import moe_layer_graphs as graphs  # noqa: E402
 
-SHAPES = dict(graphs.SHAPES, small=dict(hidden=256, experts=16, topk=4, ffn=128))
+SHAPES = dict(graphs.SHAPES, small=dict(hidden=256, experts=16, topk=4, ffn=128),
+              # Qwen3-30B-A3B's expert count at a small width, and its width at few experts.
+              experts128_h256=dict(hidden=256, experts=128, topk=8, ffn=128),
+              experts16_h2048=dict(hidden=2048, experts=16, topk=4, ffn=768))
 
 
 class IdentityExperts(torch.nn.Module):
