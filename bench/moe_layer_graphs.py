@@ -263,6 +263,19 @@ def expert_mlp_case(layer, rows: int, shape: dict, iters: int, device, dtype) ->
     return out
 
 
+def write_summary(args, gpu: bool, cases: list, wall_s: float) -> None:
+    summary = dict(
+        command=" ".join(["python"] + sys.argv), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        device=torch.cuda.get_device_name() if gpu else "cpu", torch=torch.__version__,
+        smoke=args.smoke, wall_s=wall_s, cases=cases)
+    out = args.out or os.path.join(os.environ.get("OUT", "."),
+                                   "moe_layer_graphs_smoke.json" if args.smoke else "moe_layer_graphs_h200.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(summary, f, indent=1)
+    print(f"wrote {out}", flush=True)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="CPU code-path check: tiny shapes, no graphs")
@@ -295,16 +308,8 @@ def main(argv=None) -> None:
             print(json.dumps({k: v for k, v in case.items() if k != "expert_mlp"}), flush=True)
             if "expert_mlp" in case:
                 print("  expert_mlp:", json.dumps(case["expert_mlp"]), flush=True)
-    summary = dict(
-        command=" ".join(["python"] + sys.argv), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        device=torch.cuda.get_device_name() if gpu else "cpu", torch=torch.__version__,
-        smoke=args.smoke, wall_s=time.perf_counter() - t0, cases=cases)
-    out = args.out or os.path.join(os.environ.get("OUT", "."),
-                                   "moe_layer_graphs_smoke.json" if args.smoke else "moe_layer_graphs_h200.json")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(summary, f, indent=1)
-    print(f"wrote {out}", flush=True)
+            # Written after every case, so a run stopped at its time limit keeps what it measured.
+            write_summary(args, gpu, cases, time.perf_counter() - t0)
     dist.destroy_process_group()
 
 

@@ -5,7 +5,9 @@
 # - sanitizer: the first probe again under compute-sanitizer memcheck, beside them;
 # - train: bench/gpu/cuda_graph_train.py --steps 20, beside them;
 # - recompute: bench/gpu/moe_recompute.py once the probes and train are done (a running
-#   sanitizer then shares the GPU: step times are not clean; peak memory is per process).
+#   sanitizer then shares the GPU: step times are not clean; peak memory is per process);
+# - graphs: bench/moe_layer_graphs.py $GRAPHS_ARGS last, alone on the GPU (GRAPHS_TIMEOUT s).
+# TRAIN_STEPS sets cuda_graph_train's steps (default 20).
 # Needs megatron-core's wheel in .whl/ (carried). Logs and JSONs land in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -30,7 +32,7 @@ if has sanitizer; then
   sanitizer=$!
 fi
 if has train; then
-  timeout 120 python3 bench/gpu/cuda_graph_train.py --steps 20 > "$OUT/cuda_graph_train.log" 2>&1 &
+  timeout 120 python3 bench/gpu/cuda_graph_train.py --steps "${TRAIN_STEPS:-20}" > "$OUT/cuda_graph_train.log" 2>&1 &
   pids+=($!)
 fi
 wait "${pids[@]}"
@@ -44,5 +46,9 @@ fi
 if has sanitizer; then
   wait "$sanitizer"
   grep -v "Host Frame" "$OUT/sanitizer.log" | grep -h -A10 "Invalid\|ERROR SUMMARY\|@@probe\|Program hit" | head -60
+fi
+if has graphs; then
+  timeout "${GRAPHS_TIMEOUT:-100}" python3 bench/moe_layer_graphs.py ${GRAPHS_ARGS:-} > "$OUT/graphs.log" 2>&1
+  grep -v "^wrote" "$OUT/graphs.log" | cut -c1-700 | tail -n 20
 fi
 exit 0

@@ -82,7 +82,7 @@ class _BudgetManager(_TorchCapacityManager):
     def get_permuted_hidden_states_by_experts(self, hidden_states):
         pairs = (self.dispatched_indices >= 0).sum()
         permuted_PH, permuted_probs_P = super().get_permuted_hidden_states_by_experts(hidden_states)
-        placed = (self.reversed_mapping_for_combine.dest_N < self.capacity).sum()
+        placed = (self.reversed_mapping_for_combine < self.capacity).sum()
         needed_e = self.tokens_per_expert
         # Past the budget an expert keeps only the rows that fit, so the grouped GEMM's
         # offsets never run past the P rows it is given.

@@ -42,16 +42,14 @@ def assert_no_overflow(overflow: torch.Tensor, capacity_text: str) -> None:
 
 @dataclass(frozen=True)
 class CapacityHandle:
-    """State of one fixed-capacity dispatch that permute, combine and both backwards reuse.
+    """State of one fixed-capacity dispatch that combine and its backward reuse.
 
-    send_token_ids_S: local token id of each sent slot (T marks an empty slot).
+    slot_TW: the sent slot of each token's copy for each rank (S = W*C where none).
     send_capacity: C, rows per rank pair.
-    num_tokens: T.
     """
 
-    send_token_ids_S: torch.Tensor
+    slot_TW: torch.Tensor
     send_capacity: int
-    num_tokens: int
 
 
 class _TorchCapacityManager(_DeepepManager):
@@ -117,16 +115,14 @@ class _TorchCapacityManager(_DeepepManager):
         send_token_ids_S = send_token_ids_S.index_put((slot_TW.flatten(),), token_TW.flatten())[:-1]
         send_rank_S = torch.arange(world, device=device).repeat_interleave(C)
 
-        # Empty slots point at an appended zero token routed nowhere.
-        x_pad = torch.cat([x_TH, x_TH.new_zeros(1, x_TH.shape[1])])
+        # Empty slots pick an appended zero token routed nowhere.
         indices_pad = torch.cat([indices_TK, indices_TK.new_full((1, topk), -1)])
-        probs_pad = torch.cat([probs_TK, probs_TK.new_zeros(1, topk)])
         splits = [C] * world
-        recv_x_RH = torch_a2a.all_to_all_rows(x_pad.index_select(0, send_token_ids_S), splits, splits, group)
+        recv_x_RH = torch_a2a.all_to_all_rows(P.gather_rows(x_TH, send_token_ids_S, slot_TW), splits, splits, group)
         self.dispatched_indices, self.dispatched_probs = torch_a2a.send_routing(
-            indices_pad.index_select(0, send_token_ids_S), probs_pad.index_select(0, send_token_ids_S),
+            indices_pad.index_select(0, send_token_ids_S), P.gather_rows(probs_TK, send_token_ids_S, slot_TW),
             send_rank_S, e, splits, splits, group)
-        self.handle = CapacityHandle(send_token_ids_S, C, num_tokens)
+        self.handle = CapacityHandle(slot_TW, C)
         self.token_indices = self.token_probs = None
 
         # The receive-side check is local, so both flags are known here, after the only
@@ -145,14 +141,14 @@ class _TorchCapacityManager(_DeepepManager):
         if not self._fixed():
             return super().combine(hidden_states, async_finish, allocate_on_comm_stream)
         h = self.handle
-        world = dist.get_world_size(self.group)
-        # Empty slots gather into the extra token row T, which is sliced off.
-        a2a_handle = torch_a2a.TorchDispatchHandle(h.send_token_ids_S, [h.send_capacity] * world,
-                                                   [h.send_capacity] * world, h.num_tokens + 1,
-                                                   self.group)
-        out_TH, _ = torch_a2a.combine(hidden_states, self.group, a2a_handle)
+        splits = [h.send_capacity] * dist.get_world_size(self.group)
+        if hidden_states.shape[0] != sum(splits):
+            raise ValueError(f"combine input has {hidden_states.shape[0]} rows but the capacity-mode "
+                             f"dispatch delivered {sum(splits)}: pass the restored rows of the same dispatch")
+        rows_SH = torch_a2a.all_to_all_rows(hidden_states, splits, splits, self.group)
         self._release_dispatch_state()
-        return out_TH[: h.num_tokens]
+        # Each token's copies come back in rank order: gathers, not an accumulate (see gather_sum).
+        return P.gather_sum(rows_SH, h.slot_TW)
 
     # ---- local permutation ----------------------------------------------------------------
     def get_permuted_hidden_states_by_experts(self, hidden_states):
@@ -171,25 +167,25 @@ class _TorchCapacityManager(_DeepepManager):
         dest_N = torch.arange(capacity, device=hidden_states.device) - offsets_e[safe_expert_N] \
             + padded_offsets_e[safe_expert_N]
         valid_N = (expert_N >= 0) & (dest_N < capacity)
-        # Invalid pairs read row 0 and land in an extra row `capacity`, sliced off.
+        # Invalid pairs land in an extra row `capacity`, sliced off; empty rows pick row R (zero).
         dest_N = torch.where(valid_N, dest_N, capacity)
         row_N = torch.where(valid_N, row_N, num_rows)
-        safe_row_N = row_N.clamp(max=num_rows - 1) if num_rows else row_N
-        rows_NH = hidden_states.index_select(0, safe_row_N)
-        permuted_PH = hidden_states.new_zeros(capacity + 1, hidden_states.shape[1]).index_copy(0, dest_N, rows_NH)
-        probs_N = probs_Re[safe_row_N, safe_expert_N]
-        permuted_probs_P = probs_N.new_zeros(capacity + 1).index_copy(0, dest_N, probs_N)
-        self.reversed_mapping_for_combine = P.PermutationState(row_N, dest_N, num_rows + 1)
+        src_P = row_N.new_full((capacity + 1,), num_rows).index_copy(0, dest_N, row_N)[:capacity]
+        pos_RK = P.slot_positions(self.dispatched_indices, routing_Re, padded_offsets_e, capacity)
+        permuted_PH = P.gather_rows(hidden_states, src_P, pos_RK)
+        # A flat gather: its backward is a scatter-add, where advanced indexing's would be a
+        # CUDA-graph-unsafe accumulate (see P.gather_sum).
+        probs_N = probs_Re.flatten().gather(0, row_N.clamp(max=max(num_rows - 1, 0)) * self.num_local_experts
+                                            + safe_expert_N)
+        permuted_probs_P = probs_N.new_zeros(capacity + 1).index_copy(0, dest_N, probs_N)[:capacity]
+        self.reversed_mapping_for_combine = pos_RK
         self.tokens_per_expert = padded_e
         self.dispatched_indices = self.dispatched_probs = None
-        permuted_probs_P = permuted_probs_P[:capacity]
         if self.router_dtype == "fp64":
             permuted_probs_P = permuted_probs_P.double()
-        return permuted_PH[:capacity], permuted_probs_P
+        return permuted_PH, permuted_probs_P
 
     def get_restored_hidden_states_by_experts(self, hidden_states):
         if not self._fixed():
             return super().get_restored_hidden_states_by_experts(hidden_states)
-        padded_PH = torch.cat([hidden_states, hidden_states.new_zeros(1, hidden_states.shape[1])])
-        state = self.reversed_mapping_for_combine
-        return P.unpermute_from_experts(padded_PH, state)[: state.num_rows - 1]
+        return P.gather_sum(hidden_states, self.reversed_mapping_for_combine)

@@ -167,6 +167,68 @@ def permute_to_experts(
     return permuted_PH, permuted_probs_P, padded, PermutationState(row_ids_N, dest_N, hidden_RH.shape[0])
 
 
+def gather_sum(rows_NH: torch.Tensor, pos_RJ: torch.Tensor) -> torch.Tensor:
+    """`out[r] = 0 + rows[pos[r, 0]] + rows[pos[r, 1]] + ...`, column by column; a position of
+    N (one past the last row) adds a zero row. `[N, H]`, `[R, J]` -> `[R, H]`.
+
+    The fixed-shape counterpart of `index_put(accumulate=True)` for the capacity and budget
+    modes, where each output row's sources are known per slot: PyTorch's CUDA accumulate sorts
+    the indices with temporary buffers that a CUDA graph replay faults on (an illegal memory
+    access seen on the H200), while gathers replay safely. Positions other than N are distinct,
+    so the backward (`index_add_`) never adds two values into one row and stays deterministic;
+    with each row's positions ascending, the sum runs in the order of an accumulate over the
+    positions, so both give the same bits.
+    """
+    padded_NH = torch.cat([rows_NH, rows_NH.new_zeros(1, rows_NH.shape[1])])
+    out_RH = padded_NH.new_zeros(pos_RJ.shape[0], rows_NH.shape[1])
+    for j in range(pos_RJ.shape[1]):
+        out_RH = out_RH + padded_NH.index_select(0, pos_RJ[:, j])
+    return out_RH
+
+
+class _GatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_NH, src_P, pos_NJ):
+        ctx.save_for_backward(pos_NJ)
+        return torch.cat([x_NH, x_NH.new_zeros(1, *x_NH.shape[1:])]).index_select(0, src_P)
+
+    @staticmethod
+    def backward(ctx, grad_PH):
+        (pos_NJ,) = ctx.saved_tensors
+        return gather_sum(grad_PH, pos_NJ), None, None
+
+
+def gather_rows(x_NH: torch.Tensor, src_P: torch.Tensor, pos_NJ: torch.Tensor) -> torch.Tensor:
+    """`[P, H]` rows of `x_NH` picked by `src_P` (N picks a zero row), whose gradient is the
+    `gather_sum` along `pos_NJ`: per row of x, the output rows that picked it (P where none).
+    Deterministic and CUDA-graph-safe, where `index_select`'s backward adds a row picked
+    several times with atomics."""
+    return _GatherRows.apply(x_NH, src_P, pos_NJ)
+
+
+def slot_positions(indices_RK: torch.Tensor, routing_map_Re: torch.Tensor,
+                   padded_offsets_e: torch.Tensor, capacity: int) -> torch.Tensor:
+    """Where each received row's pairs sit in an expert-major permuted buffer of `capacity`
+    rows: `[R, K]` positions in ascending expert order (the order `gather_sum` and an
+    accumulate sum them in), `capacity` for a slot with no row (masked, a repeat of an earlier
+    slot's expert, or past the capacity). Device-side only: no host read.
+
+    Arguments:
+        indices_RK: local expert ids, -1 where not this rank's.
+        routing_map_Re: the same routing as a bool map.
+        padded_offsets_e: first row of each expert's (padded) group.
+        capacity: P, the buffer's rows.
+    """
+    e = routing_map_Re.shape[1]
+    # A pair's row is its expert's padded start plus the row's rank among that expert's rows.
+    dest_Re = padded_offsets_e + routing_map_Re.long().cumsum(0) - 1
+    expert_RK, _ = torch.sort(torch.where(indices_RK >= 0, indices_RK, e), dim=1)
+    repeat_RK = torch.cat([torch.zeros_like(expert_RK[:, :1], dtype=torch.bool),
+                           expert_RK[:, 1:] == expert_RK[:, :-1]], dim=1)
+    dest_RK = dest_Re.gather(1, expert_RK.clamp(max=e - 1))
+    return torch.where((expert_RK < e) & ~repeat_RK & (dest_RK < capacity), dest_RK, capacity)
+
+
 def unpermute_from_experts(expert_out_PH: torch.Tensor, state: PermutationState) -> torch.Tensor:
     """Sum each received row's expert outputs back into `[R, H]`.
 

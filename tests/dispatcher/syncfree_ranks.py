@@ -159,3 +159,34 @@ def syncfree_overflow_then_fit(backend: str = "torch"):
     release_buffers()
     return dict(skew=skew, fit=fit, host_reads=counter.calls, budget=budget_rows,
                 tol=TOLERANCE["bf16" if dtype == torch.bfloat16 else "fp32"])
+
+
+def accumulate_ops_in_budget_step(backend: str = "torch"):
+    """The aten ops with `accumulate=True` that a budget-mode dispatch, combine and their
+    backward issue (experts: `2 * rows`, which adds none). PyTorch's CUDA accumulate sorts
+    with temporary buffers that a CUDA graph replay faults on, so the graphed path has none."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func.overloadpacket.__name__ in ("index_put", "index_put_", "_index_put_impl_", "put", "put_"):
+                if kwargs.get("accumulate", len(args) > 3 and args[3]):
+                    self.ops.append(str(func))
+            return func(*args, **kwargs)
+
+    budget = build_dispatcher(CASE, backend, moe_share_token_dispatcher=False,
+                              moe_expert_rank_capacity_factor=2.0)
+    x, indices, probs = make_routing(CASE, dist.get_rank(), torch.float32)
+    x, probs = x.clone().requires_grad_(), probs.clone().requires_grad_()
+    recorder = Recorder()
+    with recorder:
+        rows, _, pprobs = budget.token_permutation2(x, x.shape[0], probs, indices)
+        y = budget.token_unpermutation(2 * rows * pprobs[:, None].to(rows.dtype))
+        y.sum().backward()
+    release_buffers()
+    return dict(ops=recorder.ops, grads=x.grad is not None and probs.grad is not None)

@@ -12,8 +12,10 @@
 import types
 
 import pytest
+import torch
 
 from megatron_moe_ext.config import TokenDispatcherConfig
+from megatron_moe_ext.dispatcher import permute as P
 from megatron_moe_ext.dispatcher.budget import rank_budget
 from megatron_moe_ext.megatron import graphs
 from tests.dispatcher import syncfree_ranks
@@ -104,3 +106,42 @@ def test_capture_without_budget_raises(impl, modules, captured):
     else:
         graphs.check_capturable(config, dropless)
     graphs.check_capturable(config, dropless.replace(moe_expert_rank_capacity_factor=1.0))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_budget_step_has_no_graph_unsafe_accumulate(dist_pools, world):
+    for r in dist_pools(world).run(syncfree_ranks.accumulate_ops_in_budget_step, "torch"):
+        assert r["grads"] and r["ops"] == [], r
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_sum_and_gather_rows_equal_the_accumulate(dtype):
+    """gather_sum gives the bits of an accumulate over ascending positions; gather_rows'
+    gradient is index_select's."""
+    g = torch.Generator().manual_seed(3)
+    rows_NH = torch.randn(10, 5, generator=g).to(dtype)
+    # Each output row's sources, ascending, N (=10) for none; sources are distinct.
+    pos_RJ = torch.tensor([[0, 3, 10], [1, 10, 10], [2, 4, 9], [10, 10, 10], [5, 6, 7]])
+    ref_RH = torch.zeros(5, 5, dtype=dtype)
+    for r, js in enumerate(pos_RJ.tolist()):
+        for j in js:
+            if j < 10:
+                ref_RH[r] += rows_NH[j]
+    got_RH = P.gather_sum(rows_NH, pos_RJ)
+    assert torch.equal(got_RH.view(torch.int16) if dtype == torch.bfloat16 else got_RH,
+                       ref_RH.view(torch.int16) if dtype == torch.bfloat16 else ref_RH)
+
+    # gather_rows is the adjoint pick: row r of x feeds the output rows in pos_RJ[r].
+    x_RH = torch.randn(5, 5, generator=g, dtype=torch.float32, requires_grad=True)
+    src_P = torch.full((10,), 5)
+    for r, js in enumerate(pos_RJ.tolist()):
+        for j in js:
+            if j < 10:
+                src_P[j] = r
+    grad_PH = torch.randn(10, 5, generator=g)
+    picked = P.gather_rows(x_RH, src_P, pos_RJ)
+    padded = torch.cat([x_RH, x_RH.new_zeros(1, 5)])
+    assert torch.equal(picked, padded.index_select(0, src_P))
+    (gx,) = torch.autograd.grad(picked, x_RH, grad_PH)
+    (gx_ref,) = torch.autograd.grad(padded.index_select(0, src_P), x_RH, grad_PH)
+    torch.testing.assert_close(gx, gx_ref, rtol=0, atol=1e-6)
