@@ -13,7 +13,10 @@ this double reuses the DeepEP double's semantics and models UCCL's differences:
   (no `allow_nvlink_for_normal_mode`, `use_fabric`, `comm`) that starts proxies;
 - a 7-item handle `(rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix,
   num_recv_tokens, recv_src_idx, is_token_in_rank, send_head)` where `recv_src_idx` is a
-  one-element placeholder when nothing was received.
+  one-element placeholder when nothing was received;
+- `get_dispatch_layout` of 0 tokens fails: the runtime asserts a non-null `topk_idx`
+  pointer (`Assertion 'topk_idx_ptr != 0'`, the real library on one H200), which an empty
+  tensor lacks; DeepEP accepts it.
 """
 
 from __future__ import annotations
@@ -53,6 +56,11 @@ class Buffer(_deepep.Buffer):
     def destroy(self) -> None:
         super().destroy()
         destroy_uccl(self.proxies, self.workers)
+
+    def get_dispatch_layout(self, topk_idx, num_experts, *args, **kwargs):
+        if topk_idx.numel() == 0:
+            raise RuntimeError("Failed: Assertion error ep/src/uccl_ep.cc: 'topk_idx_ptr != 0'")
+        return super().get_dispatch_layout(topk_idx, num_experts, *args, **kwargs)
 
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:

@@ -82,12 +82,17 @@ class DeepEPCommunicator:
             install hint when it is missing).
         name: the backend name used in error messages.
         num_sms: SMs of the normal-mode kernels (even: a channel is a send and a receive block).
+        pad_empty: the library rejects a layout of 0 tokens (UCCL-EP v0.1.1 asserts
+            `topk_idx_ptr != 0`, and an empty tensor has no data pointer): a rank with no
+            tokens then sends one zero token routed nowhere, sliced off on the way back.
     """
 
-    def __init__(self, library: Callable[[], ModuleType], name: str, num_sms: int):
+    def __init__(self, library: Callable[[], ModuleType], name: str, num_sms: int,
+                 pad_empty: bool = False):
         self.library = library
         self.name = name
         self.num_sms = num_sms
+        self.pad_empty = pad_empty
         self._buffer = None
         self._group = None
         self._dispatch_config = self._combine_config = None
@@ -257,6 +262,9 @@ class DeepEPCommunicator:
         Returns `(recv [R, C'], recv_routes, recv_weights, per-expert counts, raw handle)`,
         with `C'` >= C (padded columns are the caller's to slice off).
         """
+        if self.pad_empty and routes_NK.shape[0] == 0:
+            x_NC, routes_NK = x_NC.new_zeros(1, x_NC.shape[1]), routes_NK.new_full((1, routes_NK.shape[1]), -1)
+            topk_weights = None if topk_weights is None else topk_weights.new_zeros(1, topk_weights.shape[1])
         if direct:
             first, rest = x_NC, ()
         else:
@@ -286,6 +294,8 @@ class DeepEPCommunicator:
     def cached_dispatch_raw(self, x_TH, handle: DeepEPHandle, group, async_finish, alloc):
         """Send `[T, H]` rows along a previous dispatch's routes -> `[R, H]`."""
         buffer, direct = self._plan(group, x_TH.shape[1], x_TH.dtype)
+        if self.pad_empty and x_TH.shape[0] == 0:  # the dispatch sent one padding token
+            x_TH = x_TH.new_zeros(1, x_TH.shape[1])
         alloc = alloc and async_finish
         if direct:
             return self._cached(buffer, x_TH, handle.raw, async_finish, alloc)
@@ -312,6 +322,8 @@ class DeepEPCommunicator:
         else:  # as few arguments as possible, as in `_layout_and_dispatch`
             out_TH, weights_TK, _ = buffer.combine(rows_RC, handle.raw, topk_weights=weights_RK,
                                                    config=self._combine_config)
+        if self.pad_empty and handle.num_tokens == 0:  # drop the padding token of `pad_empty`
+            out_TH, weights_TK = out_TH[:0], None if weights_TK is None else weights_TK[:0]
         return (out_TH if direct else out_TH[:, :hidden]), weights_TK
 
     def _return_rows(self, x_RH, weights_RK, handle: DeepEPHandle, group, async_finish, alloc):
@@ -480,10 +492,11 @@ def deep_ep() -> ModuleType:
 
 
 def communicator(group, num_sms: int = 20, shared: bool = True, *, library=None,
-                 name: str = "DeepEP") -> DeepEPCommunicator:
+                 name: str = "DeepEP", pad_empty: bool = False) -> DeepEPCommunicator:
     """The buffer owner of a DeepEP-contract library for `(group, num_sms)` from the
     shared-buffer registry (`shared=False`: one of its own, for a layer that does not share
     its buffer). `library` loads the library's module (DeepEP's by default; UCCL-EP passes
-    its own) and `name` labels its keys and messages."""
+    its own), `name` labels its keys and messages, `pad_empty` as `DeepEPCommunicator`."""
     library = library or deep_ep
-    return buffers.acquire((name, group, num_sms), lambda: DeepEPCommunicator(library, name, num_sms), shared)
+    return buffers.acquire((name, group, num_sms),
+                           lambda: DeepEPCommunicator(library, name, num_sms, pad_empty), shared)

@@ -11,7 +11,9 @@ by `DeepEPCommunicator`:
   UCCL proxies (it picks the device from LOCAL_RANK); only `(group, num_nvl_bytes,
   num_rdma_bytes, explicitly_destroy=True)` is passed, which both accept;
 - the handle carries the received count before `recv_src_idx` (7 items instead of 6),
-  so `DeepEPHandle` reads its fields from the end.
+  so `DeepEPHandle` reads its fields from the end;
+- `get_dispatch_layout` asserts `topk_idx_ptr != 0` (seen on the H200), so a rank with 0
+  tokens sends one padding token (`pad_empty`).
 """
 
 from __future__ import annotations
@@ -45,4 +47,4 @@ def uccl_ep() -> ModuleType:
 
 
 #: The UCCL-EP buffer owner for `(group, num_sms, shared)` (see `deepep.communicator`).
-communicator = functools.partial(deepep.communicator, library=uccl_ep, name="UCCL-EP")
+communicator = functools.partial(deepep.communicator, library=uccl_ep, name="UCCL-EP", pad_empty=True)
