@@ -178,12 +178,7 @@ class _TorchCapacityManager(_DeepepManager):
         probs_N = probs_Re.flatten().gather(0, row_N.clamp(max=max(num_rows - 1, 0)) * self.num_local_experts
                                             + safe_expert_N)
         permuted_probs_P = probs_N.new_zeros(capacity + 1).index_copy(0, dest_N, probs_N)[:capacity]
-        self.reversed_mapping_for_combine = pos_RK
-        self.tokens_per_expert = padded_e
-        self.dispatched_indices = self.dispatched_probs = None
-        if self.router_dtype == "fp64":
-            permuted_probs_P = permuted_probs_P.double()
-        return permuted_PH, permuted_probs_P
+        return permuted_PH, self._keep_permutation(padded_e, pos_RK, permuted_probs_P)
 
     def get_restored_hidden_states_by_experts(self, hidden_states):
         if not self._fixed():

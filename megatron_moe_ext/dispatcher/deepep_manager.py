@@ -57,7 +57,8 @@ class _DeepepManager(_DispatchManager):
         self.dispatched_indices: torch.Tensor | None = None
         self.dispatched_probs: torch.Tensor | None = None
         self.tokens_per_expert = None
-        self.reversed_mapping_for_combine: P.PermutationState | None = None
+        # Dropless: a PermutationState; capacity and budget modes: `[R, K]` slot positions.
+        self.reversed_mapping_for_combine: P.PermutationState | torch.Tensor | None = None
 
     # The counts come back from the backend as a host list after every dispatch, and the
     # permutation reads them as a list again: the `[e]` tensor is built only when it is read.
@@ -141,12 +142,15 @@ class _DeepepManager(_DispatchManager):
         routing_map, probs = self._indices_to_multihot(self.dispatched_indices, self.dispatched_probs)
         permuted, permuted_probs, counts, state = P.permute_to_experts(
             hidden_states, routing_map, probs, self._host_counts(), self.pad_multiple)
-        self.tokens_per_expert = counts
+        return permuted, self._keep_permutation(counts, state, permuted_probs)
+
+    def _keep_permutation(self, tokens_per_expert, state, permuted_probs):
+        """Keep what the experts and the restore need, drop the received routing, and return
+        the permuted probs in the router's dtype."""
+        self.tokens_per_expert = tokens_per_expert
         self.reversed_mapping_for_combine = state
         self.dispatched_indices = self.dispatched_probs = None
-        if self.router_dtype == "fp64":
-            permuted_probs = permuted_probs.double()
-        return permuted, permuted_probs
+        return permuted_probs.double() if self.router_dtype == "fp64" else permuted_probs
 
     def get_restored_hidden_states_by_experts(self, hidden_states):
         return P.unpermute_from_experts(hidden_states, self.reversed_mapping_for_combine)
