@@ -18,8 +18,8 @@ Variants (those needing Transformer Engine are skipped, with the reason, when TE
   TEGroupedMLP, alltoall; megatron_te_permute_fusion: the same with `moe_permute_fusion`
 - megatron_alltoall_grouped_gemm: Megatron's MoELayer (alltoall) driving GroupedGemmExperts
 - flex_grouped_gemm: FlexMoELayer (torch backend) + GroupedGemmExperts (what
-  `--spec ... --moe-grouped-gemm` builds without TE)
-- flex_te_grouped_mlp: FlexMoELayer + TEGroupedMLP (what it builds in TE mode by default)
+  `--spec ... --moe-grouped-gemm` builds, in TE mode too unless FP8/FP4)
+- flex_te_grouped_mlp: FlexMoELayer + TEGroupedMLP (the other TE-mode choice)
 - flex_sequential: FlexMoELayer + SequentialMLP (the `--spec` without `--moe-grouped-gemm`)
 - seed_grouped_experts / seed_grouped_experts_deepep / seed_grouped_experts_te: Megatron's
   router + the package's seed-API modules (GroupedExperts, GroupedExpertsDeepEP with the

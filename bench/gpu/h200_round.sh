@@ -2,15 +2,18 @@
 # The one-H200 GPU round (nvidia-h200), in steps that fit the device tool's calls and its
 # 30 s warm window:  bash bench/gpu/h200_round.sh STEP [STEP ...]
 #   setup      install the carried megatron-core wheel (.whl/) into the machine's python3
-#   bg NAME..  copy the tree to /tmp/round/tree_<time> and start the named correctness tasks there in
-#              a new session (setsid), one after another, so they go on while later calls stage
-#              Transformer Engine; their results land in /tmp/round/out
-#   wait       wait (at most 6 minutes) for the background tasks
+#   bg NAME..  copy the tree to /tmp/round/tree_<time> and start the named tasks there in a new
+#              session (setsid), one after another, so they go on while later calls stage
+#              Transformer Engine; their results land in /tmp/round/out. A task named `wait`
+#              inside such a list waits for the background lists started before it (timings
+#              then run alone on the GPU)
+#   par NAME.. the same with each task in a list of its own (correctness tasks side by side)
+#   wait       wait (at most WAIT_S seconds, default 540) for the background lists
 #   NAME       run one task in the foreground (results in /tmp/round/out)
 #   summary    print every result JSON, compact and cut to SUMMARY_CHARS each
 #   pack       tar /tmp/round/out into $OUT/round_<date>.tgz (the tool returns at most 8 files)
-# Tasks: hybridep_real uccl_real device_checks cuda_graph_train experts_te bias layer_bench
-#        graphs recompute pretrain_small pretrain_qwen3.
+# Tasks: hybridep_real uccl_real device_checks cuda_graph_train probes experts_te bias layer_bench
+#        graphs recompute pretrain_local pretrain_te pretrain_small pretrain_qwen3.
 # Transformer Engine comes from ../shared/tools/te-on-device (source /tmp/te_env.sh first); the
 # HybridEP build (.gpu/hybridep, bench/gpu/HYBRIDEP.md), the uccl pieces (.gpu/uccl,
 # .gpu/uccl-wheel) and Megatron-LM's pretrain_gpt.py (.gpu/megatron-lm) are carried, never committed.
@@ -39,15 +42,19 @@ run_task() {
     device_checks) task device_checks 240 bash -c "$PY -m pytest tests/dispatcher/test_errors.py -q -rs \
         -p no:cacheprovider -k 'device_value_checks or sm_count'; $PY -m pytest tests/experts/test_kernels.py \
         tests/experts/test_bias.py -q -rs -p no:cacheprovider" ;;
-    cuda_graph_train) task cuda_graph_train 240 $PY bench/gpu/cuda_graph_train.py ;;
+    cuda_graph_train) task cuda_graph_train 300 $PY bench/gpu/cuda_graph_train.py --steps 50 ;;
+    probes) task probes 200 env PROBES="${PROBES:-layer:qwen3_30b_a3b:512 layer:deepseek_v3:512 layer:small:32}" \
+        TASKS="" OUT=$RES bash bench/gpu/probe_round.sh ;;
     experts_te) task experts_te 300 $PY bench/gpu/experts_te_tests.py ;;
     bias) task bias 120 $PY bench/gpu/bias_bench.py --quick ;;
     layer_bench) task layer_bench 330 $PY bench/moe_layer_bench.py ;;
-    graphs) task graphs 300 $PY bench/moe_layer_graphs.py ${GRAPHS_ARGS:-} ;;
+    graphs) task graphs 360 $PY bench/moe_layer_graphs.py ${GRAPHS_ARGS:---tokens-per-expert 128 512 1024 --steps 50} ;;
     recompute) task recompute 200 $PY bench/gpu/moe_recompute.py --layers 4 --iters 5 --warmup 2 ;;
+    pretrain_local) task pretrain_local 320 env RUNS="local_native local_ext" bash bench/gpu/pretrain_megatron_lm.sh ;;
+    pretrain_te) task pretrain_te 320 env RUNS="te_native te_ext" bash bench/gpu/pretrain_megatron_lm.sh ;;
     pretrain_small) task pretrain_small 420 env RUNS="local_native local_ext te_native te_ext" \
         bash bench/gpu/pretrain_megatron_lm.sh ;;
-    pretrain_qwen3) task pretrain_qwen3 420 env RUNS="${QWEN3_RUNS:-qwen3_te_native qwen3_te_ext qwen3_te_ext_patched_grouped_gemm}" \
+    pretrain_qwen3) task pretrain_qwen3 420 env RUNS="${QWEN3_RUNS:-qwen3_te_native qwen3_te_ext qwen3_te_ext_te_grouped_mlp}" \
         bash bench/gpu/pretrain_megatron_lm.sh ;;
     *) echo "unknown task $1"; return 2 ;;
   esac
@@ -61,16 +68,22 @@ while [ $# -gt 0 ]; do
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$RES/nvidia_smi.txt"
       $PY -c "import megatron.core" 2>/dev/null || $PY -m pip install -q --no-index --no-deps .whl/megatron_core-*.whl
       $PY -c "import torch, megatron.core as m; print('torch', torch.__version__, 'mcore', m.__version__)" | tee "$RES/versions.txt" ;;
-    bg)
+    bg|par)
       names="$*"; set --
-      tree="$ROUND/tree_$(date +%s)"  # a later call replaces this working tree; the copy stays
+      tree="$ROUND/tree_$(date +%s%N)"  # a later call replaces this working tree; the copy stays
       mkdir -p "$tree" && cp -a . "$tree/"
-      (cd "$tree" && setsid nohup bash -c "for t in $names; do bash bench/gpu/h200_round.sh \$t; done" \
-        > "$tree.log" 2>&1 < /dev/null &)
-      echo "background: $names" ;;
-    wait)
-      # The background loops (`bg`) run "... do bash bench/gpu/h200_round.sh $t; done".
-      for _ in $(seq 360); do pgrep -f "do bash bench/gpu/h200_round.sh" > /dev/null || break; sleep 1; done
+      if [ "$step" = bg ]; then lists=("$names"); else read -ra lists <<< "$names"; fi
+      for list in "${lists[@]}"; do
+        id=$(date +%s%N); touch "$ROUND/running_$id"  # removed when the list ends; `wait` reads them
+        (cd "$tree" && BG_ID=$id setsid nohup bash -c "for t in $list; do bash bench/gpu/h200_round.sh \$t; done; \
+          rm -f $ROUND/running_$id" > "$tree.$id.log" 2>&1 < /dev/null &)
+        echo "background list $id: $list"
+      done ;;
+    wait)  # for the background lists started before this one (all, outside a list)
+      mine=$(ls "$ROUND"/running_* 2>/dev/null | while read -r f; do [[ "$f" > "$ROUND/running_${BG_ID:-z}" ]] || [ "$f" = "$ROUND/running_${BG_ID:-}" ] || echo "$f"; done)
+      for _ in $(seq "${WAIT_S:-540}"); do
+        left=0; for f in $mine; do [ -e "$f" ] && left=1; done; [ $left = 0 ] && break; sleep 1
+      done
       cat "$RES/tasks.tsv" ;;
     summary)  # every result JSON on stdout, compact (the reply's output tail comes back even
               # when the files under $OUT do not)
@@ -86,7 +99,7 @@ for path in sorted(glob.glob(os.path.join(res, "**", "*.json"), recursive=True))
 PYEOF
       ;;
     pack)
-      cp "$ROUND"/tree_*.log "$RES/" 2>/dev/null
+      cp "$ROUND"/tree_*.log "$RES/" 2>/dev/null; cp /tmp/te/build.log "$RES/te_build.log" 2>/dev/null
       tar czf "$OUT/round_$(date +%H%M%S).tgz" -C "$RES" . && ls -la "$OUT" ;;
     *) run_task "$step" ;;
   esac

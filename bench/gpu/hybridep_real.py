@@ -70,7 +70,10 @@ def run_pytest(name: str, args: list[str], env: dict, out_dir: str, timeout: int
     """Start one pytest shard; returns (process, log path, junit path, started)."""
     junit = os.path.join(out_dir, f"{name}.xml")
     log = os.path.join(out_dir, f"{name}.log")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", f"--junitxml={junit}", *args]
+    env = dict(env, PYTEST_STREAM_REPORT=junit[:-4] + ".jsonl",
+               PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "bench", "gpu"), env["PYTHONPATH"]]))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "-p", "pytest_stream_report",
+           f"--junitxml={junit}", *args]
     proc = subprocess.Popen(["timeout", str(timeout), *cmd], cwd=ROOT, env=env,
                             stdout=open(log, "w"), stderr=subprocess.STDOUT)
     return proc, log, junit, time.time(), " ".join(cmd)
@@ -85,12 +88,29 @@ def mode_of(testcase: ET.Element) -> str:
     return f"{base}/{modes[0]}" if modes else base
 
 
+def summarize_stream(stream: str) -> dict:
+    """The same from the per-test lines of pytest_stream_report.py, for a shard that did not
+    finish; the test running when it was stopped is the one after the last line."""
+    counts = collections.defaultdict(lambda: collections.Counter())
+    failures = []
+    if not os.path.exists(stream):
+        return {"cases": {}, "failures": ["no report: the shard ended before its first test did"]}
+    for line in open(stream):
+        r = json.loads(line)
+        key = mode_of(ET.Element("testcase", name=r["nodeid"].rpartition("::")[2]))
+        counts[key][r["outcome"] if r["when"] == "call" or r["outcome"] != "failed" else "failed"] += 1
+        if r["outcome"] == "failed":
+            failures.append(f"{r['nodeid'].rpartition('::')[2]} ({r['when']}, {r['seconds']} s): {r['error']}")
+    return {"cases": {k: dict(v) for k, v in sorted(counts.items())}, "failures": failures,
+            "unfinished": "shard stopped before its JUnit file was written: counts from its stream report"}
+
+
 def summarize(junit: str) -> dict:
     """Pass/fail/skip counts per case, and the first line of each failure."""
     counts = collections.defaultdict(lambda: collections.Counter())
     failures = []
     if not os.path.exists(junit):
-        return {"cases": {}, "failures": ["no JUnit file: the shard did not finish (see its log)"]}
+        return summarize_stream(junit[:-4] + ".jsonl")
     for tc in ET.parse(junit).getroot().iter("testcase"):
         key = mode_of(tc)
         bad = tc.find("failure") if tc.find("failure") is not None else tc.find("error")

@@ -4,9 +4,9 @@
 # --moe-grouped-gemm`, with the same flags otherwise.
 #   local mode (--transformer-impl local): GPT-MoE 4 layers, hidden 1024, 16 experts, top-2, 60 iterations
 #   TE mode (--transformer-impl transformer_engine, when TE imports): the same model, and a
-#     Qwen3-30B-A3B-shaped model cut to 4 layers (25 iterations); for the Qwen3 shape also
-#     `patches.apply(experts=GroupedGemmExperts)` (bench/gpu/pretrain_gpt_patched.py), the
-#     alternative to the TEGroupedMLP that --spec builds by default in TE mode.
+#     Qwen3-30B-A3B-shaped model cut to 4 layers (25 iterations); for the Qwen3 shape also the
+#     --spec run with Megatron's TEGroupedMLP as the experts (bench/gpu/pretrain_gpt_patched.py),
+#     the alternative to the GroupedGemmExperts that --spec builds by default in TE mode.
 # Writes $OUT/pretrain_megatron_lm_h200.json (per-iteration lm loss, ms/iter, tokens/s,
 # TFLOP/s/GPU, the command lines; bench/gpu/pretrain_megatron_lm_parse.py) and one log per run.
 #
@@ -78,7 +78,8 @@ if [ $HAVE_TE = 1 ]; then
   run te_ext 150 $LAUNCH $PRETRAIN $COMMON $SMALL $TE $SPEC
   run qwen3_te_native 200 $LAUNCH $PRETRAIN $COMMON $QWEN3 $TE $FUSION
   run qwen3_te_ext 200 $LAUNCH $PRETRAIN $COMMON $QWEN3 $TE $SPEC
-  run qwen3_te_ext_patched_grouped_gemm 200 $LAUNCH bench/gpu/pretrain_gpt_patched.py $PRETRAIN $COMMON $QWEN3 $TE
+  run qwen3_te_ext_te_grouped_mlp 200 $LAUNCH bench/gpu/pretrain_gpt_patched.py te_grouped_mlp $PRETRAIN \
+    $COMMON $QWEN3 $TE $SPEC
 else
   echo "== TE mode skipped: transformer_engine.pytorch does not import (source /tmp/te_env.sh first)"
 fi

@@ -7,7 +7,7 @@ honours the flag in both modes:
 | spec's experts (Megatron's choice) | `config.moe_grouped_gemm` | experts built |
 |---|---|---|
 | `SequentialMLP` (local spec, or no TE) | True | this package's `GroupedGemmExperts` |
-| `TEGroupedMLP` (TE spec) | True | `TE_GROUPED_EXPERTS` (below) |
+| `TEGroupedMLP` (TE spec) | True | `TE_GROUPED_EXPERTS` (below); `TEGroupedMLP` under FP8/FP4 |
 | anything | False | the spec's, unchanged (None) |
 | any other class (a custom spec) | True | the spec's, unchanged |
 """
@@ -18,10 +18,12 @@ import functools
 
 from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
 
-# Experts `--moe-grouped-gemm` builds under Transformer Engine. "te_grouped_mlp": Megatron's
-# TEGroupedMLP, kept from the spec; "grouped_gemm_experts": this package's
-# GroupedGemmExperts (torch._grouped_mm), as without TE. One place to flip the default.
-TE_GROUPED_EXPERTS = "te_grouped_mlp"
+# Experts `--moe-grouped-gemm` builds under Transformer Engine in bf16/fp16/fp32.
+# "grouped_gemm_experts": this package's GroupedGemmExperts (torch._grouped_mm), as without TE;
+# "te_grouped_mlp": Megatron's TEGroupedMLP, kept from the spec. The default is the faster one on
+# an H200 (README, "Using it from Megatron-LM"). FP8/FP4 training always keeps TEGroupedMLP:
+# only TE's GEMMs compute in those formats.
+TE_GROUPED_EXPERTS = "grouped_gemm_experts"
 TE_GROUPED_EXPERTS_CHOICES = ("te_grouped_mlp", "grouped_gemm_experts")
 
 
@@ -33,7 +35,7 @@ def grouped_gemm_experts(config, spec_experts, te_choice: str | None = None):
     """The experts builder that replaces the spec's in a `FlexMoELayer`, if any.
 
     Arguments:
-        config: Megatron `TransformerConfig`; only `moe_grouped_gemm` is read.
+        config: Megatron `TransformerConfig`; `moe_grouped_gemm`, `fp8` and `fp4` are read.
         spec_experts: the spec's `ExpertsBuilder` (`MoESubmodules.experts`).
         te_choice: one of `TE_GROUPED_EXPERTS_CHOICES` (default: `TE_GROUPED_EXPERTS`).
 
@@ -47,7 +49,9 @@ def grouped_gemm_experts(config, spec_experts, te_choice: str | None = None):
     if not config.moe_grouped_gemm:
         return None
     cls = _builder_class(spec_experts)
-    if cls is SequentialMLP or (cls is TEGroupedMLP and te_choice == "grouped_gemm_experts"):
+    low_precision = getattr(config, "fp8", None) or getattr(config, "fp4", None)
+    if cls is SequentialMLP or (cls is TEGroupedMLP and te_choice == "grouped_gemm_experts"
+                                and not low_precision):
         from megatron_moe_ext.megatron.experts import GroupedGemmExperts
 
         return GroupedGemmExperts
