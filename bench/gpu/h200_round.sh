@@ -43,7 +43,7 @@ run_task() {
         -p no:cacheprovider -k 'device_value_checks or sm_count'; $PY -m pytest tests/experts/test_kernels.py \
         tests/experts/test_bias.py -q -rs -p no:cacheprovider" ;;
     cuda_graph_train) task cuda_graph_train 300 $PY bench/gpu/cuda_graph_train.py --steps 50 ;;
-    probes) task probes 200 env PROBES="${PROBES:-layer:qwen3_30b_a3b:512 layer:deepseek_v3:512 layer:small:32}" \
+    probes) task probes 200 env PROBES="${PROBES:-layer:qwen3_30b_a3b:512 layer:deepseek_v3_like:512 layer:small:32}" \
         TASKS="" OUT=$RES bash bench/gpu/probe_round.sh ;;
     experts_te) task experts_te 300 $PY bench/gpu/experts_te_tests.py ;;
     bias) task bias 120 $PY bench/gpu/bias_bench.py --quick ;;
