@@ -59,6 +59,10 @@ def replay_checked(module, graphed, params, num_tokens, hidden, device, dtype) -
     problems = []
     for step in range(3):
         x, g = graphs.tokens(num_tokens, hidden, step + 1, device, dtype)
+        if os.environ.get("GRAPH_PROBE_ONLY_REPLAY"):  # no eager step between capture and replays
+            graphs.fwd_bwd(graphed, params, x, g)
+            torch.cuda.synchronize()
+            continue
         ye, gxe, _ = graphs.fwd_bwd(module, params, x, g)
         torch.cuda.synchronize()
         yg, gxg, _ = graphs.fwd_bwd(graphed, params, x, g)

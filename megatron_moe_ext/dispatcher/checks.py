@@ -203,6 +203,8 @@ class DeferredRoutingErrors:
 
     def flag_routes(self, routing_map: torch.Tensor, tokens: int, topk: int) -> None:
         """Record a token routed to more than `topk` experts."""
+        if not routing_map.numel():  # no tokens: nothing to flag (and no row length to infer)
+            return
         too_many = routing_map.reshape(tokens, -1).sum(-1).gt(topk).any()
         self._record(too_many.int() * RoutingError.TOO_MANY_ROUTES)
 

@@ -10,11 +10,13 @@ function that installs a test double (tests/doubles/) before the dispatcher is b
 from __future__ import annotations
 
 import importlib
+import os
 
 import torch
 import torch.distributed as dist
 
 from megatron_moe_ext.config import TokenDispatcherConfig
+from megatron_moe_ext.dispatcher.checks import CHECK_MODE_ENV
 from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
 from tests.reference import (
     RoutingCase,
@@ -76,6 +78,20 @@ def run_through_dispatcher(disp, face, x, indices, probs, num_experts, params):
     else:
         y = disp.token_unpermutation(out)
     return y, tpe
+
+
+def run_dense_reference_case_deferred_checks(*args, **kwargs):
+    """`run_dense_reference_case` with the input checks CUDA tensors get (masked and flagged on
+    the device, no host read: `MOE_EXT_INPUT_CHECKS=deferred`), on CPU tensors."""
+    old = os.environ.get(CHECK_MODE_ENV)
+    os.environ[CHECK_MODE_ENV] = "deferred"
+    try:
+        return run_dense_reference_case(*args, **kwargs)
+    finally:
+        if old is None:
+            os.environ.pop(CHECK_MODE_ENV)
+        else:
+            os.environ[CHECK_MODE_ENV] = old
 
 
 def run_dense_reference_case(case: RoutingCase, face: str, dtype: str, backend: str = "torch",

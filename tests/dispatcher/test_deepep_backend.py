@@ -8,7 +8,7 @@ bench/gpu/deepep_suite.py runs the same cases on NCCL with the real library.
 
 import pytest
 
-from tests.dispatcher.cases import FACES, run_dense_reference_case
+from tests.dispatcher.cases import FACES, run_dense_reference_case, run_dense_reference_case_deferred_checks
 from tests.dispatcher.deepep_ranks import (
     async_mode_events,
     buffer_lifecycle,
@@ -47,6 +47,17 @@ def test_deepep_matches_dense_reference(dist_pools, world, face, dtype, case):
 def test_uccl_matches_dense_reference(dist_pools, world, face, dtype, case):
     results = dist_pools(world).run(run_dense_reference_case, case, face, dtype, "uccl_ep", DOUBLE["uccl_ep"])
     check(results, world)
+
+
+@pytest.mark.parametrize("backend", ["torch", "deepep", "uccl_ep"])
+@pytest.mark.parametrize("face", FACES)
+def test_device_path_checks_take_a_rank_without_tokens(dist_pools, backend, face):
+    """The device-path checks (those of CUDA tensors) on a rank with 0 tokens: on the H200,
+    Megatron's face reshaped the empty routing map to `[0, -1]` and raised."""
+    case = next(c for c in CASES if c.name == "uneven_with_empty_rank")
+    results = dist_pools(2).run(run_dense_reference_case_deferred_checks, case, face, "fp32", backend,
+                                DOUBLE.get(backend))
+    check(results, 2)
 
 
 @pytest.mark.parametrize("backend", ["deepep", "uccl_ep"])

@@ -26,7 +26,7 @@ from tests.experts.cases_modules import (
     make_inputs,
     stacked_grads,
 )
-from tests.experts.devices import TE_REAL, te_grouped_linear_module
+from tests.experts.devices import TE_FP32_TF32_TOL, TE_REAL, te_grouped_linear_module
 
 CASE = ModuleCase("unit", "grouped_mm", "swiglu", "fp32", True, 1, ep_mode="none", tokens_per_rank=(9,))
 
@@ -143,14 +143,15 @@ def test_capacity_tail_rows_are_tolerated(monkeypatch, module_name, counts):
     x2 = x.clone().requires_grad_()
     y_ref = dense_reference(case, x2, mask, w, idx, params)
     (y_ref * g).sum().backward()
-    torch.testing.assert_close(y.cpu(), y_ref.detach(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(x1.grad.cpu(), x2.grad, rtol=1e-5, atol=1e-5)
+    tol = TE_FP32_TF32_TOL if module_name == "te" and TE_FP32_TF32_TOL else 1e-5
+    torch.testing.assert_close(y.cpu(), y_ref.detach(), rtol=tol, atol=tol)
+    torch.testing.assert_close(x1.grad.cpu(), x2.grad, rtol=tol, atol=tol)
     for name, grad in stacked_grads(module).items():
-        torch.testing.assert_close(grad.cpu(), params[name].grad, rtol=1e-5, atol=1e-5, msg=name)
+        torch.testing.assert_close(grad.cpu(), params[name].grad, rtol=tol, atol=tol, msg=name)
 
 
 @pytest.mark.parametrize("module_name", ["grouped_loop", "grouped_mm", "deepep", "te"])
-def test_bad_inputs_raise_value_error_naming_the_field(module_name):
+def test_bad_inputs_raise_value_error_naming_the_field(monkeypatch, module_name):
     case = dataclasses.replace(CASE, module=module_name)
     module = _loaded(case)
     x, mask, w, idx, _ = _inputs(case)
@@ -163,6 +164,9 @@ def test_bad_inputs_raise_value_error_naming_the_field(module_name):
     for field, args in bad.items():
         with pytest.raises(ValueError, match=f"^{field}:"):
             module(*args)
+    # Value checks of CUDA tensors are deferred to the step-boundary check unless asked for
+    # at once (dispatcher/checks.py); the TE module runs on CUDA against real TE.
+    monkeypatch.setenv("MOE_EXT_INPUT_CHECKS", "sync")
     with pytest.raises(ValueError, match=r"^indices: values must be in \[-1, 3\]"):
         module(x, mask, w, idx.masked_fill(idx == 0, 4))
 
