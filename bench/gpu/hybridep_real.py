@@ -72,7 +72,8 @@ def run_pytest(name: str, args: list[str], env: dict, out_dir: str, timeout: int
     log = os.path.join(out_dir, f"{name}.log")
     env = dict(env, PYTEST_STREAM_REPORT=junit[:-4] + ".jsonl",
                PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "bench", "gpu"), env["PYTHONPATH"]]))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "-p", "pytest_stream_report",
+    # -s: the rank workers' own stderr (a CUDA error, an abort) goes straight to the log.
+    cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-rfEs", "-p", "no:cacheprovider", "-p", "pytest_stream_report",
            f"--junitxml={junit}", *args]
     proc = subprocess.Popen(["timeout", str(timeout), *cmd], cwd=ROOT, env=env,
                             stdout=open(log, "w"), stderr=subprocess.STDOUT)
