@@ -231,7 +231,6 @@ class TokenDispatcherConfig:
         values: dict[str, Any] = dict(
             moe_enable_deepep=True,
             moe_permute_fusion=bool(getattr(config, "moe_permute_fusion", False)),
-            moe_expert_capacity_factor=getattr(config, "moe_expert_capacity_factor", None),
             moe_router_topk=config.moe_router_topk,
             moe_router_expert_pad_multiple=pad_multiple,
             num_moe_experts=config.num_moe_experts,
@@ -259,9 +258,9 @@ class TokenDispatcherConfig:
 
 
 # Megatron settings the flex layer does not honour, with the value that means "off" and why.
-# (Router-side settings, e.g. moe_token_drop_policy, are honoured by Megatron's own router,
-# which FlexMoELayer keeps: with `moe_expert_capacity_factor` the router drops by either
-# policy, and the dispatcher's own capacity check then never drops again.)
+# (Token dropping is the router's: with `moe_expert_capacity_factor` Megatron's router drops by
+# `moe_token_drop_policy` before the dispatcher sees the routing, so `from_transformer_config`
+# leaves the dispatcher's own capacity drop off instead of paying a second [T, E] pass.)
 _UNHONOURED_MEGATRON_SETTINGS = {
     "moe_pad_expert_input_to_capacity": (
         False, "the flex dispatcher sends only the routed rows, so expert inputs are never padded "

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron_moe_ext.dispatcher.checks import checks_values_now
 from megatron_moe_ext.dispatcher.permute import (
     PermutationState,
     indices_to_multihot,
@@ -124,7 +125,8 @@ class StackedExperts(nn.Module):
 
 def check_expert_inputs(config: ExpertsConfig, x: torch.Tensor, token_mask: torch.Tensor,
                         weights: torch.Tensor, indices: torch.Tensor) -> None:
-    """Shapes and dtypes of `forward`'s inputs (values too when they live on the host)."""
+    """Shapes and dtypes of `forward`'s inputs; the id range too where `MOE_EXT_INPUT_CHECKS`
+    checks values at once (host tensors, or every tensor under ``sync``)."""
     if x.dim() != 2 or x.shape[1] != config.dim:
         raise ValueError(f"x: expected [T, H={config.dim}], got shape {tuple(x.shape)}")
     if not x.dtype.is_floating_point:
@@ -140,7 +142,7 @@ def check_expert_inputs(config: ExpertsConfig, x: torch.Tensor, token_mask: torc
     if weights.shape != indices.shape or not weights.dtype.is_floating_point:
         raise ValueError(f"weights: expected a float tensor of the shape of indices "
                          f"{tuple(indices.shape)}, got {weights.dtype} {tuple(weights.shape)}")
-    if indices.device.type == "cpu" and indices.numel():
+    if indices.numel() and checks_values_now(indices):  # device values: see dispatcher/checks.py
         lo, hi = int(indices.min()), int(indices.max())
         if lo < -1 or hi >= config.n_routed_experts:
             raise ValueError(f"indices: values must be in [-1, {config.n_routed_experts - 1}] "

@@ -378,3 +378,26 @@ def run_pipeline_initializers(module_name: str, backend: str) -> list[str]:
     module = build_module(case)
     setup_ep(module, "group")
     return [type(i).__name__ for i in module.get_pipeline_runtime_initializers()]
+
+
+def run_duplicate_expert_id(case: ModuleCase, bad_ranks: tuple[int, ...]) -> dict:
+    """One token on each rank in `bad_ranks` names the same expert twice: every rank must get
+    the ValueError before any collective (never a hang or an IndexError after the exchange)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    module = build_module(case)
+    setup_ep(module, case.ep_mode)
+    e = case.experts // world
+    params = global_weights(case)
+    module.load_state_dict({k: v[rank * e:(rank + 1) * e] for k, v in params.items()}, strict=True)
+    x, token_mask, weights, indices, _ = make_inputs(case, rank)
+    if rank in bad_ranks:
+        indices = indices.clone()
+        indices[0, 1] = indices[0, 0]
+        token_mask = token_mask.clone()
+        token_mask[0] = True
+    dev = case_device(case)
+    try:
+        module(x.to(dev), token_mask.to(dev), weights.to(dev), indices.to(dev))
+    except Exception as exc:  # noqa: BLE001 - the type is what the test checks
+        return {"type": type(exc).__name__, "message": str(exc)}
+    return {"type": None, "message": ""}

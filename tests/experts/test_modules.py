@@ -15,6 +15,7 @@ from tests.experts.cases_modules import (
     ModuleCase,
     run_all_gather_varlen,
     run_deepep_buffer_at_setup,
+    run_duplicate_expert_id,
     run_module_case,
     run_pipeline_initializers,
     run_state_dict_interop,
@@ -129,3 +130,21 @@ def test_pipeline_runtime_initializers_come_from_the_dispatcher(dist_pools, modu
     assert dist_pools(2).run(run_pipeline_initializers, module_name, "torch") == [[], []]
     assert dist_pools(2).run(run_pipeline_initializers, module_name, "hybridep") == [
         ["HybridEPPipelineRuntimeInitializer"]] * 2
+
+
+DUPLICATE_ID_CASES = [
+    # (module, dispatcher backend, ranks whose first token names one expert twice)
+    ("deepep", "torch", (1,)),
+    ("deepep", "deepep", (0, 1)),
+    pytest.param("te", "torch", (0,), marks=TE_MULTI_RANK_SKIP),
+]
+
+
+@pytest.mark.parametrize("module_name,backend,bad_ranks", DUPLICATE_ID_CASES,
+                         ids=lambda v: "-".join(map(str, v)) if isinstance(v, tuple) else str(v))
+def test_duplicate_expert_id_rejected_on_every_rank_at_ep2(dist_pools, module_name, backend, bad_ranks):
+    case = ModuleCase(f"{module_name}_duplicate", module_name, "swiglu", "fp32", False, 2, backend=backend,
+                      masked_fraction=0.0)
+    for rank, r in enumerate(dist_pools(2).run(run_duplicate_expert_id, case, bad_ranks)):
+        assert r["type"] == "ValueError", (rank, r)
+        assert "twice" in r["message"] or f"rank(s) {list(bad_ranks)}" in r["message"], (rank, r)

@@ -140,6 +140,12 @@ def position_drop_parity() -> dict:
         flex.load_state_dict(native.state_dict(), strict=True)
         gen = torch.Generator().manual_seed(5 + rank)
         x, g = torch.randn(8, 2, 16, generator=gen), torch.randn(8, 2, 16, generator=gen)
+        # The router already dropped: the dispatcher must not run its own [T, E] capacity pass.
+        from megatron_moe_ext.dispatcher import permute
+
+        second_drops = []
+        real_drop = permute.drop_tokens_over_capacity
+        permute.drop_tokens_over_capacity = lambda *a, **k: second_drops.append(1) or real_drop(*a, **k)
         seen = {}
         for name, layer in (("native", native), ("flex", flex)):
             counts = []
@@ -149,6 +155,9 @@ def position_drop_parity() -> dict:
         (out_n, gx_n, _, _), received_n = seen["native"]
         (out_f, gx_f, _, _), received_f = seen["flex"]
         return dict(out=_rel_err(out_f, out_n), grad_x=_rel_err(gx_f, gx_n),
-                    received=(received_n, received_f), routed=8 * 2 * 2)
+                    received=(received_n, received_f), routed=8 * 2 * 2,
+                    second_drops=len(second_drops),
+                    dispatcher_capacity_factor=flex.token_dispatcher.dispatcher_config.moe_expert_capacity_factor)
     finally:
+        permute.drop_tokens_over_capacity = real_drop
         megatron_cpu.uninstall()

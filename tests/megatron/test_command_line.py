@@ -122,6 +122,8 @@ def test_position_drop_policy_is_honoured_by_the_router(dist_pools):
         received_n, received_f = r["received"]
         assert received_f == received_n and 0 < sum(received_n) < r["routed"], r
         assert r["out"] <= 1e-5 and r["grad_x"] <= 1e-5, r
+        # Megatron's router dropped by position; the dispatcher drops nothing a second time.
+        assert r["second_drops"] == 0 and r["dispatcher_capacity_factor"] is None, r
 
 
 def test_expert_choice_under_te_spec():
