@@ -47,7 +47,7 @@ run_task() {
         TASKS="" OUT=$RES bash bench/gpu/probe_round.sh ;;
     experts_te) task experts_te 300 $PY bench/gpu/experts_te_tests.py ;;
     bias) task bias 120 $PY bench/gpu/bias_bench.py --quick ;;
-    layer_bench) task layer_bench 330 $PY bench/moe_layer_bench.py ;;
+    layer_bench) task layer_bench 330 $PY bench/moe_layer_bench.py ${LAYER_ARGS:-} ;;
     graphs) task graphs 360 $PY bench/moe_layer_graphs.py ${GRAPHS_ARGS:---tokens-per-expert 128 512 1024 --steps 50} ;;
     recompute) task recompute 200 $PY bench/gpu/moe_recompute.py --layers 4 --iters 5 --warmup 2 ;;
     pretrain_local) task pretrain_local 320 env RUNS="local_native local_ext" bash bench/gpu/pretrain_megatron_lm.sh ;;
