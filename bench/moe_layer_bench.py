@@ -175,7 +175,10 @@ def build_variant(name: str, shape: dict, pg, device, cpu: bool):
     elif name == "flex_grouped_gemm":
         layer = FlexMoELayer(submodules=local, experts=GroupedGemmExperts, **kw)
     elif name == "flex_te_grouped_mlp":
-        layer = FlexMoELayer(submodules=te_mlp.keywords["submodules"], **kw)
+        # The spec's TEGroupedMLP passed explicitly: with moe_grouped_gemm set, FlexMoELayer
+        # would otherwise swap in GroupedGemmExperts (expert_choice.TE_GROUPED_EXPERTS).
+        te_submodules = te_mlp.keywords["submodules"]
+        layer = FlexMoELayer(submodules=te_submodules, experts=te_submodules.experts, **kw)
     elif name == "flex_sequential":
         layer = FlexMoELayer(submodules=local, **kw)
     else:

@@ -147,7 +147,8 @@ def test_capacity_tail_rows_are_tolerated(monkeypatch, module_name, counts):
     torch.testing.assert_close(y.cpu(), y_ref.detach(), rtol=tol, atol=tol)
     torch.testing.assert_close(x1.grad.cpu(), x2.grad, rtol=tol, atol=tol)
     for name, grad in stacked_grads(module).items():
-        torch.testing.assert_close(grad.cpu(), params[name].grad, rtol=tol, atol=tol, msg=name)
+        torch.testing.assert_close(grad.cpu(), params[name].grad, rtol=tol, atol=tol,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("module_name", ["grouped_loop", "grouped_mm", "deepep", "te"])
