@@ -20,7 +20,7 @@ from tests.dispatcher.cases import build_dispatcher, skewed_routing_error
 from tests.doubles import hybrid_ep_buffer
 from tests.reference import RoutingCase, apply_local_experts, make_routing, toy_expert_params
 
-CASE = RoutingCase("hybridep", tokens_per_rank=(16,), hidden=16, num_experts=8, topk=2)
+CASE = RoutingCase("hybridep", tokens_per_rank=(16,), hidden=128, num_experts=8, topk=2)
 #: Run against the real library on CUDA instead of the double on CPU.
 REAL = os.environ.get("MOE_EXT_HYBRIDEP_REAL", "0") == "1"
 DEVICE = "cuda" if REAL else "cpu"
@@ -38,8 +38,8 @@ def use_backend() -> None:
 
 
 def hybridep_case(case: RoutingCase) -> RoutingCase:
-    """`case` with its hidden size rounded up to HybridEP's multiple of 16."""
-    return dataclasses.replace(case, hidden=-(-case.hidden // 16) * 16)
+    """`case` with its hidden size rounded up to HybridEP's multiple of 16, at least 128."""
+    return dataclasses.replace(case, hidden=max(-(-case.hidden // 16) * 16, 128))
 
 
 def _setup(case: RoutingCase = CASE, **overrides):
@@ -109,7 +109,7 @@ def static_pin_sequence(pin: bool):
     params = _params()
     steps = []
     for tokens in (6, 6, 10, 10):
-        case = RoutingCase("pin", tokens_per_rank=(tokens,), seed=7)
+        case = RoutingCase("pin", tokens_per_rank=(tokens,), hidden=CASE.hidden, seed=7)
         x, indices, probs = _routing(case)
         before = dict(hybrid_ep_buffer.CALLS)
         with count_all_reduces() as calls:
@@ -134,7 +134,7 @@ def equal_token_counts_all_reduces():
 
 def padding_gets_no_gradient():
     """Ranks send 5 and 7 tokens: both pad to 8; the padding rows' probs get no gradient."""
-    case = RoutingCase("pad", tokens_per_rank=(5, 7))
+    case = RoutingCase("pad", tokens_per_rank=(5, 7), hidden=CASE.hidden)
     disp = _setup(case)
     params = _params(case)
     x, indices, probs = _routing(case)
@@ -158,12 +158,12 @@ def padding_gets_no_gradient():
 
 def double_refuses_bad_counts(tokens_by_rank):
     """The test double itself refuses unequal or TMA-unaligned per-rank counts."""
-    buffer = hybrid_ep_buffer.HybridEPBuffer(group=dist.group.WORLD, hidden_dim=16,
+    buffer = hybrid_ep_buffer.HybridEPBuffer(group=dist.group.WORLD, hidden_dim=128,
                                              max_num_of_tokens_per_rank=16, num_local_experts=2)
     tokens = tokens_by_rank[dist.get_rank()]
     experts = 2 * dist.get_world_size()
     try:
-        buffer.dispatch_with_permute(hidden=torch.zeros(tokens, 16, dtype=torch.bfloat16),
+        buffer.dispatch_with_permute(hidden=torch.zeros(tokens, 128, dtype=torch.bfloat16),
                                      routing_map=torch.ones(tokens, experts, dtype=torch.bool),
                                      probs=torch.ones(tokens, experts), num_of_experts_per_rank=2)
     except RuntimeError as exc:
@@ -292,7 +292,7 @@ def indices_to_map_behaviour(with_weights: bool, masked: bool):
     use_backend()
     import deep_ep
 
-    buffer = deep_ep.HybridEPBuffer(group=dist.group.WORLD, hidden_dim=16, max_num_of_tokens_per_rank=16,
+    buffer = deep_ep.HybridEPBuffer(group=dist.group.WORLD, hidden_dim=128, max_num_of_tokens_per_rank=16,
                                     num_local_experts=4)
     experts = 4 * dist.get_world_size()
     idx = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0]], device=DEVICE)
@@ -300,10 +300,30 @@ def indices_to_map_behaviour(with_weights: bool, masked: bool):
         idx[1, 1] = -1
     weights = torch.rand(4, 2, device=DEVICE) if with_weights else None
     try:
-        out = buffer.dispatch_with_permute(hidden=torch.ones(4, 16, dtype=torch.bfloat16, device=DEVICE),
+        out = buffer.dispatch_with_permute(hidden=torch.ones(4, 128, dtype=torch.bfloat16, device=DEVICE),
                                            topk_idx=idx, topk_weights=weights, num_of_experts=experts,
                                            probs=torch.ones(4, experts, device=DEVICE),
                                            num_of_experts_per_rank=4)
     except (RuntimeError, IndexError) as exc:
         return {"error": str(exc)}
     return {"error": None, "probs_none": out[1] is None, "rows": int(out[0].shape[0])}
+
+
+def small_hidden_refused(hidden: int) -> dict:
+    """The layer refuses a hidden size below HybridEP's 128 before any buffer exists; the
+    double's constructor fails there as the real library's IPC allocator does."""
+    use_backend()
+    case = dataclasses.replace(CASE, hidden=hidden)
+    disp = _setup(case)
+    x, indices, probs = _routing(case)
+    out = {}
+    try:
+        _step(disp, x, indices, probs, _params(case))
+    except ValueError as exc:
+        out["layer"] = str(exc)
+    try:
+        hybrid_ep_buffer.HybridEPBuffer(group=dist.group.WORLD, hidden_dim=hidden,
+                                        max_num_of_tokens_per_rank=16, num_local_experts=2)
+    except RuntimeError as exc:
+        out["double"] = str(exc)
+    return out

@@ -48,7 +48,8 @@ def test_hybridep_matches_dense_reference(dist_pools, world, mode, face, case):
 @pytest.mark.parametrize("world", WORLDS[:1])
 @pytest.mark.parametrize("case", CASES[:2], ids=lambda c: c.name)
 def test_hybridep_equal_token_counts(dist_pools, world, case):
-    fixed = RoutingCase(case.name, tokens_per_rank=(6,), topk=case.topk, masked_fraction=case.masked_fraction)
+    fixed = hybridep_case(RoutingCase(case.name, tokens_per_rank=(6,), topk=case.topk,
+                                      masked_fraction=case.masked_fraction))
     results = dist_pools(world).run(run_dense_reference_case, fixed, "dense", "bf16", "hybridep", BACKEND,
                                     dict(moe_hybridep_equal_token_counts=True), 1, DEVICE)
     check(results)

@@ -131,3 +131,10 @@ def test_overflow_past_calibrated_capacity_names_it(dist_pools, world):
     assert results[0]["error"] is not None and expected in results[0]["error"]
     # The other ranks receive nothing in that batch: nothing overflows there.
     assert all(r["error"] is None for r in results[1:])
+
+
+@double_only  # the real constructor ends the process below hidden 128
+def test_hidden_below_128_refused_before_any_buffer(dist_pools):
+    for r in dist_pools(1).run(hybridep_ranks.small_hidden_refused, 112):
+        assert r["layer"].startswith("hidden_states:") and "at least 128" in r["layer"], r
+        assert "cuMemGetAddressRange" in r["double"], r

@@ -11,6 +11,10 @@ preprocessing kernel), not what the manager expects:
 - every rank must pass the same token count (HybridEP all-gathers the routing map), and the
   count must satisfy the TMA rule `(T % 64) * ranks * 4 % 16 == 0`; otherwise it raises;
 - hidden rows must be 16-bit (bf16/fp16), the hidden size a multiple of 16, probs fp32;
+- the constructor allocates `hidden_dim // 128` FP8 scale columns per token even for bf16
+  (csrc/hybrid_ep/buffer/intranode.cu), so below 128 one allocation is 0 bytes and the IPC
+  allocator's `cuMemGetAddressRange` fails (the real library then exits the process; seen on
+  one H200, bench/results/hybridep_real_h200.json): the double raises that error;
 - rows are grouped by local expert in global (source rank, token) order, each expert's group
   padded with zero rows to `pad_multiple`;
 - blocking mode (`non_blocking=False`) returns `tokens_per_expert` on the host and sizes the
@@ -79,6 +83,11 @@ class _HybridEPBufferDouble:
                  num_blocks_unpermute=None, load_cached_kernels: bool = False,
                  use_shared_buffer: bool = True, enable_custom_allgather: bool = False,
                  num_of_hybrid_ep_ranks_per_nvlink_domain=None, use_mnnvl=None):
+        if hidden_dim < 128:
+            raise RuntimeError("CU error encountered at: file=csrc/hybrid_ep/allocator/allocator.cu, "
+                               "call='cuMemGetAddressRange(NULL, &size, (CUdeviceptr)ptr)' Reason=named "
+                               f"symbol not found (hidden_dim={hidden_dim} // 128 = 0 scale columns: a "
+                               "0-byte buffer)")
         self.group = group
         self.rank = group.rank()
         self.group_size = group.size()

@@ -60,9 +60,11 @@ CASES = [
                backend="deepep"),
     # Capacity mode: the dispatcher hands over rows past sum(tokens_per_expert).
     ModuleCase("deepep_on_hybridep_capacity_clamped_bf16_bias_ep2", "deepep", "swiglu_clamped", "bf16", True, 2,
-               backend="hybridep", repeats=2, dispatcher_options=(("moe_hybridep_capacity_factor", 2.0),)),
+               backend="hybridep", repeats=2, hidden=128,
+               dispatcher_options=(("moe_hybridep_capacity_factor", 2.0),)),
     ModuleCase("te_on_hybridep_capacity_oai_bf16master_bias_ep2", "te", "swiglu_oai", "bf16_fp32_master", True, 2,
-               backend="hybridep", repeats=2, dispatcher_options=(("moe_hybridep_capacity_factor", 2.0),)),
+               backend="hybridep", repeats=2, hidden=128,
+               dispatcher_options=(("moe_hybridep_capacity_factor", 2.0),)),
     ModuleCase("mm_swiglu_fp32_bias_ep2_no_tokens_anywhere", "grouped_mm", "swiglu", "fp32", True, 2,
                tokens_per_rank=(0, 0)),
     # Rows that are not a multiple of 16 bytes (torch._grouped_mm's stride rule): padded inside.

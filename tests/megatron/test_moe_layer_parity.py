@@ -24,11 +24,12 @@ CASES = [
 ]
 
 # Backends whose libraries need a GPU: EP 2 (DeepEP's intranode kernels refuse EP 1), bf16
-# (HybridEP and DeepEP's combine move 16-bit tokens).
+# (HybridEP and DeepEP's combine move 16-bit tokens), HybridEP at hidden >= 128.
 BACKEND_CASES = [
     LayerCase(f"{backend}_bf16", backend=backend, dtype="bf16", aux_loss=True)
-    for backend in ("deepep", "uccl_ep", "hybridep")
+    for backend in ("deepep", "uccl_ep")
 ] + [
+    LayerCase("hybridep_bf16", backend="hybridep", dtype="bf16", aux_loss=True, hidden=128),  # HybridEP: H >= 128
     LayerCase("deepep_top3_of_8_shared", backend="deepep", dtype="bf16", topk=3, num_experts=8,
               shared_expert_size=10, gated=True),
     # --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep, no explicit config

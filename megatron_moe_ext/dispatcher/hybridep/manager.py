@@ -35,8 +35,12 @@ from megatron_moe_ext.dispatcher.hybridep.metadata import _HybridEPMetadataProce
 
 #: HybridEP's TMA loads need every rank's token count to be a multiple of this.
 _HYBRIDEP_TOKEN_ALIGNMENT = 4
-#: ... and the hidden size a multiple of this (its config check, `hidden_dim % 16`).
+#: ... and the hidden size a multiple of this (its config check, `hidden_dim % 16`)
 _HYBRIDEP_HIDDEN_ALIGNMENT = 16
+#: ... and at least this: its buffer holds `hidden_dim // 128` FP8 scale columns per token
+#: (csrc/hybrid_ep/buffer/intranode.cu), and a 0-byte allocation makes its IPC allocator exit
+#: the process (`cuMemGetAddressRange ... named symbol not found`).
+_HYBRIDEP_MIN_HIDDEN = 128
 #: Set NEMO_STATIC_ROUTING_PAD_PIN=0 to keep the per-dispatch all-reduce under static routing.
 _STATIC_ROUTING_PAD_PIN = os.environ.get("NEMO_STATIC_ROUTING_PAD_PIN", "1") != "0"
 
@@ -333,9 +337,10 @@ class _HybridEPManager(_DispatchManager):
         if hidden_states.element_size() != 2:
             raise ValueError(f"hidden_states: HybridEP dispatches 16-bit tokens (bf16/fp16), got "
                              f"{hidden_states.dtype}; cast the activations or use another backend")
-        if hidden_states.shape[-1] % _HYBRIDEP_HIDDEN_ALIGNMENT:
+        hidden = hidden_states.shape[-1]
+        if hidden % _HYBRIDEP_HIDDEN_ALIGNMENT or hidden < _HYBRIDEP_MIN_HIDDEN:
             raise ValueError(f"hidden_states: HybridEP needs a hidden size that is a multiple of "
-                             f"{_HYBRIDEP_HIDDEN_ALIGNMENT}, got {hidden_states.shape[-1]}")
+                             f"{_HYBRIDEP_HIDDEN_ALIGNMENT} and at least {_HYBRIDEP_MIN_HIDDEN}, got {hidden}")
         if capacity_mode is None:
             capacity_mode = self.hybridep_capacity_factor is not None
         padded = self.token_probs.shape[0]
