@@ -53,6 +53,23 @@ def _reset_worker_state() -> None:
             parallel_state.destroy_model_parallel()
     except Exception:  # noqa: BLE001 - cleanup must never mask the task's own result
         pass
+    _destroy_task_groups()
+
+
+def _destroy_task_groups() -> None:
+    """Destroy the process groups a task created (Megatron's `destroy_model_parallel` only
+    forgets its groups): each gloo group keeps its threads, and a worker that runs hundreds of
+    tasks would otherwise pile up thousands of them."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    default = c10d._get_default_group()
+    for group in list(c10d._world.pg_map):
+        if group is not default:
+            try:
+                dist.destroy_process_group(group)
+            except Exception:  # noqa: BLE001 - a group already torn down is fine
+                pass
 
 
 def _worker(rank: int, world_size: int, port: int, tasks, results, stack_file: str) -> None:
