@@ -158,12 +158,12 @@ def padding_gets_no_gradient():
 
 def double_refuses_bad_counts(tokens_by_rank):
     """The test double itself refuses unequal or TMA-unaligned per-rank counts."""
-    buffer = hybrid_ep_buffer.HybridEPBuffer(group=dist.group.WORLD, hidden_dim=128,
+    buffer = hybrid_ep_buffer.HybridEPBuffer(group=dist.group.WORLD, hidden_dim=CASE.hidden,
                                              max_num_of_tokens_per_rank=16, num_local_experts=2)
     tokens = tokens_by_rank[dist.get_rank()]
     experts = 2 * dist.get_world_size()
     try:
-        buffer.dispatch_with_permute(hidden=torch.zeros(tokens, 128, dtype=torch.bfloat16),
+        buffer.dispatch_with_permute(hidden=torch.zeros(tokens, CASE.hidden, dtype=torch.bfloat16),
                                      routing_map=torch.ones(tokens, experts, dtype=torch.bool),
                                      probs=torch.ones(tokens, experts), num_of_experts_per_rank=2)
     except RuntimeError as exc:
@@ -292,7 +292,7 @@ def indices_to_map_behaviour(with_weights: bool, masked: bool):
     use_backend()
     import deep_ep
 
-    buffer = deep_ep.HybridEPBuffer(group=dist.group.WORLD, hidden_dim=128, max_num_of_tokens_per_rank=16,
+    buffer = deep_ep.HybridEPBuffer(group=dist.group.WORLD, hidden_dim=CASE.hidden, max_num_of_tokens_per_rank=16,
                                     num_local_experts=4)
     experts = 4 * dist.get_world_size()
     idx = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0]], device=DEVICE)
@@ -300,7 +300,7 @@ def indices_to_map_behaviour(with_weights: bool, masked: bool):
         idx[1, 1] = -1
     weights = torch.rand(4, 2, device=DEVICE) if with_weights else None
     try:
-        out = buffer.dispatch_with_permute(hidden=torch.ones(4, 128, dtype=torch.bfloat16, device=DEVICE),
+        out = buffer.dispatch_with_permute(hidden=torch.ones(4, CASE.hidden, dtype=torch.bfloat16, device=DEVICE),
                                            topk_idx=idx, topk_weights=weights, num_of_experts=experts,
                                            probs=torch.ones(4, experts, device=DEVICE),
                                            num_of_experts_per_rank=4)
