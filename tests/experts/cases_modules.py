@@ -211,7 +211,7 @@ def stacked_grads(module) -> dict[str, torch.Tensor | None]:
     return {name: getattr(module, name).grad for name in STACKED if getattr(module, name, None) is not None}
 
 
-def _rel_err(actual: torch.Tensor | None, expected: torch.Tensor, dtype: torch.dtype) -> float:
+def rel_err(actual: torch.Tensor | None, expected: torch.Tensor, dtype: torch.dtype) -> float:
     """fp32: max abs error over max |expected|. bf16: error norm over norm, because a bf16
     pre-activation that rounds to the other side of a clamp limit flips single gradient
     entries (an exact, legitimate difference), which the norm weighs by how rare it is."""
@@ -271,13 +271,13 @@ def run_module_case(case: ModuleCase) -> dict:
         tol = TE_FP32_TF32_TOL
     grads = stacked_grads(module)
     errors = {
-        "y": _rel_err(y, y_ref, act_dtype),
-        "grad_x": _rel_err(x_grad, ref_x[rank].grad, act_dtype),
-        "grad_weights": _rel_err(w_grad, ref_w[rank].grad, act_dtype),
+        "y": rel_err(y, y_ref, act_dtype),
+        "grad_x": rel_err(x_grad, ref_x[rank].grad, act_dtype),
+        "grad_weights": rel_err(w_grad, ref_w[rank].grad, act_dtype),
     }
     for name, ref in ref_params.items():
         grad = grads.get(name)
-        errors[f"grad_{name}"] = _rel_err(None if grad is None else grad.cpu(), ref.grad[local], act_dtype)
+        errors[f"grad_{name}"] = rel_err(None if grad is None else grad.cpu(), ref.grad[local], act_dtype)
     masked = ~token_mask
     return {
         "errors": errors,

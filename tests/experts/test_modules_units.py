@@ -24,6 +24,7 @@ from tests.experts.cases_modules import (
     dense_reference,
     global_weights,
     make_inputs,
+    rel_err,
     stacked_grads,
 )
 from tests.experts.devices import TE_FP32_TF32_TOL, TE_REAL, te_grouped_linear_module
@@ -143,12 +144,14 @@ def test_capacity_tail_rows_are_tolerated(monkeypatch, module_name, counts):
     x2 = x.clone().requires_grad_()
     y_ref = dense_reference(case, x2, mask, w, idx, params)
     (y_ref * g).sum().backward()
+    # Scale-relative, as the dense-reference tests measure: real TE's TF32 GEMMs round each
+    # weight-gradient entry by about 2**-11 of the sum of |terms|, which an entry that cancels
+    # to near 0 cannot meet elementwise.
     tol = TE_FP32_TF32_TOL if module_name == "te" and TE_FP32_TF32_TOL else 1e-5
-    torch.testing.assert_close(y.cpu(), y_ref.detach(), rtol=tol, atol=tol)
-    torch.testing.assert_close(x1.grad.cpu(), x2.grad, rtol=tol, atol=tol)
-    for name, grad in stacked_grads(module).items():
-        torch.testing.assert_close(grad.cpu(), params[name].grad, rtol=tol, atol=tol,
-                                   msg=lambda m, name=name: f"{name}: {m}")
+    got = {"y": y, "grad_x": x1.grad, **stacked_grads(module)}
+    want = {"y": y_ref.detach(), "grad_x": x2.grad, **{n: params[n].grad for n in stacked_grads(module)}}
+    errors = {name: rel_err(got[name].cpu(), want[name], torch.float32) for name in got}
+    assert all(err <= tol for err in errors.values()), errors  # NaN fails too
 
 
 @pytest.mark.parametrize("module_name", ["grouped_loop", "grouped_mm", "deepep", "te"])
