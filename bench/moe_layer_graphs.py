@@ -139,8 +139,9 @@ def time_steps(fn, args, iters: int, gpu: bool) -> float:
     return (time.perf_counter() - t0) * 1000 / iters
 
 
-def kernel_ms(fn, args, iters: int) -> float:
-    """Device kernel time per call from the profiler (sum of CUDA kernel durations)."""
+def kernel_ms(fn, args, iters: int, top: int = 15) -> tuple[float, dict]:
+    """Device kernel time per call from the profiler (sum of CUDA kernel durations), and the
+    `top` kernels by time: `{name (cut to 90 chars): [ms per call, launches per call]}`."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -148,8 +149,10 @@ def kernel_ms(fn, args, iters: int) -> float:
         for _ in range(iters):
             fn(*args)
         torch.cuda.synchronize()
-    total_us = sum(e.device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA")
-    return total_us / 1000 / iters
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    kernels.sort(key=lambda e: -e.device_time_total)
+    table = {e.key[:90]: [round(e.device_time_total / 1000 / iters, 4), e.count / iters] for e in kernels[:top]}
+    return sum(e.device_time_total for e in kernels) / 1000 / iters, table
 
 
 def layer_case(name: str, shape: dict, tpe: int, args, gpu: bool, device, dtype) -> dict:
@@ -206,8 +209,8 @@ def layer_case(name: str, shape: dict, tpe: int, args, gpu: bool, device, dtype)
     graph = (lambda x, g: fwd_bwd(graphed, params, x, g), (x0, g0))
     result["eager_ms"] = time_steps(*eager, iters, gpu)
     result["graphed_ms"] = time_steps(*graph, iters, gpu)
-    result["eager_kernel_ms"] = kernel_ms(*eager, max(iters // 4, 3))
-    result["graphed_kernel_ms"] = kernel_ms(*graph, max(iters // 4, 3))
+    result["eager_kernel_ms"], result["eager_top_kernels"] = kernel_ms(*eager, max(iters // 4, 3))
+    result["graphed_kernel_ms"], _ = kernel_ms(*graph, max(iters // 4, 3))
     result["speedup"] = result["eager_ms"] / result["graphed_ms"]
     check_overflow(module)
 

@@ -14,7 +14,15 @@
 # model_provider.py and megatron/core/datasets/Makefile from Megatron-LM core_r0.19.0; never
 # committed), the megatron-core wheel in .whl/ (installed here if megatron.core does not import),
 # and for TE mode `source /tmp/te_env.sh` first (../shared/tools/te-on-device). About 7 minutes.
-# RUNS="local_native local_ext ..." picks runs (default: all).
+# RUNS="local_native local_ext ..." picks runs (default: all but the det_* runs).
+#
+# det_* runs: the small model under Megatron's `--deterministic-mode` (with the environment it
+# and TE ask for) and a 10-iteration learning-rate warm-up, so that two runs of one command
+# give the same bits; without it Megatron's own native run drifts from itself (atomic adds in
+# its alltoall unpermute). Pairs: native vs the package's default experts, and native vs the
+# package's layer driving the same expert class (`det_local_ext_sequential_mlp`: --spec
+# without --moe-grouped-gemm builds SequentialMLP, as native local does;
+# `det_te_ext_te_grouped_mlp`: TEGroupedMLP, as native TE does).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-./outputs}"
@@ -60,7 +68,7 @@ FUSION="--moe-permute-fusion"
 
 run() {  # name timeout_s command...
   local name=$1 limit=$2; shift 2
-  case " ${RUNS:-all} " in *" all "*|*" $name "*) ;; *) return ;; esac
+  case " ${RUNS:-all} " in *" $name "*) ;; *" all "*) [[ $name != det_* ]] || return ;; *) return ;; esac
   echo "== $name: $*"
   echo "$*" > "$OUT/pretrain_megatron_lm_$name.cmd"
   local t0=$SECONDS
@@ -80,6 +88,18 @@ if [ $HAVE_TE = 1 ]; then
   run qwen3_te_ext 200 $LAUNCH $PRETRAIN $COMMON $QWEN3 $TE $SPEC
   run qwen3_te_ext_te_grouped_mlp 200 $LAUNCH bench/gpu/pretrain_gpt_patched.py te_grouped_mlp $PRETRAIN \
     $COMMON $QWEN3 $TE $SPEC
+fi
+DET="--deterministic-mode --lr-warmup-iters 10"
+DET_ENV="env NCCL_ALGO=Ring CUBLAS_WORKSPACE_CONFIG=:4096:8 NVTE_ALLOW_NONDETERMINISTIC_ALGO=0"
+COMMON_NO_GG=${COMMON% --moe-grouped-gemm}
+run det_local_native 180 $DET_ENV $LAUNCH $PRETRAIN $COMMON $SMALL $LOCAL $DET
+run det_local_ext 180 $DET_ENV $LAUNCH $PRETRAIN $COMMON $SMALL $LOCAL $DET $SPEC
+run det_local_ext_sequential_mlp 180 $DET_ENV $LAUNCH $PRETRAIN $COMMON_NO_GG $SMALL $LOCAL $DET $SPEC
+if [ $HAVE_TE = 1 ]; then
+  run det_te_native 180 $DET_ENV $LAUNCH $PRETRAIN $COMMON $SMALL $TE $DET
+  run det_te_ext 180 $DET_ENV $LAUNCH $PRETRAIN $COMMON $SMALL $TE $DET $SPEC
+  run det_te_ext_te_grouped_mlp 180 $DET_ENV $LAUNCH bench/gpu/pretrain_gpt_patched.py te_grouped_mlp $PRETRAIN \
+    $COMMON $SMALL $TE $DET $SPEC
 else
   echo "== TE mode skipped: transformer_engine.pytorch does not import (source /tmp/te_env.sh first)"
 fi
