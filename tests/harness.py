@@ -127,11 +127,22 @@ class DistPool:
         errors: dict[int, str] = {}
         deadline = time.monotonic() + timeout
         stuck_report = ""
+        grace_end = None  # set by the first failure
         while len(out) + len(errors) < self.world_size:
-            limit = min(deadline, time.monotonic() + grace) if errors else deadline
+            if errors and grace_end is None:
+                grace_end = time.monotonic() + grace
+            limit = min(deadline, grace_end) if grace_end is not None else deadline
             try:
-                rank, ok, value = self._results.get(timeout=max(limit - time.monotonic(), 0.1))
+                # Wake once a second: a rank whose process ended (a library that exits on a CUDA
+                # error, a segfault) sends no result and is failed at once, not at the timeout.
+                rank, ok, value = self._results.get(timeout=min(max(limit - time.monotonic(), 0.1), 1.0))
             except queue.Empty:
+                dead = [r for r, p in enumerate(self._procs)
+                        if r not in out and r not in errors and not p.is_alive()]
+                for r in dead:
+                    errors[r] = f"rank {r}'s process died (exit code {self._procs[r].exitcode})"
+                if dead or time.monotonic() < limit:
+                    continue
                 stuck = [r for r in range(self.world_size) if r not in out and r not in errors]
                 stuck_report = self._stuck_report(stuck)
                 self.shutdown()
@@ -142,6 +153,8 @@ class DistPool:
                                    f"{stuck_report}")
             (out if ok else errors)[rank] = value
         if errors:
+            if not self.broken and not all(p.is_alive() for p in self._procs):
+                self.shutdown()
             rank = min(errors)
             others = "".join(f"\n--- rank {r} also failed:\n{errors[r]}" for r in sorted(errors) if r != rank)
             raise AssertionError(f"{fn.__name__} failed on rank {rank}/{self.world_size}:\n{errors[rank]}"

@@ -244,6 +244,13 @@ def rank1_sleeps() -> int:
     return dist.get_rank()
 
 
+def rank1_exits() -> int:
+    """Rank 1 ends its process as a library that exits on a CUDA error does."""
+    if dist.get_rank() == 1:
+        os._exit(3)
+    return dist.get_rank()
+
+
 # ---- tests ----------------------------------------------------------------------------------
 DUPLICATE_CASES = [
     # (backend, world, bad ranks, config overrides, warm-up step first)
@@ -351,3 +358,12 @@ def test_harness_times_out_naming_the_stuck_rank(dist_pools):
     assert time.monotonic() - start < 30
     assert "finished: [0]" in str(info.value) and "rank 1 was stuck" in str(info.value)
     assert "rank1_sleeps" in str(info.value)
+
+
+def test_harness_fails_a_dead_rank_at_once(dist_pools):
+    pool = _ready_pool(dist_pools)
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match=r"rank 1's process died \(exit code 3\)"):
+        pool.run(rank1_exits, timeout=120)
+    assert time.monotonic() - start < 30
+    assert pool.broken and dist_pools(2) is not pool
