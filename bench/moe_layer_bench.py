@@ -254,6 +254,26 @@ def time_layer(layer, x_SBH, grad_SBH, warmup: int, iters: int, cuda: bool) -> d
     return result
 
 
+def top_kernels(layer, x_SBH, grad_SBH, iters: int = 5, top: int = 12) -> dict:
+    """`{kernel name (cut to 90 chars): [ms per step, launches per step]}` of the `top` kernels of
+    a forward + backward step, from the profiler (where a variant's time goes)."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_metrics_tracker
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            x = x_SBH.detach().requires_grad_()
+            layer(x)[0].backward(grad_SBH)
+            get_moe_metrics_tracker().clear()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.key_averages() if e.device_type.name == "CUDA"),
+                     key=lambda e: -e.device_time_total)
+    table = {e.key[:90]: [round(e.device_time_total / 1e3 / iters, 4), e.count / iters] for e in kernels[:top]}
+    table["_total_kernel_ms"] = round(sum(e.device_time_total for e in kernels) / 1e3 / iters, 4)
+    return table
+
+
 def summarize(cells: dict) -> dict:
     """Speedups of the package's fastest layer, and grouped experts under both dispatchers."""
     ok = {k: v["median_ms"] for k, v in cells.items() if "median_ms" in v}
@@ -306,6 +326,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--smoke", action="store_true", help="tiny shape on CPU, 2 iterations")
     parser.add_argument("--json", default=None, help="output path (default $OUT/moe_layer_h200.json)")
+    parser.add_argument("--profile", nargs="*", default=[], choices=VARIANTS,
+                        help="variants whose top kernels are recorded (GPU)")
     args = parser.parse_args()
     cpu = args.smoke or not torch.cuda.is_available()
     if not args.smoke and args.iters < 30:
@@ -350,6 +372,8 @@ def main() -> None:
                     routed = router_counts(layer, x)
                     cells[name] = time_layer(layer, x, grad, warmup, iters, not cpu)
                     cells[name]["router_follows_routing"] = routed == counts
+                    if name in args.profile and not cpu:
+                        cells[name]["top_kernels"] = top_kernels(layer, x, grad)
                 except Exception as error:  # noqa: BLE001 - record and go on to the next variant
                     cells[name] = {"error": f"{type(error).__name__}: {error}",
                                    "traceback": traceback.format_exc()[-2000:]}
