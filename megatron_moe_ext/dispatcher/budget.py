@@ -114,23 +114,3 @@ class _DeepepBudgetManager(_BudgetManager):
     def combine(self, hidden_states, async_finish=False, allocate_on_comm_stream=False):
         # DeepEP's combine reads only the rows the layout says were received.
         return _DeepepManager.combine(self, hidden_states, async_finish, allocate_on_comm_stream)
-
-
-def build_budget_manager(cfg, group, num_local_experts: int, tp_size: int):
-    """The budget-mode manager of `cfg.moe_flex_dispatcher_backend` (torch or deepep)."""
-    from megatron_moe_ext.dispatcher import registry
-
-    factor = cfg.moe_expert_rank_capacity_factor
-    kwargs = registry._deepep_style_kwargs(cfg, group, num_local_experts, tp_size)
-    if cfg.moe_flex_dispatcher_backend == "torch":
-        from megatron_moe_ext.dispatcher.backends import torch_a2a
-
-        return _TorchBudgetManager(factor, comm=torch_a2a, **kwargs)
-    if cfg.moe_flex_dispatcher_backend == "deepep":
-        from megatron_moe_ext.dispatcher.backends import deepep
-
-        comm = deepep.communicator(group, cfg.moe_deepep_num_sms, cfg.moe_share_token_dispatcher)
-        comm.check_group(group)
-        return _DeepepBudgetManager(factor, comm=comm, **kwargs)
-    raise ValueError(f"moe_expert_rank_capacity_factor: budget mode runs on the 'torch' and 'deepep' "
-                     f"backends, got {cfg.moe_flex_dispatcher_backend!r}")

@@ -41,25 +41,23 @@ def _build_torch(cfg, group, num_local_experts, tp_size):
     return _DeepepManager(torch_a2a, **kwargs)
 
 
-def _deepep_contract_manager(backend_module, cfg, group, num_local_experts, tp_size):
-    """A `_DeepepManager` over a backend's `DeepEPCommunicator` (DeepEP's Buffer contract)."""
+def _deepep_contract_comm(cfg, group):
+    """The `DeepEPCommunicator` of backend 'deepep' or 'uccl_ep' (DeepEP's Buffer contract),
+    refusing EP sizes its kernels lack."""
+    if cfg.moe_flex_dispatcher_backend == "uccl_ep":
+        from megatron_moe_ext.dispatcher.backends import uccl as backend
+    else:
+        from megatron_moe_ext.dispatcher.backends import deepep as backend
+    comm = backend.communicator(group, cfg.moe_deepep_num_sms, cfg.moe_share_token_dispatcher)
+    comm.check_group(group)
+    return comm
+
+
+def _build_deepep_contract(cfg, group, num_local_experts, tp_size):
     from megatron_moe_ext.dispatcher.deepep_manager import _DeepepManager
 
-    comm = backend_module.communicator(group, cfg.moe_deepep_num_sms, cfg.moe_share_token_dispatcher)
-    comm.check_group(group)
-    return _DeepepManager(comm, **_deepep_style_kwargs(cfg, group, num_local_experts, tp_size))
-
-
-def _build_deepep(cfg, group, num_local_experts, tp_size):
-    from megatron_moe_ext.dispatcher.backends import deepep
-
-    return _deepep_contract_manager(deepep, cfg, group, num_local_experts, tp_size)
-
-
-def _build_uccl(cfg, group, num_local_experts, tp_size):
-    from megatron_moe_ext.dispatcher.backends import uccl
-
-    return _deepep_contract_manager(uccl, cfg, group, num_local_experts, tp_size)
+    return _DeepepManager(_deepep_contract_comm(cfg, group),
+                          **_deepep_style_kwargs(cfg, group, num_local_experts, tp_size))
 
 
 def _build_hybridep(cfg, group, num_local_experts, tp_size):
@@ -70,16 +68,23 @@ def _build_hybridep(cfg, group, num_local_experts, tp_size):
 
 BUILDERS: dict[str, ManagerBuilder] = {
     "torch": _build_torch,
-    "deepep": _build_deepep,
-    "uccl_ep": _build_uccl,
+    "deepep": _build_deepep_contract,
+    "uccl_ep": _build_deepep_contract,
     "hybridep": _build_hybridep,
 }
 
 
 def build_manager(cfg: TokenDispatcherConfig, group, num_local_experts: int, tp_size: int = 1):
-    """The manager of one layer for `cfg.moe_flex_dispatcher_backend`."""
-    if cfg.moe_expert_rank_capacity_factor is not None:
-        from megatron_moe_ext.dispatcher.budget import build_budget_manager
+    """The manager of one layer for `cfg.moe_flex_dispatcher_backend` (budget mode: 'torch' or
+    'deepep', the only backends the config allows it on)."""
+    factor = cfg.moe_expert_rank_capacity_factor
+    if factor is None:
+        return BUILDERS[cfg.moe_flex_dispatcher_backend](cfg, group, num_local_experts, tp_size)
+    from megatron_moe_ext.dispatcher import budget
 
-        return build_budget_manager(cfg, group, num_local_experts, tp_size)
-    return BUILDERS[cfg.moe_flex_dispatcher_backend](cfg, group, num_local_experts, tp_size)
+    kwargs = _deepep_style_kwargs(cfg, group, num_local_experts, tp_size)
+    if cfg.moe_flex_dispatcher_backend == "torch":
+        from megatron_moe_ext.dispatcher.backends import torch_a2a
+
+        return budget._TorchBudgetManager(factor, comm=torch_a2a, **kwargs)
+    return budget._DeepepBudgetManager(factor, comm=_deepep_contract_comm(cfg, group), **kwargs)

@@ -93,8 +93,7 @@ class DeepEPCommunicator:
         self.name = name
         self.num_sms = num_sms
         self.pad_empty = pad_empty
-        self._buffer = None
-        self._group = None
+        self._buffer = self._group = None
         self._dispatch_config = self._combine_config = None
         # Host-side answers that never change for a given buffer class / group / row size,
         # cached because everything before DeepEP's host sync is exposed GPU idle time.
@@ -152,8 +151,7 @@ class DeepEPCommunicator:
         `_return_rows`), so it is sized for at least 4 bytes per element; the index/weight
         columns of that path fit inside the top-k margin of DeepEP's size hint.
         """
-        elem = dtype.itemsize
-        elem = max(elem, 2) if dtype == torch.bfloat16 else max(elem, 4)
+        elem = 2 if dtype == torch.bfloat16 else max(dtype.itemsize, 4)
         unit, max_bytes = self._dispatch_row_rule()
         row_bytes = -(-hidden * elem // unit) * unit
         return row_bytes if max_bytes is None else min(row_bytes, max_bytes)
