@@ -236,6 +236,7 @@ class TokenDispatcherConfig:
             num_moe_experts=config.num_moe_experts,
             moe_router_dtype=getattr(config, "moe_router_dtype", "fp32") or "fp32",
             moe_flex_dispatcher_backend=backend,
+            moe_expert_rank_capacity_factor=getattr(config, "moe_expert_rank_capacity_factor", None),
         )
         num_sms = getattr(config, "moe_flex_dispatcher_num_sms", None)
         if num_sms is not None and backend != "torch":
@@ -243,16 +244,12 @@ class TokenDispatcherConfig:
             check_sm_count("moe_flex_dispatcher_num_sms", num_sms, even=sms_field == "moe_deepep_num_sms")
             values[sms_field] = num_sms
         for field in ("moe_hybridep_num_blocks_permute", "moe_hybridep_num_blocks_unpermute"):
-            if getattr(config, field, None) is not None:
-                values[field] = getattr(config, field)
+            values[field] = getattr(config, field, None)
         if backend == "hybridep":
             values["moe_hybridep_num_sms_preprocessing"] = getattr(
                 config, "moe_hybridep_num_sms_preprocessing", None)
             values["moe_hybridep_permute_fusion"] = bool(
                 getattr(config, "moe_permute_fusion_into_hybridep", False))
-        rank_factor = getattr(config, "moe_expert_rank_capacity_factor", None)
-        if rank_factor is not None:
-            values["moe_expert_rank_capacity_factor"] = rank_factor
         values.update(overrides)
         return cls(**values)
 

@@ -53,10 +53,6 @@ def _check_megatron_target() -> None:
 _check_megatron_target()
 
 
-def _spec_module():
-    return _moe_module_specs
-
-
 def apply(dispatcher_config: TokenDispatcherConfig | None = None, experts=None) -> None:
     """Make Megatron's MoE module specs build `FlexMoELayer`.
 
@@ -76,19 +72,15 @@ def apply(dispatcher_config: TokenDispatcherConfig | None = None, experts=None) 
     builder = flex_layer_builder(dispatcher_config, experts)
     with _lock:
         if _applied is not None:
-            if _applied["dispatcher_config"] != dispatcher_config:
-                raise ValueError("dispatcher_config: patches are already applied with "
-                                 f"{_applied['dispatcher_config']!r}; call revert() before "
-                                 "applying different settings")
-            if _applied["experts"] is not experts:
-                raise ValueError(f"experts: patches are already applied with "
-                                 f"{_applied['experts']!r}; call revert() before applying "
-                                 "different settings")
+            for field, same in (("dispatcher_config", _applied["dispatcher_config"] == dispatcher_config),
+                                ("experts", _applied["experts"] is experts)):
+                if not same:
+                    raise ValueError(f"{field}: patches are already applied with {_applied[field]!r}; "
+                                     "call revert() before applying different settings")
             return
-        module = _spec_module()
-        _applied = {"original": module.MoELayer, "dispatcher_config": dispatcher_config,
+        _applied = {"original": _moe_module_specs.MoELayer, "dispatcher_config": dispatcher_config,
                     "experts": experts}
-        module.MoELayer = builder
+        _moe_module_specs.MoELayer = builder
 
 
 def revert() -> None:
@@ -97,7 +89,7 @@ def revert() -> None:
     with _lock:
         if _applied is None:
             return
-        _spec_module().MoELayer = _applied["original"]
+        _moe_module_specs.MoELayer = _applied["original"]
         _applied = None
 
 
