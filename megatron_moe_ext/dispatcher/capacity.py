@@ -31,15 +31,6 @@ from megatron_moe_ext.dispatcher.deepep_manager import _DeepepManager
 _CAPACITY_ALIGNMENT = 4
 
 
-def assert_no_overflow(overflow: torch.Tensor, capacity_text: str) -> None:
-    """Fail on the device, without a host sync, when `overflow` (a 0-d bool) is set."""
-    torch._assert_async(
-        ~overflow,
-        f"capacity-mode dispatch overflowed its {capacity_text}: tokens would be dropped. "
-        "Raise moe_hybridep_capacity_factor.",
-    )
-
-
 @dataclass(frozen=True)
 class CapacityHandle:
     """State of one fixed-capacity dispatch that combine and its backward reuse.
@@ -133,9 +124,12 @@ class _TorchCapacityManager(_DeepepManager):
         return recv_x_RH
 
     def _on_overflow(self, overflow: torch.Tensor) -> None:
-        """Capacity mode never continues on dropped tokens (budget mode counts them instead)."""
-        assert_no_overflow(overflow, f"capacity (send capacity {self.send_capacity} rows per rank "
-                           f"pair, capacity {self.capacity} permuted rows per rank)")
+        """Capacity mode never continues on dropped tokens: fail on the device, without a host
+        sync, when `overflow` (a 0-d bool) is set (budget mode counts them instead)."""
+        torch._assert_async(
+            ~overflow, f"capacity-mode dispatch overflowed its capacity (send capacity {self.send_capacity} "
+            f"rows per rank pair, capacity {self.capacity} permuted rows per rank): tokens would be "
+            "dropped. Raise moe_hybridep_capacity_factor.")
 
     def combine(self, hidden_states, async_finish=False, allocate_on_comm_stream=False):
         if not self._fixed():

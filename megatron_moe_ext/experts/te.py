@@ -48,18 +48,6 @@ def _per_expert(name: str, stacked: torch.Tensor):
         yield child, f"{kind}{i}", value.t() if kind == "weight" else value
 
 
-def _static_or_host_m_splits(tokens_per_expert: TokenCounts, static_routing: bool,
-                             cached: list[int] | None) -> list[int] | None:
-    """The split sizes as a host list when that costs no sync, else None (device counts).
-
-    Under static routing (benchmark-only: the counts are the same every microbatch) the
-    first microbatch's list is reused, so its device counts are read only once.
-    """
-    if static_routing and cached is not None:
-        return cached
-    return _host_counts(tokens_per_expert)
-
-
 class GroupedExpertsTE(nn.Module):
     """MoE experts on TE's `GroupedLinear` (gate/up and down), with flex token dispatch.
 
@@ -273,11 +261,13 @@ class GroupedExpertsTE(nn.Module):
         """
         rows = rows_PH.shape[0]
         pad_groups = self._pads_groups()
-        host = _static_or_host_m_splits(tokens_per_expert, self.static_routing, self._static_m_splits)
+        # Host splits when reading them costs no sync. Static routing (benchmark-only: the
+        # counts are the same every microbatch) reads device counts once and caches the list;
+        # Fp8Padding needs host splits.
+        host = self._static_m_splits or _host_counts(tokens_per_expert)
         if host is None and (pad_groups or self.static_routing):
-            # Fp8Padding needs host splits; static routing reads them once and caches them.
             host = [int(n) for n in tokens_per_expert.tolist()]
-        if self.static_routing and self._static_m_splits is None:
+        if self.static_routing:
             self._static_m_splits = host
         if host is not None:
             routed = sum(host)

@@ -62,12 +62,17 @@ def test_permute_local_matches_brute_force():
 
 
 def test_m_splits_are_read_only_from_the_host_or_the_static_cache():
-    assert te._static_or_host_m_splits(torch.tensor([3, 0, 2]), False, None) == [3, 0, 2]
-    assert te._static_or_host_m_splits((1, 2), False, [9, 9]) == [1, 2]
+    assert te._host_counts(torch.tensor([3, 0, 2])) == [3, 0, 2]
+    assert te._host_counts((1, 2)) == [1, 2]
     # Device counts (a meta tensor stands for them: reading it would fail) are never read...
-    assert te._static_or_host_m_splits(torch.empty(2, device="meta"), False, [4, 5]) is None
+    assert te._host_counts(torch.empty(2, device="meta")) is None
     # ... except through the static-routing cache, which needs no read.
-    assert te._static_or_host_m_splits(torch.empty(2, device="meta"), True, [4, 5]) == [4, 5]
+    case = dataclasses.replace(CASE, module="te")
+    module = build_module(case, static_routing=True)
+    module._static_m_splits = splits = [9] + [0] * (module.num_local_experts - 1)
+    rows = torch.randn(9, module.dim, device=case_device(case))
+    out = module._grouped_mlp(rows, torch.ones(9, device=rows.device), torch.empty(len(splits), device="meta"))
+    assert out.shape == rows.shape and module._static_m_splits is splits
 
 
 def test_stabilize_empty_routing_probs_dtype():
