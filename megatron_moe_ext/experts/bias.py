@@ -55,28 +55,6 @@ def _chunk_counts(counts_e: torch.Tensor, first: int, last: int) -> torch.Tensor
     return ends_e.clamp(first, last) - starts_e.clamp(first, last)
 
 
-def _segment_reduce_bias_grad(grad_output: torch.Tensor, token_counts: torch.Tensor,
-                              accumulation_dtype: torch.dtype) -> torch.Tensor:
-    """Reduce contiguous expert segments into an accumulation-dtype tensor.
-
-    Arguments:
-        grad_output: `[P, D]`, grouped contiguously by expert; rows past the segments ignored.
-        token_counts: `[e]` int64 segment lengths on grad_output's device.
-        accumulation_dtype: dtype of the segmented sums.
-
-    Returns:
-        `[e, D]` in `accumulation_dtype`.
-    """
-    rows, experts = grad_output.shape[0], token_counts.numel()
-    # A trailing segment takes the padding rows, so the lengths always cover the data and
-    # segment_reduce needs no host-side check (`unsafe=True` skips its sync).
-    tail = (rows - token_counts.sum()).reshape(1)
-    lengths = torch.cat([token_counts, tail])
-    sums = torch.segment_reduce(grad_output.to(accumulation_dtype), "sum", lengths=lengths,
-                                axis=0, unsafe=True)
-    return sums[:experts]
-
-
 def _reduce_bias_grad_chunked_fallback(grad_output: torch.Tensor, token_counts: torch.Tensor,
                                        probs: torch.Tensor | None,
                                        output_dtype: torch.dtype) -> torch.Tensor:
@@ -99,8 +77,11 @@ def _reduce_bias_grad_chunked_fallback(grad_output: torch.Tensor, token_counts: 
         chunk = grad_output[first:last].to(torch.float64)
         if probs is not None:
             chunk = chunk * probs[first:last].to(torch.float64)
-        total += _segment_reduce_bias_grad(chunk, _chunk_counts(token_counts, first, last),
-                                           torch.float64)
+        counts_e = _chunk_counts(token_counts, first, last)
+        # A trailing segment takes the padding rows, so the lengths always cover the data and
+        # segment_reduce needs no host-side check (`unsafe=True` skips its sync).
+        lengths = torch.cat([counts_e, (chunk.shape[0] - counts_e.sum()).reshape(1)])
+        total += torch.segment_reduce(chunk, "sum", lengths=lengths, axis=0, unsafe=True)[:-1]
     return total.to(output_dtype)
 
 

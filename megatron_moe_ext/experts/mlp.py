@@ -80,11 +80,6 @@ class _ZeroGradOnPadding(torch.autograd.Function):
         return _zero_padding_rows_(grad.contiguous(), total_1), None
 
 
-def _stride_multiple(dtype: torch.dtype) -> int:
-    """Elements per 16 bytes: `torch._grouped_mm`'s row-stride granularity."""
-    return max(1, 16 // torch.empty(0, dtype=dtype).element_size())
-
-
 def _pad_dims(t: torch.Tensor, multiple: int, dims: tuple[int, ...]) -> torch.Tensor:
     """Zero-pad the trailing `dims` (negative indices) of `t` to multiples of `multiple`;
     `t` itself when no padding is needed."""
@@ -98,7 +93,7 @@ def _grouped_mm_any_width(x_PK: torch.Tensor, w_eKN: torch.Tensor,
                           offsets_e: torch.Tensor, total_1: torch.Tensor | None) -> torch.Tensor:
     """`torch._grouped_mm(x, w, offs)` for any K and N: both are zero-padded to 16-byte rows
     when needed and the result is sliced back to `[P, N]` (see "Feature padding")."""
-    multiple = _stride_multiple(x_PK.dtype)
+    multiple = max(1, 16 // x_PK.element_size())  # elements per 16 bytes
     width = w_eKN.shape[2]
     out = _GroupedMmOutput.apply(
         torch._grouped_mm(_pad_dims(x_PK, multiple, (-1,)), _pad_dims(w_eKN, multiple, (-2, -1)),

@@ -27,10 +27,6 @@ TE_GROUPED_EXPERTS = "grouped_gemm_experts"
 TE_GROUPED_EXPERTS_CHOICES = ("te_grouped_mlp", "grouped_gemm_experts")
 
 
-def _builder_class(experts):
-    return experts.func if isinstance(experts, functools.partial) else experts
-
-
 def grouped_gemm_experts(config, spec_experts, te_choice: str | None = None):
     """The experts builder that replaces the spec's in a `FlexMoELayer`, if any.
 
@@ -48,7 +44,7 @@ def grouped_gemm_experts(config, spec_experts, te_choice: str | None = None):
                          f"{TE_GROUPED_EXPERTS_CHOICES}")
     if not config.moe_grouped_gemm:
         return None
-    cls = _builder_class(spec_experts)
+    cls = spec_experts.func if isinstance(spec_experts, functools.partial) else spec_experts
     low_precision = getattr(config, "fp8", None) or getattr(config, "fp4", None)
     if cls is SequentialMLP or (cls is TEGroupedMLP and te_choice == "grouped_gemm_experts"
                                 and not low_precision):
