@@ -3,25 +3,41 @@ the routing (docs/DESIGN.md, "Recompute").
 
 A checkpointed MoE forward runs twice: once in forward, once again in backward. The second
 run must route exactly like the first (otherwise the saved activations and the recomputed
-rows disagree) and should not pay the dispatch layout again. `RecomputeReplay` wraps one
-layer's dispatch manager and
+rows disagree) and should not pay the dispatch again. `RecomputeReplay` wraps one layer's
+dispatch manager and
 
 - records, in a forward that will be recomputed, the top-k routing the layer dispatched
   (ids and fp32 weights, small) and the backend's layout (torch: split sizes and
-  permutation; DeepEP/UCCL-EP: the dispatch handle) with the received ids and counts;
+  permutation; DeepEP/UCCL-EP: the dispatch handle) with the received ids and counts, and,
+  when asked to, what the dispatch handed the experts and what the combine returned;
 - replays it in the recompute (recognised as a forward running inside backward): the
   dispatch reuses the saved ids and layout (no layout collective, no host sync) and only the
-  token rows move again, unless a selective-checkpoint policy saved them;
+  token rows move again, or nothing runs when the dispatch's outputs were kept;
 - compares, on the device, the recomputed router output with the saved one and raises
   `RoutingChangedError` at this layer's next dispatch (a host sync point) or at `check()`.
+
+The dispatcher's autograd nodes of a recorded dispatch keep what they save for backward (row
+ids and masks, never rows) instead of handing it to the checkpoint, so a recompute may skip
+dispatcher steps, and stops after the experts unless the region reads the layer's output.
 
 Records are consumed first-in first-out, which matches every schedule in which a layer's
 recomputes run in the order of its forwards (1F1B and interleaved pipelines included).
 
-Selective checkpointing (`torch.utils.checkpoint` with `create_selective_checkpoint_contexts`)
-sees the torch backend's data exchange as the custom op `moe_ext::all_to_all_rows`;
-`save_dispatch_outputs` saves every such output (no communication at all in the recompute),
-`recompute_all` recomputes them. `checkpoint_moe` runs a function under one of them.
+`checkpoint_moe` runs a function under non-reentrant `torch.utils.checkpoint` with a policy:
+
+- `save_dispatch_outputs` keeps the rows `[P, H]` and probs `[P]` the dispatch hands the
+  experts (the rows are what the experts' first GEMM saves without recompute) and, when the
+  combine moves rows between ranks, the combined tokens `[T, H]`. The recompute runs the
+  router (its output is checked) and the experts only: no collective, no permutation. At one
+  rank the combine is the local unpermutation, which runs again only if the region reads the
+  layer's output.
+- `recompute_all` keeps nothing: the recompute dispatches again along the recorded layout
+  (the rows' all-to-alls and the permutation, no layout collective), then runs the experts.
+
+Both run without a selective-checkpoint context, whose Python dispatch of every op cost
+about the experts' forward per layer (one H200, Qwen3-30B-A3B shape). Any other policy is
+applied op by op; `save_dispatch_outputs` is one too, saving `moe_ext::permute_rows`'s
+outputs (without the replay's skip, the dispatch before that op still runs again).
 """
 
 from __future__ import annotations
@@ -33,8 +49,10 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
+                                    noop_context_fn)
 
+from megatron_moe_ext.dispatcher import permute as P
 from megatron_moe_ext.dispatcher.backends import torch_a2a
 from megatron_moe_ext.dispatcher.flex import _in_backward
 
@@ -44,30 +62,54 @@ class RoutingChangedError(RuntimeError):
 
 
 def save_dispatch_outputs(ctx, func, *args, **kwargs) -> CheckpointPolicy:
-    """Selective-checkpoint policy: keep the outputs of the dispatch/combine data exchange
-    (the recompute communicates nothing); recompute everything else."""
-    if func is torch.ops.moe_ext.all_to_all_rows.default:
+    """Keep the rows and probs the dispatch hands the experts (and the combined tokens): with
+    `checkpoint_moe`, the recompute runs no dispatcher step. As a selective-checkpoint policy:
+    save `moe_ext::permute_rows`'s outputs, recompute everything else."""
+    if func is torch.ops.moe_ext.permute_rows.default:
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def recompute_all(ctx, func, *args, **kwargs) -> CheckpointPolicy:
-    """Selective-checkpoint policy: recompute everything, the data exchange included (the
-    layout is still reused through `RecomputeReplay`)."""
+    """Recompute everything, the data exchange included (the layout is still reused through
+    `RecomputeReplay`)."""
     return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _kept_saved_tensors(enabled: bool = True):
+    """Autograd nodes built inside keep their saved tensors instead of handing them to an
+    activation checkpoint, whose recompute then need not repeat them."""
+    if not enabled:
+        return contextlib.nullcontext()
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+
+
+def _stand_in(like: torch.Tensor, rows: int) -> torch.Tensor:
+    """`[rows, H]` holding no data: what a skipped step hands the next one, which skips too."""
+    return like.new_empty_strided((rows, like.shape[1]), (0, 0))
+
+
+def _leaf(tensor: torch.Tensor) -> torch.Tensor:
+    """A kept forward tensor as an input of the recompute, whose graph is discarded: only
+    what it saves for backward counts, and that depends on `requires_grad` alone."""
+    return tensor.detach().requires_grad_(tensor.requires_grad)
 
 
 POLICIES: dict[str, Callable] = {"save_dispatch_outputs": save_dispatch_outputs,
                                  "recompute_all": recompute_all}
 
 
-@dataclass(frozen=True)
+@dataclass
 class _DispatchRecord:
     """What one recorded dispatch hands its recompute.
 
     indices_TK / probs_TK: the routing dispatched (after token dropping), fp32 weights detached.
     handle: the backend's layout.
     recv_indices_RK / recv_probs_RK / tokens_per_expert: what this rank received.
+    keep_outputs: the recompute skips the dispatch: the forward keeps the following.
+    permutation: `(PermutationState, padded counts)` of the local permutation.
+    expert_inputs: `(rows [P, H], probs [P])` the dispatch handed the experts (until replayed).
+    combined: `[T, H]` the combine returned, when it moved rows between ranks.
     """
 
     indices_TK: torch.Tensor
@@ -76,6 +118,10 @@ class _DispatchRecord:
     recv_indices_RK: torch.Tensor
     recv_probs_RK: torch.Tensor
     tokens_per_expert: list[int]
+    keep_outputs: bool = False
+    permutation: tuple[P.PermutationState, list[int]] | None = None
+    expert_inputs: tuple[torch.Tensor, torch.Tensor] | None = None
+    combined: torch.Tensor | None = None
 
 
 def _cached_dispatch_of(manager) -> Callable | None:
@@ -105,7 +151,11 @@ class RecomputeReplay:
         self._cached_dispatch = cached_dispatch
         self._records: deque[_DispatchRecord] = deque()
         self._recording = False
-        self._replaying: _DispatchRecord | None = None
+        self._keep_outputs = False
+        self._replaying: _DispatchRecord | None = None  # popped by the routing, for the dispatch
+        # The record of the dispatch in flight (recorded or replayed), until its combine.
+        self._current: _DispatchRecord | None = None
+        self._skipping = False  # the dispatch in flight is replayed from kept outputs
         # (device flag, host copy, event): a routing change seen by a recompute, not yet read.
         self._pending: list[tuple[torch.Tensor, torch.Tensor, object]] = []
 
@@ -122,17 +172,27 @@ class RecomputeReplay:
         return len(self._records)
 
     @contextlib.contextmanager
-    def recording(self, enabled: bool = True):
-        """Record the dispatches of this forward (it will be recomputed)."""
-        saved, self._recording = self._recording, enabled
+    def recording(self, enabled: bool = True, keep_outputs: bool = False):
+        """Record the dispatches of this forward (it will be recomputed); `keep_outputs`: also
+        keep what they hand the experts, so their recompute skips the dispatch (non-reentrant
+        checkpoint only; end the recompute with `end_recompute`)."""
+        saved = self._recording, self._keep_outputs
+        self._recording, self._keep_outputs = enabled, keep_outputs
         try:
             yield
         finally:
-            self._recording = saved
+            self._recording, self._keep_outputs = saved
+
+    def end_recompute(self) -> None:
+        """Drop what a recompute left of a dispatch replayed from kept outputs (a checkpoint
+        stops its recompute once it has what backward needs: the combine may never come)."""
+        if self._skipping:
+            self._current, self._skipping = None, False
 
     def clear(self) -> None:
         """Drop unconsumed records (a checkpointed forward whose backward never ran)."""
         self._records.clear()
+        self._current, self._skipping = None, False
 
     # ---- routing ---------------------------------------------------------------------------
     def setup_metadata(self, num_local_tokens: int, probs: torch.Tensor, routing_map=None):
@@ -193,28 +253,70 @@ class RecomputeReplay:
                     "bias between a checkpointed forward and its backward; make the router "
                     "deterministic (bf16 top-k ties)")
 
-    # ---- communication ---------------------------------------------------------------------
+    # ---- communication and permutation ---------------------------------------------------
     def dispatch(self, hidden_states, async_finish: bool = False, allocate_on_comm_stream: bool = False):
         inner = self._inner
         record, self._replaying = self._replaying, None
+        self._current, self._skipping = record, record is not None and record.keep_outputs
         if record is None:
+            recording = self._recording and not _in_backward()
             indices_TK, probs_TK = inner.token_indices, inner.token_probs
-            out = inner.dispatch(hidden_states, async_finish, allocate_on_comm_stream)
-            if self._recording and not _in_backward():
-                self._records.append(_DispatchRecord(
+            with _kept_saved_tensors(recording):
+                out = inner.dispatch(hidden_states, async_finish, allocate_on_comm_stream)
+            if recording:
+                self._current = _DispatchRecord(
                     indices_TK, probs_TK.detach(), inner.handle, inner.dispatched_indices,
-                    inner.dispatched_probs.detach(), list(inner._host_counts())))
+                    inner.dispatched_probs.detach(), list(inner._host_counts()), self._keep_outputs)
+                self._records.append(self._current)
             return out
-        hidden, indices, probs, tokens_per_expert, handle = self._cached_dispatch(
-            hidden_states, inner.token_probs, record.handle, record.recv_indices_RK,
-            record.recv_probs_RK, record.tokens_per_expert, inner.group, async_finish,
-            allocate_on_comm_stream)
+        if self._skipping:  # the permutation hands the experts the kept rows: nothing moves
+            hidden, indices, probs = (_stand_in(hidden_states, record.recv_indices_RK.shape[0]),
+                                      record.recv_indices_RK, record.recv_probs_RK)
+            handle, tokens_per_expert = record.handle, record.tokens_per_expert
+        else:
+            with _kept_saved_tensors():
+                hidden, indices, probs, tokens_per_expert, handle = self._cached_dispatch(
+                    hidden_states, inner.token_probs, record.handle, record.recv_indices_RK,
+                    record.recv_probs_RK, record.tokens_per_expert, inner.group, async_finish,
+                    allocate_on_comm_stream)
         # The state `_DeepepManager.dispatch` leaves for permute and combine.
         inner.handle = handle
         inner.tokens_per_expert = list(tokens_per_expert)
         inner.dispatched_indices, inner.dispatched_probs = indices, probs
         inner.token_indices = inner.token_probs = None
         return hidden
+
+    def get_permuted_hidden_states_by_experts(self, hidden_states):
+        inner, record = self._inner, self._current
+        if self._skipping:
+            (state, counts), (rows_PH, probs_P) = record.permutation, record.expert_inputs
+            record.expert_inputs = None  # backward holds them from here on
+            return _leaf(rows_PH), inner._keep_permutation(counts, state, _leaf(probs_P))
+        with _kept_saved_tensors(record is not None):
+            out = inner.get_permuted_hidden_states_by_experts(hidden_states)
+        if record is not None and record.keep_outputs:
+            record.permutation = inner.reversed_mapping_for_combine, inner._host_counts()
+            record.expert_inputs = out
+        return out
+
+    def get_restored_hidden_states_by_experts(self, hidden_states):
+        record = self._current
+        if self._skipping and record.combined is not None:  # the combine returns what it kept
+            return _stand_in(hidden_states, record.permutation[0].num_rows)
+        with _kept_saved_tensors(record is not None):
+            return self._inner.get_restored_hidden_states_by_experts(hidden_states)
+
+    def combine(self, hidden_states, async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        record, skipping = self._current, self._skipping
+        self._current, self._skipping = None, False
+        if skipping and record.combined is not None:
+            self._inner._release_dispatch_state()
+            return _leaf(record.combined)
+        with _kept_saved_tensors(record is not None):
+            out = self._inner.combine(hidden_states, async_finish, allocate_on_comm_stream)
+        if record is not None and record.keep_outputs and out is not hidden_states:
+            record.combined = out  # rows came back from other ranks: worth keeping
+        return out
 
 
 def attach_replay(dispatcher) -> RecomputeReplay | None:
@@ -254,13 +356,14 @@ def check_routing(module_or_dispatchers) -> None:
 
 def checkpoint_moe(fn: Callable, *args, replays: Iterable[RecomputeReplay],
                    policy: Callable | str = save_dispatch_outputs, **kwargs):
-    """`fn(*args, **kwargs)` under non-reentrant `torch.utils.checkpoint` with a selective policy
-    whose MoE dispatches are recorded for replay.
+    """`fn(*args, **kwargs)` under non-reentrant `torch.utils.checkpoint`, its MoE dispatches
+    recorded for replay.
 
     Arguments:
         fn: the checkpointed region (one or more MoE layers, or a whole transformer layer).
         replays: the `RecomputeReplay`s of the MoE layers inside (see `replays_in`).
-        policy: `save_dispatch_outputs`, `recompute_all` (or their names), or any policy.
+        policy: `save_dispatch_outputs`, `recompute_all` (or their names), or any
+            selective-checkpoint policy (applied op by op, no dispatch outputs kept).
 
     Returns:
         `fn`'s output.
@@ -269,6 +372,7 @@ def checkpoint_moe(fn: Callable, *args, replays: Iterable[RecomputeReplay],
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r} is invalid: allowed names are {tuple(POLICIES)}")
         policy = POLICIES[policy]
+    replays = list(replays)
     for replay in replays:
         # DeepEP's first dispatch (layout + rows in one library call) and its cached replay
         # build different autograd graphs, which non-reentrant checkpointing refuses.
@@ -276,8 +380,26 @@ def checkpoint_moe(fn: Callable, *args, replays: Iterable[RecomputeReplay],
             raise ValueError("moe_flex_dispatcher_backend: selective-checkpoint policies support the "
                              "'torch' backend; recompute DeepEP/UCCL-EP layers with Megatron's "
                              "recompute flags (reentrant), which replay their dispatch handle")
-    context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
+    keep_outputs = policy is save_dispatch_outputs
+    if keep_outputs:
+        context_fn = functools.partial(_ending_recompute, replays)
+    elif policy is recompute_all:
+        context_fn = noop_context_fn
+    else:
+        context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
     with contextlib.ExitStack() as stack:
         for replay in replays:
-            stack.enter_context(replay.recording())
+            stack.enter_context(replay.recording(keep_outputs=keep_outputs))
         return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+
+def _ending_recompute(replays: list[RecomputeReplay]):
+    """`checkpoint`'s context_fn: leaving the recompute, `replays` drop what they kept for it."""
+    @contextlib.contextmanager
+    def recompute():
+        try:
+            yield
+        finally:
+            for replay in replays:
+                replay.end_recompute()
+    return contextlib.nullcontext(), recompute()

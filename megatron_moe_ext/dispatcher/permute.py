@@ -114,17 +114,72 @@ def drop_tokens_over_capacity(
 
 @dataclass(frozen=True)
 class PermutationState:
-    """What `unpermute_from_experts` needs: where each permuted row came from.
+    """Where each permuted row came from: what `permute_rows` and `unpermute_from_experts` need.
 
-    row_ids_N: `[N]` received-row index of each real token-expert pair, grouped by expert.
+    row_ids_N / expert_ids_N: `[N]` received row and local expert of each real token-expert
+        pair, grouped by expert.
     dest_N: `[N]` position of that pair in the permuted buffer, or None when it is the
         identity (no padding), which saves a gather.
     num_rows: R, the number of received token rows to restore.
+    num_permuted: P, the rows handed to the experts (N plus padding).
     """
 
     row_ids_N: torch.Tensor
+    expert_ids_N: torch.Tensor
     dest_N: torch.Tensor | None
     num_rows: int
+    num_permuted: int
+
+
+@torch.library.custom_op("moe_ext::permute_rows", mutates_args=())
+def _permute_rows_op(hidden_RH: torch.Tensor, probs_Re: torch.Tensor, row_ids_N: torch.Tensor,
+                     expert_ids_N: torch.Tensor, dest_N: torch.Tensor | None,
+                     num_permuted: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows_NH = hidden_RH.index_select(0, row_ids_N)
+    probs_N = probs_Re[row_ids_N, expert_ids_N]
+    if dest_N is None:
+        return rows_NH, probs_N
+    return (rows_NH.new_zeros(num_permuted, rows_NH.shape[1]).index_copy_(0, dest_N, rows_NH),
+            probs_N.new_zeros(num_permuted).index_copy_(0, dest_N, probs_N))
+
+
+@_permute_rows_op.register_fake
+def _(hidden_RH, probs_Re, row_ids_N, expert_ids_N, dest_N, num_permuted):
+    return hidden_RH.new_empty(num_permuted, hidden_RH.shape[1]), probs_Re.new_empty(num_permuted)
+
+
+def _permute_rows_setup(ctx, inputs, output):
+    hidden_RH, probs_Re, row_ids_N, expert_ids_N, dest_N, _ = inputs
+    ctx.save_for_backward(row_ids_N, expert_ids_N, dest_N)
+    ctx.hidden_shape, ctx.probs_shape = hidden_RH.shape, probs_Re.shape
+
+
+def _permute_rows_backward(ctx, grad_PH, grad_P):
+    # The gradients autograd derives for the index_select / advanced indexing / index_copy
+    # this op used to be made of, so results keep their bits.
+    row_ids_N, expert_ids_N, dest_N = ctx.saved_tensors
+    if dest_N is not None:
+        grad_PH, grad_P = grad_PH.index_select(0, dest_N), grad_P.index_select(0, dest_N)
+    grad_RH = grad_Re = None
+    if ctx.needs_input_grad[0]:
+        grad_RH = grad_PH.new_zeros(ctx.hidden_shape).index_add_(0, row_ids_N, grad_PH)
+    if ctx.needs_input_grad[1]:
+        grad_Re = grad_P.new_zeros(ctx.probs_shape).index_put_((row_ids_N, expert_ids_N), grad_P,
+                                                                accumulate=True)
+    return grad_RH, grad_Re, None, None, None, None
+
+
+_permute_rows_op.register_autograd(_permute_rows_backward, setup_context=_permute_rows_setup)
+
+
+def permute_rows(hidden_RH: torch.Tensor, probs_Re: torch.Tensor,
+                 state: PermutationState) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(rows [P, H], probs [P])` handed to the experts: `state`'s pairs picked from `[R, H]`
+    rows and `[R, e]` probs, zeros at padding. One `torch.library` custom op, so a
+    selective-checkpoint policy saves the dispatch's outputs by name
+    (`recompute.save_dispatch_outputs`)."""
+    return _permute_rows_op(hidden_RH, probs_Re, state.row_ids_N, state.expert_ids_N, state.dest_N,
+                            state.num_permuted)
 
 
 def permute_to_experts(
@@ -149,22 +204,17 @@ def permute_to_experts(
     # nonzero_static knows its output size from the host counts: no device->host sync.
     pairs_N2 = torch.nonzero_static(routing_map_Re.t(), size=num_pairs)
     expert_ids_N, row_ids_N = pairs_N2[:, 0], pairs_N2[:, 1]
-    rows_NH = hidden_RH.index_select(0, row_ids_N)
-    probs_N = probs_Re[row_ids_N, expert_ids_N]
-    if not pad_multiple or pad_multiple == 1:
-        state = PermutationState(row_ids_N, None, hidden_RH.shape[0])
-        return rows_NH, probs_N, list(tokens_per_expert), state
-
-    counts_e = host_counts_tensor(tokens_per_expert)
-    padded_e = align_up(counts_e, pad_multiple)
-    # Host tensors: the shift of each expert's rows is known without touching the device.
-    shift_e = start_offsets(padded_e - counts_e).to(hidden_RH.device, non_blocking=True)
-    dest_N = torch.arange(num_pairs, device=hidden_RH.device) + shift_e[expert_ids_N]
-    padded = padded_e.tolist()
-    total = sum(padded)
-    permuted_PH = hidden_RH.new_zeros(total, hidden_RH.shape[1]).index_copy(0, dest_N, rows_NH)
-    permuted_probs_P = probs_N.new_zeros(total).index_copy(0, dest_N, probs_N)
-    return permuted_PH, permuted_probs_P, padded, PermutationState(row_ids_N, dest_N, hidden_RH.shape[0])
+    counts, dest_N = list(tokens_per_expert), None
+    if pad_multiple and pad_multiple != 1:
+        counts_e = host_counts_tensor(tokens_per_expert)
+        padded_e = align_up(counts_e, pad_multiple)
+        # Host tensors: the shift of each expert's rows is known without touching the device.
+        shift_e = start_offsets(padded_e - counts_e).to(hidden_RH.device, non_blocking=True)
+        dest_N = torch.arange(num_pairs, device=hidden_RH.device) + shift_e[expert_ids_N]
+        counts = padded_e.tolist()
+    state = PermutationState(row_ids_N, expert_ids_N, dest_N, hidden_RH.shape[0], sum(counts))
+    permuted_PH, permuted_probs_P = permute_rows(hidden_RH, probs_Re, state)
+    return permuted_PH, permuted_probs_P, counts, state
 
 
 def gather_sum(rows_NH: torch.Tensor, pos_RJ: torch.Tensor) -> torch.Tensor:

@@ -2,22 +2,25 @@
 
 A small MoE block (linear router with an expert bias, top-k, the flex dispatcher's seed face,
 one linear map per expert, combine) runs forward+backward with and without activation
-recompute; every rank returns its gradients and the number of the package's collectives
-issued during backward, split into layout and data.
+recompute; every rank returns its gradients, the number of the package's collectives
+issued during backward, split into layout and data, and on request the ops the recompute ran.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import functools
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_moe_ext import recompute
 from megatron_moe_ext.config import TokenDispatcherConfig
 from megatron_moe_ext.dispatcher.backends import torch_a2a
-from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
+from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher, _in_backward
 
 NUM_EXPERTS, TOPK, HIDDEN, TOKENS = 8, 2, 16, 12
 
@@ -63,6 +66,33 @@ class _Counter:
             setattr(owner, name, original)
 
 
+class _RecomputeOps(TorchDispatchMode):
+    """Counts the ops a recompute runs, by region: the ones issued inside functions wrapped
+    by `wrap(fn, region)` while autograd runs a backward. Ops whose output a
+    selective-checkpoint policy saved never run, so they are not counted."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        self._region: str | None = None
+
+    def wrap(self, fn, region: str):
+        @functools.wraps(fn)
+        def wrapped(*args, **kwargs):
+            outer, self._region = self._region, region if _in_backward() else None
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._region = outer
+        return wrapped
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self._region is not None:
+            name = func.overloadpacket.__name__
+            self.ops[self._region][name if func.namespace == "aten" else f"{func.namespace}::{name}"] += 1
+        return func(*args, **(kwargs or {}))
+
+
 def _block(disp, params, x_TH, state):
     """Router + dispatch + per-expert linear maps + combine; `state["expert_bias_E"]` is read
     at call time, so a test can change it between forward and recompute."""
@@ -82,13 +112,14 @@ def _block(disp, params, x_TH, state):
 
 
 def recompute_case(backend: str, mode: str, perturb: bool = False, dtype: str = "fp32",
-                   steps: int = 1, residual: bool = False) -> dict:
+                   steps: int = 1, residual: bool = False, count_ops: bool = False) -> dict:
     """`steps` forward+backward passes of the block on this rank under `mode`:
     "none", "reentrant" (Megatron-style: the forward runs without grad and is recorded),
-    "save_dispatch_outputs" or "recompute_all" (selective checkpoint policies).
+    "save_dispatch_outputs" or "recompute_all" (`checkpoint_moe`'s policies), "selective"
+    (`save_dispatch_outputs` as a user's selective-checkpoint policy, applied op by op).
 
-    Returns the last step's gradients and collectives issued in backward, and the
-    routing-check error.
+    Returns the last step's gradients and collectives issued in backward, the routing-check
+    error and, with `count_ops`, the ops its recompute ran (`_RecomputeOps.ops`).
     """
     if backend != "torch":
         from tests.doubles import deep_ep_buffer
@@ -117,22 +148,28 @@ def recompute_case(backend: str, mode: str, perturb: bool = False, dtype: str = 
         recompute_step(disp, replay, params, x_TH, g_TH, state, mode)
         for t in (x_TH, w_router_HE, w_eHH):
             t.grad = None
+    recompute_ops, block = _RecomputeOps(), _block
+    if count_ops:
+        block = recompute_ops.wrap(_block, "other")
+        for name in ("token_permutation2", "token_unpermutation"):
+            setattr(disp, name, recompute_ops.wrap(getattr(disp, name), "dispatcher"))
     counter = _Counter(backend)
     try:
         if mode == "none":
-            y = _block(disp, params, x_TH, state)
+            y = block(disp, params, x_TH, state)
         elif mode == "reentrant":
             with replay.recording():
-                y = torch.utils.checkpoint.checkpoint(_block, disp, params, x_TH, state,
+                y = torch.utils.checkpoint.checkpoint(block, disp, params, x_TH, state,
                                                       use_reentrant=True)
         else:
-            y = recompute.checkpoint_moe(_block, disp, params, x_TH, state,
-                                         replays=[replay], policy=mode)
+            y = recompute.checkpoint_moe(block, disp, params, x_TH, state,
+                                         replays=[replay], policy=_policy(mode))
         forward_counts = (counter.layout, counter.data)
         counter.reset()
         if perturb:  # as a load-balancing update between forward and backward would
             state["expert_bias_E"] = torch.linspace(-1.0, 1.0, NUM_EXPERTS).roll(rank + 1)
-        (y * g_TH).sum().backward()
+        with recompute_ops if count_ops else contextlib.nullcontext():
+            (y * g_TH).sum().backward()
         backward_counts = (counter.layout, counter.data)
     finally:
         counter.restore()
@@ -143,7 +180,14 @@ def recompute_case(backend: str, mode: str, perturb: bool = False, dtype: str = 
         error = str(exc)
     return dict(grads=[t.grad.detach().clone() for t in (x_TH, w_router_HE, w_eHH)],
                 forward_counts=forward_counts, backward_counts=backward_counts,
-                pending_records=replay.num_records, error=error)
+                pending_records=replay.num_records, error=error,
+                recompute_ops={k: dict(v) for k, v in recompute_ops.ops.items()})
+
+
+def _policy(mode: str):
+    if mode == "selective":  # not the package's own function object: checkpoint_moe applies it op by op
+        return lambda ctx, func, *args, **kwargs: recompute.save_dispatch_outputs(ctx, func, *args, **kwargs)
+    return mode
 
 
 def recompute_step(disp, replay, params, x_TH, g_TH, state, mode: str) -> None:
@@ -154,7 +198,8 @@ def recompute_step(disp, replay, params, x_TH, g_TH, state, mode: str) -> None:
         with replay.recording():
             y = torch.utils.checkpoint.checkpoint(_block, disp, params, x_TH, state, use_reentrant=True)
     else:
-        y = recompute.checkpoint_moe(_block, disp, params, x_TH, state, replays=[replay], policy=mode)
+        y = recompute.checkpoint_moe(_block, disp, params, x_TH, state, replays=[replay],
+                                     policy=_policy(mode))
     (y * g_TH).sum().backward()
 
 
