@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from megatron.core.transformer.moe.moe_utils import get_capacity
 
+from megatron_moe_ext.dispatcher.kernels import gather_triton
+
 
 def align_up(count, multiple: int):
     """Round `count` (an int or an integer tensor) up to the next multiple of `multiple`."""
@@ -227,8 +229,20 @@ def gather_sum(rows_NH: torch.Tensor, pos_RJ: torch.Tensor) -> torch.Tensor:
     access seen on the H200), while gathers replay safely. Positions other than N are distinct,
     so the backward (`index_add_`) never adds two values into one row and stays deterministic;
     with each row's positions ascending, the sum runs in the order of an accumulate over the
-    positions, so both give the same bits.
+    positions, so both give the same bits. On CUDA a Triton kernel computes the same bits
+    without the padded copy and the J intermediate `[R, H]` sums (`kernels/gather_triton.py`).
     """
+    if _use_kernels(rows_NH):
+        return gather_triton.gather_sum(rows_NH, pos_RJ)
+    return _gather_sum_torch(rows_NH, pos_RJ)
+
+
+def _use_kernels(t: torch.Tensor) -> bool:
+    """The Triton row kernels take CUDA floating-point rows; the CPU keeps the torch ops."""
+    return t.is_cuda and gather_triton.supported(t)
+
+
+def _gather_sum_torch(rows_NH: torch.Tensor, pos_RJ: torch.Tensor) -> torch.Tensor:
     padded_NH = torch.cat([rows_NH, rows_NH.new_zeros(1, rows_NH.shape[1])])
     out_RH = padded_NH.new_zeros(pos_RJ.shape[0], rows_NH.shape[1])
     for j in range(pos_RJ.shape[1]):
@@ -245,14 +259,16 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_PH):
         (pos_NJ,) = ctx.saved_tensors
-        return gather_sum(grad_PH, pos_NJ), None, None
+        return _gather_sum_torch(grad_PH, pos_NJ), None, None
 
 
 def gather_rows(x_NH: torch.Tensor, src_P: torch.Tensor, pos_NJ: torch.Tensor) -> torch.Tensor:
     """`[P, H]` rows of `x_NH` picked by `src_P` (N picks a zero row), whose gradient is the
     `gather_sum` along `pos_NJ`: per row of x, the output rows that picked it (P where none).
     Deterministic and CUDA-graph-safe, where `index_select`'s backward adds a row picked
-    several times with atomics."""
+    several times with atomics. On CUDA, Triton kernels (`kernels/gather_triton.py`)."""
+    if _use_kernels(x_NH):
+        return gather_triton.gather_rows(x_NH, src_P, pos_NJ)
     return _GatherRows.apply(x_NH, src_P, pos_NJ)
 
 
@@ -271,7 +287,10 @@ def slot_positions(indices_RK: torch.Tensor, routing_map_Re: torch.Tensor,
     """
     e = routing_map_Re.shape[1]
     # A pair's row is its expert's padded start plus the row's rank among that expert's rows.
-    dest_Re = padded_offsets_e + routing_map_Re.long().cumsum(0) - 1
+    # The rank is scanned along the inner dim of the `[e, R]` map: a scan along R in `[R, e]`
+    # (the outer dim) runs e threads over R rows each, 1.5 ms at R=8192, e=128 on an H200.
+    ranks_eR = routing_map_Re.t().contiguous().cumsum(1)
+    dest_Re = (padded_offsets_e[:, None] + ranks_eR - 1).t()
     expert_RK, _ = torch.sort(torch.where(indices_RK >= 0, indices_RK, e), dim=1)
     repeat_RK = torch.cat([torch.zeros_like(expert_RK[:, :1], dtype=torch.bool),
                            expert_RK[:, 1:] == expert_RK[:, :-1]], dim=1)
