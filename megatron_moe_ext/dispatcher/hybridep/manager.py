@@ -4,7 +4,7 @@ HybridEP permutes, sends and groups rows by local expert in one call
 (`dispatch_with_permute`); `combine_with_unpermute` is its inverse. Both are wrapped in
 autograd Functions that are each other's backward.
 
-What the manager adds around the buffer (docs/SPEC.md section 6):
+What the manager adds around the buffer:
 - equal, 4-aligned per-rank token counts (zero padding rows, sliced off after combine);
 - the static-routing pin of the padded count and the permuted-row count;
 - capacity mode: one blocking calibration dispatch, then non-blocking fixed-size dispatches
