@@ -53,13 +53,16 @@ def assert_bitwise(got: torch.Tensor, expected: torch.Tensor) -> None:
 
 def random_positions(num_rows: int, out_rows: int, slots: int, gen: torch.Generator) -> torch.Tensor:
     """`[R, J]` int64 positions as the capacity modes make them: each row ascending, the
-    positions below N distinct over the whole tensor, N (a zero row) for an empty slot; about
-    a third of the slots empty, so rows with several N, all N, and no N occur."""
-    drawn = torch.randperm(max(num_rows, out_rows * slots) * 3 // 2 + 1, generator=gen)[:out_rows * slots]
-    pos_RJ = torch.where(drawn < num_rows, drawn, num_rows).view(out_rows, slots)
-    pos_RJ, _ = torch.sort(pos_RJ, dim=1)
-    if out_rows > 1:
-        pos_RJ[-1] = num_rows  # a row of zero rows only
+    positions below N distinct over the whole tensor, N (a zero row) for an empty slot. About
+    40% of the slots are empty; the first row has none (when N allows), the last only empty
+    ones."""
+    real_RJ = torch.rand(out_rows, slots, generator=gen) < 0.6
+    real_RJ[:1] = True
+    real_RJ[1:][-1:] = False
+    real_slots = real_RJ.flatten().nonzero().squeeze(1)[:num_rows]
+    pos_S = torch.full((out_rows * slots,), num_rows, dtype=torch.int64)
+    pos_S[real_slots] = torch.randperm(num_rows, generator=gen)[:real_slots.numel()]
+    pos_RJ, _ = torch.sort(pos_S.view(out_rows, slots), dim=1)
     return pos_RJ
 
 
@@ -108,13 +111,12 @@ def test_gather_sum_kernel_matches_torch_path_bitwise(shape, dtype):
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gather_rows_kernel_matches_torch_path_bitwise(shape, dtype):
-    """gather_rows picks `[P, H]` rows of `x [N', H]` (the output rows of `case`'s positions,
-    so P = N); its gradient is gather_sum along the positions."""
-    x_RH, pos_RJ, grad_PH = (t.to(DEVICE) for t in case(shape, dtype, seed=1))
-    src_P = inverse_of(pos_RJ.cpu(), shape[0]).to(DEVICE)
-    x_RH, grad_PH = grad_PH, x_RH  # x has R rows, the picked rows and their grad N
-    got, got_grad = grads_of(G.gather_rows, (x_RH, src_P, pos_RJ), grad_PH)
-    ref, ref_grad = grads_of(P._GatherRows.apply, (x_RH, src_P, pos_RJ), grad_PH)
+    """`case`'s roles swapped: gather_rows picks `x [R, H]` into `[N, H]` by the inverse of
+    the positions (N rows picked, R picks a zero row), and its gradient sums back along them."""
+    grad_NH, pos_RJ, x_RH = (t.to(DEVICE) for t in case(shape, dtype, seed=1))
+    src_N = inverse_of(pos_RJ.cpu(), shape[0]).to(DEVICE)
+    got, got_grad = grads_of(G.gather_rows, (x_RH, src_N, pos_RJ), grad_NH)
+    ref, ref_grad = grads_of(P._GatherRows.apply, (x_RH, src_N, pos_RJ), grad_NH)
     assert_bitwise(got, ref)
     assert_bitwise(got_grad, ref_grad)
 
