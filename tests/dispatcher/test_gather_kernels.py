@@ -210,6 +210,41 @@ def test_permute_routes_to_the_kernels_with_the_same_bits(dtype, monkeypatch):
         assert_bitwise(g[1], r[1])
 
 
+@pytest.mark.skipif(not INTERPRET, reason="the gloo rank moves CPU tensors: kernels only under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("factor", [2.0, 0.6], ids=["fits", "overflows"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_budget_step_through_the_kernels_matches_the_torch_path(dtype, factor, monkeypatch, tmp_path):
+    """A whole budget-mode dispatch, experts, combine and backward on one gloo rank (both
+    primitives in their dispatch, permute, unpermute and combine uses, with and without
+    dropped pairs): the same bits through the kernels as through the torch path."""
+    import torch.distributed as dist
+
+    from megatron_moe_ext.dispatcher.buffers import release_all
+    from tests.dispatcher.cases import build_dispatcher
+    from tests.reference import RoutingCase, make_routing
+
+    routing = RoutingCase("kernels", tokens_per_rank=(40,), hidden=24, num_experts=8, topk=3, seed=5)
+
+    def step(use_kernels):
+        monkeypatch.setattr(P, "_use_kernels", lambda t: use_kernels)
+        disp = build_dispatcher(routing, "torch", moe_share_token_dispatcher=False,
+                                moe_expert_rank_capacity_factor=factor)
+        x, indices, probs = make_routing(routing, 0, dtype)
+        x, probs = x.clone().requires_grad_(), probs.clone().requires_grad_()
+        rows, _, permuted_probs = disp.token_permutation2(x, x.shape[0], probs, indices)
+        y = disp.token_unpermutation(rows * 1.5 + rows * permuted_probs[:, None].to(rows.dtype))
+        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(y.dtype))
+        release_all()
+        return rows.detach(), y.detach(), x.grad, probs.grad
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        for got, ref in zip(step(True), step(False)):
+            assert_bitwise(got, ref)
+    finally:
+        dist.destroy_process_group()
+
+
 def _slot_positions_outer_scan(indices_RK, routing_map_Re, padded_offsets_e, capacity):
     """The formulation slot_positions had before its scan moved to the inner dim."""
     e = routing_map_Re.shape[1]
