@@ -12,8 +12,9 @@
 #   NAME       run one task in the foreground (results in /tmp/round/out)
 #   summary    print every result JSON, compact and cut to SUMMARY_CHARS each
 #   pack       tar /tmp/round/out into $OUT/round_<date>.tgz (the tool returns at most 8 files)
-# Tasks: hybridep_real uccl_real device_checks cuda_graph_train probes experts_te bias layer_bench
-#        graphs recompute pretrain_local pretrain_te pretrain_small pretrain_det pretrain_qwen3.
+# Tasks: hybridep_real uccl_real device_checks cuda_graph_train probes experts_te bias permute
+#        layer_bench graphs recompute pretrain_local pretrain_te pretrain_small pretrain_det
+#        pretrain_qwen3.
 # Transformer Engine comes from ../shared/tools/te-on-device (source /tmp/te_env.sh first); the
 # HybridEP build (.gpu/hybridep, bench/gpu/HYBRIDEP.md), the uccl pieces (.gpu/uccl,
 # .gpu/uccl-wheel) and Megatron-LM's pretrain_gpt.py (.gpu/megatron-lm) are carried, never committed.
@@ -47,6 +48,8 @@ run_task() {
         TASKS="" OUT=$RES bash bench/gpu/probe_round.sh ;;
     experts_te) task experts_te 300 $PY bench/gpu/experts_te_tests.py ;;
     bias) task bias 120 $PY bench/gpu/bias_bench.py --quick ;;
+    permute) task permute 300 bash -c "$PY -m pytest tests/dispatcher/test_gather_kernels.py -q -rs \
+        -p no:cacheprovider; tests=\$?; $PY bench/permute_bench.py --dtype bf16 fp32; exit \$((tests | \$?))" ;;
     layer_bench) task layer_bench 330 $PY bench/moe_layer_bench.py ${LAYER_ARGS:-} ;;
     graphs) task graphs 360 $PY bench/moe_layer_graphs.py ${GRAPHS_ARGS:---tokens-per-expert 128 512 1024 --steps 50} ;;
     recompute) task recompute 200 $PY bench/gpu/moe_recompute.py --layers 4 --iters 5 --warmup 2 ;;
