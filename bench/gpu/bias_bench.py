@@ -52,6 +52,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from megatron_moe_ext.experts import bias as ext_bias  # noqa: E402
 from megatron_moe_ext.experts.kernels import bias_triton  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from permute_bench import time_ms  # noqa: E402  (bench/: CUDA-event medians)
+
 SHAPES = [(rows, hidden, experts) for rows in (8192, 32768) for hidden in (2048, 7168)
           for experts in (16, 128)]
 QUICK_SHAPES = [(8192, 2048, 16), (32768, 7168, 128)]
@@ -80,21 +83,6 @@ def random_counts(rows: int, experts: int, gen: torch.Generator) -> list[int]:
     weights = torch.rand(experts, generator=gen) ** 3
     counts = torch.multinomial(weights, rows, replacement=True, generator=gen).bincount(minlength=experts)
     return counts.tolist()
-
-
-def time_ms(fn, iters: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
-    return statistics.median(samples)
 
 
 def apply_bias_candidates(meg_apply_bias):
@@ -171,7 +159,7 @@ def bench_shape(rows, hidden, experts, dtype, args, meg_apply_bias) -> list[dict
             row["deterministic"] = all(
                 all(torch.equal(a, b) for a, b in zip(first, call())) for _ in range(args.repeats - 1))
             row["rel_error"] = rel_error(first[1], reference)
-            row["ms"] = time_ms(call, args.iters, args.warmup)
+            row["ms"] = time_ms(call, args.iters, args.warmup, torch.device("cuda"))
         except Exception:
             row["error"] = traceback.format_exc(limit=3)
         results.append(row)
@@ -183,7 +171,7 @@ def bench_shape(rows, hidden, experts, dtype, args, meg_apply_bias) -> list[dict
             first = call()
             row["deterministic"] = all(torch.equal(first, call()) for _ in range(args.repeats - 1))
             row["rel_error"] = rel_error(first, reference)
-            row["ms"] = time_ms(call, args.iters, args.warmup)
+            row["ms"] = time_ms(call, args.iters, args.warmup, torch.device("cuda"))
         except Exception:
             row["error"] = traceback.format_exc(limit=3)
         results.append(row)
