@@ -37,22 +37,48 @@ def _counts_on(tokens_per_expert: TokenCounts, device: torch.device) -> torch.Te
     return tokens_per_expert.to(device=device, dtype=torch.int64, non_blocking=True)
 
 
+def _segment_ends(counts_e: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(counts_e, 0)
+
+
 def _token_offsets(counts_e: torch.Tensor) -> torch.Tensor:
     """`[e + 1]` exclusive cumsum (0 first) on the counts' device."""
-    return torch.nn.functional.pad(torch.cumsum(counts_e, 0), (1, 0))
+    return torch.nn.functional.pad(_segment_ends(counts_e), (1, 0))
 
 
 def _row_expert_ids(counts_e: torch.Tensor, rows: int) -> torch.Tensor:
     """`[rows]` int64 expert of each row; `e` for rows past the last segment (padding)."""
     rows_P = torch.arange(rows, device=counts_e.device)
-    return torch.searchsorted(torch.cumsum(counts_e, 0), rows_P, right=True)
+    return torch.searchsorted(_segment_ends(counts_e), rows_P, right=True)
 
 
 def _chunk_counts(counts_e: torch.Tensor, first: int, last: int) -> torch.Tensor:
     """`[e]` number of each expert's rows that fall in rows `[first, last)` (no host sync)."""
-    ends_e = torch.cumsum(counts_e, 0)
+    ends_e = _segment_ends(counts_e)
     starts_e = ends_e - counts_e
     return ends_e.clamp(first, last) - starts_e.clamp(first, last)
+
+
+def _segment_reduce_bias_grad(grad_output: torch.Tensor, token_counts: torch.Tensor,
+                              accumulation_dtype: torch.dtype) -> torch.Tensor:
+    """Reduce contiguous expert segments into an accumulation-dtype tensor.
+
+    Arguments:
+        grad_output: `[P, D]`, grouped contiguously by expert; rows past the segments ignored.
+        token_counts: `[e]` int64 segment lengths on grad_output's device.
+        accumulation_dtype: dtype of the segmented sums.
+
+    Returns:
+        `[e, D]` in `accumulation_dtype`.
+    """
+    rows, experts = grad_output.shape[0], token_counts.numel()
+    # A trailing segment takes the padding rows, so the lengths always cover the data and
+    # segment_reduce needs no host-side check (`unsafe=True` skips its sync).
+    tail = (rows - token_counts.sum()).reshape(1)
+    lengths = torch.cat([token_counts, tail])
+    sums = torch.segment_reduce(grad_output.to(accumulation_dtype), "sum", lengths=lengths,
+                                axis=0, unsafe=True)
+    return sums[:experts]
 
 
 def _reduce_bias_grad_chunked_fallback(grad_output: torch.Tensor, token_counts: torch.Tensor,
@@ -77,11 +103,8 @@ def _reduce_bias_grad_chunked_fallback(grad_output: torch.Tensor, token_counts: 
         chunk = grad_output[first:last].to(torch.float64)
         if probs is not None:
             chunk = chunk * probs[first:last].to(torch.float64)
-        counts_e = _chunk_counts(token_counts, first, last)
-        # A trailing segment takes the padding rows, so the lengths always cover the data and
-        # segment_reduce needs no host-side check (`unsafe=True` skips its sync).
-        lengths = torch.cat([counts_e, (chunk.shape[0] - counts_e.sum()).reshape(1)])
-        total += torch.segment_reduce(chunk, "sum", lengths=lengths, axis=0, unsafe=True)[:-1]
+        total += _segment_reduce_bias_grad(chunk, _chunk_counts(token_counts, first, last),
+                                           torch.float64)
     return total.to(output_dtype)
 
 
@@ -121,16 +144,20 @@ class _ChunkedBiasAdd(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, value: torch.Tensor, bias: torch.Tensor, token_counts: torch.Tensor,
-                probs: torch.Tensor | None = None) -> torch.Tensor:
+                probs: torch.Tensor | None = None, reuse_input: bool = False) -> torch.Tensor:
         """`value + prob * bias[expert(row)]`, fp32 math, in `_BIAS_CHUNK_ROWS` chunks.
 
         Arguments: value `[P, D]`; bias `[e, D]`; token_counts `[e]` int64 on value's device;
-        probs optional `[P, 1]`.
+        probs optional `[P, 1]`; reuse_input: the caller hands over value's storage for the result.
 
         Returns: `[P, D]` in value's dtype.
         """
         expert_ids_P = _row_expert_ids(token_counts, value.shape[0])
-        out = torch.empty_like(value, memory_format=torch.contiguous_format)
+        if reuse_input and value.is_contiguous():
+            ctx.mark_dirty(value)
+            out = value
+        else:
+            out = torch.empty_like(value, memory_format=torch.contiguous_format)
         if _use_triton(value):
             bias_triton.weighted_bias_add(value, bias, expert_ids_P, probs, out)
         else:
@@ -156,7 +183,7 @@ class _ChunkedBiasAdd(torch.autograd.Function):
             else:
                 grad_probs = _probs_grad_fallback(grad_output, bias, expert_ids_P)
             grad_probs = grad_probs.to(probs.dtype)
-        return grad_output, grad_bias, None, grad_probs
+        return grad_output, grad_bias, None, grad_probs, None
 
 
 def _probs_grad_fallback(grad_output: torch.Tensor, bias: torch.Tensor,
@@ -172,7 +199,8 @@ def _probs_grad_fallback(grad_output: torch.Tensor, bias: torch.Tensor,
 
 
 def _apply_bias(value: torch.Tensor, bias: torch.Tensor, tokens_per_expert: TokenCounts,
-                permuted_probs: torch.Tensor | None = None) -> torch.Tensor:
+                permuted_probs: torch.Tensor | None = None,
+                reuse_input: bool = False) -> torch.Tensor:
     """Add each expert's bias to its rows of grouped GEMM output: `value + prob * bias`.
 
     Arguments:
@@ -180,6 +208,8 @@ def _apply_bias(value: torch.Tensor, bias: torch.Tensor, tokens_per_expert: Toke
         bias: `[e, D]` per-expert bias (may be an fp32 master; the math is fp32).
         tokens_per_expert: `[e]` counts, host (list / CPU tensor) or on value's device.
         permuted_probs: optional `[P, 1]` probabilities weighting the bias (the down bias).
+        reuse_input: on the chunked path (`P > _BIAS_CHUNK_THRESHOLD`) write the result into
+            value's storage; the caller must not read value afterwards.
 
     Returns:
         `[P, D]` in value's dtype; rows past `sum(tokens_per_expert)` are value unchanged.
@@ -195,7 +225,7 @@ def _apply_bias(value: torch.Tensor, bias: torch.Tensor, tokens_per_expert: Toke
         raise ValueError(f"_apply_bias: permuted_probs {tuple(permuted_probs.shape)} must be "
                          f"[{value.shape[0]}, 1]")
     if value.shape[0] > _BIAS_CHUNK_THRESHOLD:
-        return _ChunkedBiasAdd.apply(value, bias, counts_e, permuted_probs)
+        return _ChunkedBiasAdd.apply(value, bias, counts_e, permuted_probs, reuse_input)
     expanded = _DeterministicBiasRepeatInterleave.apply(bias, counts_e, value.shape[0])
     if permuted_probs is not None:
         expanded = expanded * permuted_probs

@@ -73,20 +73,16 @@ class ExpertDispatch:
         self._local: LocalPermutation | None = None
 
     def dispatch(self, x, token_mask, weights, indices):
-        """`[T, ...]` inputs -> `(rows_PH, tokens_per_expert [e], permuted_probs [P])`, empty
-        probs in the rows' dtype (see `_stabilize_empty_routing_probs_dtype`).
+        """`[T, ...]` inputs -> `(rows_PH, tokens_per_expert [e], permuted_probs [P])`.
 
         Masked tokens' slots become -1, so they are neither sent nor combined.
         """
         indices = indices.masked_fill(~token_mask[:, None], -1)
         if self.dispatcher is not None:
-            rows_PH, tokens_per_expert, probs_P = self.dispatcher.token_permutation2(
-                x, x.shape[0], weights.float(), indices)
-        else:
-            local = self._local = permute_local(x, token_mask, weights.float(), indices,
-                                                self.experts_start_idx, self.n_local_experts)
-            rows_PH, tokens_per_expert, probs_P = local.rows_PH, local.tokens_per_expert, local.probs_P
-        return rows_PH, tokens_per_expert, _stabilize_empty_routing_probs_dtype(probs_P, rows_PH.dtype)
+            return self.dispatcher.token_permutation2(x, x.shape[0], weights.float(), indices)
+        self._local = permute_local(x, token_mask, weights.float(), indices,
+                                    self.experts_start_idx, self.n_local_experts)
+        return self._local.rows_PH, self._local.tokens_per_expert, self._local.probs_P
 
     def combine(self, rows_PH: torch.Tensor) -> torch.Tensor:
         """Expert outputs `[P, H]` -> `[T, H]`, each token the sum of its rows."""
@@ -161,12 +157,18 @@ class GroupedExpertsDeepEP(StackedExperts):
         buffer), else ()."""
         return self.token_dispatch.pipeline_runtime_initializers(self.config.dim, self.config.dtype)
 
+    def _dispatch_tokens(self, x, token_mask, weights, indices):
+        """Dispatch valid tokens; returns `(rows [P, H], tokens_per_expert [e], probs [P])`
+        with empty probs given the activation dtype (see `_stabilize_empty_routing_probs_dtype`)."""
+        rows_PH, tokens_per_expert, probs_P = self.token_dispatch.dispatch(x, token_mask, weights, indices)
+        return rows_PH, tokens_per_expert, _stabilize_empty_routing_probs_dtype(probs_P, rows_PH.dtype)
+
     def forward(self, x: torch.Tensor, token_mask: torch.Tensor, weights: torch.Tensor,
                 indices: torch.Tensor) -> torch.Tensor:
         """Apply the routed experts (flex dispatch -> grouped-GEMM MLP -> combine); arguments and result as
         `GroupedExperts.forward`: `x [T, H]`, `token_mask [T]`, `weights`/`indices [T, K]` -> `[T, H]`."""
         check_expert_inputs(self.config, x, token_mask, weights, indices)
-        rows_PH, tokens_per_expert, probs_P = self.token_dispatch.dispatch(x, token_mask, weights, indices)
+        rows_PH, tokens_per_expert, probs_P = self._dispatch_tokens(x, token_mask, weights, indices)
         out_PH = run_grouped_expert_mlp(
             rows_PH, self.gate_and_up_projs, self.down_projs, self.gate_up_proj_bias, self.down_proj_bias,
             tokens_per_expert, probs_P.reshape(-1, 1), self.expert_activation)

@@ -145,42 +145,45 @@ class GroupedExperts(StackedExperts):
         if group is not None:
             x, token_mask, weights, indices, lens = self._gather_ep_inputs(
                 x, token_mask, weights, indices, group, self.ep.size)
+        params = (self.gate_and_up_projs, self.down_projs, self.gate_up_proj_bias, self.down_proj_bias)
         if self.use_torch_mm:
-            out = self._forward_grouped_mm(x, token_mask, weights, indices)
+            out = self._forward_grouped_mm(x, token_mask, weights, indices, *params,
+                                           self.n_local_experts, self.experts_start_idx)
         else:
-            out = self._forward_loop(x, token_mask, weights, indices)
+            out = self._forward_loop(x, weights, indices, token_mask, *params, self.n_local_experts,
+                                     self.experts_start_idx, self.experts_end_idx)
         if group is not None:
             out = _AllReduceNarrowFn.apply(out, group, lens)
         return out
 
-    def _forward_grouped_mm(self, x, token_mask, weights, indices):
+    def _forward_grouped_mm(self, x, token_mask, weights, indices, gate_and_up_projs, down_projs,
+                            gate_up_proj_bias, down_proj_bias, n_local_experts, experts_start_idx):
         """Grouped-GEMM path: group the routed pairs by expert, one `run_grouped_expert_mlp`,
         sum each token's rows back."""
-        perm = permute_local(x, token_mask, weights.float(), indices, self.experts_start_idx,
-                             self.n_local_experts)
+        perm = permute_local(x, token_mask, weights.float(), indices, experts_start_idx, n_local_experts)
         out_PH = run_grouped_expert_mlp(
-            perm.rows_PH, self.gate_and_up_projs, self.down_projs, self.gate_up_proj_bias,
-            self.down_proj_bias, perm.tokens_per_expert, perm.probs_P[:, None],
-            self.expert_activation_grouped)
+            perm.rows_PH, gate_and_up_projs, down_projs, gate_up_proj_bias, down_proj_bias,
+            perm.tokens_per_expert, perm.probs_P[:, None], self.expert_activation_grouped)
         return unpermute_local(out_PH.to(x.dtype), perm)
 
-    def _forward_loop(self, x, token_mask, weights, indices):
+    def _forward_loop(self, x, weights, indices, token_mask, gate_and_up_projs, down_projs,
+                      gate_up_proj_bias, down_proj_bias, n_local_experts, experts_start_idx,
+                      experts_end_idx):
         """Per-expert loop: gather an expert's tokens, two matmuls, scatter-add back.
 
         Every local expert runs, even with no tokens, so each one's parameters stay in the
         graph and get a (zero) gradient.
         """
         out = x.new_zeros(x.shape)
-        start = self.experts_start_idx
-        routed_TK = indices.ge(start) & indices.lt(self.experts_end_idx) & token_mask[:, None]
-        for local in range(self.n_local_experts):
-            token_ids, slots = torch.nonzero(routed_TK & (indices == start + local), as_tuple=True)
+        routed_TK = indices.ge(experts_start_idx) & indices.lt(experts_end_idx) & token_mask[:, None]
+        for local in range(n_local_experts):
+            token_ids, slots = torch.nonzero(routed_TK & (indices == experts_start_idx + local), as_tuple=True)
             probs = weights[token_ids, slots].float()[:, None]
-            h = x.index_select(0, token_ids) @ self.gate_and_up_projs[local].to(x.dtype)
-            if self.gate_up_proj_bias is not None:
-                h = h + self.gate_up_proj_bias[local].to(x.dtype)
-            y = self.expert_activation_grouped(h, probs) @ self.down_projs[local].to(x.dtype)
-            if self.down_proj_bias is not None:
-                y = (y + probs * self.down_proj_bias[local].float()).to(x.dtype)
+            h = x.index_select(0, token_ids) @ gate_and_up_projs[local].to(x.dtype)
+            if gate_up_proj_bias is not None:
+                h = h + gate_up_proj_bias[local].to(x.dtype)
+            y = self.expert_activation_grouped(h, probs) @ down_projs[local].to(x.dtype)
+            if down_proj_bias is not None:
+                y = (y + probs * down_proj_bias[local].float()).to(x.dtype)
             out.index_put_((token_ids,), y, accumulate=True)
         return out

@@ -111,9 +111,11 @@ def _host_counts(tokens_per_expert: TokenCounts) -> list[int] | None:
 def _grouped_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor, down_projs: torch.Tensor,
                  gate_up_proj_bias: torch.Tensor | None, down_proj_bias: torch.Tensor | None,
                  tokens_per_expert: TokenCounts, permuted_probs_P1: torch.Tensor,
-                 activation_fn: Activation) -> torch.Tensor:
+                 activation_fn: Activation, apply_router_weight_after_down: bool) -> torch.Tensor:
     """The grouped MLP in one shot (arguments as `run_grouped_expert_mlp`, unchecked).
 
+    apply_router_weight_after_down: multiply by the prob after the down projection
+    (`prob * (act(x W1 + b1) W2 + b2)`) instead of inside `activation_fn`.
     Returns `[P, H]` in hidden_PH's dtype; padding rows are 0.
     """
     dtype, rows = hidden_PH.dtype, hidden_PH.shape[0]
@@ -121,7 +123,8 @@ def _grouped_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor, down_
     if host is not None and sum(host) < rows:
         valid = sum(host)
         out = _grouped_mlp(hidden_PH[:valid], gate_and_up_projs, down_projs, gate_up_proj_bias,
-                           down_proj_bias, host, permuted_probs_P1[:valid], activation_fn)
+                           down_proj_bias, host, permuted_probs_P1[:valid], activation_fn,
+                           apply_router_weight_after_down)
         return torch.nn.functional.pad(out, (0, 0, 0, rows - valid))
     total_1 = None
     if host is not None:
@@ -141,12 +144,19 @@ def _grouped_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor, down_
         hidden_PH = _ZeroGradOnPadding.apply(hidden_PH, total_1)
         permuted_probs_P1 = torch.where(
             (torch.arange(rows, device=hidden_PH.device) < total_1)[:, None], permuted_probs_P1, 0)
+    act_probs_P1 = permuted_probs_P1
+    if apply_router_weight_after_down:
+        act_probs_P1 = torch.ones_like(permuted_probs_P1)
     up_PI = _grouped_mm_any_width(hidden_PH, gate_and_up_projs.to(dtype), offsets_e, None)
     if gate_up_proj_bias is not None:
         up_PI = _apply_bias(up_PI, gate_up_proj_bias, counts_e)
-    act_PI = activation_fn(up_PI, permuted_probs_P1)
+    act_PI = activation_fn(up_PI, act_probs_P1)
     out_PH = _grouped_mm_any_width(act_PI, down_projs.to(dtype), offsets_e, total_1)
-    if down_proj_bias is not None:
+    if apply_router_weight_after_down:
+        if down_proj_bias is not None:
+            out_PH = _apply_bias(out_PH, down_proj_bias, counts_e)
+        out_PH = (out_PH * permuted_probs_P1).to(dtype)
+    elif down_proj_bias is not None:
         out_PH = _apply_bias(out_PH, down_proj_bias, counts_e, permuted_probs_P1)
     return out_PH
 
@@ -165,6 +175,7 @@ def _checkpointed_chunked_expert_mlp(hidden_states: torch.Tensor, gate_and_up_pr
                                      down_proj_bias: torch.Tensor | None,
                                      tokens_per_expert: TokenCounts, permuted_probs: torch.Tensor,
                                      activation_fn: Activation,
+                                     apply_router_weight_after_down: bool = False,
                                      chunk_bytes: int | None = None) -> torch.Tensor:
     """Run the grouped expert MLP in checkpointed row chunks of about `chunk_bytes`.
 
@@ -176,6 +187,8 @@ def _checkpointed_chunked_expert_mlp(hidden_states: torch.Tensor, gate_and_up_pr
     Arguments:
         hidden_states, gate_and_up_projs, down_projs, tokens_per_expert, permuted_probs,
         activation_fn, gate_up_proj_bias, down_proj_bias: as `run_grouped_expert_mlp`.
+        apply_router_weight_after_down: multiply by the prob after the down projection
+            (`prob * (act(x W1 + b1) W2 + b2)`) instead of inside `activation_fn`.
         chunk_bytes: target size of one chunk's `[rows, 2I]` intermediate
             (default `_EXPERT_MLP_CHUNK_BYTES`).
 
@@ -198,7 +211,7 @@ def _checkpointed_chunked_expert_mlp(hidden_states: torch.Tensor, gate_and_up_pr
         out_PH[first:last] = checkpoint(
             _grouped_mlp, hidden_states[first:last], gate_and_up_projs, down_projs,
             gate_up_proj_bias, down_proj_bias, counts, permuted_probs[first:last], activation_fn,
-            use_reentrant=False)
+            apply_router_weight_after_down, use_reentrant=False)
     return out_PH
 
 
@@ -264,4 +277,4 @@ def run_grouped_expert_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Ten
             hidden_PH, gate_and_up_projs, down_projs, gate_up_proj_bias, down_proj_bias,
             tokens_per_expert, permuted_probs_P1, activation_fn)
     return _grouped_mlp(hidden_PH, gate_and_up_projs, down_projs, gate_up_proj_bias,
-                        down_proj_bias, tokens_per_expert, permuted_probs_P1, activation_fn)
+                        down_proj_bias, tokens_per_expert, permuted_probs_P1, activation_fn, False)

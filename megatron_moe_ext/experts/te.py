@@ -22,30 +22,17 @@ from megatron_moe_ext.experts.activations import get_expert_activation, is_gated
 from megatron_moe_ext.experts.bias import TokenCounts, _counts_on
 from megatron_moe_ext.experts.common import check_expert_inputs, local_expert_range, resolve_ep_group
 from megatron_moe_ext.experts.config import ExpertsConfig
-from megatron_moe_ext.experts.deepep import ExpertDispatch, make_dispatcher_config
+from megatron_moe_ext.experts.deepep import (
+    ExpertDispatch,
+    _stabilize_empty_routing_probs_dtype,
+    make_dispatcher_config,
+)
 from megatron_moe_ext.experts.mlp import _host_counts
 from megatron_moe_ext.utils.optional import require
 
-# Stacked checkpoint key -> (GroupedLinear attribute, its per-expert parameter prefix).
-_STACKED = {"gate_and_up_projs": ("gate_up_linear", "weight"), "down_projs": ("down_linear", "weight"),
-            "gate_up_proj_bias": ("gate_up_linear", "bias"), "down_proj_bias": ("down_linear", "bias")}
-_LINEARS = ("gate_up_linear", "down_linear")
-
-
-def _stacked(linear, kind: str) -> torch.Tensor | None:
-    """A GroupedLinear's `weight{i} [out, in]` as `[e, in, out]` (the `x @ W` layout) or its
-    `bias{i}` as `[e, out]` (None without biases), differentiable."""
-    if kind == "bias" and not linear.use_bias:
-        return None
-    stacked = torch.stack([getattr(linear, f"{kind}{i}") for i in range(linear.num_gemms)])
-    return stacked.transpose(1, 2) if kind == "weight" else stacked
-
-
-def _per_expert(name: str, stacked: torch.Tensor):
-    """`(GroupedLinear attribute, parameter name, value)` of each expert of a stacked tensor."""
-    child, kind = _STACKED[name]
-    for i, value in enumerate(stacked):
-        yield child, f"{kind}{i}", value.t() if kind == "weight" else value
+# Stacked checkpoint key -> (GroupedLinear attribute, what the GroupedLinear holds).
+_STACKED_WEIGHTS = {"gate_and_up_projs": "gate_up_linear", "down_projs": "down_linear"}
+_STACKED_BIASES = {"gate_up_proj_bias": "gate_up_linear", "down_proj_bias": "down_linear"}
 
 
 class GroupedExpertsTE(nn.Module):
@@ -118,21 +105,45 @@ class GroupedExpertsTE(nn.Module):
         self.fp8_unpadding = te.Fp8Unpadding(num_experts, self.fp8_align_size)
 
     # ---- stacked views ------------------------------------------------------------------
+    @staticmethod
+    def _get_stacked_weight(linear, transpose: bool = False) -> torch.Tensor:
+        """`[e, out, in]` (or `[e, in, out]` with `transpose`), differentiable."""
+        stacked = torch.stack([getattr(linear, f"weight{i}") for i in range(linear.num_gemms)])
+        return stacked.transpose(1, 2) if transpose else stacked
+
+    @staticmethod
+    def _get_stacked_bias(linear) -> torch.Tensor | None:
+        if not linear.use_bias:
+            return None
+        return torch.stack([getattr(linear, f"bias{i}") for i in range(linear.num_gemms)])
+
+    @staticmethod
+    def _set_stacked_weight(linear, stacked: torch.Tensor, transpose: bool = False) -> None:
+        with torch.no_grad():
+            for i in range(linear.num_gemms):
+                getattr(linear, f"weight{i}").copy_(stacked[i].t() if transpose else stacked[i])
+
+    @staticmethod
+    def _set_stacked_bias(linear, stacked: torch.Tensor) -> None:
+        with torch.no_grad():
+            for i in range(linear.num_gemms):
+                getattr(linear, f"bias{i}").copy_(stacked[i])
+
     @property
     def gate_and_up_projs(self) -> torch.Tensor:
-        return _stacked(self.gate_up_linear, "weight")
+        return self._get_stacked_weight(self.gate_up_linear, transpose=True)
 
     @property
     def down_projs(self) -> torch.Tensor:
-        return _stacked(self.down_linear, "weight")
+        return self._get_stacked_weight(self.down_linear, transpose=True)
 
     @property
     def gate_up_proj_bias(self) -> torch.Tensor | None:
-        return _stacked(self.gate_up_linear, "bias")
+        return self._get_stacked_bias(self.gate_up_linear)
 
     @property
     def down_proj_bias(self) -> torch.Tensor | None:
-        return _stacked(self.down_linear, "bias")
+        return self._get_stacked_bias(self.down_linear)
 
     # ---- setup ---------------------------------------------------------------------------
     def init_token_dispatcher(self, ep_mesh, moe_mesh=None) -> None:
@@ -145,13 +156,14 @@ class GroupedExpertsTE(nn.Module):
             if self.num_local_experts != self.n_routed_experts:
                 raise RuntimeError("init_token_dispatcher was already called with a different "
                                    "expert-parallel size")
-            stacked = {name: getattr(self, name) for name in _STACKED}
-            self._build_linears(end - start, self.gate_up_linear.weight0.device)
-            with torch.no_grad():
-                for name, value in stacked.items():
-                    if value is not None:
-                        for child, param, expert_value in _per_expert(name, value[start:end]):
-                            getattr(getattr(self, child), param).copy_(expert_value)
+            stacked = {name: getattr(self, name) for name in (*_STACKED_WEIGHTS, *_STACKED_BIASES)}
+            device = self.gate_up_linear.weight0.device
+            self._build_linears(end - start, device)
+            self._set_stacked_weight(self.gate_up_linear, stacked["gate_and_up_projs"][start:end], transpose=True)
+            self._set_stacked_weight(self.down_linear, stacked["down_projs"][start:end], transpose=True)
+            if self.expert_bias:
+                self._set_stacked_bias(self.gate_up_linear, stacked["gate_up_proj_bias"][start:end])
+                self._set_stacked_bias(self.down_linear, stacked["down_proj_bias"][start:end])
         self.ep_rank, self.num_local_experts = ep.rank, end - start
         self.token_dispatch = ExpertDispatch(self.n_routed_experts, ep, self.dispatcher_config,
                                              self.dim, self.config.dtype)
@@ -183,10 +195,10 @@ class GroupedExpertsTE(nn.Module):
             (this rank's experts), detached, instead of the GroupedLinears' per-expert keys.
         """
         out = super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
-        children = tuple(f"{prefix}{child}." for child in _LINEARS)
+        children = tuple(f"{prefix}{child}." for child in set(_STACKED_WEIGHTS.values()))
         for key in [k for k in out if k.startswith(children)]:
             del out[key]
-        for name in _STACKED:
+        for name in (*_STACKED_WEIGHTS, *_STACKED_BIASES):
             value = getattr(self, name)
             if value is not None:
                 out[prefix + name] = value.detach().contiguous()
@@ -196,7 +208,7 @@ class GroupedExpertsTE(nn.Module):
                               unexpected_keys, error_msgs):
         """Load the stacked layout by expanding it into the GroupedLinears' `weight{i}` /
         `bias{i}` keys before they load (TE's own per-expert keys load unchanged too)."""
-        for name in _STACKED:
+        for name, child in {**_STACKED_WEIGHTS, **_STACKED_BIASES}.items():
             key = prefix + name
             if key not in state_dict:
                 continue
@@ -210,9 +222,10 @@ class GroupedExpertsTE(nn.Module):
                                   f"{tuple(stacked.shape)} from checkpoint, the shape in current "
                                   f"model is {tuple(expected.shape)}.")
                 continue
-            for child, param, value in _per_expert(name, stacked):
-                state_dict[f"{prefix}{child}.{param}"] = value
-        for child in _LINEARS:
+            kind = "bias" if name in _STACKED_BIASES else "weight"
+            for i in range(stacked.shape[0]):
+                state_dict[f"{prefix}{child}.{kind}{i}"] = stacked[i] if kind == "bias" else stacked[i].t()
+        for child in set(_STACKED_WEIGHTS.values()):
             # The stacked layout carries no FP8 metadata: keep the current one.
             extra_key = f"{prefix}{child}._extra_state"
             if extra_key not in state_dict:
@@ -227,6 +240,7 @@ class GroupedExpertsTE(nn.Module):
         `GroupedExperts.forward`: `x [T, H]`, `token_mask [T]`, `weights`/`indices [T, K]` -> `[T, H]`."""
         check_expert_inputs(self.config, x, token_mask, weights, indices)
         rows_PH, tokens_per_expert, probs_P = self.token_dispatch.dispatch(x, token_mask, weights, indices)
+        probs_P = _stabilize_empty_routing_probs_dtype(probs_P, rows_PH.dtype)
         return self.token_dispatch.combine(self._grouped_mlp(rows_PH, probs_P, tokens_per_expert).to(x.dtype))
 
     def _pads_groups(self) -> bool:

@@ -40,8 +40,8 @@ def _case(dtype, device, weighted, seed=0):
     return value, b, probs, grad_out
 
 
-def _run(value, b, probs, grad_out, counts):
-    out = bias._apply_bias(value * 1, b, counts, probs)
+def _run(value, b, probs, grad_out, counts, reuse_input=False):
+    out = bias._apply_bias(value * 1, b, counts, probs, reuse_input=reuse_input)
     out.backward(grad_out)
     return out
 
@@ -116,6 +116,16 @@ def test_segment_sizes_reduce_to_reference(weighted, device):
     fallback = bias._reduce_bias_grad_chunked_fallback(grad, torch.tensor(SEGMENT_SIZES), probs,
                                                        torch.float32)
     torch.testing.assert_close(got.cpu(), fallback, rtol=1e-6, atol=1e-5)
+
+
+def test_reuse_input_writes_into_value_storage(monkeypatch):
+    monkeypatch.setattr(bias, "_BIAS_CHUNK_THRESHOLD", 16)
+    value = torch.randn(40, 8)
+    b = torch.randn(2, 8)
+    expected = reference_bias_add(value, b, [30, 10], None).float()
+    out = bias._apply_bias(value, b, [30, 10], reuse_input=True)
+    assert out.data_ptr() == value.data_ptr()
+    torch.testing.assert_close(out, expected)
 
 
 def test_bad_shapes_raise_value_error():

@@ -56,7 +56,7 @@ def _case(kind, with_bias, seed=0, counts=COUNTS, tail=TAIL, param_dtype=torch.f
     return tensors, grad_out
 
 
-def _reference(kind, tensors, grad_out, counts):
+def _reference(kind, tensors, grad_out, counts, after_down=False):
     """Output and gradients from a per-expert float64 loop that never reads padding rows."""
     leaves = {k: v.detach().double().requires_grad_(True) for k, v in tensors.items()}
     outs, start = [], 0
@@ -66,10 +66,11 @@ def _reference(kind, tensors, grad_out, counts):
         h = leaves["x"][rows] @ leaves["w1"][expert]
         if "b1" in leaves:
             h = h + leaves["b1"][expert]
-        y = _ref_activation(kind, h, probs) @ leaves["w2"][expert]
+        a = _ref_activation(kind, h, torch.ones_like(probs) if after_down else probs)
+        y = a @ leaves["w2"][expert]
         if "b2" in leaves:
-            y = y + probs * leaves["b2"][expert]
-        outs.append(y)
+            y = y + (1.0 if after_down else probs) * leaves["b2"][expert]
+        outs.append(y * probs if after_down else y)
         start += count
     out = torch.cat(outs)
     out.backward(grad_out[:start].double())
@@ -90,7 +91,7 @@ def _run_grouped(x, w1, w2, b1, b2, counts, probs, act):
 
 
 def _torch_mm(x, w1, w2, b1, b2, counts, probs, act):
-    return mlp._grouped_mlp(x, w1, w2, b1, b2, counts, probs, act)
+    return mlp._grouped_mlp(x, w1, w2, b1, b2, counts, probs, act, False)
 
 
 def _check(out, grads, ref_out, ref_grads, rows_valid, tol):
@@ -158,15 +159,20 @@ def test_sum_loss_zero_stride_gradient(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("after_down", [False, True])
 @pytest.mark.parametrize("chunk_rows", [1, 7, 40])
-def test_chunked_equals_unchunked(chunk_rows, device, counts_on):
+def test_chunked_equals_unchunked(chunk_rows, after_down, device, counts_on):
     """Chunks of 7 rows cut through every expert boundary; 1-row chunks hit empty experts
     and padding-only chunks; 40 rows is one chunk."""
     tensors, grad_out = _case("swiglu", True, seed=5)
     chunk_bytes = chunk_rows * 2 * INTER * 4
     counts = _counts(counts_on, device)
     out, grads = _run(mlp._checkpointed_chunked_expert_mlp, tensors, grad_out, counts, device,
-                      "swiglu", chunk_bytes=chunk_bytes)
+                      "swiglu", apply_router_weight_after_down=after_down, chunk_bytes=chunk_bytes)
+    if after_down:
+        ref_out, ref_grads = _reference("swiglu", tensors, grad_out, COUNTS, after_down=True)
+        _check(out, grads, ref_out, ref_grads, sum(COUNTS), dict(rtol=1e-4, atol=1e-4))
+        return
     full_out, full_grads = _run(_torch_mm, tensors, grad_out, counts, device, "swiglu")
     torch.testing.assert_close(out, full_out, rtol=1e-5, atol=1e-5)
     for name, grad in grads.items():

@@ -45,6 +45,7 @@ _HYBRIDEP_MIN_HIDDEN = 128
 _STATIC_ROUTING_PAD_PIN = os.environ.get("NEMO_STATIC_ROUTING_PAD_PIN", "1") != "0"
 
 
+
 def _assert_no_hybridep_overflow(handle, capacity: int) -> None:
     """Device-side guard: HybridEP truncates silently past the capacity and sets
     `overflow_flag`; fail loudly instead of training on dropped tokens, without a host sync.
@@ -134,23 +135,48 @@ class _HybridEPCombine(torch.autograd.Function):
 
 
 class _HybridEPManager(_DispatchManager):
-    """Fused permute + all-to-all + permute with HybridEP, built from a `TokenDispatcherConfig`.
+    """Fused permute + all-to-all + permute with HybridEP.
 
     Arguments:
-        cfg: the layer's `TokenDispatcherConfig` (its `moe_hybridep_*` fields configure the
-            buffer and the modes of the module docstring).
         group: the TPxEP communication group.
-        num_local_experts: e.
-        tp_size: the expert-TP size, folded into the expert space (E and K scale with it).
-
-    Compact routing (`moe_hybridep_compact_routing`): the metadata processor keeps the
-    `[T, K]` indices and the manager builds HybridEP's `[T, E]` map from them at dispatch.
-    HybridEP's own `topk_idx` path (`indices_to_map` at hybrid-ep 94a9f8f) scatters the raw
-    indices, so a -1 slot is out of bounds, and it drops the probs unless `topk_weights` is
-    given; it builds the same dense map before its all-gather, so nothing is lost.
+        num_local_experts / num_experts: e and E (TP-expanded when expert TP > 1).
+        router_topk: K, used when only dense probs are given.
+        permute_fusion: fused top-k -> dense probs conversion (`_HybridEPMetadataProcessor`).
+        moe_hybridep_num_sms, *_num_sms_preprocessing, *_num_blocks_permute,
+            *_num_blocks_unpermute: HybridEPBuffer occupancy settings.
+        moe_hybridep_permute_fusion: HybridEP's fused permute+dispatch / unpermute+combine.
+        moe_hybridep_compact_routing: the metadata processor keeps the `[T, K]` indices and
+            the manager builds HybridEP's `[T, E]` map from them at dispatch. HybridEP's own
+            `topk_idx` path (`indices_to_map` at hybrid-ep 94a9f8f) scatters the raw indices,
+            so a -1 slot is out of bounds, and it drops the probs unless `topk_weights` is
+            given; it builds the same dense map before its all-gather, so nothing is lost.
+        benchmark_static_routing: pin the padded and permuted counts (see module docstring).
+        moe_hybridep_capacity_factor: capacity mode; None keeps the blocking path.
+        moe_hybridep_equal_token_counts: every rank sends the same count: no all-reduce.
+        moe_router_expert_pad_multiple: pad each expert's rows (HybridEP's `pad_multiple`).
+        router_dtype: "fp64" hands fp64 permuted probs to the experts.
     """
 
-    def __init__(self, cfg, group, num_local_experts: int, tp_size: int = 1):
+    def __init__(
+        self,
+        group,
+        num_local_experts: int,
+        num_experts: int,
+        router_topk: int,
+        permute_fusion: bool = False,
+        moe_hybridep_num_sms: int = 24,
+        moe_hybridep_permute_fusion: bool = False,
+        moe_hybridep_compact_routing: bool = False,
+        moe_hybridep_num_sms_preprocessing: int | None = None,
+        moe_hybridep_num_blocks_permute: int | None = None,
+        moe_hybridep_num_blocks_unpermute: int | None = None,
+        benchmark_static_routing: bool = False,
+        moe_hybridep_capacity_factor: float | None = None,
+        moe_hybridep_equal_token_counts: bool = False,
+        moe_router_expert_pad_multiple: int | None = None,
+        router_dtype: str | None = None,
+        share_buffer: bool = True,
+    ):
         from megatron_moe_ext.utils.optional import require
 
         deep_ep = require("deep_ep", "moe_flex_dispatcher_backend='hybridep'")
@@ -160,26 +186,25 @@ class _HybridEPManager(_DispatchManager):
         self._buffer_cls = deep_ep.HybridEPBuffer
         self.group = group
         self.num_local_experts = num_local_experts
-        self.num_experts = tp_size * cfg.num_moe_experts
-        self.router_topk = tp_size * cfg.moe_router_topk
-        self.num_sms = cfg.moe_hybridep_num_sms
-        self.hybridep_permute_fusion = cfg.moe_hybridep_permute_fusion
-        self.compact_routing = cfg.moe_hybridep_compact_routing
-        self.num_sms_preprocessing = cfg.moe_hybridep_num_sms_preprocessing
-        self.num_blocks_permute = cfg.moe_hybridep_num_blocks_permute
-        self.num_blocks_unpermute = cfg.moe_hybridep_num_blocks_unpermute
-        self.benchmark_static_routing = cfg.moe_benchmark_static_routing
-        self.hybridep_capacity_factor = cfg.moe_hybridep_capacity_factor
-        self.equal_token_counts = cfg.moe_hybridep_equal_token_counts
-        self.pad_multiple = cfg.moe_router_expert_pad_multiple
-        # "fp64" hands fp64 permuted probs to the experts.
-        self.router_dtype = cfg.moe_router_dtype
-        self.metadata_processor = _HybridEPMetadataProcessor(self.num_experts, cfg.moe_permute_fusion,
-                                                             self.compact_routing)
-        self.buffer_key = buffer_key(group, num_local_experts, self.num_sms, self.num_sms_preprocessing,
-                                     self.num_blocks_permute, self.num_blocks_unpermute)
+        self.num_experts = num_experts
+        self.router_topk = router_topk
+        self.num_sms = moe_hybridep_num_sms
+        self.hybridep_permute_fusion = moe_hybridep_permute_fusion
+        self.compact_routing = moe_hybridep_compact_routing
+        self.num_sms_preprocessing = moe_hybridep_num_sms_preprocessing
+        self.num_blocks_permute = moe_hybridep_num_blocks_permute
+        self.num_blocks_unpermute = moe_hybridep_num_blocks_unpermute
+        self.benchmark_static_routing = benchmark_static_routing
+        self.hybridep_capacity_factor = moe_hybridep_capacity_factor
+        self.equal_token_counts = moe_hybridep_equal_token_counts
+        self.pad_multiple = moe_router_expert_pad_multiple
+        self.router_dtype = router_dtype
+        self.metadata_processor = _HybridEPMetadataProcessor(num_experts, permute_fusion, moe_hybridep_compact_routing)
+        self.buffer_key = buffer_key(group, num_local_experts, moe_hybridep_num_sms,
+                                     moe_hybridep_num_sms_preprocessing, moe_hybridep_num_blocks_permute,
+                                     moe_hybridep_num_blocks_unpermute)
         self._buffer_owner = buffers.acquire(self.buffer_key, lambda: _BufferOwner(self.buffer_key),
-                                             cfg.moe_share_token_dispatcher)
+                                             share_buffer)
         # Persistent per-layer state: the calibrated capacity, and the padded token count and
         # permuted-row count pinned by capacity calibration or static routing.
         self._hybridep_capacity: int | None = None
@@ -366,6 +391,10 @@ class _HybridEPManager(_DispatchManager):
 
     def get_restored_hidden_states_by_experts(self, hidden_states):
         return hidden_states
+
+    def _indices_to_multihot(self, indices, probs):
+        """`[T, K]` ids (-1 = masked) and probs -> `([T, E] bool map, [T, E] fp32 probs)`."""
+        return P.indices_to_multihot(indices, probs, self.num_experts)
 
     # ---- pipeline runtime ----------------------------------------------------------------
     def pipeline_runtime_initializer(self, hidden_dim: int, dtype: torch.dtype):

@@ -76,6 +76,12 @@ class HybridEPPipelineRuntimeInitializer:
         aligned = align_up(num_tokens, _TEMPLATE_ALIGNMENT)
         return align_up(max(aligned, _MIN_TOKEN_CAPACITY), chunk)
 
+    def _resolve_group_capacity(self, num_tokens: int, device) -> int:
+        """The EP-group maximum capacity for this batch (one MAX all-reduce)."""
+        capacity = torch.tensor([self.required_capacity(num_tokens)], dtype=torch.long, device=device)
+        dist.all_reduce(capacity, op=dist.ReduceOp.MAX, group=self.manager.group)
+        return int(capacity.item())
+
     def prepare(self, num_tokens: int, device) -> None:
         """Initialise the group capacity when the upcoming pipeline shape grows.
 
@@ -95,10 +101,7 @@ class HybridEPPipelineRuntimeInitializer:
         if published is not None and published[0] != signature:
             raise RuntimeError(f"the shared HybridEP buffer serves {published[0]}, which conflicts "
                                f"with this dispatcher's {signature}; use one configuration per buffer")
-        # The EP-group maximum, so every rank sizes the same buffer.
-        capacity_1 = torch.tensor([self.required_capacity(num_tokens)], dtype=torch.long, device=device)
-        dist.all_reduce(capacity_1, op=dist.ReduceOp.MAX, group=self.manager.group)
-        capacity = int(capacity_1.item())
+        capacity = self._resolve_group_capacity(num_tokens, device)
         if published is not None and published[1] >= capacity:
             return
         try:
