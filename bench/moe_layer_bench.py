@@ -258,19 +258,16 @@ def top_kernels(layer, x_SBH, grad_SBH, iters: int = 5, top: int = 12) -> dict:
     """`{kernel name (cut to 90 chars): [ms per step, launches per step]}` of the `top` kernels of
     a forward + backward step, from the profiler (where a variant's time goes)."""
     from megatron.core.transformer.moe.moe_utils import get_moe_metrics_tracker
-    from torch.profiler import ProfilerActivity, profile
 
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            x = x_SBH.detach().requires_grad_()
-            layer(x)[0].backward(grad_SBH)
-            get_moe_metrics_tracker().clear()
-        torch.cuda.synchronize()
-    kernels = sorted((e for e in prof.key_averages() if e.device_type.name == "CUDA"),
-                     key=lambda e: -e.device_time_total)
-    table = {e.key[:90]: [round(e.device_time_total / 1e3 / iters, 4), e.count / iters] for e in kernels[:top]}
-    table["_total_kernel_ms"] = round(sum(e.device_time_total for e in kernels) / 1e3 / iters, 4)
+    from moe_layer_graphs import kernel_ms
+
+    def step():
+        x = x_SBH.detach().requires_grad_()
+        layer(x)[0].backward(grad_SBH)
+        get_moe_metrics_tracker().clear()
+
+    total, table = kernel_ms(step, (), iters, top)
+    table["_total_kernel_ms"] = round(total, 4)
     return table
 
 
