@@ -186,13 +186,21 @@ class DeferredRoutingErrors:
     """One layer's device-side error flag for value checks of device tensors (no host sync).
 
     `mask_topk` / `flag_routes` record errors; `raise_pending` reads them once per step.
+    The flag is one tensor, created by the first record and from then on updated and reset
+    in place: a CUDA graph that captured a record keeps writing to that address at every
+    replay, so the flag must neither move nor be freed. (A flag rebuilt as `old | new` by
+    each forward left the graph reading the pre-capture tensor after it was freed: issue 15's
+    illegal memory access at replay, once `torch.cuda.graph` had released its memory.)
     """
 
     def __init__(self):
         self.bits: torch.Tensor | None = None
 
     def _record(self, bits: torch.Tensor) -> None:
-        self.bits = bits if self.bits is None else self.bits | bits
+        if self.bits is None:
+            self.bits = bits.to(torch.int32)
+        else:
+            self.bits.bitwise_or_(bits)
 
     def mask_topk(self, token_indices: torch.Tensor, num_experts: int) -> torch.Tensor:
         """Record bad top-k slots and return the ids with those slots masked to -1."""
@@ -212,9 +220,10 @@ class DeferredRoutingErrors:
         """Collective (every rank of `group`): raise ValueError on every rank when any rank
         recorded an error since the last call; one MAX all-reduce and one host read."""
         bits = self.bits
-        self.bits = None
         if group is None or dist.get_world_size(group) == 1:
             local = 0 if bits is None else int(bits)
+            if bits is not None:
+                bits.zero_()  # in place: a captured record keeps its address
             if local:
                 raise ValueError(describe(local, num_experts, topk))
             return
@@ -222,6 +231,7 @@ class DeferredRoutingErrors:
                             device="cpu" if bits is None else bits.device)
         if bits is not None:
             flags = torch.stack([(bits & int(b)).ne(0).int() for b in RoutingError])
+            bits.zero_()  # stream-ordered after the read above
         if dist.get_backend(group) == "nccl" and flags.is_cpu:
             flags = flags.cuda()
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)

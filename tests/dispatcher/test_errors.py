@@ -254,3 +254,24 @@ def test_device_value_checks_do_not_sync_and_mask_bad_slots():
     assert "token_indices: values must be in [-1, 7]" in str(info.value)
     assert "moe_router_topk=2" in str(info.value)
     errors.raise_pending(None, 8, 2)  # cleared
+
+
+def test_deferred_routing_flag_keeps_its_tensor():
+    """The device-side flag is one tensor, updated and reset in place: a CUDA graph that
+    captured a record writes to its address at every replay (a flag rebuilt by each record
+    left graphs reading a freed tensor: issue 15's illegal memory access)."""
+    from megatron_moe_ext.dispatcher.checks import DeferredRoutingErrors
+
+    errors = DeferredRoutingErrors()
+    errors.mask_topk(torch.tensor([[0, 1], [2, 3]]), 8)  # good ids: records 0
+    flag = errors.bits
+    errors.mask_topk(torch.tensor([[0, 0], [2, 3]]), 8)
+    errors.flag_routes(torch.ones(2, 8, dtype=torch.bool), 2, 2)
+    assert errors.bits is flag and int(flag) == 6
+    with pytest.raises(ValueError, match="twice") as info:
+        errors.raise_pending(None, 8, 2)
+    assert "moe_router_topk=2" in str(info.value)
+    assert errors.bits is flag and int(flag) == 0
+    errors.raise_pending(None, 8, 2)  # cleared
+    errors.mask_topk(torch.tensor([[9, 1], [2, 3]]), 8)
+    assert errors.bits is flag and int(flag) == 1

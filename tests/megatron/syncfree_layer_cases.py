@@ -115,3 +115,74 @@ def run_capture_refused() -> str:
         return ""
     finally:
         megatron_cpu.uninstall()
+
+
+def run_captured_reads_stay_alive() -> dict:
+    """What a CUDA graph of a budget-mode training step would read and could lose.
+
+    A captured step reads every tensor it did not create through a fixed address, so each
+    such tensor must outlive the graph (the layer must keep it, and update it in place).
+    Here, on CPU, with the device-path routing checks (`MOE_EXT_INPUT_CHECKS=deferred`, what
+    CUDA tensors get): one warm-up step; then a step whose aten ops are recorded, with the
+    storages it reads that it did not create ("pre-existing"); then one more step (the eager
+    step between a capture and its replay, or the training loop's next step). Returns the ops
+    that read a pre-existing storage which that next step freed (a graph would read freed,
+    possibly unmapped, memory at replay: `illegal memory access`)."""
+    import os
+
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from megatron_moe_ext.dispatcher.checks import CHECK_MODE_ENV
+
+    class Reads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.created, self.pre_existing, self.keep = set(), {}, []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            # lift_fresh's input is a `torch.tensor(...)` literal made in this step (here the
+            # CPU-only host offsets of the grouped MLP; on CUDA the counts stay on the device).
+            fresh = func is torch.ops.aten.lift_fresh.default
+            for t in tree_leaves((args, kwargs)):
+                if isinstance(t, torch.Tensor) and not fresh:
+                    ref = StorageWeakRef(t.untyped_storage())
+                    if ref.cdata not in self.created and ref.cdata not in self.pre_existing:
+                        self.pre_existing[ref.cdata] = (ref, f"{func} reads {tuple(t.shape)} {t.dtype}")
+            out = func(*args, **kwargs)
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    cdata = StorageWeakRef(t.untyped_storage()).cdata
+                    if cdata not in self.pre_existing:
+                        self.created.add(cdata)
+                        self.keep.append(t)  # alive until the step ends: no address is reused
+            return out
+
+    megatron_cpu.install()
+    old_mode = os.environ.get(CHECK_MODE_ENV)
+    os.environ[CHECK_MODE_ENV] = "deferred"
+    try:
+        layer = _build("drop")
+        dims = torch.full((T,), 0)
+
+        def step():
+            for p in layer.parameters():
+                p.grad = None  # as a graphed step: its gradients are new tensors
+            _step(layer, dims)
+
+        step()
+        reads = Reads()
+        with reads:
+            step()
+        reads.keep.clear()
+        step()
+        freed = sorted(what for ref, what in reads.pre_existing.values() if ref.expired())
+        return dict(pre_existing=len(reads.pre_existing), freed=freed)
+    finally:
+        if old_mode is None:
+            os.environ.pop(CHECK_MODE_ENV)
+        else:
+            os.environ[CHECK_MODE_ENV] = old_mode
+        megatron_cpu.uninstall()

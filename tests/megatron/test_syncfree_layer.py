@@ -32,3 +32,11 @@ def test_policy_drop_counts_and_continues(dist_pools, world):
 def test_capture_of_dropless_layer_refused_at_construction(dist_pools):
     (message,) = dist_pools(1).run(cases.run_capture_refused)
     assert "moe_expert_rank_capacity_factor" in message and "cuda_graph_impl='local'" in message
+
+
+def test_captured_step_reads_no_tensor_the_next_step_frees(dist_pools):
+    """A graphed budget-mode step (bench/moe_layer_graphs.py) must not read a tensor that the
+    layer replaces afterwards: the replay would read freed memory (issue 15's illegal memory
+    access came from the routing-check flag, rebuilt by every forward)."""
+    (r,) = dist_pools(1).run(cases.run_captured_reads_stay_alive)
+    assert r["pre_existing"] > 0 and r["freed"] == [], r
