@@ -211,7 +211,10 @@ def _checkpointed_chunked_expert_mlp(hidden_states: torch.Tensor, gate_and_up_pr
         out_PH[first:last] = checkpoint(
             _grouped_mlp, hidden_states[first:last], gate_and_up_projs, down_projs,
             gate_up_proj_bias, down_proj_bias, counts, permuted_probs[first:last], activation_fn,
-            apply_router_weight_after_down, use_reentrant=False)
+            apply_router_weight_after_down, use_reentrant=False,
+            # No random numbers here, and no RNG state to stash: a CUDA graph capture can
+            # neither read nor set the CUDA generator's state.
+            preserve_rng_state=False)
     return out_PH
 
 

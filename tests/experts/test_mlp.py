@@ -291,3 +291,20 @@ def test_bf16_forward_with_host_counts_never_waits_for_the_gpu(with_bias):
     out = []
     assert _gpu_still_busy_after(lambda: out.append(forward()))
     torch.testing.assert_close(out[0].detach(), reference, rtol=0, atol=0)
+
+
+def test_chunked_recompute_touches_no_rng_state(monkeypatch):
+    """The chunks' checkpoints neither stash nor restore RNG states: the MLP draws no random
+    numbers, and a CUDA graph capture cannot read or set the CUDA generator's state (a graphed
+    layer at rows over `_EXPERT_MLP_CHUNK_BYTES`, e.g. Qwen3-30B-A3B at 2048 tokens/expert)."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("RNG state stashed or restored")
+
+    monkeypatch.setattr(torch, "get_rng_state", refuse)
+    monkeypatch.setattr(torch, "set_rng_state", refuse)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", refuse)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", refuse)
+    tensors, grad_out = _case("swiglu", True, seed=5)
+    _run(mlp._checkpointed_chunked_expert_mlp, tensors, grad_out, COUNTS, "cpu", "swiglu",
+         chunk_bytes=7 * 2 * INTER * 4)
