@@ -299,7 +299,8 @@ def main() -> None:
         x = torch.randn(shape["tokens"], shape["hidden"], device=device).to(dtype).requires_grad_()
         grad = torch.randn_like(x)
         runs = {mode: step_fn(mode, disps, params, x, grad) for mode in MODES}
-        result = {"shape": shape, "modes": measure_interleaved(runs, args.layers, iters, warmup, device, name)}
+        modes = measure_interleaved(runs, args.layers, iters, warmup, device, name)
+        result = {"shape": shape, "modes": modes}
         for mode, out in result["modes"].items():
             print(name, mode, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.items()},
                   flush=True)

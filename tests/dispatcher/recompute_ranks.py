@@ -171,7 +171,8 @@ def recompute_case(backend: str, mode: str, perturb: bool = False, dtype: str = 
     recompute_ops, block, stack = _RecomputeOps(), _block, contextlib.ExitStack()
     if count_ops:
         block = recompute_ops.wrap(_block, "other")
-        state.update(router=recompute_ops.wrap(_router, "router"), experts=recompute_ops.wrap(_experts, "experts"))
+        state.update(router=recompute_ops.wrap(_router, "router"),
+                     experts=recompute_ops.wrap(_experts, "experts"))
         for name in ("token_permutation2", "token_unpermutation"):
             setattr(disp, name, recompute_ops.wrap(getattr(disp, name), "dispatcher"))
         stack.enter_context(_env("MOE_EXT_INPUT_CHECKS", "deferred"))  # the GPU's checks
