@@ -13,12 +13,20 @@ dispatch manager and
 - replays it in the recompute (recognised as a forward running inside backward): the
   dispatch reuses the saved ids and layout (no layout collective, no host sync) and only the
   token rows move again, or nothing runs when the dispatch's outputs were kept;
-- compares, on the device, the recomputed router output with the saved one and raises
-  `RoutingChangedError` at this layer's next dispatch (a host sync point) or at `check()`.
+- compares, on the device, the recomputed router output with the saved one (one mask, one
+  reduction, or'ed into one flag per layer and copied to one pinned host flag) and raises
+  `RoutingChangedError` at this layer's next dispatch (a host sync point) or at `check()`;
+- runs the router, when it is called through `RecomputeReplay.route`, so that a forward
+  keeping the dispatch's outputs also keeps the router's (`[T, K]` or `[T, E]`) and its
+  recompute skips the router: no router kernel, no input check, no routing conversion and
+  nothing to compare, since the backward then meets the router's original autograd nodes.
+  `FlexMoELayer` routes this way.
 
 The dispatcher's autograd nodes of a recorded dispatch keep what they save for backward (row
 ids and masks, never rows) instead of handing it to the checkpoint, so a recompute may skip
-dispatcher steps, and stops after the experts unless the region reads the layer's output.
+dispatcher steps. Non-reentrant checkpointing stops the recompute once the last tensor the
+region saved is recomputed: for a SwiGLU expert MLP, before the down projection (its saved
+input is the activation), and before the combine unless the region reads the layer's output.
 
 Records are consumed first-in first-out, which matches every schedule in which a layer's
 recomputes run in the order of its forwards (1F1B and interleaved pipelines included).
@@ -26,11 +34,12 @@ recomputes run in the order of its forwards (1F1B and interleaved pipelines incl
 `checkpoint_moe` runs a function under non-reentrant `torch.utils.checkpoint` with a policy:
 
 - `save_dispatch_outputs` keeps the rows `[P, H]` and probs `[P]` the dispatch hands the
-  experts (the rows are what the experts' first GEMM saves without recompute) and, when the
-  combine moves rows between ranks, the combined tokens `[T, H]`. The recompute runs the
-  router (its output is checked) and the experts only: no collective, no permutation. At one
-  rank the combine is the local unpermutation, which runs again only if the region reads the
-  layer's output.
+  experts (the rows are what the experts' first GEMM saves without recompute), the router's
+  outputs and autograd nodes when it runs through `route` and, when the combine moves rows
+  between ranks, the combined tokens `[T, H]`. The recompute runs the experts up to their last
+  saved input (a router not run through `route` too, its output checked): no collective, no
+  permutation. At one rank the combine is the local unpermutation, which runs again only if
+  the region reads the layer's output.
 - `recompute_all` keeps nothing: the recompute dispatches again along the recorded layout
   (the rows' all-to-alls and the permutation, no layout collective), then runs the experts.
 
@@ -49,6 +58,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
+from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
                                     noop_context_fn)
 
@@ -95,6 +105,13 @@ def _leaf(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().requires_grad_(tensor.requires_grad)
 
 
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """`a` and `b` view the same contiguous bytes as one dtype (a reshape of the other), so
+    they hold the same values; a host-side test, no kernel."""
+    return (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.numel() == b.numel()
+            and a.is_contiguous() and b.is_contiguous())
+
+
 POLICIES: dict[str, Callable] = {"save_dispatch_outputs": save_dispatch_outputs,
                                  "recompute_all": recompute_all}
 
@@ -107,6 +124,9 @@ class _DispatchRecord:
     handle: the backend's layout.
     recv_indices_RK / recv_probs_RK / tokens_per_expert: what this rank received.
     keep_outputs: the recompute skips the dispatch: the forward keeps the following.
+    routed: the outputs of `RecomputeReplay.route` when they were the routing (the recompute
+        returns them instead of running the router, and skips the routing's setup, whose
+        autograd nodes keep what they save), else None.
     permutation: `(PermutationState, padded counts)` of the local permutation.
     expert_inputs: `(rows [P, H], probs [P])` the dispatch handed the experts (until replayed).
     combined: `[T, H]` the combine returned, when it moved rows between ranks.
@@ -119,6 +139,7 @@ class _DispatchRecord:
     recv_probs_RK: torch.Tensor
     tokens_per_expert: list[int]
     keep_outputs: bool = False
+    routed: object = None
     permutation: tuple[P.PermutationState, list[int]] | None = None
     expert_inputs: tuple[torch.Tensor, torch.Tensor] | None = None
     combined: torch.Tensor | None = None
@@ -153,11 +174,23 @@ class RecomputeReplay:
         self._recording = False
         self._keep_outputs = False
         self._replaying: _DispatchRecord | None = None  # popped by the routing, for the dispatch
+        # What `route` returned last (kept outputs in a forward, or handed back in a recompute)
+        # and its tensors, until a routing setup consumes them; whether the dispatcher was
+        # handed exactly them (`routing_handed`), for the setup; and, in a forward, whether the
+        # setup kept them, for the record of its dispatch.
+        self._route_out: object = None
+        self._routed: list[torch.Tensor] | None = None
+        self._handed = False
+        self._routing_kept = False
         # The record of the dispatch in flight (recorded or replayed), until its combine.
         self._current: _DispatchRecord | None = None
         self._skipping = False  # the dispatch in flight is replayed from kept outputs
-        # (device flag, host copy, event): a routing change seen by a recompute, not yet read.
-        self._pending: list[tuple[torch.Tensor, torch.Tensor, object]] = []
+        # A routing change seen by the recomputes since the last `check`: a device flag (or'ed
+        # over them), its host copy (one pinned buffer, written again by each recompute: stream
+        # order makes the last copy cover all) and the event after that copy.
+        self._changed: torch.Tensor | None = None
+        self._changed_host: torch.Tensor | None = None
+        self._changed_copied: torch.cuda.Event | None = None
 
     def __getattr__(self, name):  # everything else is the manager's
         return getattr(self.__dict__["_inner"], name)
@@ -186,24 +219,94 @@ class RecomputeReplay:
     def end_recompute(self) -> None:
         """Drop what a recompute left of a dispatch replayed from kept outputs (a checkpoint
         stops its recompute once it has what backward needs: the combine may never come)."""
+        self._route_out = self._routed = None
         if self._skipping:
             self._current, self._skipping = None, False
 
     def clear(self) -> None:
         """Drop unconsumed records (a checkpointed forward whose backward never ran)."""
         self._records.clear()
-        self._current, self._skipping = None, False
+        self._current, self._skipping, self._route_out, self._routed = None, False, None, None
+        self._handed = self._routing_kept = False
 
     # ---- routing ---------------------------------------------------------------------------
+    def route(self, fn: Callable, *args, **kwargs):
+        """`fn(*args, **kwargs)`: the layer's router, whose outputs (tensors, or nests of them)
+        become the routing handed to the dispatcher.
+
+        In a forward recorded with `keep_outputs` (`checkpoint_moe`'s `save_dispatch_outputs`)
+        the router's autograd nodes keep what they save (the checkpoint neither holds nor
+        recomputes it: its `[T, H]` input and `[T, E]` scores, about what the router's backward
+        needs anyway) and its outputs are recorded; its recompute hands them back without
+        running `fn`: no router kernel, no input check, no routing compare, and the router
+        cannot route differently (a changed expert bias or router weight meets the backward of
+        the original routing, as without recompute). Elsewhere `fn` runs (and is recomputed,
+        and checked, under `recompute_all` or reentrant checkpoints).
+
+        `fn` must not draw random numbers (router input jitter) when later ops of the region
+        do: the recompute, which skips it, would draw theirs from another point of the stream.
+        Its outputs must not be modified in place afterwards.
+        """
+        if _in_backward():
+            if not (self._records and self._records[0].routed is not None):
+                return fn(*args, **kwargs)  # this forward's router was not kept: run it again
+            out = tree_map_only(torch.Tensor, _leaf, self._records[0].routed)
+        elif not (self._recording and self._keep_outputs):
+            return fn(*args, **kwargs)
+        else:
+            with _kept_saved_tensors():
+                out = fn(*args, **kwargs)
+        self._route_out = out
+        self._routed = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        return out
+
+    def routing_handed(self, *routing: torch.Tensor) -> bool:
+        """The dispatcher is handed `routing`, before its checks (the next setup is this
+        routing's). Returns whether this is a recompute replaying the forward's routing: what
+        `route` handed back, from a forward that kept it, whose checks, conversion and record
+        ran on exactly these values (so the dispatcher need not check them again)."""
+        routed = self._routed
+        self._handed = routed is not None and all(any(_same_bytes(t, r) for r in routed) for t in routing)
+        return self._handed and self._replays_routing()
+
+    def _replays_routing(self) -> bool:
+        """The setup to come is a recompute's, of the routing its forward kept."""
+        return (self._handed and _in_backward() and bool(self._records)
+                and self._records[0].routed is not None)
+
+    def _setting_up(self):
+        """Context of the routing's setup. A forward keeping `route`'s outputs keeps the
+        setup's saved tensors out of the checkpoint too, as its recompute skips the setup."""
+        self._routing_kept = self._handed and self._recording and self._keep_outputs and not _in_backward()
+        if not self._routing_kept:
+            self._route_out = None
+        self._handed = False
+        return _kept_saved_tensors(self._routing_kept)
+
     def setup_metadata(self, num_local_tokens: int, probs: torch.Tensor, routing_map=None):
-        self._inner.setup_metadata(num_local_tokens, probs, routing_map)
+        if self._replays_routing():
+            return self._replay_routing()
+        with self._setting_up():
+            self._inner.setup_metadata(num_local_tokens, probs, routing_map)
         self._after_setup()
 
     def setup_metadata_from_indices(self, token_indices: torch.Tensor, token_probs: torch.Tensor):
-        self._inner.setup_metadata_from_indices(token_indices, token_probs)
+        if self._replays_routing():
+            return self._replay_routing()
+        with self._setting_up():
+            self._inner.setup_metadata_from_indices(token_indices, token_probs)
         self._after_setup()
 
+    def _replay_routing(self) -> None:
+        """The routing is the forward's (`routing_handed`): its recorded ids and weights are
+        the dispatch's, with no conversion and nothing to compare."""
+        record = self._replaying = self._records.popleft()
+        self._inner.token_indices, self._inner.token_probs = record.indices_TK, record.probs_TK
+        record.routed = self._route_out = self._routed = None
+        self._handed = False
+
     def _after_setup(self) -> None:
+        self._routed = None  # `_route_out` stays for the record of a forward's dispatch
         if not (_in_backward() and self._records):
             self._replaying = None
             self.check()
@@ -216,42 +319,43 @@ class RecomputeReplay:
                 f"the recomputed MoE forward routes {tuple(indices_TK.shape)} top-k slots, the "
                 f"original forward routed {tuple(record.indices_TK.shape)}: recomputes must run "
                 "in the order of their forwards, on the same tokens")
-        changed = (indices_TK != record.indices_TK).any() | (probs_TK.detach() != record.probs_TK).any()
-        self._flag(changed)
+        # One `[T, K]` mask (ids and weights have one shape) and one reduction.
+        changed_TK = torch.ne(probs_TK.detach(), record.probs_TK).logical_or_(indices_TK != record.indices_TK)
+        self._flag(changed_TK.any())
         # The layout is the original one, so the ids must be too (the weights keep the
         # recomputed graph: their gradient flows to the router).
         inner.token_indices = record.indices_TK
         self._replaying = record
 
     def _flag(self, changed: torch.Tensor) -> None:
-        """Queue a device flag for the next host sync point, copied to the host without a sync."""
+        """Or a device flag into this step's and copy it to the host without a sync, for the
+        next host sync point."""
+        self._changed = changed if self._changed is None else self._changed.logical_or_(changed)
         if changed.is_cuda:
-            host = torch.empty((), dtype=torch.bool, pin_memory=True)
-            host.copy_(changed, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        else:
-            host, event = changed, None
-        self._pending.append((changed, host, event))
+            if self._changed_host is None:  # once per replay: no pinned allocation per recompute
+                self._changed_host = torch.zeros((), dtype=torch.bool, pin_memory=True)
+                self._changed_copied = torch.cuda.Event()
+            self._changed_host.copy_(self._changed, non_blocking=True)
+            self._changed_copied.record()
 
     def check(self) -> None:
         """Raise `RoutingChangedError` if a recompute since the last check routed differently.
 
-        The flags were copied to the host when the recompute ran; reading them waits only for
+        The flag was copied to the host when the last recompute ran; reading it waits only for
         that copy (long done by the next forward)."""
-        if not self._pending:
+        changed, self._changed = self._changed, None
+        if changed is None:
             return
-        pending, self._pending = self._pending, []
-        for _, host, event in pending:
-            if event is not None:
-                event.synchronize()
-            if bool(host):
-                raise RoutingChangedError(
-                    "the recomputed MoE router output differs from the original forward's (expert "
-                    "ids or weights): the backward used the original routing and its gradients "
-                    "do not match the recomputed router. Do not change router weights or expert "
-                    "bias between a checkpointed forward and its backward; make the router "
-                    "deterministic (bf16 top-k ties)")
+        if changed.is_cuda:
+            self._changed_copied.synchronize()
+            changed = self._changed_host
+        if bool(changed):
+            raise RoutingChangedError(
+                "the recomputed MoE router output differs from the original forward's (expert "
+                "ids or weights): the backward used the original routing and its gradients "
+                "do not match the recomputed router. Do not change router weights or expert "
+                "bias between a checkpointed forward and its backward; make the router "
+                "deterministic (bf16 top-k ties)")
 
     # ---- communication and permutation ---------------------------------------------------
     def dispatch(self, hidden_states, async_finish: bool = False, allocate_on_comm_stream: bool = False):
@@ -266,8 +370,10 @@ class RecomputeReplay:
             if recording:
                 self._current = _DispatchRecord(
                     indices_TK, probs_TK.detach(), inner.handle, inner.dispatched_indices,
-                    inner.dispatched_probs.detach(), list(inner._host_counts()), self._keep_outputs)
+                    inner.dispatched_probs.detach(), list(inner._host_counts()), self._keep_outputs,
+                    tree_map_only(torch.Tensor, _leaf, self._route_out) if self._routing_kept else None)
                 self._records.append(self._current)
+            self._route_out, self._routing_kept = None, False
             return out
         if self._skipping:  # the permutation hands the experts the kept rows: nothing moves
             hidden, indices, probs = (_stand_in(hidden_states, record.recv_indices_RK.shape[0]),

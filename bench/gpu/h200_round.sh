@@ -53,7 +53,7 @@ run_task() {
         -p no:cacheprovider; tests=\$?; $PY bench/permute_bench.py --dtype bf16 fp32; exit \$((tests | \$?))" ;;
     layer_bench) task layer_bench 330 $PY bench/moe_layer_bench.py ${LAYER_ARGS:-} ;;
     graphs) task graphs 360 $PY bench/moe_layer_graphs.py ${GRAPHS_ARGS:---tokens-per-expert 128 512 1024 --steps 50} ;;
-    recompute) task recompute 200 $PY bench/gpu/moe_recompute.py --layers 4 --iters 5 --warmup 2 ;;
+    recompute) task recompute 200 $PY bench/gpu/moe_recompute.py --layers 4 --iters 30 --warmup 5 --profile ;;
     pretrain_local) task pretrain_local 320 env RUNS="local_native local_ext" bash bench/gpu/pretrain_megatron_lm.sh ;;
     pretrain_te) task pretrain_te 320 env RUNS="te_native te_ext" bash bench/gpu/pretrain_megatron_lm.sh ;;
     pretrain_small) task pretrain_small 420 env RUNS="local_native local_ext te_native te_ext" \

@@ -229,12 +229,19 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         probs = token_probs[..., None].expand(-1, -1, tp)
         return expanded.flatten(1), probs.flatten(1)
 
+    def _routing_replayed(self, *routing) -> bool:
+        """Hands the routing to the manager's recompute replay (`recompute.py`) before any
+        check; True in a recompute replaying the forward's routing, checked in the forward."""
+        handed = getattr(self._comm_manager, "routing_handed", None)
+        return handed is not None and handed(*(t for t in routing if t is not None))
+
     def _setup_dense(self, hidden_states, probs, routing_map=None, num_local_tokens=None):
         with self._peers_see_input_errors():
             tokens = self._check_hidden(hidden_states, num_local_tokens)
-            self._check_dense("probs", probs, tokens)
-            if routing_map is not None:
-                self._check_dense("routing_map", routing_map, tokens)
+            if not self._routing_replayed(probs, routing_map):
+                self._check_dense("probs", probs, tokens)
+                if routing_map is not None:
+                    self._check_dense("routing_map", routing_map, tokens)
         if routing_map is not None:
             routing_map = self._initialize_metadata(tokens, routing_map)
         self._check_idle()
@@ -245,7 +252,8 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
     def _setup_topk(self, hidden_states, num_local_tokens, token_probs, token_indices):
         with self._peers_see_input_errors():
             tokens = self._check_hidden(hidden_states, num_local_tokens)
-            token_indices = self._check_topk(token_probs, token_indices, tokens)
+            if not self._routing_replayed(token_probs, token_indices):
+                token_indices = self._check_topk(token_probs, token_indices, tokens)
         self._check_idle()
         if self.tp_size > 1:
             token_indices, token_probs = self._expand_topk_for_tp(token_indices, token_probs)

@@ -24,7 +24,7 @@ from megatron_moe_ext.config import TokenDispatcherConfig
 from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
 from megatron_moe_ext.megatron import graphs, overflow
 from megatron_moe_ext.megatron.expert_choice import grouped_gemm_experts
-from megatron_moe_ext.recompute import attach_replay
+from megatron_moe_ext.recompute import RecomputeReplay, attach_replay
 
 # The names under which Megatron's MoELayer.__init__ looks up its dispatcher classes.
 _MEGATRON_DISPATCHER_NAMES = (
@@ -125,6 +125,16 @@ class FlexMoELayer(MoELayer):
         if self.moe_overflow_stats is None:
             return None
         return overflow.read_overflow([(f"layer {self.layer_number}", self)], gather=False)[0]
+
+    def route(self, hidden_states, padding_mask=None):
+        """Megatron's router, through the layer's `RecomputeReplay` when it has one: under
+        `checkpoint_moe`'s `save_dispatch_outputs` the recompute reuses its outputs instead of
+        running it again (unless input jitter draws random numbers, which the recompute must
+        draw again)."""
+        replay = self.token_dispatcher._comm_manager
+        if isinstance(replay, RecomputeReplay) and not self.config.moe_input_jitter_eps:
+            return replay.route(super().route, hidden_states, padding_mask)
+        return super().route(hidden_states, padding_mask)
 
     def forward(self, hidden_states, *args, **kwargs):
         """Megatron's forward; a training forward that Megatron will recompute (its own "moe"

@@ -4,6 +4,7 @@ A small MoE block (linear router with an expert bias, top-k, the flex dispatcher
 one linear map per expert, combine) runs forward+backward with and without activation
 recompute; every rank returns its gradients, the number of the package's collectives
 issued during backward, split into layout and data, and on request the ops the recompute ran.
+The router runs inline, or through `RecomputeReplay.route` (`route=True`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import os
 
 import torch
 import torch.distributed as dist
@@ -93,33 +95,51 @@ class _RecomputeOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _block(disp, params, x_TH, state):
-    """Router + dispatch + per-expert linear maps + combine; `state["expert_bias_E"]` is read
-    at call time, so a test can change it between forward and recompute."""
-    w_router_HE, w_eHH = params
-    expert_bias_E = state["expert_bias_E"]
+def _router(x_TH, w_router_HE, state):
+    """Softmax scores, top-k of scores + expert bias: `(probs [T, K], ids [T, K])`.
+    `state["expert_bias_E"]` is read at call time, so a test can change it between forward
+    and recompute."""
     scores_TE = torch.softmax(x_TH.float() @ w_router_HE, dim=-1)
-    _, indices_TK = torch.topk(scores_TE + expert_bias_E, TOPK, dim=-1)
-    probs_TK = torch.gather(scores_TE, 1, indices_TK)
-    rows_PH, tokens_per_expert, probs_P = disp.token_permutation2(x_TH, x_TH.shape[0], probs_TK, indices_TK)
+    _, indices_TK = torch.topk(scores_TE + state["expert_bias_E"], TOPK, dim=-1)
+    return torch.gather(scores_TE, 1, indices_TK), indices_TK
+
+
+def _experts(rows_PH, tokens_per_expert, probs_P, w_eHH):
     counts = torch.as_tensor(tokens_per_expert).tolist()
     outs = [chunk @ w_eHH[e].to(chunk.dtype) for e, chunk in enumerate(rows_PH.split(counts))]
-    out_PH = (torch.cat(outs) * probs_P.reshape(-1, 1)).to(x_TH.dtype)
-    y_TH = disp.token_unpermutation(out_PH)
+    return (torch.cat(outs) * probs_P.reshape(-1, 1)).to(rows_PH.dtype)
+
+
+def _block(disp, params, x_TH, state):
+    """Router + dispatch + per-expert linear maps + combine. `state`: "route" runs the router
+    through the dispatcher's `RecomputeReplay.route`; "router" / "experts" replace the two
+    functions (to count their ops)."""
+    w_router_HE, w_eHH = params
+    router, experts = state.get("router", _router), state.get("experts", _experts)
+    if state.get("route"):
+        probs_TK, indices_TK = recompute.attach_replay(disp).route(router, x_TH, w_router_HE, state)
+    else:
+        probs_TK, indices_TK = router(x_TH, w_router_HE, state)
+    rows_PH, tokens_per_expert, probs_P = disp.token_permutation2(x_TH, x_TH.shape[0], probs_TK, indices_TK)
+    y_TH = disp.token_unpermutation(experts(rows_PH, tokens_per_expert, probs_P, w_eHH))
     # A residual saves nothing after the combine, so non-reentrant checkpointing may stop
     # the recompute before it; silu saves the combined output, so the recompute runs whole.
     return x_TH + y_TH if state.get("residual") else F.silu(y_TH)
 
 
 def recompute_case(backend: str, mode: str, perturb: bool = False, dtype: str = "fp32",
-                   steps: int = 1, residual: bool = False, count_ops: bool = False) -> dict:
+                   steps: int = 1, residual: bool = False, count_ops: bool = False,
+                   route: bool = False) -> dict:
     """`steps` forward+backward passes of the block on this rank under `mode`:
     "none", "reentrant" (Megatron-style: the forward runs without grad and is recorded),
     "save_dispatch_outputs" or "recompute_all" (`checkpoint_moe`'s policies), "selective"
-    (`save_dispatch_outputs` as a user's selective-checkpoint policy, applied op by op).
+    (`save_dispatch_outputs` as a user's selective-checkpoint policy, applied op by op);
+    `route`: the router runs through `RecomputeReplay.route`.
 
     Returns the last step's gradients and collectives issued in backward, the routing-check
-    error and, with `count_ops`, the ops its recompute ran (`_RecomputeOps.ops`).
+    error and, with `count_ops`, the ops its recompute ran (`_RecomputeOps.ops`: regions
+    "router", "experts", "dispatcher" and "other", the rest of the block), value checks on
+    the device path as on GPU (`MOE_EXT_INPUT_CHECKS=deferred`).
     """
     if backend != "torch":
         from tests.doubles import deep_ep_buffer
@@ -138,7 +158,7 @@ def recompute_case(backend: str, mode: str, perturb: bool = False, dtype: str = 
     w_router_HE = torch.randn(HIDDEN, NUM_EXPERTS, generator=gen).requires_grad_()
     w_eHH = (torch.randn(NUM_EXPERTS, HIDDEN, HIDDEN, generator=gen) / 4)[rank * local:(rank + 1) * local]
     w_eHH.requires_grad_()
-    state = {"expert_bias_E": torch.zeros(NUM_EXPERTS), "residual": residual}
+    state = {"expert_bias_E": torch.zeros(NUM_EXPERTS), "residual": residual, "route": route}
     x_TH = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(10 + rank))
     x_TH = x_TH.to(torch_dtype).requires_grad_()
     g_TH = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(20 + rank)).to(torch_dtype)
@@ -148,11 +168,14 @@ def recompute_case(backend: str, mode: str, perturb: bool = False, dtype: str = 
         recompute_step(disp, replay, params, x_TH, g_TH, state, mode)
         for t in (x_TH, w_router_HE, w_eHH):
             t.grad = None
-    recompute_ops, block = _RecomputeOps(), _block
+    recompute_ops, block, stack = _RecomputeOps(), _block, contextlib.ExitStack()
     if count_ops:
         block = recompute_ops.wrap(_block, "other")
+        state.update(router=recompute_ops.wrap(_router, "router"),
+                     experts=recompute_ops.wrap(_experts, "experts"))
         for name in ("token_permutation2", "token_unpermutation"):
             setattr(disp, name, recompute_ops.wrap(getattr(disp, name), "dispatcher"))
+        stack.enter_context(_env("MOE_EXT_INPUT_CHECKS", "deferred"))  # the GPU's checks
     counter = _Counter(backend)
     try:
         if mode == "none":
@@ -172,6 +195,7 @@ def recompute_case(backend: str, mode: str, perturb: bool = False, dtype: str = 
             (y * g_TH).sum().backward()
         backward_counts = (counter.layout, counter.data)
     finally:
+        stack.close()
         counter.restore()
     error = None
     try:
@@ -182,6 +206,19 @@ def recompute_case(backend: str, mode: str, perturb: bool = False, dtype: str = 
                 forward_counts=forward_counts, backward_counts=backward_counts,
                 pending_records=replay.num_records, error=error,
                 recompute_ops={k: dict(v) for k, v in recompute_ops.ops.items()})
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str):
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name)
+        else:
+            os.environ[name] = old
 
 
 def _policy(mode: str):
@@ -204,8 +241,10 @@ def recompute_step(disp, replay, params, x_TH, g_TH, state, mode: str) -> None:
 
 
 def megatron_layer_case(recompute_granularity: str | None, perturb: bool = False) -> dict:
-    """`FlexMoELayer` (torch backend) under Megatron's own recompute flags: gradients and
-    the collectives issued during backward."""
+    """`FlexMoELayer` (torch backend) under Megatron's own recompute flags ("selective",
+    "full"), or under `checkpoint_moe` with a policy ("save_dispatch_outputs",
+    "recompute_all"): gradients, the collectives issued during backward, the router's calls
+    in backward and its expert-bias token counts."""
     import dataclasses
 
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
@@ -231,6 +270,8 @@ def megatron_layer_case(recompute_granularity: str | None, perturb: bool = False
         layer = FlexMoELayer(config, submodules=spec.keywords["submodules"], pg_collection=pg,
                              layer_number=1)
         layer.set_layer_number(1)
+        router_calls_in_backward = []
+        layer.router.register_forward_pre_hook(lambda *_: router_calls_in_backward.append(_in_backward()))
         gen = torch.Generator().manual_seed(100 + rank)
         x = torch.randn(case.seq, case.batch, case.hidden, generator=gen).requires_grad_()
         g = torch.randn(case.seq, case.batch, case.hidden, generator=gen)
@@ -240,6 +281,9 @@ def megatron_layer_case(recompute_granularity: str | None, perturb: bool = False
                 from megatron.core import tensor_parallel
 
                 out, _ = tensor_parallel.checkpoint(layer, False, x)
+            elif recompute_granularity in recompute.POLICIES:
+                out = recompute.checkpoint_moe(lambda h: layer(h)[0], x, replays=recompute.replays_in(layer),
+                                               policy=recompute_granularity)
             else:
                 out, _ = layer(x)
             counter.reset()
@@ -249,14 +293,16 @@ def megatron_layer_case(recompute_granularity: str | None, perturb: bool = False
             counts = (counter.layout, counter.data)
         finally:
             counter.restore()
+        replayed = isinstance(layer.token_dispatcher._comm_manager, recompute.RecomputeReplay)
         error = None
         try:
-            recompute.check_routing(layer)
+            recompute.check_routing(layer)  # attaches a replay where none was
         except recompute.RoutingChangedError as exc:
             error = str(exc)
         grads = {n: p.grad.detach().clone() for n, p in layer.named_parameters() if p.grad is not None}
         grads["x"] = x.grad.detach().clone()
-        replayed = layer.recompute_replay is not None
-        return dict(grads=grads, backward_counts=counts, error=error, replayed=replayed)
+        return dict(grads=grads, backward_counts=counts, error=error, replayed=replayed,
+                    router_calls_in_backward=sum(router_calls_in_backward),
+                    tokens_per_expert=layer.router.local_tokens_per_expert.clone())
     finally:
         megatron_cpu.uninstall()
