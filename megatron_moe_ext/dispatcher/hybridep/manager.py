@@ -22,7 +22,6 @@ P permuted rows (grouped by local expert; in non-blocking mode the tail past
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
@@ -43,7 +42,6 @@ _HYBRIDEP_HIDDEN_ALIGNMENT = 16
 _HYBRIDEP_MIN_HIDDEN = 128
 #: Set NEMO_STATIC_ROUTING_PAD_PIN=0 to keep the per-dispatch all-reduce under static routing.
 _STATIC_ROUTING_PAD_PIN = os.environ.get("NEMO_STATIC_ROUTING_PAD_PIN", "1") != "0"
-
 
 
 def _assert_no_hybridep_overflow(handle, capacity: int) -> None:
@@ -303,10 +301,8 @@ class _HybridEPManager(_DispatchManager):
         `tokens_per_expert` came back on the host with the blocking dispatch, so its sum is free;
         the single all-reduce makes every rank size the same buffers.
         """
-        rows = int(tokens_per_expert.sum())
-        multiple = self.pad_multiple or _HYBRIDEP_TOKEN_ALIGNMENT
-        # At least one aligned block, so a rank that saw no rows still has room.
-        local = P.align_up(max(math.ceil(rows * self.hybridep_capacity_factor), 1), multiple)
+        local = P.capacity_rows(int(tokens_per_expert.sum()), self.hybridep_capacity_factor,
+                                self.pad_multiple or _HYBRIDEP_TOKEN_ALIGNMENT)
         capacity = torch.tensor([local], dtype=torch.long, device=device)
         dist.all_reduce(capacity, op=dist.ReduceOp.MAX, group=self.group)
         self._hybridep_capacity = int(capacity.item())
