@@ -22,11 +22,7 @@ from megatron_moe_ext.experts.activations import get_expert_activation, is_gated
 from megatron_moe_ext.experts.bias import TokenCounts, _counts_on
 from megatron_moe_ext.experts.common import check_expert_inputs, local_expert_range, resolve_ep_group
 from megatron_moe_ext.experts.config import ExpertsConfig
-from megatron_moe_ext.experts.deepep import (
-    ExpertDispatch,
-    _stabilize_empty_routing_probs_dtype,
-    make_dispatcher_config,
-)
+from megatron_moe_ext.experts.deepep import ExpertDispatch, make_dispatcher_config
 from megatron_moe_ext.experts.mlp import _host_counts
 from megatron_moe_ext.utils.optional import require
 
@@ -90,8 +86,7 @@ class GroupedExpertsTE(nn.Module):
         self.dispatcher_config = make_dispatcher_config(
             config, dispatcher_backend, dispatcher_num_sms, dispatcher_share_token_dispatcher,
             dispatcher_async_dispatch, static_routing, **dispatcher_options)
-        self.token_dispatch = ExpertDispatch(config.n_routed_experts, resolve_ep_group(None),
-                                             self.dispatcher_config, config.dim, config.dtype)
+        self.token_dispatch = ExpertDispatch(config, resolve_ep_group(None), self.dispatcher_config)
 
     def _build_linears(self, num_experts: int, device: torch.device) -> None:
         up = (2 if self.is_gated else 1) * self.moe_inter_dim
@@ -165,8 +160,7 @@ class GroupedExpertsTE(nn.Module):
                 self._set_stacked_bias(self.gate_up_linear, stacked["gate_up_proj_bias"][start:end])
                 self._set_stacked_bias(self.down_linear, stacked["down_proj_bias"][start:end])
         self.ep_rank, self.num_local_experts = ep.rank, end - start
-        self.token_dispatch = ExpertDispatch(self.n_routed_experts, ep, self.dispatcher_config,
-                                             self.dim, self.config.dtype)
+        self.token_dispatch = ExpertDispatch(self.config, ep, self.dispatcher_config)
 
     def init_weights(self, buffer_device: torch.device, init_std: float = 0.02) -> None:
         """Weights ~ N(0, init_std), biases zero, on `buffer_device`."""
@@ -183,7 +177,7 @@ class GroupedExpertsTE(nn.Module):
 
     def get_pipeline_runtime_initializers(self) -> tuple:
         """Dispatcher-owned resources to prepare before a pipeline-parallel step, else ()."""
-        return self.token_dispatch.pipeline_runtime_initializers(self.dim, self.config.dtype)
+        return self.token_dispatch.pipeline_runtime_initializers()
 
     # ---- checkpoint: the stacked layout ------------------------------------------------------
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
@@ -240,7 +234,6 @@ class GroupedExpertsTE(nn.Module):
         `GroupedExperts.forward`: `x [T, H]`, `token_mask [T]`, `weights`/`indices [T, K]` -> `[T, H]`."""
         check_expert_inputs(self.config, x, token_mask, weights, indices)
         rows_PH, tokens_per_expert, probs_P = self.token_dispatch.dispatch(x, token_mask, weights, indices)
-        probs_P = _stabilize_empty_routing_probs_dtype(probs_P, rows_PH.dtype)
         return self.token_dispatch.combine(self._grouped_mlp(rows_PH, probs_P, tokens_per_expert).to(x.dtype))
 
     def _pads_groups(self) -> bool:
