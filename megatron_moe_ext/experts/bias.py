@@ -37,24 +37,20 @@ def _counts_on(tokens_per_expert: TokenCounts, device: torch.device) -> torch.Te
     return tokens_per_expert.to(device=device, dtype=torch.int64, non_blocking=True)
 
 
-def _segment_ends(counts_e: torch.Tensor) -> torch.Tensor:
-    return torch.cumsum(counts_e, 0)
-
-
 def _token_offsets(counts_e: torch.Tensor) -> torch.Tensor:
     """`[e + 1]` exclusive cumsum (0 first) on the counts' device."""
-    return torch.nn.functional.pad(_segment_ends(counts_e), (1, 0))
+    return torch.nn.functional.pad(torch.cumsum(counts_e, 0), (1, 0))
 
 
 def _row_expert_ids(counts_e: torch.Tensor, rows: int) -> torch.Tensor:
     """`[rows]` int64 expert of each row; `e` for rows past the last segment (padding)."""
     rows_P = torch.arange(rows, device=counts_e.device)
-    return torch.searchsorted(_segment_ends(counts_e), rows_P, right=True)
+    return torch.searchsorted(torch.cumsum(counts_e, 0), rows_P, right=True)
 
 
 def _chunk_counts(counts_e: torch.Tensor, first: int, last: int) -> torch.Tensor:
     """`[e]` number of each expert's rows that fall in rows `[first, last)` (no host sync)."""
-    ends_e = _segment_ends(counts_e)
+    ends_e = torch.cumsum(counts_e, 0)
     starts_e = ends_e - counts_e
     return ends_e.clamp(first, last) - starts_e.clamp(first, last)
 
