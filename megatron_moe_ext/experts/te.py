@@ -237,19 +237,15 @@ class GroupedExpertsTE(nn.Module):
         return self.token_dispatch.combine(self._grouped_mlp(rows_PH, probs_P, tokens_per_expert).to(x.dtype))
 
     def _pads_groups(self) -> bool:
-        if self.fp8_align_size is not None:
-            return True
-        return self._uses_te and require(
+        return self.fp8_align_size is not None or self._uses_te and require(
             "transformer_engine.pytorch.quantization", "GroupedExpertsTE FP8 padding"
         ).FP8GlobalStateManager.is_fp8_enabled()
 
     def _linears(self, rows: torch.Tensor, m_splits) -> torch.Tensor:
         """gate/up GEMM (+ b1) -> activation -> down GEMM (+ b2), the prob left out (1)."""
-        def compute_dtype():
-            # A surrounding autocast region is left alone when the dtypes already match.
-            if rows.dtype == self.config.dtype:
-                return contextlib.nullcontext()
-            return torch.autocast(rows.device.type, dtype=rows.dtype)
+        def compute_dtype():  # a surrounding autocast region is left alone when the dtypes match
+            return (contextlib.nullcontext() if rows.dtype == self.config.dtype
+                    else torch.autocast(rows.device.type, dtype=rows.dtype))
 
         with compute_dtype():
             up = self.gate_up_linear(rows, m_splits)
