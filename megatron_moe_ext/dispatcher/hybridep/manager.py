@@ -30,7 +30,7 @@ import torch.distributed as dist
 from megatron_moe_ext.dispatcher import buffers
 from megatron_moe_ext.dispatcher import permute as P
 from megatron_moe_ext.dispatcher.base import _DispatchManager
-from megatron_moe_ext.dispatcher.hybridep.metadata import _HybridEPMetadataProcessor, indices_to_routing_map
+from megatron_moe_ext.dispatcher.hybridep.metadata import _HybridEPMetadataProcessor
 
 #: HybridEP's TMA loads need every rank's token count to be a multiple of this.
 _HYBRIDEP_TOKEN_ALIGNMENT = 4
@@ -241,7 +241,7 @@ class _HybridEPManager(_DispatchManager):
         """Top-k `[T, K]` ids (-1 = masked) and probs, through the metadata processor."""
         metadata, probs_TE = self.metadata_processor(token_indices, token_probs)
         if self.compact_routing:
-            metadata = indices_to_routing_map(metadata, self.num_experts)
+            metadata = P.indices_to_routing_map(metadata, self.num_experts)
         self._set_metadata(metadata, probs_TE)
 
     def _set_metadata(self, routing_map_TE, probs_TE) -> None:
