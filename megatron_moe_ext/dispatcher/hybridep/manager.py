@@ -344,9 +344,9 @@ class _HybridEPManager(_DispatchManager):
         if padded > x_TH.shape[0]:
             x_TH = torch.cat([x_TH, x_TH.new_zeros(padded - x_TH.shape[0], x_TH.shape[1])])
         num_permuted = self._resolve_num_permuted_tokens(capacity_mode)
-        kwargs = dict(routing_map=self.routing_map, num_of_experts_per_rank=self.num_local_experts, num_permuted_tokens=num_permuted,
-                      pad_multiple=self.pad_multiple, non_blocking=num_permuted is not None,
-                      fuse_permute_dispatch=self.hybridep_permute_fusion)
+        kwargs = dict(routing_map=self.routing_map, num_of_experts_per_rank=self.num_local_experts,
+                      num_permuted_tokens=num_permuted, non_blocking=num_permuted is not None,
+                      pad_multiple=self.pad_multiple, fuse_permute_dispatch=self.hybridep_permute_fusion)
         outputs = _DispatchOutputs()
         self.buffer = self._buffer(x_TH.shape[1], padded)
         rows_PH, self.dispatched_probs = _HybridEPDispatch.apply(
@@ -367,8 +367,7 @@ class _HybridEPManager(_DispatchManager):
     def combine(self, hidden_states, async_finish=True, allocate_on_comm_stream=True):
         """`[P, H]` expert outputs -> `[T, H]` (padding tokens sliced off)."""
         y_TH = _HybridEPCombine.apply(hidden_states, self.buffer, self.handle, self.pad_multiple,
-                                      self.hybridep_permute_fusion)
-        y_TH = y_TH[: self.num_unpadded_tokens]
+                                      self.hybridep_permute_fusion)[: self.num_unpadded_tokens]
         self._release_dispatch_state()
         return y_TH
 
@@ -379,11 +378,8 @@ class _HybridEPManager(_DispatchManager):
         return self.tokens_per_expert
 
     def get_permuted_hidden_states_by_experts(self, hidden_states):
-        probs_P = self.dispatched_probs
-        self.dispatched_probs = None
-        if self.router_dtype == "fp64":
-            probs_P = probs_P.double()
-        return hidden_states, probs_P
+        probs_P, self.dispatched_probs = self.dispatched_probs, None
+        return hidden_states, probs_P.double() if self.router_dtype == "fp64" else probs_P
 
     def get_restored_hidden_states_by_experts(self, hidden_states):
         return hidden_states
