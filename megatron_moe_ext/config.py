@@ -212,10 +212,8 @@ class TokenDispatcherConfig:
         flex dispatcher, else ``"torch"`` (the portable all-to-all backend, the natural
         replacement for Megatron's ``alltoall`` dispatcher). ``overrides`` win over both.
         """
-        if getattr(config, "moe_token_dispatcher_type", "alltoall") == "flex":
-            backend = getattr(config, "moe_flex_dispatcher_backend", "deepep")
-        else:
-            backend = "torch"
+        flex = getattr(config, "moe_token_dispatcher_type", "alltoall") == "flex"
+        backend = getattr(config, "moe_flex_dispatcher_backend", "deepep") if flex else "torch"
         if backend == "ncclep":
             _fail("moe_flex_dispatcher_backend", backend,
                   f"megatron_moe_ext supports {BACKENDS}; Megatron's 'ncclep' is not wrapped")
