@@ -161,14 +161,6 @@ def _grouped_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor, down_
     return out_PH
 
 
-def _chunk_counts_host(host: list[int], first: int, last: int) -> list[int]:
-    counts, start = [], 0
-    for count in host:
-        counts.append(max(0, min(start + count, last) - max(start, first)))
-        start += count
-    return counts
-
-
 def _checkpointed_chunked_expert_mlp(hidden_states: torch.Tensor, gate_and_up_projs: torch.Tensor,
                                      down_projs: torch.Tensor,
                                      gate_up_proj_bias: torch.Tensor | None,
@@ -199,18 +191,17 @@ def _checkpointed_chunked_expert_mlp(hidden_states: torch.Tensor, gate_and_up_pr
     dtype = hidden_states.dtype
     chunk_bytes = _EXPERT_MLP_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     chunk_rows = max(1, chunk_bytes // (gate_and_up_projs.shape[-1] * hidden_states.element_size()))
-    host = _host_counts(tokens_per_expert)
-    counts_e = None if host is not None else _counts_on(tokens_per_expert, hidden_states.device)
+    # Host counts stay on the host, so each chunk's are cut there without a sync.
+    on_host = _host_counts(tokens_per_expert) is not None
+    counts_e = _counts_on(tokens_per_expert, torch.device("cpu") if on_host else hidden_states.device)
     # Cast fp32 masters once, not once per chunk and again per recompute.
     gate_and_up_projs, down_projs = gate_and_up_projs.to(dtype), down_projs.to(dtype)
     out_PH = hidden_states.new_empty(rows, hidden)
     for first in range(0, rows, chunk_rows):
         last = min(first + chunk_rows, rows)
-        counts = (_chunk_counts_host(host, first, last) if host is not None
-                  else _chunk_counts(counts_e, first, last))
         out_PH[first:last] = checkpoint(
-            _grouped_mlp, hidden_states[first:last], gate_and_up_projs, down_projs,
-            gate_up_proj_bias, down_proj_bias, counts, permuted_probs[first:last], activation_fn,
+            _grouped_mlp, hidden_states[first:last], gate_and_up_projs, down_projs, gate_up_proj_bias,
+            down_proj_bias, _chunk_counts(counts_e, first, last), permuted_probs[first:last], activation_fn,
             apply_router_weight_after_down, use_reentrant=False)
     return out_PH
 
