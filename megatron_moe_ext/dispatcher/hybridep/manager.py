@@ -60,14 +60,6 @@ def _assert_no_hybridep_overflow(handle, capacity: int) -> None:
     )
 
 
-def buffer_key(group, num_local_experts: int, num_sms: int, num_sms_preprocessing, num_blocks_permute,
-               num_blocks_unpermute) -> tuple:
-    """The shared-buffer registry key: the group and every constructor setting of the buffer.
-    HybridEP grows a buffer in place (hidden size, tokens per rank), so those are not in it."""
-    return ("hybridep", group, num_local_experts, num_sms, num_sms_preprocessing, num_blocks_permute,
-            num_blocks_unpermute)
-
-
 class _BufferOwner:
     """One `HybridEPBuffer` in the shared-buffer registry (dispatcher/buffers.py), built by the
     first dispatch that needs it."""
@@ -198,9 +190,11 @@ class _HybridEPManager(_DispatchManager):
         self.pad_multiple = moe_router_expert_pad_multiple
         self.router_dtype = router_dtype
         self.metadata_processor = _HybridEPMetadataProcessor(num_experts, permute_fusion, moe_hybridep_compact_routing)
-        self.buffer_key = buffer_key(group, num_local_experts, moe_hybridep_num_sms,
-                                     moe_hybridep_num_sms_preprocessing, moe_hybridep_num_blocks_permute,
-                                     moe_hybridep_num_blocks_unpermute)
+        # The shared-buffer registry key: the group and every constructor setting of the buffer.
+        # HybridEP grows a buffer in place (hidden size, tokens per rank), so those are not in it.
+        self.buffer_key = ("hybridep", group, num_local_experts, moe_hybridep_num_sms,
+                           moe_hybridep_num_sms_preprocessing, moe_hybridep_num_blocks_permute,
+                           moe_hybridep_num_blocks_unpermute)
         self._buffer_owner = buffers.acquire(self.buffer_key, lambda: _BufferOwner(self.buffer_key),
                                              share_buffer)
         # Persistent per-layer state: the calibrated capacity, and the padded token count and
