@@ -80,17 +80,9 @@ def _segment_reduce_bias_grad(grad_output: torch.Tensor, token_counts: torch.Ten
 def _reduce_bias_grad_chunked_fallback(grad_output: torch.Tensor, token_counts: torch.Tensor,
                                        probs: torch.Tensor | None,
                                        output_dtype: torch.dtype) -> torch.Tensor:
-    """Reduce bias gradients without full-size intermediates (float64 sums, fixed order).
-
-    Arguments:
-        grad_output: `[P, D]`, grouped contiguously by expert.
-        token_counts: `[e]` int64 segment lengths on grad_output's device.
-        probs: optional `[P, 1]` routing probabilities weighting each row.
-        output_dtype: result dtype.
-
-    Returns:
-        `[e, D]` in `output_dtype`: one (weighted) gradient sum per expert.
-    """
+    """Reduce bias gradients without full-size intermediates (float64 sums, fixed order):
+    `_segment_reduce_bias_grad` of `[P, D]` rows weighted by the optional `[P, 1]` probs, in
+    `_BIAS_CHUNK_ROWS` chunks; returns `[e, D]` in `output_dtype`."""
     rows, hidden = grad_output.shape
     total = torch.zeros(token_counts.numel(), hidden, dtype=torch.float64,
                         device=grad_output.device)
