@@ -144,9 +144,7 @@ def _grouped_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor, down_
         hidden_PH = _ZeroGradOnPadding.apply(hidden_PH, total_1)
         permuted_probs_P1 = torch.where(
             (torch.arange(rows, device=hidden_PH.device) < total_1)[:, None], permuted_probs_P1, 0)
-    act_probs_P1 = permuted_probs_P1
-    if apply_router_weight_after_down:
-        act_probs_P1 = torch.ones_like(permuted_probs_P1)
+    act_probs_P1 = torch.ones_like(permuted_probs_P1) if apply_router_weight_after_down else permuted_probs_P1
     up_PI = _grouped_mm_any_width(hidden_PH, gate_and_up_projs.to(dtype), offsets_e, None)
     if gate_up_proj_bias is not None:
         up_PI = _apply_bias(up_PI, gate_up_proj_bias, counts_e)
