@@ -89,21 +89,19 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         pg_collection: ProcessGroupCollection | None = None,
         dispatcher_config: TokenDispatcherConfig | None = None,
     ):
-        if isinstance(config, TokenDispatcherConfig):
-            if ep_group is None:
-                raise checks.bad_input("ep_group", "the seed constructor needs the expert-parallel group")
-            dispatcher_config = config
+        seed = isinstance(config, TokenDispatcherConfig)
+        if seed and ep_group is None:
+            raise checks.bad_input("ep_group", "the seed constructor needs the expert-parallel group")
+        if seed or (pg_collection is None and ep_group is not None):
             pg_collection = ProcessGroupCollection(ep=ep_group, tp_ep=ep_group)
-        else:
-            if pg_collection is None:
-                if ep_group is not None:
-                    pg_collection = ProcessGroupCollection(ep=ep_group, tp_ep=ep_group)
-                else:
-                    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+        elif pg_collection is None:
+            from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
-                    pg_collection = get_default_pg_collection()
-            if dispatcher_config is None:
-                dispatcher_config = TokenDispatcherConfig.from_transformer_config(config)
+            pg_collection = get_default_pg_collection()
+        if seed:
+            dispatcher_config = config
+        elif dispatcher_config is None:
+            dispatcher_config = TokenDispatcherConfig.from_transformer_config(config)
         super().__init__(config=config, pg_collection=pg_collection)
         if self.tp_ep_group is None:
             self.tp_ep_group = self.ep_group
