@@ -44,13 +44,6 @@ def check_positive_int(field: str, value: Any, *, optional: bool = False, even: 
         _fail(field, value, "expected an even number of SMs (DeepEP splits SMs into send/recv pairs)")
 
 
-def _check_positive_factor(field: str, value: Any) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        _fail(field, value, "expected a finite capacity factor > 0, or None for dropless")
-
-
 @functools.lru_cache(maxsize=None)
 def _device_sm_count(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -141,7 +134,10 @@ class TokenDispatcherConfig:
             check_positive_int(field, getattr(self, field), optional=True)
         for field in ("moe_expert_capacity_factor", "moe_hybridep_capacity_factor",
                       "moe_expert_rank_capacity_factor"):
-            _check_positive_factor(field, getattr(self, field))
+            value = getattr(self, field)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not 0 < value < math.inf):
+                _fail(field, value, "expected a finite capacity factor > 0, or None for dropless")
         if self.moe_expert_rank_overflow_policy not in OVERFLOW_POLICIES:
             _fail("moe_expert_rank_overflow_policy", self.moe_expert_rank_overflow_policy,
                   f"allowed values are {OVERFLOW_POLICIES}")

@@ -236,11 +236,6 @@ class GroupedExpertsTE(nn.Module):
         rows_PH, tokens_per_expert, probs_P = self.token_dispatch.dispatch(x, token_mask, weights, indices)
         return self.token_dispatch.combine(self._grouped_mlp(rows_PH, probs_P, tokens_per_expert).to(x.dtype))
 
-    def _pads_groups(self) -> bool:
-        return self.fp8_align_size is not None or self._uses_te and require(
-            "transformer_engine.pytorch.quantization", "GroupedExpertsTE FP8 padding"
-        ).FP8GlobalStateManager.is_fp8_enabled()
-
     def _linears(self, rows: torch.Tensor, m_splits) -> torch.Tensor:
         """gate/up GEMM (+ b1) -> activation -> down GEMM (+ b2), the prob left out (1)."""
         def compute_dtype():  # a surrounding autocast region is left alone when the dtypes match
@@ -263,7 +258,9 @@ class GroupedExpertsTE(nn.Module):
         prob 0), so the splits cover every row without reading the counts on the host.
         """
         rows = rows_PH.shape[0]
-        pad_groups = self._pads_groups()
+        pad_groups = self.fp8_align_size is not None or self._uses_te and require(
+            "transformer_engine.pytorch.quantization", "GroupedExpertsTE FP8 padding"
+        ).FP8GlobalStateManager.is_fp8_enabled()
         # Host splits when reading them costs no sync. Static routing (benchmark-only: the
         # counts are the same every microbatch) reads device counts once and caches the list;
         # Fp8Padding needs host splits.
