@@ -119,17 +119,10 @@ def _send_meta(local_SK, probs_SK, recv_splits, send_splits, group):
 
 def send_routing(sent_indices_SK, sent_probs_SK, send_rank_S, num_local_experts, recv_splits,
                  send_splits, group) -> tuple[torch.Tensor, torch.Tensor]:
-    """Send each row's routing to its destination as that rank's local expert ids.
-
-    Arguments:
-        sent_indices_SK / sent_probs_SK: `[S, K]` global ids (-1 = masked) and probs of each
-            sent row; send_rank_S: `[S]` its destination rank.
-        recv_splits / send_splits: rows received from / sent to each rank.
-
-    Returns:
-        `(recv_indices_RK, recv_probs_RK)`: local ids (-1 = not this rank's) and fp32 probs
-        (0 there), differentiable in the probs.
-    """
+    """Send the routing of `[S]` rows (`[S, K]` global ids, -1 = masked, and probs; `send_rank_S`
+    their destinations; `recv_splits` / `send_splits` rows from / to each rank) as
+    `(recv_indices_RK, recv_probs_RK)`: the destination's local ids (-1 = not its) and fp32
+    probs (0 there), differentiable in the probs."""
     mine_SK, local_SK = _local_routing(sent_indices_SK, send_rank_S, num_local_experts)
     probs_SK = torch.where(mine_SK, sent_probs_SK.float(), 0.0)
     return _send_meta(local_SK, probs_SK, recv_splits, send_splits, group)
