@@ -168,22 +168,15 @@ class _ChunkedBiasAdd(torch.autograd.Function):
         if probs is not None and ctx.needs_input_grad[3]:
             if _use_triton(grad_output):
                 grad_probs = bias_triton.weighted_bias_probs_grad(grad_output, bias, expert_ids_P)
-            else:
-                grad_probs = _probs_grad_fallback(grad_output, bias, expert_ids_P)
+            else:  # the forward's fallback, chunk by chunk: `sum_d grad * bias[expert(row)]`
+                padded = torch.cat([bias, bias.new_zeros(1, bias.shape[1])])
+                grad_probs = grad_output.new_empty(grad_output.shape[0], 1, dtype=torch.float32)
+                for first in range(0, grad_output.shape[0], _BIAS_CHUNK_ROWS):
+                    rows = slice(first, first + _BIAS_CHUNK_ROWS)
+                    expanded = padded.index_select(0, expert_ids_P[rows]).float()
+                    grad_probs[rows] = (grad_output[rows].float() * expanded).sum(-1, keepdim=True)
             grad_probs = grad_probs.to(probs.dtype)
         return grad_output, grad_bias, None, grad_probs, None
-
-
-def _probs_grad_fallback(grad_output: torch.Tensor, bias: torch.Tensor,
-                         expert_ids_P: torch.Tensor) -> torch.Tensor:
-    padded = torch.cat([bias, bias.new_zeros(1, bias.shape[1])])
-    grad_probs = torch.empty(grad_output.shape[0], 1, dtype=torch.float32,
-                             device=grad_output.device)
-    for first in range(0, grad_output.shape[0], _BIAS_CHUNK_ROWS):
-        rows = slice(first, first + _BIAS_CHUNK_ROWS)
-        expanded = padded.index_select(0, expert_ids_P[rows]).float()
-        grad_probs[rows] = (grad_output[rows].float() * expanded).sum(-1, keepdim=True)
-    return grad_probs
 
 
 def _apply_bias(value: torch.Tensor, bias: torch.Tensor, tokens_per_expert: TokenCounts,
