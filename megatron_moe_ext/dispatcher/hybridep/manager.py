@@ -224,9 +224,7 @@ class _HybridEPManager(_DispatchManager):
         """Dense `[T, E]` (or `[T, tp*ep, e]`) probs, optionally with the routing map."""
         probs_TE = probs.reshape(num_local_tokens, self.num_experts)
         if routing_map is None:
-            indices_TK, probs_TK = P.probs_to_topk(probs_TE, self.router_topk)
-            self.setup_metadata_from_indices(indices_TK, probs_TK)
-            return
+            return self.setup_metadata_from_indices(*P.probs_to_topk(probs_TE, self.router_topk))
         routing_map_TE = routing_map.reshape(num_local_tokens, self.num_experts).bool()
         # Unrouted entries must not carry probability mass into HybridEP's dense probs.
         self._set_metadata(routing_map_TE, torch.where(routing_map_TE, probs_TE.float(), 0.0))
