@@ -37,9 +37,7 @@ def _stabilize_empty_routing_probs_dtype(permuted_probs: torch.Tensor, compute_d
     both tensors hold nothing. Only the empty case is given `compute_dtype`; non-empty
     probs keep their (fp32) router precision.
     """
-    if permuted_probs.numel() == 0 and permuted_probs.dtype != compute_dtype:
-        return permuted_probs.to(compute_dtype)
-    return permuted_probs
+    return permuted_probs.to(compute_dtype) if permuted_probs.numel() == 0 else permuted_probs
 
 
 class ExpertDispatch:

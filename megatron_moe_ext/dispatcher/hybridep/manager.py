@@ -282,9 +282,7 @@ class _HybridEPManager(_DispatchManager):
         """
         if capacity_mode and self._hybridep_capacity is not None:
             return self._hybridep_capacity
-        if self._static_pin() and self._static_num_permuted_tokens is not None:
-            return self._static_num_permuted_tokens
-        return None
+        return self._static_num_permuted_tokens if self._static_pin() else None
 
     def _calibrate_hybridep_capacity(self, tokens_per_expert: torch.Tensor, padded_tokens: int, device) -> None:
         """Capacity = `align(ceil(rows * factor))`, the EP-group max, from one blocking dispatch;
