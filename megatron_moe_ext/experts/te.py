@@ -152,13 +152,11 @@ class GroupedExpertsTE(nn.Module):
                 raise RuntimeError("init_token_dispatcher was already called with a different "
                                    "expert-parallel size")
             stacked = {name: getattr(self, name) for name in (*_STACKED_WEIGHTS, *_STACKED_BIASES)}
-            device = self.gate_up_linear.weight0.device
-            self._build_linears(end - start, device)
-            self._set_stacked_weight(self.gate_up_linear, stacked["gate_and_up_projs"][start:end], transpose=True)
-            self._set_stacked_weight(self.down_linear, stacked["down_projs"][start:end], transpose=True)
-            if self.expert_bias:
-                self._set_stacked_bias(self.gate_up_linear, stacked["gate_up_proj_bias"][start:end])
-                self._set_stacked_bias(self.down_linear, stacked["down_proj_bias"][start:end])
+            self._build_linears(end - start, self.gate_up_linear.weight0.device)
+            for name, child in _STACKED_WEIGHTS.items():
+                self._set_stacked_weight(getattr(self, child), stacked[name][start:end], transpose=True)
+            for name, child in _STACKED_BIASES.items() if self.expert_bias else ():
+                self._set_stacked_bias(getattr(self, child), stacked[name][start:end])
         self.ep_rank, self.num_local_experts = ep.rank, end - start
         self.token_dispatch = ExpertDispatch(self.config, ep, self.dispatcher_config)
 
