@@ -2,7 +2,7 @@
 
 `GroupedGemmExperts(num_local_experts, config, *, pg_collection, name=None)` slots into
 `MoESubmodules(experts=...)` of Megatron's (or this package's) MoE layer. It holds the
-stacked weights of docs/DESIGN.md (`gate_and_up_projs [e, H, 2I]`, `down_projs [e, I, H]`)
+stacked weights of `experts/common.py` (`gate_and_up_projs [e, H, 2I]`, `down_projs [e, I, H]`)
 and computes with `run_grouped_expert_mlp`; its checkpoints use Megatron's SequentialMLP
 keys and global shapes (`megatron/checkpoint.py`), so a model moves between the two.
 
