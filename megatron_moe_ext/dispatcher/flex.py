@@ -343,15 +343,13 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         """Dense probs `[T, E]` -> `(tokens [P, H], tokens_per_expert [e], permuted_probs [P])`."""
         hidden, _ = self.dispatch_preprocess(hidden_states, num_local_tokens, probs)
         async_mode = self.dispatcher_config.moe_deepep_async_dispatch
-        dispatched, _ = self.token_dispatch(hidden, None, async_mode, async_mode)
-        return self._permute(dispatched)
+        return self._permute(self.token_dispatch(hidden, None, async_mode, async_mode)[0])
 
     def token_permutation2(self, hidden_states, num_local_tokens, token_probs, token_indices):
         """Top-k routing -> `(tokens [P, H], tokens_per_expert [e], permuted_probs [P])`."""
         hidden, _ = self.dispatch_preprocess2(hidden_states, num_local_tokens, token_probs, token_indices)
         async_mode = self.dispatcher_config.moe_deepep_async_dispatch
-        dispatched, _ = self.token_dispatch(hidden, None, async_mode, async_mode)
-        return self._permute(dispatched)
+        return self._permute(self.token_dispatch(hidden, None, async_mode, async_mode)[0])
 
     def token_unpermutation(self, hidden_states):
         """Expert outputs `[P, H]` -> combined tokens in the input's original shape."""

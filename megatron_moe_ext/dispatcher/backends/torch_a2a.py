@@ -211,8 +211,7 @@ def dispatch_cached(x_TH, probs_TK, handle: TorchDispatchHandle, recv_indices_RK
     without the layout collective or a host sync. The saved received ids and weights are not
     used: they travel again in the one metadata collective, which rebuilds the forward's
     autograd graph exactly (so the weights' gradient reaches `probs_TK`)."""
-    recv_x_RH, recv_indices_RK, recv_probs_RK = exchange(x_TH, probs_TK, handle)
-    return recv_x_RH, recv_indices_RK, recv_probs_RK, tokens_per_expert, handle
+    return (*exchange(x_TH, probs_TK, handle), tokens_per_expert, handle)
 
 
 def exchange(x_TH: torch.Tensor, probs_TK: torch.Tensor, handle: TorchDispatchHandle):
@@ -224,9 +223,8 @@ def exchange(x_TH: torch.Tensor, probs_TK: torch.Tensor, handle: TorchDispatchHa
     probs_SK = torch.where(handle.mine_SK, probs_TK.float().index_select(0, handle.send_token_ids_S), 0.0)
     recv_x_RH = all_to_all_rows(x_TH.index_select(0, handle.send_token_ids_S), handle.recv_splits,
                                 handle.send_splits, handle.group)
-    recv_indices_RK, recv_probs_RK = _send_meta(handle.local_SK, probs_SK, handle.recv_splits,
-                                                handle.send_splits, handle.group)
-    return recv_x_RH, recv_indices_RK, recv_probs_RK
+    return recv_x_RH, *_send_meta(handle.local_SK, probs_SK, handle.recv_splits, handle.send_splits,
+                                  handle.group)
 
 
 def combine(
