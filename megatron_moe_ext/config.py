@@ -35,20 +35,13 @@ def _fail(field: str, value: Any, allowed: str) -> None:
     raise ValueError(f"{field}={value!r} is invalid: {allowed}")
 
 
-def _check_positive_int(field: str, value: Any, *, optional: bool = False, even: bool = False):
+def check_positive_int(field: str, value: Any, *, optional: bool = False, even: bool = False):
     if value is None and optional:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         _fail(field, value, "expected a positive integer" + (" or None" if optional else ""))
     if even and value % 2:
         _fail(field, value, "expected an even number of SMs (DeepEP splits SMs into send/recv pairs)")
-
-
-def _check_positive_factor(field: str, value: Any) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        _fail(field, value, "expected a finite capacity factor > 0, or None for dropless")
 
 
 @functools.lru_cache(maxsize=None)
@@ -65,7 +58,7 @@ def max_sm_count() -> int:
 
 def check_sm_count(field: str, value: Any, *, optional: bool = False, even: bool = False) -> None:
     """A positive SM count no larger than the GPU's; `field` names it in the error."""
-    _check_positive_int(field, value, optional=optional, even=even)
+    check_positive_int(field, value, optional=optional, even=even)
     if value is not None and value > max_sm_count():
         where = "the current GPU's SM count" if torch.cuda.is_available() else "no GPU visible: a sanity bound"
         _fail(field, value, f"expected at most {max_sm_count()} SMs ({where})")
@@ -128,7 +121,7 @@ class TokenDispatcherConfig:
         for field in dataclasses.fields(self):
             if field.type == "bool" and not isinstance(getattr(self, field.name), bool):
                 _fail(field.name, getattr(self, field.name), "expected a bool (True or False)")
-        _check_positive_int("num_moe_experts", self.num_moe_experts)
+        check_positive_int("num_moe_experts", self.num_moe_experts)
         topk = self.moe_router_topk
         if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= self.num_moe_experts:
             _fail("moe_router_topk", topk, f"expected 1 <= topk <= num_moe_experts ({self.num_moe_experts})")
@@ -136,15 +129,15 @@ class TokenDispatcherConfig:
         check_sm_count("moe_hybridep_num_sms", self.moe_hybridep_num_sms)
         check_sm_count("moe_hybridep_num_sms_preprocessing", self.moe_hybridep_num_sms_preprocessing,
                        optional=True)
-        for field in (
-            "moe_hybridep_num_blocks_permute",
-            "moe_hybridep_num_blocks_unpermute",
-            "moe_router_expert_pad_multiple",
-        ):
-            _check_positive_int(field, getattr(self, field), optional=True)
-        _check_positive_factor("moe_expert_capacity_factor", self.moe_expert_capacity_factor)
-        _check_positive_factor("moe_hybridep_capacity_factor", self.moe_hybridep_capacity_factor)
-        _check_positive_factor("moe_expert_rank_capacity_factor", self.moe_expert_rank_capacity_factor)
+        for field in ("moe_hybridep_num_blocks_permute", "moe_hybridep_num_blocks_unpermute",
+                      "moe_router_expert_pad_multiple"):
+            check_positive_int(field, getattr(self, field), optional=True)
+        for field in ("moe_expert_capacity_factor", "moe_hybridep_capacity_factor",
+                      "moe_expert_rank_capacity_factor"):
+            value = getattr(self, field)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not 0 < value < math.inf):
+                _fail(field, value, "expected a finite capacity factor > 0, or None for dropless")
         if self.moe_expert_rank_overflow_policy not in OVERFLOW_POLICIES:
             _fail("moe_expert_rank_overflow_policy", self.moe_expert_rank_overflow_policy,
                   f"allowed values are {OVERFLOW_POLICIES}")
@@ -215,10 +208,8 @@ class TokenDispatcherConfig:
         flex dispatcher, else ``"torch"`` (the portable all-to-all backend, the natural
         replacement for Megatron's ``alltoall`` dispatcher). ``overrides`` win over both.
         """
-        if getattr(config, "moe_token_dispatcher_type", "alltoall") == "flex":
-            backend = getattr(config, "moe_flex_dispatcher_backend", "deepep")
-        else:
-            backend = "torch"
+        flex = getattr(config, "moe_token_dispatcher_type", "alltoall") == "flex"
+        backend = getattr(config, "moe_flex_dispatcher_backend", "deepep") if flex else "torch"
         if backend == "ncclep":
             _fail("moe_flex_dispatcher_backend", backend,
                   f"megatron_moe_ext supports {BACKENDS}; Megatron's 'ncclep' is not wrapped")

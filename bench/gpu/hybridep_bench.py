@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from megatron_moe_ext.config import TokenDispatcherConfig  # noqa: E402
 from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher  # noqa: E402
-from megatron_moe_ext.dispatcher.hybridep.metadata import indices_to_routing_map  # noqa: E402
+from megatron_moe_ext.dispatcher.permute import indices_to_routing_map  # noqa: E402
 
 
 def timed(fn, iters: int) -> dict:

@@ -37,17 +37,10 @@ from megatron_moe_ext.dispatcher.deepep_manager import _DeepepManager
 
 
 def rank_budget(num_tokens: int, topk: int, factor: float, pad_multiple: int | None = None) -> int:
-    """Permuted rows one rank may receive: `int(T * K * factor)` rounded up to the alignment.
-
-    Arguments:
-        num_tokens: T, tokens each rank dispatches.
-        topk: K, slots per token (times the expert-TP size).
-        factor: `moe_expert_rank_capacity_factor` (1.0 = the balanced load).
-        pad_multiple: the expert pad multiple, else rows are aligned to 4.
-
-    Returns:
-        The budget P (0 when T is 0).
-    """
+    """The budget P of permuted rows one rank may receive (0 when T is 0): `int(T * K * factor)`
+    for T tokens per rank, K slots per token (times the expert-TP size) and `factor` =
+    `moe_expert_rank_capacity_factor` (1.0: the balanced load), rounded up to the expert pad
+    multiple, else to 4."""
     return P.align_up(int(num_tokens * topk * factor), pad_multiple or _CAPACITY_ALIGNMENT)
 
 

@@ -134,11 +134,9 @@ class _TorchCapacityManager(_DeepepManager):
     def combine(self, hidden_states, async_finish=False, allocate_on_comm_stream=False):
         if not self._fixed():
             return super().combine(hidden_states, async_finish, allocate_on_comm_stream)
+        # The dispatcher checked the rows against the dispatch (`MoEFlexTokenDispatcher._combine`).
         h = self.handle
         splits = [h.send_capacity] * dist.get_world_size(self.group)
-        if hidden_states.shape[0] != sum(splits):
-            raise ValueError(f"combine input has {hidden_states.shape[0]} rows but the capacity-mode "
-                             f"dispatch delivered {sum(splits)}: pass the restored rows of the same dispatch")
         rows_SH = torch_a2a.all_to_all_rows(hidden_states, splits, splits, self.group)
         self._release_dispatch_state()
         # Each token's copies come back in rank order: gathers, not an accumulate (see gather_sum).

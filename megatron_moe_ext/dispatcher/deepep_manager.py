@@ -111,12 +111,9 @@ class _DeepepManager(_DispatchManager):
     # ---- communication ----------------------------------------------------------------
     def dispatch(self, hidden_states, async_finish=False, allocate_on_comm_stream=False, **backend_kwargs):
         """`backend_kwargs`: extra arguments of the backend's dispatch (`num_worst_tokens`)."""
-        hidden, indices, probs, tokens_per_expert, handle = self.comm.dispatch(
-            hidden_states, self.token_indices, self.token_probs, self.num_experts, self.group,
-            async_finish, allocate_on_comm_stream, **backend_kwargs)
-        self.handle = handle
-        self.tokens_per_expert = tokens_per_expert
-        self.dispatched_indices, self.dispatched_probs = indices, probs
+        hidden, self.dispatched_indices, self.dispatched_probs, self.tokens_per_expert, self.handle = (
+            self.comm.dispatch(hidden_states, self.token_indices, self.token_probs, self.num_experts,
+                               self.group, async_finish, allocate_on_comm_stream, **backend_kwargs))
         # The routing inputs are consumed: drop them so recompute cannot keep them alive.
         self.token_indices = self.token_probs = None
         return hidden

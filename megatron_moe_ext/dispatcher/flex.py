@@ -37,8 +37,6 @@ from megatron_moe_ext.dispatcher import buffers, checks
 from megatron_moe_ext.dispatcher.backends import torch_a2a
 from megatron_moe_ext.dispatcher.registry import build_manager
 
-_bad_input = checks.bad_input
-
 
 def _in_backward() -> bool:
     """True while the autograd engine runs a backward on this thread (a recompute)."""
@@ -91,35 +89,32 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         pg_collection: ProcessGroupCollection | None = None,
         dispatcher_config: TokenDispatcherConfig | None = None,
     ):
-        if isinstance(config, TokenDispatcherConfig):
-            if ep_group is None:
-                raise _bad_input("ep_group", "the seed constructor needs the expert-parallel group")
-            dispatcher_config = config
+        seed = isinstance(config, TokenDispatcherConfig)
+        if seed and ep_group is None:
+            raise checks.bad_input("ep_group", "the seed constructor needs the expert-parallel group")
+        if seed or (pg_collection is None and ep_group is not None):
             pg_collection = ProcessGroupCollection(ep=ep_group, tp_ep=ep_group)
-        else:
-            if pg_collection is None:
-                if ep_group is not None:
-                    pg_collection = ProcessGroupCollection(ep=ep_group, tp_ep=ep_group)
-                else:
-                    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+        elif pg_collection is None:
+            from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
-                    pg_collection = get_default_pg_collection()
-            if dispatcher_config is None:
-                dispatcher_config = TokenDispatcherConfig.from_transformer_config(config)
+            pg_collection = get_default_pg_collection()
+        if seed:
+            dispatcher_config = config
+        elif dispatcher_config is None:
+            dispatcher_config = TokenDispatcherConfig.from_transformer_config(config)
         super().__init__(config=config, pg_collection=pg_collection)
         if self.tp_ep_group is None:
             self.tp_ep_group = self.ep_group
 
         self.dispatcher_config = dispatcher_config
-        dispatcher_config.validate()  # again: a config can change between construction and here
         dispatcher_config.validate_for_group(self.ep_size)
         expected_local = dispatcher_config.num_moe_experts // self.ep_size
         if num_local_experts != expected_local:
-            raise _bad_input("num_local_experts", f"{num_local_experts} does not match "
-                             f"num_moe_experts/ep_size = {expected_local}")
+            raise checks.bad_input("num_local_experts", f"{num_local_experts} does not match "
+                                   f"num_moe_experts/ep_size = {expected_local}")
         if len(local_expert_indices) != num_local_experts:
-            raise _bad_input("local_expert_indices", f"has {len(local_expert_indices)} entries, "
-                             f"expected num_local_experts={num_local_experts}")
+            raise checks.bad_input("local_expert_indices", f"has {len(local_expert_indices)} entries, "
+                                   f"expected num_local_experts={num_local_experts}")
         checks.check_local_expert_indices(local_expert_indices, get_pg_rank(self.ep_group), num_local_experts)
         self.num_local_experts = num_local_experts
         self.local_expert_indices = list(local_expert_indices)
@@ -165,15 +160,13 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
             hidden_size = inflight.hidden_shape[-1]
             rows = rows_TH.shape[0] if num_rows is None else num_rows
             if rows_TH.dim() != 2 or rows_TH.shape != (rows, hidden_size):
-                raise _bad_input("hidden_states", f"{call} expects [{rows if num_rows is not None else 'T'}, "
-                                 f"H={hidden_size}] ({what}), got {tuple(rows_TH.shape)}")
+                expected = rows if num_rows is not None else "T"
+                raise checks.bad_input("hidden_states", f"{call} expects [{expected}, H={hidden_size}] "
+                                       f"({what}), got {tuple(rows_TH.shape)}")
         inflight.next_call += 1
         return inflight
 
     # ---- input checks (megatron_moe_ext/dispatcher/checks.py; no device sync) ----------
-    def _check_hidden(self, hidden_states: torch.Tensor, num_local_tokens: int | None = None):
-        return checks.check_hidden(hidden_states, num_local_tokens)
-
     def _check_dense(self, name: str, tensor: torch.Tensor, tokens: int):
         checks.check_dense(name, tensor, tokens, self.ep_size, self.num_local_experts)
         if name != "routing_map":
@@ -237,7 +230,7 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
 
     def _setup_dense(self, hidden_states, probs, routing_map=None, num_local_tokens=None):
         with self._peers_see_input_errors():
-            tokens = self._check_hidden(hidden_states, num_local_tokens)
+            tokens = checks.check_hidden(hidden_states, num_local_tokens)
             if not self._routing_replayed(probs, routing_map):
                 self._check_dense("probs", probs, tokens)
                 if routing_map is not None:
@@ -251,7 +244,7 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
 
     def _setup_topk(self, hidden_states, num_local_tokens, token_probs, token_indices):
         with self._peers_see_input_errors():
-            tokens = self._check_hidden(hidden_states, num_local_tokens)
+            tokens = checks.check_hidden(hidden_states, num_local_tokens)
             if not self._routing_replayed(token_probs, token_indices):
                 token_indices = self._check_topk(token_probs, token_indices, tokens)
         self._check_idle()
@@ -358,15 +351,13 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         """Dense probs `[T, E]` -> `(tokens [P, H], tokens_per_expert [e], permuted_probs [P])`."""
         hidden, _ = self.dispatch_preprocess(hidden_states, num_local_tokens, probs)
         async_mode = self.dispatcher_config.moe_deepep_async_dispatch
-        dispatched, _ = self.token_dispatch(hidden, None, async_mode, async_mode)
-        return self._permute(dispatched)
+        return self._permute(self.token_dispatch(hidden, None, async_mode, async_mode)[0])
 
     def token_permutation2(self, hidden_states, num_local_tokens, token_probs, token_indices):
         """Top-k routing -> `(tokens [P, H], tokens_per_expert [e], permuted_probs [P])`."""
         hidden, _ = self.dispatch_preprocess2(hidden_states, num_local_tokens, token_probs, token_indices)
         async_mode = self.dispatcher_config.moe_deepep_async_dispatch
-        dispatched, _ = self.token_dispatch(hidden, None, async_mode, async_mode)
-        return self._permute(dispatched)
+        return self._permute(self.token_dispatch(hidden, None, async_mode, async_mode)[0])
 
     def token_unpermutation(self, hidden_states):
         """Expert outputs `[P, H]` -> combined tokens in the input's original shape."""

@@ -72,19 +72,24 @@ def probs_to_topk(probs_TE: torch.Tensor, topk: int) -> tuple[torch.Tensor, torc
     return indices_TK, probs_TK
 
 
+def indices_to_routing_map(indices_RK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """`[R, K]` expert ids (-1 = masked) -> `[R, E]` bool routing map.
+
+    scatter_add (not scatter) so a masked slot clamped onto expert 0 cannot erase a real one.
+    """
+    hits_RE = torch.zeros(indices_RK.shape[0], num_experts, dtype=torch.int32, device=indices_RK.device)
+    return hits_RE.scatter_add_(1, indices_RK.clamp(min=0).long(), (indices_RK >= 0).int()) > 0
+
+
 def indices_to_multihot(
     indices_RK: torch.Tensor, probs_RK: torch.Tensor, num_local_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`[R, K]` local expert ids (-1 = not for this rank) to a `[R, e]` bool map and fp32 probs."""
-    valid_RK = indices_RK >= 0
-    safe_RK = indices_RK.clamp(min=0).long()
-    rows = indices_RK.shape[0]
-    # scatter_add (not scatter) so a masked slot pointing at expert 0 cannot erase a real one.
-    hits_Re = torch.zeros(rows, num_local_experts, dtype=torch.int32, device=indices_RK.device)
-    routing_map_Re = hits_Re.scatter_add_(1, safe_RK, valid_RK.int()) > 0
-    probs_Re = torch.zeros(rows, num_local_experts, dtype=torch.float32, device=indices_RK.device)
-    probs_Re = probs_Re.scatter_add(1, safe_RK, torch.where(valid_RK, probs_RK.float(), 0.0))
-    return routing_map_Re, probs_Re
+    probs_Re = torch.zeros(indices_RK.shape[0], num_local_experts, dtype=torch.float32,
+                           device=indices_RK.device)
+    probs_Re = probs_Re.scatter_add(1, indices_RK.clamp(min=0).long(),
+                                    torch.where(indices_RK >= 0, probs_RK.float(), 0.0))
+    return indices_to_routing_map(indices_RK, num_local_experts), probs_Re
 
 
 def drop_tokens_over_capacity(

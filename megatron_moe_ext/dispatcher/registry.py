@@ -60,10 +60,30 @@ def _build_deepep_contract(cfg, group, num_local_experts, tp_size):
                           **_deepep_style_kwargs(cfg, group, num_local_experts, tp_size))
 
 
-def _build_hybridep(cfg, group, num_local_experts, tp_size):
-    from megatron_moe_ext.dispatcher.hybridep import build_hybridep_manager
+#: `TokenDispatcherConfig` fields the HybridEP manager takes under the same name.
+_HYBRIDEP_MANAGER_FIELDS = (
+    "moe_hybridep_num_sms", "moe_hybridep_permute_fusion", "moe_hybridep_compact_routing",
+    "moe_hybridep_num_sms_preprocessing", "moe_hybridep_num_blocks_permute",
+    "moe_hybridep_num_blocks_unpermute", "moe_hybridep_capacity_factor",
+    "moe_hybridep_equal_token_counts", "moe_router_expert_pad_multiple",
+)
 
-    return build_hybridep_manager(cfg, group, num_local_experts, tp_size)
+
+def _build_hybridep(cfg, group, num_local_experts, tp_size):
+    """Expert TP folds into the expert space, as in `_deepep_style_kwargs`."""
+    from megatron_moe_ext.dispatcher.hybridep import _HybridEPManager
+
+    return _HybridEPManager(
+        group=group,
+        num_local_experts=num_local_experts,
+        num_experts=tp_size * cfg.num_moe_experts,
+        router_topk=tp_size * cfg.moe_router_topk,
+        permute_fusion=cfg.moe_permute_fusion,
+        benchmark_static_routing=cfg.moe_benchmark_static_routing,
+        router_dtype=cfg.moe_router_dtype,
+        share_buffer=cfg.moe_share_token_dispatcher,
+        **{field: getattr(cfg, field) for field in _HYBRIDEP_MANAGER_FIELDS},
+    )
 
 
 BUILDERS: dict[str, ManagerBuilder] = {

@@ -24,61 +24,40 @@ ExpertActivation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def is_gated_activation(activation: str) -> bool:
-    """Whether `activation` needs both a gate and an up projection (`[e, H, 2I]` weights).
-
-    Arguments:
-        activation: one of `ExpertsConfig`'s activations.
-
-    Returns:
-        False for relu2 (up projection only, `[e, H, I]`), True for the GLU variants.
-    """
+    """Whether `activation` (one of `ExpertsConfig`'s) needs a gate and an up projection
+    (`[e, H, 2I]` weights): True for the GLU variants, False for relu2 (`[e, H, I]`)."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"expert_activation={activation!r} is invalid: allowed values are "
                          f"{ACTIVATIONS}")
     return activation != "relu2"
 
 
-def _split_gate_up(x: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _split_gate_up(x: torch.Tensor, name: str, limit: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[gate | up]` halves of `x` in fp32, clamped as the GLUs below clamp them."""
     if x.shape[-1] % 2:
         raise ValueError(f"{name}: x has {x.shape[-1]} columns; a gated activation needs an even "
                          "count ([gate | up])")
-    return x.chunk(2, dim=-1)
+    gate, up = (half.float() for half in x.chunk(2, dim=-1))
+    if limit > 0:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return gate, up
 
 
 def _swiglu_torch(x: torch.Tensor, permuted_probs: torch.Tensor, limit: float) -> torch.Tensor:
-    gate, up = _split_gate_up(x, "swiglu")
-    gate, up = gate.float(), up.float()
-    if limit > 0:
-        gate = gate.clamp(max=limit)
-        up = up.clamp(min=-limit, max=limit)
+    gate, up = _split_gate_up(x, "swiglu", limit)
     return (F.silu(gate) * up * permuted_probs).to(x.dtype)
 
 
 def swiglu(x: torch.Tensor, permuted_probs: torch.Tensor) -> torch.Tensor:
-    """`silu(gate) * up * prob`, computed in fp32.
-
-    Arguments:
-        x: `[P, 2I]` grouped GEMM output, `[gate | up]`, any float dtype.
-        permuted_probs: `[P, 1]` routing probabilities (normally fp32).
-
-    Returns:
-        `[P, I]` in x's dtype.
-    """
+    """`silu(gate) * up * prob` in fp32: `x [P, 2I]` (`[gate | up]`, any float dtype) and
+    probs `[P, 1]` -> `[P, I]` in x's dtype."""
     return swiglu_clamped(x, permuted_probs, 0.0)
 
 
-def swiglu_clamped(x: torch.Tensor, permuted_probs: torch.Tensor,
-                          limit: float) -> torch.Tensor:
-    """Clamped SwiGLU (DeepSeek-V4): gate clamped above at `limit`, up to `[-limit, limit]`.
-
-    Arguments:
-        x: `[P, 2I]`, `[gate | up]`.
-        permuted_probs: `[P, 1]` routing probabilities.
-        limit: clamp bound; `limit <= 0` disables clamping (plain SwiGLU).
-
-    Returns:
-        `[P, I]` in x's dtype; the math is fp32 (Triton kernel on CUDA, torch elsewhere).
-    """
+def swiglu_clamped(x: torch.Tensor, permuted_probs: torch.Tensor, limit: float) -> torch.Tensor:
+    """Clamped SwiGLU (DeepSeek-V4): `swiglu` with gate clamped above at `limit` and up to
+    `[-limit, limit]` (`limit <= 0`: plain SwiGLU). `x [P, 2I]`, probs `[P, 1]` -> `[P, I]` in
+    x's dtype; fp32 math (Triton kernel on CUDA, torch elsewhere)."""
     if x.is_cuda and swiglu_triton.supported(x, permuted_probs):
         return swiglu_triton.swiglu(x, permuted_probs, limit)
     return _swiglu_torch(x, permuted_probs, limit)
@@ -89,20 +68,10 @@ def swiglu_oai(
 ) -> torch.Tensor:
     """SwiGLU-OAI (GPT-OSS): `g * sigmoid(alpha * g) * (u + 1) * prob` in fp32, `[gate | up]`.
 
-    Arguments:
-        x: `[P, 2I]`, concatenated `[gate | up]`.
-        permuted_probs: `[P, 1]` routing probabilities.
-        alpha: sigmoid sharpness.
-        limit: gate clamped above at `limit`, up to `[-limit, limit]`; `limit <= 0` disables.
-
-    Returns:
-        `[P, I]` in x's dtype.
+    `x [P, 2I]`, probs `[P, 1]` -> `[P, I]` in x's dtype; `alpha` is the sigmoid sharpness,
+    `limit` clamps as in `swiglu_clamped` (`limit <= 0` disables).
     """
-    gate, up = _split_gate_up(x, "swiglu_oai")
-    gate, up = gate.float(), up.float()
-    if limit > 0:
-        gate = gate.clamp(max=limit)
-        up = up.clamp(min=-limit, max=limit)
+    gate, up = _split_gate_up(x, "swiglu_oai", limit)
     return (gate * torch.sigmoid(alpha * gate) * (up + 1.0) * permuted_probs).to(x.dtype)
 
 
@@ -115,18 +84,9 @@ def quick_geglu(
 ) -> torch.Tensor:
     """Quick-GEGLU: `g * sigmoid(alpha * g) * (u + linear_offset) * prob` on an interleaved layout.
 
-    The GLU is computed in x's dtype (as the checkpoints using this layout were trained);
-    only the prob multiply is fp32.
-
-    Arguments:
-        x: `[P, 2I]`, interleaved: gate = `x[:, ::2]`, up = `x[:, 1::2]`.
-        permuted_probs: `[P, 1]` routing probabilities.
-        alpha: sigmoid sharpness.
-        limit: gate clamped above at `limit`, up to `[-limit, limit]`; `limit <= 0` disables.
-        linear_offset: added to up before the product.
-
-    Returns:
-        `[P, I]` in x's dtype.
+    `x [P, 2I]` with gate = `x[:, ::2]`, up = `x[:, 1::2]`; probs `[P, 1]` -> `[P, I]` in x's
+    dtype. The GLU is computed in x's dtype (as the checkpoints using this layout were
+    trained); only the prob multiply is fp32. `alpha` and `limit` as in `swiglu_oai`.
     """
     if x.shape[-1] % 2:
         raise ValueError(f"quick_geglu: x has {x.shape[-1]} columns; expected an even count "
@@ -140,32 +100,23 @@ def quick_geglu(
 
 
 def relu2(x: torch.Tensor, permuted_probs: torch.Tensor) -> torch.Tensor:
-    """Squared ReLU (non-gated): `relu(x)^2 * prob` in fp32.
-
-    Arguments:
-        x: `[P, I]` up-projection output.
-        permuted_probs: `[P, 1]` routing probabilities.
-
-    Returns:
-        `[P, I]` in x's dtype.
-    """
+    """Squared ReLU (non-gated): `relu(x)^2 * prob` in fp32; `x [P, I]`, probs `[P, 1]` ->
+    `[P, I]` in x's dtype."""
     return (torch.square(F.relu(x.float())) * permuted_probs).to(x.dtype)
 
 
 def get_expert_activation(config: ExpertsConfig) -> ExpertActivation:
     """The activation `fn(x, permuted_probs) -> [P, I]` that `config.expert_activation` names,
     with `config.activation_alpha` / `activation_limit` bound."""
-    name = config.expert_activation
-    if name == "swiglu":
-        return swiglu
-    if name == "swiglu_clamped":
-        return functools.partial(swiglu_clamped, limit=config.activation_limit)
-    if name == "swiglu_oai":
-        return functools.partial(swiglu_oai, alpha=config.activation_alpha,
-                                 limit=config.activation_limit)
-    if name == "quick_geglu":
-        return functools.partial(quick_geglu, alpha=config.activation_alpha,
-                                 limit=config.activation_limit)
-    if name == "relu2":
-        return relu2
-    raise ValueError(f"expert_activation={name!r} is invalid: allowed values are {ACTIVATIONS}")
+    alpha, limit = config.activation_alpha, config.activation_limit
+    activations = {
+        "swiglu": swiglu,
+        "swiglu_clamped": functools.partial(swiglu_clamped, limit=limit),
+        "swiglu_oai": functools.partial(swiglu_oai, alpha=alpha, limit=limit),
+        "quick_geglu": functools.partial(quick_geglu, alpha=alpha, limit=limit),
+        "relu2": relu2,
+    }
+    if config.expert_activation not in activations:
+        raise ValueError(f"expert_activation={config.expert_activation!r} is invalid: allowed "
+                         f"values are {ACTIVATIONS}")
+    return activations[config.expert_activation]

@@ -37,24 +37,20 @@ def _counts_on(tokens_per_expert: TokenCounts, device: torch.device) -> torch.Te
     return tokens_per_expert.to(device=device, dtype=torch.int64, non_blocking=True)
 
 
-def _segment_ends(counts_e: torch.Tensor) -> torch.Tensor:
-    return torch.cumsum(counts_e, 0)
-
-
 def _token_offsets(counts_e: torch.Tensor) -> torch.Tensor:
     """`[e + 1]` exclusive cumsum (0 first) on the counts' device."""
-    return torch.nn.functional.pad(_segment_ends(counts_e), (1, 0))
+    return torch.nn.functional.pad(torch.cumsum(counts_e, 0), (1, 0))
 
 
 def _row_expert_ids(counts_e: torch.Tensor, rows: int) -> torch.Tensor:
     """`[rows]` int64 expert of each row; `e` for rows past the last segment (padding)."""
     rows_P = torch.arange(rows, device=counts_e.device)
-    return torch.searchsorted(_segment_ends(counts_e), rows_P, right=True)
+    return torch.searchsorted(torch.cumsum(counts_e, 0), rows_P, right=True)
 
 
 def _chunk_counts(counts_e: torch.Tensor, first: int, last: int) -> torch.Tensor:
     """`[e]` number of each expert's rows that fall in rows `[first, last)` (no host sync)."""
-    ends_e = _segment_ends(counts_e)
+    ends_e = torch.cumsum(counts_e, 0)
     starts_e = ends_e - counts_e
     return ends_e.clamp(first, last) - starts_e.clamp(first, last)
 
@@ -84,17 +80,9 @@ def _segment_reduce_bias_grad(grad_output: torch.Tensor, token_counts: torch.Ten
 def _reduce_bias_grad_chunked_fallback(grad_output: torch.Tensor, token_counts: torch.Tensor,
                                        probs: torch.Tensor | None,
                                        output_dtype: torch.dtype) -> torch.Tensor:
-    """Reduce bias gradients without full-size intermediates (float64 sums, fixed order).
-
-    Arguments:
-        grad_output: `[P, D]`, grouped contiguously by expert.
-        token_counts: `[e]` int64 segment lengths on grad_output's device.
-        probs: optional `[P, 1]` routing probabilities weighting each row.
-        output_dtype: result dtype.
-
-    Returns:
-        `[e, D]` in `output_dtype`: one (weighted) gradient sum per expert.
-    """
+    """Reduce bias gradients without full-size intermediates (float64 sums, fixed order):
+    `_segment_reduce_bias_grad` of `[P, D]` rows weighted by the optional `[P, 1]` probs, in
+    `_BIAS_CHUNK_ROWS` chunks; returns `[e, D]` in `output_dtype`."""
     rows, hidden = grad_output.shape
     total = torch.zeros(token_counts.numel(), hidden, dtype=torch.float64,
                         device=grad_output.device)
@@ -180,22 +168,15 @@ class _ChunkedBiasAdd(torch.autograd.Function):
         if probs is not None and ctx.needs_input_grad[3]:
             if _use_triton(grad_output):
                 grad_probs = bias_triton.weighted_bias_probs_grad(grad_output, bias, expert_ids_P)
-            else:
-                grad_probs = _probs_grad_fallback(grad_output, bias, expert_ids_P)
+            else:  # the forward's fallback, chunk by chunk: `sum_d grad * bias[expert(row)]`
+                padded = torch.cat([bias, bias.new_zeros(1, bias.shape[1])])
+                grad_probs = grad_output.new_empty(grad_output.shape[0], 1, dtype=torch.float32)
+                for first in range(0, grad_output.shape[0], _BIAS_CHUNK_ROWS):
+                    rows = slice(first, first + _BIAS_CHUNK_ROWS)
+                    expanded = padded.index_select(0, expert_ids_P[rows]).float()
+                    grad_probs[rows] = (grad_output[rows].float() * expanded).sum(-1, keepdim=True)
             grad_probs = grad_probs.to(probs.dtype)
         return grad_output, grad_bias, None, grad_probs, None
-
-
-def _probs_grad_fallback(grad_output: torch.Tensor, bias: torch.Tensor,
-                         expert_ids_P: torch.Tensor) -> torch.Tensor:
-    padded = torch.cat([bias, bias.new_zeros(1, bias.shape[1])])
-    grad_probs = torch.empty(grad_output.shape[0], 1, dtype=torch.float32,
-                             device=grad_output.device)
-    for first in range(0, grad_output.shape[0], _BIAS_CHUNK_ROWS):
-        rows = slice(first, first + _BIAS_CHUNK_ROWS)
-        expanded = padded.index_select(0, expert_ids_P[rows]).float()
-        grad_probs[rows] = (grad_output[rows].float() * expanded).sum(-1, keepdim=True)
-    return grad_probs
 
 
 def _apply_bias(value: torch.Tensor, bias: torch.Tensor, tokens_per_expert: TokenCounts,

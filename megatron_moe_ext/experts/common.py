@@ -186,8 +186,7 @@ def permute_local(x_TH: torch.Tensor, token_mask_T: torch.Tensor, weights_TK: to
     routing_map_Te, probs_Te = indices_to_multihot(
         torch.where(routed_TK, local_TK, -1), weights_TK, n_local_experts)
     counts = routing_map_Te.sum(0).tolist()
-    rows_PH, probs_P, counts, state = permute_to_experts(x_TH, routing_map_Te, probs_Te, counts)
-    return LocalPermutation(rows_PH, probs_P, counts, state)
+    return LocalPermutation(*permute_to_experts(x_TH, routing_map_Te, probs_Te, counts))
 
 
 def unpermute_local(out_PH: torch.Tensor, permutation: LocalPermutation) -> torch.Tensor:

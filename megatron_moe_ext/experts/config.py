@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_moe_ext.config import check_positive_int
+
 ACTIVATIONS = ("swiglu", "swiglu_clamped", "swiglu_oai", "quick_geglu", "relu2")
 
 
@@ -30,9 +32,7 @@ class ExpertsConfig:
 
     def __post_init__(self) -> None:
         for field in ("n_routed_experts", "n_activated_experts", "dim", "moe_inter_dim"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{field}={value!r} is invalid: expected a positive integer")
+            check_positive_int(field, getattr(self, field))
         if self.n_activated_experts > self.n_routed_experts:
             raise ValueError(f"n_activated_experts={self.n_activated_experts} is invalid: expected "
                              f"<= n_routed_experts ({self.n_routed_experts})")

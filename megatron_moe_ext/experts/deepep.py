@@ -37,9 +37,7 @@ def _stabilize_empty_routing_probs_dtype(permuted_probs: torch.Tensor, compute_d
     both tensors hold nothing. Only the empty case is given `compute_dtype`; non-empty
     probs keep their (fp32) router precision.
     """
-    if permuted_probs.numel() == 0 and permuted_probs.dtype != compute_dtype:
-        return permuted_probs.to(compute_dtype)
-    return permuted_probs
+    return permuted_probs.to(compute_dtype) if permuted_probs.numel() == 0 else permuted_probs
 
 
 class ExpertDispatch:
@@ -50,18 +48,18 @@ class ExpertDispatch:
     communication, no backend library needed).
 
     Arguments:
-        n_experts: E.
+        config: the experts' config: E, and the H and dtype that size the backend's
+            communication buffer now, at setup, so no collective allocation happens later
+            inside an activation-checkpoint recompute.
         ep: the expert-parallel group (`common.resolve_ep_group`).
         dispatcher_config: the flex dispatcher's settings (used only when EP > 1).
-        hidden_size / dtype: size the backend's communication buffer now, at setup, so no
-            collective allocation happens later inside an activation-checkpoint recompute.
     """
 
-    def __init__(self, n_experts: int, ep: ExpertParallel, dispatcher_config: TokenDispatcherConfig,
-                 hidden_size: int, dtype: torch.dtype):
+    def __init__(self, config: ExpertsConfig, ep: ExpertParallel, dispatcher_config: TokenDispatcherConfig):
         from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
 
-        self.n_local_experts = n_experts // ep.size
+        self.config = config
+        self.n_local_experts = config.n_routed_experts // ep.size
         self.experts_start_idx = ep.rank * self.n_local_experts
         self.dispatcher = None
         if ep.group is not None:
@@ -69,20 +67,24 @@ class ExpertDispatch:
             self.dispatcher = MoEFlexTokenDispatcher(self.n_local_experts, local, dispatcher_config, ep.group)
             allocate = getattr(self.dispatcher._comm_manager, "allocate_buffers", None)
             if allocate is not None:
-                allocate(hidden_size, dtype)
+                allocate(config.dim, config.dtype)
         self._local: LocalPermutation | None = None
 
     def dispatch(self, x, token_mask, weights, indices):
-        """`[T, ...]` inputs -> `(rows_PH, tokens_per_expert [e], permuted_probs [P])`.
+        """`[T, ...]` inputs -> `(rows_PH, tokens_per_expert [e], permuted_probs [P])`, empty
+        probs in the rows' dtype (see `_stabilize_empty_routing_probs_dtype`).
 
         Masked tokens' slots become -1, so they are neither sent nor combined.
         """
         indices = indices.masked_fill(~token_mask[:, None], -1)
         if self.dispatcher is not None:
-            return self.dispatcher.token_permutation2(x, x.shape[0], weights.float(), indices)
-        self._local = permute_local(x, token_mask, weights.float(), indices,
-                                    self.experts_start_idx, self.n_local_experts)
-        return self._local.rows_PH, self._local.tokens_per_expert, self._local.probs_P
+            rows_PH, tokens_per_expert, probs_P = self.dispatcher.token_permutation2(
+                x, x.shape[0], weights.float(), indices)
+        else:
+            local = self._local = permute_local(x, token_mask, weights.float(), indices,
+                                                self.experts_start_idx, self.n_local_experts)
+            rows_PH, tokens_per_expert, probs_P = local.rows_PH, local.tokens_per_expert, local.probs_P
+        return rows_PH, tokens_per_expert, _stabilize_empty_routing_probs_dtype(probs_P, rows_PH.dtype)
 
     def combine(self, rows_PH: torch.Tensor) -> torch.Tensor:
         """Expert outputs `[P, H]` -> `[T, H]`, each token the sum of its rows."""
@@ -94,10 +96,10 @@ class ExpertDispatch:
                                "is combined once)")
         return unpermute_local(rows_PH, local)
 
-    def pipeline_runtime_initializers(self, hidden_dim: int, dtype: torch.dtype) -> tuple:
+    def pipeline_runtime_initializers(self) -> tuple:
         if self.dispatcher is None:
             return ()
-        return self.dispatcher.get_pipeline_runtime_initializers(hidden_dim, dtype)
+        return self.dispatcher.get_pipeline_runtime_initializers(self.config.dim, self.config.dtype)
 
 
 def make_dispatcher_config(config: ExpertsConfig, backend: str, num_sms: int, share: bool,
@@ -142,26 +144,23 @@ class GroupedExpertsDeepEP(StackedExperts):
             config, dispatcher_backend, dispatcher_num_sms, dispatcher_share_token_dispatcher,
             dispatcher_async_dispatch, static_routing, **dispatcher_options)
         self.expert_activation = get_expert_activation(config)
-        self.token_dispatch = ExpertDispatch(config.n_routed_experts, self.ep, self.dispatcher_config,
-                                             config.dim, config.dtype)
+        self.token_dispatch = ExpertDispatch(config, self.ep, self.dispatcher_config)
 
     def init_token_dispatcher(self, ep_mesh) -> None:
         """Join the expert-parallel group (DeviceMesh or ProcessGroup), keep the local experts
         and build the dispatcher (and its communication buffers, before any checkpointing)."""
         ep = self._set_expert_parallel(ep_mesh)
-        self.token_dispatch = ExpertDispatch(self.n_routed_experts, ep, self.dispatcher_config,
-                                             self.config.dim, self.config.dtype)
+        self.token_dispatch = ExpertDispatch(self.config, ep, self.dispatcher_config)
 
     def get_pipeline_runtime_initializers(self) -> tuple:
         """Dispatcher-owned resources to prepare before a pipeline-parallel step (HybridEP's
         buffer), else ()."""
-        return self.token_dispatch.pipeline_runtime_initializers(self.config.dim, self.config.dtype)
+        return self.token_dispatch.pipeline_runtime_initializers()
 
     def _dispatch_tokens(self, x, token_mask, weights, indices):
         """Dispatch valid tokens; returns `(rows [P, H], tokens_per_expert [e], probs [P])`
         with empty probs given the activation dtype (see `_stabilize_empty_routing_probs_dtype`)."""
-        rows_PH, tokens_per_expert, probs_P = self.token_dispatch.dispatch(x, token_mask, weights, indices)
-        return rows_PH, tokens_per_expert, _stabilize_empty_routing_probs_dtype(probs_P, rows_PH.dtype)
+        return self.token_dispatch.dispatch(x, token_mask, weights, indices)
 
     def forward(self, x: torch.Tensor, token_mask: torch.Tensor, weights: torch.Tensor,
                 indices: torch.Tensor) -> torch.Tensor:

@@ -144,9 +144,7 @@ def _grouped_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor, down_
         hidden_PH = _ZeroGradOnPadding.apply(hidden_PH, total_1)
         permuted_probs_P1 = torch.where(
             (torch.arange(rows, device=hidden_PH.device) < total_1)[:, None], permuted_probs_P1, 0)
-    act_probs_P1 = permuted_probs_P1
-    if apply_router_weight_after_down:
-        act_probs_P1 = torch.ones_like(permuted_probs_P1)
+    act_probs_P1 = torch.ones_like(permuted_probs_P1) if apply_router_weight_after_down else permuted_probs_P1
     up_PI = _grouped_mm_any_width(hidden_PH, gate_and_up_projs.to(dtype), offsets_e, None)
     if gate_up_proj_bias is not None:
         up_PI = _apply_bias(up_PI, gate_up_proj_bias, counts_e)
@@ -159,14 +157,6 @@ def _grouped_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor, down_
     elif down_proj_bias is not None:
         out_PH = _apply_bias(out_PH, down_proj_bias, counts_e, permuted_probs_P1)
     return out_PH
-
-
-def _chunk_counts_host(host: list[int], first: int, last: int) -> list[int]:
-    counts, start = [], 0
-    for count in host:
-        counts.append(max(0, min(start + count, last) - max(start, first)))
-        start += count
-    return counts
 
 
 def _checkpointed_chunked_expert_mlp(hidden_states: torch.Tensor, gate_and_up_projs: torch.Tensor,
@@ -199,18 +189,17 @@ def _checkpointed_chunked_expert_mlp(hidden_states: torch.Tensor, gate_and_up_pr
     dtype = hidden_states.dtype
     chunk_bytes = _EXPERT_MLP_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     chunk_rows = max(1, chunk_bytes // (gate_and_up_projs.shape[-1] * hidden_states.element_size()))
-    host = _host_counts(tokens_per_expert)
-    counts_e = None if host is not None else _counts_on(tokens_per_expert, hidden_states.device)
+    # Host counts stay on the host, so each chunk's are cut there without a sync.
+    on_host = _host_counts(tokens_per_expert) is not None
+    counts_e = _counts_on(tokens_per_expert, torch.device("cpu") if on_host else hidden_states.device)
     # Cast fp32 masters once, not once per chunk and again per recompute.
     gate_and_up_projs, down_projs = gate_and_up_projs.to(dtype), down_projs.to(dtype)
     out_PH = hidden_states.new_empty(rows, hidden)
     for first in range(0, rows, chunk_rows):
         last = min(first + chunk_rows, rows)
-        counts = (_chunk_counts_host(host, first, last) if host is not None
-                  else _chunk_counts(counts_e, first, last))
         out_PH[first:last] = checkpoint(
-            _grouped_mlp, hidden_states[first:last], gate_and_up_projs, down_projs,
-            gate_up_proj_bias, down_proj_bias, counts, permuted_probs[first:last], activation_fn,
+            _grouped_mlp, hidden_states[first:last], gate_and_up_projs, down_projs, gate_up_proj_bias,
+            down_proj_bias, _chunk_counts(counts_e, first, last), permuted_probs[first:last], activation_fn,
             apply_router_weight_after_down, use_reentrant=False,
             # No random numbers here, and no RNG state to stash: a CUDA graph capture can
             # neither read nor set the CUDA generator's state.

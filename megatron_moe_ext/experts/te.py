@@ -22,11 +22,7 @@ from megatron_moe_ext.experts.activations import get_expert_activation, is_gated
 from megatron_moe_ext.experts.bias import TokenCounts, _counts_on
 from megatron_moe_ext.experts.common import check_expert_inputs, local_expert_range, resolve_ep_group
 from megatron_moe_ext.experts.config import ExpertsConfig
-from megatron_moe_ext.experts.deepep import (
-    ExpertDispatch,
-    _stabilize_empty_routing_probs_dtype,
-    make_dispatcher_config,
-)
+from megatron_moe_ext.experts.deepep import ExpertDispatch, make_dispatcher_config
 from megatron_moe_ext.experts.mlp import _host_counts
 from megatron_moe_ext.utils.optional import require
 
@@ -90,8 +86,7 @@ class GroupedExpertsTE(nn.Module):
         self.dispatcher_config = make_dispatcher_config(
             config, dispatcher_backend, dispatcher_num_sms, dispatcher_share_token_dispatcher,
             dispatcher_async_dispatch, static_routing, **dispatcher_options)
-        self.token_dispatch = ExpertDispatch(config.n_routed_experts, resolve_ep_group(None),
-                                             self.dispatcher_config, config.dim, config.dtype)
+        self.token_dispatch = ExpertDispatch(config, resolve_ep_group(None), self.dispatcher_config)
 
     def _build_linears(self, num_experts: int, device: torch.device) -> None:
         up = (2 if self.is_gated else 1) * self.moe_inter_dim
@@ -157,16 +152,13 @@ class GroupedExpertsTE(nn.Module):
                 raise RuntimeError("init_token_dispatcher was already called with a different "
                                    "expert-parallel size")
             stacked = {name: getattr(self, name) for name in (*_STACKED_WEIGHTS, *_STACKED_BIASES)}
-            device = self.gate_up_linear.weight0.device
-            self._build_linears(end - start, device)
-            self._set_stacked_weight(self.gate_up_linear, stacked["gate_and_up_projs"][start:end], transpose=True)
-            self._set_stacked_weight(self.down_linear, stacked["down_projs"][start:end], transpose=True)
-            if self.expert_bias:
-                self._set_stacked_bias(self.gate_up_linear, stacked["gate_up_proj_bias"][start:end])
-                self._set_stacked_bias(self.down_linear, stacked["down_proj_bias"][start:end])
+            self._build_linears(end - start, self.gate_up_linear.weight0.device)
+            for name, child in _STACKED_WEIGHTS.items():
+                self._set_stacked_weight(getattr(self, child), stacked[name][start:end], transpose=True)
+            for name, child in _STACKED_BIASES.items() if self.expert_bias else ():
+                self._set_stacked_bias(getattr(self, child), stacked[name][start:end])
         self.ep_rank, self.num_local_experts = ep.rank, end - start
-        self.token_dispatch = ExpertDispatch(self.n_routed_experts, ep, self.dispatcher_config,
-                                             self.dim, self.config.dtype)
+        self.token_dispatch = ExpertDispatch(self.config, ep, self.dispatcher_config)
 
     def init_weights(self, buffer_device: torch.device, init_std: float = 0.02) -> None:
         """Weights ~ N(0, init_std), biases zero, on `buffer_device`."""
@@ -183,7 +175,7 @@ class GroupedExpertsTE(nn.Module):
 
     def get_pipeline_runtime_initializers(self) -> tuple:
         """Dispatcher-owned resources to prepare before a pipeline-parallel step, else ()."""
-        return self.token_dispatch.pipeline_runtime_initializers(self.dim, self.config.dtype)
+        return self.token_dispatch.pipeline_runtime_initializers()
 
     # ---- checkpoint: the stacked layout ------------------------------------------------------
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
@@ -240,23 +232,13 @@ class GroupedExpertsTE(nn.Module):
         `GroupedExperts.forward`: `x [T, H]`, `token_mask [T]`, `weights`/`indices [T, K]` -> `[T, H]`."""
         check_expert_inputs(self.config, x, token_mask, weights, indices)
         rows_PH, tokens_per_expert, probs_P = self.token_dispatch.dispatch(x, token_mask, weights, indices)
-        probs_P = _stabilize_empty_routing_probs_dtype(probs_P, rows_PH.dtype)
         return self.token_dispatch.combine(self._grouped_mlp(rows_PH, probs_P, tokens_per_expert).to(x.dtype))
-
-    def _pads_groups(self) -> bool:
-        if self.fp8_align_size is not None:
-            return True
-        return self._uses_te and require(
-            "transformer_engine.pytorch.quantization", "GroupedExpertsTE FP8 padding"
-        ).FP8GlobalStateManager.is_fp8_enabled()
 
     def _linears(self, rows: torch.Tensor, m_splits) -> torch.Tensor:
         """gate/up GEMM (+ b1) -> activation -> down GEMM (+ b2), the prob left out (1)."""
-        def compute_dtype():
-            # A surrounding autocast region is left alone when the dtypes already match.
-            if rows.dtype == self.config.dtype:
-                return contextlib.nullcontext()
-            return torch.autocast(rows.device.type, dtype=rows.dtype)
+        def compute_dtype():  # a surrounding autocast region is left alone when the dtypes match
+            return (contextlib.nullcontext() if rows.dtype == self.config.dtype
+                    else torch.autocast(rows.device.type, dtype=rows.dtype))
 
         with compute_dtype():
             up = self.gate_up_linear(rows, m_splits)
@@ -274,7 +256,9 @@ class GroupedExpertsTE(nn.Module):
         prob 0), so the splits cover every row without reading the counts on the host.
         """
         rows = rows_PH.shape[0]
-        pad_groups = self._pads_groups()
+        pad_groups = self.fp8_align_size is not None or self._uses_te and require(
+            "transformer_engine.pytorch.quantization", "GroupedExpertsTE FP8 padding"
+        ).FP8GlobalStateManager.is_fp8_enabled()
         # Host splits when reading them costs no sync. Static routing (benchmark-only: the
         # counts are the same every microbatch) reads device counts once and caches the list;
         # Fp8Padding needs host splits.

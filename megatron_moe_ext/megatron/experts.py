@@ -2,7 +2,7 @@
 
 `GroupedGemmExperts(num_local_experts, config, *, pg_collection, name=None)` slots into
 `MoESubmodules(experts=...)` of Megatron's (or this package's) MoE layer. It holds the
-stacked weights of docs/DESIGN.md (`gate_and_up_projs [e, H, 2I]`, `down_projs [e, I, H]`)
+stacked weights of `experts/common.py` (`gate_and_up_projs [e, H, 2I]`, `down_projs [e, I, H]`)
 and computes with `run_grouped_expert_mlp`; its checkpoints use Megatron's SequentialMLP
 keys and global shapes (`megatron/checkpoint.py`), so a model moves between the two.
 
@@ -183,11 +183,9 @@ class GroupedGemmExperts(MegatronModule):
             bias is already added, weighted by the prob, so no bias is returned.
         """
         # Weights may be fp32 masters: run_grouped_expert_mlp computes in the rows' dtype.
-        out_PH = run_grouped_expert_mlp(
+        return run_grouped_expert_mlp(
             dispatched_input, self.gate_and_up_projs, self.down_projs, self.gate_up_proj_bias,
-            self.down_proj_bias, tokens_per_expert, permuted_probs.unsqueeze(-1),
-            self.activation_fn)
-        return out_PH, None
+            self.down_proj_bias, tokens_per_expert, permuted_probs.unsqueeze(-1), self.activation_fn), None
 
     def backward_dw(self) -> None:
         """Nothing is deferred: weight gradients come with the ordinary backward

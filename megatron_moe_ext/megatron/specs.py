@@ -40,12 +40,8 @@ def _flex_kwargs(dispatcher_config, experts) -> dict:
     if experts is not None and not callable(experts):
         raise ValueError(f"experts: expected an ExpertsBuilder (a callable "
                          f"(num_local_experts, config, *, pg_collection, name)), got {experts!r}")
-    kwargs = {}
-    if dispatcher_config is not None:
-        kwargs["dispatcher_config"] = dispatcher_config
-    if experts is not None:
-        kwargs["experts"] = experts
-    return kwargs
+    given = {"dispatcher_config": dispatcher_config, "experts": experts}
+    return {name: value for name, value in given.items() if value is not None}
 
 
 def flex_layer_builder(dispatcher_config: TokenDispatcherConfig | None = None, experts=None):

@@ -93,7 +93,7 @@ class DeepEPCommunicator:
         self.name = name
         self.num_sms = num_sms
         self.pad_empty = pad_empty
-        self._buffer = self._group = None
+        self.buffer = self._group = None  # the live buffer, or None
         self._dispatch_config = self._combine_config = None
         # Host-side answers that never change for a given buffer class / group / row size,
         # cached because everything before DeepEP's host sync is exposed GPU idle time.
@@ -202,7 +202,7 @@ class DeepEPCommunicator:
                      max(c.get_rdma_buffer_size_hint(hidden_bytes, world) for c in configs))
             self._size_hints[key] = hints
         num_nvl_bytes, num_rdma_bytes = hints
-        buffer = self._buffer
+        buffer = self.buffer
         if buffer is not None and self._group is group and type(buffer) is buffer_cls:
             if buffer.num_nvl_bytes >= num_nvl_bytes and buffer.num_rdma_bytes >= num_rdma_bytes:
                 return buffer
@@ -210,10 +210,10 @@ class DeepEPCommunicator:
             num_nvl_bytes = max(num_nvl_bytes, buffer.num_nvl_bytes)
             num_rdma_bytes = max(num_rdma_bytes, buffer.num_rdma_bytes)
         self.release_buffers()
-        self._buffer = buffer_cls(group, num_nvl_bytes, num_rdma_bytes, explicitly_destroy=True)
+        self.buffer = buffer_cls(group, num_nvl_bytes, num_rdma_bytes, explicitly_destroy=True)
         self._group = group
         self._dispatch_config, self._combine_config = configs
-        return self._buffer
+        return self.buffer
 
     def allocate_buffer(self, group, hidden: int, dtype: torch.dtype):
         """Allocate up front (at expert setup, before any activation checkpoint)."""
@@ -221,15 +221,10 @@ class DeepEPCommunicator:
 
     def release_buffers(self) -> None:
         """Free the buffer now (collective; call on every rank before destroying the group)."""
-        buffer, self._buffer, self._group = self._buffer, None, None
+        buffer, self.buffer, self._group = self.buffer, None, None
         self._plans.clear()  # they hold the buffer
         if buffer is not None:
             buffer.destroy()
-
-    @property
-    def buffer(self):
-        """The live buffer, or None."""
-        return self._buffer
 
     # ---- communication without autograd ----------------------------------------------
     def _begin(self, async_finish: bool):

@@ -119,17 +119,10 @@ def _send_meta(local_SK, probs_SK, recv_splits, send_splits, group):
 
 def send_routing(sent_indices_SK, sent_probs_SK, send_rank_S, num_local_experts, recv_splits,
                  send_splits, group) -> tuple[torch.Tensor, torch.Tensor]:
-    """Send each row's routing to its destination as that rank's local expert ids.
-
-    Arguments:
-        sent_indices_SK / sent_probs_SK: `[S, K]` global ids (-1 = masked) and probs of each
-            sent row; send_rank_S: `[S]` its destination rank.
-        recv_splits / send_splits: rows received from / sent to each rank.
-
-    Returns:
-        `(recv_indices_RK, recv_probs_RK)`: local ids (-1 = not this rank's) and fp32 probs
-        (0 there), differentiable in the probs.
-    """
+    """Send the routing of `[S]` rows (`[S, K]` global ids, -1 = masked, and probs; `send_rank_S`
+    their destinations; `recv_splits` / `send_splits` rows from / to each rank) as
+    `(recv_indices_RK, recv_probs_RK)`: the destination's local ids (-1 = not its) and fp32
+    probs (0 there), differentiable in the probs."""
     mine_SK, local_SK = _local_routing(sent_indices_SK, send_rank_S, num_local_experts)
     probs_SK = torch.where(mine_SK, sent_probs_SK.float(), 0.0)
     return _send_meta(local_SK, probs_SK, recv_splits, send_splits, group)
@@ -218,8 +211,7 @@ def dispatch_cached(x_TH, probs_TK, handle: TorchDispatchHandle, recv_indices_RK
     without the layout collective or a host sync. The saved received ids and weights are not
     used: they travel again in the one metadata collective, which rebuilds the forward's
     autograd graph exactly (so the weights' gradient reaches `probs_TK`)."""
-    recv_x_RH, recv_indices_RK, recv_probs_RK = exchange(x_TH, probs_TK, handle)
-    return recv_x_RH, recv_indices_RK, recv_probs_RK, tokens_per_expert, handle
+    return (*exchange(x_TH, probs_TK, handle), tokens_per_expert, handle)
 
 
 def exchange(x_TH: torch.Tensor, probs_TK: torch.Tensor, handle: TorchDispatchHandle):
@@ -231,9 +223,8 @@ def exchange(x_TH: torch.Tensor, probs_TK: torch.Tensor, handle: TorchDispatchHa
     probs_SK = torch.where(handle.mine_SK, probs_TK.float().index_select(0, handle.send_token_ids_S), 0.0)
     recv_x_RH = all_to_all_rows(x_TH.index_select(0, handle.send_token_ids_S), handle.recv_splits,
                                 handle.send_splits, handle.group)
-    recv_indices_RK, recv_probs_RK = _send_meta(handle.local_SK, probs_SK, handle.recv_splits,
-                                                handle.send_splits, handle.group)
-    return recv_x_RH, recv_indices_RK, recv_probs_RK
+    return recv_x_RH, *_send_meta(handle.local_SK, probs_SK, handle.recv_splits, handle.send_splits,
+                                  handle.group)
 
 
 def combine(

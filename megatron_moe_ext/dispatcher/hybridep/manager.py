@@ -22,7 +22,6 @@ P permuted rows (grouped by local expert; in non-blocking mode the tail past
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
@@ -31,7 +30,7 @@ import torch.distributed as dist
 from megatron_moe_ext.dispatcher import buffers
 from megatron_moe_ext.dispatcher import permute as P
 from megatron_moe_ext.dispatcher.base import _DispatchManager
-from megatron_moe_ext.dispatcher.hybridep.metadata import _HybridEPMetadataProcessor, indices_to_routing_map
+from megatron_moe_ext.dispatcher.hybridep.metadata import _HybridEPMetadataProcessor
 
 #: HybridEP's TMA loads need every rank's token count to be a multiple of this.
 _HYBRIDEP_TOKEN_ALIGNMENT = 4
@@ -43,7 +42,6 @@ _HYBRIDEP_HIDDEN_ALIGNMENT = 16
 _HYBRIDEP_MIN_HIDDEN = 128
 #: Set NEMO_STATIC_ROUTING_PAD_PIN=0 to keep the per-dispatch all-reduce under static routing.
 _STATIC_ROUTING_PAD_PIN = os.environ.get("NEMO_STATIC_ROUTING_PAD_PIN", "1") != "0"
-
 
 
 def _assert_no_hybridep_overflow(handle, capacity: int) -> None:
@@ -60,14 +58,6 @@ def _assert_no_hybridep_overflow(handle, capacity: int) -> None:
         f"HybridEP dispatch overflowed its capacity of {capacity} permuted rows: tokens were "
         "dropped. Raise moe_hybridep_capacity_factor (or the static-routing token count).",
     )
-
-
-def buffer_key(group, num_local_experts: int, num_sms: int, num_sms_preprocessing, num_blocks_permute,
-               num_blocks_unpermute) -> tuple:
-    """The shared-buffer registry key: the group and every constructor setting of the buffer.
-    HybridEP grows a buffer in place (hidden size, tokens per rank), so those are not in it."""
-    return ("hybridep", group, num_local_experts, num_sms, num_sms_preprocessing, num_blocks_permute,
-            num_blocks_unpermute)
 
 
 class _BufferOwner:
@@ -200,9 +190,11 @@ class _HybridEPManager(_DispatchManager):
         self.pad_multiple = moe_router_expert_pad_multiple
         self.router_dtype = router_dtype
         self.metadata_processor = _HybridEPMetadataProcessor(num_experts, permute_fusion, moe_hybridep_compact_routing)
-        self.buffer_key = buffer_key(group, num_local_experts, moe_hybridep_num_sms,
-                                     moe_hybridep_num_sms_preprocessing, moe_hybridep_num_blocks_permute,
-                                     moe_hybridep_num_blocks_unpermute)
+        # The shared-buffer registry key: the group and every constructor setting of the buffer.
+        # HybridEP grows a buffer in place (hidden size, tokens per rank), so those are not in it.
+        self.buffer_key = ("hybridep", group, num_local_experts, moe_hybridep_num_sms,
+                           moe_hybridep_num_sms_preprocessing, moe_hybridep_num_blocks_permute,
+                           moe_hybridep_num_blocks_unpermute)
         self._buffer_owner = buffers.acquire(self.buffer_key, lambda: _BufferOwner(self.buffer_key),
                                              share_buffer)
         # Persistent per-layer state: the calibrated capacity, and the padded token count and
@@ -232,9 +224,7 @@ class _HybridEPManager(_DispatchManager):
         """Dense `[T, E]` (or `[T, tp*ep, e]`) probs, optionally with the routing map."""
         probs_TE = probs.reshape(num_local_tokens, self.num_experts)
         if routing_map is None:
-            indices_TK, probs_TK = P.probs_to_topk(probs_TE, self.router_topk)
-            self.setup_metadata_from_indices(indices_TK, probs_TK)
-            return
+            return self.setup_metadata_from_indices(*P.probs_to_topk(probs_TE, self.router_topk))
         routing_map_TE = routing_map.reshape(num_local_tokens, self.num_experts).bool()
         # Unrouted entries must not carry probability mass into HybridEP's dense probs.
         self._set_metadata(routing_map_TE, torch.where(routing_map_TE, probs_TE.float(), 0.0))
@@ -243,7 +233,7 @@ class _HybridEPManager(_DispatchManager):
         """Top-k `[T, K]` ids (-1 = masked) and probs, through the metadata processor."""
         metadata, probs_TE = self.metadata_processor(token_indices, token_probs)
         if self.compact_routing:
-            metadata = indices_to_routing_map(metadata, self.num_experts)
+            metadata = P.indices_to_routing_map(metadata, self.num_experts)
         self._set_metadata(metadata, probs_TE)
 
     def _set_metadata(self, routing_map_TE, probs_TE) -> None:
@@ -292,9 +282,7 @@ class _HybridEPManager(_DispatchManager):
         """
         if capacity_mode and self._hybridep_capacity is not None:
             return self._hybridep_capacity
-        if self._static_pin() and self._static_num_permuted_tokens is not None:
-            return self._static_num_permuted_tokens
-        return None
+        return self._static_num_permuted_tokens if self._static_pin() else None
 
     def _calibrate_hybridep_capacity(self, tokens_per_expert: torch.Tensor, padded_tokens: int, device) -> None:
         """Capacity = `align(ceil(rows * factor))`, the EP-group max, from one blocking dispatch;
@@ -303,10 +291,8 @@ class _HybridEPManager(_DispatchManager):
         `tokens_per_expert` came back on the host with the blocking dispatch, so its sum is free;
         the single all-reduce makes every rank size the same buffers.
         """
-        rows = int(tokens_per_expert.sum())
-        multiple = self.pad_multiple or _HYBRIDEP_TOKEN_ALIGNMENT
-        # At least one aligned block, so a rank that saw no rows still has room.
-        local = P.align_up(max(math.ceil(rows * self.hybridep_capacity_factor), 1), multiple)
+        local = P.capacity_rows(int(tokens_per_expert.sum()), self.hybridep_capacity_factor,
+                                self.pad_multiple or _HYBRIDEP_TOKEN_ALIGNMENT)
         capacity = torch.tensor([local], dtype=torch.long, device=device)
         dist.all_reduce(capacity, op=dist.ReduceOp.MAX, group=self.group)
         self._hybridep_capacity = int(capacity.item())
@@ -348,9 +334,9 @@ class _HybridEPManager(_DispatchManager):
         if padded > x_TH.shape[0]:
             x_TH = torch.cat([x_TH, x_TH.new_zeros(padded - x_TH.shape[0], x_TH.shape[1])])
         num_permuted = self._resolve_num_permuted_tokens(capacity_mode)
-        kwargs = dict(routing_map=self.routing_map, num_of_experts_per_rank=self.num_local_experts, num_permuted_tokens=num_permuted,
-                      pad_multiple=self.pad_multiple, non_blocking=num_permuted is not None,
-                      fuse_permute_dispatch=self.hybridep_permute_fusion)
+        kwargs = dict(routing_map=self.routing_map, num_of_experts_per_rank=self.num_local_experts,
+                      num_permuted_tokens=num_permuted, non_blocking=num_permuted is not None,
+                      pad_multiple=self.pad_multiple, fuse_permute_dispatch=self.hybridep_permute_fusion)
         outputs = _DispatchOutputs()
         self.buffer = self._buffer(x_TH.shape[1], padded)
         rows_PH, self.dispatched_probs = _HybridEPDispatch.apply(
@@ -371,8 +357,7 @@ class _HybridEPManager(_DispatchManager):
     def combine(self, hidden_states, async_finish=True, allocate_on_comm_stream=True):
         """`[P, H]` expert outputs -> `[T, H]` (padding tokens sliced off)."""
         y_TH = _HybridEPCombine.apply(hidden_states, self.buffer, self.handle, self.pad_multiple,
-                                      self.hybridep_permute_fusion)
-        y_TH = y_TH[: self.num_unpadded_tokens]
+                                      self.hybridep_permute_fusion)[: self.num_unpadded_tokens]
         self._release_dispatch_state()
         return y_TH
 
@@ -383,11 +368,8 @@ class _HybridEPManager(_DispatchManager):
         return self.tokens_per_expert
 
     def get_permuted_hidden_states_by_experts(self, hidden_states):
-        probs_P = self.dispatched_probs
-        self.dispatched_probs = None
-        if self.router_dtype == "fp64":
-            probs_P = probs_P.double()
-        return hidden_states, probs_P
+        probs_P, self.dispatched_probs = self.dispatched_probs, None
+        return hidden_states, probs_P.double() if self.router_dtype == "fp64" else probs_P
 
     def get_restored_hidden_states_by_experts(self, hidden_states):
         return hidden_states

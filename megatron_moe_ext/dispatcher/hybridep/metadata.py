@@ -19,15 +19,6 @@ from torch import nn
 from megatron_moe_ext.dispatcher import permute as P
 
 
-def indices_to_routing_map(indices_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """`[T, K]` expert ids (-1 = masked) -> `[T, E]` bool routing map.
-
-    scatter_add (not scatter) so a masked slot clamped onto expert 0 cannot erase a real one.
-    """
-    hits_TE = torch.zeros(indices_TK.shape[0], num_experts, dtype=torch.int32, device=indices_TK.device)
-    return hits_TE.scatter_add_(1, indices_TK.clamp(min=0).long(), (indices_TK >= 0).int()) > 0
-
-
 class _ScatterProbs(torch.autograd.Function):
     """Fused `[T, K]` -> `[T, E]` probs scatter whose backward is a single gather."""
 
@@ -78,6 +69,6 @@ class _HybridEPMetadataProcessor(nn.Module):
             probs_TE = _ScatterProbs.apply(token_probs, indices_TK, self.num_experts)
             if self.compact_routing:
                 return indices_TK, probs_TE
-            return indices_to_routing_map(indices_TK, self.num_experts), probs_TE
+            return P.indices_to_routing_map(indices_TK, self.num_experts), probs_TE
         routing_map_TE, probs_TE = P.indices_to_multihot(indices_TK, token_probs, self.num_experts)
         return (indices_TK if self.compact_routing else routing_map_TE), probs_TE

@@ -33,12 +33,6 @@ def release_published_capacity(buffer_key: tuple) -> None:
     _PUBLISHED.pop((HybridEPPipelineRuntimeInitializer, buffer_key), None)
 
 
-def _default_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 class HybridEPPipelineRuntimeInitializer:
     """Prepare a manager's (shared) HybridEP buffer before pipeline traffic.
 
@@ -67,7 +61,8 @@ class HybridEPPipelineRuntimeInitializer:
     @property
     def signature(self) -> tuple:
         """The immutable configuration served by the shared buffer, device last."""
-        return self._signature(_default_device())
+        cuda = torch.cuda.is_available()
+        return self._signature(torch.device("cuda", torch.cuda.current_device()) if cuda else "cpu")
 
     @staticmethod
     def required_capacity(num_tokens: int) -> int:
