@@ -36,7 +36,8 @@ def grouped_gemm_experts(config, spec_experts, te_choice: str | None = None):
         te_choice: one of `TE_GROUPED_EXPERTS_CHOICES` (default: `TE_GROUPED_EXPERTS`).
 
     Returns:
-        This package's `GroupedGemmExperts`, or None where the spec's experts stay.
+        This package's `GroupedGemmExperts` (initialised like the spec's experts), or None
+        where the spec's experts stay.
     """
     te_choice = TE_GROUPED_EXPERTS if te_choice is None else te_choice
     if te_choice not in TE_GROUPED_EXPERTS_CHOICES:
@@ -46,9 +47,11 @@ def grouped_gemm_experts(config, spec_experts, te_choice: str | None = None):
         return None
     cls = spec_experts.func if isinstance(spec_experts, functools.partial) else spec_experts
     low_precision = getattr(config, "fp8", None) or getattr(config, "fp4", None)
-    if cls is SequentialMLP or (cls is TEGroupedMLP and te_choice == "grouped_gemm_experts"
-                                and not low_precision):
-        from megatron_moe_ext.megatron.experts import GroupedGemmExperts
+    from megatron_moe_ext.megatron.experts import GroupedGemmExperts
 
+    if cls is SequentialMLP:
         return GroupedGemmExperts
+    if cls is TEGroupedMLP and te_choice == "grouped_gemm_experts" and not low_precision:
+        # TEGroupedMLP's initial weights, so a run starts where native TE's does.
+        return functools.partial(GroupedGemmExperts, init_like="te_grouped_mlp")
     return None

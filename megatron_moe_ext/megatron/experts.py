@@ -26,6 +26,13 @@ from megatron_moe_ext.experts.config import ExpertsConfig
 from megatron_moe_ext.experts.mlp import run_grouped_expert_mlp
 from megatron_moe_ext.megatron import checkpoint as _checkpoint
 
+# The order in which Megatron's expert classes draw their initial weights from one RNG stream,
+# over `[(weight, init_method)]` of fc1 and of fc2 (one entry per expert).
+_INIT_ORDERS = {
+    "sequential_mlp": lambda fc1, fc2: [w for pair in zip(fc1, fc2) for w in pair],
+    "te_grouped_mlp": lambda fc1, fc2: fc1 + fc2,  # two GroupedLinears, fc1's weights first
+}
+
 # Quick-GELU's sigmoid slope, fixed inside Megatron's `quick_gelu`.
 _QUICK_GELU_ALPHA = 1.702
 
@@ -107,6 +114,10 @@ class GroupedGemmExperts(MegatronModule):
         pg_collection: Megatron `ProcessGroupCollection`; `ep` and `expt_dp` name the expert
             shards and their replicas in checkpoints.
         name: module name passed down by Megatron (kept for its logging).
+        init_like: the Megatron experts whose initial weights these copy (same seed, same
+            RNG stream, same draws): "sequential_mlp" (expert by expert, fc1 then fc2) or
+            "te_grouped_mlp" (fc1 of every expert, then fc2 of every expert, as TEGroupedMLP's
+            two GroupedLinears draw them).
 
     Parameters (dtype `config.params_dtype`, used as `x @ W`):
         gate_and_up_projs [e, H, 2I] (`[gate | up]`; [e, H, I] when not gated),
@@ -115,8 +126,12 @@ class GroupedGemmExperts(MegatronModule):
     """
 
     def __init__(self, num_local_experts: int, config, *, pg_collection=None,
-                 name: str | None = None):
+                 name: str | None = None, init_like: str = "sequential_mlp"):
         super().__init__(config=config)
+        if init_like not in _INIT_ORDERS:
+            raise ValueError(f"GroupedGemmExperts: init_like={init_like!r} is invalid: allowed "
+                             f"values are {tuple(_INIT_ORDERS)}")
+        self.init_like = init_like
         if pg_collection is None:
             raise ValueError("GroupedGemmExperts: pg_collection is required (it names the ep and "
                              "expt_dp groups)")
@@ -148,25 +163,24 @@ class GroupedGemmExperts(MegatronModule):
 
     @torch.no_grad()
     def _init_weights(self) -> None:
-        """Initialise expert by expert, fc1 then fc2, each as Megatron's `[out, in]` weight.
-
-        This is the order and the RNG stream SequentialMLP uses (the CPU generator under
+        """Initialise each expert weight as Megatron's `[out, in]` weight, in the order and
+        from the RNG stream of the experts named by `init_like` (the CPU generator under
         `use_cpu_initialization`, else the expert-parallel RNG tracker), so a model built with
         the same seed gets the same expert weights either way.
         """
         cfg = self.config
-        for i in range(self.num_local_experts):
-            for weight_IO, init_method in ((self.gate_and_up_projs[i], cfg.init_method),
-                                           (self.down_projs[i], cfg.output_layer_init_method)):
-                if cfg.use_cpu_initialization:
-                    master_OI = torch.empty(weight_IO.shape[::-1], dtype=torch.float32)
+        fc1 = [(w, cfg.init_method) for w in self.gate_and_up_projs]
+        fc2 = [(w, cfg.output_layer_init_method) for w in self.down_projs]
+        for weight_IO, init_method in _INIT_ORDERS[self.init_like](fc1, fc2):
+            if cfg.use_cpu_initialization:
+                master_OI = torch.empty(weight_IO.shape[::-1], dtype=torch.float32)
+                init_method(master_OI)
+            else:
+                master_OI = torch.empty(weight_IO.shape[::-1], dtype=weight_IO.dtype,
+                                        device=weight_IO.device)
+                with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
                     init_method(master_OI)
-                else:
-                    master_OI = torch.empty(weight_IO.shape[::-1], dtype=weight_IO.dtype,
-                                            device=weight_IO.device)
-                    with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
-                        init_method(master_OI)
-                weight_IO.copy_(master_OI.t())
+            weight_IO.copy_(master_OI.t())
 
     def forward(self, dispatched_input: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor):

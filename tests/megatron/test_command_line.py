@@ -129,11 +129,12 @@ def test_position_drop_policy_is_honoured_by_the_router(dist_pools):
 def test_expert_choice_under_te_spec():
     te_spec = functools.partial(TEGroupedMLP, submodules=None)
     on, off = types.SimpleNamespace(moe_grouped_gemm=True), types.SimpleNamespace(moe_grouped_gemm=False)
-    assert expert_choice.grouped_gemm_experts(on, te_spec) is GroupedGemmExperts  # the default
+    te_order = expert_choice.grouped_gemm_experts(on, te_spec)  # the default
+    assert te_order.func is GroupedGemmExperts and te_order.keywords == {"init_like": "te_grouped_mlp"}
     assert expert_choice.grouped_gemm_experts(on, te_spec, "te_grouped_mlp") is None
     fp8 = types.SimpleNamespace(moe_grouped_gemm=True, fp8="hybrid")
     assert expert_choice.grouped_gemm_experts(fp8, te_spec) is None  # TE's GEMMs for FP8
-    assert expert_choice.grouped_gemm_experts(on, te_spec, "grouped_gemm_experts") is GroupedGemmExperts
+    assert expert_choice.grouped_gemm_experts(on, te_spec, "grouped_gemm_experts").func is GroupedGemmExperts
     assert expert_choice.grouped_gemm_experts(off, te_spec, "grouped_gemm_experts") is None
     local = functools.partial(SequentialMLP, submodules=None)
     assert expert_choice.grouped_gemm_experts(on, local) is GroupedGemmExperts

@@ -38,6 +38,58 @@ def test_same_seed_gives_megatron_expert_weights(dist_pools, cpu_init):
         assert differ == [], differ
 
 
+def te_order_weights() -> dict:
+    """GroupedGemmExperts(init_like=...) under `use_cpu_initialization` against weights drawn
+    from the same seed in TEGroupedMLP's order (fc1 of every expert, then fc2 of every expert)
+    and in SequentialMLP's (expert by expert)."""
+    import torch
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+    from megatron_moe_ext.megatron.experts import GroupedGemmExperts
+    from tests.megatron.cases_checkpoint import EXPERTS, _config, init
+
+    init(1)
+    config = _config("swiglu")
+
+    def drawn(order):
+        torch.manual_seed(11)
+        shapes = {"fc1": (2 * config.moe_ffn_hidden_size, config.hidden_size),
+                  "fc2": (config.hidden_size, config.moe_ffn_hidden_size)}
+        methods = {"fc1": config.init_method, "fc2": config.output_layer_init_method}
+        weights = {}
+        for key in order:
+            weights[key] = torch.empty(shapes[key[0]])
+            methods[key[0]](weights[key])
+        return weights
+
+    te = drawn([(fc, i) for fc in ("fc1", "fc2") for i in range(EXPERTS)])
+    seq = drawn([(fc, i) for i in range(EXPERTS) for fc in ("fc1", "fc2")])
+    result = {}
+    for init_like in ("te_grouped_mlp", "sequential_mlp"):
+        torch.manual_seed(11)
+        experts = GroupedGemmExperts(EXPERTS, config, pg_collection=get_default_pg_collection(),
+                                     init_like=init_like)
+        built = {("fc1", i): experts.gate_and_up_projs[i].t() for i in range(EXPERTS)}
+        built.update({("fc2", i): experts.down_projs[i].t() for i in range(EXPERTS)})
+        result[init_like] = {ref: all(torch.equal(built[k], w[k]) for k in w)
+                             for ref, w in (("te", te), ("seq", seq))}
+    try:
+        GroupedGemmExperts(EXPERTS, config, pg_collection=get_default_pg_collection(), init_like="te")
+    except ValueError as exc:
+        result["error"] = str(exc)
+    return result
+
+
+def test_init_like_te_grouped_mlp_draws_in_te_order(dist_pools):
+    """Under TE, --moe-grouped-gemm builds GroupedGemmExperts(init_like="te_grouped_mlp") where
+    native builds TEGroupedMLP: its weights come in TE's order (checked against real TE on the
+    GPU by bench/gpu/te_init_check.py)."""
+    (r,) = dist_pools(1).run(te_order_weights)
+    assert r["te_grouped_mlp"] == {"te": True, "seq": False}, r
+    assert r["sequential_mlp"] == {"te": False, "seq": True}, r
+    assert "init_like='te'" in r["error"] and "te_grouped_mlp" in r["error"], r
+
+
 @pytest.mark.parametrize("activation,bias", [("swiglu", True), ("relu2", False)])
 def test_tokens_per_expert_host_device_and_capacity_tail(dist_pools, activation, bias):
     (r,) = dist_pools(1).run(tokens_per_expert_forms, activation, bias)
