@@ -119,7 +119,14 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--smoke", action="store_true", help="CPU: the eager run for 2 steps")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--torch-gathers", action="store_true",
+                   help="the torch ops instead of the Triton gather kernels (a diagnosis switch)")
     args = p.parse_args(argv)
+    if args.torch_gathers:
+        from megatron_moe_ext.dispatcher import permute
+
+        permute._use_kernels = lambda t: False
     gpu = torch.cuda.is_available() and not args.smoke
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -129,7 +136,7 @@ def main(argv=None) -> None:
         torch.cuda.set_device(0)
     dist.init_process_group("nccl" if gpu else "gloo", rank=0, world_size=1)
     cfg = demo.GPTMoEConfig(bf16=gpu, num_moe_experts=8, moe_router_topk=2)
-    modes = {"eager": None} if args.smoke else MODES
+    modes = {"eager": None} if args.smoke else {m: MODES[m] for m in ["eager", *args.modes] if m in MODES}
     steps = 2 if args.smoke else args.steps
     runs = {}
     for name, modules in modes.items():
