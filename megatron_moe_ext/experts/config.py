@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_moe_ext.config import check_positive_int
+from megatron_moe_ext.experts.mlp import _EXPERT_MLP_CHUNK_BYTES
 
 ACTIVATIONS = ("swiglu", "swiglu_clamped", "swiglu_oai", "quick_geglu", "relu2")
 
@@ -29,6 +30,9 @@ class ExpertsConfig:
     activation_limit: float = 7.0
     dtype: torch.dtype = torch.bfloat16
     use_torch_mm: bool = True
+    #: Above this many bytes of `[P, 2I]` intermediate the grouped MLP runs in checkpointed
+    #: row chunks (`mlp._checkpointed_chunked_expert_mlp`); 0 turns chunking off.
+    expert_mlp_chunk_bytes: int = _EXPERT_MLP_CHUNK_BYTES
 
     def __post_init__(self) -> None:
         for field in ("n_routed_experts", "n_activated_experts", "dim", "moe_inter_dim"):
@@ -39,6 +43,9 @@ class ExpertsConfig:
         if self.expert_activation not in ACTIVATIONS:
             raise ValueError(f"expert_activation={self.expert_activation!r} is invalid: "
                              f"allowed values are {ACTIVATIONS}")
+        if type(self.expert_mlp_chunk_bytes) is not int or self.expert_mlp_chunk_bytes < 0:
+            raise ValueError(f"expert_mlp_chunk_bytes={self.expert_mlp_chunk_bytes!r} is invalid: "
+                             "expected an int >= 0 (0 turns chunking off)")
         if not self.activation_limit >= 0:
             raise ValueError(f"activation_limit={self.activation_limit!r} is invalid: expected >= 0 "
                              "(0 disables clamping)")

@@ -111,7 +111,8 @@ def _host_counts(tokens_per_expert: TokenCounts) -> list[int] | None:
 def _grouped_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor, down_projs: torch.Tensor,
                  gate_up_proj_bias: torch.Tensor | None, down_proj_bias: torch.Tensor | None,
                  tokens_per_expert: TokenCounts, permuted_probs_P1: torch.Tensor,
-                 activation_fn: Activation, apply_router_weight_after_down: bool) -> torch.Tensor:
+                 activation_fn: Activation, apply_router_weight_after_down: bool,
+                 activation_checkpoint=None) -> torch.Tensor:
     """The grouped MLP in one shot (arguments as `run_grouped_expert_mlp`, unchecked).
 
     apply_router_weight_after_down: multiply by the prob after the down projection
@@ -124,7 +125,7 @@ def _grouped_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor, down_
         valid = sum(host)
         out = _grouped_mlp(hidden_PH[:valid], gate_and_up_projs, down_projs, gate_up_proj_bias,
                            down_proj_bias, host, permuted_probs_P1[:valid], activation_fn,
-                           apply_router_weight_after_down)
+                           apply_router_weight_after_down, activation_checkpoint)
         return torch.nn.functional.pad(out, (0, 0, 0, rows - valid))
     total_1 = None
     if host is not None:
@@ -148,8 +149,13 @@ def _grouped_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor, down_
     up_PI = _grouped_mm_any_width(hidden_PH, gate_and_up_projs.to(dtype), offsets_e, None)
     if gate_up_proj_bias is not None:
         up_PI = _apply_bias(up_PI, gate_up_proj_bias, counts_e)
-    act_PI = activation_fn(up_PI, act_probs_P1)
+    if activation_checkpoint is None:
+        act_PI = activation_fn(up_PI, act_probs_P1)
+    else:
+        act_PI = activation_checkpoint.checkpoint(activation_fn, up_PI, act_probs_P1)
     out_PH = _grouped_mm_any_width(act_PI, down_projs.to(dtype), offsets_e, total_1)
+    if activation_checkpoint is not None:  # act_PI is freed now, recomputed in backward
+        activation_checkpoint.discard_output_and_register_recompute(out_PH)
     if apply_router_weight_after_down:
         if down_proj_bias is not None:
             out_PH = _apply_bias(out_PH, down_proj_bias, counts_e)
@@ -241,10 +247,11 @@ def _validate(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor, down_pro
 def run_grouped_expert_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor,
                            down_projs: torch.Tensor, gate_up_proj_bias: torch.Tensor | None,
                            down_proj_bias: torch.Tensor | None, tokens_per_expert: TokenCounts,
-                           permuted_probs_P1: torch.Tensor,
-                           activation_fn: Activation) -> torch.Tensor:
+                           permuted_probs_P1: torch.Tensor, activation_fn: Activation,
+                           chunk_bytes: int | None = None,
+                           activation_checkpoint=None) -> torch.Tensor:
     """The expert MLP the modules call: single shot, or checkpointed chunks when the
-    `[P, 2I]` intermediate would exceed `_EXPERT_MLP_CHUNK_BYTES`.
+    `[P, 2I]` intermediate would exceed `chunk_bytes`.
 
     Arguments:
         hidden_PH: `[P, H]` rows grouped by expert, in the compute dtype.
@@ -257,16 +264,22 @@ def run_grouped_expert_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Ten
         permuted_probs_P1: `[P, 1]` routing probabilities (fp32).
         activation_fn: `fn(x [P, 2I or I], probs [P, 1]) -> [P, I]`, e.g. from
             `get_expert_activation`.
+        chunk_bytes: the chunking threshold (`ExpertsConfig.expert_mlp_chunk_bytes`; None:
+            `_EXPERT_MLP_CHUNK_BYTES`; 0: never chunk).
+        activation_checkpoint: single shot only, e.g. Megatron's `CheckpointWithoutOutput`:
+            its `checkpoint` runs the activation, whose output it frees once the down
+            projection has run and recomputes in backward (`moe_act` recompute).
 
     Returns:
         `[P, H]` in hidden_PH's dtype.
     """
     _validate(hidden_PH, gate_and_up_projs, down_projs, gate_up_proj_bias, down_proj_bias,
               tokens_per_expert, permuted_probs_P1)
+    chunk_bytes = _EXPERT_MLP_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     width_bytes = gate_and_up_projs.shape[-1] * hidden_PH.element_size()
-    if hidden_PH.shape[0] * width_bytes > _EXPERT_MLP_CHUNK_BYTES:
+    if chunk_bytes and hidden_PH.shape[0] * width_bytes > chunk_bytes:
         return _checkpointed_chunked_expert_mlp(
             hidden_PH, gate_and_up_projs, down_projs, gate_up_proj_bias, down_proj_bias,
-            tokens_per_expert, permuted_probs_P1, activation_fn)
-    return _grouped_mlp(hidden_PH, gate_and_up_projs, down_projs, gate_up_proj_bias,
-                        down_proj_bias, tokens_per_expert, permuted_probs_P1, activation_fn, False)
+            tokens_per_expert, permuted_probs_P1, activation_fn, chunk_bytes=chunk_bytes)
+    return _grouped_mlp(hidden_PH, gate_and_up_projs, down_projs, gate_up_proj_bias, down_proj_bias,
+                        tokens_per_expert, permuted_probs_P1, activation_fn, False, activation_checkpoint)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from megatron.core.activations import quick_gelu, squared_relu
+from megatron.core.tensor_parallel import CheckpointWithoutOutput
 from megatron.core.tensor_parallel.random import (
     get_cuda_rng_tracker,
     get_expert_parallel_rng_tracker_name,
@@ -84,6 +85,7 @@ def experts_config_from_transformer_config(config) -> ExpertsConfig:
         activation_alpha=_QUICK_GELU_ALPHA,
         activation_limit=limit,
         dtype=config.params_dtype,
+        expert_mlp_chunk_bytes=0,  # Megatron's recompute flags decide: never recompute twice
     )
 
 
@@ -143,6 +145,9 @@ class GroupedGemmExperts(MegatronModule):
         self.dp_group = pg_collection.expt_dp
         self.gated = self.experts_config.expert_activation != "relu2"
         self.activation_fn = get_expert_activation(self.experts_config)
+        # Megatron's "moe_act": the activation output is freed after fc2, recomputed in backward.
+        self.activation_recompute = (config.recompute_granularity == "selective"
+                                     and "moe_act" in config.recompute_modules)
 
         device = (torch.device("cpu") if config.use_cpu_initialization
                   else torch.cuda.current_device())
@@ -197,9 +202,12 @@ class GroupedGemmExperts(MegatronModule):
             bias is already added, weighted by the prob, so no bias is returned.
         """
         # Weights may be fp32 masters: run_grouped_expert_mlp computes in the rows' dtype.
+        # "moe_act" as Megatron's TEGroupedMLP does it (fp8=None: no TE quantization, refused above).
+        checkpoint = CheckpointWithoutOutput(fp8=None) if self.activation_recompute else None
         return run_grouped_expert_mlp(
             dispatched_input, self.gate_and_up_projs, self.down_projs, self.gate_up_proj_bias,
-            self.down_proj_bias, tokens_per_expert, permuted_probs.unsqueeze(-1), self.activation_fn), None
+            self.down_proj_bias, tokens_per_expert, permuted_probs.unsqueeze(-1), self.activation_fn,
+            self.experts_config.expert_mlp_chunk_bytes, checkpoint), None
 
     def backward_dw(self) -> None:
         """Nothing is deferred: weight gradients come with the ordinary backward

@@ -240,11 +240,41 @@ def recompute_step(disp, replay, params, x_TH, g_TH, state, mode: str) -> None:
     (y * g_TH).sum().backward()
 
 
-def megatron_layer_case(recompute_granularity: str | None, perturb: bool = False) -> dict:
-    """`FlexMoELayer` (torch backend) under Megatron's own recompute flags ("selective",
-    "full"), or under `checkpoint_moe` with a policy ("save_dispatch_outputs",
+@contextlib.contextmanager
+def _expert_mlp_probe(experts, calls: collections.Counter, act_outputs: list):
+    """Count GroupedGemmExperts' one-shot MLP runs ("mlp"), chunked-MLP entries ("chunked") and
+    activation runs ("act", outputs kept in `act_outputs`), with the package's default chunk
+    threshold lowered to 1 byte: an expert module using it would chunk."""
+    from unittest import mock
+
+    from megatron_moe_ext.experts import mlp
+
+    def counted(name, fn):
+        def wrapped(*args, **kwargs):
+            calls[name] += 1
+            out = fn(*args, **kwargs)
+            if name == "act":
+                act_outputs.append(out)
+            return out
+        return wrapped
+
+    with mock.patch.object(mlp, "_grouped_mlp", counted("mlp", mlp._grouped_mlp)), \
+            mock.patch.object(mlp, "_checkpointed_chunked_expert_mlp",
+                              counted("chunked", mlp._checkpointed_chunked_expert_mlp)), \
+            mock.patch.object(mlp, "_EXPERT_MLP_CHUNK_BYTES", 1), \
+            mock.patch.object(experts, "activation_fn", counted("act", experts.activation_fn)):
+        yield
+
+
+def megatron_layer_case(recompute_granularity: str | None, perturb: bool = False,
+                        modules: tuple[str, ...] = ("moe",), grouped_gemm: bool = False) -> dict:
+    """`FlexMoELayer` (torch backend) under Megatron's own recompute flags ("selective" of
+    `modules`, "full"), or under `checkpoint_moe` with a policy ("save_dispatch_outputs",
     "recompute_all"): gradients, the collectives issued during backward, the router's calls
-    in backward and its expert-bias token counts."""
+    in backward and its expert-bias token counts. `grouped_gemm`: the layer's experts are
+    GroupedGemmExperts (`moe_grouped_gemm`), whose MLP and activation runs are counted
+    (`expert_calls`) and whose activation outputs are checked for being freed after the
+    forward (`act_freed`)."""
     import dataclasses
 
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
@@ -257,11 +287,11 @@ def megatron_layer_case(recompute_granularity: str | None, perturb: bool = False
     try:
         ep, rank = dist.get_world_size(), dist.get_rank()
         pg = megatron_cpu.init_parallel_state(ep)
-        case = LayerCase("recompute", num_experts=8, topk=2)
+        case = LayerCase("recompute", num_experts=8, topk=2, grouped_gemm=grouped_gemm)
         config = layer_config(case, ep)
         extra = dict(moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid")
         if recompute_granularity == "selective":
-            extra.update(recompute_granularity="selective", recompute_modules=["moe"])  # moe_act needs TE grouped GEMM
+            extra.update(recompute_granularity="selective", recompute_modules=list(modules))
         elif recompute_granularity == "full":
             extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         config = dataclasses.replace(config, **extra)
@@ -276,23 +306,29 @@ def megatron_layer_case(recompute_granularity: str | None, perturb: bool = False
         x = torch.randn(case.seq, case.batch, case.hidden, generator=gen).requires_grad_()
         g = torch.randn(case.seq, case.batch, case.hidden, generator=gen)
         counter = _Counter("torch")
-        try:
-            if recompute_granularity == "full":
-                from megatron.core import tensor_parallel
+        expert_calls, act_outputs = collections.Counter(), []
+        probe = (_expert_mlp_probe(layer.experts, expert_calls, act_outputs) if grouped_gemm
+                 else contextlib.nullcontext())
+        with probe:
+            try:
+                if recompute_granularity == "full":
+                    from megatron.core import tensor_parallel
 
-                out, _ = tensor_parallel.checkpoint(layer, False, x)
-            elif recompute_granularity in recompute.POLICIES:
-                out = recompute.checkpoint_moe(lambda h: layer(h)[0], x, replays=recompute.replays_in(layer),
-                                               policy=recompute_granularity)
-            else:
-                out, _ = layer(x)
-            counter.reset()
-            if perturb:
-                layer.router.expert_bias.copy_(torch.linspace(-1.0, 1.0, case.num_experts).roll(rank + 1))
-            (out * g).sum().backward()
-            counts = (counter.layout, counter.data)
-        finally:
-            counter.restore()
+                    out, _ = tensor_parallel.checkpoint(layer, False, x)
+                elif recompute_granularity in recompute.POLICIES:
+                    out = recompute.checkpoint_moe(lambda h: layer(h)[0], x,
+                                                   replays=recompute.replays_in(layer),
+                                                   policy=recompute_granularity)
+                else:
+                    out, _ = layer(x)
+                counter.reset()
+                act_freed = [t.untyped_storage().size() == 0 for t in act_outputs]
+                if perturb:
+                    layer.router.expert_bias.copy_(torch.linspace(-1.0, 1.0, case.num_experts).roll(rank + 1))
+                (out * g).sum().backward()
+                counts = (counter.layout, counter.data)
+            finally:
+                counter.restore()
         replayed = isinstance(layer.token_dispatcher._comm_manager, recompute.RecomputeReplay)
         error = None
         try:
@@ -301,7 +337,9 @@ def megatron_layer_case(recompute_granularity: str | None, perturb: bool = False
             error = str(exc)
         grads = {n: p.grad.detach().clone() for n, p in layer.named_parameters() if p.grad is not None}
         grads["x"] = x.grad.detach().clone()
-        return dict(grads=grads, backward_counts=counts, error=error, replayed=replayed,
+        return dict(grads=grads, backward_counts=counts, error=error, replayed=replayed, out=out.detach(),
+                    expert_calls=dict(expert_calls), act_freed=act_freed,
+                    experts=type(layer.experts).__name__,
                     router_calls_in_backward=sum(router_calls_in_backward),
                     tokens_per_expert=layer.router.local_tokens_per_expert.clone())
     finally:

@@ -165,6 +165,40 @@ def test_megatron_recompute_flags_reuse_routing(dist_pools, world, granularity):
     assert all(r["error"] is not None for r in perturbed)
 
 
+# Megatron's flags -> (one-shot expert MLP runs, activation runs) per step of GroupedGemmExperts:
+# a layer recompute ("moe", "full") runs the MLP once more, "moe_act" the activation only.
+GROUPED_GEMM_RUNS = {
+    ("selective", ("moe_act",)): (1, 2),
+    ("selective", ("moe",)): (2, 2),
+    ("selective", ("moe", "moe_act")): (2, 3),
+    ("full", ()): (2, 2),
+}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("granularity,modules", list(GROUPED_GEMM_RUNS),
+                         ids=["moe_act", "moe", "moe+moe_act", "full"])
+def test_grouped_gemm_experts_under_megatron_recompute_flags(dist_pools, world, granularity, modules):
+    """`FlexMoELayer` with GroupedGemmExperts (`moe_grouped_gemm`): Megatron's flags alone decide
+    what is recomputed. "moe_act" frees the activation output after the forward and recomputes
+    it in backward; under "moe" and "full" the expert MLP runs exactly twice per step, never
+    inside the package's chunked checkpoint (whose default threshold the probe lowers to 1
+    byte). Outputs and gradients equal the run without recompute bitwise (fp32)."""
+    pool = dist_pools(world)
+    reference = pool.run(megatron_layer_case, None, grouped_gemm=True)
+    results = pool.run(megatron_layer_case, granularity, modules=modules, grouped_gemm=True)
+    mlp_runs, act_runs = GROUPED_GEMM_RUNS[granularity, modules]
+    for got, want in zip(results, reference):
+        assert got["experts"] == want["experts"] == "GroupedGemmExperts"
+        assert want["expert_calls"] == {"mlp": 1, "act": 1} and want["act_freed"] == [False]
+        assert got["expert_calls"] == {"mlp": mlp_runs, "act": act_runs}  # no "chunked" entry
+        assert got["act_freed"] == ["moe_act" in modules]
+        assert torch.equal(got["out"], want["out"])
+        assert got["grads"].keys() == want["grads"].keys()
+        for name in want["grads"]:
+            assert torch.equal(got["grads"][name], want["grads"][name]), name
+
+
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("policy", ["save_dispatch_outputs", "recompute_all"])
 def test_flex_moe_layer_under_checkpoint_moe(dist_pools, world, policy):

@@ -77,6 +77,7 @@ class ModuleCase:
     repeats: int = 1
     device: str | None = None
     seed: int = 0
+    expert_mlp_chunk_bytes: int = ExpertsConfig.expert_mlp_chunk_bytes
 
 
 def case_device(case: ModuleCase) -> torch.device:
@@ -106,7 +107,7 @@ def build_module(case: ModuleCase, **overrides):
         n_routed_experts=case.experts, n_activated_experts=case.topk, dim=case.hidden,
         moe_inter_dim=case.inter, expert_activation=case.activation, expert_bias=case.bias,
         activation_alpha=ALPHA, activation_limit=case.limit, dtype=param_dtype,
-        use_torch_mm=case.module != "grouped_loop")
+        use_torch_mm=case.module != "grouped_loop", expert_mlp_chunk_bytes=case.expert_mlp_chunk_bytes)
     if case.module in ("grouped_loop", "grouped_mm"):
         return GroupedExperts(config, **overrides)
     if case.module == "deepep":

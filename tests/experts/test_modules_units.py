@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_moe_ext.experts import GroupedExpertsDeepEP, GroupedExpertsTE, mlp, te
+from megatron_moe_ext.experts import ExpertsConfig, GroupedExpertsDeepEP, GroupedExpertsTE, mlp, te
 from megatron_moe_ext.experts.common import (
     ExpertParallel,
     local_expert_range,
@@ -157,6 +157,44 @@ def test_capacity_tail_rows_are_tolerated(monkeypatch, module_name, counts):
     want = {"y": y_ref.detach(), "grad_x": x2.grad, **{n: params[n].grad for n in stacked_grads(module)}}
     errors = {name: rel_err(got[name].cpu(), want[name], torch.float32) for name in got}
     assert all(err <= tol for err in errors.values()), errors  # NaN fails too
+
+
+@pytest.mark.parametrize("module_name", ["grouped_mm", "deepep"])
+def test_expert_mlp_chunk_bytes_sets_the_modules_chunking(monkeypatch, module_name):
+    """`ExpertsConfig.expert_mlp_chunk_bytes` is the modules' chunking threshold: set to a few
+    rows, the MLP runs in checkpointed chunks and gives the one-shot output and gradients
+    (the seed's 512 MiB default does not chunk these rows); 0 never chunks, even with the
+    module default lowered to 1 byte."""
+    entered = []
+    chunked = mlp._checkpointed_chunked_expert_mlp
+    monkeypatch.setattr(mlp, "_checkpointed_chunked_expert_mlp", lambda *args, chunk_bytes, **kwargs: (
+        entered.append(chunk_bytes) or chunked(*args, chunk_bytes=chunk_bytes, **kwargs)))
+    x, mask, w, idx, g = make_inputs(CASE, 0)
+
+    def step(**fields):
+        module = _loaded(dataclasses.replace(CASE, module=module_name, **fields))
+        x1 = x.clone().requires_grad_()
+        (module(x1, mask, w, idx) * g).sum().backward()
+        return {"grad_x": x1.grad, **stacked_grads(module)}
+
+    assert ExpertsConfig.expert_mlp_chunk_bytes == mlp._EXPERT_MLP_CHUNK_BYTES == 512 * 1024 * 1024
+    one_shot = step()
+    assert entered == []
+    three_rows = 3 * 2 * CASE.inter * 4  # of the fp32 [P, 2I] intermediate
+    for name, grad in step(expert_mlp_chunk_bytes=three_rows).items():
+        torch.testing.assert_close(grad, one_shot[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert entered == [three_rows]
+    monkeypatch.setattr(mlp, "_EXPERT_MLP_CHUNK_BYTES", 1)
+    for name, grad in step(expert_mlp_chunk_bytes=0).items():
+        assert torch.equal(grad, one_shot[name]), name
+    assert entered == [three_rows]
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, None, "512MiB"])
+def test_expert_mlp_chunk_bytes_must_be_an_int_at_least_zero(value):
+    with pytest.raises(ValueError, match=r"^expert_mlp_chunk_bytes=.* is invalid"):
+        ExpertsConfig(n_routed_experts=4, n_activated_experts=2, dim=16, moe_inter_dim=8,
+                      expert_mlp_chunk_bytes=value)
 
 
 @pytest.mark.parametrize("module_name", ["grouped_loop", "grouped_mm", "deepep", "te"])

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from megatron.core.transformer.moe.experts import SequentialMLP
 
 from tests.shims import megatron_cpu
@@ -38,6 +39,11 @@ class LayerCase:
     shared_expert_size: int | None = None
     shared_overlap: bool = False  # Megatron's shared-expert overlap (side stream; shimmed on CPU)
     recompute: bool = False
+    # Megatron's selective recompute of these modules (e.g. ("moe_act",)); `recompute` adds "moe".
+    recompute_modules: tuple[str, ...] = ()
+    # `moe_grouped_gemm` with a gated SiLU MLP: the flex layer builds GroupedGemmExperts, the
+    # native one keeps the spec's SequentialMLP (Megatron's local spec has no grouped GEMM).
+    grouped_gemm: bool = False
     capacity_factor: float | None = None
     pad_to_capacity: bool = False
     gated: bool = False
@@ -61,8 +67,11 @@ def layer_config(case: LayerCase, ep_size: int):
                      moe_shared_expert_overlap=case.shared_overlap)
     if case.topk == 1:
         extra.update(moe_router_pre_softmax=True)  # Megatron requires it for top-1
-    if case.recompute:
-        extra.update(recompute_granularity="selective", recompute_modules=["moe"])
+    if case.recompute or case.recompute_modules:
+        extra.update(recompute_granularity="selective",
+                     recompute_modules=["moe"] * case.recompute + list(case.recompute_modules))
+    if case.grouped_gemm:
+        extra.update(moe_grouped_gemm=True, activation_func=F.silu)
     if case.capacity_factor is not None:
         extra.update(moe_expert_capacity_factor=case.capacity_factor,
                      moe_token_drop_policy="probs",
@@ -71,7 +80,7 @@ def layer_config(case: LayerCase, ep_size: int):
         num_layers=1, hidden_size=case.hidden, num_attention_heads=2, ffn_hidden_size=case.ffn,
         num_moe_experts=case.num_experts, moe_router_topk=case.topk, moe_ffn_hidden_size=case.ffn,
         moe_token_dispatcher_type="alltoall", expert_model_parallel_size=ep_size,
-        gated_linear_unit=case.gated, add_bias_linear=False, use_cpu_initialization=True,
+        gated_linear_unit=case.gated or case.grouped_gemm, add_bias_linear=False, use_cpu_initialization=True,
         params_dtype=DTYPES[case.dtype], bf16=case.dtype == "bf16", fp16=False, **extra)
 
 
@@ -112,6 +121,8 @@ def run_layer_parity(case: LayerCase) -> dict:
 
     from megatron_moe_ext.config import TokenDispatcherConfig
     from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
+    from megatron_moe_ext.megatron.checkpoint import grouped_to_sequential_mlp
+    from megatron_moe_ext.megatron.experts import GroupedGemmExperts
     from megatron_moe_ext.megatron.moe_layer import FlexMoELayer
 
     if case.backend != "torch":
@@ -149,6 +160,9 @@ def run_layer_parity(case: LayerCase) -> dict:
 
         out_n, gx_n, grads_n, aux_n = _forward_backward(native, x, g)
         out_f, gx_f, grads_f, aux_f = _forward_backward(flex, x, g)
+        if isinstance(flex.experts, GroupedGemmExperts):  # compared in SequentialMLP's layout
+            stacked = {n: grads_f.pop(n) for n in list(grads_f) if n.startswith("experts.")}
+            grads_f.update(grouped_to_sequential_mlp(stacked, "experts."))
         assert grads_n.keys() == grads_f.keys(), (sorted(grads_n), sorted(grads_f))
         return dict(
             out=_rel_err(out_f, out_n),
@@ -160,6 +174,8 @@ def run_layer_parity(case: LayerCase) -> dict:
             routed_slots=case.seq * case.batch * case.topk,
             recompute=(native.moe_layer_recompute, flex.moe_layer_recompute),
             shared_overlap=(native.shared_expert_overlap, flex.shared_expert_overlap),
+            flex_experts=type(flex.experts).__name__,
+            activation_recompute=getattr(flex.experts, "activation_recompute", False),
         )
     finally:
         megatron_cpu.uninstall()

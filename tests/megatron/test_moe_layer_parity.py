@@ -21,6 +21,11 @@ CASES = [
     LayerCase("recompute_moe", recompute=True, aux_loss=True),
     LayerCase("capacity_drop", capacity_factor=0.5),
     LayerCase("bf16", dtype="bf16", aux_loss=True),
+    # Megatron's recompute flags on the flex layer's GroupedGemmExperts (native: SequentialMLP).
+    LayerCase("grouped_gemm", grouped_gemm=True),
+    LayerCase("grouped_gemm_recompute_moe_act", grouped_gemm=True, recompute_modules=("moe_act",)),
+    LayerCase("grouped_gemm_recompute_moe_and_moe_act", grouped_gemm=True, recompute=True,
+              recompute_modules=("moe_act",), aux_loss=True),
 ]
 
 # Backends whose libraries need a GPU: EP 2 (DeepEP's intranode kernels refuse EP 1), bf16
@@ -60,6 +65,9 @@ def check_parity(case: LayerCase, results: list) -> None:
             assert any(n.startswith("shared_experts.") for n in r["grads"]), where
         assert r["recompute"] == (case.recompute, case.recompute), f"{where}: {r['recompute']}"
         assert r["shared_overlap"] == (case.shared_overlap, case.shared_overlap), where
+        experts = "GroupedGemmExperts" if case.grouped_gemm else "SequentialMLP"
+        assert r["flex_experts"] == experts, where
+        assert r["activation_recompute"] == ("moe_act" in case.recompute_modules), where
 
     received = sum(sum(sum(step) for step in r["tokens_native"]) for r in results)
     routed = sum(r["routed_slots"] * (2 if case.recompute else 1) for r in results)
