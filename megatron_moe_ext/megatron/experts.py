@@ -89,6 +89,9 @@ def experts_config_from_transformer_config(config) -> ExpertsConfig:
     )
 
 
+_EXPERT_OFFLOAD_MODULES = {"expert_fc1", "moe_act", "fused_group_mlp"}
+
+
 def _check_megatron_features(config) -> None:
     """Refuse Megatron expert features this module does not implement, at construction."""
     refused = {
@@ -101,6 +104,10 @@ def _check_megatron_features(config) -> None:
         "fp4": (config.fp4, None, "use the TE experts for FP4"),
         "delay_wgrad_compute": (bool(config.delay_wgrad_compute), False,
                                 "weight gradients are computed in the ordinary backward"),
+        # Megatron's expert activation offloading hooks live inside its own expert classes.
+        "offload_modules": (sorted(set(config.offload_modules or ()) & _EXPERT_OFFLOAD_MODULES)
+                            if config.fine_grained_activation_offloading else [], [],
+                            "expert activations are not offloaded; recompute them with moe_act"),
     }
     for field, (value, allowed, why) in refused.items():
         if value != allowed:

@@ -336,15 +336,17 @@ def plain_state_dict_roundtrip() -> dict:
             "num_tensors": len(ext_state), "error": error}
 
 
-def unsupported_config_error(field: str, value) -> str | None:
-    """Build GroupedGemmExperts from a config with `field=value`; return the ValueError text."""
+def unsupported_config_error(field: str, value, **also) -> str | None:
+    """Build GroupedGemmExperts from a config with `field=value` (and the fields in `also`);
+    return the ValueError text."""
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
     from megatron_moe_ext.megatron.experts import GroupedGemmExperts
 
     init(1)
     config = _config()
-    setattr(config, field, value)
+    for name, v in {field: value, **also}.items():
+        setattr(config, name, v)
     try:
         GroupedGemmExperts(EXPERTS, config, pg_collection=get_default_pg_collection())
     except ValueError as exc:

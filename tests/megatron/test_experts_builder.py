@@ -112,12 +112,14 @@ def test_plain_state_dict_conversion_roundtrip(dist_pools):
     ("moe_apply_probs_on_input", True, "moe_apply_probs_on_input"),
     ("delay_wgrad_compute", True, "delay_wgrad_compute"),
     ("moe_latent_size", 8, "moe_latent_size"),
+    ("offload_modules", ["moe_act"], "offload_modules"),
 ])
 def test_unsupported_megatron_settings_raise_naming_the_field(dist_pools, field, value, named):
     if value == "gelu":
         import torch.nn.functional as F
         value = F.gelu
-    (message,) = dist_pools(1).run(unsupported_config_error, field, value)
+    also = {"fine_grained_activation_offloading": True} if field == "offload_modules" else {}
+    (message,) = dist_pools(1).run(unsupported_config_error, field, value, **also)
     assert message is not None and named in message, message
 
 
