@@ -13,6 +13,7 @@ import collections
 import contextlib
 import functools
 import os
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -175,7 +176,7 @@ def recompute_case(backend: str, mode: str, perturb: bool = False, dtype: str = 
                      experts=recompute_ops.wrap(_experts, "experts"))
         for name in ("token_permutation2", "token_unpermutation"):
             setattr(disp, name, recompute_ops.wrap(getattr(disp, name), "dispatcher"))
-        stack.enter_context(_env("MOE_EXT_INPUT_CHECKS", "deferred"))  # the GPU's checks
+        stack.enter_context(mock.patch.dict(os.environ, MOE_EXT_INPUT_CHECKS="deferred"))  # the GPU's checks
     counter = _Counter(backend)
     try:
         if mode == "none":
@@ -206,19 +207,6 @@ def recompute_case(backend: str, mode: str, perturb: bool = False, dtype: str = 
                 forward_counts=forward_counts, backward_counts=backward_counts,
                 pending_records=replay.num_records, error=error,
                 recompute_ops={k: dict(v) for k, v in recompute_ops.ops.items()})
-
-
-@contextlib.contextmanager
-def _env(name: str, value: str):
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name)
-        else:
-            os.environ[name] = old
 
 
 def _policy(mode: str):
