@@ -229,9 +229,8 @@ def gather_sum(rows_NH: torch.Tensor, pos_RJ: torch.Tensor) -> torch.Tensor:
     N (one past the last row) adds a zero row. `[N, H]`, `[R, J]` -> `[R, H]`.
 
     The fixed-shape counterpart of `index_put(accumulate=True)` for the capacity and budget
-    modes, where each output row's sources are known per slot: PyTorch's CUDA accumulate sorts
-    the indices with temporary buffers that a CUDA graph replay faults on (an illegal memory
-    access seen on the H200), while gathers replay safely. Positions other than N are distinct,
+    modes, where each output row's sources are known per slot: no sort and no atomics, so CUDA
+    graphs capture it and every replay gives the same bits. Positions other than N are distinct,
     so the backward (`index_add_`) never adds two values into one row and stays deterministic;
     with each row's positions ascending, the sum runs in the order of an accumulate over the
     positions, so both give the same bits. On CUDA a Triton kernel computes the same bits
