@@ -41,13 +41,14 @@ import json
 import os
 import statistics
 import sys
-import time
 import traceback
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from timing import call_ms  # noqa: E402  (bench/timing.py)
 
 SHAPES = {
     "qwen3_30b_a3b": dict(hidden=2048, experts=128, topk=8, ffn=768, tokens=8192, heads=32),
@@ -233,17 +234,7 @@ def time_layer(layer, x_SBH, grad_SBH, warmup: int, iters: int, cuda: bool) -> d
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     for _ in range(iters):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            step()
-            times.append(1e3 * (time.perf_counter() - t0))
+        times.append(call_ms(step, cuda))
         tracker.clear()  # the aux-loss tracker accumulates per step, as between training steps
     times.sort()
     result = dict(median_ms=statistics.median(times), p10_ms=times[len(times) // 10],

@@ -31,7 +31,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 
@@ -40,6 +39,8 @@ if "--smoke" in sys.argv and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from timing import call_ms  # noqa: E402  (bench/timing.py)
 
 from megatron_moe_ext.dispatcher import permute as P  # noqa: E402
 from megatron_moe_ext.dispatcher.kernels import gather_triton  # noqa: E402
@@ -55,22 +56,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 def time_ms(fn, iters: int, warmup: int, device: torch.device) -> float:
     for _ in range(warmup):
         fn()
-    samples = []
-    if device.type != "cuda":
-        for _ in range(iters):
-            start = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - start) * 1e3)
-        return statistics.median(samples)
-    torch.cuda.synchronize()
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
-    return statistics.median(samples)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return statistics.median(call_ms(fn, device.type == "cuda") for _ in range(iters))
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
