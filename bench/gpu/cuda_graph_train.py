@@ -45,9 +45,11 @@ import pretrain_gpt_moe as demo  # noqa: E402
 MODES = {"eager": None, "local_whole_layer": [], "local_moe": ["moe"]}
 
 
-def build(cfg, mode_modules):
+def build(cfg, mode_modules, dense: bool = False):
     """The demo GPT-MoE (EP 1, sync-free FlexMoELayer), with Megatron's local CUDA graphs
-    when `mode_modules` is a list."""
+    when `mode_modules` is a list; `dense`: the same GPT with Megatron's dense MLP instead
+    of MoE (a diagnosis switch: Megatron's graphs without this package's layer)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.enums import CudaGraphModule
     from megatron.core.transformer.module import Float16Module
@@ -60,8 +62,12 @@ def build(cfg, mode_modules):
         config = dataclasses.replace(config, cuda_graph_impl="local", cuda_graph_modules=[],
                                      inference_cuda_graph_scope=None)  # re-derived for "local"
         config.cuda_graph_modules = [CudaGraphModule[m] for m in mode_modules]
-    overrides = dict(moe_expert_rank_capacity_factor=1.0, moe_share_token_dispatcher=False)
-    spec = demo.layer_spec(cfg, "ext", "torch", config, overrides)
+    if dense:
+        config = dataclasses.replace(config, num_moe_experts=None, moe_ffn_hidden_size=None)
+        spec = get_gpt_layer_local_spec()
+    else:
+        overrides = dict(moe_expert_rank_capacity_factor=1.0, moe_share_token_dispatcher=False)
+        spec = demo.layer_spec(cfg, "ext", "torch", config, overrides)
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=cfg.vocab_size,
                      max_sequence_length=cfg.seq_length)
     if demo.on_gpu():
@@ -78,12 +84,12 @@ def build(cfg, mode_modules):
     return model
 
 
-def train(cfg, mode_modules, steps: int) -> dict:
+def train(cfg, mode_modules, steps: int, dense: bool = False) -> dict:
     from megatron.core.transformer.cuda_graphs import create_cudagraphs, delete_cuda_graphs
 
     from megatron_moe_ext.megatron.overflow import check_overflow
 
-    model = build(cfg, mode_modules)
+    model = build(cfg, mode_modules, dense)
     device = torch.device("cuda", torch.cuda.current_device()) if demo.on_gpu() else torch.device("cpu")
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
@@ -115,6 +121,14 @@ def train(cfg, mode_modules, steps: int) -> dict:
     return dict(losses=losses, step_time_s=times, dropped_pairs=dropped)
 
 
+def cuda_graphs_have_te() -> bool:
+    """Whether Megatron's graph code took its Transformer Engine path (weak references to graph
+    input and output buffers, TE's capture hooks): true whenever TE imports."""
+    from megatron.core.transformer import cuda_graphs
+
+    return bool(getattr(cuda_graphs, "HAVE_TE_GRAPHS", False))
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=50)
@@ -122,7 +136,17 @@ def main(argv=None) -> None:
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     p.add_argument("--torch-gathers", action="store_true",
                    help="the torch ops instead of the Triton gather kernels (a diagnosis switch)")
+    p.add_argument("--no-weakref", action="store_true",
+                   help="Megatron's make_weakref made the identity: graph input and output buffers stay "
+                        "strong references, as without TE (a diagnosis switch)")
+    p.add_argument("--dense", action="store_true",
+                   help="Megatron's dense MLP instead of MoE in every layer (a diagnosis switch)")
+    p.add_argument("--out", default=None, help="default: $OUT/cuda_graph_train_h200.json")
     args = p.parse_args(argv)
+    if args.no_weakref:
+        from megatron.core.transformer import cuda_graphs
+
+        cuda_graphs.make_weakref = lambda ten, inplace=True: ten
     if args.torch_gathers:
         from megatron_moe_ext.dispatcher import permute
 
@@ -141,7 +165,7 @@ def main(argv=None) -> None:
     runs = {}
     for name, modules in modes.items():
         try:
-            runs[name] = train(cfg, modules, steps)
+            runs[name] = train(cfg, modules, steps, args.dense)
         except Exception:  # noqa: BLE001 - report it and go on with the other modes
             runs[name] = dict(error=traceback.format_exc()[-3000:])
         print(name, json.dumps({k: v for k, v in runs[name].items() if k != "step_time_s"}), flush=True)
@@ -152,12 +176,13 @@ def main(argv=None) -> None:
             diffs = [abs(a - b) for a, b in zip(run["losses"], eager)]
             comparison[name] = dict(equal=run["losses"] == eager, max_abs_diff=max(diffs),
                                     steps=len(run["losses"]))
-    summary = dict(command=" ".join(["python"] + sys.argv),
+    have_te = cuda_graphs_have_te()
+    summary = dict(command=" ".join(["python"] + sys.argv), megatron_have_te_graphs=have_te,
                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                    device=torch.cuda.get_device_name() if gpu else "cpu", config=dataclasses.asdict(cfg),
                    runs=runs, comparison_to_eager=comparison)
-    out = os.path.join(os.environ.get("OUT", "."),
-                       "cuda_graph_train_smoke.json" if args.smoke else "cuda_graph_train_h200.json")
+    out = args.out or os.path.join(os.environ.get("OUT", "."),
+                                   "cuda_graph_train_smoke.json" if args.smoke else "cuda_graph_train_h200.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(summary, f, indent=1)

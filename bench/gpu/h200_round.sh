@@ -12,7 +12,7 @@
 #   NAME       run one task in the foreground (results in /tmp/round/out)
 #   summary    print every result JSON, compact and cut to SUMMARY_CHARS each
 #   pack       tar /tmp/round/out into $OUT/round_<date>.tgz (the tool returns at most 8 files)
-# Tasks: hybridep_real uccl_real device_checks cuda_graph_train graph_bisect graph_fault probes experts_te bias permute
+# Tasks: hybridep_real uccl_real device_checks cuda_graph_train graph_te_diag graph_bisect graph_fault probes experts_te bias permute
 #        layer_bench graphs recompute pretrain_local pretrain_te pretrain_small pretrain_det
 #        pretrain_det32 te_init_check pretrain_qwen3.
 # Transformer Engine comes from ../shared/tools/te-on-device (source /tmp/te_env.sh first); the
@@ -44,6 +44,9 @@ run_task() {
         -p no:cacheprovider -k 'device_value_checks or sm_count'; $PY -m pytest tests/experts/test_kernels.py \
         tests/experts/test_bias.py -q -rs -p no:cacheprovider" ;;
     cuda_graph_train) task cuda_graph_train 300 $PY bench/gpu/cuda_graph_train.py --steps 50 ;;
+    graph_te_diag) task graph_te_diag 420 bash -c 'for v in default no-weakref dense dense,no-weakref; do \
+        flags=$(echo ,$v | sed "s/,default//; s/,/ --/g"); '"$PY"' bench/gpu/cuda_graph_train.py --steps 20 \
+        --modes local_whole_layer $flags --out $OUT/cuda_graph_train_te_diag_${v/,/_}.json | tail -2; done' ;;
     graph_bisect) task graph_bisect 300 bash bench/gpu/graph_train_bisect.sh ;;
     graph_fault) task graph_fault 420 bash bench/gpu/graph_fault.sh ;;
     probes) task probes 200 env PROBES="${PROBES:-layer:qwen3_30b_a3b:512 layer:deepseek_v3_like:512 layer:small:32}" \

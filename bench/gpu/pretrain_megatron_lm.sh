@@ -111,7 +111,13 @@ run det32_local_ext 240 $DET_ENV $LAUNCH $PRETRAIN $COMMON_FP32 $SMALL $LOCAL $D
 if [ $HAVE_TE = 1 ]; then
   run det32_te_native 240 $DET_ENV $LAUNCH $PRETRAIN $COMMON_FP32 $SMALL $TE $DET
   run det32_te_ext 240 $DET_ENV $LAUNCH $PRETRAIN $COMMON_FP32 $SMALL $TE $DET $SPEC
-else
+fi
+# Megatron against itself: native under a setting that changes only rounding (the expert
+# MLP's SwiGLU unfused; the router in fp32), compared with det*_local_native like the ext runs.
+run det_local_native_unfused_swiglu 180 $DET_ENV $LAUNCH $PRETRAIN $COMMON $SMALL $LOCAL $DET --no-bias-swiglu-fusion
+run det_local_native_router_fp32 180 $DET_ENV $LAUNCH $PRETRAIN $COMMON $SMALL $LOCAL $DET --moe-router-dtype fp32
+run det32_local_native_unfused_swiglu 240 $DET_ENV $LAUNCH $PRETRAIN $COMMON_FP32 $SMALL $LOCAL $DET --no-bias-swiglu-fusion
+if [ $HAVE_TE = 0 ]; then
   echo "== TE mode skipped: transformer_engine.pytorch does not import (source /tmp/te_env.sh first)"
 fi
 $PY bench/gpu/pretrain_megatron_lm_parse.py "$OUT"

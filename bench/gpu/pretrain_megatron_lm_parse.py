@@ -63,17 +63,22 @@ def parse_run(log_path: str) -> dict:
 
 
 def compare(runs: dict) -> None:
-    """Add loss and speed comparisons of every `<mode>_ext*` run with `<mode>_native`."""
+    """Add loss and speed comparisons of every `<mode>_ext*` run, and of every `<mode>_native_*`
+    variant (native Megatron with a setting that changes rounding only), with `<mode>_native`."""
     for name, run in runs.items():
         mode, sep, _ = name.partition("_ext")
+        if not sep:
+            mode, sep, _ = name.partition("_native_")
         native = runs.get(mode + "_native")
         if not sep or not native or not run["lm_loss"] or not native["lm_loss"]:
             continue
         pairs = list(zip(run["lm_loss"], native["lm_loss"]))
+        rel = [abs(a - b) / abs(b) for a, b in pairs]
         run["vs_native"] = dict(
             iterations_compared=len(pairs),
-            max_rel_lm_loss_diff=max(abs(a - b) / abs(b) for a, b in pairs),
+            max_rel_lm_loss_diff=max(rel),
             identical_lm_loss=all(a == b for a, b in pairs),
+            first_iteration_over_2e_3=next((run["iteration"][i] for i, r in enumerate(rel) if r > 2e-3), None),
         )
         key = f"median_elapsed_ms_after_{WARMUP_ITERS}"
         if run[key] and native[key]:
