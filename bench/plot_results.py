@@ -1,7 +1,12 @@
-"""Bar chart of `bench/moe_layer_bench.py`'s JSON: one panel per shape and routing, one bar
-per variant (median forward + backward ms; the package's layers in one colour).
+"""Bar charts of the layer benchmarks' JSON, written as a .png beside it.
 
-    python bench/plot_results.py bench/results/moe_layer_h200.json   # writes the .png beside it
+- `bench/moe_layer_bench.py`: one panel per shape and routing, one bar per variant (median
+  forward + backward ms; the package's layers in one colour).
+- `bench/moe_layer_graphs.py`: one panel per shape, per tokens-per-expert the eager and graphed
+  step times, the graphed step's kernel time (the floor a graph cannot go below) and, where
+  measured (`host_time_run`), the eager step's host time.
+
+    python bench/plot_results.py bench/results/moe_layer_h200.json bench/results/moe_layer_graphs_h200.json
 """
 
 from __future__ import annotations
@@ -42,6 +47,44 @@ def plot_moe_layer(json_path: str) -> str:
     return out
 
 
+def plot_moe_layer_graphs(json_path: str) -> str:
+    """Write `<json_path without .json>.png` and return its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(json_path) as f:
+        data = json.load(f)
+    host = {(c["shape"], c["tokens_per_expert"]): c["eager_host_ms"]
+            for c in data.get("host_time_run", {}).get("cases", []) if "eager_host_ms" in c}
+    shapes = list(dict.fromkeys(c["shape"] for c in data["cases"] if "eager_ms" in c))
+    series = (("eager", "tab:gray"), ("graphed", "tab:green"), ("graphed kernels", "tab:olive"),
+              ("eager host", "tab:blue"))
+    fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4.5), squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        cases = [c for c in data["cases"] if c["shape"] == shape and "graphed_ms" in c]
+        for i, (label, colour) in enumerate(series):
+            values = [{"eager": c["eager_ms"], "graphed": c["graphed_ms"], "graphed kernels": c["graphed_kernel_ms"],
+                       "eager host": host.get((shape, c["tokens_per_expert"]), 0.0)}[label] for c in cases]
+            bars = ax.bar([j + 0.2 * i for j in range(len(cases))], values, width=0.2, color=colour, label=label)
+            ax.bar_label(bars, fmt="%.1f", fontsize=6, padding=1)
+        ax.set_xticks([j + 0.3 for j in range(len(cases))], [str(c["tokens_per_expert"]) for c in cases])
+        ax.set_xlabel("tokens per expert")
+        ax.set_ylabel("ms per forward+backward step")
+        ax.set_title(shape, fontsize=10)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"FlexMoELayer eager vs CUDA-graphed, {data.get('device', '?')}, bf16, EP1 "
+                 "(eager host: 0 where not measured)", fontsize=10)
+    fig.tight_layout()
+    out = json_path[:-5] + ".png" if json_path.endswith(".json") else json_path + ".png"
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
 if __name__ == "__main__":
     for path in sys.argv[1:]:
-        print("wrote", plot_moe_layer(path))
+        with open(path) as f:
+            graphs = "cases" in json.load(f)
+        print("wrote", (plot_moe_layer_graphs if graphs else plot_moe_layer)(path))

@@ -181,8 +181,12 @@ def test_expert_mlp_chunk_bytes_sets_the_modules_chunking(monkeypatch, module_na
     one_shot = step()
     assert entered == []
     three_rows = 3 * 2 * CASE.inter * 4  # of the fp32 [P, 2I] intermediate
-    for name, grad in step(expert_mlp_chunk_bytes=three_rows).items():
-        torch.testing.assert_close(grad, one_shot[name], rtol=1e-5, atol=1e-6, msg=name)
+    # Scale-relative, as the dense-reference tests measure: chunking reorders each weight
+    # gradient's fp32 sum, and an entry that cancels to near 0 cannot meet a tolerance
+    # relative to itself (the GPU machine's CPU BLAS showed it).
+    errors = {name: rel_err(grad, one_shot[name], torch.float32)
+              for name, grad in step(expert_mlp_chunk_bytes=three_rows).items()}
+    assert all(err <= 1e-5 for err in errors.values()), errors
     assert entered == [three_rows]
     monkeypatch.setattr(mlp, "_EXPERT_MLP_CHUNK_BYTES", 1)
     for name, grad in step(expert_mlp_chunk_bytes=0).items():
