@@ -176,8 +176,7 @@ def main(argv=None) -> None:
             diffs = [abs(a - b) for a, b in zip(run["losses"], eager)]
             comparison[name] = dict(equal=run["losses"] == eager, max_abs_diff=max(diffs),
                                     steps=len(run["losses"]))
-    have_te = cuda_graphs_have_te()
-    summary = dict(command=" ".join(["python"] + sys.argv), megatron_have_te_graphs=have_te,
+    summary = dict(command=" ".join(["python"] + sys.argv), megatron_have_te_graphs=cuda_graphs_have_te(),
                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                    device=torch.cuda.get_device_name() if gpu else "cpu", config=dataclasses.asdict(cfg),
                    runs=runs, comparison_to_eager=comparison)
