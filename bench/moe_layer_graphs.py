@@ -17,7 +17,8 @@ pairs, so the budget is exact and never overflows):
   `torch.cuda.set_sync_debug_mode("error")` (any host sync raises), and the overflow read
   (`check_overflow`, the one host read per step) outside it;
 - expert MLP forward: the graphed `GroupedGemmExperts` vs the two `torch._grouped_mm` calls
-  alone vs the same-rows dense bf16 matmuls (`[P, H] @ [H, 2I]`, `[P, I] @ [I, H]`), TFLOP/s.
+  alone vs the same-rows dense bf16 matmuls (`[P, H] @ [H, 2I]`, `[P, I] @ [I, H]`), TFLOP/s,
+  each captured in a CUDA graph, median of 5 interleaved rounds of `--iters` replays.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import datetime
 import json
 import os
 import socket
+import statistics
 import sys
 import time
 
@@ -281,20 +283,24 @@ def expert_mlp_case(layer, rows: int, shape: dict, iters: int, device, dtype) ->
         x_PH @ d1
         return h_PI @ d2
 
-    out = {}
+    # All three captured, so that host time is out of every number alike, and timed in
+    # interleaved rounds (median), so that clock drift does not favour one of them.
+    graphs = {}
     for name, fn in (("graphed_expert_mlp", mlp), ("grouped_mm_alone", grouped), ("dense_matmul", dense)):
         for _ in range(3):
             fn()
         torch.cuda.synchronize()
-        if name == "graphed_expert_mlp":
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fn()
-            call = graph.replay
-        else:
-            call = fn
-        ms = time_steps(call, (), iters, True)
-        out[name] = dict(ms=ms, tflops=flops / ms / 1e9)
+        graphs[name] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[name]):
+            fn()
+    times = {name: [] for name in graphs}
+    for _ in range(5):
+        for name, graph in graphs.items():
+            times[name].append(time_steps(graph.replay, (), iters, True))
+    out = {}
+    for name, ms_list in times.items():
+        ms = statistics.median(ms_list)
+        out[name] = dict(ms=ms, tflops=flops / ms / 1e9, rounds_ms=ms_list)
     out["mlp_vs_grouped_mm"] = out["graphed_expert_mlp"]["tflops"] / out["grouped_mm_alone"]["tflops"]
     out["mlp_vs_dense"] = out["graphed_expert_mlp"]["tflops"] / out["dense_matmul"]["tflops"]
     out["grouped_mm_vs_dense"] = out["grouped_mm_alone"]["tflops"] / out["dense_matmul"]["tflops"]
