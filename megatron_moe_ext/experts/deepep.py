@@ -157,17 +157,12 @@ class GroupedExpertsDeepEP(StackedExperts):
         buffer), else ()."""
         return self.token_dispatch.pipeline_runtime_initializers()
 
-    def _dispatch_tokens(self, x, token_mask, weights, indices):
-        """Dispatch valid tokens; returns `(rows [P, H], tokens_per_expert [e], probs [P])`
-        with empty probs given the activation dtype (see `_stabilize_empty_routing_probs_dtype`)."""
-        return self.token_dispatch.dispatch(x, token_mask, weights, indices)
-
     def forward(self, x: torch.Tensor, token_mask: torch.Tensor, weights: torch.Tensor,
                 indices: torch.Tensor) -> torch.Tensor:
         """Apply the routed experts (flex dispatch -> grouped-GEMM MLP -> combine); arguments and result as
         `GroupedExperts.forward`: `x [T, H]`, `token_mask [T]`, `weights`/`indices [T, K]` -> `[T, H]`."""
         check_expert_inputs(self.config, x, token_mask, weights, indices)
-        rows_PH, tokens_per_expert, probs_P = self._dispatch_tokens(x, token_mask, weights, indices)
+        rows_PH, tokens_per_expert, probs_P = self.token_dispatch.dispatch(x, token_mask, weights, indices)
         out_PH = run_grouped_expert_mlp(
             rows_PH, self.gate_and_up_projs, self.down_projs, self.gate_up_proj_bias, self.down_proj_bias,
             tokens_per_expert, probs_P.reshape(-1, 1), self.expert_activation, self.config.expert_mlp_chunk_bytes)
