@@ -1,0 +1,49 @@
+"""What a dispatcher hands experts that gather their own rows.
+
+The permuting hand-off copies every received row once per local expert it is routed to
+(`[P, H]` permuted rows). Experts that fuse the gather into their up projection (the fused
+expert path, `experts/fused.py`) take the received rows as they arrived plus the index maps
+instead, so that copy is never made: `IndexedRows`.
+
+The experts still return `[P, H]` outputs in permuted order (prob applied, as always); the
+dispatcher's combine sums each received row's outputs back with `slot_of_row_RJ` (a
+gather-and-sum, no atomics).
+
+Legend: R received rows, H hidden, P permuted rows (positions), J slots per received row
+(the top-k width the backend delivers), e local experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+
+TokenCounts = Union[torch.Tensor, list]
+
+
+@dataclass(frozen=True)
+class IndexedRows:
+    """Received rows plus the maps that say which row each permuted position reads.
+
+    rows_RH: [R, H] the rows the backend delivered, in its order (not permuted).
+    row_of_slot_P: int32 [P], the received row that permuted position p reads. Positions
+        grouped contiguously by local expert, `tokens_per_expert` of them each; positions past
+        `sum(tokens_per_expert)` (fixed-shape padding) read row 0 and carry prob 0.
+    slot_of_row_RJ: int64 [R, J], the permuted positions of each received row's slots, -1
+        where a slot goes to no local expert: the combine's gather-and-sum map, and the map of
+        the gather's backward (the gradient of a row is the sum over its positions).
+    tokens_per_expert: [e] counts, a host list, CPU tensor or device tensor.
+    probs_P: fp32 [P] routing prob of each position (0 on padding).
+    """
+
+    rows_RH: torch.Tensor
+    row_of_slot_P: torch.Tensor
+    slot_of_row_RJ: torch.Tensor
+    tokens_per_expert: TokenCounts
+    probs_P: torch.Tensor
+
+    @property
+    def num_permuted(self) -> int:
+        return self.row_of_slot_P.shape[0]
