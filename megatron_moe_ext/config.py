@@ -17,16 +17,11 @@ from typing import Any, Literal
 
 import torch
 
-BACKENDS = ("deepep", "hybridep", "uccl_ep", "torch")
+from megatron_moe_ext.dispatcher import registry
+
+BACKENDS = tuple(registry.BACKENDS)
 ROUTER_DTYPES = ("fp32", "fp64", None)
 OVERFLOW_POLICIES = ("error", "drop")
-# Backends with a sync-free (per-rank budget) mode; see dispatcher/budget.py.
-_BUDGET_MODE_BACKENDS = ("torch", "deepep")
-
-# Backends whose manager understands HybridEP-style capacity mode.
-_CAPACITY_MODE_BACKENDS = ("hybridep", "torch")
-# Backends that run DeepEP's Buffer kernels (moe_deepep_num_sms).
-_DEEPEP_KERNEL_BACKENDS = ("deepep", "uccl_ep")
 # Upper bound of an SM count where no GPU can be asked (the largest GPUs have ~150).
 _MAX_SMS_WITHOUT_CUDA = 1024
 
@@ -145,51 +140,49 @@ class TokenDispatcherConfig:
             _fail("moe_router_dtype", self.moe_router_dtype, f"allowed values are {ROUTER_DTYPES}")
 
         # Combinations.
-        if backend == "deepep" and not self.moe_enable_deepep:
-            _fail("moe_enable_deepep", False, "backend 'deepep' needs moe_enable_deepep=True; "
+        row = registry.BACKENDS[backend]
+        if row.requires is not None and not getattr(self, row.requires):
+            _fail(row.requires, False, f"backend {backend!r} needs {row.requires}=True; "
                   "choose moe_flex_dispatcher_backend='torch' to run without DeepEP")
-        if self.moe_hybridep_capacity_factor is not None and backend not in _CAPACITY_MODE_BACKENDS:
+        if self.moe_hybridep_capacity_factor is not None and "capacity" not in row.modes:
             _fail("moe_hybridep_capacity_factor", self.moe_hybridep_capacity_factor,
-                  f"capacity mode needs moe_flex_dispatcher_backend in {_CAPACITY_MODE_BACKENDS}, "
-                  f"got {backend!r}")
+                  f"capacity mode needs moe_flex_dispatcher_backend in "
+                  f"{registry.backends_running('capacity')}, got {backend!r}")
         if self.moe_hybridep_capacity_factor is not None and self.moe_expert_capacity_factor is not None:
             _fail("moe_expert_capacity_factor", self.moe_expert_capacity_factor,
                   "token dropping cannot be combined with moe_hybridep_capacity_factor "
                   "(capacity mode never drops: it raises on overflow); set one of them to None")
         if self.moe_expert_rank_capacity_factor is not None:
-            if backend not in _BUDGET_MODE_BACKENDS:
+            if "budget" not in row.modes:
                 _fail("moe_expert_rank_capacity_factor", self.moe_expert_rank_capacity_factor,
-                      f"the sync-free budget mode exists for backends {_BUDGET_MODE_BACKENDS}, "
-                      f"backend is {backend!r}")
+                      f"the sync-free budget mode exists for backends "
+                      f"{registry.backends_running('budget')}, backend is {backend!r}")
             for other in ("moe_expert_capacity_factor", "moe_hybridep_capacity_factor"):
                 if getattr(self, other) is not None:
                     _fail(other, getattr(self, other), "cannot be combined with "
                           "moe_expert_rank_capacity_factor (the sync-free budget mode); set it to None")
-        self._check_backend_options(backend)
+        self._check_backend_options(backend, row)
         if self.moe_benchmark_static_routing and self.moe_expert_capacity_factor is not None:
             _fail("moe_benchmark_static_routing", True,
                   "static routing pins a fixed token count, which token dropping "
                   "(moe_expert_capacity_factor) changes from step to step; set it to None")
-        if self.moe_deepep_async_dispatch and backend not in ("deepep", "uccl_ep"):
-            _fail("moe_deepep_async_dispatch", True,
-                  f"async dispatch exists for 'deepep' and 'uccl_ep' only, backend is {backend!r}")
+        if self.moe_deepep_async_dispatch and not row.async_dispatch:
+            _fail("moe_deepep_async_dispatch", True, f"async dispatch exists for "
+                  f"{registry.backends_with(async_dispatch=True)} only, backend is {backend!r}")
 
-    def _check_backend_options(self, backend: str) -> None:
+    def _check_backend_options(self, backend: str, row: registry.BackendRow) -> None:
         """Options that mean nothing on `backend` are refused rather than ignored."""
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        hybridep_only = ("moe_hybridep_compact_routing", "moe_hybridep_equal_token_counts",
-                         "moe_hybridep_permute_fusion", "moe_permute_fusion", "moe_hybridep_num_sms",
-                         "moe_hybridep_num_sms_preprocessing", "moe_hybridep_num_blocks_permute",
-                         "moe_hybridep_num_blocks_unpermute")
-        if backend != "hybridep":
-            for field in hybridep_only:
-                if getattr(self, field) != defaults[field]:
+        for other, other_row in registry.BACKENDS.items():
+            for field in other_row.options:
+                if field not in row.options and getattr(self, field) != defaults[field]:
                     _fail(field, getattr(self, field),
-                          f"only the 'hybridep' backend has this option, backend is {backend!r}")
-        if backend not in _DEEPEP_KERNEL_BACKENDS and self.moe_deepep_num_sms != defaults["moe_deepep_num_sms"]:
-            _fail("moe_deepep_num_sms", self.moe_deepep_num_sms,
-                  f"only the {_DEEPEP_KERNEL_BACKENDS} backends use it, backend is {backend!r}"
-                  + ("; use moe_hybridep_num_sms" if backend == "hybridep" else ""))
+                          f"only the {other!r} backend has this option, backend is {backend!r}")
+        field = "moe_deepep_num_sms"
+        if row.sms_field != field and self.moe_deepep_num_sms != defaults[field]:
+            _fail(field, self.moe_deepep_num_sms,
+                  f"only the {registry.backends_with(sms_field=field)} backends use it, backend is "
+                  f"{backend!r}" + (f"; use {row.sms_field}" if row.sms_field else ""))
 
     def validate_for_group(self, ep_size: int) -> None:
         """Checks that need the expert-parallel group size."""
@@ -210,9 +203,10 @@ class TokenDispatcherConfig:
         """
         flex = getattr(config, "moe_token_dispatcher_type", "alltoall") == "flex"
         backend = getattr(config, "moe_flex_dispatcher_backend", "deepep") if flex else "torch"
-        if backend == "ncclep":
+        if backend not in BACKENDS:
             _fail("moe_flex_dispatcher_backend", backend,
-                  f"megatron_moe_ext supports {BACKENDS}; Megatron's 'ncclep' is not wrapped")
+                  f"megatron_moe_ext supports {BACKENDS}; Megatron's {backend!r} is not wrapped")
+        row = registry.BACKENDS[backend]
         _refuse_unhonoured_megatron_settings(config, backend)
         pad_multiple = None
         if getattr(config, "moe_router_padding_for_quantization", False):
@@ -230,17 +224,15 @@ class TokenDispatcherConfig:
             moe_expert_rank_capacity_factor=getattr(config, "moe_expert_rank_capacity_factor", None),
         )
         num_sms = getattr(config, "moe_flex_dispatcher_num_sms", None)
-        if num_sms is not None and backend != "torch":
-            sms_field = "moe_hybridep_num_sms" if backend == "hybridep" else "moe_deepep_num_sms"
-            check_sm_count("moe_flex_dispatcher_num_sms", num_sms, even=sms_field == "moe_deepep_num_sms")
-            values[sms_field] = num_sms
+        if num_sms is not None and row.sms_field is not None:
+            check_sm_count("moe_flex_dispatcher_num_sms", num_sms, even=row.sms_field == "moe_deepep_num_sms")
+            values[row.sms_field] = num_sms
         for field in ("moe_hybridep_num_blocks_permute", "moe_hybridep_num_blocks_unpermute"):
             values[field] = getattr(config, field, None)
-        if backend == "hybridep":
-            values["moe_hybridep_num_sms_preprocessing"] = getattr(
-                config, "moe_hybridep_num_sms_preprocessing", None)
-            values["moe_hybridep_permute_fusion"] = bool(
-                getattr(config, "moe_permute_fusion_into_hybridep", False))
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        for megatron_field, field in row.megatron_fields:
+            value = getattr(config, megatron_field, None)
+            values[field] = defaults[field] if value is None else value
         values.update(overrides)
         return cls(**values)
 
@@ -258,8 +250,6 @@ _UNHONOURED_MEGATRON_SETTINGS = {
     "moe_pad_experts_for_cuda_graph_inference": (
         False, "padded inference experts for CUDA graphs are not implemented"),
 }
-# Backends on which Megatron's `moe_permute_fusion` selects a fused kernel of this package.
-_PERMUTE_FUSION_BACKENDS = ("hybridep",)
 
 
 def _refuse_unhonoured_megatron_settings(config: Any, backend: str) -> None:
@@ -268,10 +258,12 @@ def _refuse_unhonoured_megatron_settings(config: Any, backend: str) -> None:
         value = getattr(config, field, off)
         if value != off:
             _fail(field, value, f"not supported by megatron_moe_ext's MoE layer ({why}); set it to {off!r}")
-    if getattr(config, "moe_permute_fusion", False) and backend not in _PERMUTE_FUSION_BACKENDS:
+    row = registry.BACKENDS[backend]
+    if getattr(config, "moe_permute_fusion", False) and not row.permute_fusion:
         _fail("moe_permute_fusion", True,
-              f"the {backend!r} backend has no fused permutation kernel, "
-              f"so the flag would be ignored; drop --moe-permute-fusion (fused on: {_PERMUTE_FUSION_BACKENDS})")
-    if getattr(config, "moe_permute_fusion_into_hybridep", False) and backend != "hybridep":
-        _fail("moe_permute_fusion_into_hybridep", True,
-              f"only the 'hybridep' backend fuses the permutation into dispatch, backend is {backend!r}")
+              f"the {backend!r} backend has no fused permutation kernel, so the flag would be "
+              f"ignored; drop --moe-permute-fusion (fused on: {registry.backends_with(permute_fusion=True)})")
+    field = "moe_permute_fusion_into_hybridep"
+    if getattr(config, field, False) and field not in dict(row.megatron_fields):
+        _fail(field, True, f"only the 'hybridep' backend fuses the permutation into dispatch, "
+              f"backend is {backend!r}")

@@ -63,7 +63,6 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selecti
                                     noop_context_fn)
 
 from megatron_moe_ext.dispatcher import permute as P
-from megatron_moe_ext.dispatcher.backends import torch_a2a
 from megatron_moe_ext.dispatcher.flex import _in_backward
 
 
@@ -147,15 +146,11 @@ class _DispatchRecord:
 
 def _cached_dispatch_of(manager) -> Callable | None:
     """The backend's layout-reusing dispatch for a `_DeepepManager`, else None."""
-    from megatron_moe_ext.dispatcher.backends.deepep import DeepEPCommunicator
     from megatron_moe_ext.dispatcher.deepep_manager import _DeepepManager
 
     if type(manager) is not _DeepepManager:  # capacity mode and HybridEP keep their own state
         return None
-    comm = manager.comm
-    if comm is torch_a2a:
-        return torch_a2a.dispatch_cached
-    return comm.dispatch_cached if isinstance(comm, DeepEPCommunicator) else None
+    return manager.comm.dispatch_cached
 
 
 class RecomputeReplay:
@@ -482,7 +477,7 @@ def checkpoint_moe(fn: Callable, *args, replays: Iterable[RecomputeReplay],
     for replay in replays:
         # DeepEP's first dispatch (layout + rows in one library call) and its cached replay
         # build different autograd graphs, which non-reentrant checkpointing refuses.
-        if replay._cached_dispatch is not torch_a2a.dispatch_cached:
+        if not replay.manager.comm.replays_in_one_graph:
             raise ValueError("moe_flex_dispatcher_backend: selective-checkpoint policies support the "
                              "'torch' backend; recompute DeepEP/UCCL-EP layers with Megatron's "
                              "recompute flags (reentrant), which replay their dispatch handle")

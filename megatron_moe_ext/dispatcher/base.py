@@ -10,12 +10,63 @@ is released after combine. Only the backend's buffer is shared (`buffers.py`).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Protocol
 
 import torch
 
 
+class Communicator(Protocol):
+    """A backend's communication with DeepEP's dispatch/combine contract (`backends/`).
+
+    `dispatch(x_TH, indices_TK, probs_TK, num_experts, group, async_finish,
+    allocate_on_comm_stream, **backend_kwargs)` -> `(recv_x_RH, recv_indices_RK, recv_probs_RK,
+    counts, handle)`, where `counts` is always a host list of `e` ints (empty where the
+    backend's sync-free path returns none); `dispatch_cached(x_TH, probs_TK, handle,
+    recv_indices_RK, recv_probs_RK, counts, group, async_finish, allocate_on_comm_stream)`
+    repeats one along its handle (recompute); `combine(x_RH, group, handle, async_finish,
+    allocate_on_comm_stream)` -> `([T, H], None)`.
+    """
+
+    name: str
+    #: `dispatch_cached` builds the autograd graph `dispatch` built (non-reentrant recompute).
+    replays_in_one_graph: bool
+
+    def dispatch(self, *args, **kwargs): ...
+
+    def dispatch_cached(self, *args, **kwargs): ...
+
+    def combine(self, *args, **kwargs): ...
+
+    def check_group(self, group) -> None:
+        """Refuse a group the backend cannot serve (ValueError), at construction."""
+
+    def allocate_buffer(self, group, hidden: int, dtype: torch.dtype) -> None:
+        """Allocate the communication buffer now (outside any recompute)."""
+
+    def announce_input_error(self, group) -> None:
+        """Tell the peers, already in this step's first collective, that this rank rejected its
+        input (the error-flag seat of the backend table, `registry.BackendRow.error_flag`)."""
+
+
 class _DispatchManager(ABC):
     """A manager class to handle dispatch and combine processes for MoE models."""
+
+    #: A graphable top-k -> backend metadata converter (HybridEP's), else None.
+    metadata_processor = None
+    #: Fixed-shape modes: permuted rows per dispatch (None: dropless, sized by the counts).
+    capacity: int | None = None
+
+    def allocate_buffers(self, hidden_size: int, dtype: torch.dtype) -> None:
+        """Allocate the backend's buffer now (experts call it at setup, before any activation
+        checkpoint, so no collective allocation happens inside a recompute)."""
+
+    def pipeline_runtime_initializer(self, hidden_dim: int, dtype: torch.dtype):
+        """What to run before a pipeline step (HybridEP's buffer), else None."""
+        return None
+
+    def announce_input_error(self) -> None:
+        """This rank rejected its input before dispatching: tell the peers waiting in this
+        step's first collective (see `Communicator.announce_input_error`)."""
 
     @abstractmethod
     def setup_metadata(self, num_local_tokens: int, probs: torch.Tensor, routing_map=None):

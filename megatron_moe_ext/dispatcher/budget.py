@@ -107,3 +107,10 @@ class _DeepepBudgetManager(_BudgetManager):
     def combine(self, hidden_states, async_finish=False, allocate_on_comm_stream=False):
         # DeepEP's combine reads only the rows the layout says were received.
         return _DeepepManager.combine(self, hidden_states, async_finish, allocate_on_comm_stream)
+
+
+def budget_manager(rank_capacity_factor: float, comm, **kwargs) -> _BudgetManager:
+    """The budget-mode manager over `comm`: static splits for the torch backend, DeepEP's
+    worst-case receive size for the DeepEP contract."""
+    cls = _TorchBudgetManager if comm.name == "torch" else _DeepepBudgetManager
+    return cls(rank_capacity_factor, comm=comm, **kwargs)

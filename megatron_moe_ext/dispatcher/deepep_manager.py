@@ -18,8 +18,8 @@ class _DeepepManager(_DispatchManager):
     """Fused all-to-all dispatch/combine with DeepEP's contract, for one layer.
 
     Arguments:
-        comm: the backend: `dispatch` / `combine` with DeepEP's contract (`backends.torch_a2a`,
-            or a `DeepEPCommunicator`, which also has `allocate_buffer`).
+        comm: the backend, a `base.Communicator` (`torch_a2a.COMMUNICATOR`, or a
+            `DeepEPCommunicator`).
         group: the TPxEP communication group.
         router_topk: K (times the expert-TP size when TP > 1).
         capacity_factor: Megatron's `moe_expert_capacity_factor`; slots over an expert's
@@ -79,11 +79,11 @@ class _DeepepManager(_DispatchManager):
         return self._counts_list if self._counts_list is not None else self._tokens_per_expert.tolist()
 
     def allocate_buffers(self, hidden_size: int, dtype: torch.dtype) -> None:
-        """Allocate the backend's buffer now (experts call it at setup, before any activation
-        checkpoint, so no collective allocation happens inside a recompute)."""
-        allocate = getattr(self.comm, "allocate_buffer", None)
-        if allocate is not None:
-            allocate(self.group, hidden_size, dtype)
+        self.comm.allocate_buffer(self.group, hidden_size, dtype)
+
+    def announce_input_error(self) -> None:
+        if self.capacity is None:  # the fixed-shape modes' first collective carries no flag yet
+            self.comm.announce_input_error(self.group)
 
     # ---- metadata ---------------------------------------------------------------------
     def setup_metadata(self, num_local_tokens: int, probs: torch.Tensor, routing_map=None):

@@ -34,7 +34,6 @@ from megatron.core.utils import get_pg_rank
 
 from megatron_moe_ext.config import TokenDispatcherConfig
 from megatron_moe_ext.dispatcher import buffers, checks
-from megatron_moe_ext.dispatcher.backends import torch_a2a
 from megatron_moe_ext.dispatcher.registry import build_manager
 
 
@@ -123,7 +122,7 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         self.topk = dispatcher_config.moe_router_topk
         self._comm_manager = build_manager(dispatcher_config, self.tp_ep_group, num_local_experts, self.tp_size)
         #: HybridEP's top-k -> dense/compact metadata converter (a graphable nn.Module), else None.
-        self.hybridep_metadata_processor = getattr(self._comm_manager, "metadata_processor", None)
+        self.hybridep_metadata_processor = self._comm_manager.metadata_processor
         self._inflight: _InFlight | None = None
 
     @staticmethod
@@ -132,6 +131,11 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         every rank before destroying the process group). Layers stay usable: a later
         dispatch allocates again."""
         buffers.release_all()
+
+    def allocate_buffers(self, hidden_size: int, dtype: torch.dtype) -> None:
+        """Allocate the backend's buffer for `[*, hidden_size]` rows of `dtype` now (before any
+        activation checkpoint, so no collective allocation happens inside a recompute)."""
+        self._comm_manager.allocate_buffers(hidden_size, dtype)
 
     # ---- the dispatch in flight -------------------------------------------------------
     def _check_idle(self) -> None:
@@ -186,14 +190,12 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
 
     @contextlib.contextmanager
     def _peers_see_input_errors(self):
-        """A rank that rejects its input tells the peers already waiting in the torch
-        backend's counts all-to-all, so they raise instead of waiting for it."""
+        """A rank that rejects its input tells the peers already waiting in its backend's
+        first collective (where that carries an error flag), so they raise instead of waiting."""
         try:
             yield
         except ValueError:
-            dropless = getattr(self._comm_manager, "capacity", None) is None
-            if self.dispatcher_config.moe_flex_dispatcher_backend == "torch" and dropless:
-                torch_a2a.announce_input_error(self.tp_ep_group)
+            self._comm_manager.announce_input_error()
             raise
 
     def check_input_errors(self) -> None:
@@ -367,5 +369,5 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
 
     def get_pipeline_runtime_initializers(self, hidden_dim: int, dtype: torch.dtype) -> tuple:
         """Initializers to run before a pipeline step (HybridEP's buffer), else ()."""
-        make = getattr(self._comm_manager, "pipeline_runtime_initializer", None)
-        return () if make is None else (make(hidden_dim, dtype),)
+        initializer = self._comm_manager.pipeline_runtime_initializer(hidden_dim, dtype)
+        return () if initializer is None else (initializer,)

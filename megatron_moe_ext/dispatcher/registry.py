@@ -1,23 +1,83 @@
-"""Backend registry: one builder per backend, each importing its library only when chosen.
+"""The backend table: one row per backend, its builder and what it can do.
 
-A builder returns the manager of one layer; the communication buffer behind it comes from
-the shared-buffer registry (`dispatcher/buffers.py`). A backend that is not installed
-raises ImportError here, at construction, naming the package and how to get it. Nothing
-ever falls back silently to another backend. A new backend adds a builder here and a
-communicator in `backends/` (see docs/DESIGN.md).
+Everything the package knows about a backend by name is in its row here: the config's
+checks (`config.py`), the CUDA-graph settings (`megatron/graphs.py`) and the dispatcher
+(`flex.py`) read the row, and no other module tests a backend's name. A builder returns the
+manager of one layer; the communication buffer behind it comes from the shared-buffer
+registry (`dispatcher/buffers.py`). A backend that is not installed raises ImportError in its
+builder, at construction, naming the package and how to get it; nothing falls back silently
+to another backend. A new backend is a row here and a communicator in `backends/` (see
+docs/DESIGN.md, "Where a new backend goes").
+
+The modes (`mode_of`): "dropless" (sizes follow the routing, read on the host), "capacity"
+(`moe_hybridep_capacity_factor`: a calibrated fixed size, overflow raises) and "budget"
+(`moe_expert_rank_capacity_factor`: a size from the token count alone, overflow counted).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
-from megatron_moe_ext.config import TokenDispatcherConfig
 from megatron_moe_ext.dispatcher.base import _DispatchManager
 
-ManagerBuilder = Callable[[TokenDispatcherConfig, object, int, int], _DispatchManager]
+if TYPE_CHECKING:
+    from megatron_moe_ext.config import TokenDispatcherConfig
+
+MODES = ("dropless", "capacity", "budget")
+ManagerBuilder = Callable[["TokenDispatcherConfig", object, int, int], _DispatchManager]
 
 
-def _deepep_style_kwargs(cfg: TokenDispatcherConfig, group, num_local_experts: int, tp_size: int):
+def mode_of(cfg: "TokenDispatcherConfig") -> str:
+    """The dispatch mode `cfg` asks for (the config refuses both factors at once)."""
+    if cfg.moe_expert_rank_capacity_factor is not None:
+        return "budget"
+    if cfg.moe_hybridep_capacity_factor is not None:
+        return "capacity"
+    return "dropless"
+
+
+@dataclass(frozen=True)
+class BackendRow:
+    """What one backend is and can do.
+
+    build: `(cfg, group, num_local_experts, tp_size)` -> the layer's manager.
+    modes: the `MODES` it runs.
+    graph_capture: its budget mode runs inside a CUDA graph of the whole MoE layer.
+    static_routing: it honours `moe_benchmark_static_routing`.
+    indexed_rows: it can hand experts `IndexedRows` (received rows plus maps) instead of
+        permuted rows; a backend that permutes inside its communication cannot.
+    error_flag: the collective that carries a rank's error flag to its peers each step (so
+        every rank raises together), or None where none does yet.
+    sms_field: the config field of its kernels' SM count (Megatron's
+        `moe_flex_dispatcher_num_sms` maps onto it), or None.
+    async_dispatch: it runs `moe_deepep_async_dispatch` on a communication stream.
+    permute_fusion: Megatron's `moe_permute_fusion` selects a fused kernel of it.
+    requires: a config bool that must be True to choose it.
+    options: config fields only this backend reads (the others refuse a non-default value).
+    megatron_fields: Megatron `TransformerConfig` fields it takes, and the config field each
+        becomes (`TokenDispatcherConfig.from_transformer_config`).
+    preprocess_outputs: manager attributes the routing's preprocess leaves for dispatch
+        (what a CUDA graph of the router and preprocess returns).
+    """
+
+    build: ManagerBuilder
+    modes: frozenset
+    graph_capture: bool = False
+    static_routing: bool = False
+    indexed_rows: bool = False
+    error_flag: str | None = None
+    sms_field: str | None = None
+    async_dispatch: bool = False
+    permute_fusion: bool = False
+    requires: str | None = None
+    options: tuple[str, ...] = ()
+    megatron_fields: tuple[tuple[str, str], ...] = ()
+    preprocess_outputs: tuple[str, ...] = ("token_probs", "token_indices")
+
+
+def _topk_kwargs(cfg, group, num_local_experts: int, tp_size: int) -> dict:
+    """The top-k managers' arguments; expert TP folds into the expert space."""
     return dict(
         group=group,
         router_topk=tp_size * cfg.moe_router_topk,
@@ -29,37 +89,46 @@ def _deepep_style_kwargs(cfg: TokenDispatcherConfig, group, num_local_experts: i
     )
 
 
-def _build_torch(cfg, group, num_local_experts, tp_size):
-    from megatron_moe_ext.dispatcher.backends import torch_a2a
+def _build_topk(comm, cfg, group, num_local_experts, tp_size):
+    """The top-k manager of `cfg`'s mode over `comm` (a `base.Communicator`)."""
+    from megatron_moe_ext.dispatcher import budget, capacity
     from megatron_moe_ext.dispatcher.deepep_manager import _DeepepManager
 
-    kwargs = _deepep_style_kwargs(cfg, group, num_local_experts, tp_size)
-    if cfg.moe_hybridep_capacity_factor is not None:
-        from megatron_moe_ext.dispatcher.capacity import _TorchCapacityManager
-
-        return _TorchCapacityManager(cfg.moe_hybridep_capacity_factor, comm=torch_a2a, **kwargs)
-    return _DeepepManager(torch_a2a, **kwargs)
-
-
-def _deepep_contract_comm(cfg, group):
-    """The `DeepEPCommunicator` of backend 'deepep' or 'uccl_ep' (DeepEP's Buffer contract),
-    refusing EP sizes its kernels lack."""
-    if cfg.moe_flex_dispatcher_backend == "uccl_ep":
-        from megatron_moe_ext.dispatcher.backends import uccl as backend
-    else:
-        from megatron_moe_ext.dispatcher.backends import deepep as backend
-    comm = backend.communicator(group, cfg.moe_deepep_num_sms, cfg.moe_share_token_dispatcher)
     comm.check_group(group)
-    return comm
+    kwargs = _topk_kwargs(cfg, group, num_local_experts, tp_size)
+    mode = mode_of(cfg)
+    if mode == "budget":
+        return budget.budget_manager(cfg.moe_expert_rank_capacity_factor, comm=comm, **kwargs)
+    if mode == "capacity":
+        return capacity._TorchCapacityManager(cfg.moe_hybridep_capacity_factor, comm=comm, **kwargs)
+    return _DeepepManager(comm, **kwargs)
 
 
-def _build_deepep_contract(cfg, group, num_local_experts, tp_size):
-    from megatron_moe_ext.dispatcher.deepep_manager import _DeepepManager
+def _build_torch(cfg, group, num_local_experts, tp_size):
+    from megatron_moe_ext.dispatcher.backends.torch_a2a import COMMUNICATOR
 
-    return _DeepepManager(_deepep_contract_comm(cfg, group),
-                          **_deepep_style_kwargs(cfg, group, num_local_experts, tp_size))
+    return _build_topk(COMMUNICATOR, cfg, group, num_local_experts, tp_size)
 
 
+def _build_deepep(cfg, group, num_local_experts, tp_size):
+    from megatron_moe_ext.dispatcher.backends import deepep
+
+    comm = deepep.communicator(group, cfg.moe_deepep_num_sms, cfg.moe_share_token_dispatcher)
+    return _build_topk(comm, cfg, group, num_local_experts, tp_size)
+
+
+def _build_uccl(cfg, group, num_local_experts, tp_size):
+    from megatron_moe_ext.dispatcher.backends import uccl
+
+    comm = uccl.communicator(group, cfg.moe_deepep_num_sms, cfg.moe_share_token_dispatcher)
+    return _build_topk(comm, cfg, group, num_local_experts, tp_size)
+
+
+_HYBRIDEP_OPTIONS = (
+    "moe_hybridep_compact_routing", "moe_hybridep_equal_token_counts", "moe_hybridep_permute_fusion",
+    "moe_permute_fusion", "moe_hybridep_num_sms", "moe_hybridep_num_sms_preprocessing",
+    "moe_hybridep_num_blocks_permute", "moe_hybridep_num_blocks_unpermute",
+)
 #: `TokenDispatcherConfig` fields the HybridEP manager takes under the same name.
 _HYBRIDEP_MANAGER_FIELDS = (
     "moe_hybridep_num_sms", "moe_hybridep_permute_fusion", "moe_hybridep_compact_routing",
@@ -70,7 +139,7 @@ _HYBRIDEP_MANAGER_FIELDS = (
 
 
 def _build_hybridep(cfg, group, num_local_experts, tp_size):
-    """Expert TP folds into the expert space, as in `_deepep_style_kwargs`."""
+    """Expert TP folds into the expert space, as in `_topk_kwargs`."""
     from megatron_moe_ext.dispatcher.hybridep import _HybridEPManager
 
     return _HybridEPManager(
@@ -86,25 +155,34 @@ def _build_hybridep(cfg, group, num_local_experts, tp_size):
     )
 
 
-BUILDERS: dict[str, ManagerBuilder] = {
-    "torch": _build_torch,
-    "deepep": _build_deepep_contract,
-    "uccl_ep": _build_deepep_contract,
-    "hybridep": _build_hybridep,
+_DEEPEP_KERNELS = dict(sms_field="moe_deepep_num_sms", async_dispatch=True)
+
+#: The backend table (the order is the one error messages list).
+BACKENDS: dict[str, BackendRow] = {
+    "deepep": BackendRow(_build_deepep, frozenset({"dropless", "budget"}), graph_capture=True,
+                         requires="moe_enable_deepep", **_DEEPEP_KERNELS),
+    "hybridep": BackendRow(
+        _build_hybridep, frozenset({"dropless", "capacity"}), static_routing=True,
+        sms_field="moe_hybridep_num_sms", permute_fusion=True, options=_HYBRIDEP_OPTIONS,
+        megatron_fields=(("moe_hybridep_num_sms_preprocessing", "moe_hybridep_num_sms_preprocessing"),
+                         ("moe_permute_fusion_into_hybridep", "moe_hybridep_permute_fusion")),
+        preprocess_outputs=("token_probs", "routing_map")),
+    "uccl_ep": BackendRow(_build_uccl, frozenset({"dropless"}), **_DEEPEP_KERNELS),
+    "torch": BackendRow(_build_torch, frozenset(MODES), graph_capture=True,
+                        error_flag="the dropless dispatch's counts all-to-all (torch_a2a._exchange_counts)"),
 }
 
 
-def build_manager(cfg: TokenDispatcherConfig, group, num_local_experts: int, tp_size: int = 1):
-    """The manager of one layer for `cfg.moe_flex_dispatcher_backend` (budget mode: 'torch' or
-    'deepep', the only backends the config allows it on)."""
-    factor = cfg.moe_expert_rank_capacity_factor
-    if factor is None:
-        return BUILDERS[cfg.moe_flex_dispatcher_backend](cfg, group, num_local_experts, tp_size)
-    from megatron_moe_ext.dispatcher import budget
+def backends_with(**capabilities) -> tuple[str, ...]:
+    """Names of the backends whose row has every given capability value (for messages)."""
+    return tuple(name for name, row in BACKENDS.items()
+                 if all(getattr(row, key) == value for key, value in capabilities.items()))
 
-    kwargs = _deepep_style_kwargs(cfg, group, num_local_experts, tp_size)
-    if cfg.moe_flex_dispatcher_backend == "torch":
-        from megatron_moe_ext.dispatcher.backends import torch_a2a
 
-        return budget._TorchBudgetManager(factor, comm=torch_a2a, **kwargs)
-    return budget._DeepepBudgetManager(factor, comm=_deepep_contract_comm(cfg, group), **kwargs)
+def backends_running(mode: str) -> tuple[str, ...]:
+    return tuple(name for name, row in BACKENDS.items() if mode in row.modes)
+
+
+def build_manager(cfg: "TokenDispatcherConfig", group, num_local_experts: int, tp_size: int = 1):
+    """The manager of one layer for `cfg.moe_flex_dispatcher_backend` in `cfg`'s mode."""
+    return BACKENDS[cfg.moe_flex_dispatcher_backend].build(cfg, group, num_local_experts, tp_size)

@@ -65,9 +65,7 @@ class ExpertDispatch:
         if ep.group is not None:
             local = list(range(self.experts_start_idx, self.experts_start_idx + self.n_local_experts))
             self.dispatcher = MoEFlexTokenDispatcher(self.n_local_experts, local, dispatcher_config, ep.group)
-            allocate = getattr(self.dispatcher._comm_manager, "allocate_buffers", None)
-            if allocate is not None:
-                allocate(config.dim, config.dtype)
+            self.dispatcher.allocate_buffers(config.dim, config.dtype)
         self._local: LocalPermutation | None = None
 
     def dispatch(self, x, token_mask, weights, indices):

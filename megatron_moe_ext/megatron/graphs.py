@@ -16,13 +16,7 @@ construction (see bench/gpu/cuda_graph_train.py).
 
 from __future__ import annotations
 
-# What the dispatcher's preprocess leaves on its manager for dispatch, returned as graph
-# outputs when Megatron captures the router and preprocess only (its flex dispatcher's list
-# for DeepEP; HybridEP's manager also keeps a dense routing map).
-CUDAGRAPH_ATTRS = {
-    "hybridep": ["_comm_manager.token_probs", "_comm_manager.routing_map"],
-    "default": ["_comm_manager.token_probs", "_comm_manager.token_indices"],
-}
+from megatron_moe_ext.dispatcher import registry
 
 
 def captures_moe_layer(config) -> bool:
@@ -38,15 +32,18 @@ def captures_moe_layer(config) -> bool:
 
 def check_capturable(config, dispatcher_config) -> None:
     """Raise ValueError when a capture of the MoE layer is asked for in a mode that syncs."""
-    if captures_moe_layer(config) and dispatcher_config.moe_expert_rank_capacity_factor is None:
+    if captures_moe_layer(config) and registry.mode_of(dispatcher_config) != "budget":
         raise ValueError(
             f"cuda_graph_impl={config.cuda_graph_impl!r} with cuda_graph_modules="
             f"{getattr(config, 'cuda_graph_modules', None)!r} captures the MoE layer, but the "
-            f"{dispatcher_config.moe_flex_dispatcher_backend!r} dispatcher is dropless without a "
-            "budget and reads token counts on the host; set moe_expert_rank_capacity_factor "
-            "(the sync-free budget mode, backends 'torch' and 'deepep') or leave the MoE layer "
+            f"{dispatcher_config.moe_flex_dispatcher_backend!r} dispatcher is not in the sync-free "
+            "budget mode and reads token counts on the host; set moe_expert_rank_capacity_factor "
+            f"(backends {registry.backends_with(graph_capture=True)}) or leave the MoE layer "
             "out of the graph (cuda_graph_modules without 'moe')")
 
 
 def cudagraph_attrs(backend: str) -> list[str]:
-    return list(CUDAGRAPH_ATTRS.get(backend, CUDAGRAPH_ATTRS["default"]))
+    """What the dispatcher's preprocess leaves on its manager for dispatch, returned as graph
+    outputs when Megatron captures the router and preprocess only (the backend row's
+    `preprocess_outputs`)."""
+    return [f"_comm_manager.{name}" for name in registry.BACKENDS[backend].preprocess_outputs]

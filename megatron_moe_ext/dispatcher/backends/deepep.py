@@ -87,6 +87,10 @@ class DeepEPCommunicator:
             tokens then sends one zero token routed nowhere, sliced off on the way back.
     """
 
+    #: The first dispatch (layout and rows in one library call) and its cached replay build
+    #: different autograd graphs, which non-reentrant checkpointing refuses.
+    replays_in_one_graph = False
+
     def __init__(self, library: Callable[[], ModuleType], name: str, num_sms: int,
                  pad_empty: bool = False):
         self.library = library
@@ -214,6 +218,10 @@ class DeepEPCommunicator:
         self._group = group
         self._dispatch_config, self._combine_config = configs
         return self.buffer
+
+    def announce_input_error(self, group) -> None:
+        """No error flag rides on this backend's first collective (the layout's counts inside
+        the library) yet: a peer of a rank that rejected its input is not told."""
 
     def allocate_buffer(self, group, hidden: int, dtype: torch.dtype):
         """Allocate up front (at expert setup, before any activation checkpoint)."""

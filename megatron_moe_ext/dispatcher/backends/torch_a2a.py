@@ -246,3 +246,27 @@ def combine(
     out_TH = rows_SH.new_zeros(handle.num_tokens, x_RH.shape[1])
     # accumulate=True is deterministic (no atomics), so results are bitwise reproducible.
     return out_TH.index_put((handle.send_token_ids_S,), rows_SH, accumulate=True), None
+
+
+class TorchCommunicator:
+    """The torch backend behind the communicator protocol (`dispatcher/base.py`
+    `Communicator`): the functions above, and no buffer. Stateless: one object serves every
+    layer (`COMMUNICATOR`)."""
+
+    name = "torch"
+    #: `dispatch_cached` builds the same autograd graph as `dispatch` (one all-to-all op), so
+    #: non-reentrant checkpointing can recompute it.
+    replays_in_one_graph = True
+    dispatch = staticmethod(dispatch)
+    dispatch_cached = staticmethod(dispatch_cached)
+    combine = staticmethod(combine)
+    announce_input_error = staticmethod(announce_input_error)
+
+    def check_group(self, group) -> None:
+        """Any group size: all-to-all has no compiled sizes."""
+
+    def allocate_buffer(self, group, hidden: int, dtype: torch.dtype) -> None:
+        """Nothing to allocate: the collectives allocate their outputs per call."""
+
+
+COMMUNICATOR = TorchCommunicator()
