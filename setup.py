@@ -1,22 +1,13 @@
-"""megatron-moe-ext: a drop-in Mixture-of-Experts layer for Megatron-Core.
-
-The top-level ``patches/`` folder is ``megatron_moe_ext.patches``: installed through
-``package_dir``, and in a source checkout through the link ``megatron_moe_ext/patches``.
-"""
+"""megatron-moe-ext: a drop-in Mixture-of-Experts layer for Megatron-Core."""
 
 from setuptools import find_packages, setup
-
-# find_packages follows the megatron_moe_ext/patches link; package_dir below points that
-# package at the real folder either way.
-packages = find_packages(include=["megatron_moe_ext", "megatron_moe_ext.*"], exclude=["megatron_moe_ext.patches"])
 
 setup(
     name="megatron-moe-ext",
     version="0.1.0",
     description="Expert-parallel flex token dispatcher and grouped experts for Megatron-Core MoE",
     python_requires=">=3.12",
-    packages=packages + ["megatron_moe_ext.patches"],
-    package_dir={"megatron_moe_ext.patches": "patches"},
+    packages=find_packages(include=["megatron_moe_ext", "megatron_moe_ext.*"]),
     install_requires=[
         "torch>=2.6",
         "megatron-core>=0.19,<0.20",

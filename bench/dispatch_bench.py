@@ -204,9 +204,7 @@ def bench_ext(backend, shape, x_TH, indices_TK, probs_TK, group, num_sms, iters,
     cfg = TokenDispatcherConfig(moe_flex_dispatcher_backend=backend, num_moe_experts=shape["experts"],
                                 moe_router_topk=shape["topk"], moe_deepep_num_sms=num_sms)
     disp = MoEFlexTokenDispatcher(e, list(range(rank * e, (rank + 1) * e)), cfg, group)
-    allocate = getattr(disp._comm_manager, "allocate_buffers", None)
-    if allocate is not None:
-        allocate(shape["hidden"], torch.bfloat16)
+    disp.allocate_buffers(shape["hidden"], torch.bfloat16)
     tokens = x_TH.shape[0]
     x_TH, probs_TK = x_TH.detach().requires_grad_(), probs_TK.detach().requires_grad_()
     first_rows = []

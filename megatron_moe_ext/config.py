@@ -83,7 +83,7 @@ class TokenDispatcherConfig:
     moe_share_token_dispatcher: bool = True
     moe_deepep_async_dispatch: bool = False
     moe_benchmark_static_routing: bool = False
-    #: Sync-free mode (dispatcher/budget.py): each rank's permuted rows are a static budget of
+    #: Sync-free mode (dispatcher/fixed.py): each rank's permuted rows are a static budget of
     #: this many times the balanced load (T*K); Megatron's field of the same name.
     moe_expert_rank_capacity_factor: float | None = None
     #: What a step whose routing exceeds the budget does, read once per step outside any

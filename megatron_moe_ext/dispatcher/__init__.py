@@ -1,3 +1,5 @@
-"""Flex token dispatcher: `flex.py` (the two faces), `deepep_manager.py` and `hybridep/`
-(per-layer managers), `buffers.py` (the shared-buffer registry), `backends/` (torch,
-DeepEP, UCCL-EP communication), `permute.py` / `capacity.py` (local steps). See docs/DESIGN.md."""
+"""Flex token dispatcher: `flex.py` (the two faces and the hook seat of `hooks.py`),
+`registry.py` (the backend table), `topk_manager.py`, `fixed.py` and `hybridep/` (per-layer
+managers), `replay.py` (the recompute hook), `buffers.py` (the shared-buffer registry),
+`backends/` (torch, DeepEP, UCCL-EP communication), `permute.py` (local steps). See
+docs/DESIGN.md."""

@@ -9,8 +9,9 @@ The seed's face: `token_permutation(hidden, num_local_tokens, probs[T, E])`,
 `token_permutation2(hidden, num_local_tokens, token_probs[T, K], token_indices[T, K])`,
 `token_unpermutation(expert_out)` and the split steps.
 
-Both faces end in the same private steps: `_setup_*` -> `_dispatch` -> `_permute` ->
-(experts) -> `_unpermute` -> `_combine` -> `_restore_shape`.
+Both faces end in the same steps: `_setup_*` -> `token_dispatch` -> `dispatch_postprocess`
+-> (experts) -> `combine_preprocess` -> `token_combine` -> `combine_postprocess`. Each step that
+reaches the manager goes through the hook seat `replay` (`hooks.py`; recompute plugs in there).
 
 Each dispatcher serves one layer: it owns its manager (routing, handles, calibrated
 capacity) and tracks its one dispatch in flight (`_InFlight`), so a step out of order
@@ -33,14 +34,8 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from megatron.core.utils import get_pg_rank
 
 from megatron_moe_ext.config import TokenDispatcherConfig
-from megatron_moe_ext.dispatcher import buffers, checks
+from megatron_moe_ext.dispatcher import buffers, checks, hooks, registry
 from megatron_moe_ext.dispatcher.registry import build_manager
-
-
-def _in_backward() -> bool:
-    """True while the autograd engine runs a backward on this thread (a recompute)."""
-    return torch._C._current_graph_task_id() != -1
-
 
 # The calls of one dispatch, in order (the seed's faces make the same calls).
 _CALLS = ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess", "combine_preprocess",
@@ -121,6 +116,10 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         self.num_experts = dispatcher_config.num_moe_experts
         self.topk = dispatcher_config.moe_router_topk
         self._comm_manager = build_manager(dispatcher_config, self.tp_ep_group, num_local_experts, self.tp_size)
+        #: The hook seat: called at every manager step (`hooks.DispatchHook`; recompute's
+        #: `RecomputeReplay` plugs in here).
+        self.replay: hooks.DispatchHook = hooks.NO_HOOK
+        self._hand_indexed_rows = False
         #: HybridEP's top-k -> dense/compact metadata converter (a graphable nn.Module), else None.
         self.hybridep_metadata_processor = self._comm_manager.metadata_processor
         self._inflight: _InFlight | None = None
@@ -131,6 +130,28 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         every rank before destroying the process group). Layers stay usable: a later
         dispatch allocates again."""
         buffers.release_all()
+
+    @property
+    def hand_indexed_rows(self) -> bool:
+        """Whether `dispatch_postprocess` hands the experts `IndexedRows` (received rows plus
+        maps, `handoff.py`) instead of permuted rows, and `combine_preprocess` takes their
+        `[P, H]` outputs back along the maps. `FlexMoELayer` sets it for experts that declare
+        `accepts_indexed_rows`; only backends whose table row has `indexed_rows` can."""
+        return self._hand_indexed_rows
+
+    @hand_indexed_rows.setter
+    def hand_indexed_rows(self, value: bool) -> None:
+        backend = self.dispatcher_config.moe_flex_dispatcher_backend
+        if value and not registry.BACKENDS[backend].indexed_rows:
+            raise checks.bad_input("hand_indexed_rows", f"backend {backend!r} permutes inside its "
+                                   f"communication; backends {registry.backends_with(indexed_rows=True)} "
+                                   "can hand IndexedRows")
+        self._hand_indexed_rows = bool(value)
+
+    @property
+    def manager(self):
+        """This layer's communication manager (the backend row's build; its `state` is public)."""
+        return self._comm_manager
 
     def allocate_buffers(self, hidden_size: int, dtype: torch.dtype) -> None:
         """Allocate the backend's buffer for `[*, hidden_size]` rows of `dtype` now (before any
@@ -224,74 +245,34 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         probs = token_probs[..., None].expand(-1, -1, tp)
         return expanded.flatten(1), probs.flatten(1)
 
-    def _routing_replayed(self, *routing) -> bool:
-        """Hands the routing to the manager's recompute replay (`recompute.py`) before any
-        check; True in a recompute replaying the forward's routing, checked in the forward."""
-        handed = getattr(self._comm_manager, "routing_handed", None)
-        return handed is not None and handed(*(t for t in routing if t is not None))
-
     def _setup_dense(self, hidden_states, probs, routing_map=None, num_local_tokens=None):
         with self._peers_see_input_errors():
             tokens = checks.check_hidden(hidden_states, num_local_tokens)
-            if not self._routing_replayed(probs, routing_map):
+            if not self.replay.routing_handed(*(t for t in (probs, routing_map) if t is not None)):
                 self._check_dense("probs", probs, tokens)
                 if routing_map is not None:
                     self._check_dense("routing_map", routing_map, tokens)
         if routing_map is not None:
             routing_map = self._initialize_metadata(tokens, routing_map)
         self._check_idle()
-        self._comm_manager.setup_metadata(tokens, self._initialize_metadata(tokens, probs), routing_map)
-        self._inflight = _InFlight(hidden_states.shape, in_recompute=_in_backward())
+        probs = self._initialize_metadata(tokens, probs)
+        self.replay.setup(lambda: self._comm_manager.setup_metadata(tokens, probs, routing_map))
+        self._inflight = _InFlight(hidden_states.shape, in_recompute=hooks.in_backward())
         return hidden_states.reshape(tokens, hidden_states.shape[-1])
 
     def _setup_topk(self, hidden_states, num_local_tokens, token_probs, token_indices):
         with self._peers_see_input_errors():
             tokens = checks.check_hidden(hidden_states, num_local_tokens)
-            if not self._routing_replayed(token_probs, token_indices):
+            if not self.replay.routing_handed(token_probs, token_indices):
                 token_indices = self._check_topk(token_probs, token_indices, tokens)
         self._check_idle()
         if self.tp_size > 1:
             token_indices, token_probs = self._expand_topk_for_tp(token_indices, token_probs)
-        self._comm_manager.setup_metadata_from_indices(token_indices, token_probs)
-        self._inflight = _InFlight(hidden_states.shape, in_recompute=_in_backward())
+        self.replay.setup(lambda: self._comm_manager.setup_metadata_from_indices(token_indices, token_probs))
+        self._inflight = _InFlight(hidden_states.shape, in_recompute=hooks.in_backward())
         if hidden_states.dim() == 2:  # already [T, H]: no view (and no autograd node) to make
             return hidden_states
         return hidden_states.reshape(tokens, hidden_states.shape[-1])
-
-    def _dispatch(self, hidden_states, async_finish, allocate_on_comm_stream):
-        inflight = self._advance("token_dispatch", hidden_states, None,
-                                 "the output of dispatch_preprocess")
-        try:
-            rows = self._comm_manager.dispatch(hidden_states, async_finish, allocate_on_comm_stream)
-        except ValueError:
-            # A peer rejected its input (torch backend): this dispatch is abandoned on every
-            # rank, and the next step starts afresh.
-            self._inflight = None
-            raise
-        inflight.num_rows = rows.shape[0]
-        return rows
-
-    def _permute(self, hidden_states):
-        inflight = self._advance("dispatch_postprocess")
-        tokens, permuted_probs = self._comm_manager.get_permuted_hidden_states_by_experts(hidden_states)
-        inflight.num_permuted = tokens.shape[0]
-        return tokens, self._comm_manager.get_number_of_tokens_per_expert(), permuted_probs
-
-    def _unpermute(self, hidden_states):
-        checks.check_expert_output_dtype(hidden_states)
-        self._advance("combine_preprocess", hidden_states, self._inflight and self._inflight.num_permuted,
-                      "one row per permuted row handed to the experts")
-        return self._comm_manager.get_restored_hidden_states_by_experts(hidden_states)
-
-    def _combine(self, hidden_states, async_finish, allocate_on_comm_stream):
-        self._advance("token_combine", hidden_states, self._inflight and self._inflight.num_rows,
-                      "one row per row the dispatch delivered")
-        return self._comm_manager.combine(hidden_states, async_finish, allocate_on_comm_stream)
-
-    def _restore_shape(self, hidden_states):
-        inflight = self._advance("combine_postprocess")
-        self._inflight = None
-        return hidden_states.view(inflight.hidden_shape)
 
     # ---- Megatron's six methods -------------------------------------------------------
     def dispatch_preprocess(self, hidden_states, routing_map_or_num_tokens, probs):
@@ -309,31 +290,63 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         events; the other backends ignore the flags)."""
         if self.shared_experts is not None:
             self.shared_experts.wait_current_stream()
-        dispatched = self._dispatch(hidden_states, async_finish, allocate_on_comm_stream)
+        inflight = self._advance("token_dispatch", hidden_states, None, "the output of dispatch_preprocess")
+        try:
+            dispatched = self.replay.dispatch(lambda: self._comm_manager.dispatch(
+                hidden_states, async_finish, allocate_on_comm_stream), hidden_states, async_finish,
+                allocate_on_comm_stream)
+        except ValueError:
+            # A peer rejected its input (torch backend): this dispatch is abandoned on every
+            # rank, and the next step starts afresh.
+            self._inflight = None
+            raise
+        inflight.num_rows = dispatched.shape[0]
         if self.shared_experts is not None:
             self.shared_experts.pre_forward_comm(hidden_states, wait_current_stream=False)
             self.shared_experts.linear_fc1_forward_and_act(dispatched)
         return dispatched, self._comm_manager.get_dispatched_metadata()[1]
 
     def dispatch_postprocess(self, hidden_states, probs=None):
-        """-> `(tokens [P, H], tokens_per_expert [e], permuted_probs [P])`."""
-        return self._permute(hidden_states)
+        """-> `(tokens [P, H], tokens_per_expert [e], permuted_probs [P])`; with
+        `hand_indexed_rows`, `(IndexedRows, tokens_per_expert, permuted_probs)` and no copy."""
+        inflight = self._advance("dispatch_postprocess")
+        manager = self._comm_manager
+        if self._hand_indexed_rows:
+            rows = self.replay.permute(lambda: manager.get_indexed_rows(hidden_states))
+            inflight.num_permuted = rows.num_permuted
+            return rows, rows.tokens_per_expert, rows.probs_P
+        tokens, permuted_probs = self.replay.permute(
+            lambda: manager.get_permuted_hidden_states_by_experts(hidden_states))
+        inflight.num_permuted = tokens.shape[0]
+        return tokens, manager.get_number_of_tokens_per_expert(), permuted_probs
 
     def combine_preprocess(self, hidden_states):
-        return self._unpermute(hidden_states)
+        """Expert outputs `[P, H]` -> `[R, H]`, one row per row the dispatch delivered."""
+        checks.check_expert_output_dtype(hidden_states)
+        self._advance("combine_preprocess", hidden_states, self._inflight and self._inflight.num_permuted,
+                      "one row per permuted row handed to the experts")
+        manager = self._comm_manager
+        restore = manager.restore_indexed_rows if self._hand_indexed_rows else \
+            manager.get_restored_hidden_states_by_experts
+        return self.replay.restore(lambda: restore(hidden_states), hidden_states)
 
     def token_combine(self, hidden_states, async_finish=True, allocate_on_comm_stream=True):
         """`[R, H]` restored rows -> `[T, H]` (asynchronous by default, as `token_dispatch`)."""
         if self.shared_experts is not None:
             self.shared_experts.wait_current_stream()
-        return self._combine(hidden_states, async_finish, allocate_on_comm_stream)
+        self._advance("token_combine", hidden_states, self._inflight and self._inflight.num_rows,
+                      "one row per row the dispatch delivered")
+        return self.replay.combine(lambda: self._comm_manager.combine(
+            hidden_states, async_finish, allocate_on_comm_stream), hidden_states)
 
     def combine_postprocess(self, hidden_states):
         if self.shared_experts is not None:
             self.shared_experts.linear_fc2_forward(hidden_states)
             self.shared_experts.post_forward_comm()
             hidden_states = hidden_states + self.shared_experts.get_output()
-        return self._restore_shape(hidden_states)
+        inflight = self._advance("combine_postprocess")
+        self._inflight = None
+        return hidden_states.view(inflight.hidden_shape)
 
     # ---- the seed's methods -----------------------------------------------------------
     def dispatch_preprocess2(self, hidden_states, num_local_tokens, token_probs, token_indices):
@@ -353,13 +366,13 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         """Dense probs `[T, E]` -> `(tokens [P, H], tokens_per_expert [e], permuted_probs [P])`."""
         hidden, _ = self.dispatch_preprocess(hidden_states, num_local_tokens, probs)
         async_mode = self.dispatcher_config.moe_deepep_async_dispatch
-        return self._permute(self.token_dispatch(hidden, None, async_mode, async_mode)[0])
+        return self.dispatch_postprocess(self.token_dispatch(hidden, None, async_mode, async_mode)[0])
 
     def token_permutation2(self, hidden_states, num_local_tokens, token_probs, token_indices):
         """Top-k routing -> `(tokens [P, H], tokens_per_expert [e], permuted_probs [P])`."""
         hidden, _ = self.dispatch_preprocess2(hidden_states, num_local_tokens, token_probs, token_indices)
         async_mode = self.dispatcher_config.moe_deepep_async_dispatch
-        return self._permute(self.token_dispatch(hidden, None, async_mode, async_mode)[0])
+        return self.dispatch_postprocess(self.token_dispatch(hidden, None, async_mode, async_mode)[0])
 
     def token_unpermutation(self, hidden_states):
         """Expert outputs `[P, H]` -> combined tokens in the input's original shape."""

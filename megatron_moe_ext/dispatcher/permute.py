@@ -207,7 +207,17 @@ def permute_to_experts(
     Returns:
         `(permuted_PH, permuted_probs_P, padded_tokens_per_expert, state)`.
     """
+    state, counts = dropless_permutation(routing_map_Re, tokens_per_expert, pad_multiple)
+    permuted_PH, permuted_probs_P = permute_rows(hidden_RH, probs_Re, state)
+    return permuted_PH, permuted_probs_P, counts, state
+
+
+def dropless_permutation(routing_map_Re: torch.Tensor, tokens_per_expert: list[int],
+                         pad_multiple: int | None = None) -> tuple[PermutationState, list[int]]:
+    """The `PermutationState` of grouping `[R, e]` routed rows by expert (token order within
+    an expert; each group padded to `pad_multiple`), and the padded host counts."""
     num_pairs = int(sum(tokens_per_expert))
+    device = routing_map_Re.device
     # nonzero_static knows its output size from the host counts: no device->host sync.
     pairs_N2 = torch.nonzero_static(routing_map_Re.t(), size=num_pairs)
     expert_ids_N, row_ids_N = pairs_N2[:, 0], pairs_N2[:, 1]
@@ -216,12 +226,11 @@ def permute_to_experts(
         counts_e = host_counts_tensor(tokens_per_expert)
         padded_e = align_up(counts_e, pad_multiple)
         # Host tensors: the shift of each expert's rows is known without touching the device.
-        shift_e = start_offsets(padded_e - counts_e).to(hidden_RH.device, non_blocking=True)
-        dest_N = torch.arange(num_pairs, device=hidden_RH.device) + shift_e[expert_ids_N]
+        shift_e = start_offsets(padded_e - counts_e).to(device, non_blocking=True)
+        dest_N = torch.arange(num_pairs, device=device) + shift_e[expert_ids_N]
         counts = padded_e.tolist()
-    state = PermutationState(row_ids_N, expert_ids_N, dest_N, hidden_RH.shape[0], sum(counts))
-    permuted_PH, permuted_probs_P = permute_rows(hidden_RH, probs_Re, state)
-    return permuted_PH, permuted_probs_P, counts, state
+    num_rows = routing_map_Re.shape[0]
+    return PermutationState(row_ids_N, expert_ids_N, dest_N, num_rows, sum(counts)), counts
 
 
 def gather_sum(rows_NH: torch.Tensor, pos_RJ: torch.Tensor) -> torch.Tensor:
@@ -314,3 +323,66 @@ def unpermute_from_experts(expert_out_PH: torch.Tensor, state: PermutationState)
     out_RH = expert_out_PH.new_zeros(state.num_rows, expert_out_PH.shape[-1])
     return out_RH.index_put((state.row_ids_N,), rows_NH, accumulate=True)
 
+
+
+def fixed_layout(indices_RK: torch.Tensor, probs_RK: torch.Tensor, num_local_experts: int,
+                 capacity: int, pad_multiple: int | None = None):
+    """The fixed-shape modes' permutation, as maps: `capacity` (P) positions grouped by local
+    expert, every layout on the device (no host sync).
+
+    Arguments:
+        indices_RK / probs_RK: local expert ids (-1 = not here) and fp32 probs of R rows.
+        capacity: P, the permuted rows; pairs past it get no row (the sizing's overflow).
+        pad_multiple: pad each expert's group to a multiple (rows of zeros, prob 0).
+
+    Returns:
+        `(permuted_probs_P, padded_counts_e, row_of_slot_P, slot_of_row_RK)`: the received row
+        each position reads (R, a zero row, on padding: `gather_rows`' map), and the positions
+        of each row's slots (P where none: `gather_sum`'s map); probs are 0 on padding.
+    """
+    num_rows = indices_RK.shape[0]
+    routing_Re, probs_Re = indices_to_multihot(indices_RK, probs_RK, num_local_experts)
+    counts_e = routing_Re.sum(0)
+    padded_e = align_up(counts_e, pad_multiple or 1)
+    offsets_e, padded_offsets_e = start_offsets(counts_e), start_offsets(padded_e)
+    # Expert-major pairs, at most `capacity` of them: a static size, so no host sync.
+    pairs_N2 = torch.nonzero_static(routing_Re.t(), size=capacity, fill_value=-1)
+    expert_N, row_N = pairs_N2[:, 0], pairs_N2[:, 1]
+    safe_expert_N = expert_N.clamp(min=0)
+    dest_N = (torch.arange(capacity, device=indices_RK.device) - offsets_e[safe_expert_N]
+              + padded_offsets_e[safe_expert_N])
+    valid_N = (expert_N >= 0) & (dest_N < capacity)
+    # Invalid pairs land in an extra row `capacity`, sliced off; empty rows pick row R (zero).
+    dest_N = torch.where(valid_N, dest_N, capacity)
+    row_N = torch.where(valid_N, row_N, num_rows)
+    row_of_slot_P = row_N.new_full((capacity + 1,), num_rows).index_copy(0, dest_N, row_N)[:capacity]
+    slot_of_row_RK = slot_positions(indices_RK, routing_Re, padded_offsets_e, capacity)
+    # A flat gather: its backward is a scatter-add, where advanced indexing's would be a
+    # CUDA-graph-unsafe accumulate (see gather_sum).
+    probs_N = probs_Re.flatten().gather(0, row_N.clamp(max=max(num_rows - 1, 0)) * num_local_experts
+                                        + safe_expert_N)
+    permuted_probs_P = probs_N.new_zeros(capacity + 1).index_copy(0, dest_N, probs_N)[:capacity]
+    return permuted_probs_P, padded_e, row_of_slot_P, slot_of_row_RK
+
+
+def dropless_layout(routing_map_Re: torch.Tensor, probs_Re: torch.Tensor, indices_RK: torch.Tensor,
+                    tokens_per_expert: list[int], pad_multiple: int | None = None):
+    """`permute_to_experts`' layout as maps, for experts that gather their own rows.
+
+    Returns:
+        `(permuted_probs_P, padded_counts, row_of_slot_P, slot_of_row_RK)`: the received row
+        each position reads (R on padding), the positions of each row's slots (P where none),
+        the same positions and probs `permute_to_experts` gives.
+    """
+    state, counts = dropless_permutation(routing_map_Re, tokens_per_expert, pad_multiple)
+    device = indices_RK.device
+    dest_N = state.dest_N if state.dest_N is not None else torch.arange(
+        state.row_ids_N.shape[0], device=device)
+    row_of_slot_P = state.row_ids_N.new_full((state.num_permuted,), state.num_rows).index_copy(
+        0, dest_N, state.row_ids_N)
+    probs_P = probs_Re[state.row_ids_N, state.expert_ids_N]
+    if state.dest_N is not None:
+        probs_P = probs_P.new_zeros(state.num_permuted).index_copy(0, dest_N, probs_P)
+    padded_offsets_e = start_offsets(host_counts_tensor(counts)).to(device, non_blocking=True)
+    slot_of_row_RK = slot_positions(indices_RK, routing_map_Re, padded_offsets_e, state.num_permuted)
+    return probs_P, counts, row_of_slot_P, slot_of_row_RK

@@ -17,18 +17,17 @@ The modes (`mode_of`): "dropless" (sizes follow the routing, read on the host), 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from megatron_moe_ext.dispatcher.base import _DispatchManager
 
-if TYPE_CHECKING:
-    from megatron_moe_ext.config import TokenDispatcherConfig
-
 MODES = ("dropless", "capacity", "budget")
-ManagerBuilder = Callable[["TokenDispatcherConfig", object, int, int], _DispatchManager]
+#: `(cfg, group, num_local_experts, tp_size)` -> manager; `cfg` a `TokenDispatcherConfig` (the
+#: config imports this table, so the table names the class in words only).
+ManagerBuilder = Callable[[object, object, int, int], _DispatchManager]
 
 
-def mode_of(cfg: "TokenDispatcherConfig") -> str:
+def mode_of(cfg) -> str:
     """The dispatch mode `cfg` asks for (the config refuses both factors at once)."""
     if cfg.moe_expert_rank_capacity_factor is not None:
         return "budget"
@@ -91,16 +90,16 @@ def _topk_kwargs(cfg, group, num_local_experts: int, tp_size: int) -> dict:
 
 def _build_topk(comm, cfg, group, num_local_experts, tp_size):
     """The top-k manager of `cfg`'s mode over `comm` (a `base.Communicator`)."""
-    from megatron_moe_ext.dispatcher import budget, capacity
-    from megatron_moe_ext.dispatcher.deepep_manager import _DeepepManager
+    from megatron_moe_ext.dispatcher import fixed
+    from megatron_moe_ext.dispatcher.topk_manager import _DeepepManager
 
     comm.check_group(group)
     kwargs = _topk_kwargs(cfg, group, num_local_experts, tp_size)
     mode = mode_of(cfg)
     if mode == "budget":
-        return budget.budget_manager(cfg.moe_expert_rank_capacity_factor, comm=comm, **kwargs)
+        return fixed.budget_manager(cfg.moe_expert_rank_capacity_factor, comm=comm, **kwargs)
     if mode == "capacity":
-        return capacity._TorchCapacityManager(cfg.moe_hybridep_capacity_factor, comm=comm, **kwargs)
+        return fixed.capacity_manager(cfg.moe_hybridep_capacity_factor, comm=comm, **kwargs)
     return _DeepepManager(comm, **kwargs)
 
 
@@ -160,15 +159,15 @@ _DEEPEP_KERNELS = dict(sms_field="moe_deepep_num_sms", async_dispatch=True)
 #: The backend table (the order is the one error messages list).
 BACKENDS: dict[str, BackendRow] = {
     "deepep": BackendRow(_build_deepep, frozenset({"dropless", "budget"}), graph_capture=True,
-                         requires="moe_enable_deepep", **_DEEPEP_KERNELS),
+                         indexed_rows=True, requires="moe_enable_deepep", **_DEEPEP_KERNELS),
     "hybridep": BackendRow(
         _build_hybridep, frozenset({"dropless", "capacity"}), static_routing=True,
         sms_field="moe_hybridep_num_sms", permute_fusion=True, options=_HYBRIDEP_OPTIONS,
         megatron_fields=(("moe_hybridep_num_sms_preprocessing", "moe_hybridep_num_sms_preprocessing"),
                          ("moe_permute_fusion_into_hybridep", "moe_hybridep_permute_fusion")),
         preprocess_outputs=("token_probs", "routing_map")),
-    "uccl_ep": BackendRow(_build_uccl, frozenset({"dropless"}), **_DEEPEP_KERNELS),
-    "torch": BackendRow(_build_torch, frozenset(MODES), graph_capture=True,
+    "uccl_ep": BackendRow(_build_uccl, frozenset({"dropless"}), indexed_rows=True, **_DEEPEP_KERNELS),
+    "torch": BackendRow(_build_torch, frozenset(MODES), graph_capture=True, indexed_rows=True,
                         error_flag="the dropless dispatch's counts all-to-all (torch_a2a._exchange_counts)"),
 }
 
@@ -183,6 +182,6 @@ def backends_running(mode: str) -> tuple[str, ...]:
     return tuple(name for name, row in BACKENDS.items() if mode in row.modes)
 
 
-def build_manager(cfg: "TokenDispatcherConfig", group, num_local_experts: int, tp_size: int = 1):
+def build_manager(cfg, group, num_local_experts: int, tp_size: int = 1):
     """The manager of one layer for `cfg.moe_flex_dispatcher_backend` in `cfg`'s mode."""
     return BACKENDS[cfg.moe_flex_dispatcher_backend].build(cfg, group, num_local_experts, tp_size)

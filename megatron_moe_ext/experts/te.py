@@ -22,7 +22,7 @@ from megatron_moe_ext.experts.activations import get_expert_activation, is_gated
 from megatron_moe_ext.experts.bias import TokenCounts, _counts_on
 from megatron_moe_ext.experts.common import check_expert_inputs, local_expert_range, resolve_ep_group
 from megatron_moe_ext.experts.config import ExpertsConfig
-from megatron_moe_ext.experts.deepep import ExpertDispatch, make_dispatcher_config
+from megatron_moe_ext.experts.dispatch import ExpertDispatch, make_dispatcher_config
 from megatron_moe_ext.experts.mlp import _host_counts
 from megatron_moe_ext.utils.optional import require
 

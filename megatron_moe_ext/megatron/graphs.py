@@ -1,7 +1,7 @@
 """CUDA-graph settings of `FlexMoELayer`: what a capture of the MoE layer needs.
 
 A graph replays fixed shapes and cannot wait for the host, so a captured MoE layer must
-dispatch in budget mode (`moe_expert_rank_capacity_factor`, `dispatcher/budget.py`): the
+dispatch in budget mode (`moe_expert_rank_capacity_factor`, `dispatcher/fixed.py`): the
 dropless modes read the received counts on the host. Megatron asks for a capture of the
 whole MoE layer with `cuda_graph_impl` "local" or "transformer_engine" and
 `cuda_graph_modules` empty (the whole layer) or holding "moe", and with "full_iteration";

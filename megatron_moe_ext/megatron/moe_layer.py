@@ -21,6 +21,7 @@ from megatron.core.transformer.moe import moe_layer as _megatron_moe_layer
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from megatron_moe_ext.config import TokenDispatcherConfig
+from megatron_moe_ext.dispatcher import registry
 from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
 from megatron_moe_ext.megatron import graphs, overflow
 from megatron_moe_ext.megatron.expert_choice import grouped_gemm_experts
@@ -69,7 +70,7 @@ def _megatron_builds_dispatcher(factory):
                 setattr(_megatron_moe_layer, n, cls)
 
 
-class FlexMoELayer(MoELayer):
+class FlexMoELayer(MoELayer, overflow.OverflowCounter):
     """Megatron `MoELayer` whose token dispatcher is `MoEFlexTokenDispatcher`.
 
     Arguments are Megatron's, plus:
@@ -99,11 +100,12 @@ class FlexMoELayer(MoELayer):
         self.dispatcher_config = dispatcher_config
         self.token_dispatcher.cudagraph_attrs = graphs.cudagraph_attrs(
             dispatcher_config.moe_flex_dispatcher_backend)
+        # Experts that gather their own rows take `IndexedRows` where the backend can hand them.
+        row = registry.BACKENDS[dispatcher_config.moe_flex_dispatcher_backend]
+        self.token_dispatcher.hand_indexed_rows = (
+            row.indexed_rows and getattr(self.experts, "accepts_indexed_rows", False))
         # Budget mode: `[dropped pairs, rows needed]` on the device, see `overflow.py`.
-        budget = dispatcher_config.moe_expert_rank_capacity_factor is not None
-        self.register_buffer("moe_overflow_stats", overflow.new_stats(config) if budget else None,
-                             persistent=False)
-        self.moe_overflow_budget = 0
+        self._init_overflow_counter(config, dispatcher_config)
         # Megatron recomputes this layer (selective "moe", or the whole transformer layer):
         # the recompute replays the original routing and layout (megatron_moe_ext.recompute).
         self.recompute_replay = None
@@ -112,26 +114,15 @@ class FlexMoELayer(MoELayer):
 
     def routed_experts_compute(self, hidden_states, probs):
         output, mlp_bias = super().routed_experts_compute(hidden_states, probs)
-        manager = self.token_dispatcher._comm_manager
-        if self.moe_overflow_stats is not None:
-            overflow.accumulate(self.moe_overflow_stats, manager.overflow_stats)
-            self.moe_overflow_budget = manager.capacity
+        self._count_overflow(self.token_dispatcher.manager)
         return output, mlp_bias
-
-    def overflow(self) -> overflow.OverflowReport | None:
-        """This layer's budget overflow since the last read (one host read, then reset; over
-        this rank only), or None outside budget mode. `check_overflow(model)` reads every
-        layer at once and applies the policy."""
-        if self.moe_overflow_stats is None:
-            return None
-        return overflow.read_overflow([(f"layer {self.layer_number}", self)], gather=False)[0]
 
     def route(self, hidden_states, padding_mask=None):
         """Megatron's router, through the layer's `RecomputeReplay` when it has one: under
         `checkpoint_moe`'s `save_dispatch_outputs` the recompute reuses its outputs instead of
         running it again (unless input jitter draws random numbers, which the recompute must
         draw again)."""
-        replay = self.token_dispatcher._comm_manager
+        replay = self.token_dispatcher.replay
         if isinstance(replay, RecomputeReplay) and not self.config.moe_input_jitter_eps:
             return replay.route(super().route, hidden_states, padding_mask)
         return super().route(hidden_states, padding_mask)

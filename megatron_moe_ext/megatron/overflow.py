@@ -1,6 +1,6 @@
 """Overflow of sync-free MoE layers: counted on the device, read once per step on the host.
 
-In budget mode (`moe_expert_rank_capacity_factor`, see `dispatcher/budget.py`) a dispatch
+In budget mode (`moe_expert_rank_capacity_factor`, see `dispatcher/fixed.py`) a dispatch
 never reads the device, so it cannot stop when routing exceeds a rank's budget. Instead each
 `FlexMoELayer` accumulates, on the device and inside any CUDA graph, `[dropped pairs, rows
 needed]` (a sum and a max over the step's dispatches; a recomputed forward counts again).
@@ -69,13 +69,42 @@ def accumulate(stats_2: torch.Tensor, dispatch_stats_2: torch.Tensor) -> None:
     torch.maximum(stats_2[1], dispatch_stats_2[1], out=stats_2[1])
 
 
-def _budget_layers(model) -> list[tuple[str, torch.nn.Module]]:
-    from megatron_moe_ext.megatron.moe_layer import FlexMoELayer
+class OverflowCounter:
+    """The overflow counter an MoE layer owns (a mixin of `FlexMoELayer`): `[dropped pairs,
+    rows needed]` on the device, its budget and policy; `check_overflow` finds layers by it."""
 
+    moe_overflow_stats: torch.Tensor | None  # a buffer: no class default (register_buffer)
+    moe_overflow_budget: int
+    moe_overflow_policy: str
+
+    def _init_overflow_counter(self, config, dispatcher_config) -> None:
+        """A device counter in budget mode (None otherwise), registered as a non-persistent
+        buffer so it follows the layer to its device; call after `nn.Module.__init__`."""
+        budget = dispatcher_config.moe_expert_rank_capacity_factor is not None
+        self.register_buffer("moe_overflow_stats", new_stats(config) if budget else None, persistent=False)
+        self.moe_overflow_policy = dispatcher_config.moe_expert_rank_overflow_policy
+        self.moe_overflow_budget = 0
+
+    def _count_overflow(self, manager) -> None:
+        """Add the last permutation's `manager.overflow_stats` (budget mode only)."""
+        if self.moe_overflow_stats is not None:
+            accumulate(self.moe_overflow_stats, manager.overflow_stats)
+            self.moe_overflow_budget = manager.capacity
+
+    def overflow(self) -> "OverflowReport | None":
+        """This layer's budget overflow since the last read (one host read, then reset; over
+        this rank only), or None outside budget mode. `check_overflow(model)` reads every
+        layer at once and applies the policy."""
+        if self.moe_overflow_stats is None:
+            return None
+        return read_overflow([(f"layer {self.layer_number}", self)], gather=False)[0]
+
+
+def _budget_layers(model) -> list[tuple[str, torch.nn.Module]]:
     modules = model if isinstance(model, (list, tuple)) else [model]
     return [(name or f"layer {layer.layer_number}", layer)
             for module in modules for name, layer in module.named_modules()
-            if isinstance(layer, FlexMoELayer) and layer.moe_overflow_stats is not None]
+            if isinstance(layer, OverflowCounter) and layer.moe_overflow_stats is not None]
 
 
 def read_overflow(layers: list[tuple[str, torch.nn.Module]], group=None,
@@ -93,8 +122,7 @@ def read_overflow(layers: list[tuple[str, torch.nn.Module]], group=None,
         all_WL2 = torch.stack(gathered)
         stats_L2 = torch.stack([all_WL2[..., 0].sum(0), all_WL2[..., 1].amax(0)], dim=1)
     values = stats_L2.tolist()
-    return [OverflowReport(name, dropped, needed, layer.moe_overflow_budget,
-                           layer.dispatcher_config.moe_expert_rank_overflow_policy)
+    return [OverflowReport(name, dropped, needed, layer.moe_overflow_budget, layer.moe_overflow_policy)
             for (name, layer), (dropped, needed) in zip(layers, values)]
 
 

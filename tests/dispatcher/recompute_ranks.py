@@ -23,7 +23,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from megatron_moe_ext import recompute
 from megatron_moe_ext.config import TokenDispatcherConfig
 from megatron_moe_ext.dispatcher.backends import torch_a2a
-from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher, _in_backward
+from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
+from megatron_moe_ext.dispatcher.hooks import in_backward
 
 NUM_EXPERTS, TOPK, HIDDEN, TOKENS = 8, 2, 16, 12
 
@@ -82,7 +83,7 @@ class _RecomputeOps(TorchDispatchMode):
     def wrap(self, fn, region: str):
         @functools.wraps(fn)
         def wrapped(*args, **kwargs):
-            outer, self._region = self._region, region if _in_backward() else None
+            outer, self._region = self._region, region if in_backward() else None
             try:
                 return fn(*args, **kwargs)
             finally:
@@ -289,7 +290,7 @@ def megatron_layer_case(recompute_granularity: str | None, perturb: bool = False
                              layer_number=1)
         layer.set_layer_number(1)
         router_calls_in_backward = []
-        layer.router.register_forward_pre_hook(lambda *_: router_calls_in_backward.append(_in_backward()))
+        layer.router.register_forward_pre_hook(lambda *_: router_calls_in_backward.append(in_backward()))
         gen = torch.Generator().manual_seed(100 + rank)
         x = torch.randn(case.seq, case.batch, case.hidden, generator=gen).requires_grad_()
         g = torch.randn(case.seq, case.batch, case.hidden, generator=gen)
@@ -317,7 +318,7 @@ def megatron_layer_case(recompute_granularity: str | None, perturb: bool = False
                 counts = (counter.layout, counter.data)
             finally:
                 counter.restore()
-        replayed = isinstance(layer.token_dispatcher._comm_manager, recompute.RecomputeReplay)
+        replayed = isinstance(layer.token_dispatcher.replay, recompute.RecomputeReplay)
         error = None
         try:
             recompute.check_routing(layer)  # attaches a replay where none was

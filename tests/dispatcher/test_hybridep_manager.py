@@ -4,6 +4,10 @@ buffer, padding, what the buffer does with `topk_idx`, the double's own refusals
 pipeline runtime initializer and the runtime warmup, on real gloo ranks with the
 HybridEPBuffer test double (or the real library with MOE_EXT_HYBRIDEP_REAL=1)."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -13,6 +17,7 @@ from tests.dispatcher import hybridep_ranks
 from tests.dispatcher.hybridep_ranks import REAL, WORLDS
 from tests.harness import shutdown_pools
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 double_only = pytest.mark.skipif(REAL, reason="checks the test double itself")
 
 
@@ -150,3 +155,20 @@ def test_hidden_below_128_refused_before_any_buffer(dist_pools):
     for r in dist_pools(1).run(hybridep_ranks.small_hidden_refused, 112):
         assert r["layer"].startswith("hidden_states:") and "at least 128" in r["layer"], r
         assert "cuMemGetAddressRange" in r["double"], r
+
+
+@pytest.mark.parametrize("env, pinned", [
+    ({}, True),
+    ({"MOE_EXT_STATIC_ROUTING_PAD_PIN": "0"}, False),
+    ({"NEMO_STATIC_ROUTING_PAD_PIN": "0"}, False),  # the seed's name, kept as an alias
+    ({"MOE_EXT_STATIC_ROUTING_PAD_PIN": "1", "NEMO_STATIC_ROUTING_PAD_PIN": "0"}, True),
+])
+def test_static_routing_pad_pin_reads_the_new_name_then_the_seed_name(env, pinned):
+    """Read at import, so each case imports the module in a fresh interpreter."""
+    base = {k: v for k, v in os.environ.items() if not k.endswith("STATIC_ROUTING_PAD_PIN")}
+    done = subprocess.run(
+        [sys.executable, "-c", "from megatron_moe_ext.dispatcher.hybridep import manager as m; "
+                               "print(m._STATIC_ROUTING_PAD_PIN)"],
+        env={**base, **env}, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == str(pinned)

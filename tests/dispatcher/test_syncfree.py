@@ -1,4 +1,4 @@
-"""Sync-free budget mode (`moe_expert_rank_capacity_factor`, dispatcher/budget.py).
+"""Sync-free budget mode (`moe_expert_rank_capacity_factor`, dispatcher/fixed.py).
 
 - The budget is Megatron's: `int(T * K * factor)` rounded up to the pad multiple.
 - Within the budget the mode equals the blocking dropless path of the same backend (torch,
@@ -16,7 +16,7 @@ import torch
 
 from megatron_moe_ext.config import TokenDispatcherConfig
 from megatron_moe_ext.dispatcher import permute as P
-from megatron_moe_ext.dispatcher.budget import rank_budget
+from megatron_moe_ext.dispatcher.fixed import rank_budget
 from megatron_moe_ext.megatron import graphs
 from tests.dispatcher import syncfree_ranks
 

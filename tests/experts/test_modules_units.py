@@ -16,7 +16,7 @@ from megatron_moe_ext.experts.common import (
     permute_local,
     unpermute_local,
 )
-from megatron_moe_ext.experts.deepep import _stabilize_empty_routing_probs_dtype
+from megatron_moe_ext.experts.dispatch import _stabilize_empty_routing_probs_dtype
 from tests.experts.cases_modules import (
     ModuleCase,
     build_module,

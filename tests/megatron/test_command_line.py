@@ -172,7 +172,11 @@ def _run_isolated(code: str, cwd: str) -> str:
 def test_patches_import_from_a_source_checkout(tmp_path):
     where = _run_isolated("import os, megatron_moe_ext.patches as p; "
                           "print(os.path.realpath(p.__file__))", str(tmp_path))
-    assert where == os.path.join(os.path.realpath(ROOT), "patches", "__init__.py")
+    assert where == os.path.join(os.path.realpath(ROOT), "megatron_moe_ext", "patches", "__init__.py")
+    # The top-level `patches` of the layout is the same module's functions.
+    same = _run_isolated("import patches, megatron_moe_ext.patches as p; "
+                         "print(patches.apply is p.apply and patches.revert is p.revert)", str(tmp_path))
+    assert same == "True"
 
 
 def test_importing_specs_builds_no_spec(tmp_path):

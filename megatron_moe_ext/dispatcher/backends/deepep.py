@@ -419,6 +419,21 @@ class DeepEPCommunicator:
                 (self, handle, group, (async_finish, allocate_on_comm_stream), recv_x, recv_probs, recv_indices_RK))
         return recv_x, recv_indices_RK, recv_probs, tokens_per_expert, handle
 
+    def dispatch_fixed(self, x_TH, indices_TK, probs_TK, num_experts, group, send_capacity: int,
+                       async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """A dispatch of fixed shape without a host sync: `num_worst_tokens = W * send_capacity`
+        received rows (DeepEP V1 intranode, its CUDA-graph-compatible path; a rank never sends
+        more than its T tokens to one rank, so `send_capacity` = T cannot overflow). Returns
+        `(recv_x, recv_indices, recv_probs, handle, None)` (no send overflow)."""
+        if x_TH.dtype != torch.bfloat16:
+            raise ValueError(f"hidden_states: sync-free {self.name} dispatch takes bf16 rows (its "
+                             f"combine kernel is bf16 only), got {x_TH.dtype}")
+        num_worst_tokens = dist.get_world_size(group) * send_capacity
+        recv_x, recv_indices, recv_probs, _, handle = self.dispatch(
+            x_TH, indices_TK, probs_TK, num_experts, group, async_finish, allocate_on_comm_stream,
+            num_worst_tokens=num_worst_tokens)
+        return recv_x, recv_indices, recv_probs, handle, None
+
     def combine(self, x_RH, group, handle: DeepEPHandle,
                 async_finish: bool = False, allocate_on_comm_stream: bool = False):
         """Sum each token's expert-output rows on its owner: `[R, H]` -> `([T, H], None)`.
@@ -431,6 +446,9 @@ class DeepEPCommunicator:
             out_TH = _CombineGrad.apply(x_RH, (self, handle, group, (async_finish, allocate_on_comm_stream),
                                                out_TH))
         return out_TH, None
+
+    #: The library's combine reads only the rows the layout says were received.
+    combine_fixed = combine
 
 
 # The two records below take the received tensors inside their non-tensor `state`, not as

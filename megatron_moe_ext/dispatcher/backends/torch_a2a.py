@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from megatron_moe_ext.dispatcher import permute as P
+
 # All-to-all only moves bytes, and gloo has no 16-bit types: send half types as raw bytes.
 _BYTE_VIEW_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -248,6 +250,61 @@ def combine(
     return out_TH.index_put((handle.send_token_ids_S,), rows_SH, accumulate=True), None
 
 
+@dataclass(frozen=True)
+class FixedHandle:
+    """State of one fixed-shape dispatch that combine and its backward reuse.
+
+    slot_TW: the sent slot of each token's copy for each rank (S = W*C where none).
+    send_capacity: C, rows per rank pair.
+    """
+
+    slot_TW: torch.Tensor
+    send_capacity: int
+
+
+def dispatch_fixed(x_TH, indices_TK, probs_TK, num_experts, group, send_capacity: int,
+                   async_finish: bool = False, allocate_on_comm_stream: bool = False):
+    """A dispatch of fixed shape: equal all-to-all splits of `send_capacity` (C) rows per rank
+    pair, every layout computed on the device (no host sync). Empty slots are a zero token
+    routed nowhere.
+
+    Returns:
+        `(recv_x [W*C, H], recv_indices [W*C, K], recv_probs [W*C, K], FixedHandle,
+        send_overflow)`: the last a 0-d bool, set when a rank pair needed more than C rows
+        (those tokens' copies are not sent).
+    """
+    world = dist.get_world_size(group)
+    e, C = num_experts // world, send_capacity
+    num_tokens, topk = indices_TK.shape
+    device = x_TH.device
+    in_rank_TW = token_ranks(indices_TK, e, world)
+    # A token's slot is its position among the tokens sent to the same rank.
+    pos_TW = torch.cumsum(in_rank_TW.int(), dim=0) - 1
+    fits_TW = in_rank_TW & (pos_TW < C)
+    send_overflow = (in_rank_TW & ~fits_TW).any()
+    slot_TW = torch.where(fits_TW, torch.arange(world, device=device) * C + pos_TW, world * C)
+    token_TW = torch.arange(num_tokens, device=device)[:, None].expand(-1, world)
+    send_token_ids_S = torch.full((world * C + 1,), num_tokens, dtype=torch.long, device=device)
+    send_token_ids_S = send_token_ids_S.index_put((slot_TW.flatten(),), token_TW.flatten())[:-1]
+    send_rank_S = torch.arange(world, device=device).repeat_interleave(C)
+    indices_pad = torch.cat([indices_TK, indices_TK.new_full((1, topk), -1)])
+    splits = [C] * world
+    recv_x_RH = all_to_all_rows(P.gather_rows(x_TH, send_token_ids_S, slot_TW), splits, splits, group)
+    recv_indices_RK, recv_probs_RK = send_routing(
+        indices_pad.index_select(0, send_token_ids_S), P.gather_rows(probs_TK, send_token_ids_S, slot_TW),
+        send_rank_S, e, splits, splits, group)
+    return recv_x_RH, recv_indices_RK, recv_probs_RK, FixedHandle(slot_TW, C), send_overflow
+
+
+def combine_fixed(x_RH, group, handle: FixedHandle, async_finish: bool = False,
+                  allocate_on_comm_stream: bool = False):
+    """`combine` of a `dispatch_fixed`: `[W*C, H]` -> `([T, H], None)`."""
+    splits = [handle.send_capacity] * dist.get_world_size(group)
+    rows_SH = all_to_all_rows(x_RH, splits, splits, group)
+    # Each token's copies come back in rank order: gathers, not an accumulate (see gather_sum).
+    return P.gather_sum(rows_SH, handle.slot_TW), None
+
+
 class TorchCommunicator:
     """The torch backend behind the communicator protocol (`dispatcher/base.py`
     `Communicator`): the functions above, and no buffer. Stateless: one object serves every
@@ -260,6 +317,8 @@ class TorchCommunicator:
     dispatch = staticmethod(dispatch)
     dispatch_cached = staticmethod(dispatch_cached)
     combine = staticmethod(combine)
+    dispatch_fixed = staticmethod(dispatch_fixed)
+    combine_fixed = staticmethod(combine_fixed)
     announce_input_error = staticmethod(announce_input_error)
 
     def check_group(self, group) -> None:

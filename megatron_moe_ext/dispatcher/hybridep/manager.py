@@ -40,8 +40,10 @@ _HYBRIDEP_HIDDEN_ALIGNMENT = 16
 #: (csrc/hybrid_ep/buffer/intranode.cu), and a 0-byte allocation makes its IPC allocator exit
 #: the process (`cuMemGetAddressRange ... named symbol not found`).
 _HYBRIDEP_MIN_HIDDEN = 128
-#: Set NEMO_STATIC_ROUTING_PAD_PIN=0 to keep the per-dispatch all-reduce under static routing.
-_STATIC_ROUTING_PAD_PIN = os.environ.get("NEMO_STATIC_ROUTING_PAD_PIN", "1") != "0"
+#: Set MOE_EXT_STATIC_ROUTING_PAD_PIN=0 to keep the per-dispatch all-reduce under static
+#: routing (the seed's name NEMO_STATIC_ROUTING_PAD_PIN is read where the new one is unset).
+_STATIC_ROUTING_PAD_PIN = os.environ.get(
+    "MOE_EXT_STATIC_ROUTING_PAD_PIN", os.environ.get("NEMO_STATIC_ROUTING_PAD_PIN", "1")) != "0"
 
 
 def _assert_no_hybridep_overflow(handle, capacity: int) -> None:

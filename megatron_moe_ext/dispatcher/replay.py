@@ -1,0 +1,341 @@
+"""`RecomputeReplay`: the recompute hook of one dispatcher (the seat of `hooks.py`).
+
+It records, in a forward that will be recomputed, the routing and the layout of each
+dispatch (and, when asked, what the dispatch handed the experts and what the combine
+returned), and replays them in the recompute: no layout collective, no host sync, and the
+routing compared with the forward's. The user-facing side (policies, `checkpoint_moe`,
+`check_routing`) and the whole story are in `megatron_moe_ext/recompute.py`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch.utils._pytree import tree_leaves, tree_map_only
+
+from megatron_moe_ext.dispatcher.handoff import IndexedRows
+from megatron_moe_ext.dispatcher.hooks import DispatchHook, in_backward
+from megatron_moe_ext.dispatcher.topk_manager import DispatchState
+
+
+class RoutingChangedError(RuntimeError):
+    """The recomputed router chose other experts or weights than the original forward."""
+
+
+def _kept_saved_tensors(enabled: bool = True):
+    """Autograd nodes built inside keep their saved tensors instead of handing them to an
+    activation checkpoint, whose recompute then need not repeat them."""
+    if not enabled:
+        return contextlib.nullcontext()
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+
+
+def _stand_in(like: torch.Tensor, rows: int) -> torch.Tensor:
+    """`[rows, H]` holding no data: what a skipped step hands the next one, which skips too."""
+    return like.new_empty_strided((rows, like.shape[1]), (0, 0))
+
+
+def _leaf(tensor: torch.Tensor) -> torch.Tensor:
+    """A kept forward tensor as an input of the recompute, whose graph is discarded: only
+    what it saves for backward counts, and that depends on `requires_grad` alone."""
+    return tensor.detach().requires_grad_(tensor.requires_grad)
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """`a` and `b` view the same contiguous bytes as one dtype (a reshape of the other), so
+    they hold the same values; a host-side test, no kernel."""
+    return (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.numel() == b.numel()
+            and a.is_contiguous() and b.is_contiguous())
+
+
+@dataclass
+class _DispatchRecord:
+    """What one recorded dispatch hands its recompute.
+
+    indices_TK / probs_TK: the routing dispatched (after token dropping), fp32 weights detached.
+    handle: the backend's layout.
+    recv_indices_RK / recv_probs_RK / tokens_per_expert: what this rank received.
+    keep_outputs: the recompute skips the dispatch: the forward keeps the following.
+    routed: the outputs of `RecomputeReplay.route` when they were the routing (the recompute
+        returns them instead of running the router, and skips the routing's setup, whose
+        autograd nodes keep what they save), else None.
+    permutation: `(the manager's state.permutation, padded counts)` of the local permutation.
+    expert_inputs: what the dispatch handed the experts (until replayed): `(rows [P, H],
+        probs [P])`, or `IndexedRows` (the received rows and the maps: no permuted rows).
+    combined: `[T, H]` the combine returned, when it moved rows between ranks.
+    """
+
+    indices_TK: torch.Tensor
+    probs_TK: torch.Tensor
+    handle: object
+    recv_indices_RK: torch.Tensor
+    recv_probs_RK: torch.Tensor
+    tokens_per_expert: list[int]
+    keep_outputs: bool = False
+    routed: object = None
+    permutation: tuple[object, list[int]] | None = None
+    expert_inputs: tuple[torch.Tensor, torch.Tensor] | IndexedRows | None = None
+    combined: torch.Tensor | None = None
+
+
+class RecomputeReplay(DispatchHook):
+    """The hook of one layer's dispatcher that records and replays routing and layout.
+
+    Arguments:
+        manager: the layer's top-k manager (`replayable`: torch, DeepEP or UCCL-EP backend in
+            dropless mode), whose public `state` it reads after each step of a recorded
+            dispatch and hands back in a replayed one.
+    """
+
+    def __init__(self, manager):
+        self.manager = manager
+        self._records: deque[_DispatchRecord] = deque()
+        self._recording = False
+        self._keep_outputs = False
+        self._replaying: _DispatchRecord | None = None  # popped by the routing, for the dispatch
+        # What `route` returned last (kept outputs in a forward, or handed back in a recompute)
+        # and its tensors, until a routing setup consumes them; whether the dispatcher was
+        # handed exactly them (`routing_handed`), for the setup; and, in a forward, whether the
+        # setup kept them, for the record of its dispatch.
+        self._route_out: object = None
+        self._routed: list[torch.Tensor] | None = None
+        self._handed = False
+        self._routing_kept = False
+        # The record of the dispatch in flight (recorded or replayed), until its combine.
+        self._current: _DispatchRecord | None = None
+        self._skipping = False  # the dispatch in flight is replayed from kept outputs
+        # A routing change seen by the recomputes since the last `check`: a device flag (or'ed
+        # over them), its host copy (one pinned buffer, written again by each recompute: stream
+        # order makes the last copy cover all) and the event after that copy.
+        self._changed: torch.Tensor | None = None
+        self._changed_host: torch.Tensor | None = None
+        self._changed_copied: torch.cuda.Event | None = None
+
+    @property
+    def num_records(self) -> int:
+        """Recorded dispatches whose recompute has not run yet."""
+        return len(self._records)
+
+    @contextlib.contextmanager
+    def recording(self, enabled: bool = True, keep_outputs: bool = False):
+        """Record the dispatches of this forward (it will be recomputed); `keep_outputs`: also
+        keep what they hand the experts, so their recompute skips the dispatch (non-reentrant
+        checkpoint only; end the recompute with `end_recompute`)."""
+        saved = self._recording, self._keep_outputs
+        self._recording, self._keep_outputs = enabled, keep_outputs
+        try:
+            yield
+        finally:
+            self._recording, self._keep_outputs = saved
+
+    def end_recompute(self) -> None:
+        """Drop what a recompute left of a dispatch replayed from kept outputs (a checkpoint
+        stops its recompute once it has what backward needs: the combine may never come)."""
+        self._route_out = self._routed = None
+        if self._skipping:
+            self._current, self._skipping = None, False
+
+    def clear(self) -> None:
+        """Drop unconsumed records (a checkpointed forward whose backward never ran)."""
+        self._records.clear()
+        self._current, self._skipping, self._route_out, self._routed = None, False, None, None
+        self._handed = self._routing_kept = False
+
+    # ---- routing ---------------------------------------------------------------------------
+    def route(self, fn: Callable, *args, **kwargs):
+        """`fn(*args, **kwargs)`: the layer's router, whose outputs (tensors, or nests of them)
+        become the routing handed to the dispatcher.
+
+        In a forward recorded with `keep_outputs` (`checkpoint_moe`'s `save_dispatch_outputs`)
+        the router's autograd nodes keep what they save (the checkpoint neither holds nor
+        recomputes it: its `[T, H]` input and `[T, E]` scores, about what the router's backward
+        needs anyway) and its outputs are recorded; its recompute hands them back without
+        running `fn`: no router kernel, no input check, no routing compare, and the router
+        cannot route differently (a changed expert bias or router weight meets the backward of
+        the original routing, as without recompute). Elsewhere `fn` runs (and is recomputed,
+        and checked, under `recompute_all` or reentrant checkpoints).
+
+        `fn` must not draw random numbers (router input jitter) when later ops of the region
+        do: the recompute, which skips it, would draw theirs from another point of the stream.
+        Its outputs must not be modified in place afterwards.
+        """
+        if in_backward():
+            if not (self._records and self._records[0].routed is not None):
+                return fn(*args, **kwargs)  # this forward's router was not kept: run it again
+            out = tree_map_only(torch.Tensor, _leaf, self._records[0].routed)
+        elif not (self._recording and self._keep_outputs):
+            return fn(*args, **kwargs)
+        else:
+            with _kept_saved_tensors():
+                out = fn(*args, **kwargs)
+        self._route_out = out
+        self._routed = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        return out
+
+    def routing_handed(self, *routing: torch.Tensor) -> bool:
+        """The dispatcher is handed `routing`, before its checks (the next setup is this
+        routing's). Returns whether this is a recompute replaying the forward's routing: what
+        `route` handed back, from a forward that kept it, whose checks, conversion and record
+        ran on exactly these values (so the dispatcher need not check them again)."""
+        routed = self._routed
+        self._handed = routed is not None and all(any(_same_bytes(t, r) for r in routed) for t in routing)
+        return self._handed and self._replays_routing()
+
+    def _replays_routing(self) -> bool:
+        """The setup to come is a recompute's, of the routing its forward kept."""
+        return (self._handed and in_backward() and bool(self._records)
+                and self._records[0].routed is not None)
+
+    def _setting_up(self):
+        """Context of the routing's setup. A forward keeping `route`'s outputs keeps the
+        setup's saved tensors out of the checkpoint too, as its recompute skips the setup."""
+        self._routing_kept = self._handed and self._recording and self._keep_outputs and not in_backward()
+        if not self._routing_kept:
+            self._route_out = None
+        self._handed = False
+        return _kept_saved_tensors(self._routing_kept)
+
+    def setup(self, run: Callable[[], None]) -> None:
+        if self._replays_routing():
+            return self._replay_routing()
+        with self._setting_up():
+            run()
+        self._after_setup()
+
+    def _replay_routing(self) -> None:
+        """The routing is the forward's (`routing_handed`): its recorded ids and weights are
+        the dispatch's, with no conversion and nothing to compare."""
+        record = self._replaying = self._records.popleft()
+        self.manager.state.token_indices, self.manager.state.token_probs = record.indices_TK, record.probs_TK
+        record.routed = self._route_out = self._routed = None
+        self._handed = False
+
+    def _after_setup(self) -> None:
+        self._routed = None  # `_route_out` stays for the record of a forward's dispatch
+        if not (in_backward() and self._records):
+            self._replaying = None
+            self.check()
+            return
+        record = self._records.popleft()
+        state = self.manager.state
+        indices_TK, probs_TK = state.token_indices, state.token_probs
+        if indices_TK.shape != record.indices_TK.shape:
+            raise RoutingChangedError(
+                f"the recomputed MoE forward routes {tuple(indices_TK.shape)} top-k slots, the "
+                f"original forward routed {tuple(record.indices_TK.shape)}: recomputes must run "
+                "in the order of their forwards, on the same tokens")
+        # One `[T, K]` mask (ids and weights have one shape) and one reduction.
+        changed_TK = torch.ne(probs_TK.detach(), record.probs_TK).logical_or_(indices_TK != record.indices_TK)
+        self._flag(changed_TK.any())
+        # The layout is the original one, so the ids must be too (the weights keep the
+        # recomputed graph: their gradient flows to the router).
+        state.token_indices = record.indices_TK
+        self._replaying = record
+
+    def _flag(self, changed: torch.Tensor) -> None:
+        """Or a device flag into this step's and copy it to the host without a sync, for the
+        next host sync point."""
+        self._changed = changed if self._changed is None else self._changed.logical_or_(changed)
+        if changed.is_cuda:
+            if self._changed_host is None:  # once per replay: no pinned allocation per recompute
+                self._changed_host = torch.zeros((), dtype=torch.bool, pin_memory=True)
+                self._changed_copied = torch.cuda.Event()
+            self._changed_host.copy_(self._changed, non_blocking=True)
+            self._changed_copied.record()
+
+    def check(self) -> None:
+        """Raise `RoutingChangedError` if a recompute since the last check routed differently.
+
+        The flag was copied to the host when the last recompute ran; reading it waits only for
+        that copy (long done by the next forward)."""
+        changed, self._changed = self._changed, None
+        if changed is None:
+            return
+        if changed.is_cuda:
+            self._changed_copied.synchronize()
+            changed = self._changed_host
+        if bool(changed):
+            raise RoutingChangedError(
+                "the recomputed MoE router output differs from the original forward's (expert "
+                "ids or weights): the backward used the original routing and its gradients "
+                "do not match the recomputed router. Do not change router weights or expert "
+                "bias between a checkpointed forward and its backward; make the router "
+                "deterministic (bf16 top-k ties)")
+
+    # ---- communication and permutation ---------------------------------------------------
+    def dispatch(self, run: Callable[[], torch.Tensor], hidden_states: torch.Tensor,
+                 async_finish: bool = False, allocate_on_comm_stream: bool = False) -> torch.Tensor:
+        manager = self.manager
+        state = manager.state
+        record, self._replaying = self._replaying, None
+        self._current, self._skipping = record, record is not None and record.keep_outputs
+        if record is None:
+            recording = self._recording and not in_backward()
+            indices_TK, probs_TK = state.token_indices, state.token_probs
+            with _kept_saved_tensors(recording):
+                out = run()
+            if recording:
+                self._current = _DispatchRecord(
+                    indices_TK, probs_TK.detach(), state.handle, state.dispatched_indices,
+                    state.dispatched_probs.detach(), list(state.host_counts()), self._keep_outputs,
+                    tree_map_only(torch.Tensor, _leaf, self._route_out) if self._routing_kept else None)
+                self._records.append(self._current)
+            self._route_out, self._routing_kept = None, False
+            return out
+        if self._skipping:  # the permutation hands the experts the kept rows: nothing moves
+            hidden, indices, probs = (_stand_in(hidden_states, record.recv_indices_RK.shape[0]),
+                                      record.recv_indices_RK, record.recv_probs_RK)
+            handle, counts = record.handle, record.tokens_per_expert
+        else:
+            with _kept_saved_tensors():
+                hidden, indices, probs, counts, handle = manager.comm.dispatch_cached(
+                    hidden_states, state.token_probs, record.handle, record.recv_indices_RK,
+                    record.recv_probs_RK, record.tokens_per_expert, manager.group, async_finish,
+                    allocate_on_comm_stream)
+        # What the manager's own dispatch leaves for permute and combine.
+        state.handle, state.counts = handle, list(counts)
+        state.dispatched_indices, state.dispatched_probs = indices, probs
+        state.token_indices = state.token_probs = None
+        return hidden
+
+    def permute(self, run: Callable[[], tuple]) -> tuple:
+        record = self._current
+        if self._skipping:
+            (permutation, counts), handed = record.permutation, record.expert_inputs
+            record.expert_inputs = None  # backward holds them from here on
+            if isinstance(handed, IndexedRows):  # the received rows and the maps, no permuted copy
+                probs_P = self.manager.keep_permutation(counts, permutation, _leaf(handed.probs_P))
+                return dataclasses.replace(handed, rows_RH=_leaf(handed.rows_RH), probs_P=probs_P)
+            rows_PH, probs_P = handed
+            return _leaf(rows_PH), self.manager.keep_permutation(counts, permutation, _leaf(probs_P))
+        with _kept_saved_tensors(record is not None):
+            out = run()
+        if record is not None and record.keep_outputs:
+            state = self.manager.state
+            record.permutation = state.permutation, state.host_counts()
+            record.expert_inputs = out
+        return out
+
+    def restore(self, run: Callable[[], torch.Tensor], hidden_states: torch.Tensor) -> torch.Tensor:
+        record = self._current
+        if self._skipping and record.combined is not None:  # the combine returns what it kept
+            return _stand_in(hidden_states, record.recv_indices_RK.shape[0])
+        with _kept_saved_tensors(record is not None):
+            return run()
+
+    def combine(self, run: Callable[[], torch.Tensor], hidden_states: torch.Tensor) -> torch.Tensor:
+        record, skipping = self._current, self._skipping
+        self._current, self._skipping = None, False
+        if skipping and record.combined is not None:
+            self.manager.state = DispatchState()  # the dispatch ends here: drop what it held
+            return _leaf(record.combined)
+        with _kept_saved_tensors(record is not None):
+            out = run()
+        if record is not None and record.keep_outputs and out is not hidden_states:
+            record.combined = out  # rows came back from other ranks: worth keeping
+        return out

@@ -1,0 +1,97 @@
+"""`megatron_moe_ext.patches`: make Megatron's own spec builders build `FlexMoELayer`.
+
+    from megatron_moe_ext import patches
+    patches.apply()            # or apply(dispatcher_config=..., experts=...)
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)  # Megatron's
+    patches.revert()
+
+Megatron-Core 0.19 has one place that names the MoE layer class when building specs: the
+module global `MoELayer` of `megatron.core.models.gpt.moe_module_specs`, read at call time
+by `get_moe_module_spec`, `get_moe_module_spec_for_backend` and the inference MoE spec.
+Every GPT builder (`get_gpt_decoder_block_spec`, `get_gpt_decoder_layer_specs`,
+`get_gpt_layer_local_spec`, `get_gpt_layer_with_transformer_engine_spec`, the MTP and
+experimental-attention specs) and the hybrid (Mamba) builders reach it through those
+functions. Patching that one global therefore also catches callers that imported a
+builder by name before `apply()`, and leaves every builder function object untouched.
+Specs built before `apply()` keep Megatron's layer; build them after.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from megatron_moe_ext.config import TokenDispatcherConfig
+
+from megatron.core.models.gpt import moe_module_specs as _moe_module_specs
+
+EXPECTED_MEGATRON_CORE = "megatron-core 0.19.x"
+# The spec functions that read the module global `MoELayer` at call time.
+_READERS = ("get_moe_module_spec_for_backend", "get_inference_optimized_moe_spec")
+
+_lock = threading.Lock()
+_applied: dict | None = None  # {"original": MoELayer, "dispatcher_config": ..., "experts": ...}
+
+
+def _check_megatron_target() -> None:
+    """Refuse at import, naming the expected version, if Megatron no longer builds MoE layers
+    from the `moe_module_specs.MoELayer` global (the patch would then change nothing)."""
+    stale = [] if hasattr(_moe_module_specs, "MoELayer") else ["MoELayer"]
+    for name in _READERS:
+        reader = getattr(_moe_module_specs, name, None)
+        if reader is None or "MoELayer" not in reader.__code__.co_names:
+            stale.append(name)
+    if stale:
+        from megatron.core import __version__
+
+        raise ImportError(
+            f"megatron_moe_ext.patches expects {EXPECTED_MEGATRON_CORE}, whose "
+            f"megatron.core.models.gpt.moe_module_specs builds MoE layers from its module "
+            f"global MoELayer in {_READERS}; the installed megatron-core {__version__} "
+            f"does not ({stale})")
+
+
+_check_megatron_target()
+
+
+def apply(dispatcher_config: TokenDispatcherConfig | None = None, experts=None) -> None:
+    """Make Megatron's MoE module specs build `FlexMoELayer`.
+
+    Arguments:
+        dispatcher_config: given to every layer (default: each layer derives its own from
+            its `TransformerConfig`: Megatron's flex backend when
+            `moe_token_dispatcher_type="flex"`, else the portable `torch` backend).
+        experts: an `ExpertsBuilder` replacing Megatron's experts in every MoE layer
+            (default: keep the spec's experts).
+
+    Applying again with the same arguments changes nothing; with different arguments it
+    raises ValueError (call `revert()` first), so two callers cannot silently disagree.
+    """
+    global _applied
+    from megatron_moe_ext.megatron.specs import flex_layer_builder
+
+    builder = flex_layer_builder(dispatcher_config, experts)
+    with _lock:
+        if _applied is not None:
+            for field, same in (("dispatcher_config", _applied["dispatcher_config"] == dispatcher_config),
+                                ("experts", _applied["experts"] is experts)):
+                if not same:
+                    raise ValueError(f"{field}: patches are already applied with {_applied[field]!r}; "
+                                     "call revert() before applying different settings")
+            return
+        _applied = {"original": _moe_module_specs.MoELayer, "dispatcher_config": dispatcher_config,
+                    "experts": experts}
+        _moe_module_specs.MoELayer = builder
+
+
+def revert() -> None:
+    """Restore Megatron's own MoE layer class (the identical object); a no-op if not applied."""
+    global _applied
+    with _lock:
+        if _applied is None:
+            return
+        _moe_module_specs.MoELayer = _applied["original"]
+        _applied = None
+
+
+def is_applied() -> bool:
+    return _applied is not None
