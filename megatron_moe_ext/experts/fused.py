@@ -83,34 +83,35 @@ def check_expert_mlp_impl(value) -> str:
 
 # --- the QuACK module -------------------------------------------------------------------------
 
-@dataclass
-class _Backend:
-    """The functions of `quack.gemm_interface` this path calls (or a test double's), and
-    whether they run on any device (a double) or need CUDA sm90+ (QuACK)."""
+@dataclass(frozen=True)
+class QuackBackend:
+    """The functions of `quack.gemm_interface` this path calls (`module`), or why they are
+    unavailable (`reason`); `any_device`: they run on any device (a test double), not only
+    CUDA sm90+."""
 
     module: ModuleType | None
     reason: str | None
     any_device: bool = False
 
 
-_backend: _Backend | None = None
+_backend: QuackBackend | None = None
 
 
-def _load_quack() -> _Backend:
+def _load_quack() -> QuackBackend:
     try:
         import quack
         from quack import gemm_interface
     except Exception as exc:  # ImportError, or a CUDA/driver error raised while importing
-        return _Backend(None, f"QuACK is not importable ({type(exc).__name__}: {exc}); "
-                              "install the `quack` extra")
+        return QuackBackend(None, f"QuACK is not importable ({type(exc).__name__}: {exc}); "
+                                  "install the `quack` extra")
     version = getattr(quack, "__version__", "unknown")
     if version.split(".")[:2] != VERIFIED_QUACK.split(".")[:2]:
-        return _Backend(None, f"quack-kernels {version} is installed; this path is verified "
-                              f"against {VERIFIED_QUACK}")
-    return _Backend(gemm_interface, None)
+        return QuackBackend(None, f"quack-kernels {version} is installed; this path is verified "
+                                  f"against {VERIFIED_QUACK}")
+    return QuackBackend(gemm_interface, None)
 
 
-def quack_backend() -> _Backend:
+def quack_backend() -> QuackBackend:
     """The QuACK functions (imported once), or the reason they are unavailable."""
     global _backend
     if _backend is None:
@@ -118,19 +119,13 @@ def quack_backend() -> _Backend:
     return _backend
 
 
-def set_quack_backend(module: ModuleType | None, any_device: bool = False) -> _Backend | None:
-    """Use `module` (a `quack.gemm_interface` look-alike, e.g. tests/doubles/quack_gemm.py) in
-    place of QuACK; `None` goes back to importing QuACK. Returns the previous backend."""
+def set_quack_backend(backend: QuackBackend | None) -> QuackBackend | None:
+    """Use `backend` (e.g. tests/doubles/quack_gemm.py, or an unavailable one) in place of
+    QuACK; None imports QuACK again at the next call. Returns the previous one, for
+    `set_quack_backend(previous)`."""
     global _backend
-    previous = _backend
-    _backend = None if module is None else _Backend(module, None, any_device)
+    previous, _backend = _backend, backend
     return previous
-
-
-def restore_quack_backend(previous: _Backend | None) -> None:
-    """Undo `set_quack_backend`."""
-    global _backend
-    _backend = previous
 
 
 def _tuned() -> bool:
@@ -409,4 +404,5 @@ def warmup_fused_expert_mlp(config, device: torch.device | str, dtype: torch.dty
     for hidden_in in inputs:
         out = fused_expert_mlp(hidden_in, *params, counts, probs, config.expert_activation)
         out.float().sum().backward()
-    torch.cuda.synchronize(device)
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
