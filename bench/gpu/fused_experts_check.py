@@ -13,10 +13,12 @@
    tokens, 128 experts, top-8, H 2048, I 768), its EP8 rank slice (4096 tokens, 16 experts),
    DeepSeek-V3-like EP1 (4096 tokens, 32 experts, top-8, H 7168, I 2048) and its EP16 slice
    (4096 tokens, 16 experts), balanced and skewed routing.
+   tests/doubles/quack_gemm.py against QuACK (the fused path through each).
 3. Timing of experts forward+backward (CUDA events, median of interleaved rounds): the torch
    path on the permuted rows (what the modules run today), the fused path on the same
    permuted rows, and the fused path on IndexedRows (gather inside the GEMM, no permuted
-   copy); plus the gate/up interleave copy alone.
+   copy); plus the gate/up interleave copy alone, and the down projection with the prob as a
+   separate multiply (fused.py) vs in QuACK's `norm_act_mod` epilogue.
 4. Other activations and biases at a small shape (each compiles new kernels), while the time
    budget lasts.
 
@@ -42,6 +44,7 @@ from megatron_moe_ext.dispatcher.handoff import IndexedRows  # noqa: E402
 from megatron_moe_ext.experts import fused  # noqa: E402
 from megatron_moe_ext.experts.activations import get_expert_activation  # noqa: E402
 from megatron_moe_ext.experts.mlp import run_grouped_expert_mlp  # noqa: E402
+from tests.doubles import quack_gemm  # noqa: E402
 from tests.experts.fused_cases import compare, make_case, run_path  # noqa: E402
 
 # name: (tokens, experts, topk, hidden, inter)
@@ -53,12 +56,18 @@ SHAPES = {
     "dsv3_ep16_slice": (4096, 16, 8, 7168, 2048),
 }
 SKEW = {"balanced": 0.0, "skewed": 3.0}
+DEVICE = "cuda"
 
 
 def _flops(tokens, topk, hidden, inter, gated=True):
     """Forward+backward FLOPs of the two projections (3 GEMMs each way)."""
     rows = tokens * topk
     return 3 * 2 * rows * hidden * inter * (3 if gated else 2)
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 class Runner:
@@ -70,7 +79,8 @@ class Runner:
 
     @staticmethod
     def _env() -> dict:
-        env = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
+        env = {"torch": torch.__version__,
+               "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE,
                "fused_unavailable": fused.quack_backend().reason}
         for pkg in ("quack", "cutlass"):
             try:
@@ -107,26 +117,87 @@ class Runner:
 
 def check(shape: str, *, skew="balanced", indexed=True, device_counts=True, pad=0,
           empty=(), activation="swiglu", bias=False):
+    """A case of `compare`, built when run (so that building errors are the case's)."""
     tokens, experts, topk, hidden, inter = SHAPES[shape]
-    case = make_case(tokens, experts, topk, hidden, inter, activation=activation, bias=bias,
-                     skew=SKEW[skew], pad=pad, empty_experts=empty, device="cuda")
-    return lambda: compare(case, indexed, device_counts)
+    return lambda: compare(make_case(tokens, experts, topk, hidden, inter, activation=activation,
+                                     bias=bias, skew=SKEW[skew], pad=pad, empty_experts=empty,
+                                     device=DEVICE), indexed, device_counts)
 
 
 def jit_first_call() -> dict:
     """Seconds of the first fused forward+backward (compiles), then of the second, with
     IndexedRows and with permuted rows."""
     tokens, experts, topk, hidden, inter = SHAPES["small"]
-    case = make_case(tokens, experts, topk, hidden, inter, device="cuda")
+    case = make_case(tokens, experts, topk, hidden, inter, device=DEVICE)
     times = {}
     for indexed in (True, False):
         for attempt in ("first", "second"):
-            torch.cuda.synchronize()
+            _sync()
             start = time.time()
             run_path(case, "fused", indexed, device_counts=True)
-            torch.cuda.synchronize()
+            _sync()
             times[f"{'indexed' if indexed else 'permuted'}_{attempt}_s"] = round(time.time() - start, 3)
     return {"errors": {}, "padding_ok": True, "passed": True, "jit_seconds": times}
+
+
+def double_agreement(activation: str, bias: bool) -> dict:
+    """tests/doubles/quack_gemm.py against real QuACK: the fused path's output and gradients
+    through each (the double on the CPU), at a small shape with padding and an empty expert.
+    Passes when they agree to 1e-2 (norm-relative; both round to bf16)."""
+    kwargs = dict(activation=activation, bias=bias, pad=16, empty_experts=(3,))
+    real = run_path(make_case(256, 8, 2, 128, 64, device="cuda", **kwargs), "fused", True, True)
+    previous = fused.set_quack_backend(fused.QuackBackend(quack_gemm, None, any_device=True))
+    try:
+        double = run_path(make_case(256, 8, 2, 128, 64, device="cpu", **kwargs), "fused", True, True)
+    finally:
+        fused.set_quack_backend(previous)
+    errors = {}
+    for name, got, want in [("out", real[0], double[0])] + [(k, real[1][k], double[1][k]) for k in real[1]]:
+        got, want = got.float().cpu(), want.float()
+        err = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+        errors[name] = {"fused": err, "torch": 1e-2, "ratio": err / 1e-2}
+    return {"errors": errors, "padding_ok": True, "passed": all(e["fused"] <= 1e-2 for e in errors.values())}
+
+
+def down_scale_variants(runner: Runner, shape: str) -> None:
+    """The down projection with the prob: `postact * prob` then `gemm` (what fused.py does) vs
+    QuACK's `norm_act_mod` epilogue (`D = acc * colvec`) in one GEMM: ms and agreement."""
+    from quack.epilogue.library import norm_act_mod
+
+    tokens, experts, topk, hidden, inter = SHAPES[shape]
+    case = make_case(tokens, experts, topk, hidden, inter, device="cuda")
+    q = fused.quack_backend().module
+    rows = case.probs_P1.shape[0]
+    postact = torch.randn(rows, inter, device="cuda", dtype=torch.bfloat16)
+    w2 = case.params["w2"]
+    probs = case.probs_P1
+    cu = torch.nn.functional.pad(torch.tensor(case.counts, device="cuda").cumsum(0), (1, 0)).int()
+    mod = norm_act_mod(None, gated=False, has_c=False, has_rowvec=False, has_colvec=True)
+
+    def separate():
+        return q.gemm((postact.float() * probs).to(torch.bfloat16), w2, cu_seqlens_m=cu, tuned=False)
+
+    def epilogue():
+        out = torch.empty(rows, hidden, device="cuda", dtype=torch.bfloat16)
+        mod(postact, w2, None, out={"mAuxOut": out}, store_d=False, tuned=False,
+            cu_seqlens_m=cu, mColVecBroadcast=probs[:, 0].contiguous())
+        return out
+
+    a, b = separate(), epilogue()
+    err = ((a.float() - b.float()).norm() / a.float().norm()).item()
+    ms = {}
+    for name, fn in (("separate", separate), ("epilogue", epilogue)):
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(20):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        ms[name] = round(start.elapsed_time(end) / 20, 4)
+    runner.record["down_scale_variants"] = {"shape": shape, "median_ms": ms, "rel_diff": err}
+    print(f"DOWN-SCALE {shape}: {ms} rel diff {err:.2e}", flush=True)
 
 
 def _timed_variants(case):
@@ -193,7 +264,16 @@ def main() -> int:
     parser.add_argument("--skip-timing", action="store_true")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--smoke-cpu", action="store_true",
+                        help="a dry run of this script on the CPU: the QuACK double, tiny shapes, "
+                             "no timing")
     args = parser.parse_args()
+    if args.smoke_cpu:
+        global DEVICE
+        DEVICE = "cpu"
+        fused.set_quack_backend(fused.QuackBackend(quack_gemm, None, any_device=True))
+        SHAPES.update({name: (64, 8, 2, 32, 16) for name in SHAPES})
+        args.skip_timing = True
     runner = Runner(args.budget_s)
     print(f"env: {runner.record['env']}", flush=True)
     if runner.record["env"]["fused_unavailable"]:
@@ -208,6 +288,8 @@ def main() -> int:
     ]
     for name, kwargs in small:
         runner.case(name, check("small", **kwargs))
+    if not args.smoke_cpu:
+        runner.case("double agrees with QuACK: swiglu", lambda: double_agreement("swiglu", False))
     for shape in ("qwen3_ep8_slice", "dsv3_ep16_slice", "qwen3_ep1", "dsv3_ep1"):
         for skew in SKEW:
             runner.case(f"{shape} {skew} indexed", check(shape, skew=skew))
@@ -220,7 +302,15 @@ def main() -> int:
                 except Exception as exc:  # noqa: BLE001
                     runner.record["timing"].append({"shape": shape, "skew": skew, "error": repr(exc)})
                     print(f"TIME {shape} {skew} failed: {exc!r}", flush=True)
+    try:
+        if not args.skip_timing:
+            down_scale_variants(runner, "qwen3_ep8_slice")
+    except Exception as exc:  # noqa: BLE001 (a measurement for the next step, not a check)
+        runner.record["down_scale_variants"] = {"error": repr(exc)}
+        print(f"DOWN-SCALE failed: {exc!r}", flush=True)
     optional = [
+        *([] if args.smoke_cpu else
+          [("double agrees with QuACK: relu2 bias", lambda: double_agreement("relu2", True))]),
         ("small swiglu bias indexed pad", dict(bias=True, pad=40)),
         ("small swiglu bias permuted", dict(bias=True, indexed=False)),
         ("small relu2 indexed pad", dict(activation="relu2", pad=40)),
@@ -233,7 +323,7 @@ def main() -> int:
             runner.record["cases"].append({"name": name, "skipped": "time budget"})
             print(f"SKIP {name}: time budget", flush=True)
             continue
-        runner.case(name, check("small", **kwargs))
+        runner.case(name, kwargs if callable(kwargs) else check("small", **kwargs))
     record = runner.record
     summary = {  # first in the file: what a cut summary shows
         "failed": runner.failed,
