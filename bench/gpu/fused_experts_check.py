@@ -1,6 +1,6 @@
 """The fused (QuACK) expert MLP on the GPU: correctness against the torch path, then timing.
 
-    source /tmp/quack_env.sh && python3 bench/gpu/fused_experts_check.py [--budget-s 200]
+    source /tmp/quack_env.sh && python3 bench/gpu/fused_experts_check.py [--budget-s 170]
         [--skip-timing] [--rounds 7] [--iters 10]
 
 1. JIT: the first fused forward+backward at a small shape (compiles QuACK's kernels for the
@@ -259,7 +259,7 @@ def time_shape(runner: Runner, shape: str, skew: str, rounds: int, iters: int) -
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--budget-s", type=float, default=200.0,
+    parser.add_argument("--budget-s", type=float, default=170.0,
                         help="stop starting optional work (section 4) after this many seconds")
     parser.add_argument("--skip-timing", action="store_true")
     parser.add_argument("--rounds", type=int, default=7)

@@ -10,7 +10,7 @@ Forward (QuACK 0.6.5, `quack.gemm_interface`):
 1. `gemm_gated` / `gemm_act`: `preact = x[A_idx] @ W1 + b1` per expert segment
    (`cu_seqlens_m`), `postact = act(preact)` in the epilogue. With `IndexedRows` the rows are
    gathered by `A_idx = row_of_slot_P` inside the kernel: no `[P, H]` permuted copy.
-2. `postact * prob` (fp32 product, one rounding), then `gemm` with `cu_seqlens_m`: the down
+2. `postact *= prob` (fp32 product, one rounding), then `gemm` with `cu_seqlens_m`: the down
    projection.
 Backward:
 3. `gemm_dgated` / `gemm_dact` of `dout @ W2^T` with `colvec_scale=prob`,
@@ -56,6 +56,7 @@ import torch
 from megatron_moe_ext.dispatcher.handoff import IndexedRows
 from megatron_moe_ext.dispatcher.permute import gather_sum
 from megatron_moe_ext.experts.bias import TokenCounts, _apply_bias, _counts_on, _reduce_bias_grad
+from megatron_moe_ext.experts.rows import zero_padding_rows_
 
 EXPERT_MLP_IMPLS = ("auto", "fused", "grouped_mm")
 
@@ -235,9 +236,7 @@ def _zero_rows_from(x_PD: torch.Tensor, total_1: torch.Tensor | None) -> torch.T
     """Zero the rows past the segments (QuACK's varlen GEMMs leave them unwritten)."""
     if total_1 is None or x_PD.shape[0] == 0:
         return x_PD
-    from megatron_moe_ext.experts.mlp import _zero_padding_rows_
-
-    return _zero_padding_rows_(x_PD, total_1)
+    return zero_padding_rows_(x_PD, total_1)
 
 
 def _up_weights(w: torch.Tensor, plan: _Plan, dtype: torch.dtype) -> torch.Tensor:
@@ -263,8 +262,8 @@ class _FusedExpertMLP(torch.autograd.Function):
                                     cu_seqlens_m=plan.cu_seqlens_e1, A_idx=plan.row_of_slot_P,
                                     tuned=_tuned())
         del w1
-        scaled_PI = (postact_PI.float() * probs_P1).to(dtype)
-        del postact_PI
+        # In place: one pass, fp32 product (the promoted dtype), one rounding.
+        scaled_PI = postact_PI.mul_(probs_P1)
         out_PH = q.gemm(scaled_PI, down_projs.to(dtype), cu_seqlens_m=plan.cu_seqlens_e1,
                         tuned=_tuned())
         ctx.plan = plan

@@ -16,6 +16,9 @@ Capacity padding: rows past `sum(tokens_per_expert)` belong to no expert. Their 
 unspecified but finite (it is 0 here), they add nothing to any weight or bias gradient, and
 their input and prob gradients are 0. When the counts live on the host that is free (the
 padding is sliced off); when they live on the device, masks keep the step sync-free.
+Where `expert_mlp_impl` allows and the case is supported, `run_grouped_expert_mlp` runs
+QuACK's fused kernels instead (`fused.py`, same contract).
+
 Legend: P permuted rows, H hidden, I intermediate, e local experts.
 """
 
@@ -30,20 +33,18 @@ from torch.utils.checkpoint import checkpoint
 from megatron_moe_ext.dispatcher.handoff import IndexedRows
 from megatron_moe_ext.dispatcher.permute import _GatherRows
 from megatron_moe_ext.experts.bias import TokenCounts, _apply_bias, _chunk_counts, _counts_on
-from megatron_moe_ext.experts.kernels import rows_triton
+from megatron_moe_ext.experts.fused import (
+    activation_unsupported_reason,
+    check_expert_mlp_impl,
+    device_unsupported_reason,
+    fused_expert_mlp,
+    shape_unsupported_reason,
+)
+from megatron_moe_ext.experts.rows import zero_padding_rows_
 
 _EXPERT_MLP_CHUNK_BYTES = 512 * 1024 * 1024
 
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def _zero_padding_rows_(x_PD: torch.Tensor, total_1: torch.Tensor) -> torch.Tensor:
-    """Zero rows `>= total_1` of `x_PD` in place, without a host sync: a Triton kernel that
-    stores only to those rows on CUDA, a full-size mask elsewhere."""
-    if x_PD.is_cuda and x_PD.stride(1) == 1:
-        return rows_triton.zero_rows_from_(x_PD, total_1)
-    padding_P1 = (torch.arange(x_PD.shape[0], device=x_PD.device) >= total_1)[:, None]
-    return x_PD.masked_fill_(padding_P1, 0)
 
 
 class _GroupedMmOutput(torch.autograd.Function):
@@ -57,7 +58,7 @@ class _GroupedMmOutput(torch.autograd.Function):
         if total_1 is None:
             return out.view_as(out)
         ctx.mark_dirty(out)
-        return _zero_padding_rows_(out, total_1)
+        return zero_padding_rows_(out, total_1)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -79,7 +80,7 @@ class _ZeroGradOnPadding(torch.autograd.Function):
         (total_1,) = ctx.saved_tensors
         # In place on a contiguous copy when needed; `_grouped_mm`'s input gradient (the only
         # consumer of this output is `_grouped_mm`) is a fresh tensor nothing else holds.
-        return _zero_padding_rows_(grad.contiguous(), total_1), None
+        return zero_padding_rows_(grad.contiguous(), total_1), None
 
 
 def _pad_dims(t: torch.Tensor, multiple: int, dims: tuple[int, ...]) -> torch.Tensor:
@@ -330,8 +331,9 @@ def fused_call_unsupported_reason(hidden_PH: torch.Tensor | IndexedRows,
     if experts_config is None:
         raise ValueError(f"expert_mlp_impl={expert_mlp_impl!r} needs experts_config (the "
                          "ExpertsConfig naming the activation)")
-    rows_NH = hidden_PH.rows_RH if isinstance(hidden_PH, IndexedRows) else hidden_PH
-    rows = permuted_rows(hidden_PH)
+    indexed = isinstance(hidden_PH, IndexedRows)
+    rows_NH = hidden_PH.rows_RH if indexed else hidden_PH
+    rows = hidden_PH.num_permuted if indexed else rows_NH.shape[0]
     intermediate_bytes = rows * gate_and_up_projs.shape[-1] * rows_NH.element_size()
     if chunk_bytes and intermediate_bytes > chunk_bytes:
         return (f"the [P, 2I] intermediate ({intermediate_bytes} bytes) exceeds chunk_bytes "
@@ -341,19 +343,3 @@ def fused_call_unsupported_reason(hidden_PH: torch.Tensor | IndexedRows,
                                           experts_config.activation_limit)
             or shape_unsupported_reason(rows_NH.shape[1], down_projs.shape[1])
             or device_unsupported_reason(rows_NH.device, rows_NH.dtype))
-
-
-def permuted_rows(hidden_PH: torch.Tensor | IndexedRows) -> int:
-    """P, the permuted rows of `[P, H]` rows or of `IndexedRows`."""
-    return hidden_PH.num_permuted if isinstance(hidden_PH, IndexedRows) else hidden_PH.shape[0]
-
-
-# The fused path builds on this module's helpers (`_zero_padding_rows_`), so it is imported
-# last.
-from megatron_moe_ext.experts.fused import (  # noqa: E402
-    activation_unsupported_reason,
-    check_expert_mlp_impl,
-    device_unsupported_reason,
-    fused_expert_mlp,
-    shape_unsupported_reason,
-)
