@@ -264,10 +264,15 @@ def main() -> int:
     parser.add_argument("--skip-timing", action="store_true")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--tuned", action="store_true",
+                        help="autotune QuACK's GEMMs (MOE_EXT_QUACK_TUNED=1: once per distinct "
+                             "shape, minutes of first-call time)")
     parser.add_argument("--smoke-cpu", action="store_true",
                         help="a dry run of this script on the CPU: the QuACK double, tiny shapes, "
                              "no timing")
     args = parser.parse_args()
+    if args.tuned:
+        os.environ["MOE_EXT_QUACK_TUNED"] = "1"
     if args.smoke_cpu:
         global DEVICE
         DEVICE = "cpu"
@@ -275,6 +280,7 @@ def main() -> int:
         SHAPES.update({name: (64, 8, 2, 32, 16) for name in SHAPES})
         args.skip_timing = True
     runner = Runner(args.budget_s)
+    runner.record["args"] = vars(args)
     print(f"env: {runner.record['env']}", flush=True)
     if runner.record["env"]["fused_unavailable"]:
         print(f"FAIL fused path unavailable: {runner.record['env']['fused_unavailable']}")
