@@ -17,7 +17,8 @@
 3. Timing of experts forward+backward (CUDA events, median of interleaved rounds): the torch
    path on the permuted rows (what the modules run today), the fused path on the same
    permuted rows, and the fused path on IndexedRows (gather inside the GEMM, no permuted
-   copy); plus the gate/up interleave copy alone, and the down projection with the prob as a
+   copy); plus the two layout copies alone (gate/up weight interleave in forward, `dpreact`
+   de-interleave in backward), and the down projection with the prob as a
    separate multiply (fused.py) vs in QuACK's `norm_act_mod` epilogue.
 4. Other activations and biases at a small shape (each compiles new kernels), while the time
    budget lasts.
@@ -212,6 +213,7 @@ def _timed_variants(case):
     counts = list(case.counts)  # host counts: the dropless hand-off, the torch path's fastest form
     indexed = IndexedRows(tokens_RH, case.row_of_slot_P, case.slot_of_row_RJ, counts, probs[:, 0])
     grad = case.grad_out_PH
+    dpreact_PN = torch.empty(rows_PH.shape[0], w1.shape[-1], device=w1.device, dtype=w1.dtype)
 
     def make(hidden, impl):
         def step():
@@ -225,7 +227,8 @@ def _timed_variants(case):
     return {"grouped_mm_permuted": make(rows_PH, "grouped_mm"),
             "fused_permuted": make(rows_PH, "fused"),
             "fused_indexed": make(indexed, "fused"),
-            "interleave_w1_only": lambda: fused._interleave_gate_up(w1.detach(), torch.bfloat16)}
+            "interleave_w1_only": lambda: fused._interleave_gate_up(w1.detach(), torch.bfloat16),
+            "deinterleave_dpreact_only": lambda: fused._deinterleave_gate_up(dpreact_PN)}
 
 
 def time_shape(runner: Runner, shape: str, skew: str, rounds: int, iters: int) -> None:
@@ -249,7 +252,7 @@ def time_shape(runner: Runner, shape: str, skew: str, rounds: int, iters: int) -
     flops = _flops(tokens, topk, hidden, inter)
     entry = {"shape": shape, "skew": skew, "rows": tokens * topk, "counts_max": max(case.counts),
              "counts_min": min(case.counts), "median_ms": ms, "rounds": rounds, "iters": iters,
-             "tflops": {k: round(flops / v / 1e9, 1) for k, v in ms.items() if k != "interleave_w1_only"},
+             "tflops": {k: round(flops / v / 1e9, 1) for k, v in ms.items() if not k.endswith("_only")},
              "speedup_fused_indexed": round(ms["grouped_mm_permuted"] / ms["fused_indexed"], 3),
              "speedup_fused_permuted": round(ms["grouped_mm_permuted"] / ms["fused_permuted"], 3)}
     runner.record["timing"].append(entry)

@@ -19,15 +19,16 @@ Backward:
    never saved) and `dprob[p] = sum_n postact * (dout W2^T)` (the router-score gradient).
 4. Weight gradients as varlen-K grouped GEMMs (`cu_seqlens_k`): `dW2 = (prob postact)^T dout`
    and `dW1 = x[A_idx]^T dpreact` (the gather fused again); `dx = dpreact W1^T` with
-   `cu_seqlens_m`. `IndexedRows` sum each received row's positions back with
+   `cu_seqlens_m`; the up bias's gradient is a deterministic segment sum of `dpreact`. `IndexedRows` sum each received row's positions back with
    `permute.gather_sum` over `slot_of_row_RJ` (fixed order, no atomics).
 
 Gate/up layout: the package stores `gate_and_up_projs [e, H, 2I]` as `[gate | up]`; QuACK's
 gated epilogue pairs adjacent columns (gate `2j`, up `2j + 1`). Its `concat_layout` option
 only relabels the non-contiguous dim of an operand, and the `2I` dim of the stored weight
-is the contiguous one, so the weight is interleaved by one copy per forward (and again in
-backward, instead of keeping a second copy alive), and `dW1` de-interleaved by one copy.
-Where the weights are fp32 masters the copy is also the cast.
+is the contiguous one, so the forward interleaves the weight by one copy (with the cast where
+the weights are fp32 masters). The backward de-interleaves `dpreact [P, 2I]` instead (one copy
+of P rows, not of the weight): `dx = dpreact W1^T` sums over the columns in any order and
+`dW1 = x^T dpreact` then comes out in the stored layout.
 
 Selection (`ExpertsConfig.expert_mlp_impl`): "auto" runs this path where QuACK imports, the
 tensors are CUDA on sm90+ and the case is supported (`fused_unsupported_reason` says why
@@ -196,20 +197,18 @@ def fused_unsupported_reason(config, device: torch.device | str | None = None,
 
 # --- layout -------------------------------------------------------------------------------------
 
-def _interleave_gate_up(w_eHN: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _interleave_gate_up(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`[gate | up]` along the last dim -> gate `2j`, up `2j + 1`, cast to `dtype`, one copy."""
-    e, rows, width = w_eHN.shape
-    out = torch.empty(e, rows, width // 2, 2, dtype=dtype, device=w_eHN.device)
-    out.copy_(w_eHN.view(e, rows, 2, width // 2).transpose(-1, -2))
-    return out.view(e, rows, width)
+    out = torch.empty(*t.shape[:-1], t.shape[-1] // 2, 2, dtype=dtype, device=t.device)
+    out.copy_(t.unflatten(-1, (2, t.shape[-1] // 2)).transpose(-1, -2))
+    return out.flatten(-2)
 
 
-def _deinterleave_gate_up(w_eHN: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The inverse of `_interleave_gate_up` (cast to `dtype`), one copy."""
-    e, rows, width = w_eHN.shape
-    out = torch.empty(e, rows, 2, width // 2, dtype=dtype, device=w_eHN.device)
-    out.copy_(w_eHN.view(e, rows, width // 2, 2).transpose(-1, -2))
-    return out.view(e, rows, width)
+def _deinterleave_gate_up(t: torch.Tensor) -> torch.Tensor:
+    """The inverse of `_interleave_gate_up`, one copy."""
+    out = torch.empty(*t.shape[:-1], 2, t.shape[-1] // 2, dtype=t.dtype, device=t.device)
+    out.copy_(t.unflatten(-1, (t.shape[-1] // 2, 2)).transpose(-1, -2))
+    return out.flatten(-2)
 
 
 @dataclass(frozen=True)
@@ -239,10 +238,6 @@ def _zero_rows_from(x_PD: torch.Tensor, total_1: torch.Tensor | None) -> torch.T
     return zero_padding_rows_(x_PD, total_1)
 
 
-def _up_weights(w: torch.Tensor, plan: _Plan, dtype: torch.dtype) -> torch.Tensor:
-    return _interleave_gate_up(w, dtype) if plan.interleave else w.to(dtype)
-
-
 class _FusedExpertMLP(torch.autograd.Function):
     """`(prob * act(rows[A_idx] W1 + b1)) W2` per expert segment on QuACK (see the module
     docstring for the kernels)."""
@@ -252,11 +247,12 @@ class _FusedExpertMLP(torch.autograd.Function):
                 down_projs: torch.Tensor, gate_up_proj_bias: torch.Tensor | None,
                 probs_P1: torch.Tensor, plan: _Plan) -> torch.Tensor:
         dtype, q = rows_NH.dtype, plan.backend
-        w1 = _up_weights(gate_and_up_projs, plan, dtype)
+        w1 = (_interleave_gate_up(gate_and_up_projs, dtype) if plan.interleave
+              else gate_and_up_projs.to(dtype))
         b1 = None
         if gate_up_proj_bias is not None:  # fp32: QuACK's rowvec port takes it as is
-            b1 = (_interleave_gate_up(gate_up_proj_bias[:, None], torch.float32)[:, 0]
-                  if plan.interleave else gate_up_proj_bias.float())
+            b1 = (_interleave_gate_up(gate_up_proj_bias, torch.float32) if plan.interleave
+                  else gate_up_proj_bias.float())
         act = q.gemm_gated if plan.gated else q.gemm_act
         preact_PN, postact_PI = act(rows_NH, w1, bias=b1, activation=plan.activation,
                                     cu_seqlens_m=plan.cu_seqlens_e1, A_idx=plan.row_of_slot_P,
@@ -292,19 +288,20 @@ class _FusedExpertMLP(torch.autograd.Function):
         del scaled_PI
         if ctx.needs_input_grad[4]:
             grads[4] = _zero_rows_from(dprob_P[:, None].contiguous(), plan.total_1).to(probs_P1.dtype)
+        if plan.interleave:
+            # Back to `[gate | up]` columns: the two GEMMs below sum over (dx) or keep (dW1)
+            # these columns, so with the stored weight and the gradient in its layout they need
+            # no weight-sized copy.
+            dpreact_PN = _deinterleave_gate_up(dpreact_PN)
         if ctx.needs_input_grad[1]:
-            dw1 = q.gemm(rows_NH.T, dpreact_PN, cu_seqlens_k=plan.cu_seqlens_e1,
-                         A_idx=plan.row_of_slot_P, tuned=tuned)
-            grads[1] = (_deinterleave_gate_up(dw1, gate_and_up_projs.dtype) if plan.interleave
-                        else dw1.to(gate_and_up_projs.dtype))
+            grads[1] = q.gemm(rows_NH.T, dpreact_PN, cu_seqlens_k=plan.cu_seqlens_e1,
+                              A_idx=plan.row_of_slot_P, tuned=tuned).to(gate_and_up_projs.dtype)
         if ctx.has_bias and ctx.needs_input_grad[3]:
-            db1 = _reduce_bias_grad(dpreact_PN, plan.counts_e, None, torch.float32)
-            grads[3] = (_deinterleave_gate_up(db1[:, None], gate_up_proj_bias.dtype)[:, 0]
-                        if plan.interleave else db1.to(gate_up_proj_bias.dtype))
+            grads[3] = _reduce_bias_grad(dpreact_PN, plan.counts_e, None, gate_up_proj_bias.dtype)
         if ctx.needs_input_grad[0]:
-            w1 = _up_weights(gate_and_up_projs, plan, dtype)
-            dx_PH = _zero_rows_from(q.gemm(dpreact_PN, w1.mT, cu_seqlens_m=plan.cu_seqlens_e1,
-                                           tuned=tuned), plan.total_1)
+            dx_PH = _zero_rows_from(q.gemm(dpreact_PN, gate_and_up_projs.to(dtype).mT,
+                                           cu_seqlens_m=plan.cu_seqlens_e1, tuned=tuned),
+                                    plan.total_1)
             grads[0] = dx_PH if plan.pos_RJ is None else gather_sum(dx_PH, plan.pos_RJ)
         return tuple(grads)
 
