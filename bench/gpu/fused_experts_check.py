@@ -46,7 +46,7 @@ from megatron_moe_ext.experts import fused  # noqa: E402
 from megatron_moe_ext.experts.activations import get_expert_activation  # noqa: E402
 from megatron_moe_ext.experts.mlp import run_grouped_expert_mlp  # noqa: E402
 from tests.doubles import quack_gemm  # noqa: E402
-from tests.experts.fused_cases import compare, make_case, run_path  # noqa: E402
+from tests.experts.fused_cases import case_to, compare, make_case, run_path  # noqa: E402
 
 # name: (tokens, experts, topk, hidden, inter)
 SHAPES = {
@@ -145,11 +145,11 @@ def double_agreement(activation: str, bias: bool) -> dict:
     """tests/doubles/quack_gemm.py against real QuACK: the fused path's output and gradients
     through each (the double on the CPU), at a small shape with padding and an empty expert.
     Passes when they agree to 1e-2 (norm-relative; both round to bf16)."""
-    kwargs = dict(activation=activation, bias=bias, pad=16, empty_experts=(3,))
-    real = run_path(make_case(256, 8, 2, 128, 64, device="cuda", **kwargs), "fused", True, True)
+    case = make_case(256, 8, 2, 128, 64, activation=activation, bias=bias, pad=16, empty_experts=(3,))
+    real = run_path(case_to(case, "cuda"), "fused", True, True)
     previous = fused.set_quack_backend(fused.QuackBackend(quack_gemm, None, any_device=True))
     try:
-        double = run_path(make_case(256, 8, 2, 128, 64, device="cpu", **kwargs), "fused", True, True)
+        double = run_path(case, "fused", True, True)
     finally:
         fused.set_quack_backend(previous)
     errors = {}

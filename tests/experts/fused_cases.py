@@ -13,6 +13,7 @@ Legend: T tokens, K top-k, e experts, H hidden, I intermediate, P positions, J =
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -56,31 +57,43 @@ def make_case(tokens: int, experts: int, topk: int, hidden: int, inter: int, *,
             times the first ones' rows. empty_experts: experts no token routes to.
         pad: capacity padding positions after the routed ones.
     """
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     config = ExpertsConfig(experts, topk, hidden, inter, expert_activation=activation,
                            expert_bias=bias, activation_limit=0.0, dtype=dtype)
-    logits = torch.rand(tokens, experts, generator=gen) + torch.linspace(0, skew, experts)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device=device) * scale).to(dtype)
+
+    logits = (torch.rand(tokens, experts, generator=gen, device=device)
+              + torch.linspace(0, skew, experts, device=device))
     logits[:, list(empty_experts)] = -1.0
     expert_TK = logits.topk(topk, dim=1).indices
-    probs_TK = torch.rand(tokens, topk, generator=gen)
+    probs_TK = torch.rand(tokens, topk, generator=gen, device=device)
     order = torch.argsort(expert_TK.flatten(), stable=True)  # position -> slot
     counts = torch.bincount(expert_TK.flatten(), minlength=experts).tolist()
     slot_of_row = torch.empty_like(order)
-    slot_of_row[order] = torch.arange(order.numel())
-    probs_P1 = torch.cat([probs_TK.flatten()[order], torch.full((pad,), float("nan"))])[:, None]
-    row_of_slot = torch.cat([order // topk, torch.zeros(pad, dtype=torch.long)])
+    slot_of_row[order] = torch.arange(order.numel(), device=device)
+    nan = torch.full((pad,), float("nan"), device=device)
     up = (2 if is_gated_activation(activation) else 1) * inter
-    params = {"w1": torch.randn(experts, hidden, up, generator=gen) / hidden ** 0.5,
-              "w2": torch.randn(experts, inter, hidden, generator=gen) / inter ** 0.5}
+    params = {"w1": randn(experts, hidden, up, scale=hidden ** -0.5),
+              "w2": randn(experts, inter, hidden, scale=inter ** -0.5)}
     if bias:
-        params["b1"] = torch.randn(experts, up, generator=gen) * 0.1
-        params["b2"] = torch.randn(experts, hidden, generator=gen) * 0.1
-    rows = order.numel() + pad
-    return Case(config, torch.randn(tokens, hidden, generator=gen).to(device, dtype),
-                row_of_slot.to(device, torch.int32), slot_of_row.view(tokens, topk).to(device),
-                counts, probs_P1.to(device),
-                {k: v.to(device, dtype) for k, v in params.items()},
-                torch.randn(rows, hidden, generator=gen).to(device, dtype))
+        params["b1"] = randn(experts, up, scale=0.1)
+        params["b2"] = randn(experts, hidden, scale=0.1)
+    return Case(config, randn(tokens, hidden),
+                torch.cat([order // topk, torch.zeros(pad, dtype=torch.long, device=device)]).int(),
+                slot_of_row.view(tokens, topk), counts,
+                torch.cat([probs_TK.flatten()[order], nan])[:, None], params,
+                randn(order.numel() + pad, hidden))
+
+
+def case_to(case: Case, device) -> Case:
+    """The same case with its tensors on `device`."""
+    return dataclasses.replace(
+        case, tokens_RH=case.tokens_RH.to(device), row_of_slot_P=case.row_of_slot_P.to(device),
+        slot_of_row_RJ=case.slot_of_row_RJ.to(device), probs_P1=case.probs_P1.to(device),
+        params={k: v.to(device) for k, v in case.params.items()},
+        grad_out_PH=case.grad_out_PH.to(device))
 
 
 def _leaves(case: Case, indexed: bool, dtype=None):
