@@ -17,7 +17,7 @@ epilogue/library.py's `linear_act_mod` and `dact_mod` / `dgated_mod`):
   `dx = dact(PreAct, d)` (dgated: interleaved `[M, 2N]`), `postact = act(PreAct) *
   colvec_scale` in PreAct's dtype, `colvec_reduce[m] = sum_n act(PreAct) * acc` (fp32, the
   unscaled accumulator).
-- The empty-input fast paths of gemm_interface.py (zeros, no launch).
+- The empty-input fast paths of gemm_interface.py (zeros, no launch, before any operand check).
 """
 
 from __future__ import annotations
@@ -71,8 +71,15 @@ def gemm(A, B, out=None, bias=None, alpha=1.0, out_dtype=None, cu_seqlens_m=None
          concat_layout=None):
     """`out = A @ B (+ bias)`, dense, varlen M or varlen K (see the module docstring)."""
     assert concat_layout is None and alpha == 1.0 and out is None, "not used by the fused path"
-    _check_operands(A, B, cu_seqlens_m, cu_seqlens_k, A_idx)
     out_dtype = A.dtype if out_dtype is None else out_dtype
+    if A.numel() == 0:  # gemm()'s empty-input fast path returns before any operand check
+        rows = A_idx.shape[0] if A_idx is not None else A.shape[0]
+        shape = ((rows, B.shape[-1]) if cu_seqlens_m is not None else
+                 (cu_seqlens_k.shape[0] - 1, A.shape[0], B.shape[-1]) if cu_seqlens_k is not None
+                 else (A.shape[0], B.shape[-1]))
+        out = torch.zeros(shape, dtype=out_dtype)
+        return out if bias is None else out + bias.to(out_dtype)
+    _check_operands(A, B, cu_seqlens_m, cu_seqlens_k, A_idx)
     if cu_seqlens_m is not None:
         acc = _varlen_m_acc(A, B, cu_seqlens_m, A_idx)
         if bias is not None:
@@ -99,9 +106,14 @@ def gemm_act(A, B, C=None, bias=None, activation=None, alpha=1.0, preact_out=Non
     interleaved gate/up pairs, postact half as wide), both from the fp32 epilogue value."""
     assert C is None and alpha == 1.0 and preact_out is None and postact_out is None
     assert concat_layout is None and cu_seqlens_m is not None, "the fused path's form"
-    _check_operands(A, B, cu_seqlens_m, None, A_idx)
     out_dtype = A.dtype if out_dtype is None else out_dtype
     postact_dtype = A.dtype if postact_dtype is None else postact_dtype
+    rows = A_idx.shape[0] if A_idx is not None else A.shape[0]
+    if rows == 0 or A.numel() == 0:  # gemm_act's empty-input fast path: zeros, no checks
+        width = B.shape[-1]
+        return (torch.zeros(rows, width, dtype=out_dtype) if store_preact else None,
+                torch.zeros(rows, width // 2 if activation in _GATED else width, dtype=postact_dtype))
+    _check_operands(A, B, cu_seqlens_m, None, A_idx)
     x = gemm(A, B, bias=bias, cu_seqlens_m=cu_seqlens_m, A_idx=A_idx, out_dtype=torch.float32)
     if activation in _GATED:
         postact = _GATED[activation](x[:, ::2], x[:, 1::2])
@@ -119,11 +131,16 @@ def gemm_dact(A, B, PreAct, activation=None, dx_out=None, postact_out=None, out_
     """`(dx, postact[, colvec_reduce])` as `dact_mod` / `dgated_mod` compute them (see the
     module docstring)."""
     assert dx_out is None and postact_out is None and cu_seqlens_m is not None
-    _check_operands(A, B, cu_seqlens_m, None, A_idx)
     gated = activation in _GATED
     out_dtype = A.dtype if out_dtype is None else out_dtype
     postact_dtype = PreAct.dtype if postact_dtype is None else postact_dtype
     rows = A_idx.shape[0] if A_idx is not None else A.shape[0]
+    if rows == 0 or A.numel() == 0:  # gemm_dact's empty-input fast path: zeros, no checks
+        width = B.shape[-1]
+        results = [torch.zeros(rows, width * (2 if gated else 1), dtype=out_dtype),
+                   torch.zeros(rows, width, dtype=postact_dtype)]
+        return tuple(results + [torch.zeros(rows)] if colvec_reduce else results)
+    _check_operands(A, B, cu_seqlens_m, None, A_idx)
     assert PreAct.shape == (rows, B.shape[-1] * (2 if gated else 1)), "PreAct must match the output"
     if colvec_scale is not None:
         assert colvec_scale.shape == (rows,), "colvec_scale is (total_M,)"

@@ -256,3 +256,23 @@ def test_cuda_graph_replay_equals_eager(fused_device):
     assert torch.equal(graph_out, eager_out)
     for k, grad in eager_grads.items():
         assert torch.equal(leaves[k].grad, grad), k
+
+
+def test_no_rows_for_any_local_expert(fused_device):
+    """A rank whose experts receive nothing (P = 0, received rows routed elsewhere): an empty
+    output and zero gradients for every weight, row and prob."""
+    config = _config(dtype=torch.bfloat16)
+    rows = torch.randn(3, 32, device=fused_device).bfloat16().requires_grad_(True)
+    w1 = torch.randn(4, 32, 32, device=fused_device).bfloat16().requires_grad_(True)
+    w2 = torch.randn(4, 16, 32, device=fused_device).bfloat16().requires_grad_(True)
+    probs = torch.zeros(0, 1, device=fused_device, requires_grad=True)
+    counts = torch.zeros(4, dtype=torch.long, device=fused_device)
+    indexed = IndexedRows(rows, torch.zeros(0, dtype=torch.int32, device=fused_device),
+                          torch.full((3, 2), -1, device=fused_device), counts, probs[:, 0].detach())
+    out = run_grouped_expert_mlp(indexed, w1, w2, None, None, counts, probs,
+                                 get_expert_activation(config), 0, expert_mlp_impl="fused",
+                                 experts_config=config)
+    out.sum().backward()
+    assert out.shape == (0, 32)
+    for t in (rows, w1, w2, probs):
+        assert t.grad is not None and not t.grad.any()
