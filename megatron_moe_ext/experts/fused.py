@@ -39,7 +39,8 @@ Host syncs: none (segment offsets are a device cumsum; padding rows are zeroed b
 kernel). QuACK compiles each kernel at its first call (seconds, then cached on disk, see the
 README): call `warmup_fused_expert_mlp` before capturing a CUDA graph. Kernels are compiled
 once per variant, not per shape: every GEMM here is varlen, which QuACK runs with its
-per-arch default tile config (`tuned=False`); autotuning (`MOE_EXT_QUACK_TUNED=1`) re-tunes
+per-arch default tile config (`tuned=False`; the backward's GEMMs with the dynamic tile
+scheduler, as QuACK's own MLP runs them); autotuning (`MOE_EXT_QUACK_TUNED=1`) re-tunes
 for every new row count and is for fixed-shape benchmarks only.
 
 Legend: N input rows (R received rows or P permuted rows), P permuted rows, H hidden,
@@ -284,7 +285,7 @@ class _FusedExpertMLP(torch.autograd.Function):
         grads = [None] * 6
         if ctx.needs_input_grad[2]:
             grads[2] = q.gemm(scaled_PI.T, dout_PH, cu_seqlens_k=plan.cu_seqlens_e1,
-                              tuned=tuned).to(down_projs.dtype)
+                              dynamic_scheduler=True, tuned=tuned).to(down_projs.dtype)
         del scaled_PI
         if ctx.needs_input_grad[4]:
             grads[4] = _zero_rows_from(dprob_P[:, None].contiguous(), plan.total_1).to(probs_P1.dtype)
@@ -295,13 +296,14 @@ class _FusedExpertMLP(torch.autograd.Function):
             dpreact_PN = _deinterleave_gate_up(dpreact_PN)
         if ctx.needs_input_grad[1]:
             grads[1] = q.gemm(rows_NH.T, dpreact_PN, cu_seqlens_k=plan.cu_seqlens_e1,
-                              A_idx=plan.row_of_slot_P, tuned=tuned).to(gate_and_up_projs.dtype)
+                              A_idx=plan.row_of_slot_P, dynamic_scheduler=True,
+                              tuned=tuned).to(gate_and_up_projs.dtype)
         if ctx.has_bias and ctx.needs_input_grad[3]:
             grads[3] = _reduce_bias_grad(dpreact_PN, plan.counts_e, None, gate_up_proj_bias.dtype)
         if ctx.needs_input_grad[0]:
             dx_PH = _zero_rows_from(q.gemm(dpreact_PN, gate_and_up_projs.to(dtype).mT,
-                                           cu_seqlens_m=plan.cu_seqlens_e1, tuned=tuned),
-                                    plan.total_1)
+                                           cu_seqlens_m=plan.cu_seqlens_e1,
+                                           dynamic_scheduler=True, tuned=tuned), plan.total_1)
             grads[0] = dx_PH if plan.pos_RJ is None else gather_sum(dx_PH, plan.pos_RJ)
         return tuple(grads)
 
