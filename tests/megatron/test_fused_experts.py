@@ -74,6 +74,7 @@ def _fused_experts_module(mode: str) -> dict:
     torch.manual_seed(3)
     fused_experts, torch_experts = build(expert_mlp_impl="fused"), build(expert_mlp_impl="grouped_mm")
     torch_experts.load_state_dict(fused_experts.state_dict())
+    fused_experts.warmup_fused_kernels()  # compiles QuACK's kernels (no-op work on the double)
     device = fused_experts.gate_and_up_projs.device
     counts = [3, 0, 5, 2]
     tokens, topk = 6, 2
