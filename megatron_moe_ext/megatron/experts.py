@@ -143,10 +143,10 @@ class GroupedGemmExperts(MegatronModule):
         expert_mlp_impl: "auto", "fused" or "grouped_mm" (`ExpertsConfig.expert_mlp_impl`);
             None reads the environment variable `MOE_EXT_EXPERT_MLP_IMPL`, else "auto".
 
-    Attributes:
+    Properties (where the weights are now):
         expert_mlp_fallback_reason: why the fused (QuACK) path does not run, or None when it
-            does. accepts_indexed_rows: True when it does: `forward` then takes an
-            `IndexedRows` hand-off (the dispatcher skips the permuted copy).
+            does. accepts_indexed_rows: True when it does: the dispatcher may then hand over
+            `IndexedRows` and skip the permuted copy.
 
     Parameters (dtype `config.params_dtype`, used as `x @ W`):
         gate_and_up_projs [e, H, 2I] (`[gate | up]`; [e, H, I] when not gated),
@@ -196,13 +196,26 @@ class GroupedGemmExperts(MegatronModule):
         expert_parallel = config.expert_model_parallel_size > 1
         for param in self.parameters():
             param.allreduce = not expert_parallel
+        if expert_mlp_impl == "fused":
+            # Where the model will run: under `use_cpu_initialization` it is built on the CPU
+            # and moved to the current GPU afterwards.
+            reason = fused_unsupported_reason(self.experts_config, None, config.params_dtype)
+            if reason is not None:
+                raise RuntimeError(f"GroupedGemmExperts: expert_mlp_impl='fused' is not possible: "
+                                   f"{reason}")
+
+    @property
+    def expert_mlp_fallback_reason(self) -> str | None:
+        """Why the fused (QuACK) path does not run where the weights are now, or None."""
         # The rows arrive in the params' dtype (Megatron's bf16/fp16 training casts both).
-        self.expert_mlp_fallback_reason = fused_unsupported_reason(
-            self.experts_config, device, config.params_dtype)
-        if expert_mlp_impl == "fused" and self.expert_mlp_fallback_reason is not None:
-            raise RuntimeError("GroupedGemmExperts: expert_mlp_impl='fused' is not possible: "
-                               f"{self.expert_mlp_fallback_reason}")
-        self.accepts_indexed_rows = self.expert_mlp_fallback_reason is None
+        return fused_unsupported_reason(self.experts_config, self.gate_and_up_projs.device,
+                                        self.config.params_dtype)
+
+    @property
+    def accepts_indexed_rows(self) -> bool:
+        """Whether `forward` takes an `IndexedRows` hand-off with its gather fused (the fused
+        path runs); it takes one anyway, making the permuted copy on the torch path."""
+        return self.expert_mlp_fallback_reason is None
 
     @torch.no_grad()
     def _init_weights(self) -> None:
