@@ -19,7 +19,8 @@
    permuted rows, and the fused path on IndexedRows (gather inside the GEMM, no permuted
    copy); plus the two layout copies alone (gate/up weight interleave in forward, `dpreact`
    de-interleave in backward), and the down projection with the prob as a
-   separate multiply (fused.py) vs in QuACK's `norm_act_mod` epilogue.
+   separate multiply (fused.py) vs in QuACK's `norm_act_mod` epilogue; the profiler's kernel
+   table of one forward+backward of each path at the Qwen3 EP8 slice.
 4. Other activations and biases at a small shape (each compiles new kernels), while the time
    budget lasts.
 
@@ -260,6 +261,30 @@ def time_shape(runner: Runner, shape: str, skew: str, rounds: int, iters: int) -
           f"permuted {entry['speedup_fused_permuted']}", flush=True)
 
 
+def kernel_table(runner: Runner, shape: str, top: int = 15) -> None:
+    """Where one forward+backward's GPU time goes, kernel by kernel (torch.profiler), for the
+    torch path and the fused path on IndexedRows."""
+    from torch.profiler import ProfilerActivity, profile
+
+    tokens, experts, topk, hidden, inter = SHAPES[shape]
+    variants = _timed_variants(make_case(tokens, experts, topk, hidden, inter, device=DEVICE))
+    tables = {}
+    for name in ("grouped_mm_permuted", "fused_indexed"):
+        step = variants[name]
+        step(), step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
+        tables[name] = {"total_us": round(sum(e.device_time_total for e in events), 1),
+                        "kernels": [(e.key[:90], e.count, round(e.device_time_total, 1))
+                                    for e in events[:top]]}
+        print(f"KERNELS {shape} {name}: total {tables[name]['total_us']} us; "
+              + "; ".join(f"{k} x{c} {t} us" for k, c, t in tables[name]["kernels"][:8]), flush=True)
+    runner.record["kernel_table"] = {"shape": shape, **tables}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--budget-s", type=float, default=170.0,
@@ -311,12 +336,15 @@ def main() -> int:
                 except Exception as exc:  # noqa: BLE001
                     runner.record["timing"].append({"shape": shape, "skew": skew, "error": repr(exc)})
                     print(f"TIME {shape} {skew} failed: {exc!r}", flush=True)
-    try:
-        if not args.skip_timing:
-            down_scale_variants(runner, "qwen3_ep8_slice")
-    except Exception as exc:  # noqa: BLE001 (a measurement for the next step, not a check)
-        runner.record["down_scale_variants"] = {"error": repr(exc)}
-        print(f"DOWN-SCALE failed: {exc!r}", flush=True)
+    for name, fn in (("kernel_table", lambda: kernel_table(runner, "qwen3_ep8_slice")),
+                     ("down_scale_variants", lambda: down_scale_variants(runner, "qwen3_ep8_slice"))):
+        if args.skip_timing:
+            break
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 (measurements for the next step, not checks)
+            runner.record[name] = {"error": repr(exc)}
+            print(f"{name} failed: {exc!r}", flush=True)
     optional = [
         *([] if args.smoke_cpu else
           [("double agrees with QuACK: relu2 bias", lambda: double_agreement("relu2", True))]),
