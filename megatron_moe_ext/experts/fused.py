@@ -3,8 +3,8 @@ activation in one kernel, the router-score gradient in the backward's epilogue.
 
 Same contract as `mlp.run_grouped_expert_mlp`: rows grouped by local expert
 (`tokens_per_expert` each), output `[P, H]` in permuted order with the routing prob applied
-between the projections (`(prob * act(x W1 + b1)) W2`; the down bias, prob-weighted, is
-added by the caller with `bias._apply_bias`), 0 on capacity padding rows.
+between the projections (`(prob * act(x W1 + b1)) W2 + prob * b2`; the down bias by
+`bias._apply_bias`), 0 on capacity padding rows.
 
 Forward (QuACK 0.6.5, `quack.gemm_interface`):
 1. `gemm_gated` / `gemm_act`: `preact = x[A_idx] @ W1 + b1` per expert segment
@@ -19,8 +19,12 @@ Backward:
    never saved) and `dprob[p] = sum_n postact * (dout W2^T)` (the router-score gradient).
 4. Weight gradients as varlen-K grouped GEMMs (`cu_seqlens_k`): `dW2 = (prob postact)^T dout`
    and `dW1 = x[A_idx]^T dpreact` (the gather fused again); `dx = dpreact W1^T` with
-   `cu_seqlens_m`; the up bias's gradient is a deterministic segment sum of `dpreact`. `IndexedRows` sum each received row's positions back with
-   `permute.gather_sum` over `slot_of_row_RJ` (fixed order, no atomics).
+   `cu_seqlens_m`; the up bias's gradient is a deterministic segment sum of `dpreact`.
+   `IndexedRows` sum each received row's positions back with `permute.gather_sum` over
+   `slot_of_row_RJ` (fixed order, no atomics).
+Only `preact [P, 2I]` and the input rows are saved (the activation output never is), which
+is what Megatron's `moe_act` recompute achieves on the torch path; every step is
+deterministic (one CTA per output tile, fixed-order reductions).
 
 Gate/up layout: the package stores `gate_and_up_projs [e, H, 2I]` as `[gate | up]`; QuACK's
 gated epilogue pairs adjacent columns (gate `2j`, up `2j + 1`). Its `concat_layout` option
