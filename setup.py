@@ -19,6 +19,9 @@ setup(
         "uccl": ["uccl"],
         # Transformer Engine: pip install transformer_engine[pytorch] on a CUDA machine.
         "te": ["transformer_engine[pytorch]"],
+        # QuACK's fused grouped GEMMs for the expert MLP on Hopper (experts/fused.py), at the
+        # versions the fused path was verified with.
+        "quack": ["quack-kernels==0.6.5", "nvidia-cutlass-dsl==4.7.1"],
         "test": ["pytest>=8", "pytest-timeout>=2.3"],
     },
 )

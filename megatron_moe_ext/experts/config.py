@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_moe_ext.config import check_positive_int
+from megatron_moe_ext.experts.fused import check_expert_mlp_impl
 from megatron_moe_ext.experts.mlp import _EXPERT_MLP_CHUNK_BYTES
 
 ACTIVATIONS = ("swiglu", "swiglu_clamped", "swiglu_oai", "quick_geglu", "relu2")
@@ -33,6 +34,11 @@ class ExpertsConfig:
     #: Above this many bytes of `[P, 2I]` intermediate the grouped MLP runs in checkpointed
     #: row chunks (`mlp._checkpointed_chunked_expert_mlp`); 0 turns chunking off.
     expert_mlp_chunk_bytes: int = _EXPERT_MLP_CHUNK_BYTES
+    #: Which kernels compute the grouped MLP (`experts/fused.py`): "auto" (QuACK's fused
+    #: kernels where they import, the tensors are CUDA sm90+ and the case is supported; else
+    #: `torch._grouped_mm`), "fused" (required: RuntimeError naming the reason where not
+    #: possible) or "grouped_mm" (always the torch path).
+    expert_mlp_impl: str = "auto"
 
     def __post_init__(self) -> None:
         for field in ("n_routed_experts", "n_activated_experts", "dim", "moe_inter_dim"):
@@ -46,6 +52,7 @@ class ExpertsConfig:
         if type(self.expert_mlp_chunk_bytes) is not int or self.expert_mlp_chunk_bytes < 0:
             raise ValueError(f"expert_mlp_chunk_bytes={self.expert_mlp_chunk_bytes!r} is invalid: "
                              "expected an int >= 0 (0 turns chunking off)")
+        check_expert_mlp_impl(self.expert_mlp_impl)
         if not self.activation_limit >= 0:
             raise ValueError(f"activation_limit={self.activation_limit!r} is invalid: expected >= 0 "
                              "(0 disables clamping)")

@@ -163,5 +163,6 @@ class GroupedExpertsDeepEP(StackedExperts):
         rows_PH, tokens_per_expert, probs_P = self.token_dispatch.dispatch(x, token_mask, weights, indices)
         out_PH = run_grouped_expert_mlp(
             rows_PH, self.gate_and_up_projs, self.down_projs, self.gate_up_proj_bias, self.down_proj_bias,
-            tokens_per_expert, probs_P.reshape(-1, 1), self.expert_activation, self.config.expert_mlp_chunk_bytes)
+            tokens_per_expert, probs_P.reshape(-1, 1), self.expert_activation, self.config.expert_mlp_chunk_bytes,
+            expert_mlp_impl=self.config.expert_mlp_impl, experts_config=self.config)
         return self.token_dispatch.combine(out_PH.to(x.dtype))

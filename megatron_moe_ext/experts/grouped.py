@@ -164,7 +164,8 @@ class GroupedExperts(StackedExperts):
         out_PH = run_grouped_expert_mlp(
             perm.rows_PH, gate_and_up_projs, down_projs, gate_up_proj_bias, down_proj_bias,
             perm.tokens_per_expert, perm.probs_P[:, None], self.expert_activation_grouped,
-            self.config.expert_mlp_chunk_bytes)
+            self.config.expert_mlp_chunk_bytes, expert_mlp_impl=self.config.expert_mlp_impl,
+            experts_config=self.config)
         return unpermute_local(out_PH.to(x.dtype), perm)
 
     def _forward_loop(self, x, weights, indices, token_mask, gate_and_up_projs, down_projs,

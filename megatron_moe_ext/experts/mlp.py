@@ -16,6 +16,9 @@ Capacity padding: rows past `sum(tokens_per_expert)` belong to no expert. Their 
 unspecified but finite (it is 0 here), they add nothing to any weight or bias gradient, and
 their input and prob gradients are 0. When the counts live on the host that is free (the
 padding is sliced off); when they live on the device, masks keep the step sync-free.
+Where `expert_mlp_impl` allows and the case is supported, `run_grouped_expert_mlp` runs
+QuACK's fused kernels instead (`fused.py`, same contract).
+
 Legend: P permuted rows, H hidden, I intermediate, e local experts.
 """
 
@@ -27,21 +30,21 @@ from typing import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from megatron_moe_ext.dispatcher.handoff import IndexedRows
+from megatron_moe_ext.dispatcher.permute import _GatherRows
 from megatron_moe_ext.experts.bias import TokenCounts, _apply_bias, _chunk_counts, _counts_on
-from megatron_moe_ext.experts.kernels import rows_triton
+from megatron_moe_ext.experts.fused import (
+    activation_unsupported_reason,
+    check_expert_mlp_impl,
+    device_unsupported_reason,
+    fused_expert_mlp,
+    shape_unsupported_reason,
+)
+from megatron_moe_ext.experts.rows import zero_padding_rows_
 
 _EXPERT_MLP_CHUNK_BYTES = 512 * 1024 * 1024
 
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def _zero_padding_rows_(x_PD: torch.Tensor, total_1: torch.Tensor) -> torch.Tensor:
-    """Zero rows `>= total_1` of `x_PD` in place, without a host sync: a Triton kernel that
-    stores only to those rows on CUDA, a full-size mask elsewhere."""
-    if x_PD.is_cuda and x_PD.stride(1) == 1:
-        return rows_triton.zero_rows_from_(x_PD, total_1)
-    padding_P1 = (torch.arange(x_PD.shape[0], device=x_PD.device) >= total_1)[:, None]
-    return x_PD.masked_fill_(padding_P1, 0)
 
 
 class _GroupedMmOutput(torch.autograd.Function):
@@ -55,7 +58,7 @@ class _GroupedMmOutput(torch.autograd.Function):
         if total_1 is None:
             return out.view_as(out)
         ctx.mark_dirty(out)
-        return _zero_padding_rows_(out, total_1)
+        return zero_padding_rows_(out, total_1)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -77,7 +80,7 @@ class _ZeroGradOnPadding(torch.autograd.Function):
         (total_1,) = ctx.saved_tensors
         # In place on a contiguous copy when needed; `_grouped_mm`'s input gradient (the only
         # consumer of this output is `_grouped_mm`) is a fresh tensor nothing else holds.
-        return _zero_padding_rows_(grad.contiguous(), total_1), None
+        return zero_padding_rows_(grad.contiguous(), total_1), None
 
 
 def _pad_dims(t: torch.Tensor, multiple: int, dims: tuple[int, ...]) -> torch.Tensor:
@@ -213,12 +216,16 @@ def _checkpointed_chunked_expert_mlp(hidden_states: torch.Tensor, gate_and_up_pr
     return out_PH
 
 
-def _validate(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor, down_projs: torch.Tensor,
-              gate_up_proj_bias: torch.Tensor | None, down_proj_bias: torch.Tensor | None,
-              tokens_per_expert: TokenCounts, permuted_probs_P1: torch.Tensor) -> None:
-    if hidden_PH.dim() != 2:
-        raise ValueError(f"hidden_PH must be [P, H], got shape {tuple(hidden_PH.shape)}")
-    rows, hidden = hidden_PH.shape
+def _validate(hidden_PH: torch.Tensor | IndexedRows, gate_and_up_projs: torch.Tensor,
+              down_projs: torch.Tensor, gate_up_proj_bias: torch.Tensor | None,
+              down_proj_bias: torch.Tensor | None, tokens_per_expert: TokenCounts,
+              permuted_probs_P1: torch.Tensor) -> None:
+    indexed = isinstance(hidden_PH, IndexedRows)
+    rows_NH = hidden_PH.rows_RH if indexed else hidden_PH
+    if rows_NH.dim() != 2:
+        name = "IndexedRows.rows_RH must be [R, H]" if indexed else "hidden_PH must be [P, H]"
+        raise ValueError(f"{name}, got shape {tuple(rows_NH.shape)}")
+    rows, hidden = (hidden_PH.num_permuted if indexed else rows_NH.shape[0]), rows_NH.shape[1]
     experts = gate_and_up_projs.shape[0]
     if gate_and_up_projs.dim() != 3 or gate_and_up_projs.shape[1] != hidden:
         raise ValueError(f"gate_and_up_projs must be [e, {hidden}, 2I or I], got "
@@ -249,12 +256,16 @@ def run_grouped_expert_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Ten
                            down_proj_bias: torch.Tensor | None, tokens_per_expert: TokenCounts,
                            permuted_probs_P1: torch.Tensor, activation_fn: Activation,
                            chunk_bytes: int | None = None,
-                           activation_checkpoint=None) -> torch.Tensor:
-    """The expert MLP the modules call: single shot, or checkpointed chunks when the
-    `[P, 2I]` intermediate would exceed `chunk_bytes`.
+                           activation_checkpoint=None, *, expert_mlp_impl: str = "grouped_mm",
+                           experts_config=None) -> torch.Tensor:
+    """The expert MLP the modules call: QuACK's fused kernels (`fused.py`) where
+    `expert_mlp_impl` allows and the case is supported, else `torch._grouped_mm`: single
+    shot, or checkpointed chunks when the `[P, 2I]` intermediate would exceed `chunk_bytes`.
 
     Arguments:
-        hidden_PH: `[P, H]` rows grouped by expert, in the compute dtype.
+        hidden_PH: `[P, H]` rows grouped by expert, in the compute dtype, or `IndexedRows`
+            (received rows + the maps; the fused path gathers inside its GEMM, the torch path
+            makes the permuted copy).
         gate_and_up_projs: `[e, H, 2I]` (`[e, H, I]` non-gated), maybe fp32 masters.
         down_projs: `[e, I, H]`.
         gate_up_proj_bias: optional `[e, 2I]` (unweighted).
@@ -268,14 +279,30 @@ def run_grouped_expert_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Ten
             `_EXPERT_MLP_CHUNK_BYTES`; 0: never chunk).
         activation_checkpoint: single shot only, e.g. Megatron's `CheckpointWithoutOutput`:
             its `checkpoint` runs the activation, whose output it frees once the down
-            projection has run and recomputes in backward (`moe_act` recompute).
+            projection has run and recomputes in backward (`moe_act` recompute). The fused
+            path needs none: it never saves the activation output (its backward recomputes
+            it from the pre-activation in the epilogue).
+        expert_mlp_impl: "grouped_mm" (default), "auto" (fused where supported) or "fused"
+            (RuntimeError naming the reason where not).
+        experts_config: the `ExpertsConfig` naming the activation (needed unless
+            "grouped_mm").
 
     Returns:
-        `[P, H]` in hidden_PH's dtype.
+        `[P, H]` in the rows' dtype.
     """
     _validate(hidden_PH, gate_and_up_projs, down_projs, gate_up_proj_bias, down_proj_bias,
               tokens_per_expert, permuted_probs_P1)
     chunk_bytes = _EXPERT_MLP_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    reason = fused_call_unsupported_reason(hidden_PH, gate_and_up_projs, down_projs, chunk_bytes,
+                                           expert_mlp_impl, experts_config)
+    if reason is None:
+        return fused_expert_mlp(hidden_PH, gate_and_up_projs, down_projs, gate_up_proj_bias,
+                                down_proj_bias, tokens_per_expert, permuted_probs_P1,
+                                experts_config.expert_activation)
+    if expert_mlp_impl == "fused":
+        raise RuntimeError(f"expert_mlp_impl='fused' is not possible here: {reason}")
+    if isinstance(hidden_PH, IndexedRows):
+        hidden_PH = gather_indexed_rows(hidden_PH)
     width_bytes = gate_and_up_projs.shape[-1] * hidden_PH.element_size()
     if chunk_bytes and hidden_PH.shape[0] * width_bytes > chunk_bytes:
         return _checkpointed_chunked_expert_mlp(
@@ -283,3 +310,36 @@ def run_grouped_expert_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Ten
             tokens_per_expert, permuted_probs_P1, activation_fn, chunk_bytes=chunk_bytes)
     return _grouped_mlp(hidden_PH, gate_and_up_projs, down_projs, gate_up_proj_bias, down_proj_bias,
                         tokens_per_expert, permuted_probs_P1, activation_fn, False, activation_checkpoint)
+
+
+def gather_indexed_rows(indexed: IndexedRows) -> torch.Tensor:
+    """The `[P, H]` permuted copy of `IndexedRows` (for the torch path), differentiable: the
+    backward sums each received row's positions (`slot_of_row_RJ`, no atomics)."""
+    rows = indexed.num_permuted
+    pos_RJ = torch.where(indexed.slot_of_row_RJ < 0, rows, indexed.slot_of_row_RJ).long()
+    return _GatherRows.apply(indexed.rows_RH, indexed.row_of_slot_P.long(), pos_RJ)
+
+
+def fused_call_unsupported_reason(hidden_PH: torch.Tensor | IndexedRows,
+                                  gate_and_up_projs: torch.Tensor, down_projs: torch.Tensor,
+                                  chunk_bytes: int, expert_mlp_impl: str,
+                                  experts_config) -> str | None:
+    """Why this call of `run_grouped_expert_mlp` does not run the fused path, or None."""
+    check_expert_mlp_impl(expert_mlp_impl)
+    if expert_mlp_impl == "grouped_mm":
+        return "expert_mlp_impl='grouped_mm'"
+    if experts_config is None:
+        raise ValueError(f"expert_mlp_impl={expert_mlp_impl!r} needs experts_config (the "
+                         "ExpertsConfig naming the activation)")
+    indexed = isinstance(hidden_PH, IndexedRows)
+    rows_NH = hidden_PH.rows_RH if indexed else hidden_PH
+    rows = hidden_PH.num_permuted if indexed else rows_NH.shape[0]
+    intermediate_bytes = rows * gate_and_up_projs.shape[-1] * rows_NH.element_size()
+    if chunk_bytes and intermediate_bytes > chunk_bytes:
+        return (f"the [P, 2I] intermediate ({intermediate_bytes} bytes) exceeds chunk_bytes "
+                f"({chunk_bytes}): the checkpointed chunked torch path bounds its memory")
+    return (activation_unsupported_reason(experts_config.expert_activation,
+                                          experts_config.activation_alpha,
+                                          experts_config.activation_limit)
+            or shape_unsupported_reason(rows_NH.shape[1], down_projs.shape[1])
+            or device_unsupported_reason(rows_NH.device, rows_NH.dtype))

@@ -11,6 +11,8 @@ Legend: P dispatched rows, H hidden, I expert intermediate size, e local experts
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from megatron.core.activations import quick_gelu, squared_relu
@@ -21,9 +23,15 @@ from megatron.core.tensor_parallel.random import (
 )
 from megatron.core.transformer.module import MegatronModule
 
+from megatron_moe_ext.dispatcher.handoff import IndexedRows
 from megatron_moe_ext.experts.activations import get_expert_activation
 from megatron_moe_ext.experts.common import stacked_shapes
 from megatron_moe_ext.experts.config import ExpertsConfig
+from megatron_moe_ext.experts.fused import (
+    check_expert_mlp_impl,
+    fused_unsupported_reason,
+    warmup_fused_expert_mlp,
+)
 from megatron_moe_ext.experts.mlp import run_grouped_expert_mlp
 from megatron_moe_ext.megatron import checkpoint as _checkpoint
 
@@ -37,12 +45,15 @@ _INIT_ORDERS = {
 # Quick-GELU's sigmoid slope, fixed inside Megatron's `quick_gelu`.
 _QUICK_GELU_ALPHA = 1.702
 
+#: Picks `expert_mlp_impl` for command-line users of `--spec` (who cannot pass the keyword).
+EXPERT_MLP_IMPL_ENV = "MOE_EXT_EXPERT_MLP_IMPL"
+
 
 def _unsupported(field: str, value, allowed: str) -> ValueError:
     return ValueError(f"GroupedGemmExperts: {field}={value!r} is not supported; {allowed}")
 
 
-def experts_config_from_transformer_config(config) -> ExpertsConfig:
+def experts_config_from_transformer_config(config, expert_mlp_impl: str = "auto") -> ExpertsConfig:
     """Map Megatron's MoE MLP settings onto `ExpertsConfig`, refusing what the math cannot match.
 
     Megatron's expert MLP computes `act(x W1_gate) * (x W1_up + glu_linear_offset)` with the
@@ -53,6 +64,7 @@ def experts_config_from_transformer_config(config) -> ExpertsConfig:
 
     Arguments:
         config: Megatron `TransformerConfig` of an MoE model.
+        expert_mlp_impl: `ExpertsConfig.expert_mlp_impl`.
 
     Returns:
         `ExpertsConfig` with the same experts, top-k, sizes, activation, bias and dtype.
@@ -86,6 +98,7 @@ def experts_config_from_transformer_config(config) -> ExpertsConfig:
         activation_limit=limit,
         dtype=config.params_dtype,
         expert_mlp_chunk_bytes=0,  # Megatron's recompute flags decide: never recompute twice
+        expert_mlp_impl=expert_mlp_impl,
     )
 
 
@@ -127,6 +140,13 @@ class GroupedGemmExperts(MegatronModule):
             RNG stream, same draws): "sequential_mlp" (expert by expert, fc1 then fc2) or
             "te_grouped_mlp" (fc1 of every expert, then fc2 of every expert, as TEGroupedMLP's
             two GroupedLinears draw them).
+        expert_mlp_impl: "auto", "fused" or "grouped_mm" (`ExpertsConfig.expert_mlp_impl`);
+            None reads the environment variable `MOE_EXT_EXPERT_MLP_IMPL`, else "auto".
+
+    Properties (where the weights are now):
+        expert_mlp_fallback_reason: why the fused (QuACK) path does not run, or None when it
+            does. accepts_indexed_rows: True when it does: the dispatcher may then hand over
+            `IndexedRows` and skip the permuted copy.
 
     Parameters (dtype `config.params_dtype`, used as `x @ W`):
         gate_and_up_projs [e, H, 2I] (`[gate | up]`; [e, H, I] when not gated),
@@ -135,7 +155,8 @@ class GroupedGemmExperts(MegatronModule):
     """
 
     def __init__(self, num_local_experts: int, config, *, pg_collection=None,
-                 name: str | None = None, init_like: str = "sequential_mlp"):
+                 name: str | None = None, init_like: str = "sequential_mlp",
+                 expert_mlp_impl: str | None = None):
         super().__init__(config=config)
         if init_like not in _INIT_ORDERS:
             raise ValueError(f"GroupedGemmExperts: init_like={init_like!r} is invalid: allowed "
@@ -145,7 +166,10 @@ class GroupedGemmExperts(MegatronModule):
             raise ValueError("GroupedGemmExperts: pg_collection is required (it names the ep and "
                              "expt_dp groups)")
         _check_megatron_features(config)
-        self.experts_config = experts_config_from_transformer_config(config)
+        if expert_mlp_impl is None:
+            expert_mlp_impl = os.environ.get(EXPERT_MLP_IMPL_ENV, "auto")
+        self.experts_config = experts_config_from_transformer_config(
+            config, check_expert_mlp_impl(expert_mlp_impl))
         self.num_local_experts = num_local_experts
         self.name = name
         self.ep_group = pg_collection.ep
@@ -172,6 +196,26 @@ class GroupedGemmExperts(MegatronModule):
         expert_parallel = config.expert_model_parallel_size > 1
         for param in self.parameters():
             param.allreduce = not expert_parallel
+        if expert_mlp_impl == "fused":
+            # Where the model will run: under `use_cpu_initialization` it is built on the CPU
+            # and moved to the current GPU afterwards.
+            reason = fused_unsupported_reason(self.experts_config, None, config.params_dtype)
+            if reason is not None:
+                raise RuntimeError(f"GroupedGemmExperts: expert_mlp_impl='fused' is not possible: "
+                                   f"{reason}")
+
+    @property
+    def expert_mlp_fallback_reason(self) -> str | None:
+        """Why the fused (QuACK) path does not run where the weights are now, or None."""
+        # The rows arrive in the params' dtype (Megatron's bf16/fp16 training casts both).
+        return fused_unsupported_reason(self.experts_config, self.gate_and_up_projs.device,
+                                        self.config.params_dtype)
+
+    @property
+    def accepts_indexed_rows(self) -> bool:
+        """Whether `forward` takes an `IndexedRows` hand-off with its gather fused (the fused
+        path runs); it takes one anyway, making the permuted copy on the torch path."""
+        return self.expert_mlp_fallback_reason is None
 
     @torch.no_grad()
     def _init_weights(self) -> None:
@@ -194,12 +238,20 @@ class GroupedGemmExperts(MegatronModule):
                     init_method(master_OI)
             weight_IO.copy_(master_OI.t())
 
-    def forward(self, dispatched_input: torch.Tensor, tokens_per_expert: torch.Tensor,
+    def warmup_fused_kernels(self) -> None:
+        """Compile QuACK's kernels now (seconds at the first call of a process, then read from
+        its disk cache): call before capturing a CUDA graph. A no-op on the torch path."""
+        if self.accepts_indexed_rows:
+            param = self.gate_and_up_projs
+            warmup_fused_expert_mlp(self.experts_config, param.device, self.config.params_dtype)
+
+    def forward(self, dispatched_input: torch.Tensor | IndexedRows, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor):
         """Run every local expert on its contiguous block of rows.
 
         Arguments:
-            dispatched_input: [P, H] rows grouped by local expert (activation dtype).
+            dispatched_input: [P, H] rows grouped by local expert (activation dtype), or an
+                `IndexedRows` hand-off when `accepts_indexed_rows`.
             tokens_per_expert: [e] int rows per local expert, on the host or the device;
                 `P` may exceed its sum (capacity padding): those tail rows are not trusted.
             permuted_probs: [P] fp32 routing prob of each row, applied inside the activation.
@@ -214,7 +266,9 @@ class GroupedGemmExperts(MegatronModule):
         return run_grouped_expert_mlp(
             dispatched_input, self.gate_and_up_projs, self.down_projs, self.gate_up_proj_bias,
             self.down_proj_bias, tokens_per_expert, permuted_probs.unsqueeze(-1), self.activation_fn,
-            self.experts_config.expert_mlp_chunk_bytes, checkpoint), None
+            self.experts_config.expert_mlp_chunk_bytes, checkpoint,
+            expert_mlp_impl=self.experts_config.expert_mlp_impl,
+            experts_config=self.experts_config), None
 
     def backward_dw(self) -> None:
         """Nothing is deferred: weight gradients come with the ordinary backward
