@@ -145,8 +145,8 @@ def _as_leaves(value):
     return value
 
 
-def experts_step(layer, x_SBH, grad_SBH):
-    """The experts' forward + backward on the inputs the layer gave them in one recorded step."""
+def record_expert_call(layer, x_SBH, grad_SBH) -> tuple[tuple, dict]:
+    """The (args, kwargs) the layer passes its experts in one step, as leaves (`_as_leaves`)."""
     calls = []
     handle = layer.experts.register_forward_pre_hook(
         lambda _m, args, kwargs: calls.append((args, kwargs)) if not calls else None, with_kwargs=True)
@@ -154,7 +154,12 @@ def experts_step(layer, x_SBH, grad_SBH):
         layer_step(layer, x_SBH, grad_SBH)()
     finally:
         handle.remove()
-    args, kwargs = _as_leaves(calls[0])
+    return _as_leaves(calls[0])
+
+
+def experts_step(layer, x_SBH, grad_SBH):
+    """The experts' forward + backward on the inputs the layer gave them in one recorded step."""
+    args, kwargs = record_expert_call(layer, x_SBH, grad_SBH)
     with torch.no_grad():
         out = layer.experts(*args, **kwargs)[0]
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out)
@@ -216,11 +221,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
 
 
-def compare_with_reference(layer, reference, x_SBH, grad_SBH) -> dict:
-    """Max relative differences (max |a - b| / max |b|) of `layer` against `reference` after
-    loading the reference's weights: output, input gradient, each expert weight gradient."""
-    missing, unexpected = layer.load_state_dict(reference.state_dict(), strict=False)
-    result = {}
+def relative_differences(layer, reference, x_SBH, grad_SBH) -> dict:
+    """Max relative differences (max |a - b| / max |b|) of `layer` against `reference` for one
+    forward + backward: output, input gradient, each expert weight gradient."""
     grads = {}
     for name, module in (("layer", layer), ("reference", reference)):
         for p in module.parameters():
@@ -231,11 +234,18 @@ def compare_with_reference(layer, reference, x_SBH, grad_SBH) -> dict:
         _clear_tracker()
         grads[name] = (out.detach(), x.grad, {k: p.grad for k, p in module.experts.named_parameters()})
     (out, dx, dw), (ref_out, ref_dx, ref_dw) = grads["layer"], grads["reference"]
-    result["output"] = _rel(out, ref_out)
-    result["input_grad"] = _rel(dx, ref_dx)
+    result = dict(output=_rel(out, ref_out), input_grad=_rel(dx, ref_dx))
     for k, g in ref_dw.items():
         if g is not None and dw.get(k) is not None:
             result[f"grad_{k}"] = _rel(dw[k], g)
+    return result
+
+
+def compare_with_reference(layer, reference, x_SBH, grad_SBH) -> dict:
+    """`relative_differences` after `layer` loads the reference's weights (keys that do not
+    match are reported)."""
+    missing, unexpected = layer.load_state_dict(reference.state_dict(), strict=False)
+    result = relative_differences(layer, reference, x_SBH, grad_SBH)
     if missing or unexpected:
         result["state_dict_mismatch"] = dict(missing=missing, unexpected=unexpected)
     return result

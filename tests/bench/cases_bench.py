@@ -1,0 +1,62 @@
+"""Rank-side bodies of the benchmark tests (module level, so the gloo pool can run them)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from tests.shims import megatron_cpu
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench"))
+
+
+def _flex_grouped_layer(shape: dict, pg):
+    """FlexMoELayer + GroupedGemmExperts at `shape`, routed by its input (moe_slice_bench's trick)."""
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+
+    import moe_slice_bench
+    from megatron_moe_ext.megatron.experts import GroupedGemmExperts
+    from megatron_moe_ext.megatron.moe_layer import FlexMoELayer
+
+    config = moe_slice_bench.slice_config(shape, "flex_grouped_mm", cpu=True)
+    local = get_moe_module_spec(use_te=False, num_experts=shape["experts"]).keywords["submodules"]
+    layer = FlexMoELayer(config=config, submodules=local, experts=GroupedGemmExperts, pg_collection=pg,
+                         layer_number=1)
+    layer.router.set_layer_number(1)
+    return layer
+
+
+def run_slice_replay_and_compare() -> dict:
+    """What the experts-alone replay and the fused-vs-grouped check of moe_slice_bench measure,
+    on two CPU layers: the replayed call's output against the output the layer's own call gave,
+    and `compare_with_reference` for equal weights and after one expert weight is changed."""
+    import moe_layer_bench
+    import moe_slice_bench
+
+    megatron_cpu.install()
+    try:
+        pg = megatron_cpu.init_parallel_state(1)
+        shape = moe_slice_bench.SHAPES["smoke"]
+        reference, other = _flex_grouped_layer(shape, pg), _flex_grouped_layer(shape, pg)
+        x = moe_layer_bench.layer_input(shape, "skewed", "cpu")
+        grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(3)).to(x)
+
+        seen = []
+        handle = reference.experts.register_forward_hook(lambda _m, _a, out: seen.append(out[0].detach()))
+        args, kwargs = moe_slice_bench.record_expert_call(reference, x, grad)
+        handle.remove()
+        replayed = reference.experts(*args, **kwargs)[0]
+        leaves = [a for a in args if isinstance(a, torch.Tensor)]
+
+        equal = moe_slice_bench.compare_with_reference(other, reference, x, grad)
+        with torch.no_grad():
+            other.experts.down_projs[0].mul_(1.5)
+        changed = moe_slice_bench.relative_differences(other, reference, x, grad)
+        return dict(replay_equal=torch.equal(replayed.detach(), seen[0]),
+                    replay_leaves=all(t.grad_fn is None for t in leaves),
+                    replay_input_needs_grad=leaves[0].requires_grad,
+                    equal=equal, changed=changed)
+    finally:
+        megatron_cpu.uninstall()
