@@ -14,7 +14,7 @@
 #   pack       tar /tmp/round/out into $OUT/round_<date>.tgz (the tool returns at most 8 files)
 # Tasks: hybridep_real uccl_real device_checks cuda_graph_train graph_te_diag graph_bisect graph_fault probes experts_te bias permute
 #        layer_bench graphs recompute pretrain_local pretrain_te pretrain_small pretrain_det
-#        pretrain_det32 te_init_check pretrain_qwen3.
+#        pretrain_det32 te_init_check pretrain_qwen3 slice_bench pretrain_slice pretrain_slice_det.
 # Transformer Engine comes from ../shared/tools/te-on-device (source /tmp/te_env.sh first); the
 # HybridEP build (.gpu/hybridep, bench/gpu/HYBRIDEP.md), the uccl pieces (.gpu/uccl,
 # .gpu/uccl-wheel) and Megatron-LM's pretrain_gpt.py (.gpu/megatron-lm) are carried, never committed.
@@ -69,6 +69,13 @@ run_task() {
     te_init_check) task te_init_check 120 $PY bench/gpu/te_init_check.py ;;
     pretrain_qwen3) task pretrain_qwen3 420 env RUNS="${QWEN3_RUNS:-qwen3_te_native qwen3_te_ext qwen3_te_ext_te_grouped_mlp}" \
         bash bench/gpu/pretrain_megatron_lm.sh ;;
+    # Issue 27: one MoE layer at per-rank loads (bench/moe_slice_bench.py), and pretrain_gpt.py on
+    # the Qwen3-30B-A3B EP8 rank slice (the slice_* / det_slice_* runs of pretrain_megatron_lm.sh).
+    slice_bench) task slice_bench 420 $PY bench/moe_slice_bench.py ${SLICE_ARGS:-} ;;
+    pretrain_slice) task pretrain_slice 360 env RUNS="${SLICE_RUNS:-slice_native slice_ext slice_ext_grouped_mm}" \
+        bash bench/gpu/pretrain_megatron_lm.sh ;;
+    pretrain_slice_det) task pretrain_slice_det 420 env RUNS="${DET_SLICE_RUNS:-det_slice_ext det_slice_ext_repeat \
+        det_slice_ext_grouped_mm det_slice_native det_slice_native_unfused_swiglu}" bash bench/gpu/pretrain_megatron_lm.sh ;;
     *) echo "unknown task $1"; return 2 ;;
   esac
 }

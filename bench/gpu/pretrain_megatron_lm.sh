@@ -125,24 +125,30 @@ run det_local_native_router_fp32 180 $DET_ENV $LAUNCH $PRETRAIN $COMMON $SMALL $
 run det32_local_native_unfused_swiglu 240 $DET_ENV $LAUNCH $PRETRAIN $COMMON_FP32 $SMALL $LOCAL $DET --no-bias-swiglu-fusion
 # slice_* runs (TE mode): the Qwen3-30B-A3B EP8 rank slice, so that the MoE layers and not the
 # LM head carry the step: Qwen3-30B-A3B's attention and expert shapes with the 16 experts one
-# EP8 rank holds, top-8, SLICE_LAYERS layers (default 8, the least the issue allows; about 36 GB
-# at 8 layers, so up to three det runs share the GPU), seq 4096, mbs 1, gbs 8. Both sides take
+# EP8 rank holds, top-8, seq 4096, mbs 1, gbs 8; SLICE_LAYERS layers in the throughput runs
+# (default 16: about 55 GB, far from full, but each layer adds device time) and DET_SLICE_LAYERS
+# in the det runs (default 8, the least the issue allows: about 36 GB, so that three det runs
+# share the GPU). Both sides take
 # the flags of Megatron's Qwen3-30B-A3B recipe (RECIPE, RECIPE_ENV); native adds
 # --moe-permute-fusion. The throughput runs (SLICE_ITERS iterations, default 14) log Megatron's
 # timers at level 2 and profile their last iteration (bench/gpu/pretrain_profiled.py, left out of
 # the medians): slice_native, slice_ext (--spec --moe-grouped-gemm: the fused QuACK experts where
 # QuACK imports), slice_ext_grouped_mm (MOE_EXT_EXPERT_MLP_IMPL=grouped_mm: the torch path).
-# det_slice_* runs: --deterministic-mode, DET_SLICE_ITERS iterations (default 50), run side by
-# side on the GPU (bitwise results do not depend on what else runs): det_slice_ext twice (the
-# fused path bit-identical run to run), det_slice_ext_grouped_mm (the torch path: loss against
-# the fused path), det_slice_native and det_slice_native_unfused_swiglu (Megatron against
-# itself under a rounding-only change, the spread the ext pair is judged by). Deterministic mode
+# det_slice_* runs: --deterministic-mode, run side by side on the GPU (bitwise results do not
+# depend on what else runs), three then two: det_slice_ext twice (the fused path, bit-identical
+# run to run?) and det_slice_ext_grouped_mm (the torch path: its loss against the fused path),
+# DET_SLICE_ITERS iterations (default 50); then det_slice_native and
+# det_slice_native_unfused_swiglu (Megatron against itself under a rounding-only change: the
+# spread the ext pair is judged by, as the first iteration over 2e-3, which came at 10-14 in
+# earlier runs), DET_SLICE_NATIVE_ITERS iterations (default 30, to save device time). Deterministic mode
 # refuses --cross-entropy-loss-fusion, so the det runs drop it; native det runs drop
 # --moe-permute-fusion as the earlier det runs did (known run-to-run reproducible without it).
-SLICE_LAYERS=${SLICE_LAYERS:-8}
+SLICE_LAYERS=${SLICE_LAYERS:-16}
+DET_SLICE_LAYERS=${DET_SLICE_LAYERS:-8}
 SLICE_ITERS=${SLICE_ITERS:-14}
 DET_SLICE_ITERS=${DET_SLICE_ITERS:-50}
-SLICE="--num-layers $SLICE_LAYERS --hidden-size 2048 --num-attention-heads 32 --group-query-attention \
+DET_SLICE_NATIVE_ITERS=${DET_SLICE_NATIVE_ITERS:-30}
+SLICE="--hidden-size 2048 --num-attention-heads 32 --group-query-attention \
 --num-query-groups 4 --kv-channels 128 --qk-layernorm --normalization RMSNorm \
 --position-embedding-type rope --rotary-base 1000000 --untie-embeddings-and-output-weights \
 --seq-length 4096 --max-position-embeddings 4096 --micro-batch-size 1 --global-batch-size 8 \
@@ -156,18 +162,18 @@ profiled() {  # name: the profiler wrapper around pretrain_gpt.py, profiling the
   echo "bench/gpu/pretrain_profiled.py $SLICE_ITERS $OUT/pretrain_megatron_lm_$1.kernels.json $PRETRAIN"
 }
 if [ $HAVE_TE = 1 ]; then
-  SLICE_RUN="$SLICE --train-iters $SLICE_ITERS $TE $RECIPE $CE_FUSION --timing-log-level 2"
+  SLICE_RUN="$SLICE --num-layers $SLICE_LAYERS --train-iters $SLICE_ITERS $TE $RECIPE $CE_FUSION --timing-log-level 2"
   run slice_native 300 $RECIPE_ENV $LAUNCH $(profiled slice_native) $COMMON $SLICE_RUN $FUSION
   run slice_ext 300 $RECIPE_ENV $LAUNCH $(profiled slice_ext) $COMMON $SLICE_RUN $SPEC
   run slice_ext_grouped_mm 300 $RECIPE_ENV MOE_EXT_EXPERT_MLP_IMPL=grouped_mm $LAUNCH \
     $(profiled slice_ext_grouped_mm) $COMMON $SLICE_RUN $SPEC
-  DET_SLICE="$DET_ENV $RECIPE_ENV $LAUNCH $PRETRAIN $COMMON $SLICE --train-iters $DET_SLICE_ITERS $TE $RECIPE $DET"
-  run det_slice_ext 400 $DET_SLICE $SPEC &
-  run det_slice_ext_repeat 400 $DET_SLICE $SPEC &
-  run det_slice_ext_grouped_mm 400 env MOE_EXT_EXPERT_MLP_IMPL=grouped_mm $DET_SLICE $SPEC &
+  DET_SLICE="$DET_ENV $RECIPE_ENV $LAUNCH $PRETRAIN $COMMON $SLICE --num-layers $DET_SLICE_LAYERS $TE $RECIPE $DET"
+  run det_slice_ext 400 $DET_SLICE --train-iters $DET_SLICE_ITERS $SPEC &
+  run det_slice_ext_repeat 400 $DET_SLICE --train-iters $DET_SLICE_ITERS $SPEC &
+  run det_slice_ext_grouped_mm 400 env MOE_EXT_EXPERT_MLP_IMPL=grouped_mm $DET_SLICE --train-iters $DET_SLICE_ITERS $SPEC &
   wait
-  run det_slice_native 400 $DET_SLICE &
-  run det_slice_native_unfused_swiglu 400 $DET_SLICE --no-bias-swiglu-fusion &
+  run det_slice_native 400 $DET_SLICE --train-iters $DET_SLICE_NATIVE_ITERS &
+  run det_slice_native_unfused_swiglu 400 $DET_SLICE --train-iters $DET_SLICE_NATIVE_ITERS --no-bias-swiglu-fusion &
   wait
 fi
 if [ $HAVE_TE = 0 ]; then
