@@ -266,6 +266,8 @@ def run_case(shape: dict, routing: str, variants, pg, device, cpu: bool, args) -
         try:
             layer = build_variant(name, shape, pg, device, cpu)
             cell = cells[name] = {"router_follows_routing": layer_bench.router_counts(layer, x) == counts}
+            if hasattr(layer.experts, "expert_mlp_fallback_reason"):  # None: the fused path runs
+                cell["expert_mlp_fallback_reason"] = layer.experts.expert_mlp_fallback_reason
             step = layer_step(layer, x, grad)
             t0 = time.perf_counter()
             step()  # JIT compiles (QuACK, TE, Triton) happen here

@@ -14,7 +14,7 @@
 #   pack       tar /tmp/round/out into $OUT/round_<date>.tgz (the tool returns at most 8 files)
 # Tasks: hybridep_real uccl_real device_checks cuda_graph_train graph_te_diag graph_bisect graph_fault probes experts_te bias permute
 #        layer_bench graphs recompute pretrain_local pretrain_te pretrain_small pretrain_det
-#        pretrain_det32 te_init_check pretrain_qwen3 slice_bench pretrain_slice pretrain_slice_det.
+#        pretrain_det32 te_init_check pretrain_qwen3.
 # Transformer Engine comes from ../shared/tools/te-on-device (source /tmp/te_env.sh first); the
 # HybridEP build (.gpu/hybridep, bench/gpu/HYBRIDEP.md), the uccl pieces (.gpu/uccl,
 # .gpu/uccl-wheel) and Megatron-LM's pretrain_gpt.py (.gpu/megatron-lm) are carried, never committed.

@@ -10,7 +10,7 @@ other (activation and what else runs inside the experts), permutation/gather (th
 dispatcher's methods), router, attention (core attention; QKV, output projection, rope and
 q/k norms), LM head + loss, optimizer (`optimizer.step`) and other (embedding, layer norms,
 gradient accumulation into Megatron's buffers, the rest), plus the top kernels, the step's wall
-time, peak memory and which expert classes (and `expert_mlp_impl`) the model built. The profiled
+time, peak memory and which expert classes (and expert MLP path) the model built. The profiled
 step is slower than the others (the profiler's CPU side); pretrain_megatron_lm_parse.py leaves
 it out of the medians.
 """
@@ -61,14 +61,17 @@ def label_model(model, optimizer) -> list:
 
 
 def describe_experts(model) -> dict:
-    """`{class name [expert_mlp_impl]: number of layers}` of the model's expert modules."""
+    """`{class name [expert MLP path]: number of layers}` of the model's expert modules; for the
+    package's GroupedGemmExperts the path that runs: "fused", or "grouped_mm" with the reason
+    the fused path does not (`expert_mlp_fallback_reason`)."""
     seen: dict[str, int] = {}
     for chunk in model:
         for name, module in chunk.named_modules():
             if name.endswith(".mlp.experts"):
-                config = getattr(module, "experts_config", None)
-                impl = getattr(module, "expert_mlp_impl", None) or getattr(config, "expert_mlp_impl", None)
-                key = type(module).__name__ + (f" [{impl}]" if impl else "")
+                key = type(module).__name__
+                if hasattr(module, "expert_mlp_fallback_reason"):
+                    reason = module.expert_mlp_fallback_reason
+                    key += " [fused]" if reason is None else f" [grouped_mm: {reason}]"
                 seen[key] = seen.get(key, 0) + 1
     return seen
 
