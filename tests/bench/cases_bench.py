@@ -60,3 +60,35 @@ def run_slice_replay_and_compare() -> dict:
                     equal=equal, changed=changed)
     finally:
         megatron_cpu.uninstall()
+
+
+def run_fused_slice_on_the_double() -> dict:
+    """moe_slice_bench's flex_fused variant on the CPU through the QuACK double: which hand-off
+    its experts get, whether the experts-alone replay reproduces the layer's call, and its
+    differences from flex_grouped_mm with the same weights."""
+    import moe_layer_bench
+    import moe_slice_bench
+
+    from megatron_moe_ext.experts import fused
+    from tests.doubles import quack_gemm
+
+    previous = fused.set_quack_backend(fused.QuackBackend(quack_gemm, None, any_device=True))
+    megatron_cpu.install()
+    try:
+        pg = megatron_cpu.init_parallel_state(1)
+        shape = moe_slice_bench.SHAPES["smoke"]
+        grouped = moe_slice_bench.build_variant("flex_grouped_mm", shape, pg, "cpu", cpu=True)
+        fused_layer = moe_slice_bench.build_variant("flex_fused", shape, pg, "cpu", cpu=True)
+        x = moe_layer_bench.layer_input(shape, "skewed", "cpu")
+        grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(3)).to(x)
+        seen = []
+        handle = fused_layer.experts.register_forward_hook(lambda _m, _a, out: seen.append(out[0].detach()))
+        args, kwargs = moe_slice_bench.record_expert_call(fused_layer, x, grad)
+        handle.remove()
+        replayed = fused_layer.experts(*args, **kwargs)[0]
+        return dict(handoff=type(args[0]).__name__, replay_equal=torch.equal(replayed.detach(), seen[0]),
+                    fallback=fused_layer.experts.expert_mlp_fallback_reason,
+                    diffs=moe_slice_bench.compare_with_reference(fused_layer, grouped, x, grad))
+    finally:
+        megatron_cpu.uninstall()
+        fused.set_quack_backend(previous)

@@ -5,6 +5,7 @@ run lists (they parse with Megatron's own parser) and the log parser."""
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import json
 import os
@@ -232,3 +233,34 @@ print(json.dumps(out))
         assert (a["spec"] is not None) == ("_ext" in name)
         assert a["permute_fusion"] == (name == "slice_native")
         assert a["swiglu_fusion"] == (not name.endswith("unfused_swiglu"))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tests.doubles.quack_gemm") is None,
+                    reason="the fused expert path and its QuACK double are not on this branch yet (quack branch)")
+def test_fused_slice_variant_on_the_quack_double(dist_pools):
+    result = dist_pools(1).run(cases_bench.run_fused_slice_on_the_double)[0]
+    assert result["fallback"] is None  # the fused path runs (through the double)
+    # The replay works on either hand-off (the dispatcher's IndexedRows or permuted rows).
+    assert result["handoff"] in ("IndexedRows", "Tensor") and result["replay_equal"]
+    diffs = result["diffs"]
+    assert "state_dict_mismatch" not in diffs
+    assert diffs.keys() >= {"output", "input_grad", "grad_gate_and_up_projs", "grad_down_projs"}
+    assert all(v < 2e-2 for v in diffs.values()), diffs  # bf16 rounding, not a different model
+
+
+def test_replayed_inputs_are_leaves_through_indexed_rows():
+    import moe_slice_bench
+
+    from megatron_moe_ext.dispatcher.handoff import IndexedRows
+
+    rows = torch.randn(3, 4, requires_grad=True) * 2  # not a leaf
+    probs = torch.rand(5, requires_grad=True) + 0
+    handoff = IndexedRows(rows_RH=rows, row_of_slot_P=torch.tensor([0, 1, 2, 0, 1], dtype=torch.int32),
+                          slot_of_row_RJ=torch.tensor([[0, 3], [1, 4], [2, -1]]), tokens_per_expert=[3, 2],
+                          probs_P=probs)
+    (leaf, counts), kwargs = moe_slice_bench._as_leaves(((handoff, torch.tensor([3, 2])), {"probs": probs}))
+    assert isinstance(leaf, IndexedRows) and leaf.tokens_per_expert == [3, 2]
+    assert leaf.rows_RH.is_leaf and leaf.rows_RH.requires_grad and torch.equal(leaf.rows_RH, rows)
+    assert leaf.probs_P.is_leaf and leaf.probs_P.requires_grad
+    assert not leaf.row_of_slot_P.requires_grad and leaf.slot_of_row_RJ.dtype == torch.int64
+    assert kwargs["probs"].is_leaf and not counts.requires_grad
