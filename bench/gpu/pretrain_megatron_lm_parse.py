@@ -149,7 +149,7 @@ def main(out_dir: str) -> None:
                  f"time x{vs.get('step_time_ratio', float('nan')):.3f}" if vs else "")
               + (f"  vs ext: loss rel {run['vs_ext']['max_rel_lm_loss_diff']:.2e} identical "
                  f"{run['vs_ext']['identical_lm_loss']}" if "vs_ext" in run else ""))
-        if "profile" in run:
+        if "categories_ms" in run.get("profile", {}):
             print(f"{'':36s} kernels ms/step (iteration {run['profile']['iteration']}): "
                   f"{json.dumps(run['profile']['categories_ms'])}")
     print("wrote", path)

@@ -20,6 +20,7 @@ import os
 import runpy
 import sys
 import time
+import traceback
 
 import torch
 
@@ -106,13 +107,18 @@ def profiled_train_step(original, iteration: int, out_path: str):
         finally:
             kernel_breakdown.remove_labels(labels)
         wall_ms = (time.perf_counter() - t0) * 1e3
-        table = kernel_breakdown.breakdown(prof.events(), steps=1, top=25)
-        report = dict(iteration=iteration, step_wall_ms_profiled=round(wall_ms, 1),
-                      categories_ms=categories(table), experts=describe_experts(model),
-                      peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2), **table)
+        try:
+            table = kernel_breakdown.breakdown(prof.events(), steps=1, top=25)
+            report = dict(iteration=iteration, step_wall_ms_profiled=round(wall_ms, 1),
+                          categories_ms=categories(table), experts=describe_experts(model),
+                          peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2), **table)
+        except Exception as error:  # noqa: BLE001 - the training run goes on; the log says why
+            report = dict(iteration=iteration, error=f"{type(error).__name__}: {error}",
+                          traceback=traceback.format_exc()[-3000:])
         with open(out_path, "w") as f:
             json.dump(report, f, indent=1)
-        print(f"profiled iteration {iteration}: {json.dumps(report['categories_ms'])} -> {out_path}", flush=True)
+        print(f"profiled iteration {iteration}: {json.dumps(report.get('categories_ms') or report['error'])} "
+              f"-> {out_path}", flush=True)
         return result
 
     return train_step
