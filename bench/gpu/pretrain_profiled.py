@@ -41,7 +41,7 @@ MODULE_LABELS = ((".self_attention.core_attention", "attention_core"),
 # The categories of the report, from the labels (experts are split into GEMM and other kernels).
 CATEGORIES = {"attention": ("attention_core", "attention_other"), "router": ("router",),
               "permutation_gather": ("permutation_gather",), "lm_head_loss": ("lm_head_loss",),
-              "optimizer": ("optimizer",), "other": ("moe_other", "embedding", "other")}
+              "optimizer": ("optimizer",), "other": ("moe_other", "dense_mlp", "embedding", "other")}
 
 
 def label_model(model, optimizer) -> list:
@@ -50,6 +50,8 @@ def label_model(model, optimizer) -> list:
     for chunk in model:
         for name, module in chunk.named_modules():
             label = next((lab for suffix, lab in MODULE_LABELS if name.endswith(suffix)), None)
+            if label == "moe_other" and not hasattr(module, "token_dispatcher"):
+                label = "dense_mlp"
             if label is not None:
                 labels.append(kernel_breakdown.label_module(module, label))
             if hasattr(module, "token_dispatcher"):

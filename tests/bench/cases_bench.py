@@ -92,3 +92,41 @@ def run_fused_slice_on_the_double() -> dict:
     finally:
         megatron_cpu.uninstall()
         fused.set_quack_backend(previous)
+
+
+def run_profiled_labels_on_megatron_gpt() -> dict:
+    """pretrain_profiled's labels on a tiny Megatron GPTModel built with the package's spec (the
+    module names pretrain_gpt.py builds), wrapped as Megatron wraps chunks (`module.` prefix),
+    one forward + backward + a stand-in optimizer step under the CPU profiler: the labels that
+    received time and the expert classes found."""
+    from torch.profiler import ProfilerActivity, profile
+
+    import kernel_breakdown
+    import pretrain_profiled
+    from megatron_moe_ext.megatron import specs
+    from tests.megatron.cases_layer import _gpt, _gpt_loss_and_grads, gpt_config
+
+    megatron_cpu.install()
+    try:
+        megatron_cpu.init_parallel_state(1)
+        config = gpt_config(1)
+        chunk = torch.nn.Module()
+        chunk.module = _gpt(config, specs.get_flex_decoder_block_spec(config))
+
+        class Optimizer:
+            def step(self):
+                with torch.no_grad():
+                    for p in chunk.parameters():
+                        p.add_(p.grad, alpha=-1e-3)
+
+        optimizer = Optimizer()
+        labels = pretrain_profiled.label_model([chunk], optimizer)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            _gpt_loss_and_grads(chunk.module, 0)
+            optimizer.step()
+        kernel_breakdown.remove_labels(labels)
+        table = kernel_breakdown.breakdown(prof.events(), device="cpu")
+        return dict(labels=sorted(k for k, v in table["labels"].items() if v["ms"] > 0),
+                    experts=pretrain_profiled.describe_experts([chunk]))
+    finally:
+        megatron_cpu.uninstall()

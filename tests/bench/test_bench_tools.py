@@ -264,3 +264,13 @@ def test_replayed_inputs_are_leaves_through_indexed_rows():
     assert leaf.probs_P.is_leaf and leaf.probs_P.requires_grad
     assert not leaf.row_of_slot_P.requires_grad and leaf.slot_of_row_RJ.dtype == torch.int64
     assert kwargs["probs"].is_leaf and not counts.requires_grad
+
+
+def test_profiled_pretrain_labels_find_megatron_gpt_parts(dist_pools):
+    result = dist_pools(1).run(cases_bench.run_profiled_labels_on_megatron_gpt)[0]
+    # Every part of the step is found by its Megatron module name (moe_layer_freq (1, 0, 1):
+    # two MoE layers and a dense one).
+    assert set(result["labels"]) >= {"attention_core", "attention_other", "router", "experts",
+                                     "permutation_gather", "moe_other", "dense_mlp", "lm_head_loss",
+                                     "embedding", "optimizer", "other"}, result["labels"]
+    assert sum(result["experts"].values()) == 2, result["experts"]
