@@ -271,6 +271,6 @@ def test_profiled_pretrain_labels_find_megatron_gpt_parts(dist_pools):
     # Every part of the step is found by its Megatron module name (moe_layer_freq (1, 0, 1):
     # two MoE layers and a dense one).
     assert set(result["labels"]) >= {"attention_core", "attention_other", "router", "experts",
-                                     "permutation_gather", "moe_other", "dense_mlp", "lm_head_loss",
+                                     "permutation_gather", "dense_mlp", "lm_head_loss",
                                      "embedding", "optimizer", "other"}, result["labels"]
     assert sum(result["experts"].values()) == 2, result["experts"]
