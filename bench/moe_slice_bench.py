@@ -101,13 +101,7 @@ def build_variant(name: str, shape: dict, pg, device, cpu: bool):
         local = get_moe_module_spec(use_te=False, num_experts=shape["experts"]).keywords["submodules"]
         experts = functools.partial(GroupedGemmExperts, expert_mlp_impl=EXPERT_MLP_IMPL[name])
         layer = FlexMoELayer(submodules=local, experts=experts, **kw)
-    layer = layer.to(device)
-    with torch.no_grad():
-        weight = layer.router.weight
-        weight.zero_()
-        weight[:, : shape["experts"]].copy_(torch.eye(shape["experts"], dtype=weight.dtype))
-    layer.router.set_layer_number(1)
-    return layer
+    return layer_bench.route_by_input(layer.to(device), shape["experts"])
 
 
 # ---- steps ------------------------------------------------------------------------------

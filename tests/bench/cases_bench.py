@@ -28,11 +28,29 @@ def _flex_grouped_layer(shape: dict, pg):
     return layer
 
 
+def _inputs(shape: dict):
+    import moe_layer_bench
+
+    x = moe_layer_bench.layer_input(shape, "skewed", "cpu")
+    return x, torch.randn(x.shape, generator=torch.Generator().manual_seed(3)).to(x)
+
+
+def _replay(layer, x, grad) -> tuple[tuple, bool]:
+    """The experts' recorded call (moe_slice_bench.record_expert_call) and whether replaying it
+    gives the output the experts gave inside the layer's step, bit for bit."""
+    import moe_slice_bench
+
+    seen = []
+    handle = layer.experts.register_forward_hook(lambda _m, _a, out: seen.append(out[0].detach()))
+    args, kwargs = moe_slice_bench.record_expert_call(layer, x, grad)
+    handle.remove()
+    return args, torch.equal(layer.experts(*args, **kwargs)[0].detach(), seen[0])
+
+
 def run_slice_replay_and_compare() -> dict:
     """What the experts-alone replay and the fused-vs-grouped check of moe_slice_bench measure,
     on two CPU layers: the replayed call's output against the output the layer's own call gave,
     and `compare_with_reference` for equal weights and after one expert weight is changed."""
-    import moe_layer_bench
     import moe_slice_bench
 
     megatron_cpu.install()
@@ -40,21 +58,15 @@ def run_slice_replay_and_compare() -> dict:
         pg = megatron_cpu.init_parallel_state(1)
         shape = moe_slice_bench.SHAPES["smoke"]
         reference, other = _flex_grouped_layer(shape, pg), _flex_grouped_layer(shape, pg)
-        x = moe_layer_bench.layer_input(shape, "skewed", "cpu")
-        grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(3)).to(x)
-
-        seen = []
-        handle = reference.experts.register_forward_hook(lambda _m, _a, out: seen.append(out[0].detach()))
-        args, kwargs = moe_slice_bench.record_expert_call(reference, x, grad)
-        handle.remove()
-        replayed = reference.experts(*args, **kwargs)[0]
+        x, grad = _inputs(shape)
+        args, replay_equal = _replay(reference, x, grad)
         leaves = [a for a in args if isinstance(a, torch.Tensor)]
 
         equal = moe_slice_bench.compare_with_reference(other, reference, x, grad)
         with torch.no_grad():
             other.experts.down_projs[0].mul_(1.5)
         changed = moe_slice_bench.relative_differences(other, reference, x, grad)
-        return dict(replay_equal=torch.equal(replayed.detach(), seen[0]),
+        return dict(replay_equal=replay_equal,
                     replay_leaves=all(t.grad_fn is None for t in leaves),
                     replay_input_needs_grad=leaves[0].requires_grad,
                     equal=equal, changed=changed)
@@ -66,7 +78,6 @@ def run_fused_slice_on_the_double() -> dict:
     """moe_slice_bench's flex_fused variant on the CPU through the QuACK double: which hand-off
     its experts get, whether the experts-alone replay reproduces the layer's call, and its
     differences from flex_grouped_mm with the same weights."""
-    import moe_layer_bench
     import moe_slice_bench
 
     from megatron_moe_ext.experts import fused
@@ -79,14 +90,9 @@ def run_fused_slice_on_the_double() -> dict:
         shape = moe_slice_bench.SHAPES["smoke"]
         grouped = moe_slice_bench.build_variant("flex_grouped_mm", shape, pg, "cpu", cpu=True)
         fused_layer = moe_slice_bench.build_variant("flex_fused", shape, pg, "cpu", cpu=True)
-        x = moe_layer_bench.layer_input(shape, "skewed", "cpu")
-        grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(3)).to(x)
-        seen = []
-        handle = fused_layer.experts.register_forward_hook(lambda _m, _a, out: seen.append(out[0].detach()))
-        args, kwargs = moe_slice_bench.record_expert_call(fused_layer, x, grad)
-        handle.remove()
-        replayed = fused_layer.experts(*args, **kwargs)[0]
-        return dict(handoff=type(args[0]).__name__, replay_equal=torch.equal(replayed.detach(), seen[0]),
+        x, grad = _inputs(shape)
+        args, replay_equal = _replay(fused_layer, x, grad)
+        return dict(handoff=type(args[0]).__name__, replay_equal=replay_equal,
                     fallback=fused_layer.experts.expert_mlp_fallback_reason,
                     diffs=moe_slice_bench.compare_with_reference(fused_layer, grouped, x, grad))
     finally:
