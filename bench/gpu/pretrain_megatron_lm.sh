@@ -128,9 +128,8 @@ run det32_local_native_unfused_swiglu 240 $DET_ENV $LAUNCH $PRETRAIN $COMMON_FP3
 # EP8 rank holds, top-8, seq 4096, mbs 1, gbs 8; SLICE_LAYERS layers in the throughput runs
 # (default 16: about 55 GB, far from full, but each layer adds device time) and DET_SLICE_LAYERS
 # in the det runs (default 8, the least the issue allows: about 36 GB, so that three det runs
-# share the GPU). Both sides take
-# the flags of Megatron's Qwen3-30B-A3B recipe (RECIPE, RECIPE_ENV); native adds
-# --moe-permute-fusion. The throughput runs (SLICE_ITERS iterations, default 14) log Megatron's
+# share the GPU). Both sides take the flags of Megatron's Qwen3-30B-A3B recipe (RECIPE,
+# RECIPE_ENV); native adds --moe-permute-fusion. The throughput runs (SLICE_ITERS iterations, default 14) log Megatron's
 # timers at level 2 and profile their last iteration (bench/gpu/pretrain_profiled.py, left out of
 # the medians): slice_native, slice_ext (--spec --moe-grouped-gemm: the fused QuACK experts where
 # QuACK imports), slice_ext_grouped_mm (MOE_EXT_EXPERT_MLP_IMPL=grouped_mm: the torch path).
@@ -140,9 +139,9 @@ run det32_local_native_unfused_swiglu 240 $DET_ENV $LAUNCH $PRETRAIN $COMMON_FP3
 # DET_SLICE_ITERS iterations (default 50); then det_slice_native and
 # det_slice_native_unfused_swiglu (Megatron against itself under a rounding-only change: the
 # spread the ext pair is judged by, as the first iteration over 2e-3, which came at 10-14 in
-# earlier runs), DET_SLICE_NATIVE_ITERS iterations (default 30, to save device time). Deterministic mode
-# refuses --cross-entropy-loss-fusion, so the det runs drop it; native det runs drop
-# --moe-permute-fusion as the earlier det runs did (known run-to-run reproducible without it).
+# earlier runs), DET_SLICE_NATIVE_ITERS iterations (default 30, to save device time).
+# Deterministic mode refuses --cross-entropy-loss-fusion, so the det runs drop it; native det runs
+# drop --moe-permute-fusion as the earlier det runs did (known run-to-run reproducible without it).
 SLICE_LAYERS=${SLICE_LAYERS:-16}
 DET_SLICE_LAYERS=${DET_SLICE_LAYERS:-8}
 SLICE_ITERS=${SLICE_ITERS:-14}
@@ -163,17 +162,17 @@ profiled() {  # name: the profiler wrapper around pretrain_gpt.py, profiling the
 }
 if [ $HAVE_TE = 1 ]; then
   SLICE_RUN="$SLICE --num-layers $SLICE_LAYERS --train-iters $SLICE_ITERS $TE $RECIPE $CE_FUSION --timing-log-level 2"
-  run slice_native 300 $RECIPE_ENV $LAUNCH $(profiled slice_native) $COMMON $SLICE_RUN $FUSION
-  run slice_ext 300 $RECIPE_ENV $LAUNCH $(profiled slice_ext) $COMMON $SLICE_RUN $SPEC
-  run slice_ext_grouped_mm 300 $RECIPE_ENV MOE_EXT_EXPERT_MLP_IMPL=grouped_mm $LAUNCH \
+  run slice_native 240 $RECIPE_ENV $LAUNCH $(profiled slice_native) $COMMON $SLICE_RUN $FUSION
+  run slice_ext 240 $RECIPE_ENV $LAUNCH $(profiled slice_ext) $COMMON $SLICE_RUN $SPEC
+  run slice_ext_grouped_mm 240 $RECIPE_ENV MOE_EXT_EXPERT_MLP_IMPL=grouped_mm $LAUNCH \
     $(profiled slice_ext_grouped_mm) $COMMON $SLICE_RUN $SPEC
   DET_SLICE="$DET_ENV $RECIPE_ENV $LAUNCH $PRETRAIN $COMMON $SLICE --num-layers $DET_SLICE_LAYERS $TE $RECIPE $DET"
-  run det_slice_ext 400 $DET_SLICE --train-iters $DET_SLICE_ITERS $SPEC &
-  run det_slice_ext_repeat 400 $DET_SLICE --train-iters $DET_SLICE_ITERS $SPEC &
-  run det_slice_ext_grouped_mm 400 env MOE_EXT_EXPERT_MLP_IMPL=grouped_mm $DET_SLICE --train-iters $DET_SLICE_ITERS $SPEC &
+  run det_slice_ext 300 $DET_SLICE --train-iters $DET_SLICE_ITERS $SPEC &
+  run det_slice_ext_repeat 300 $DET_SLICE --train-iters $DET_SLICE_ITERS $SPEC &
+  run det_slice_ext_grouped_mm 300 env MOE_EXT_EXPERT_MLP_IMPL=grouped_mm $DET_SLICE --train-iters $DET_SLICE_ITERS $SPEC &
   wait
-  run det_slice_native 400 $DET_SLICE --train-iters $DET_SLICE_NATIVE_ITERS &
-  run det_slice_native_unfused_swiglu 400 $DET_SLICE --train-iters $DET_SLICE_NATIVE_ITERS --no-bias-swiglu-fusion &
+  run det_slice_native 300 $DET_SLICE --train-iters $DET_SLICE_NATIVE_ITERS &
+  run det_slice_native_unfused_swiglu 300 $DET_SLICE --train-iters $DET_SLICE_NATIVE_ITERS --no-bias-swiglu-fusion &
   wait
 fi
 if [ $HAVE_TE = 0 ]; then
