@@ -24,9 +24,7 @@ import traceback
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import kernel_breakdown  # noqa: E402  (bench/kernel_breakdown.py)
+from bench import kernel_breakdown  # the repository root is on PYTHONPATH (pretrain_megatron_lm.sh)
 
 DISPATCHER_METHODS = ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess",
                       "combine_preprocess", "token_combine", "combine_postprocess")
