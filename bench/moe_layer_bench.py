@@ -185,11 +185,16 @@ def build_variant(name: str, shape: dict, pg, device, cpu: bool):
     else:
         layer = SeedLayer(TopKRouter(config=config, pg_collection=pg), _seed_experts(name, shape, device),
                           shape["topk"])
-    layer = layer.to(device)
+    return route_by_input(layer.to(device), shape["experts"])
+
+
+def route_by_input(layer, experts: int):
+    """`layer` with its router weight an identity on the first `experts` hidden channels, so the
+    router's logits are those channels of the input (`layer_input`); returns the layer."""
     with torch.no_grad():
         weight = layer.router.weight
         weight.zero_()
-        weight[:, : shape["experts"]].copy_(torch.eye(shape["experts"], dtype=weight.dtype))
+        weight[:, :experts].copy_(torch.eye(experts, dtype=weight.dtype))
     layer.router.set_layer_number(1)
     return layer
 

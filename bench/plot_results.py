@@ -2,6 +2,8 @@
 
 - `bench/moe_layer_bench.py`: one panel per shape and routing, one bar per variant (median
   forward + backward ms; the package's layers in one colour).
+- `bench/moe_slice_bench.py`: one panel per shape and routing, per variant the layer and the
+  experts-alone median (forward + backward ms), labelled with the experts' TFLOP/s.
 - `bench/moe_layer_graphs.py`: one panel per shape, per tokens-per-expert the eager and graphed
   step times, the graphed step's kernel time (the floor a graph cannot go below) and, where
   measured (`host_time_run`), the eager step's host time.
@@ -40,6 +42,44 @@ def plot_moe_layer(json_path: str) -> str:
         ax.tick_params(axis="y", labelsize=7)
     fig.suptitle(f"One MoE layer, {data.get('device', '?')}, bf16, EP1 "
                  f"(green: megatron_moe_ext; grey: Megatron)", fontsize=10)
+    fig.tight_layout()
+    out = json_path[:-5] + ".png" if json_path.endswith(".json") else json_path + ".png"
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def plot_moe_slice(json_path: str) -> str:
+    """Write `<json_path without .json>.png` and return its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(json_path) as f:
+        data = json.load(f)
+    panels = list(data["results"].items())
+    cols = min(4, len(panels))
+    rows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.8 * rows), squeeze=False)
+    for ax, (key, cells) in zip(axes.flat, panels):
+        timed = [(name, cell) for name, cell in cells.items() if "experts" in cell]
+        ys = range(len(timed))
+        layer = ax.barh([y - 0.2 for y in ys], [c["layer"]["median_ms"] for _, c in timed], height=0.4,
+                        color="tab:gray", label="layer")
+        experts = ax.barh([y + 0.2 for y in ys], [c["experts"]["median_ms"] for _, c in timed], height=0.4,
+                          color="tab:green", label="experts alone")
+        ax.bar_label(layer, fmt="%.2f", fontsize=7, padding=2)
+        ax.bar_label(experts, labels=[f"{c['experts']['median_ms']:.2f} ({c['experts']['tflops']:.0f} TF/s)"
+                                      for _, c in timed], fontsize=7, padding=2)
+        ax.set_yticks(list(ys), [name for name, _ in timed], fontsize=7)
+        ax.invert_yaxis()
+        ax.set_title(key, fontsize=9)
+        ax.set_xlabel("fwd+bwd ms (median of rounds)", fontsize=8)
+        ax.legend(fontsize=6, loc="lower right")
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(f"One MoE layer at per-rank loads, {data.get('device', '?')}, bf16", fontsize=10)
     fig.tight_layout()
     out = json_path[:-5] + ".png" if json_path.endswith(".json") else json_path + ".png"
     fig.savefig(out, dpi=120)
@@ -86,5 +126,6 @@ def plot_moe_layer_graphs(json_path: str) -> str:
 if __name__ == "__main__":
     for path in sys.argv[1:]:
         with open(path) as f:
-            graphs = "cases" in json.load(f)
-        print("wrote", (plot_moe_layer_graphs if graphs else plot_moe_layer)(path))
+            data = json.load(f)
+        plot = plot_moe_layer_graphs if "cases" in data else plot_moe_slice if data.get("slice") else plot_moe_layer
+        print("wrote", plot(path))

@@ -72,6 +72,13 @@ run_task() {
         -p no:cacheprovider ;;
     pretrain_qwen3) task pretrain_qwen3 420 env RUNS="${QWEN3_RUNS:-qwen3_te_native qwen3_te_ext qwen3_te_ext_te_grouped_mlp}" \
         bash bench/gpu/pretrain_megatron_lm.sh ;;
+    # Issue 27: one MoE layer at per-rank loads (bench/moe_slice_bench.py), and pretrain_gpt.py on
+    # the Qwen3-30B-A3B EP8 rank slice (the slice_* / det_slice_* runs of pretrain_megatron_lm.sh).
+    slice_bench) task slice_bench 420 $PY bench/moe_slice_bench.py ${SLICE_ARGS:-} ;;
+    pretrain_slice) task pretrain_slice 480 env RUNS="${SLICE_RUNS:-slice_native slice_ext slice_ext_grouped_mm}" \
+        bash bench/gpu/pretrain_megatron_lm.sh ;;
+    pretrain_slice_det) task pretrain_slice_det 480 env RUNS="${DET_SLICE_RUNS:-det_slice_ext det_slice_ext_repeat \
+        det_slice_ext_grouped_mm det_slice_native det_slice_native_unfused_swiglu}" bash bench/gpu/pretrain_megatron_lm.sh ;;
     *) echo "unknown task $1"; return 2 ;;
   esac
 }

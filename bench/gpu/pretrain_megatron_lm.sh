@@ -14,7 +14,8 @@
 # model_provider.py and megatron/core/datasets/Makefile from Megatron-LM core_r0.19.0; never
 # committed), the megatron-core wheel in .whl/ (installed here if megatron.core does not import),
 # and for TE mode `source /tmp/te_env.sh` first (../shared/tools/te-on-device). About 7 minutes.
-# RUNS="local_native local_ext ..." picks runs (default: all but the det* runs).
+# RUNS="local_native local_ext ..." picks runs (default: all but the det* and slice* runs).
+# DRY_RUN=1 prints each selected run's command line instead of running it (no GPU needed).
 #
 # det_* runs: the small model under Megatron's `--deterministic-mode` (with the environment it
 # and TE ask for) and a 10-iteration learning-rate warm-up, so that two runs of one command
@@ -32,16 +33,20 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export CUDA_DEVICE_MAX_CONNECTIONS=1 OMP_NUM_THREADS=8
 PY="${PYTHON:-python3}"
 MLM="$PWD/.gpu/megatron-lm"
-[ -f "$MLM/pretrain_gpt.py" ] || { echo "missing $MLM/pretrain_gpt.py (carry .gpu/megatron-lm)"; exit 2; }
+if [ "${DRY_RUN:-0}" = 1 ]; then
+  HAVE_TE=1
+else
+  [ -f "$MLM/pretrain_gpt.py" ] || { echo "missing $MLM/pretrain_gpt.py (carry .gpu/megatron-lm)"; exit 2; }
 
-# megatron-core from the carried wheel; its start-up `make` wants the datasets Makefile, which
-# the wheel lacks (the compiled helpers are in the wheel: touch them so make has nothing to do).
-$PY -c "import megatron.core" 2>/dev/null || $PY -m pip install -q --no-index --no-deps .whl/megatron_core-*.whl
-DATASETS=$($PY -c "import os, megatron.core.datasets as d; print(os.path.dirname(d.__file__))")
-cp "$MLM/megatron/core/datasets/Makefile" "$DATASETS/Makefile" && touch "$DATASETS"/helpers_cpp*.so
-HAVE_TE=0
-$PY -c "import transformer_engine.pytorch" >/dev/null 2>&1 && HAVE_TE=1
-echo "== TE importable: $HAVE_TE; megatron-core: $($PY -c 'import megatron.core as m; print(m.__version__)')"
+  # megatron-core from the carried wheel; its start-up `make` wants the datasets Makefile, which
+  # the wheel lacks (the compiled helpers are in the wheel: touch them so make has nothing to do).
+  $PY -c "import megatron.core" 2>/dev/null || $PY -m pip install -q --no-index --no-deps .whl/megatron_core-*.whl
+  DATASETS=$($PY -c "import os, megatron.core.datasets as d; print(os.path.dirname(d.__file__))")
+  cp "$MLM/megatron/core/datasets/Makefile" "$DATASETS/Makefile" && touch "$DATASETS"/helpers_cpp*.so
+  HAVE_TE=0
+  $PY -c "import transformer_engine.pytorch" >/dev/null 2>&1 && HAVE_TE=1
+  echo "== TE importable: $HAVE_TE; megatron-core: $($PY -c 'import megatron.core as m; print(m.__version__)')"
+fi
 
 LAUNCH="$PY -m torch.distributed.run --standalone --nproc-per-node 1"
 COMMON="--bf16 --swiglu --disable-bias-linear --mock-data --tokenizer-type NullTokenizer \
@@ -68,7 +73,8 @@ FUSION="--moe-permute-fusion"
 
 run() {  # name timeout_s command...
   local name=$1 limit=$2; shift 2
-  case " ${RUNS:-all} " in *" $name "*) ;; *" all "*) [[ $name != det* ]] || return ;; *) return ;; esac
+  case " ${RUNS:-all} " in *" $name "*) ;; *" all "*) [[ $name != det* && $name != slice* ]] || return ;; *) return ;; esac
+  if [ "${DRY_RUN:-0}" = 1 ]; then echo "$name $*"; return; fi
   echo "== $name: $*"
   echo "$*" > "$OUT/pretrain_megatron_lm_$name.cmd"
   local t0=$SECONDS
@@ -117,7 +123,59 @@ fi
 run det_local_native_unfused_swiglu 180 $DET_ENV $LAUNCH $PRETRAIN $COMMON $SMALL $LOCAL $DET --no-bias-swiglu-fusion
 run det_local_native_router_fp32 180 $DET_ENV $LAUNCH $PRETRAIN $COMMON $SMALL $LOCAL $DET --moe-router-dtype fp32
 run det32_local_native_unfused_swiglu 240 $DET_ENV $LAUNCH $PRETRAIN $COMMON_FP32 $SMALL $LOCAL $DET --no-bias-swiglu-fusion
+# slice_* runs (TE mode): the Qwen3-30B-A3B EP8 rank slice, so that the MoE layers and not the
+# LM head carry the step: Qwen3-30B-A3B's attention and expert shapes with the 16 experts one
+# EP8 rank holds, top-8, seq 4096, mbs 1, gbs 8; SLICE_LAYERS layers in the throughput runs
+# (default 16: about 55 GB, far from full, but each layer adds device time) and DET_SLICE_LAYERS
+# in the det runs (default 8, the least the issue allows: about 36 GB, so that three det runs
+# share the GPU). Both sides take the flags of Megatron's Qwen3-30B-A3B recipe (RECIPE,
+# RECIPE_ENV); native adds --moe-permute-fusion. The throughput runs (SLICE_ITERS iterations, default 14) log Megatron's
+# timers at level 2 and profile their last iteration (bench/gpu/pretrain_profiled.py, left out of
+# the medians): slice_native, slice_ext (--spec --moe-grouped-gemm: the fused QuACK experts where
+# QuACK imports), slice_ext_grouped_mm (MOE_EXT_EXPERT_MLP_IMPL=grouped_mm: the torch path).
+# det_slice_* runs: --deterministic-mode, run side by side on the GPU (bitwise results do not
+# depend on what else runs), three then two: det_slice_ext twice (the fused path, bit-identical
+# run to run?) and det_slice_ext_grouped_mm (the torch path: its loss against the fused path),
+# DET_SLICE_ITERS iterations (default 50); then det_slice_native and
+# det_slice_native_unfused_swiglu (Megatron against itself under a rounding-only change: the
+# spread the ext pair is judged by, as the first iteration over 2e-3, which came at 10-14 in
+# earlier runs), DET_SLICE_NATIVE_ITERS iterations (default 30, to save device time).
+# Deterministic mode refuses --cross-entropy-loss-fusion, so the det runs drop it; native det runs
+# drop --moe-permute-fusion as the earlier det runs did (known run-to-run reproducible without it).
+SLICE_LAYERS=${SLICE_LAYERS:-16}
+DET_SLICE_LAYERS=${DET_SLICE_LAYERS:-8}
+SLICE_ITERS=${SLICE_ITERS:-14}
+DET_SLICE_ITERS=${DET_SLICE_ITERS:-50}
+DET_SLICE_NATIVE_ITERS=${DET_SLICE_NATIVE_ITERS:-30}
+SLICE="--hidden-size 2048 --num-attention-heads 32 --group-query-attention \
+--num-query-groups 4 --kv-channels 128 --qk-layernorm --normalization RMSNorm \
+--position-embedding-type rope --rotary-base 1000000 --untie-embeddings-and-output-weights \
+--seq-length 4096 --max-position-embeddings 4096 --micro-batch-size 1 --global-batch-size 8 \
+--lr 3e-4 --ffn-hidden-size 6144 --num-experts 16 --moe-ffn-hidden-size 768 \
+--moe-router-topk 8 --moe-aux-loss-coeff 1e-3 --vocab-size 151936 --use-distributed-optimizer"
+RECIPE="--moe-router-fusion --manual-gc --manual-gc-interval 5 --no-create-attention-mask-in-dataloader \
+--attention-dropout 0 --hidden-dropout 0 --moe-router-dtype fp32 --moe-router-force-load-balancing"
+CE_FUSION="--cross-entropy-loss-fusion --cross-entropy-fusion-impl native"
+RECIPE_ENV="env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True NVTE_FUSED_ATTN=1 CUDA_DEVICE_MAX_CONNECTIONS=1"
+profiled() {  # name: the profiler wrapper around pretrain_gpt.py, profiling the last iteration
+  echo "bench/gpu/pretrain_profiled.py $SLICE_ITERS $OUT/pretrain_megatron_lm_$1.kernels.json $PRETRAIN"
+}
+if [ $HAVE_TE = 1 ]; then
+  SLICE_RUN="$SLICE --num-layers $SLICE_LAYERS --train-iters $SLICE_ITERS $TE $RECIPE $CE_FUSION --timing-log-level 2"
+  run slice_native 240 $RECIPE_ENV $LAUNCH $(profiled slice_native) $COMMON $SLICE_RUN $FUSION
+  run slice_ext 240 $RECIPE_ENV $LAUNCH $(profiled slice_ext) $COMMON $SLICE_RUN $SPEC
+  run slice_ext_grouped_mm 240 $RECIPE_ENV MOE_EXT_EXPERT_MLP_IMPL=grouped_mm $LAUNCH \
+    $(profiled slice_ext_grouped_mm) $COMMON $SLICE_RUN $SPEC
+  DET_SLICE="$DET_ENV $RECIPE_ENV $LAUNCH $PRETRAIN $COMMON $SLICE --num-layers $DET_SLICE_LAYERS $TE $RECIPE $DET"
+  run det_slice_ext 300 $DET_SLICE --train-iters $DET_SLICE_ITERS $SPEC &
+  run det_slice_ext_repeat 300 $DET_SLICE --train-iters $DET_SLICE_ITERS $SPEC &
+  run det_slice_ext_grouped_mm 300 env MOE_EXT_EXPERT_MLP_IMPL=grouped_mm $DET_SLICE --train-iters $DET_SLICE_ITERS $SPEC &
+  wait
+  run det_slice_native 300 $DET_SLICE --train-iters $DET_SLICE_NATIVE_ITERS &
+  run det_slice_native_unfused_swiglu 300 $DET_SLICE --train-iters $DET_SLICE_NATIVE_ITERS --no-bias-swiglu-fusion &
+  wait
+fi
 if [ $HAVE_TE = 0 ]; then
   echo "== TE mode skipped: transformer_engine.pytorch does not import (source /tmp/te_env.sh first)"
 fi
-$PY bench/gpu/pretrain_megatron_lm_parse.py "$OUT"
+[ "${DRY_RUN:-0}" = 1 ] || $PY bench/gpu/pretrain_megatron_lm_parse.py "$OUT"

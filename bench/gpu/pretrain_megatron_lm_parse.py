@@ -4,8 +4,12 @@
 
 Per run: the command line, return code, per-iteration lm loss, elapsed ms, TFLOP/s/GPU (as
 Megatron prints them with --log-throughput) and tokens/s (global batch x sequence length /
-elapsed time), the medians after the first 5 iterations, and for each `<mode>_ext*` run its
-largest relative lm-loss difference from `<mode>_native` and its step-time ratio.
+elapsed time), Megatron's timers (`--timing-log-level`, the max over ranks), the medians after
+the first 5 iterations (leaving out an iteration that bench/gpu/pretrain_profiled.py profiled;
+its kernel table, `<log>.kernels.json`, is merged in as `profile`), and for each `<mode>_ext*`
+run its largest relative lm-loss difference from `<mode>_native` and its step-time ratio; a
+`<mode>_ext_<variant>` run is also compared with `<mode>_ext` (`vs_ext`: a `_repeat` of the same
+command shows whether it is bit-identical run to run).
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ _FIELDS = {
     "lm_loss": re.compile(r"lm loss: ([0-9.Ee+-]+)"),
     "global_batch": re.compile(r"global batch size:\s+(\d+)"),
 }
+# Megatron's timer lines: "    forward-backward ....: (min, max)" or, with one value, ": max".
+_TIMER = re.compile(r"\s([\w-]+) \.*: (?:\(([0-9.]+), )?([0-9.]+)\)?\s*$")
 
 
 def _flag(command: str, name: str) -> int | None:
@@ -39,9 +45,19 @@ def parse_run(log_path: str) -> dict:
     rc_path = base + ".rc"
     text = open(log_path, errors="replace").read()
     run = dict(command=command, rc=int(open(rc_path).read()) if os.path.exists(rc_path) else None,
-               iteration=[], lm_loss=[], elapsed_ms=[], tflops_per_gpu=[], tokens_per_s=[])
+               iteration=[], lm_loss=[], elapsed_ms=[], tflops_per_gpu=[], tokens_per_s=[], timers_ms={})
+    profile_path = base + ".kernels.json"
+    profiled = set()
+    if os.path.exists(profile_path):
+        run["profile"] = json.load(open(profile_path))
+        profiled.add(run["profile"]["iteration"])
     seq = _flag(command, "--seq-length")
     for line in text.splitlines():
+        timer = _TIMER.search(line)
+        if timer and run["iteration"]:
+            run["timers_ms"].setdefault(timer.group(1), []).append(
+                [run["iteration"][-1], float(timer.group(3))])
+            continue
         it = _ITERATION.search(line)
         if not it or "lm loss" not in line:
             continue
@@ -53,39 +69,60 @@ def parse_run(log_path: str) -> dict:
         run["tflops_per_gpu"].append(float(values["tflops_per_gpu"].group(1)) if values["tflops_per_gpu"] else None)
         batch = int(values["global_batch"].group(1)) if values["global_batch"] else None
         run["tokens_per_s"].append(batch * seq / (ms / 1e3) if batch and seq else None)
-    steady = slice(WARMUP_ITERS, None)
+
+    def steady(iteration: int) -> bool:
+        return iteration > WARMUP_ITERS and iteration not in profiled
+
     for key in ("elapsed_ms", "tflops_per_gpu", "tokens_per_s"):
-        values = [v for v in run[key][steady] if v is not None]
+        values = [v for i, v in zip(run["iteration"], run[key]) if steady(i) and v is not None]
         run[f"median_{key}_after_{WARMUP_ITERS}"] = statistics.median(values) if values else None
+    run[f"median_timers_ms_after_{WARMUP_ITERS}"] = {
+        name: statistics.median(v for i, v in pairs if steady(i))
+        for name, pairs in run["timers_ms"].items() if any(steady(i) for i, _ in pairs)}
+    run["iterations_left_out_of_medians"] = sorted(profiled)
     if not run["lm_loss"]:
         run["error_tail"] = text[-4000:]
     return run
 
 
+def _versus(run: dict, ref: dict) -> dict | None:
+    """Loss and speed of `run` against `ref`: iterations compared, largest relative lm-loss
+    difference, whether every loss is identical, the first iteration over 2e-3, time ratios."""
+    if not run["lm_loss"] or not ref["lm_loss"]:
+        return None
+    pairs = list(zip(run["lm_loss"], ref["lm_loss"]))
+    rel = [abs(a - b) / abs(b) for a, b in pairs]
+    out = dict(
+        iterations_compared=len(pairs),
+        max_rel_lm_loss_diff=max(rel),
+        identical_lm_loss=all(a == b for a, b in pairs),
+        first_iteration_over_2e_3=next((run["iteration"][i] for i, r in enumerate(rel) if r > 2e-3), None),
+    )
+    key = f"median_elapsed_ms_after_{WARMUP_ITERS}"
+    if run[key] and ref[key]:
+        out["step_time_ratio"] = run[key] / ref[key]
+    key = f"median_tflops_per_gpu_after_{WARMUP_ITERS}"
+    if run[key] and ref[key]:
+        out["tflops_ratio"] = run[key] / ref[key]
+    return out
+
+
 def compare(runs: dict) -> None:
     """Add loss and speed comparisons of every `<mode>_ext*` run, and of every `<mode>_native_*`
-    variant (native Megatron with a setting that changes rounding only), with `<mode>_native`."""
+    variant (native Megatron with a setting that changes rounding only), with `<mode>_native`;
+    and of every `<mode>_ext_<variant>` run with `<mode>_ext`."""
     for name, run in runs.items():
-        mode, sep, _ = name.partition("_ext")
+        mode, sep, variant = name.partition("_ext")
+        if sep and variant.startswith("_") and mode + "_ext" in runs:
+            versus = _versus(run, runs[mode + "_ext"])
+            if versus:
+                run["vs_ext"] = versus
         if not sep:
             mode, sep, _ = name.partition("_native_")
         native = runs.get(mode + "_native")
-        if not sep or not native or not run["lm_loss"] or not native["lm_loss"]:
-            continue
-        pairs = list(zip(run["lm_loss"], native["lm_loss"]))
-        rel = [abs(a - b) / abs(b) for a, b in pairs]
-        run["vs_native"] = dict(
-            iterations_compared=len(pairs),
-            max_rel_lm_loss_diff=max(rel),
-            identical_lm_loss=all(a == b for a, b in pairs),
-            first_iteration_over_2e_3=next((run["iteration"][i] for i, r in enumerate(rel) if r > 2e-3), None),
-        )
-        key = f"median_elapsed_ms_after_{WARMUP_ITERS}"
-        if run[key] and native[key]:
-            run["vs_native"]["step_time_ratio"] = run[key] / native[key]
-        key = f"median_tflops_per_gpu_after_{WARMUP_ITERS}"
-        if run[key] and native[key]:
-            run["vs_native"]["tflops_ratio"] = run[key] / native[key]
+        versus = _versus(run, native) if sep and native else None
+        if versus:
+            run["vs_native"] = versus
 
 
 def main(out_dir: str) -> None:
@@ -109,7 +146,12 @@ def main(out_dir: str) -> None:
         print(f"{name:36s} lm loss {run['lm_loss'][0]:.4f} -> {run['lm_loss'][-1]:.4f}  "
               f"{ms or float('nan'):.1f} ms/iter  {tflops or float('nan'):.1f} TFLOP/s/GPU  "
               + (f"vs native: loss rel {vs['max_rel_lm_loss_diff']:.2e} identical {vs['identical_lm_loss']} "
-                 f"time x{vs.get('step_time_ratio', float('nan')):.3f}" if vs else ""))
+                 f"time x{vs.get('step_time_ratio', float('nan')):.3f}" if vs else "")
+              + (f"  vs ext: loss rel {run['vs_ext']['max_rel_lm_loss_diff']:.2e} identical "
+                 f"{run['vs_ext']['identical_lm_loss']}" if "vs_ext" in run else ""))
+        if "categories_ms" in run.get("profile", {}):
+            print(f"{'':36s} kernels ms/step (iteration {run['profile']['iteration']}): "
+                  f"{json.dumps(run['profile']['categories_ms'])}")
     print("wrote", path)
 
 
