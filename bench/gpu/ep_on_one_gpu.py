@@ -1,7 +1,8 @@
-"""EP4 and EP8 as processes sharing one H200: the HybridEP and UCCL-EP backends on the real libraries.
+"""EP4 and EP8 as processes sharing one H200: HybridEP, UCCL-EP and DeepEP V1 on the real libraries.
 
-    python3 bench/gpu/ep_on_one_gpu.py [--backends hybridep uccl_ep] [--worlds 4 8]
-        # about 7 minutes at most; writes $OUT/ep_on_one_gpu_h200.json
+    python3 bench/gpu/ep_on_one_gpu.py [--backends uccl_ep hybridep deepep] [--worlds 4 8]
+        # under 8 minutes (the launch limits add up to 465 s); writes $OUT/ep_on_one_gpu_h200.json
+    python3 bench/gpu/ep_on_one_gpu.py --cpu-doubles ...   # the same plans over tests/doubles on CPU
 
 Both libraries' intranode paths share buffers through CUDA IPC, which works between processes
 on one device (EP2 passed that way: bench/gpu/hybridep_real.py, bench/gpu/uccl_real.py), so W
@@ -19,13 +20,21 @@ of cases, agree before each one that time is left, and rank 0 records whether it
   x the seed's top-k and Megatron's faces; the seed's dense-probs face in four modes;
   equal token counts), bf16; fp32 and the budget mode must be refused with ValueError on
   every rank; `FlexMoELayer` (Megatron's local MoE spec) against Megatron's own MoELayer.
-  At EP8 also two layers in flight (Megatron's 1F1B A2A overlap order) and, last, one rank
+  At the largest EP size of the run (EP8) also two layers in flight (Megatron's 1F1B A2A overlap order) and, last, one rank
   with a bad input (a duplicate expert on rank 0) over a group with a 20 s timeout: every
   rank's outcome, or that it gave none within 45 s.
 - UCCL-EP (`.gpu/uccl`, `.gpu/uccl-wheel`, as bench/gpu/uccl_real.py): the dense-reference
   cases of tests/dispatcher/cases.py x three faces x bf16/fp32, token dropping
   (`moe_expert_capacity_factor`) and the expert pad multiple in both dtypes, the budget
   mode's refusal, and `FlexMoELayer` in both dtypes.
+- DeepEP V1 (`.gpu/deepep-v1`: `deep_ep_cpp` built intranode-only, without NVSHMEM, from
+  hybrid-ep 94a9f8f, with DeepEP's `deep_ep/{buffer,utils}.py` and pynvml): the same plan as
+  UCCL-EP's once its `Buffer` constructs. At 94a9f8f it cannot: `Buffer.__init__` first calls
+  `check_nvlink_connections` (deep_ep/utils.py), which asks NVML for the NVLink P2P status of
+  every pair of the ranks' GPUs, here GPU 0 with itself, and asserts it is OK (DeepEP issue
+  #582); the only way past it, `allow_nvlink_for_normal_mode=False`, needs NVSHMEM
+  (csrc/deep_ep.cpp asserts `num_rdma_ranks == 1 and ... not disable_nvlink_for_normal_mode`
+  when built without it). The launch records each rank's error.
 The FlexMoELayer face: each rank builds Megatron's MoELayer (alltoall dispatcher) on the CPU
 with the test shims (tests/shims/megatron_cpu.py) and runs it over gloo as the reference,
 then the FlexMoELayer with the same weights and the real backend on the GPU.
@@ -42,6 +51,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import datetime
+import glob
 import json
 import multiprocessing as mp
 import os
@@ -60,8 +70,10 @@ import hybridep_real  # noqa: E402
 import uccl_real  # noqa: E402
 
 HYBRIDEP_DIR = os.path.join(ROOT, ".gpu", "hybridep")
+DEEPEP_DIR = os.path.join(ROOT, ".gpu", "deepep-v1")
 #: Wall-clock limit of each launch (seconds): JIT compiles, the cases, teardown.
-LIMITS_S = {("uccl_ep", 4): 60, ("uccl_ep", 8): 80, ("hybridep", 4): 120, ("hybridep", 8): 180}
+LIMITS_S = {("uccl_ep", 4): 50, ("uccl_ep", 8): 70, ("hybridep", 4): 110, ("hybridep", 8): 170,
+            ("deepep", 4): 30, ("deepep", 8): 35}
 TEARDOWN_S = 8
 GROUP_TIMEOUT_S = 20  # the bad-input group's timeout: a peer waiting in gloo fails after this
 BAD_INPUT_WAIT_S = 45  # how long the launch waits for every rank's bad-input outcome
@@ -225,8 +237,8 @@ def _flex_check(results):
     return worst <= 1, {"worst_rel_error_over_tol": round(worst, 4), "params": len(results[0]["grad_names"])}
 
 
-def hybridep_plan(world: int) -> list:
-    """(name, thunk, check) for every HybridEP case at this world size."""
+def hybridep_plan(extras: bool) -> list:
+    """(name, thunk, check) for every HybridEP case (`extras`: also two layers in flight)."""
     from tests.dispatcher import protocol_ranks
     from tests.dispatcher.cases import run_dense_reference_case
     from tests.dispatcher.hybridep_ranks import hybridep_case
@@ -262,7 +274,7 @@ def hybridep_plan(world: int) -> list:
     plan.append(("flex_layer/bf16", lambda: flex_layer_case("hybridep", "bf16", 128), _flex_check))
     plan.append(("refused/flex_layer_fp32", lambda: _refusal(lambda: flex_layer_case("hybridep", "fp32", 128)),
                  _refusal_check("16-bit")))
-    if world == 8:
+    if extras:
         layers = tuple(hybridep_case(c) for c in (protocol_ranks.LAYER_A, protocol_ranks.LAYER_B))
         for face in ("topk", "megatron"):
             plan.append((f"two_layers_in_flight/{face}/bf16",
@@ -271,8 +283,8 @@ def hybridep_plan(world: int) -> list:
     return plan
 
 
-def uccl_plan(world: int) -> list:
-    """(name, thunk, check) for every UCCL-EP case at this world size."""
+def deepep_contract_plan(world: int, backend: str) -> list:
+    """(name, thunk, check) for every case of a DeepEP-contract backend (uccl_ep, deepep)."""
     from tests.dispatcher.cases import CASES, FACES, run_dense_reference_case
     from tests.dispatcher.deepep_ranks import capacity_drop_case, pad_multiple_case
     from tests.reference import RoutingCase
@@ -282,24 +294,27 @@ def uccl_plan(world: int) -> list:
         for case in CASES:
             for face in FACES:
                 plan.append((f"dense/{case.name}/{face}/dropless/{dtype}",
-                             lambda c=case, f=face, d=dtype: run_dense_reference_case(c, f, d, "uccl_ep", None, None,
+                             lambda c=case, f=face, d=dtype: run_dense_reference_case(c, f, d, backend, None, None,
                                                                                       1, DEVICE),
                              lambda r: _dense_check(r, dropless=True)))
         drop = RoutingCase("capacity", tokens_per_rank=(16, 9, 12, 0), topk=3, masked_fraction=0.15)
-        plan.append((f"capacity_drop/{dtype}", lambda d=dtype: capacity_drop_case(drop, d, 0.5, "uccl_ep", DEVICE),
+        plan.append((f"capacity_drop/{dtype}", lambda d=dtype: capacity_drop_case(drop, d, 0.5, backend, DEVICE),
                      _capacity_check))
         pad = RoutingCase("pad", tokens_per_rank=(13, 6, 0, 9), topk=2)
-        plan.append((f"pad_multiple/{dtype}", lambda d=dtype: pad_multiple_case(pad, d, 4, "uccl_ep", DEVICE),
+        plan.append((f"pad_multiple/{dtype}", lambda d=dtype: pad_multiple_case(pad, d, 4, backend, DEVICE),
                      _pad_check))
-        plan.append((f"flex_layer/{dtype}", lambda d=dtype: flex_layer_case("uccl_ep", d, 128), _flex_check))
-    plan.append(("refused/budget_mode", lambda: _budget_refusal("uccl_ep"),
-                 _refusal_check("moe_expert_rank_capacity_factor")))
+        plan.append((f"flex_layer/{dtype}", lambda d=dtype: flex_layer_case(backend, d, 128), _flex_check))
+    if backend == "uccl_ep":  # DeepEP has the budget mode (not run here: tests/dispatcher/test_syncfree.py)
+        plan.append(("refused/budget_mode", lambda: _budget_refusal(backend),
+                     _refusal_check("moe_expert_rank_capacity_factor")))
     return plan
 
 
-def _rank(backend: str, world: int, rank: int, port: int, site: str | None, results, deadline: float) -> None:
+def _rank(backend: str, world: int, extras: bool, rank: int, port: int, site: str | None, results,
+          deadline: float) -> None:
     """One rank of a launch: reports `stage`, `result`, `case`, then `done` or `error`.
-    `site=None`: the CPU smoke run over the doubles."""
+    `site=None`: the CPU smoke run over the doubles; `extras`: HybridEP's two layers in flight
+    and bad input (at the largest EP size of the run)."""
     global DEVICE
     state = {"stage": "start"}
 
@@ -316,9 +331,13 @@ def _rank(backend: str, world: int, rank: int, port: int, site: str | None, resu
         if site is None:
             DEVICE = "cpu"
             sys.path[:0] = [ROOT, BENCH]
-            from tests.doubles import hybrid_ep_buffer, uccl_ep
+            from tests.doubles import deep_ep_buffer, hybrid_ep_buffer, uccl_ep
 
-            (uccl_ep if backend == "uccl_ep" else hybrid_ep_buffer).install()
+            {"uccl_ep": uccl_ep, "hybridep": hybrid_ep_buffer, "deepep": deep_ep_buffer}[backend].install()
+        elif backend == "deepep":
+            # DeepEP V1 built intranode-only (deep_ep_cpp, no NVSHMEM) with its Python layer and
+            # pynvml, which its Buffer uses to check NVLink between the ranks' GPUs.
+            sys.path[:0] = [site, DEEPEP_DIR, ROOT, BENCH]
         elif backend == "uccl_ep":
             sys.path[:0] = [site, uccl_real.LAYER, ROOT, BENCH]
             ctypes.CDLL(os.path.join(uccl_real.LAYER, "lib", "libcudart.so.12"), mode=ctypes.RTLD_GLOBAL)
@@ -333,18 +352,20 @@ def _rank(backend: str, world: int, rank: int, port: int, site: str | None, resu
         dist.init_process_group("gloo", rank=rank, world_size=world)
         report("result", key="pid", value=os.getpid())
         stage("plan")
-        if backend == "uccl_ep":
+        if backend in ("uccl_ep", "deepep"):
+            from megatron_moe_ext.dispatcher.backends import deepep as deepep_backend
             from megatron_moe_ext.dispatcher.backends import uccl as uccl_backend
             from tests.dispatcher.cases import CASES
 
-            comm = uccl_backend.communicator(dist.group.WORLD)
+            stage("construct")
+            comm = (uccl_backend if backend == "uccl_ep" else deepep_backend).communicator(dist.group.WORLD)
             # One buffer for every case, sized for the widest rows (fp32 rows + index/weight columns).
             comm.allocate_buffer(dist.group.WORLD, max([c.hidden + c.topk + 1 for c in CASES] + [128 + 3]),
                                  torch.float32)
             report("result", key="buffer_bytes", value={"num_nvl_bytes": comm.buffer.num_nvl_bytes})
-            plan = uccl_plan(world)
+            plan = deepep_contract_plan(world, backend)
         else:
-            plan = hybridep_plan(world)
+            plan = hybridep_plan(extras)
         report("result", key="planned_cases", value=len(plan))
         for name, thunk, check in plan:
             if not all(_gather(time.time() < deadline)):
@@ -373,7 +394,7 @@ def _rank(backend: str, world: int, rank: int, port: int, site: str | None, resu
                 memory["device_used_mib_all_ranks_alive"] = round((total - free) / 2**20, 1)
                 memory["device_total_mib"] = round(total / 2**20, 1)
             report("result", key="memory", value=memory)
-        if backend == "hybridep" and world == 8:
+        if extras:
             # Last: a failed peer may leave the others unable to communicate.
             from tests.dispatcher.hybridep_ranks import hybridep_case
             from tests.reference import RoutingCase
@@ -389,17 +410,19 @@ def _rank(backend: str, world: int, rank: int, port: int, site: str | None, resu
 
 
 # ---- parent side -------------------------------------------------------------------------------
-def launch(backend: str, world: int, site: str, limit_s: float) -> dict:
-    """Run one launch; collect reports until every rank finishes, one dies, or time runs out."""
+def launch(backend: str, world: int, site: str | None, limit_s: float, extras: bool = False) -> dict:
+    """Run one launch; collect reports until every rank finishes, one dies, or time runs out.
+    `extras` (HybridEP only): two layers in flight and, last, the bad input."""
+    extras = extras and backend == "hybridep"
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     begin = time.time()
     end = begin + limit_s
     port = uccl_real._free_port()
     # The ranks stop starting cases this long before the limit (and leave room for the bad input).
-    reserve = TEARDOWN_S + (BAD_INPUT_RESERVE_S if backend == "hybridep" and world == 8 else 0)
-    procs = [ctx.Process(target=_rank, args=(backend, world, r, port, site, results, end - reserve), daemon=True)
-             for r in range(world)]
+    reserve = TEARDOWN_S + (BAD_INPUT_RESERVE_S if extras else 0)
+    procs = [ctx.Process(target=_rank, args=(backend, world, extras, r, port, site, results, end - reserve),
+                         daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     out = {"backend": backend, "world_size": world, "limit_s": limit_s, "results": {}, "cases": {},
@@ -443,7 +466,7 @@ def launch(backend: str, world: int, site: str, limit_s: float) -> dict:
     out["summary"] = {"planned": planned, "passed": sum(c["ok"] for c in out["cases"].values()),
                       "failed": sorted(n for n, c in out["cases"].items() if not c["ok"]),
                       "not_run": None if planned is None else planned - len(out["cases"])}
-    if "bad_input" in out["results"] or (backend == "hybridep" and world == 8):
+    if extras:
         answered = out["results"].get("bad_input", {})
         out["bad_input"] = {str(r): answered.get(r, f"no outcome within the launch (last stage "
                                                     f"{out['last_stage'].get(r)!r}; killed)") for r in range(world)}
@@ -453,7 +476,8 @@ def launch(backend: str, world: int, site: str, limit_s: float) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backends", nargs="+", default=["uccl_ep", "hybridep"], choices=["uccl_ep", "hybridep"])
+    parser.add_argument("--backends", nargs="+", default=["uccl_ep", "hybridep", "deepep"],
+                        choices=["uccl_ep", "hybridep", "deepep"])
     parser.add_argument("--worlds", nargs="+", type=int, default=[4, 8], choices=[2, 4, 8])
     parser.add_argument("--cpu-doubles", action="store_true",
                         help="run the plans on CPU over tests/doubles (a smoke test of this script)")
@@ -464,7 +488,8 @@ def main() -> None:
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "gpu": uccl_real._gpu_mode(),
               "launches": {}}
     for name, path in (("hybridep", os.path.join(HYBRIDEP_DIR, "DEEPEP_COMMIT")),
-                       ("uccl", os.path.join(uccl_real.LAYER, "SOURCE.json"))):
+                       ("uccl", os.path.join(uccl_real.LAYER, "SOURCE.json")),
+                       ("deepep_v1", os.path.join(DEEPEP_DIR, "DEEPEP_COMMIT"))):
         record[f"{name}_source"] = open(path).read().strip() if os.path.exists(path) else f"missing: {path}"
     site = tempfile.mkdtemp(prefix="ep_on_one_gpu_")
     try:
@@ -472,10 +497,14 @@ def main() -> None:
         # that every rank puts on its path; `deep_ep` comes from .gpu/uccl or .gpu/hybridep.
         record["installed"] = "doubles" if args.cpu_doubles else uccl_real._prepare(site)
         for backend in args.backends:
+            if backend == "deepep" and not args.cpu_doubles and not glob.glob(os.path.join(DEEPEP_DIR, "deep_ep_cpp*.so")):
+                record["launches_not_run"] = {"deepep": f"no deep_ep_cpp in {DEEPEP_DIR} (.gpu/deepep-src/build.sh "
+                                                        "builds it); the reason it cannot run is in this script's docstring"}
+                continue
             for world in args.worlds:
                 limit = LIMITS_S.get((backend, world), 60) * args.limit_scale
-                record["launches"][f"{backend}/ep{world}"] = launch(backend, world, None if args.cpu_doubles else site,
-                                                                    limit)
+                record["launches"][f"{backend}/ep{world}"] = launch(
+                    backend, world, None if args.cpu_doubles else site, limit, extras=world == max(args.worlds))
     except Exception:  # noqa: BLE001 - a setup failure is itself the result to record
         record["setup_error"] = traceback.format_exc(limit=6)
     finally:
