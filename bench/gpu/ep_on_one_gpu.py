@@ -20,9 +20,10 @@ of cases, agree before each one that time is left, and rank 0 records whether it
   x the seed's top-k and Megatron's faces; the seed's dense-probs face in four modes;
   equal token counts), bf16; fp32 and the budget mode must be refused with ValueError on
   every rank; `FlexMoELayer` (Megatron's local MoE spec) against Megatron's own MoELayer.
-  At the largest EP size of the run (EP8) also two layers in flight (Megatron's 1F1B A2A overlap order) and, last, one rank
-  with a bad input (a duplicate expert on rank 0) over a group with a 20 s timeout: every
-  rank's outcome, or that it gave none within 45 s.
+  At the largest EP size of the run (EP8) also two layers in flight (Megatron's 1F1B A2A
+  overlap order) and, last, one rank with a bad input (a duplicate expert on rank 0) over a
+  group with a 20 s timeout, in the default and the `sync` input-check modes
+  (`bad_input_outcomes`): every rank's outcome, or that it gave none within 45 s.
 - UCCL-EP (`.gpu/uccl`, `.gpu/uccl-wheel`, as bench/gpu/uccl_real.py): the dense-reference
   cases of tests/dispatcher/cases.py x three faces x bf16/fp32, token dropping
   (`moe_expert_capacity_factor`) and the expert pad multiple in both dtypes, the budget
@@ -156,13 +157,20 @@ def flex_layer_case(backend: str, dtype: str, hidden: int):
             "grads": max(grads.values()), "grad_names": sorted(grads), "tol": FLEX_TOL[dtype]}
 
 
-def _bad_input_outcome(case):
-    """A clean step, then rank 0 names one expert twice in a token's top-k, over a group with a
-    GROUP_TIMEOUT_S timeout: how this rank's step ended, and when."""
+def bad_input_outcomes(case, report) -> None:
+    """Rank 0 names one expert twice in a token's top-k, over a group with a GROUP_TIMEOUT_S
+    timeout, after a clean step that allocates the buffers and compiles the kernels; reports
+    how each rank's step ended and when, in the two input-check modes:
+    - `auto` (the default): the device-side check masks the bad slot, the step completes on
+      every rank, and the step-boundary check (`check_input_errors`, collective) raises;
+      then one clean step shows the dispatcher still works;
+    - `sync` (MOE_EXT_INPUT_CHECKS=sync, a debug mode; last, as a peer may be left waiting):
+      rank 0 raises before any collective, and its peers must fail too, not hang."""
     import torch
     import torch.distributed as dist
 
     from megatron_moe_ext.config import TokenDispatcherConfig
+    from megatron_moe_ext.dispatcher.checks import CHECK_MODE_ENV
     from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
     from tests.reference import apply_local_experts, make_routing, toy_expert_params
 
@@ -173,27 +181,33 @@ def _bad_input_outcome(case):
                                 moe_router_topk=case.topk, moe_share_token_dispatcher=False)
     disp = MoEFlexTokenDispatcher(e, list(range(rank * e, rank * e + e)), cfg, group)
     params = tuple(p.to(DEVICE) for p in toy_expert_params(case.num_experts, case.hidden))
+    x, indices, probs = (t.to(DEVICE) for t in make_routing(case, rank, torch.bfloat16))
+    bad = indices.clone()
+    if rank == 0:
+        bad[2] = bad[2, 0]
 
-    def step(indices):
-        x, _, probs = make_routing(case, rank, torch.bfloat16)
-        x, probs = x.to(DEVICE), probs.to(DEVICE)
-        rows, tpe, pprobs = disp.token_permutation2(x, x.shape[0], probs, indices.to(DEVICE))
-        y = disp.token_unpermutation(apply_local_experts(rows, tpe, pprobs, disp.local_expert_indices, params))
+    def step(idx, boundary: bool = False):
+        rows, tpe, pprobs = disp.token_permutation2(x, x.shape[0], probs, idx)
+        disp.token_unpermutation(apply_local_experts(rows, tpe, pprobs, disp.local_expert_indices, params))
+        if boundary:
+            disp.check_input_errors()
         if DEVICE == "cuda":
             torch.cuda.synchronize()  # a device-side failure shows here, inside this step
-        return y
 
-    _, indices, _ = make_routing(case, rank, torch.bfloat16)
-    step(indices)  # warm: buffers allocated and kernels compiled before the bad step
-    if rank == 0:
-        indices[2] = indices[2, 0]
-    start = time.monotonic()
-    try:
-        step(indices)
-        outcome = {"type": None, "message": "accepted"}
-    except Exception as exc:  # noqa: BLE001 - the outcome is what is recorded
-        outcome = {"type": type(exc).__name__, "message": str(exc)[:400]}
-    return {**outcome, "bad": rank == 0, "seconds": round(time.monotonic() - start, 2)}
+    def outcome(fn) -> dict:
+        start = time.monotonic()
+        try:
+            fn()
+            result = {"type": None, "message": "completed"}
+        except Exception as exc:  # noqa: BLE001 - the outcome is what is recorded
+            result = {"type": type(exc).__name__, "message": str(exc)[:300]}
+        return {**result, "bad_rank": rank == 0, "seconds": round(time.monotonic() - start, 2)}
+
+    step(indices, boundary=True)
+    report("result", key="bad_input_auto", value={"bad_step": outcome(lambda: step(bad, boundary=True)),
+                                                  "clean_step_after": outcome(lambda: step(indices, boundary=True))})
+    os.environ[CHECK_MODE_ENV] = "sync"
+    report("result", key="bad_input_sync", value=outcome(lambda: step(bad)))
 
 
 def _dense_check(results, dropless: bool):
@@ -271,15 +285,16 @@ def hybridep_plan(extras: bool) -> list:
                  _refusal_check("16-bit")))
     plan.append(("refused/budget_mode", lambda: _budget_refusal("hybridep"),
                  _refusal_check("moe_expert_rank_capacity_factor")))
-    plan.append(("flex_layer/bf16", lambda: flex_layer_case("hybridep", "bf16", 128), _flex_check))
-    plan.append(("refused/flex_layer_fp32", lambda: _refusal(lambda: flex_layer_case("hybridep", "fp32", 128)),
-                 _refusal_check("16-bit")))
     if extras:
         layers = tuple(hybridep_case(c) for c in (protocol_ranks.LAYER_A, protocol_ranks.LAYER_B))
         for face in ("topk", "megatron"):
             plan.append((f"two_layers_in_flight/{face}/bf16",
                          lambda f=face: protocol_ranks.two_layers_in_flight("hybridep", use, f, "bf16", layers, DEVICE),
                          _layers_check))
+    # Last: the layer dispatches over Megatron's EP group, a second buffer in each process.
+    plan.append(("flex_layer/bf16", lambda: flex_layer_case("hybridep", "bf16", 128), _flex_check))
+    plan.append(("refused/flex_layer_fp32", lambda: _refusal(lambda: flex_layer_case("hybridep", "fp32", 128)),
+                 _refusal_check("16-bit")))
     return plan
 
 
@@ -303,18 +318,21 @@ def deepep_contract_plan(world: int, backend: str) -> list:
         pad = RoutingCase("pad", tokens_per_rank=(13, 6, 0, 9), topk=2)
         plan.append((f"pad_multiple/{dtype}", lambda d=dtype: pad_multiple_case(pad, d, 4, backend, DEVICE),
                      _pad_check))
-        plan.append((f"flex_layer/{dtype}", lambda d=dtype: flex_layer_case(backend, d, 128), _flex_check))
     if backend == "uccl_ep":  # DeepEP has the budget mode (not run here: tests/dispatcher/test_syncfree.py)
         plan.append(("refused/budget_mode", lambda: _budget_refusal(backend),
                      _refusal_check("moe_expert_rank_capacity_factor")))
+    # Last: the layer dispatches over Megatron's EP group, a second buffer in each process.
+    for dtype in ("bf16", "fp32"):
+        plan.append((f"flex_layer/{dtype}", lambda d=dtype: flex_layer_case(backend, d, 128), _flex_check))
     return plan
 
 
-def _rank(backend: str, world: int, extras: bool, rank: int, port: int, site: str | None, results,
+def _rank(backend: str, world: int, extras: bool, select: list, rank: int, port: int, site: str | None, results,
           deadline: float) -> None:
     """One rank of a launch: reports `stage`, `result`, `case`, then `done` or `error`.
     `site=None`: the CPU smoke run over the doubles; `extras`: HybridEP's two layers in flight
-    and bad input (at the largest EP size of the run)."""
+    and bad input (at the largest EP size of the run); `select`: run only the cases whose names
+    contain one of these strings (all when empty)."""
     global DEVICE
     state = {"stage": "start"}
 
@@ -366,6 +384,7 @@ def _rank(backend: str, world: int, extras: bool, rank: int, port: int, site: st
             plan = deepep_contract_plan(world, backend)
         else:
             plan = hybridep_plan(extras)
+        plan = [c for c in plan if not select or any(part in c[0] for part in select)]
         report("result", key="planned_cases", value=len(plan))
         for name, thunk, check in plan:
             if not all(_gather(time.time() < deadline)):
@@ -400,8 +419,7 @@ def _rank(backend: str, world: int, extras: bool, rank: int, port: int, site: st
             from tests.reference import RoutingCase
 
             stage("bad_input")
-            report("result", key="bad_input", value=_bad_input_outcome(
-                hybridep_case(RoutingCase("bad_input", tokens_per_rank=(12, 9, 0, 7)))))
+            bad_input_outcomes(hybridep_case(RoutingCase("bad_input", tokens_per_rank=(12, 9, 0, 7))), report)
         stage("teardown")
         dist.destroy_process_group()
         report("done")
@@ -410,7 +428,8 @@ def _rank(backend: str, world: int, extras: bool, rank: int, port: int, site: st
 
 
 # ---- parent side -------------------------------------------------------------------------------
-def launch(backend: str, world: int, site: str | None, limit_s: float, extras: bool = False) -> dict:
+def launch(backend: str, world: int, site: str | None, limit_s: float, extras: bool = False,
+           select: tuple = ()) -> dict:
     """Run one launch; collect reports until every rank finishes, one dies, or time runs out.
     `extras` (HybridEP only): two layers in flight and, last, the bad input."""
     extras = extras and backend == "hybridep"
@@ -421,7 +440,7 @@ def launch(backend: str, world: int, site: str | None, limit_s: float, extras: b
     port = uccl_real._free_port()
     # The ranks stop starting cases this long before the limit (and leave room for the bad input).
     reserve = TEARDOWN_S + (BAD_INPUT_RESERVE_S if extras else 0)
-    procs = [ctx.Process(target=_rank, args=(backend, world, extras, r, port, site, results, end - reserve),
+    procs = [ctx.Process(target=_rank, args=(backend, world, extras, list(select), r, port, site, results, end - reserve),
                          daemon=True) for r in range(world)]
     for p in procs:
         p.start()
@@ -442,8 +461,8 @@ def launch(backend: str, world: int, site: str | None, limit_s: float, extras: b
         out["last_stage"][rank] = msg["stage"]
         if msg["kind"] == "result":
             out["results"].setdefault(msg["key"], {})[rank] = msg["value"]
-            if msg["key"] == "bad_input" and len(out["results"]["bad_input"]) == 1:
-                end = min(end, time.time() + BAD_INPUT_WAIT_S)
+            if msg["key"] == "bad_input_sync" and len(out["results"]["bad_input_sync"]) == 1:
+                end = min(end, time.time() + BAD_INPUT_WAIT_S)  # the peers' answers, or a hang
         elif msg["kind"] == "case":
             out["cases"][msg["name"]] = msg["value"]
             print(f"[{backend} EP{world}] {msg['name']}: {'ok' if msg['value']['ok'] else 'FAIL ' + json.dumps(msg['value'])[:400]}",
@@ -467,9 +486,10 @@ def launch(backend: str, world: int, site: str | None, limit_s: float, extras: b
                       "failed": sorted(n for n, c in out["cases"].items() if not c["ok"]),
                       "not_run": None if planned is None else planned - len(out["cases"])}
     if extras:
-        answered = out["results"].get("bad_input", {})
-        out["bad_input"] = {str(r): answered.get(r, f"no outcome within the launch (last stage "
-                                                    f"{out['last_stage'].get(r)!r}; killed)") for r in range(world)}
+        for key in ("bad_input_auto", "bad_input_sync"):
+            answered = out["results"].get(key, {})
+            out[key] = {str(r): answered.get(r, f"no outcome within the launch (last stage "
+                                                f"{out['last_stage'].get(r)!r}; killed)") for r in range(world)}
     print(f"[{backend} EP{world}] {out['summary']} in {out['seconds']} s", flush=True)
     return out
 
@@ -482,6 +502,7 @@ def main() -> None:
     parser.add_argument("--cpu-doubles", action="store_true",
                         help="run the plans on CPU over tests/doubles (a smoke test of this script)")
     parser.add_argument("--limit-scale", type=float, default=1.0, help="multiply every launch's time limit")
+    parser.add_argument("--select", nargs="*", default=[], help="run only cases whose names contain one of these")
     args = parser.parse_args()
     begin = time.time()
     record = {"command": "python3 bench/gpu/ep_on_one_gpu.py " + " ".join(sys.argv[1:]),
@@ -504,7 +525,8 @@ def main() -> None:
             for world in args.worlds:
                 limit = LIMITS_S.get((backend, world), 60) * args.limit_scale
                 record["launches"][f"{backend}/ep{world}"] = launch(
-                    backend, world, None if args.cpu_doubles else site, limit, extras=world == max(args.worlds))
+                    backend, world, None if args.cpu_doubles else site, limit, extras=world == max(args.worlds),
+                    select=tuple(args.select))
     except Exception:  # noqa: BLE001 - a setup failure is itself the result to record
         record["setup_error"] = traceback.format_exc(limit=6)
     finally:
