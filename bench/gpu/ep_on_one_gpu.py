@@ -56,7 +56,6 @@ import glob
 import json
 import multiprocessing as mp
 import os
-import queue
 import shutil
 import sys
 import tempfile
@@ -446,42 +445,14 @@ def launch(backend: str, world: int, site: str | None, limit_s: float, extras: b
                          daemon=True) for r in range(world)]
     for p in procs:
         p.start()
-    out = {"backend": backend, "world_size": world, "limit_s": limit_s, "results": {}, "cases": {},
-           "errors": {}, "last_stage": {}}
-    finished, stopping_since = set(), None
-    while len(finished) < world and time.time() < end:
-        try:
-            msg = results.get(timeout=1.0)
-        except queue.Empty:
-            gone = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in finished]
-            if (gone or out["errors"]) and stopping_since is None:
-                stopping_since = time.time()  # drain what is left, then stop: its peers would wait forever
-            if stopping_since is not None and time.time() - stopping_since > 3:
-                break
-            continue
-        rank = msg["rank"]
-        out["last_stage"][rank] = msg["stage"]
-        if msg["kind"] == "result":
-            out["results"].setdefault(msg["key"], {})[rank] = msg["value"]
-            if msg["key"] == "bad_input_sync" and len(out["results"]["bad_input_sync"]) == 1:
-                end = min(end, time.time() + BAD_INPUT_WAIT_S)  # the peers' answers, or a hang
-        elif msg["kind"] == "case":
-            out["cases"][msg["name"]] = msg["value"]
-            print(f"[{backend} EP{world}] {msg['name']}: {'ok' if msg['value']['ok'] else 'FAIL ' + json.dumps(msg['value'])[:400]}",
-                  flush=True)
-        elif msg["kind"] in ("done", "error"):
-            finished.add(rank)
-            if msg["kind"] == "error":
-                out["errors"][rank] = {"stage": msg["stage"], "text": msg["text"]}
-                print(f"[{backend} EP{world}] rank {rank} failed in {msg['stage']}:\n{msg['text']}", flush=True)
-    out["timed_out"] = len(finished) < world and stopping_since is None
-    out["unfinished_ranks"] = sorted(set(range(world)) - finished)
-    for p in procs:
-        p.join(5 if len(finished) == world else 0)
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-    out["exitcodes"] = [p.exitcode for p in procs]
+    out = {"backend": backend, "world_size": world, "limit_s": limit_s}
+
+    def shorten(msg, out):
+        if msg["kind"] == "result" and msg["key"] == "bad_input_sync" and len(out["results"][msg["key"]]) == 1:
+            return time.time() + BAD_INPUT_WAIT_S  # the peers' answers, or a hang
+        return None
+
+    uccl_real.collect(procs, results, out, end, f"[{backend} EP{world}]", shorten)
     out["seconds"] = round(time.time() - begin, 1)
     planned = out["results"].get("planned_cases", {}).get(0)
     out["summary"] = {"planned": planned, "passed": sum(c["ok"] for c in out["cases"].values()),

@@ -191,7 +191,20 @@ def _launch(mode: str, world: int, site: str, limit_s: float) -> dict:
                          daemon=True) for r in range(world)]
     for p in procs:
         p.start()
-    out = {"world_size": world, "results": {}, "cases": {}, "errors": {}, "last_stage": {}}
+    out = {"world_size": world}
+    collect(procs, results, out, end, f"[{mode}]")
+    return out
+
+
+def collect(procs, results, out: dict, end: float, label: str, shorten=None) -> None:
+    """Fill `out` from the ranks' reports (`results`, `cases`, `errors`, `last_stage`, then
+    `timed_out`, `unfinished_ranks`, `exitcodes`) until every rank is done, one dies or fails
+    (what is left is drained for 3 s, then the rest stop: its peers would wait forever), or
+    `end`; the ranks still alive are killed. `shorten(msg, out)`: a new end after a report,
+    or None to keep the current one."""
+    world = len(procs)
+    for key in ("results", "cases", "errors", "last_stage"):
+        out.setdefault(key, {})
     finished, stopping_since = set(), None
     while len(finished) < world and time.time() < end:
         try:
@@ -209,20 +222,23 @@ def _launch(mode: str, world: int, site: str, limit_s: float) -> dict:
             out["results"].setdefault(msg["key"], {})[rank] = msg["value"]
         elif msg["kind"] == "case":
             out["cases"][msg["name"]] = msg["value"]
-            print(f"[{mode}] {msg['name']}: {'ok' if msg['value']['ok'] else 'FAIL'}", flush=True)
+            ok = msg["value"]["ok"]
+            print(f"{label} {msg['name']}: {'ok' if ok else 'FAIL ' + json.dumps(msg['value'])[:400]}", flush=True)
         elif msg["kind"] in ("done", "error"):
             finished.add(rank)
             if msg["kind"] == "error":
                 out["errors"][rank] = {"stage": msg["stage"], "text": msg["text"]}
-                print(f"[{mode}] rank {rank} failed in {msg['stage']}:\n{msg['text']}", flush=True)
+                print(f"{label} rank {rank} failed in {msg['stage']}:\n{msg['text']}", flush=True)
+        new_end = shorten(msg, out) if shorten else None
+        end = end if new_end is None else min(end, new_end)
     out["timed_out"] = len(finished) < world and stopping_since is None
+    out["unfinished_ranks"] = sorted(set(range(world)) - finished)
     for p in procs:
         p.join(5 if len(finished) == world else 0)  # a finished rank is flushing its queue
         if p.is_alive():
             p.kill()
             p.join(5)
     out["exitcodes"] = [p.exitcode for p in procs]
-    return out
 
 
 def _gpu_mode() -> str:
