@@ -335,18 +335,10 @@ def _rank(backend: str, world: int, extras: bool, select: list, rank: int, port:
     and bad input (at the largest EP size of the run); `select`: run only the cases whose names
     contain one of these strings (all when empty)."""
     global DEVICE
-    state = {"stage": "start"}
-
-    def report(kind: str, **fields) -> None:
-        results.put({"kind": kind, "rank": rank, "stage": state["stage"], **fields})
-
-    def stage(name: str) -> None:
-        state["stage"] = name
-        report("stage")
-
+    report = uccl_real.Reporter(results, rank)
+    stage = report.stage
     try:
-        os.environ.pop("LOCAL_RANK", None)  # UCCL's Buffer takes it as the device index
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+        uccl_real.rank_environment(port)
         if site is None:
             DEVICE = "cpu"
             sys.path[:0] = [ROOT, BENCH]

@@ -73,21 +73,34 @@ def _prepare(site: str) -> dict:
     return info
 
 
+class Reporter:
+    """A rank's reports to the parent (`stage`, `result`, `case`, `done`, `error`), each with
+    the rank and its current stage: `report(kind, **fields)`, `report.stage(name)`."""
+
+    def __init__(self, results, rank: int):
+        self.results, self.rank, self.current = results, rank, "start"
+
+    def __call__(self, kind: str, **fields) -> None:
+        self.results.put({"kind": kind, "rank": self.rank, "stage": self.current, **fields})
+
+    def stage(self, name: str) -> None:
+        self.current = name
+        self("stage")
+
+
+def rank_environment(port: int) -> None:
+    """Every rank on device 0 over a gloo group on the loopback interface: UCCL's Buffer takes
+    LOCAL_RANK as its device index, so it is removed."""
+    os.environ.pop("LOCAL_RANK", None)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+
+
 def _child(mode: str, rank: int, world: int, port: int, site: str, results, deadline: float) -> None:
     """One rank of a launch: reports `stage`, `result`, `case`, then `done` or `error`."""
-    state = {"stage": "start"}
-
-    def report(kind: str, **fields) -> None:
-        results.put({"kind": kind, "rank": rank, "stage": state["stage"], **fields})
-
-    def stage(name: str) -> None:
-        state["stage"] = name
-        report("stage")
-
+    report = Reporter(results, rank)
+    stage = report.stage
     try:
-        # UCCL's Buffer takes LOCAL_RANK as its device index; every rank here uses device 0.
-        os.environ.pop("LOCAL_RANK", None)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+        rank_environment(port)
         sys.path[:0] = [site, LAYER, ROOT, os.path.join(ROOT, "bench", "gpu")]
         # The wheel's engine needs libcudart.so.12: loaded by path, it satisfies that soname.
         ctypes.CDLL(os.path.join(LAYER, "lib", "libcudart.so.12"), mode=ctypes.RTLD_GLOBAL)
