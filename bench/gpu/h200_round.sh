@@ -12,12 +12,14 @@
 #   NAME       run one task in the foreground (results in /tmp/round/out)
 #   summary    print every result JSON, compact and cut to SUMMARY_CHARS each
 #   pack       tar /tmp/round/out into $OUT/round_<date>.tgz (the tool returns at most 8 files)
-# Tasks: hybridep_real uccl_real device_checks cuda_graph_train graph_te_diag graph_bisect graph_fault probes experts_te bias permute
+# Tasks: hybridep_real uccl_real ep_on_one_gpu deepep_v1_build hybridep_build device_checks cuda_graph_train graph_te_diag graph_bisect graph_fault probes experts_te bias permute
 #        layer_bench graphs recompute pretrain_local pretrain_te pretrain_small pretrain_det
 #        pretrain_det32 te_init_check pretrain_qwen3 fused_experts fused_experts_tests (QuACK: source /tmp/quack_env.sh first).
 # Transformer Engine comes from ../shared/tools/te-on-device (source /tmp/te_env.sh first); the
 # HybridEP build (.gpu/hybridep, bench/gpu/HYBRIDEP.md), the uccl pieces (.gpu/uccl,
-# .gpu/uccl-wheel) and Megatron-LM's pretrain_gpt.py (.gpu/megatron-lm) are carried, never committed.
+# .gpu/uccl-wheel), DeepEP V1 intranode (.gpu/deepep-v1; `.gpu/deepep-src/build.sh v1|hybrid`
+# builds it, or HybridEP, there from DeepEP's sources) and Megatron-LM's pretrain_gpt.py
+# (.gpu/megatron-lm) are carried, never committed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROUND=/tmp/round
@@ -40,6 +42,9 @@ run_task() {
   case $1 in
     hybridep_real) task hybridep_real 480 $PY bench/gpu/hybridep_real.py ${HYBRIDEP_ARGS:-} ;;
     uccl_real) task uccl_real 200 $PY bench/gpu/uccl_real.py ;;
+    ep_on_one_gpu) task ep_on_one_gpu 500 $PY bench/gpu/ep_on_one_gpu.py ${EP_ARGS:-} ;;
+    deepep_v1_build) task deepep_v1_build 300 env PYTHON=$PY bash .gpu/deepep-src/build.sh v1 ;;
+    hybridep_build) task hybridep_build 300 env PYTHON=$PY bash .gpu/deepep-src/build.sh hybrid ;;
     device_checks) task device_checks 240 bash -c "$PY -m pytest tests/dispatcher/test_errors.py -q -rs \
         -p no:cacheprovider -k 'device_value_checks or sm_count'; $PY -m pytest tests/experts/test_kernels.py \
         tests/experts/test_bias.py -q -rs -p no:cacheprovider" ;;

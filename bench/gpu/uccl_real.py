@@ -73,21 +73,34 @@ def _prepare(site: str) -> dict:
     return info
 
 
+class Reporter:
+    """A rank's reports to the parent (`stage`, `result`, `case`, `done`, `error`), each with
+    the rank and its current stage: `report(kind, **fields)`, `report.stage(name)`."""
+
+    def __init__(self, results, rank: int):
+        self.results, self.rank, self.current = results, rank, "start"
+
+    def __call__(self, kind: str, **fields) -> None:
+        self.results.put({"kind": kind, "rank": self.rank, "stage": self.current, **fields})
+
+    def stage(self, name: str) -> None:
+        self.current = name
+        self("stage")
+
+
+def rank_environment(port: int) -> None:
+    """Every rank on device 0 over a gloo group on the loopback interface: UCCL's Buffer takes
+    LOCAL_RANK as its device index, so it is removed."""
+    os.environ.pop("LOCAL_RANK", None)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+
+
 def _child(mode: str, rank: int, world: int, port: int, site: str, results, deadline: float) -> None:
     """One rank of a launch: reports `stage`, `result`, `case`, then `done` or `error`."""
-    state = {"stage": "start"}
-
-    def report(kind: str, **fields) -> None:
-        results.put({"kind": kind, "rank": rank, "stage": state["stage"], **fields})
-
-    def stage(name: str) -> None:
-        state["stage"] = name
-        report("stage")
-
+    report = Reporter(results, rank)
+    stage = report.stage
     try:
-        # UCCL's Buffer takes LOCAL_RANK as its device index; every rank here uses device 0.
-        os.environ.pop("LOCAL_RANK", None)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+        rank_environment(port)
         sys.path[:0] = [site, LAYER, ROOT, os.path.join(ROOT, "bench", "gpu")]
         # The wheel's engine needs libcudart.so.12: loaded by path, it satisfies that soname.
         ctypes.CDLL(os.path.join(LAYER, "lib", "libcudart.so.12"), mode=ctypes.RTLD_GLOBAL)
@@ -191,7 +204,20 @@ def _launch(mode: str, world: int, site: str, limit_s: float) -> dict:
                          daemon=True) for r in range(world)]
     for p in procs:
         p.start()
-    out = {"world_size": world, "results": {}, "cases": {}, "errors": {}, "last_stage": {}}
+    out = {"world_size": world}
+    collect(procs, results, out, end, f"[{mode}]")
+    return out
+
+
+def collect(procs, results, out: dict, end: float, label: str, shorten=None) -> None:
+    """Fill `out` from the ranks' reports (`results`, `cases`, `errors`, `last_stage`, then
+    `timed_out`, `unfinished_ranks`, `exitcodes`) until every rank is done, one dies or fails
+    (what is left is drained for 3 s, then the rest stop: its peers would wait forever), or
+    `end`; the ranks still alive are killed. `shorten(msg, out)`: a new end after a report,
+    or None to keep the current one."""
+    world = len(procs)
+    for key in ("results", "cases", "errors", "last_stage"):
+        out.setdefault(key, {})
     finished, stopping_since = set(), None
     while len(finished) < world and time.time() < end:
         try:
@@ -209,20 +235,23 @@ def _launch(mode: str, world: int, site: str, limit_s: float) -> dict:
             out["results"].setdefault(msg["key"], {})[rank] = msg["value"]
         elif msg["kind"] == "case":
             out["cases"][msg["name"]] = msg["value"]
-            print(f"[{mode}] {msg['name']}: {'ok' if msg['value']['ok'] else 'FAIL'}", flush=True)
+            ok = msg["value"]["ok"]
+            print(f"{label} {msg['name']}: {'ok' if ok else 'FAIL ' + json.dumps(msg['value'])[:400]}", flush=True)
         elif msg["kind"] in ("done", "error"):
             finished.add(rank)
             if msg["kind"] == "error":
                 out["errors"][rank] = {"stage": msg["stage"], "text": msg["text"]}
-                print(f"[{mode}] rank {rank} failed in {msg['stage']}:\n{msg['text']}", flush=True)
+                print(f"{label} rank {rank} failed in {msg['stage']}:\n{msg['text']}", flush=True)
+        new_end = shorten(msg, out) if shorten else None
+        end = end if new_end is None else min(end, new_end)
     out["timed_out"] = len(finished) < world and stopping_since is None
+    out["unfinished_ranks"] = sorted(set(range(world)) - finished)
     for p in procs:
         p.join(5 if len(finished) == world else 0)  # a finished rank is flushing its queue
         if p.is_alive():
             p.kill()
             p.join(5)
     out["exitcodes"] = [p.exitcode for p in procs]
-    return out
 
 
 def _gpu_mode() -> str:

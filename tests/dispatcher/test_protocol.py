@@ -5,8 +5,16 @@ the rank before any collective; the torch backend at EP1 is a permutation only."
 import pytest
 
 from tests.dispatcher import protocol_ranks
+from tests.dispatcher.hybridep_ranks import hybridep_case
 
 DOUBLE = {"torch": None, "deepep": "tests.doubles.deep_ep_buffer.install"}
+
+
+def check_both_layers(results):
+    for rank, r in enumerate(results):
+        for layer in ("a", "b"):
+            for key, err in r[layer].items():
+                assert err <= r["tol"], f"rank {rank} layer {layer}: {key} error {err:.3g} > {r['tol']}"
 
 
 @pytest.mark.parametrize("backend", list(DOUBLE))
@@ -16,10 +24,18 @@ def test_two_layers_in_flight_match_dense_reference(dist_pools, backend, face, d
     if backend == "deepep" and dtype == "fp32" and face == "topk":
         pytest.skip("fp32 DeepEP combine is covered by test_deepep_backend")
     results = dist_pools(2).run(protocol_ranks.two_layers_in_flight, backend, DOUBLE[backend], face, dtype)
-    for rank, r in enumerate(results):
-        for layer in ("a", "b"):
-            for key, err in r[layer].items():
-                assert err <= r["tol"], f"rank {rank} layer {layer}: {key} error {err:.3g} > {r['tol']}"
+    check_both_layers(results)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("face", ["megatron", "topk"])
+def test_two_hybridep_layers_in_flight_match_dense_reference(dist_pools, world, face):
+    """The same over the HybridEP double (bf16, hidden 128: HybridEP's limits);
+    bench/gpu/ep_on_one_gpu.py runs it on the real library at EP8 on one GPU."""
+    layers = tuple(hybridep_case(c) for c in (protocol_ranks.LAYER_A, protocol_ranks.LAYER_B))
+    results = dist_pools(world).run(protocol_ranks.two_layers_in_flight, "hybridep",
+                                    "tests.doubles.hybrid_ep_buffer.install", face, "bf16", layers)
+    check_both_layers(results)
 
 
 def test_misuse_raises_naming_the_problem(dist_pools):

@@ -1,0 +1,512 @@
+"""EP4 and EP8 as processes sharing one H200: HybridEP, UCCL-EP and DeepEP V1 on the real libraries.
+
+    python3 bench/gpu/ep_on_one_gpu.py [--backends uccl_ep hybridep deepep] [--worlds 4 8]
+        # under 8 minutes (the launch limits add up to 465 s); writes $OUT/ep_on_one_gpu_h200.json
+    python3 bench/gpu/ep_on_one_gpu.py --cpu-doubles ...   # the same plans over tests/doubles on CPU
+
+Both libraries' intranode paths share buffers through CUDA IPC, which works between processes
+on one device (EP2 passed that way: bench/gpu/hybridep_real.py, bench/gpu/uccl_real.py), so W
+processes on the one GPU exercise everything that depends on the rank count (per-rank layouts,
+token counts, metadata, capacity per rank pair) at the sizes users run. Speed means nothing
+here: the processes' kernels time-slice the GPU.
+
+Each (backend, W) is one launch of W spawned processes over a gloo group (NCCL refuses two
+ranks on one device), every rank on CUDA device 0, with a wall-clock limit: a crash or a hang
+is recorded with each rank's last stage, never waited on. Inside a launch the ranks run a plan
+of cases, agree before each one that time is left, and rank 0 records whether it passed:
+- HybridEP (`.gpu/hybridep`, bench/gpu/HYBRIDEP.md): the backend's dense-reference suite
+  (tests/dispatcher/test_hybridep_dense_reference.py: four cases x six modes (dropless
+  blocking, capacity, padded capacity, static pin, compact routing, fused compact capacity)
+  x the seed's top-k and Megatron's faces; the seed's dense-probs face in four modes;
+  equal token counts), bf16; fp32 and the budget mode must be refused with ValueError on
+  every rank; `FlexMoELayer` (Megatron's local MoE spec) against Megatron's own MoELayer.
+  At the largest EP size of the run (EP8) also two layers in flight (Megatron's 1F1B A2A
+  overlap order) and, last, one rank with a bad input (a duplicate expert on rank 0) over a
+  group with a 20 s timeout, in the default and the `sync` input-check modes
+  (`bad_input_outcomes`): every rank's outcome, or that it gave none within 45 s.
+- UCCL-EP (`.gpu/uccl`, `.gpu/uccl-wheel`, as bench/gpu/uccl_real.py): the dense-reference
+  cases of tests/dispatcher/cases.py x three faces x bf16/fp32, token dropping
+  (`moe_expert_capacity_factor`) and the expert pad multiple in both dtypes, the budget
+  mode's refusal, and `FlexMoELayer` in both dtypes.
+- DeepEP V1 (`.gpu/deepep-v1`: `deep_ep_cpp` built intranode-only, without NVSHMEM, from
+  hybrid-ep 94a9f8f, with DeepEP's `deep_ep/{buffer,utils}.py` and pynvml): the same plan as
+  UCCL-EP's once its `Buffer` constructs. At 94a9f8f it cannot: `Buffer.__init__` first calls
+  `check_nvlink_connections` (deep_ep/utils.py), which asks NVML for the NVLink P2P status of
+  every pair of the ranks' GPUs, here GPU 0 with itself, and asserts it is OK (DeepEP issue
+  #582); the only way past it, `allow_nvlink_for_normal_mode=False`, needs NVSHMEM
+  (csrc/deep_ep.cpp asserts `num_rdma_ranks == 1 and ... not disable_nvlink_for_normal_mode`
+  when built without it). The launch records each rank's error.
+The FlexMoELayer face: each rank builds Megatron's MoELayer (alltoall dispatcher) on the CPU
+with the test shims (tests/shims/megatron_cpu.py) and runs it over gloo as the reference,
+then the FlexMoELayer with the same weights and the real backend on the GPU.
+
+Memory: every rank records its peak reserved memory and rank 0 the device's used memory with
+all ranks alive (the CUDA contexts and the libraries' own buffers included), so the JSON says
+what W processes on one GPU need. The buffers are sized by the backends from the settings
+(hidden 128 or less, at most 40 tokens per rank): HybridEP's from its 512-token floor,
+UCCL's from `Buffer.get_dispatch_config(W)` hints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import glob
+import json
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+
+BENCH = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(BENCH))
+sys.path.insert(0, BENCH)
+
+import hybridep_real  # noqa: E402
+import uccl_real  # noqa: E402
+
+HYBRIDEP_DIR = os.path.join(ROOT, ".gpu", "hybridep")
+DEEPEP_DIR = os.path.join(ROOT, ".gpu", "deepep-v1")
+#: Wall-clock limit of each launch (seconds): JIT compiles, the cases, teardown.
+LIMITS_S = {("uccl_ep", 4): 50, ("uccl_ep", 8): 70, ("hybridep", 4): 110, ("hybridep", 8): 170,
+            ("deepep", 4): 30, ("deepep", 8): 35}
+TEARDOWN_S = 8
+GROUP_TIMEOUT_S = 20  # the bad-input group's timeout: a peer waiting in gloo fails after this
+BAD_INPUT_WAIT_S = 45  # how long the launch waits for every rank's bad-input outcome
+BAD_INPUT_RESERVE_S = 50  # the HybridEP EP8 cases stop this long earlier: warm step + bad step
+FLEX_TOL = {"fp32": 1e-4, "bf16": 2e-2}  # relative; fp32 CPU vs GPU sums differ in order only
+#: Where the dispatchers run: "cuda" (the real libraries), or "cpu" with --cpu-doubles (the
+#: tests/doubles stand-ins over gloo: a smoke test of this script, not of the libraries).
+DEVICE = "cuda"
+
+
+# ---- rank side ---------------------------------------------------------------------------------
+def _gather(value):
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _refusal(fn):
+    """The ValueError text `fn` raises on this rank, else what it returned instead."""
+    try:
+        fn()
+    except ValueError as exc:
+        return f"ValueError: {exc}"
+    return "accepted"
+
+
+def _budget_refusal(backend: str):
+    from megatron_moe_ext.config import TokenDispatcherConfig
+
+    return _refusal(lambda: TokenDispatcherConfig(moe_flex_dispatcher_backend=backend, num_moe_experts=8,
+                                                  moe_router_topk=2, moe_expert_rank_capacity_factor=1.0))
+
+
+def flex_layer_case(backend: str, dtype: str, hidden: int):
+    """Megatron's MoELayer on the CPU (reference) and `FlexMoELayer` with `backend` on the GPU,
+    same weights and tokens on this rank; relative errors of output and every gradient."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_moe_ext.config import TokenDispatcherConfig
+    from megatron_moe_ext.megatron.moe_layer import FlexMoELayer
+    from tests.megatron.cases_layer import DTYPES, LayerCase, _forward_backward, _rel_err, layer_config
+    from tests.shims import megatron_cpu
+
+    ep, rank = dist.get_world_size(), dist.get_rank()
+    case = LayerCase(f"flex_{backend}", num_experts=2 * ep, hidden=hidden, ffn=32, seq=8, batch=2, dtype=dtype)
+    gen = torch.Generator().manual_seed(case.seed * 100 + rank)
+    x = torch.randn(case.seq, case.batch, case.hidden, generator=gen).to(DTYPES[dtype])
+    g = torch.randn(case.seq, case.batch, case.hidden, generator=gen).to(DTYPES[dtype])
+    pg = megatron_cpu.init_parallel_state(ep)  # installs the CPU shims
+    try:
+        config = layer_config(case, ep)
+        spec = get_moe_module_spec(use_te=False, num_experts=case.num_experts)
+        native = spec(config=config, pg_collection=pg, layer_number=1)
+        native.set_layer_number(1)
+        out_n, gx_n, grads_n, _ = _forward_backward(native, x, g)
+        state = native.state_dict()
+    finally:
+        megatron_cpu.uninstall()
+    if DEVICE == "cpu":
+        megatron_cpu.install()
+    else:
+        model_parallel_cuda_manual_seed(1234, force_reset_rng=True)  # a real CUDA RNG state again
+    try:
+        flex = FlexMoELayer(config, submodules=spec.keywords["submodules"], pg_collection=pg, layer_number=1,
+                            dispatcher_config=TokenDispatcherConfig.from_transformer_config(
+                                config, moe_flex_dispatcher_backend=backend))
+        flex.set_layer_number(1)
+        flex.load_state_dict(state, strict=True)
+        flex.to(DEVICE)
+        out_f, gx_f, grads_f, _ = _forward_backward(flex, x.to(DEVICE), g.to(DEVICE))
+    finally:
+        megatron_cpu.uninstall()
+    grads = {n: _rel_err(grads_f[n].cpu().float(), grads_n[n].float()) for n in grads_n}
+    return {"out": _rel_err(out_f.cpu().float(), out_n.float()), "grad_x": _rel_err(gx_f.cpu().float(), gx_n.float()),
+            "grads": max(grads.values()), "grad_names": sorted(grads), "tol": FLEX_TOL[dtype]}
+
+
+def bad_input_outcomes(case, report) -> None:
+    """Rank 0 names one expert twice in a token's top-k, over a group with a GROUP_TIMEOUT_S
+    timeout, after a clean step that allocates the buffers and compiles the kernels; reports
+    how each rank's step ended and when, in the two input-check modes:
+    - `auto` (the default): the device-side check masks the bad slot, the step completes on
+      every rank, and the step-boundary check (`check_input_errors`, collective) raises;
+      then one clean step shows the dispatcher still works;
+    - `sync` (MOE_EXT_INPUT_CHECKS=sync, a debug mode; last, as a peer may be left waiting):
+      rank 0 raises before any collective, and its peers must fail too, not hang."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_moe_ext.config import TokenDispatcherConfig
+    from megatron_moe_ext.dispatcher.checks import CHECK_MODE_ENV
+    from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
+    from tests.reference import apply_local_experts, make_routing, toy_expert_params
+
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+    rank, ep = dist.get_rank(group), dist.get_world_size(group)
+    e = case.num_experts // ep
+    cfg = TokenDispatcherConfig(moe_flex_dispatcher_backend="hybridep", num_moe_experts=case.num_experts,
+                                moe_router_topk=case.topk, moe_share_token_dispatcher=False)
+    disp = MoEFlexTokenDispatcher(e, list(range(rank * e, rank * e + e)), cfg, group)
+    params = tuple(p.to(DEVICE) for p in toy_expert_params(case.num_experts, case.hidden))
+    x, indices, probs = (t.to(DEVICE) for t in make_routing(case, rank, torch.bfloat16))
+    bad = indices.clone()
+    if rank == 0:
+        bad[2] = bad[2, 0]
+
+    def step(idx, boundary: bool = False):
+        rows, tpe, pprobs = disp.token_permutation2(x, x.shape[0], probs, idx)
+        disp.token_unpermutation(apply_local_experts(rows, tpe, pprobs, disp.local_expert_indices, params))
+        if boundary:
+            disp.check_input_errors()
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()  # a device-side failure shows here, inside this step
+
+    def outcome(fn) -> dict:
+        start = time.monotonic()
+        try:
+            fn()
+            result = {"type": None, "message": "completed"}
+        except Exception as exc:  # noqa: BLE001 - the outcome is what is recorded
+            result = {"type": type(exc).__name__, "message": str(exc)[:300]}
+        return {**result, "bad_rank": rank == 0, "seconds": round(time.monotonic() - start, 2)}
+
+    if DEVICE == "cpu":  # host tensors take the device path's deferred checks (as the tests do)
+        os.environ[CHECK_MODE_ENV] = "deferred"
+    step(indices, boundary=True)
+    report("result", key="bad_input_auto", value={"bad_step": outcome(lambda: step(bad, boundary=True)),
+                                                  "clean_step_after": outcome(lambda: step(indices, boundary=True))})
+    os.environ[CHECK_MODE_ENV] = "sync"
+    report("result", key="bad_input_sync", value=outcome(lambda: step(bad)))
+
+
+def _dense_check(results, dropless: bool):
+    """The suites' check: errors within tolerance on every rank; every sent pair received
+    (HybridEP's suite counts at least as many: its capacity modes receive padding rows too)."""
+    worst = max(r[k] / r["tol"] for r in results for k in ("y", "grad_x", "grad_probs"))
+    received = sum(sum(r["tokens_per_expert"]) for r in results)
+    sent = sum(r["sent_pairs"] for r in results)
+    ok = worst <= 1 and (received == sent if dropless else received >= sent)
+    return ok, {"worst_error_over_tol": round(worst, 4), "received_pairs": received, "sent_pairs": sent}
+
+
+def _refusal_check(needle: str):
+    def check(results):
+        return all(r.startswith("ValueError") and needle in r for r in results), {"rank0": results[0][:300]}
+    return check
+
+
+def _capacity_check(results):
+    ok = (sum(r["dropped_slots"] for r in results) > 0
+          and sum(r["kept_pairs"] for r in results) == sum(r["received_pairs"] for r in results)
+          and all(r[k] <= r["tol"] for r in results for k in ("y", "grad_x", "grad_probs"))
+          and all(r["max_grad_at_dropped"] == 0.0 for r in results))
+    return ok, {"dropped_slots": sum(r["dropped_slots"] for r in results),
+                "worst_y": max(r["y"] for r in results), "tol": results[0]["tol"]}
+
+
+def _pad_check(results):
+    ok = all(all(c % 4 == 0 and c >= t and c - t < 4 for c, t in zip(r["counts"], r["true_counts"]))
+             and r["rows"] == sum(r["counts"]) and r["pad_rows_zero"] and r["y"] <= r["tol"] for r in results)
+    return ok, {"counts_rank0": results[0]["counts"], "worst_y": max(r["y"] for r in results)}
+
+
+def _layers_check(results):
+    worst = max(err / r["tol"] for r in results for layer in ("a", "b") for err in r[layer].values())
+    return worst <= 1, {"worst_error_over_tol": round(worst, 4)}
+
+
+def _flex_check(results):
+    worst = max(r[k] / r["tol"] for r in results for k in ("out", "grad_x", "grads"))
+    return worst <= 1, {"worst_rel_error_over_tol": round(worst, 4), "params": len(results[0]["grad_names"])}
+
+
+def hybridep_plan(extras: bool) -> list:
+    """(name, thunk, check) for every HybridEP case (`extras`: also two layers in flight)."""
+    from tests.dispatcher import protocol_ranks
+    from tests.dispatcher.cases import run_dense_reference_case
+    from tests.dispatcher.hybridep_ranks import hybridep_case
+    from tests.dispatcher.test_hybridep_dense_reference import CASES, MODES
+    from tests.reference import RoutingCase
+
+    use = "tests.dispatcher.hybridep_ranks.use_backend"
+
+    def dense(case, face, dtype, mode, overrides=None):
+        over, repeats = MODES[mode] if overrides is None else (overrides, 1)
+        return lambda: run_dense_reference_case(case, face, dtype, "hybridep", use, over, repeats, DEVICE)
+
+    plan = []
+    for case in CASES:
+        for mode in MODES:
+            for face in ("topk", "megatron"):
+                plan.append((f"dense/{case.name}/{face}/{mode}/bf16", dense(case, face, "bf16", mode),
+                             lambda r: _dense_check(r, dropless=False)))
+    for case in CASES[1:3]:
+        for mode in ("blocking", "capacity", "static", "compact"):
+            plan.append((f"dense/{case.name}/dense_probs/{mode}/bf16", dense(case, "dense", "bf16", mode),
+                         lambda r: _dense_check(r, dropless=False)))
+    for case in CASES[:2]:
+        fixed = hybridep_case(RoutingCase(case.name, tokens_per_rank=(6,), topk=case.topk,
+                                          masked_fraction=case.masked_fraction))
+        plan.append((f"dense/{case.name}/dense_probs/equal_token_counts/bf16",
+                     dense(fixed, "dense", "bf16", None, dict(moe_hybridep_equal_token_counts=True)),
+                     lambda r: _dense_check(r, dropless=False)))
+    plan.append(("refused/fp32_tokens", lambda: _refusal(dense(CASES[0], "topk", "fp32", "blocking")),
+                 _refusal_check("16-bit")))
+    plan.append(("refused/budget_mode", lambda: _budget_refusal("hybridep"),
+                 _refusal_check("moe_expert_rank_capacity_factor")))
+    if extras:
+        layers = tuple(hybridep_case(c) for c in (protocol_ranks.LAYER_A, protocol_ranks.LAYER_B))
+        for face in ("topk", "megatron"):
+            plan.append((f"two_layers_in_flight/{face}/bf16",
+                         lambda f=face: protocol_ranks.two_layers_in_flight("hybridep", use, f, "bf16", layers, DEVICE),
+                         _layers_check))
+    # Last: the layer dispatches over Megatron's EP group, a second buffer in each process.
+    plan.append(("flex_layer/bf16", lambda: flex_layer_case("hybridep", "bf16", 128), _flex_check))
+    plan.append(("refused/flex_layer_fp32", lambda: _refusal(lambda: flex_layer_case("hybridep", "fp32", 128)),
+                 _refusal_check("16-bit")))
+    return plan
+
+
+def deepep_contract_plan(world: int, backend: str) -> list:
+    """(name, thunk, check) for every case of a DeepEP-contract backend (uccl_ep, deepep)."""
+    from tests.dispatcher.cases import CASES, FACES, run_dense_reference_case
+    from tests.dispatcher.deepep_ranks import capacity_drop_case, pad_multiple_case
+    from tests.reference import RoutingCase
+
+    plan = []
+    for dtype in ("bf16", "fp32"):
+        for case in CASES:
+            for face in FACES:
+                plan.append((f"dense/{case.name}/{face}/dropless/{dtype}",
+                             lambda c=case, f=face, d=dtype: run_dense_reference_case(c, f, d, backend, None, None,
+                                                                                      1, DEVICE),
+                             lambda r: _dense_check(r, dropless=True)))
+        drop = RoutingCase("capacity", tokens_per_rank=(16, 9, 12, 0), topk=3, masked_fraction=0.15)
+        plan.append((f"capacity_drop/{dtype}", lambda d=dtype: capacity_drop_case(drop, d, 0.5, backend, DEVICE),
+                     _capacity_check))
+        pad = RoutingCase("pad", tokens_per_rank=(13, 6, 0, 9), topk=2)
+        plan.append((f"pad_multiple/{dtype}", lambda d=dtype: pad_multiple_case(pad, d, 4, backend, DEVICE),
+                     _pad_check))
+    if backend == "uccl_ep":  # DeepEP has the budget mode (not run here: tests/dispatcher/test_syncfree.py)
+        plan.append(("refused/budget_mode", lambda: _budget_refusal(backend),
+                     _refusal_check("moe_expert_rank_capacity_factor")))
+    # Last: the layer dispatches over Megatron's EP group, a second buffer in each process.
+    for dtype in ("bf16", "fp32"):
+        plan.append((f"flex_layer/{dtype}", lambda d=dtype: flex_layer_case(backend, d, 128), _flex_check))
+    return plan
+
+
+def _rank(backend: str, world: int, extras: bool, select: list, rank: int, port: int, site: str | None, results,
+          deadline: float) -> None:
+    """One rank of a launch: reports `stage`, `result`, `case`, then `done` or `error`.
+    `site=None`: the CPU smoke run over the doubles; `extras`: HybridEP's two layers in flight
+    and bad input (at the largest EP size of the run); `select`: run only the cases whose names
+    contain one of these strings (all when empty)."""
+    global DEVICE
+    report = uccl_real.Reporter(results, rank)
+    stage = report.stage
+    try:
+        uccl_real.rank_environment(port)
+        if site is None:
+            DEVICE = "cpu"
+            sys.path[:0] = [ROOT, BENCH]
+            from tests.doubles import deep_ep_buffer, hybrid_ep_buffer, uccl_ep
+
+            {"uccl_ep": uccl_ep, "hybridep": hybrid_ep_buffer, "deepep": deep_ep_buffer}[backend].install()
+        elif backend == "deepep":
+            # DeepEP V1 built intranode-only (deep_ep_cpp, no NVSHMEM) with its Python layer and
+            # pynvml, which its Buffer uses to check NVLink between the ranks' GPUs.
+            sys.path[:0] = [site, DEEPEP_DIR, ROOT, BENCH]
+        elif backend == "uccl_ep":
+            sys.path[:0] = [site, uccl_real.LAYER, ROOT, BENCH]
+            ctypes.CDLL(os.path.join(uccl_real.LAYER, "lib", "libcudart.so.12"), mode=ctypes.RTLD_GLOBAL)
+        else:
+            os.environ.update(hybridep_real.gpu_environment(HYBRIDEP_DIR))  # MOE_EXT_HYBRIDEP_REAL=1, CUDA_HOME
+            sys.path[:0] = [site, ROOT, HYBRIDEP_DIR, BENCH]
+        import torch
+        import torch.distributed as dist
+
+        if DEVICE == "cuda":
+            torch.cuda.set_device(0)
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        report("result", key="pid", value=os.getpid())
+        stage("plan")
+        if backend in ("uccl_ep", "deepep"):
+            from megatron_moe_ext.dispatcher.backends import deepep as deepep_backend
+            from megatron_moe_ext.dispatcher.backends import uccl as uccl_backend
+            from tests.dispatcher.cases import CASES
+
+            stage("construct")
+            comm = (uccl_backend if backend == "uccl_ep" else deepep_backend).communicator(dist.group.WORLD)
+            # One buffer for every case, sized for the widest rows (fp32 rows + index/weight columns).
+            comm.allocate_buffer(dist.group.WORLD, max([c.hidden + c.topk + 1 for c in CASES] + [128 + 3]),
+                                 torch.float32)
+            report("result", key="buffer_bytes", value={"num_nvl_bytes": comm.buffer.num_nvl_bytes})
+            plan = deepep_contract_plan(world, backend)
+        else:
+            plan = hybridep_plan(extras)
+        plan = [c for c in plan if not select or any(part in c[0] for part in select)]
+        report("result", key="planned_cases", value=len(plan))
+        for name, thunk, check in plan:
+            if not all(_gather(time.time() < deadline)):
+                break
+            stage(name)
+            start = time.time()
+            try:
+                value, error = thunk(), None
+            except Exception as exc:  # noqa: BLE001 - recorded as this case's failure
+                value, error = None, f"{type(exc).__name__}: {exc}"[:600]
+            outcomes = _gather((value, error))
+            if rank == 0:
+                errors = {r: e for r, (_, e) in enumerate(outcomes) if e is not None}
+                try:
+                    ok, detail = (False, {"errors": errors}) if errors else check([v for v, _ in outcomes])
+                except Exception as exc:  # noqa: BLE001 - a malformed result fails the case
+                    ok, detail = False, {"check_error": f"{type(exc).__name__}: {exc}"}
+                report("case", name=name, value={"ok": bool(ok), **detail, "seconds": round(time.time() - start, 2)})
+        if DEVICE == "cuda":
+            stage("memory")
+            free, total = torch.cuda.mem_get_info(0)
+            memory = {"max_reserved_mib": round(torch.cuda.max_memory_reserved(0) / 2**20, 1),
+                      "max_allocated_mib": round(torch.cuda.max_memory_allocated(0) / 2**20, 1)}
+            _gather(None)  # every rank alive and holding its buffers when rank 0 reads the device
+            if rank == 0:
+                memory["device_used_mib_all_ranks_alive"] = round((total - free) / 2**20, 1)
+                memory["device_total_mib"] = round(total / 2**20, 1)
+            report("result", key="memory", value=memory)
+        if extras:
+            # Last: a failed peer may leave the others unable to communicate.
+            from tests.dispatcher.hybridep_ranks import hybridep_case
+            from tests.reference import RoutingCase
+
+            stage("bad_input")
+            bad_input_outcomes(hybridep_case(RoutingCase("bad_input", tokens_per_rank=(12, 9, 0, 7))), report)
+        stage("teardown")
+        dist.destroy_process_group()
+        report("done")
+    except BaseException:  # noqa: BLE001 - the parent records the text; nothing else can
+        report("error", text=traceback.format_exc(limit=12)[-3000:])
+
+
+# ---- parent side -------------------------------------------------------------------------------
+def launch(backend: str, world: int, site: str | None, limit_s: float, extras: bool = False,
+           select: tuple = ()) -> dict:
+    """Run one launch; collect reports until every rank finishes, one dies, or time runs out.
+    `extras` (HybridEP only): two layers in flight and, last, the bad input."""
+    extras = extras and backend == "hybridep"
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    begin = time.time()
+    end = begin + limit_s
+    port = uccl_real._free_port()
+    # The ranks stop starting cases this long before the limit (and leave room for the bad input).
+    reserve = TEARDOWN_S + (BAD_INPUT_RESERVE_S if extras else 0)
+    procs = [ctx.Process(target=_rank, args=(backend, world, extras, list(select), r, port, site, results, end - reserve),
+                         daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    out = {"backend": backend, "world_size": world, "limit_s": limit_s}
+
+    def shorten(msg, out):
+        if msg["kind"] == "result" and msg["key"] == "bad_input_sync" and len(out["results"][msg["key"]]) == 1:
+            return time.time() + BAD_INPUT_WAIT_S  # the peers' answers, or a hang
+        return None
+
+    uccl_real.collect(procs, results, out, end, f"[{backend} EP{world}]", shorten)
+    out["seconds"] = round(time.time() - begin, 1)
+    planned = out["results"].get("planned_cases", {}).get(0)
+    out["summary"] = {"planned": planned, "passed": sum(c["ok"] for c in out["cases"].values()),
+                      "failed": sorted(n for n, c in out["cases"].items() if not c["ok"]),
+                      "not_run": None if planned is None else planned - len(out["cases"])}
+    if extras:
+        for key in ("bad_input_auto", "bad_input_sync"):
+            answered = out["results"].get(key, {})
+            out[key] = {str(r): answered.get(r, f"no outcome within the launch (last stage "
+                                                f"{out['last_stage'].get(r)!r}; killed)") for r in range(world)}
+    print(f"[{backend} EP{world}] {out['summary']} in {out['seconds']} s", flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backends", nargs="+", default=["uccl_ep", "hybridep", "deepep"],
+                        choices=["uccl_ep", "hybridep", "deepep"])
+    parser.add_argument("--worlds", nargs="+", type=int, default=[4, 8], choices=[2, 4, 8])
+    parser.add_argument("--cpu-doubles", action="store_true",
+                        help="run the plans on CPU over tests/doubles (a smoke test of this script)")
+    parser.add_argument("--limit-scale", type=float, default=1.0, help="multiply every launch's time limit")
+    parser.add_argument("--select", nargs="*", default=[], help="run only cases whose names contain one of these")
+    args = parser.parse_args()
+    begin = time.time()
+    record = {"command": "python3 bench/gpu/ep_on_one_gpu.py " + " ".join(sys.argv[1:]),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "gpu": uccl_real._gpu_mode(),
+              "launches": {}}
+    for name, path in (("hybridep", os.path.join(HYBRIDEP_DIR, "DEEPEP_COMMIT")),
+                       ("uccl", os.path.join(uccl_real.LAYER, "SOURCE.json")),
+                       ("deepep_v1", os.path.join(DEEPEP_DIR, "DEEPEP_COMMIT"))):
+        record[f"{name}_source"] = open(path).read().strip() if os.path.exists(path) else f"missing: {path}"
+    site = tempfile.mkdtemp(prefix="ep_on_one_gpu_")
+    try:
+        # The uccl wheel (and megatron-core when missing, for the FlexMoELayer face) in one folder
+        # that every rank puts on its path; `deep_ep` comes from .gpu/uccl or .gpu/hybridep.
+        record["installed"] = "doubles" if args.cpu_doubles else uccl_real._prepare(site)
+        for backend in args.backends:
+            if backend == "deepep" and not args.cpu_doubles and not glob.glob(os.path.join(DEEPEP_DIR, "deep_ep_cpp*.so")):
+                record["launches_not_run"] = {"deepep": f"no deep_ep_cpp in {DEEPEP_DIR} (.gpu/deepep-src/build.sh "
+                                                        "builds it); the reason it cannot run is in this script's docstring"}
+                continue
+            for world in args.worlds:
+                limit = LIMITS_S.get((backend, world), 60) * args.limit_scale
+                record["launches"][f"{backend}/ep{world}"] = launch(
+                    backend, world, None if args.cpu_doubles else site, limit, extras=world == max(args.worlds),
+                    select=tuple(args.select))
+    except Exception:  # noqa: BLE001 - a setup failure is itself the result to record
+        record["setup_error"] = traceback.format_exc(limit=6)
+    finally:
+        shutil.rmtree(site, ignore_errors=True)
+    record["summary"] = {key: launch_["summary"] for key, launch_ in record["launches"].items()}
+    record["seconds"] = round(time.time() - begin, 1)
+    out_dir = os.environ.get("OUT", "./outputs")
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "ep_on_one_gpu_cpu_doubles.json" if args.cpu_doubles else "ep_on_one_gpu_h200.json")
+    with open(path, "w") as f:
+        json.dump(record, f, indent=2, default=str)
+    print(f"ep_on_one_gpu: {json.dumps(record['summary'])}; wrote {path}", flush=True)
+    ok = record["launches"] and all(s["planned"] and s["passed"] == s["planned"] for s in record["summary"].values())
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
