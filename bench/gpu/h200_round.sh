@@ -14,7 +14,7 @@
 #   pack       tar /tmp/round/out into $OUT/round_<date>.tgz (the tool returns at most 8 files)
 # Tasks: hybridep_real uccl_real device_checks cuda_graph_train graph_te_diag graph_bisect graph_fault probes experts_te bias permute
 #        layer_bench graphs recompute pretrain_local pretrain_te pretrain_small pretrain_det
-#        pretrain_det32 te_init_check pretrain_qwen3.
+#        pretrain_det32 te_init_check pretrain_qwen3 megatron_tools.
 # Transformer Engine comes from ../shared/tools/te-on-device (source /tmp/te_env.sh first); the
 # HybridEP build (.gpu/hybridep, bench/gpu/HYBRIDEP.md), the uccl pieces (.gpu/uccl,
 # .gpu/uccl-wheel) and Megatron-LM's pretrain_gpt.py (.gpu/megatron-lm) are carried, never committed.
@@ -69,6 +69,8 @@ run_task() {
     te_init_check) task te_init_check 120 $PY bench/gpu/te_init_check.py ;;
     pretrain_qwen3) task pretrain_qwen3 420 env RUNS="${QWEN3_RUNS:-qwen3_te_native qwen3_te_ext qwen3_te_ext_te_grouped_mlp}" \
         bash bench/gpu/pretrain_megatron_lm.sh ;;
+    megatron_tools) task megatron_tools 570 bash -c "bash bench/gpu/megatron_functional.sh functional; \
+        ( [ -f /tmp/te_env.sh ] && source /tmp/te_env.sh; bash bench/gpu/megatron_functional.sh hybrid )" ;;
     *) echo "unknown task $1"; return 2 ;;
   esac
 }

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Megatron-LM's own test tooling on this package, one H200: its functional-test cases
+# (tests/functional_tests/test_cases/moe, judged by Megatron's extractor and
+# test_pretraining_regular_pipeline.py) and HybridModel from pretrain_hybrid.py
+# (bench/gpu/megatron_functional.py says what each does).
+#   bash bench/gpu/megatron_functional.sh functional [CASE ...]   # without Transformer Engine
+#   bash bench/gpu/megatron_functional.sh hybrid                  # after `source /tmp/te_env.sh`
+# Needs (repository root as cwd, never committed): .gpu/megatron-lm/ (Megatron-LM core_r0.19.0:
+# pretrain_gpt.py, pretrain_hybrid.py, gpt_builders.py, hybrid_builders.py, model_provider.py,
+# megatron/core/datasets/Makefile, tests/functional_tests/{python_test_utils,shell_test_utils},
+# MEGATRON_LM_COMMIT), the megatron-core wheel in .whl/ and, for Megatron's python_test_utils
+# (pydantic is not in the GPU image), .whl/functional/ (pydantic 2.12.5, pydantic-core 2.41.5,
+# annotated-types 0.7.0, typing-inspection 0.4.2). Writes $OUT/megatron_<what>.json and $OUT/megatron_<what>/.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+export OUT="${OUT:-./outputs}" PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+mkdir -p "$OUT"
+PY="${PYTHON:-python3}"
+MLM="$PWD/.gpu/megatron-lm"
+[ -f "$MLM/pretrain_gpt.py" ] || { echo "missing $MLM/pretrain_gpt.py (carry .gpu/megatron-lm)"; exit 2; }
+$PY -c "import megatron.core" 2>/dev/null || $PY -m pip install -q --no-index --no-deps .whl/megatron_core-*.whl
+# The wheel lacks the datasets Makefile that pretrain's start-up `make` wants (helpers are built).
+DATASETS=$($PY -c "import os, megatron.core.datasets as d; print(os.path.dirname(d.__file__))")
+cp "$MLM/megatron/core/datasets/Makefile" "$DATASETS/Makefile" && touch "$DATASETS"/helpers_cpp*.so
+if ! $PY -c "import pydantic" 2>/dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_functional \
+    .whl/functional/*.whl && export PYTHONPATH="/tmp/site_functional${PYTHONPATH:+:$PYTHONPATH}"
+fi
+$PY bench/gpu/megatron_functional.py "$@"
