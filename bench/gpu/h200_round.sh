@@ -69,8 +69,9 @@ run_task() {
     te_init_check) task te_init_check 120 $PY bench/gpu/te_init_check.py ;;
     pretrain_qwen3) task pretrain_qwen3 420 env RUNS="${QWEN3_RUNS:-qwen3_te_native qwen3_te_ext qwen3_te_ext_te_grouped_mlp}" \
         bash bench/gpu/pretrain_megatron_lm.sh ;;
-    megatron_tools) task megatron_tools 570 bash -c "bash bench/gpu/megatron_functional.sh functional; \
-        ( [ -f /tmp/te_env.sh ] && source /tmp/te_env.sh; bash bench/gpu/megatron_functional.sh hybrid )" ;;
+    megatron_tools) task megatron_tools 570 bash -c "te() { [ -f /tmp/te_env.sh ] && source /tmp/te_env.sh; true; }; \
+        (te; bash bench/gpu/megatron_functional.sh unit_tests > \$OUT/megatron_unit_tests.console 2>&1) & u=\$!; \
+        bash bench/gpu/megatron_functional.sh functional; (te; bash bench/gpu/megatron_functional.sh hybrid); wait \$u" ;;
     *) echo "unknown task $1"; return 2 ;;
   esac
 }

@@ -2,6 +2,7 @@
 
     python bench/gpu/megatron_functional.py functional [CASE ...]   # tests/functional_tests/test_cases/moe
     python bench/gpu/megatron_functional.py hybrid                  # pretrain_hybrid.py, pattern *E*E
+    python bench/gpu/megatron_functional.py unit_tests              # Megatron's MoE unit tests
 
 functional: each case the way Megatron's shell_test_utils/run_ci_test.sh + _run_training.sh
 run one: ENV_VARS exported, BEFORE_SCRIPT evaluated (installs this package), `torchrun
@@ -19,12 +20,20 @@ te_grouped_mlp, bench/gpu/pretrain_gpt_patched.py), and the package's default ex
 per iteration read from TensorBoard at full float32 precision. Needs Transformer Engine
 (Megatron's HybridStack builds its final norm with TENorm).
 
+unit_tests: Megatron-LM's tests/unit_tests/transformer/moe/test_token_dispatcher.py and
+test_moe_layer.py under torchrun on one GPU, with FlexMoELayer / MoEFlexTokenDispatcher swapped in
+by the pytest plugin bench/gpu/megatron_moe_swap.py (Megatron's files unchanged), and the same
+files with Megatron's own layer beside them, so each failure shows whether Megatron's layer fails
+it too on one GPU (parameter sets for more GPUs fail in Megatron's model-parallel set-up). Every
+test's outcome and error line (bench/gpu/pytest_stream_report.py) and the counts go to the JSON.
+
 Every step's command, exit code and log are recorded and no failure stops the other steps;
 results go to $OUT/megatron_functional.json / $OUT/megatron_hybrid.json and $OUT/<name>/.
 """
 
 from __future__ import annotations
 
+import collections
 import glob
 import json
 import os
@@ -78,11 +87,14 @@ def run(cmd, log: str, env: dict[str, str], timeout: float, cwd: str = MLM) -> d
 
 
 def _tail(log_rel: str, lines: int = 6) -> list[str]:
+    """The log's last error lines (torchrun ends with its own summary) and its last lines."""
     try:
-        with open(os.path.join(OUT, log_rel)) as f:
-            return [line.rstrip()[:300] for line in f.readlines()[-lines:]]
+        with open(os.path.join(OUT, log_rel), errors="replace") as f:
+            text = [line.rstrip()[:300] for line in f.readlines()]
     except OSError:
         return []
+    errors = [line for line in text if "Error" in line or "error:" in line][-3:]
+    return errors + text[-lines:]
 
 
 def _case_skip_reason(config: dict) -> str | None:
@@ -244,6 +256,77 @@ def hybrid() -> dict:
     return report
 
 
+UNIT_TESTS = ("test_token_dispatcher.py", "test_moe_layer.py")
+# Megatron's model-parallel set-up refusing a parameter set made for more GPUs than one.
+NEEDS_MORE_GPUS = ("is not divisible by", "world_size", "world size", "divisible")
+
+
+def unit_tests() -> dict:
+    res = os.path.join(OUT, "megatron_unit_tests")
+    os.makedirs(res, exist_ok=True)
+    # Megatron's conftest downloads test data to an empty /opt/data; these tests need none.
+    os.makedirs("/opt/data/none_needed", exist_ok=True)
+    report = {"megatron_lm": _mlm_commit(), "device": _device(), "files": {}}
+    started = {}
+    for layer in ("flex", "megatron"):
+        for name in UNIT_TESTS:
+            key = f"{layer}:{name}"
+            stream = f"{res}/{layer}_{name}.jsonl"
+            plugins = ["-p", "bench.gpu.pytest_stream_report"] + (["-p", "bench.gpu.megatron_moe_swap"]
+                                                                  if layer == "flex" else [])
+            cmd = [*LAUNCH, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugins,
+                   f"tests/unit_tests/transformer/moe/{name}"]
+            env = _env({"PYTEST_STREAM_REPORT": stream, "MOE_SWAP_REPORT": f"{res}/{layer}_{name}.swap.json"})
+            if os.path.exists(stream):
+                os.remove(stream)
+            started[key] = (start(cmd, f"{res}/{layer}_{name}.log", env), stream)
+    outcomes = {}
+    for key, (proc, stream) in started.items():
+        step = report["files"][key] = finish(proc, 480)
+        step["tail"] = _tail(step["log"], 4)
+        outcomes[key] = _stream_outcomes(stream)
+        swap = stream.replace(".jsonl", ".swap.json")
+        if os.path.exists(swap):
+            with open(swap) as f:
+                step.update(json.load(f))
+    for name in UNIT_TESTS:
+        flex, megatron = outcomes[f"flex:{name}"], outcomes[f"megatron:{name}"]
+        tests = {}
+        for nodeid, (outcome, error) in sorted(flex.items()):
+            native = megatron.get(nodeid, ("not run", ""))
+            kind = outcome
+            if outcome == "failed" and native[0] == "failed" and any(s in native[1] for s in NEEDS_MORE_GPUS):
+                kind = "needs more GPUs (Megatron's own layer fails the same way)"
+            elif outcome == "failed" and native[0] == "failed":
+                kind = "fails with Megatron's own layer too"
+            elif outcome == "failed" and native[0] == "not run":
+                kind = "failed (no result from Megatron's own run)"
+            elif outcome == "failed":
+                kind = "package failure (Megatron's own layer passes)"
+            tests[nodeid] = {"flex": outcome, "megatron": native[0], "kind": kind, "error": error,
+                             "megatron_error": native[1] if native[0] != "passed" else ""}
+        report[name] = {"counts": dict(collections.Counter(t["kind"] for t in tests.values())),
+                        "megatron_counts": dict(collections.Counter(o for o, _ in megatron.values())),
+                        "tests": tests}
+    return report
+
+
+def _stream_outcomes(path: str) -> dict:
+    """nodeid -> (outcome, error line) from a pytest_stream_report file (the worst phase wins)."""
+    rank = {"passed": 0, "skipped": 1, "failed": 2}
+    out = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                r = json.loads(line)
+                outcome = r["outcome"]
+                if r["nodeid"] not in out or rank.get(outcome, 2) > rank.get(out[r["nodeid"]][0], 2):
+                    out[r["nodeid"]] = (outcome, r["error"])
+    except OSError:
+        pass
+    return out
+
+
 def _mlm_commit() -> str:
     try:
         with open(os.path.join(MLM, "MEGATRON_LM_COMMIT")) as f:
@@ -261,9 +344,10 @@ def _device() -> str:
 if __name__ == "__main__":
     what, names = sys.argv[1], sys.argv[2:]
     os.makedirs(OUT, exist_ok=True)
-    result = functional(names) if what == "functional" else hybrid() if what == "hybrid" else None
-    if result is None:
-        raise SystemExit(f"usage: {sys.argv[0]} functional [CASE ...] | hybrid")
+    commands = {"functional": lambda: functional(names), "hybrid": hybrid, "unit_tests": unit_tests}
+    if what not in commands:
+        raise SystemExit(f"usage: {sys.argv[0]} functional [CASE ...] | hybrid | unit_tests")
+    result = commands[what]()
     out = os.path.join(OUT, f"megatron_{what}.json")
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
