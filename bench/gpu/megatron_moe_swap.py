@@ -10,8 +10,8 @@
   `MoELayer(config, submodules)`) becomes `FlexMoELayer`, a subclass, so their `isinstance`
   checks still hold.
 Megatron's test files are not modified or copied. At the end it writes
-$MOE_SWAP_REPORT (JSON): how many MoE layers of each class the tests built, so a run that
-silently built Megatron's own layer shows it.
+$MOE_SWAP_REPORT (JSON, rank 0 under torchrun): how many MoE layers of each class the tests
+built, so a run that silently built Megatron's own layer shows it.
 """
 
 import collections
@@ -48,6 +48,6 @@ def pytest_collection_modifyitems(session, config, items):
 
 def pytest_sessionfinish(session, exitstatus):
     path = os.environ.get("MOE_SWAP_REPORT")
-    if path:
+    if path and os.environ.get("RANK", "0") == "0":
         with open(path, "w") as f:
             json.dump({"moe_layers_built": dict(_built)}, f)
