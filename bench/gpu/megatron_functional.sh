@@ -20,13 +20,7 @@ cd "$(dirname "$0")/../.."
 export OUT="${OUT:-./outputs}" PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT"
-PY="${PYTHON:-python3}"
-MLM="$PWD/.gpu/megatron-lm"
-[ -f "$MLM/pretrain_gpt.py" ] || { echo "missing $MLM/pretrain_gpt.py (carry .gpu/megatron-lm)"; exit 2; }
-$PY -c "import megatron.core" 2>/dev/null || $PY -m pip install -q --no-index --no-deps .whl/megatron_core-*.whl
-# The wheel lacks the datasets Makefile that pretrain's start-up `make` wants (helpers are built).
-DATASETS=$($PY -c "import os, megatron.core.datasets as d; print(os.path.dirname(d.__file__))")
-cp "$MLM/megatron/core/datasets/Makefile" "$DATASETS/Makefile" && touch "$DATASETS"/helpers_cpp*.so
+source bench/gpu/megatron_lm_env.sh  # PY, MLM, megatron-core and its datasets Makefile
 if [ "${1:-}" = functional ] && ! $PY -c "import pydantic" 2>/dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_functional \
     .whl/functional/*.whl && export PYTHONPATH="/tmp/site_functional${PYTHONPATH:+:$PYTHONPATH}"
