@@ -7,6 +7,7 @@ megatron.training.arguments' parse_args and validate_args and select this packag
 TensorBoard, num-zeros logging and deterministic mode."""
 
 import glob
+import json
 import os
 
 import pytest
@@ -47,3 +48,25 @@ def test_case_is_megatron_functional_test_config(path, monkeypatch, tmp_path):
     assert args.moe_grouped_gemm and args.log_num_zeros_in_grad and args.deterministic_mode
     assert args.tensorboard_dir == str(tmp_path / "tb") and args.mock_data
     assert args.world_size == 1 and args.train_iters == 30
+
+
+@pytest.mark.parametrize("path", CASES, ids=lambda p: os.path.basename(os.path.dirname(p)))
+def test_stored_golden_values_are_megatron_extractor_output_from_an_h200(path):
+    """Golden values are stored once the GPU run has made them: then they must be what
+    Megatron's extractor writes for every METRICS entry and step, with their provenance."""
+    golden = os.path.join(os.path.dirname(path), "golden_values_dev_dgx_h100.json")
+    if not os.path.exists(golden):
+        pytest.skip("no golden values stored for this case yet (bench/gpu/megatron_functional.sh makes them)")
+    with open(golden) as f:
+        values = json.load(f)
+    config = read_flat_yaml(path)
+    iters = config["MODEL_ARGS"]["--train-iters"]
+    assert set(config["METRICS"]) <= set(values)
+    for name in config["METRICS"]:
+        metric = values[name]
+        assert (metric["start_step"], metric["end_step"], metric["step_interval"]) == (1, iters, 1)
+        assert sorted(map(int, metric["values"])) == list(range(1, iters + 1))
+        assert all(isinstance(v, (int, float)) and round(v, 5) == v for v in metric["values"].values())
+    with open(golden.replace(".json", ".provenance.json")) as f:
+        provenance = json.load(f)
+    assert "H200" in provenance["device"] and "pretrain_gpt.py" in provenance["command"]
