@@ -282,7 +282,7 @@ def unit_tests() -> dict:
             started[key] = (start(cmd, f"{res}/{layer}_{name}.log", env), stream)
     outcomes = {}
     for key, (proc, stream) in started.items():
-        step = report["files"][key] = finish(proc, 480)
+        step = report["files"][key] = finish(proc, 400)
         step["tail"] = _tail(step["log"], 4)
         outcomes[key] = _stream_outcomes(stream)
         swap = stream.replace(".jsonl", ".swap.json")
