@@ -152,8 +152,9 @@ def functional(names: list[str]) -> dict:
             cmd, env = _case_command(name, cases[name]["config"], tb_dir)
             started[name] = start(cmd, f"{res}/{name}/run{attempt}/training.log", _env(env))
         for name, proc in started.items():
-            step = report["cases"][name]["steps"][f"training_run{attempt}"] = finish(proc, 420)
+            step = report["cases"][name]["steps"][f"training_run{attempt}"] = finish(proc, 200)
             step["tail"] = _tail(step["log"]) if step["rc"] != 0 else []
+        save("functional", report)
     for name in runnable:
         config, entry = cases[name]["config"], report["cases"][name]
         iters = int(config["MODEL_ARGS"]["--train-iters"])
@@ -239,7 +240,7 @@ def hybrid() -> dict:
         cmd = [*LAUNCH, *choice, script, *HYBRID_ARGS, *spec, "--tensorboard-dir", tb_dir]
         started[name] = start(cmd, f"{res}/{name}/training.log", _env(HYBRID_ENV), cwd=REPO)
     for name, proc in started.items():
-        step = report["runs"][name] = finish(proc, 420)
+        step = report["runs"][name] = finish(proc, 240)
         step["tail"] = _tail(step["log"]) if step["rc"] != 0 else []
         try:
             step["lm_loss"] = _tb_scalars(f"{res}/{name}/tensorboard", "lm loss")
@@ -331,6 +332,14 @@ def _stream_outcomes(path: str) -> dict:
     return out
 
 
+def save(what: str, report: dict) -> str:
+    """Write the report so far (a later step killed by the task's time limit keeps it)."""
+    path = os.path.join(OUT, f"megatron_{what}.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+    return path
+
+
 def _mlm_commit() -> str:
     try:
         with open(os.path.join(MLM, "MEGATRON_LM_COMMIT")) as f:
@@ -352,7 +361,5 @@ if __name__ == "__main__":
     if what not in commands:
         raise SystemExit(f"usage: {sys.argv[0]} functional [CASE ...] | hybrid | unit_tests")
     result = commands[what]()
-    out = os.path.join(OUT, f"megatron_{what}.json")
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
+    save(what, result)
     print(json.dumps(result, separators=(",", ":"))[:6000])
