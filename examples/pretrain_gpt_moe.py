@@ -65,6 +65,7 @@ class TrainLog:
     step_times_s: list[float] = field(default_factory=list)
     expert_balance: list[float] = field(default_factory=list)
     tokens_per_expert: list[list[int]] = field(default_factory=list)
+    num_zeros: list[int] = field(default_factory=list)  # as Megatron's --log-num-zeros-in-grad
 
 
 def on_gpu() -> bool:
@@ -223,6 +224,21 @@ class _ExpertCounter:
         return counts_LE
 
 
+def _count_zero_grads(model) -> int:
+    """Zero gradient elements of the whole model after the data-parallel reduction, as
+    Megatron's `--log-num-zeros-in-grad` counts them: every parameter once, so the dense
+    ones on this rank and the experts summed over the expert-parallel group."""
+    from megatron.core import parallel_state
+
+    counts = {True: 0, False: 0}
+    for param in model.parameters():
+        if param.grad is not None:
+            counts[getattr(param, "allreduce", True)] += param.grad.numel() - int(torch.count_nonzero(param.grad))
+    experts = torch.tensor([counts[False]], dtype=torch.int64, device=next(model.parameters()).device)
+    dist.all_reduce(experts, group=parallel_state.get_expert_model_parallel_group())
+    return counts[True] + int(experts.item())
+
+
 def _reduce_gradients(model) -> None:
     """Average gradients over the data-parallel ranks that hold a copy of each parameter.
 
@@ -290,6 +306,7 @@ def train(model, cfg: GPTMoEConfig, steps: int, log=None) -> TrainLog:
         check_overflow(model)
         check_model_input_errors(model)
         _reduce_gradients(model)
+        result.num_zeros.append(_count_zero_grads(model))
         optimizer.step()
         if on_gpu():
             torch.cuda.synchronize()

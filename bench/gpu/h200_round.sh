@@ -14,7 +14,8 @@
 #   pack       tar /tmp/round/out into $OUT/round_<date>.tgz (the tool returns at most 8 files)
 # Tasks: hybridep_real uccl_real ep_on_one_gpu deepep_v1_build hybridep_build device_checks cuda_graph_train graph_te_diag graph_bisect graph_fault probes experts_te bias permute
 #        layer_bench graphs recompute pretrain_local pretrain_te pretrain_small pretrain_det
-#        pretrain_det32 te_init_check pretrain_qwen3 fused_experts fused_experts_tests (QuACK: source /tmp/quack_env.sh first).
+#        pretrain_det32 te_init_check pretrain_qwen3 fused_experts fused_experts_tests slice_bench pretrain_slice
+#        pretrain_slice_det megatron_tools (QuACK: source /tmp/quack_env.sh first).
 # Transformer Engine comes from ../shared/tools/te-on-device (source /tmp/te_env.sh first); the
 # HybridEP build (.gpu/hybridep, bench/gpu/HYBRIDEP.md), the uccl pieces (.gpu/uccl,
 # .gpu/uccl-wheel), DeepEP V1 intranode (.gpu/deepep-v1; `.gpu/deepep-src/build.sh v1|hybrid`
@@ -84,6 +85,9 @@ run_task() {
         bash bench/gpu/pretrain_megatron_lm.sh ;;
     pretrain_slice_det) task pretrain_slice_det 480 env RUNS="${DET_SLICE_RUNS:-det_slice_ext det_slice_ext_repeat \
         det_slice_ext_grouped_mm det_slice_native det_slice_native_unfused_swiglu}" bash bench/gpu/pretrain_megatron_lm.sh ;;
+    megatron_tools) task megatron_tools 570 bash -c "te() { [ -f /tmp/te_env.sh ] && source /tmp/te_env.sh; true; }; \
+        (te; bash bench/gpu/megatron_functional.sh unit_tests > \$OUT/megatron_unit_tests.console 2>&1) & u=\$!; \
+        bash bench/gpu/megatron_functional.sh functional; (te; bash bench/gpu/megatron_functional.sh hybrid); wait \$u" ;;
     *) echo "unknown task $1"; return 2 ;;
   esac
 }

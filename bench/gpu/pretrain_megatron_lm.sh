@@ -31,18 +31,10 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export CUDA_DEVICE_MAX_CONNECTIONS=1 OMP_NUM_THREADS=8
-PY="${PYTHON:-python3}"
-MLM="$PWD/.gpu/megatron-lm"
 if [ "${DRY_RUN:-0}" = 1 ]; then
-  HAVE_TE=1
+  PY="${PYTHON:-python3}" HAVE_TE=1
 else
-  [ -f "$MLM/pretrain_gpt.py" ] || { echo "missing $MLM/pretrain_gpt.py (carry .gpu/megatron-lm)"; exit 2; }
-
-  # megatron-core from the carried wheel; its start-up `make` wants the datasets Makefile, which
-  # the wheel lacks (the compiled helpers are in the wheel: touch them so make has nothing to do).
-  $PY -c "import megatron.core" 2>/dev/null || $PY -m pip install -q --no-index --no-deps .whl/megatron_core-*.whl
-  DATASETS=$($PY -c "import os, megatron.core.datasets as d; print(os.path.dirname(d.__file__))")
-  cp "$MLM/megatron/core/datasets/Makefile" "$DATASETS/Makefile" && touch "$DATASETS"/helpers_cpp*.so
+  source bench/gpu/megatron_lm_env.sh  # PY, MLM, megatron-core and its datasets Makefile
   HAVE_TE=0
   $PY -c "import transformer_engine.pytorch" >/dev/null 2>&1 && HAVE_TE=1
   echo "== TE importable: $HAVE_TE; megatron-core: $($PY -c 'import megatron.core as m; print(m.__version__)')"

@@ -5,16 +5,19 @@ Every function here calls Megatron's builders (`get_gpt_decoder_block_spec`,
 the MoE layer in the result with `use_flex_moe_layer`, so attention, norms, dense layers,
 router, shared experts and the pipeline slicing stay exactly Megatron's.
 
-Megatron-LM (`--spec megatron_moe_ext.megatron.specs <name>`):
-- `get_flex_decoder_block_spec` is a callable `(config, vp_stage=None)`, the form
-  Megatron-LM's `GPTModelBuilder` (megatron/training/models/gpt.py) calls with the model
-  config and the virtual pipeline stage. It honours `moe_layer_freq` (dense and MoE layers).
-- `flex_moe_layer_spec` is a ready layer spec object (every layer MoE), the form
-  `pretrain_gpt.py`'s `gpt_builder` passes to `GPTModel` unchanged (it imports the named
-  object and does not call it). The expert count comes from `--num-experts` at build time.
-  A function given to that builder would reach `GPTModel` uncalled and fail there; for a
-  mix of dense and MoE layers under `pretrain_gpt.py`, call `megatron_moe_ext.patches.apply()`
-  before the model is built instead of passing `--spec`.
+Megatron-LM (`--spec megatron_moe_ext.megatron.specs <name>`): at core_r0.19.0,
+`pretrain_gpt.py` builds its model config with `gpt_config_from_args`
+(megatron/training/argument_utils.py), which imports the named object into
+`GPTModelConfig.transformer_layer_spec`; `GPTModelBuilder.build_model`
+(megatron/training/models/gpt.py) calls it with `(config, vp_stage=...)` when it is a
+callable and not a `ModuleSpec`, and passes a `ModuleSpec` to `GPTModel` as it is.
+- `get_flex_decoder_block_spec` is such a callable: every pipeline / virtual-pipeline stage
+  gets its own block, and `moe_layer_freq` (dense and MoE layers) is honoured.
+- `flex_moe_layer_spec` is a ready layer spec object (every layer MoE); the expert count
+  comes from `--num-experts` at build time.
+The legacy `gpt_builders.gpt_builder` (the `model_provider` path, still in that commit but
+not what `pretrain_gpt.py`'s main calls) passes the object uncalled; only
+`flex_moe_layer_spec` fits it.
 """
 
 from __future__ import annotations

@@ -10,10 +10,16 @@ module global `MoELayer` of `megatron.core.models.gpt.moe_module_specs`, read at
 by `get_moe_module_spec`, `get_moe_module_spec_for_backend` and the inference MoE spec.
 Every GPT builder (`get_gpt_decoder_block_spec`, `get_gpt_decoder_layer_specs`,
 `get_gpt_layer_local_spec`, `get_gpt_layer_with_transformer_engine_spec`, the MTP and
-experimental-attention specs) and the hybrid (Mamba) builders reach it through those
-functions. Patching that one global therefore also catches callers that imported a
-builder by name before `apply()`, and leaves every builder function object untouched.
-Specs built before `apply()` keep Megatron's layer; build them after.
+experimental-attention specs) reaches it through those functions. Patching that one
+global therefore also catches callers that imported a builder by name before `apply()`,
+and leaves every builder function object untouched. Specs built before `apply()` keep
+Megatron's layer; build them after.
+
+The HybridModel stacks of `megatron.core.models.hybrid.hybrid_layer_specs`
+(`hybrid_stack_spec`, `hybrid_inference_stack_spec`) are the exception: Megatron builds
+their MoE layer spec once, at import, so the global never reaches them. `apply()` swaps
+their `moe_layer`'s MLP in place (Megatron-LM's `HybridModelBuilder` imports the stack
+object by name) and `revert()` puts the original back.
 """
 
 from __future__ import annotations
@@ -28,8 +34,12 @@ EXPECTED_MEGATRON_CORE = "megatron-core 0.19.x"
 # The spec functions that read the module global `MoELayer` at call time.
 _READERS = ("get_moe_module_spec_for_backend", "get_inference_optimized_moe_spec")
 
+# HybridModel stacks built at import, whose MoE layer `apply()` swaps in place.
+_HYBRID_STACKS = ("hybrid_stack_spec", "hybrid_inference_stack_spec")
+
 _lock = threading.Lock()
-_applied: dict | None = None  # {"original": MoELayer, "dispatcher_config": ..., "experts": ...}
+# {"original": MoELayer, "dispatcher_config": ..., "experts": ..., "hybrid": [(slot, mlp)]}
+_applied: dict | None = None
 
 
 def _check_megatron_target() -> None:
@@ -53,6 +63,14 @@ def _check_megatron_target() -> None:
 _check_megatron_target()
 
 
+def _hybrid_moe_slots() -> list:
+    """The `TransformerLayerSubmodules` of each Megatron hybrid stack's MoE layer."""
+    from megatron.core.models.hybrid import hybrid_layer_specs
+
+    return [getattr(hybrid_layer_specs, name).submodules.moe_layer.submodules
+            for name in _HYBRID_STACKS]
+
+
 def apply(dispatcher_config: TokenDispatcherConfig | None = None, experts=None) -> None:
     """Make Megatron's MoE module specs build `FlexMoELayer`.
 
@@ -67,7 +85,7 @@ def apply(dispatcher_config: TokenDispatcherConfig | None = None, experts=None) 
     raises ValueError (call `revert()` first), so two callers cannot silently disagree.
     """
     global _applied
-    from megatron_moe_ext.megatron.specs import flex_layer_builder
+    from megatron_moe_ext.megatron.specs import flex_layer_builder, flex_moe_builder
 
     builder = flex_layer_builder(dispatcher_config, experts)
     with _lock:
@@ -78,9 +96,12 @@ def apply(dispatcher_config: TokenDispatcherConfig | None = None, experts=None) 
                     raise ValueError(f"{field}: patches are already applied with {_applied[field]!r}; "
                                      "call revert() before applying different settings")
             return
+        slots = _hybrid_moe_slots()
         _applied = {"original": _moe_module_specs.MoELayer, "dispatcher_config": dispatcher_config,
-                    "experts": experts}
+                    "experts": experts, "hybrid": [(slot, slot.mlp) for slot in slots]}
         _moe_module_specs.MoELayer = builder
+        for slot in slots:
+            slot.mlp = flex_moe_builder(slot.mlp, dispatcher_config, experts)
 
 
 def revert() -> None:
@@ -90,6 +111,8 @@ def revert() -> None:
         if _applied is None:
             return
         _moe_module_specs.MoELayer = _applied["original"]
+        for slot, mlp in _applied["hybrid"]:
+            slot.mlp = mlp
         _applied = None
 
 

@@ -3,8 +3,9 @@
     .venv/bin/python -m tests.functional.generate_golden_values
 
 Trains the case of gpt_moe_tiny/model_config.yaml with `FlexMoELayer` on CPU (fp32, gloo
-ranks of tests/harness.py) and stores its per-step "lm loss" in Megatron's golden-values
-layout. Golden values belong to a platform: these are CPU fp32; a GPU run needs its own.
+ranks of tests/harness.py) and stores each of its METRICS per step, rounded to 5 decimals,
+in Megatron's golden-values layout: what Megatron's extractor
+(get_test_results_from_tensorboard_logs.py --step-size 1) would store. Golden values belong to a platform: these are CPU fp32; a GPU run needs its own.
 Regenerate only for an intended change of the model, data or training loop, and say why.
 """
 
@@ -25,7 +26,7 @@ def main() -> None:
     finally:
         shutdown_pools()
     with open(GOLDEN_VALUES, "w") as f:
-        json.dump(golden_values_json(results[0]["ext"]["lm_loss"]), f, indent=1)
+        json.dump(golden_values_json(results[0]["ext"], case.metrics), f, indent=4)
         f.write("\n")
     print(f"wrote {GOLDEN_VALUES}: lm loss {results[0]['ext']['lm_loss'][0]:.4f} -> "
           f"{results[0]['ext']['lm_loss'][-1]:.4f} over {case.train_iters} steps")

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from examples.pretrain_gpt_moe import GPTMoEConfig, build_model, setup_parallel, train
+from tests.functional.megatron_yaml import read_flat_yaml
 
 CASE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpt_moe_tiny")
 MODEL_CONFIG = os.path.join(CASE_DIR, "model_config.yaml")
@@ -31,6 +32,10 @@ _MODEL_ARG_FIELDS = {
     "moe-aux-loss-coeff": "moe_aux_loss_coeff", "vocab-size": "vocab_size",
     "seq-length": "seq_length", "micro-batch-size": "micro_batch_size", "lr": "lr", "seed": "seed",
 }
+# Megatron's names of the metrics this loop logs (tests/functional_tests/python_test_utils).
+METRIC_KEYS = {"lm loss": "lm_loss", "num-zeros": "num_zeros"}
+# Megatron's extractor (get_test_results_from_tensorboard_logs.py) rounds every scalar so.
+GOLDEN_DECIMALS = 5
 
 
 @dataclass(frozen=True)
@@ -40,65 +45,49 @@ class FunctionalCase:
     world_size: int
     ep_size: int
     backend: str
-
-
-def _read_flat_yaml(path: str) -> dict[str, object]:
-    """The two-level `key: scalar` subset of YAML that model_config.yaml uses.
-
-    Returns top-level keys mapped to scalars, or to dicts of the indented keys below them.
-    (PyYAML is not a dependency of this project; the file stays valid YAML.)
-    """
-    out: dict[str, object] = {}
-    section: dict[str, object] | None = None
-    with open(path) as f:
-        for raw in f:
-            line = raw.split("#", 1)[0].rstrip()
-            if not line.strip():
-                continue
-            key, _, value = line.strip().partition(":")
-            value = value.strip()
-            if line.startswith(" "):
-                if section is None:
-                    raise ValueError(f"{path}: indented key {key!r} outside a section")
-                section[key] = _scalar(value)
-            elif value:
-                out[key], section = _scalar(value), None
-            else:
-                out[key] = section = {}
-    return out
-
-
-def _scalar(text: str):
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
+    metrics: tuple[str, ...]
 
 
 def load_case(path: str = MODEL_CONFIG) -> FunctionalCase:
-    """Parse model_config.yaml into the run it describes."""
-    args = {k.removeprefix("--"): v for k, v in _read_flat_yaml(path)["MODEL_ARGS"].items()}
+    """Parse model_config.yaml into the run it describes. The world is data parallel x tensor
+    (1) x pipeline (1), the data-parallel size being global / micro batch size; the
+    dispatcher backend follows the package's rule (`TokenDispatcherConfig.
+    from_transformer_config`): `flex` names one, `alltoall` / `allgather` mean `torch`."""
+    config = read_flat_yaml(path)
+    args = {k.removeprefix("--"): v for k, v in config["MODEL_ARGS"].items()}
     fields = {field: args[name] for name, field in _MODEL_ARG_FIELDS.items()}
-    if args["moe-token-dispatcher-type"] != "flex":
-        raise ValueError(f"{path}: --moe-token-dispatcher-type must be flex (the ext layer)")
+    metrics = config["METRICS"]
+    if not isinstance(metrics, list) or not set(metrics) <= set(METRIC_KEYS):
+        raise ValueError(f"{path}: METRICS must be a list of {sorted(METRIC_KEYS)}, got {metrics!r}")
+    flex = args["moe-token-dispatcher-type"] == "flex"
     return FunctionalCase(model=GPTMoEConfig(**fields), train_iters=args["train-iters"],
-                          world_size=args["world-size"], ep_size=args["expert-model-parallel-size"],
-                          backend=args["moe-flex-dispatcher-backend"])
+                          world_size=args["global-batch-size"] // args["micro-batch-size"],
+                          ep_size=args["expert-model-parallel-size"],
+                          backend=args["moe-flex-dispatcher-backend"] if flex else "torch",
+                          metrics=tuple(metrics))
 
 
-def load_golden_lm_loss(path: str = GOLDEN_VALUES) -> list[float]:
-    """Per-step "lm loss" of a golden_values JSON (Megatron's layout: start/end/interval/values)."""
+def load_golden_values(path: str = GOLDEN_VALUES) -> dict[str, list]:
+    """Per-step values of each metric of a golden_values JSON (Megatron's layout:
+    start/end/interval/values)."""
     with open(path) as f:
-        metric = json.load(f)["lm loss"]
-    steps = range(metric["start_step"], metric["end_step"] + 1, metric["step_interval"])
-    return [metric["values"][str(step)] for step in steps]
+        golden = json.load(f)
+    out = {}
+    for name, metric in golden.items():
+        steps = range(metric["start_step"], metric["end_step"] + 1, metric["step_interval"])
+        out[name] = [metric["values"][str(step)] for step in steps]
+    return out
 
 
-def golden_values_json(lm_loss: list[float]) -> dict:
-    return {"lm loss": {"start_step": 1, "end_step": len(lm_loss), "step_interval": 1,
-                        "values": {str(i + 1): v for i, v in enumerate(lm_loss)}}}
+def golden_values_json(run: dict, metrics: tuple[str, ...]) -> dict:
+    """What Megatron's extractor stores for a run logged every step (`--step-size 1`):
+    each metric per step, rounded to 5 decimals. `run` holds the loop's lists."""
+    out = {}
+    for name in metrics:
+        values = run[METRIC_KEYS[name]]
+        out[name] = {"start_step": 1, "end_step": len(values), "step_interval": 1,
+                     "values": {str(i + 1): round(v, GOLDEN_DECIMALS) for i, v in enumerate(values)}}
+    return out
 
 
 def _moe_layer_kinds(model) -> list[tuple[str, str]]:
@@ -140,7 +129,7 @@ def train_native_and_ext(model_fields: dict, ep_size: int, steps: int, backend: 
     return dict(
         same_init=same_init, max_param_rel_diff=(worst, param_rel_diff[worst]),
         native_layers=_moe_layer_kinds(native), ext_layers=_moe_layer_kinds(ext),
-        **{name: dict(lm_loss=log.losses, tokens_per_expert=log.tokens_per_expert)
+        **{name: dict(lm_loss=log.losses, num_zeros=log.num_zeros, tokens_per_expert=log.tokens_per_expert)
            for name, log in runs.items()},
     )
 

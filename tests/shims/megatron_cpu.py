@@ -202,3 +202,20 @@ def init_parallel_state(ep_size: int | None = None, seed: int = 1234):
     # a fresh parallel state means a fresh model, so start it afresh too.
     destroy_moe_metrics_tracker()
     return get_default_pg_collection()
+
+
+def install_hybrid_final_norm() -> None:
+    """Let `HybridStack` build its final norm on CPU (after `install()`; undone by `uninstall()`).
+
+    Megatron-Core 0.19's `HybridStack` builds `final_norm` with `TENorm` whatever the stack
+    spec says, and `TENorm` needs Transformer Engine. The shim gives it
+    `WrappedTorchNorm`, the norm of Megatron's GPT local spec without Apex: the same
+    parameters (`weight`, `bias` for LayerNorm) and the same LayerNorm / RMSNorm math.
+    """
+    from megatron.core.models.hybrid import hybrid_block
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if not _saved:
+        raise ValueError("install_hybrid_final_norm: call install() first")
+    if hybrid_block.TENorm is not WrappedTorchNorm:
+        _replace(hybrid_block, "TENorm", WrappedTorchNorm)

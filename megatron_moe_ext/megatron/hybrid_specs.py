@@ -1,0 +1,111 @@
+"""HybridModel stack specs whose MoE (`E`) layers are `FlexMoELayer`.
+
+Megatron-Core 0.19 steers GPT users to `HybridModel` (`pretrain_hybrid.py`, pattern symbols
+`*` attention, `E` MoE, `-` dense MLP, `M` Mamba). Its `hybrid_layer_specs.hybrid_stack_spec`
+is built once, at import, with `get_moe_module_spec(...)`, so `--spec` is the way to give it
+another MoE layer:
+
+    torchrun ... pretrain_hybrid.py --hybrid-layer-pattern '*E*E' \\
+        --spec megatron_moe_ext.megatron.hybrid_specs flex_hybrid_stack_spec ...
+
+`pretrain_hybrid.py` passes the named object to `HybridModel` as it is (it does not call it),
+so `flex_hybrid_stack_spec` is a ready `ModuleSpec`: Megatron's stack with only the MoE
+layer's MLP swapped (attention, Mamba, norms and the MTP block stay Megatron's).
+
+`get_flex_hybrid_stack_spec(use_transformer_engine=False)` gives the same stack from
+Megatron's local (non-TE) modules for attention and MoE layers, with the GPT local spec's
+layer norms, so a GPT-MoE built from `get_flex_decoder_block_spec` and a `*E*E...` hybrid
+model built from it have the same state-dict keys (the GPT-to-Hybrid translation of
+Megatron's `gpt_checkpoint_interop` pairs them). Megatron's `HybridStack` still builds its
+final norm with `TENorm`, so a HybridModel with `post_process` needs Transformer Engine
+whichever stack is used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.gpt import gpt_layer_specs
+from megatron.core.models.hybrid import hybrid_layer_specs
+from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_layer import MoETransformerLayer, TransformerLayerSubmodules
+
+from megatron_moe_ext.config import TokenDispatcherConfig
+from megatron_moe_ext.megatron.specs import _use_te, flex_moe_builder
+
+
+def use_flex_moe_in_hybrid_stack(stack_spec: ModuleSpec,
+                                 dispatcher_config: TokenDispatcherConfig | None = None,
+                                 experts=None) -> ModuleSpec:
+    """Return a copy of a `HybridStack` spec whose MoE layer's MLP is `FlexMoELayer`.
+
+    Arguments:
+        stack_spec: `ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(...))`,
+            e.g. Megatron's `hybrid_layer_specs.hybrid_stack_spec`.
+        dispatcher_config, experts: see `megatron_moe_ext.megatron.specs.use_flex_moe_layer`.
+
+    Returns:
+        A new `ModuleSpec`; `stack_spec` is not modified.
+    """
+    if not (isinstance(stack_spec, ModuleSpec)
+            and isinstance(stack_spec.submodules, HybridStackSubmodules)):
+        raise ValueError(f"stack_spec: expected a ModuleSpec of HybridStack with "
+                         f"HybridStackSubmodules, got {stack_spec!r:.200}")
+    moe_layer = stack_spec.submodules.moe_layer
+    mlp = flex_moe_builder(moe_layer.submodules.mlp, dispatcher_config, experts)
+    moe_layer = dataclasses.replace(moe_layer, submodules=dataclasses.replace(moe_layer.submodules, mlp=mlp))
+    return dataclasses.replace(stack_spec, submodules=dataclasses.replace(stack_spec.submodules,
+                                                                          moe_layer=moe_layer))
+
+
+def local_hybrid_stack_spec(moe_grouped_gemm: bool = True) -> ModuleSpec:
+    """A `HybridStack` spec of Megatron's local modules with Megatron's own `MoELayer`:
+    the GPT local layer split in two, as HybridModel splits a GPT layer, into the attention
+    half (`*`) and the MoE half (`E`), each with the GPT layer's own norm.
+
+    Arguments:
+        moe_grouped_gemm: Megatron's experts choice (`GroupedMLP` / `SequentialMLP`).
+
+    Returns:
+        `ModuleSpec(module=HybridStack, ...)` with attention and MoE layers only.
+    """
+    gpt_layer = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=1, moe_grouped_gemm=moe_grouped_gemm)
+    parts = gpt_layer.submodules
+    attention_layer = dataclasses.replace(gpt_layer, submodules=dataclasses.replace(
+        parts, pre_mlp_layernorm=IdentityOp, mlp=IdentityOp, mlp_bda=IdentityFuncOp))
+    # The GPT local layer's checkpoint key map (its norms under TE's fused-norm names) goes
+    # to both halves, so they save and load under the GPT layer's keys.
+    moe_layer = ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
+        pre_mlp_layernorm=parts.pre_mlp_layernorm, mlp=parts.mlp, mlp_bda=get_bias_dropout_add,
+        sharded_state_dict_keys_map=parts.sharded_state_dict_keys_map))
+    return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(
+        attention_layer=attention_layer, moe_layer=moe_layer))
+
+
+def get_flex_hybrid_stack_spec(use_transformer_engine: bool | None = None, *,
+                               moe_grouped_gemm: bool = True,
+                               dispatcher_config: TokenDispatcherConfig | None = None,
+                               experts=None) -> ModuleSpec:
+    """A `HybridStack` spec with `FlexMoELayer` in its `E` layers.
+
+    Arguments:
+        use_transformer_engine: True = Megatron's `hybrid_stack_spec` (TE modules, every
+            layer family); False = Megatron's local modules, attention (`*`) and MoE (`E`)
+            layers only; None = TE when importable.
+        moe_grouped_gemm: the local stack's experts (TE builds grouped experts as Megatron's
+            stack does; ignored there).
+        dispatcher_config, experts: see `megatron_moe_ext.megatron.specs.use_flex_moe_layer`.
+
+    Returns:
+        `ModuleSpec(module=HybridStack, ...)` for `HybridModel(hybrid_stack_spec=...)`.
+    """
+    stack = (hybrid_layer_specs.hybrid_stack_spec if _use_te(use_transformer_engine)
+             else local_hybrid_stack_spec(moe_grouped_gemm))
+    return use_flex_moe_in_hybrid_stack(stack, dispatcher_config, experts)
+
+
+# For `pretrain_hybrid.py --spec megatron_moe_ext.megatron.hybrid_specs flex_hybrid_stack_spec`.
+flex_hybrid_stack_spec = get_flex_hybrid_stack_spec()
