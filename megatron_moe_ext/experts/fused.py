@@ -2,16 +2,16 @@
 activation in one kernel, the router-score gradient in the backward's epilogue.
 
 Same contract as `mlp.run_grouped_expert_mlp`: rows grouped by local expert
-(`tokens_per_expert` each), output `[P, H]` in permuted order with the routing prob applied
-between the projections (`(prob * act(x W1 + b1)) W2 + prob * b2`; the down bias by
-`bias._apply_bias`), 0 on capacity padding rows.
+(`tokens_per_expert` each), output `[P, H]` in permuted order, weighted by the routing prob
+(`(prob * act(x W1 + b1)) W2 + prob * b2`; the down bias by `bias._apply_bias`), 0 on
+capacity padding rows.
 
 Forward (QuACK 0.6.5, `quack.gemm_interface`):
 1. `gemm_gated` / `gemm_act`: `preact = x[A_idx] @ W1 + b1` per expert segment
    (`cu_seqlens_m`), `postact = act(preact)` in the epilogue. With `IndexedRows` the rows are
    gathered by `A_idx = row_of_slot_P` inside the kernel: no `[P, H]` permuted copy.
-2. `postact *= prob` (fp32 product, one rounding), then `gemm` with `cu_seqlens_m`: the down
-   projection.
+2. The down projection, `gemm` with `cu_seqlens_m` in `norm_act_mod`'s epilogue, which
+   scales the fp32 accumulator by the prob: `prob * (postact W2)`, one rounding.
 Backward:
 3. `gemm_dgated` / `gemm_dact` of `dout @ W2^T` with `colvec_scale=prob`,
    `colvec_reduce=True`: the epilogue recomputes the activation from the saved `preact`,
@@ -62,6 +62,7 @@ import torch
 from megatron_moe_ext.dispatcher.handoff import IndexedRows
 from megatron_moe_ext.dispatcher.permute import gather_sum
 from megatron_moe_ext.experts.bias import TokenCounts, _apply_bias, _counts_on, _reduce_bias_grad
+from megatron_moe_ext.experts.kernels import interleave_triton
 from megatron_moe_ext.experts.rows import zero_padding_rows_
 
 EXPERT_MLP_IMPLS = ("auto", "fused", "grouped_mm")
@@ -92,13 +93,14 @@ def check_expert_mlp_impl(value) -> str:
 
 @dataclass(frozen=True)
 class QuackBackend:
-    """The functions of `quack.gemm_interface` this path calls (`module`), or why they are
-    unavailable (`reason`); `any_device`: they run on any device (a test double), not only
-    CUDA sm90+."""
+    """The functions of `quack.gemm_interface` this path calls (`module`) and the epilogue
+    library with `norm_act_mod` (`epilogues`; default `module`), or why they are unavailable
+    (`reason`); `any_device`: they run on any device (a test double), not only CUDA sm90+."""
 
     module: ModuleType | None
     reason: str | None
     any_device: bool = False
+    epilogues: ModuleType | None = None
 
 
 _backend: QuackBackend | None = None
@@ -108,6 +110,7 @@ def _load_quack() -> QuackBackend:
     try:
         import quack
         from quack import gemm_interface
+        from quack.epilogue import library
     except Exception as exc:  # ImportError, or a CUDA/driver error raised while importing
         return QuackBackend(None, f"QuACK is not importable ({type(exc).__name__}: {exc}); "
                                   "install the `quack` extra")
@@ -115,7 +118,7 @@ def _load_quack() -> QuackBackend:
     if version.split(".")[:2] != VERIFIED_QUACK.split(".")[:2]:
         return QuackBackend(None, f"quack-kernels {version} is installed; this path is verified "
                                   f"against {VERIFIED_QUACK}")
-    return QuackBackend(gemm_interface, None)
+    return QuackBackend(gemm_interface, None, epilogues=library)
 
 
 def quack_backend() -> QuackBackend:
@@ -203,7 +206,10 @@ def fused_unsupported_reason(config, device: torch.device | str | None = None,
 # --- layout -------------------------------------------------------------------------------------
 
 def _interleave_gate_up(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`[gate | up]` along the last dim -> gate `2j`, up `2j + 1`, cast to `dtype`, one copy."""
+    """`[gate | up]` along the last dim -> gate `2j`, up `2j + 1`, cast to `dtype`, one copy
+    (a Triton pass on CUDA, `kernels/interleave_triton.py` says why)."""
+    if t.is_cuda and t.dtype == dtype:
+        return interleave_triton.interleave_gate_up(t)
     out = torch.empty(*t.shape[:-1], t.shape[-1] // 2, 2, dtype=dtype, device=t.device)
     out.copy_(t.unflatten(-1, (2, t.shape[-1] // 2)).transpose(-1, -2))
     return out.flatten(-2)
@@ -211,6 +217,8 @@ def _interleave_gate_up(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _deinterleave_gate_up(t: torch.Tensor) -> torch.Tensor:
     """The inverse of `_interleave_gate_up`, one copy."""
+    if t.is_cuda:
+        return interleave_triton.deinterleave_gate_up(t)
     out = torch.empty(*t.shape[:-1], 2, t.shape[-1] // 2, dtype=t.dtype, device=t.device)
     out.copy_(t.unflatten(-1, (t.shape[-1] // 2, 2)).transpose(-1, -2))
     return out.flatten(-2)
@@ -226,6 +234,7 @@ class _Plan:
     """
 
     backend: ModuleType
+    epilogues: ModuleType
     activation: str
     gated: bool
     interleave: bool
@@ -263,10 +272,7 @@ class _FusedExpertMLP(torch.autograd.Function):
                                     cu_seqlens_m=plan.cu_seqlens_e1, A_idx=plan.row_of_slot_P,
                                     tuned=_tuned())
         del w1
-        # In place: one pass, fp32 product (the promoted dtype), one rounding.
-        scaled_PI = postact_PI.mul_(probs_P1)
-        out_PH = q.gemm(scaled_PI, down_projs.to(dtype), cu_seqlens_m=plan.cu_seqlens_e1,
-                        tuned=_tuned())
+        out_PH = _row_scaled_gemm(plan, postact_PI, down_projs.to(dtype), probs_P1)
         ctx.plan = plan
         ctx.has_bias = gate_up_proj_bias is not None
         ctx.save_for_backward(rows_NH, gate_and_up_projs, down_projs, gate_up_proj_bias,
@@ -310,6 +316,21 @@ class _FusedExpertMLP(torch.autograd.Function):
                                            dynamic_scheduler=True, tuned=tuned), plan.total_1)
             grads[0] = dx_PH if plan.pos_RJ is None else gather_sum(dx_PH, plan.pos_RJ)
         return tuple(grads)
+
+
+def _row_scaled_gemm(plan: _Plan, a_PI: torch.Tensor, w_eIH: torch.Tensor,
+                     probs_P1: torch.Tensor) -> torch.Tensor:
+    """`probs * (a W)` per expert segment, `[P, H]` in `a`'s dtype: QuACK's `norm_act_mod`
+    epilogue scales the fp32 accumulator by the prob (`mColVecBroadcast`), so the prob costs
+    no pass over `a` and the output one rounding; rows past the segments stay unwritten."""
+    mod = plan.epilogues.norm_act_mod(None, gated=False, has_c=False, has_rowvec=False,
+                                      has_colvec=True)
+    out_PH = torch.empty(a_PI.shape[0], w_eIH.shape[-1], dtype=a_PI.dtype, device=a_PI.device)
+    if a_PI.shape[0] == 0:
+        return out_PH
+    mod(a_PI, w_eIH, None, out={"mAuxOut": out_PH}, store_d=False, tuned=_tuned(),
+        cu_seqlens_m=plan.cu_seqlens_e1, mColVecBroadcast=probs_P1[:, 0].float().contiguous())
+    return out_PH
 
 
 def _segment_offsets(tokens_per_expert: TokenCounts, rows: int,
@@ -365,7 +386,8 @@ def fused_expert_mlp(hidden: torch.Tensor | IndexedRows, gate_and_up_projs: torc
         # but the down bias's `prob * bias` would turn a NaN prob into a NaN output.
         permuted_probs_P1 = torch.where(
             (torch.arange(rows, device=rows_NH.device) < total_1)[:, None], permuted_probs_P1, 0)
-    plan = _Plan(quack_backend().module, name, gated, gated and not stored_interleaved, cu_e1,
+    backend = quack_backend()
+    plan = _Plan(backend.module, backend.epilogues or backend.module, name, gated, gated and not stored_interleaved, cu_e1,
                  counts_e, total_1, row_of_slot_P, pos_RJ)
     out_PH = _FusedExpertMLP.apply(rows_NH.contiguous(), gate_and_up_projs, down_projs,
                                    gate_up_proj_bias, permuted_probs_P1, plan)

@@ -17,6 +17,10 @@ epilogue/library.py's `linear_act_mod` and `dact_mod` / `dgated_mod`):
   `dx = dact(PreAct, d)` (dgated: interleaved `[M, 2N]`), `postact = act(PreAct) *
   colvec_scale` in PreAct's dtype, `colvec_reduce[m] = sum_n act(PreAct) * acc` (fp32, the
   unscaled accumulator).
+- `epilogue.library.norm_act_mod(None, gated=False, has_colvec=True, ...)` as the fused path
+  calls it: a mod whose call `mod(A, B, None, out={"mAuxOut": D}, store_d=False,
+  cu_seqlens_m=..., mColVecBroadcast=v)` writes `D = (A @ B) * v[:, None]` from the fp32
+  accumulator into the given buffer (rows past the segments untouched).
 - The empty-input fast paths of gemm_interface.py (zeros, no launch, before any operand check).
 """
 
@@ -161,3 +165,21 @@ def gemm_dact(A, B, PreAct, activation=None, dx_out=None, postact_out=None, out_
 
 
 gemm_dgated = gemm_dact
+
+
+def norm_act_mod(activation, *, gated, has_c, has_rowvec, has_colvec, sr=False, has_alpha=False):
+    """library.norm_act_mod's mod for the form the fused path uses (see the module docstring)."""
+    assert activation is None and not (gated or has_c or has_rowvec or sr or has_alpha) and has_colvec
+
+    def mod(A, B, C, *, out, store_d, cu_seqlens_m, mColVecBroadcast, tuned=True,
+            dynamic_scheduler=False, config=None):
+        assert C is None and not store_d and set(out) == {"mAuxOut"}, "the fused path's form"
+        aux = out["mAuxOut"]
+        assert mColVecBroadcast.dtype == torch.float32 and mColVecBroadcast.shape == (aux.shape[0],)
+        _check_operands(A, B, cu_seqlens_m, None, None)
+        acc = _varlen_m_acc(A, B, cu_seqlens_m, None) * mColVecBroadcast[:, None]
+        end = int(cu_seqlens_m[-1])
+        aux[:end] = acc[:end].to(aux.dtype)
+        return {"mAuxOut": aux}
+
+    return mod

@@ -108,11 +108,18 @@ def _leaves(case: Case, indexed: bool, dtype=None):
     return {k: v.detach().clone().requires_grad_(True) for k, v in leaves.items()}
 
 
-def run_path(case: Case, impl: str, indexed: bool, device_counts: bool):
-    """Output `[P, H]` and the gradient of every leaf through `run_grouped_expert_mlp`."""
+def device_counts_of(case: Case) -> torch.Tensor:
+    """`case.counts` as an int64 tensor on the case's device (a host-to-device copy)."""
+    return torch.tensor(case.counts, device=case.tokens_RH.device)
+
+
+def run_path(case: Case, impl: str, indexed: bool, device_counts: bool | torch.Tensor):
+    """Output `[P, H]` and the gradient of every leaf through `run_grouped_expert_mlp`;
+    `device_counts`: True (copy the counts to the device here), False (host list) or the
+    device tensor itself."""
     leaves = _leaves(case, indexed)
-    counts = (torch.tensor(case.counts, device=case.tokens_RH.device) if device_counts
-              else list(case.counts))
+    counts = (device_counts if isinstance(device_counts, torch.Tensor) else
+              device_counts_of(case) if device_counts else list(case.counts))
     hidden = (IndexedRows(leaves["rows"], case.row_of_slot_P, case.slot_of_row_RJ, counts,
                           leaves["probs"][:, 0]) if indexed else leaves["rows"])
     out = run_grouped_expert_mlp(

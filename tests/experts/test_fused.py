@@ -22,7 +22,7 @@ from megatron_moe_ext.experts.activations import get_expert_activation
 from megatron_moe_ext.experts.config import ExpertsConfig
 from megatron_moe_ext.experts.mlp import run_grouped_expert_mlp
 from tests.doubles import quack_gemm
-from tests.experts.fused_cases import compare, make_case, run_path
+from tests.experts.fused_cases import compare, device_counts_of, make_case, run_path
 
 DOUBLE = fused.QuackBackend(quack_gemm, None, any_device=True)
 QUACK_REAL = (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
@@ -89,10 +89,11 @@ def test_no_host_sync_with_device_counts(fused_device):
     if fused_device == "cpu":
         pytest.skip("host syncs exist only on CUDA")
     case = make_case(64, 4, 2, 64, 32, pad=8, device="cuda")
-    run_path(case, "fused", True, device_counts=True)  # compile
+    counts = device_counts_of(case)  # the copy to the device is the test's, not the path's
+    run_path(case, "fused", True, device_counts=counts)  # compile
     torch.cuda.set_sync_debug_mode("error")
     try:
-        run_path(case, "fused", True, device_counts=True)
+        run_path(case, "fused", True, device_counts=counts)
     finally:
         torch.cuda.set_sync_debug_mode("default")
 

@@ -10,7 +10,7 @@ import torch
 
 from megatron_moe_ext.experts import bias
 from megatron_moe_ext.experts.activations import _swiglu_torch
-from megatron_moe_ext.experts.kernels import bias_triton, rows_triton, swiglu_triton
+from megatron_moe_ext.experts.kernels import bias_triton, interleave_triton, rows_triton, swiglu_triton
 from tests.experts.bias_cases import (
     SEGMENT_SIZES,
     cancellation_case,
@@ -154,3 +154,16 @@ def test_zero_rows_kernel_zeroes_only_padding_rows(dtype, start, max_programs, m
     torch.testing.assert_close(base[:, :3].cpu(), torch.randn(13, 1100, generator=torch.Generator()
                                                               .manual_seed(5)).to(dtype)[:, :3],
                                rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 12), (2, 2200), (4, 1, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gate_up_interleave_kernels_match_the_strided_copy(shape, dtype):
+    """Pairs (gate_j, up_j) side by side and back, bit for bit, against stack/split by index."""
+    t = torch.randn(*shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+    half = shape[-1] // 2
+    expected = torch.stack([t[..., :half], t[..., half:]], -1).flatten(-2)
+    got = interleave_triton.interleave_gate_up(t.to(DEVICE))
+    assert got.dtype == dtype and got.is_contiguous()
+    assert torch.equal(got.cpu(), expected)
+    assert torch.equal(interleave_triton.deinterleave_gate_up(got).cpu(), t)
