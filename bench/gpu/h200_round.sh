@@ -74,7 +74,7 @@ run_task() {
         det32_te_ext}" bash bench/gpu/pretrain_megatron_lm.sh ;;
     te_init_check) task te_init_check 120 $PY bench/gpu/te_init_check.py ;;
     fused_experts) task fused_experts 300 $PY bench/gpu/fused_experts_check.py ${FUSED_ARGS:-} ;;
-    fused_experts_tests) task fused_experts_tests 420 $PY -m pytest tests/experts/test_fused.py -q -rs \
+    fused_experts_tests) task fused_experts_tests 300 $PY -m pytest tests/experts/test_fused.py tests/experts/test_kernels.py tests/megatron/test_fused_experts.py -q -rfs --tb=short \
         -p no:cacheprovider ;;
     pretrain_qwen3) task pretrain_qwen3 420 env RUNS="${QWEN3_RUNS:-qwen3_te_native qwen3_te_ext qwen3_te_ext_te_grouped_mlp}" \
         bash bench/gpu/pretrain_megatron_lm.sh ;;
