@@ -35,8 +35,9 @@ of P rows, not of the weight): `dx = dpreact W1^T` sums over the columns in any 
 `dW1 = x^T dpreact` then comes out in the stored layout.
 
 Selection (`ExpertsConfig.expert_mlp_impl`): "auto" runs this path where QuACK imports, the
-tensors are CUDA on sm90+ and the case is supported (`fused_unsupported_reason` says why
-not), else the `torch._grouped_mm` path; "fused" requires it (RuntimeError naming the
+tensors are CUDA on sm90+, the case is supported and hidden * FFN reaches
+`AUTO_MIN_HIDDEN_X_FFN` (`fused_unsupported_reason` says why not), else the
+`torch._grouped_mm` path; "fused" requires it (RuntimeError naming the
 reason); "grouped_mm" never uses it.
 
 Host syncs: none (segment offsets are a device cumsum; padding rows are zeroed by a device
@@ -80,6 +81,13 @@ _QUACK_ACTIVATIONS = {
 }
 _QUACK_OAI_ALPHA = 1.702  # fixed inside QuACK's swiglu_oai epilogue
 
+#: "auto" runs the fused path only where hidden * FFN reaches this. On one H200
+#: (bench/results/moe_slice_h200.json, one MoE layer forward+backward) the fused layer was
+#: 0.83-0.91x the torch path at the Qwen3-30B-A3B EP8 slice (hidden 2048, FFN 768, 16 experts)
+#: although its kernels summed 4 % less: QuACK's per-call host cost is not hidden by GEMMs that
+#: small. It was 1.03-1.08x at the DeepSeek-V3-like shapes (hidden 7168, FFN 2048).
+AUTO_MIN_HIDDEN_X_FFN = 4 * 1024 * 1024
+
 
 def check_expert_mlp_impl(value) -> str:
     """`value` if it names an implementation, else ValueError naming the field."""
@@ -95,12 +103,15 @@ def check_expert_mlp_impl(value) -> str:
 class QuackBackend:
     """The functions of `quack.gemm_interface` this path calls (`module`) and the epilogue
     library with `norm_act_mod` (`epilogues`; default `module`), or why they are unavailable
-    (`reason`); `any_device`: they run on any device (a test double), not only CUDA sm90+."""
+    (`reason`); `any_device`: they run on any device (a test double), not only CUDA sm90+;
+    `auto_min_hidden_x_ffn`: the width below which "auto" keeps the torch path
+    (`AUTO_MIN_HIDDEN_X_FFN` for QuACK)."""
 
     module: ModuleType | None
     reason: str | None
     any_device: bool = False
     epilogues: ModuleType | None = None
+    auto_min_hidden_x_ffn: int = 0
 
 
 _backend: QuackBackend | None = None
@@ -118,7 +129,8 @@ def _load_quack() -> QuackBackend:
     if version.split(".")[:2] != VERIFIED_QUACK.split(".")[:2]:
         return QuackBackend(None, f"quack-kernels {version} is installed; this path is verified "
                                   f"against {VERIFIED_QUACK}")
-    return QuackBackend(gemm_interface, None, epilogues=library)
+    return QuackBackend(gemm_interface, None, epilogues=library,
+                        auto_min_hidden_x_ffn=AUTO_MIN_HIDDEN_X_FFN)
 
 
 def quack_backend() -> QuackBackend:
@@ -200,7 +212,18 @@ def fused_unsupported_reason(config, device: torch.device | str | None = None,
     return (activation_unsupported_reason(config.expert_activation, config.activation_alpha,
                                           config.activation_limit)
             or shape_unsupported_reason(config.dim, config.moe_inter_dim)
-            or device_unsupported_reason(torch.device(device), dtype or config.dtype))
+            or device_unsupported_reason(torch.device(device), dtype or config.dtype)
+            or auto_declined_reason(config.expert_mlp_impl, config.dim, config.moe_inter_dim))
+
+
+def auto_declined_reason(expert_mlp_impl: str, hidden: int, inter: int) -> str | None:
+    """Why "auto" keeps the torch path at this width (where it measured faster), or None."""
+    least = quack_backend().auto_min_hidden_x_ffn
+    if expert_mlp_impl != "auto" or hidden * inter >= least:
+        return None
+    return (f"expert_mlp_impl='auto' keeps the torch path where hidden * FFN ({hidden} * {inter}) "
+            f"< {least}: it measured faster there (fused.AUTO_MIN_HIDDEN_X_FFN); "
+            "expert_mlp_impl='fused' runs the fused path anyway")
 
 
 # --- layout -------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from megatron_moe_ext.dispatcher.permute import _GatherRows
 from megatron_moe_ext.experts.bias import TokenCounts, _apply_bias, _chunk_counts, _counts_on
 from megatron_moe_ext.experts.fused import (
     activation_unsupported_reason,
+    auto_declined_reason,
     check_expert_mlp_impl,
     device_unsupported_reason,
     fused_expert_mlp,
@@ -282,7 +283,8 @@ def run_grouped_expert_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Ten
             projection has run and recomputes in backward (`moe_act` recompute). The fused
             path needs none: it never saves the activation output (its backward recomputes
             it from the pre-activation in the epilogue).
-        expert_mlp_impl: "grouped_mm" (default), "auto" (fused where supported) or "fused"
+        expert_mlp_impl: "grouped_mm" (default), "auto" (fused where supported and measured
+            faster: `fused.auto_declined_reason`) or "fused"
             (RuntimeError naming the reason where not).
         experts_config: the `ExpertsConfig` naming the activation (needed unless
             "grouped_mm").
@@ -342,4 +344,5 @@ def fused_call_unsupported_reason(hidden_PH: torch.Tensor | IndexedRows,
                                           experts_config.activation_alpha,
                                           experts_config.activation_limit)
             or shape_unsupported_reason(rows_NH.shape[1], down_projs.shape[1])
-            or device_unsupported_reason(rows_NH.device, rows_NH.dtype))
+            or device_unsupported_reason(rows_NH.device, rows_NH.dtype)
+            or auto_declined_reason(expert_mlp_impl, rows_NH.shape[1], down_projs.shape[1]))

@@ -277,3 +277,19 @@ def test_no_rows_for_any_local_expert(fused_device):
     assert out.shape == (0, 32)
     for t in (rows, w1, w2, probs):
         assert t.grad is not None and not t.grad.any()
+
+
+@pytest.mark.parametrize("impl,hidden,inter,declined", [
+    ("auto", 2048, 768, True),     # the Qwen3-30B-A3B width: the torch path measured faster
+    ("auto", 7168, 2048, False),   # the DeepSeek-V3-like width: the fused path did
+    ("fused", 2048, 768, False),   # "fused" is not a preference
+])
+def test_auto_keeps_the_torch_path_below_the_measured_width(impl, hidden, inter, declined):
+    previous = fused.set_quack_backend(dataclasses.replace(
+        DOUBLE, auto_min_hidden_x_ffn=fused.AUTO_MIN_HIDDEN_X_FFN))
+    try:
+        config = _config(dim=hidden, moe_inter_dim=inter, dtype=torch.bfloat16, expert_mlp_impl=impl)
+        reason = fused.fused_unsupported_reason(config, "cpu")
+    finally:
+        fused.set_quack_backend(previous)
+    assert (reason is not None and "hidden * FFN" in reason) if declined else reason is None, reason

@@ -1,5 +1,5 @@
 """`GroupedGemmExperts` on the fused (QuACK) expert path, through the QuACK double on the CPU
-(real QuACK where it imports on a sm90+ GPU): `expert_mlp_impl` and `MOE_EXT_EXPERT_MLP_IMPL`
+(the module plumbing; tests/experts/test_fused.py runs real QuACK): `expert_mlp_impl` and `MOE_EXT_EXPERT_MLP_IMPL`
 select it, `accepts_indexed_rows` follows it, an `IndexedRows` hand-off gives the output and
 gradients of the permuted rows on the torch path within bf16 rounding, and what cannot run it
 says why."""
@@ -10,16 +10,14 @@ HIDDEN, FFN = 16, 8
 
 
 def fused_experts_module(mode: str) -> dict:
-    """`_fused_experts_module` with the QuACK double in place of QuACK where QuACK is not
-    usable, restored afterwards (the pool's process runs other tests too)."""
-    import torch
-
+    """`_fused_experts_module` with the QuACK double in place of QuACK, restored afterwards
+    (the pool's process runs other tests too). The pool builds Megatron on the CPU (gloo), so
+    this is the double even on a GPU machine; real QuACK runs the seed module and the shapes of
+    tests/experts/test_fused.py there."""
     from megatron_moe_ext.experts import fused
     from tests.doubles import quack_gemm
 
-    real = torch.cuda.is_available() and fused.quack_backend().module is not None
-    previous = fused.set_quack_backend(
-        None if real else fused.QuackBackend(quack_gemm, None, any_device=True))
+    previous = fused.set_quack_backend(fused.QuackBackend(quack_gemm, None, any_device=True))
     try:
         return _fused_experts_module(mode)
     finally:
