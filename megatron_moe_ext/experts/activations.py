@@ -1,12 +1,9 @@
 """Expert activations for the grouped-GEMM path: `fn(x [P, 2I or I], probs [P, 1]) -> [P, I]`.
 
-Each activation multiplies by the routing probability inside, so the down projection sees
-already weighted rows (the prob is then folded into one elementwise pass instead of two).
-Gated layouts are concatenated `[gate | up]`, except quick-GEGLU which is interleaved
-(even columns gate, odd columns up). Legend: P permuted rows, I intermediate size.
-
-SwiGLU and clamped SwiGLU run a fused Triton kernel on CUDA (`kernels/swiglu_triton.py`)
-and plain torch elsewhere: torch.compile on a CPU CI box costs more than it saves.
+Each multiplies by the routing prob inside (one elementwise pass instead of two). Gated
+layouts are `[gate | up]`, except quick-GEGLU's interleaved one (even columns gate). SwiGLU
+runs a Triton kernel on CUDA (`kernels/swiglu_triton.py`), plain torch elsewhere.
+Legend: P permuted rows, I intermediate size.
 """
 
 from __future__ import annotations
@@ -24,20 +21,20 @@ ExpertActivation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def is_gated_activation(activation: str) -> bool:
-    """Whether `activation` (one of `ExpertsConfig`'s) needs a gate and an up projection
-    (`[e, H, 2I]` weights): True for the GLU variants, False for relu2 (`[e, H, I]`)."""
+    """Whether `activation` needs a gate and an up projection (`[e, H, 2I]` weights): True but for relu2."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"expert_activation={activation!r} is invalid: allowed values are "
                          f"{ACTIVATIONS}")
     return activation != "relu2"
 
 
-def _split_gate_up(x: torch.Tensor, name: str, limit: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """`[gate | up]` halves of `x` in fp32, clamped as the GLUs below clamp them."""
+def _split_gate_up(x: torch.Tensor, name: str, limit: float, interleaved: bool = False):
+    """Gate and up halves of `x` (`[gate | up]` in fp32, or interleaved in x's dtype), the gate
+    clamped above at `limit` and up to `[-limit, limit]` (`limit <= 0`: no clamp)."""
     if x.shape[-1] % 2:
         raise ValueError(f"{name}: x has {x.shape[-1]} columns; a gated activation needs an even "
-                         "count ([gate | up])")
-    gate, up = (half.float() for half in x.chunk(2, dim=-1))
+                         "count ([gate | up], or interleaved)")
+    gate, up = (x[..., ::2], x[..., 1::2]) if interleaved else (h.float() for h in x.chunk(2, dim=-1))
     if limit > 0:
         gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
     return gate, up
@@ -55,9 +52,8 @@ def swiglu(x: torch.Tensor, permuted_probs: torch.Tensor) -> torch.Tensor:
 
 
 def swiglu_clamped(x: torch.Tensor, permuted_probs: torch.Tensor, limit: float) -> torch.Tensor:
-    """Clamped SwiGLU (DeepSeek-V4): `swiglu` with gate clamped above at `limit` and up to
-    `[-limit, limit]` (`limit <= 0`: plain SwiGLU). `x [P, 2I]`, probs `[P, 1]` -> `[P, I]` in
-    x's dtype; fp32 math (Triton kernel on CUDA, torch elsewhere)."""
+    """Clamped SwiGLU (DeepSeek-V4): `swiglu` with the clamps of `_split_gate_up` (`limit <= 0`:
+    plain SwiGLU). `x [P, 2I]`, probs `[P, 1]` -> `[P, I]` in x's dtype; fp32 math."""
     if x.is_cuda and swiglu_triton.supported(x, permuted_probs):
         return swiglu_triton.swiglu(x, permuted_probs, limit)
     return _swiglu_torch(x, permuted_probs, limit)
@@ -66,11 +62,8 @@ def swiglu_clamped(x: torch.Tensor, permuted_probs: torch.Tensor, limit: float) 
 def swiglu_oai(
     x: torch.Tensor, permuted_probs: torch.Tensor, alpha: float = 1.702, limit: float = 7.0
 ) -> torch.Tensor:
-    """SwiGLU-OAI (GPT-OSS): `g * sigmoid(alpha * g) * (u + 1) * prob` in fp32, `[gate | up]`.
-
-    `x [P, 2I]`, probs `[P, 1]` -> `[P, I]` in x's dtype; `alpha` is the sigmoid sharpness,
-    `limit` clamps as in `swiglu_clamped` (`limit <= 0` disables).
-    """
+    """SwiGLU-OAI (GPT-OSS): `g * sigmoid(alpha * g) * (u + 1) * prob` in fp32, `[gate | up]`
+    clamped as in `swiglu_clamped`. `x [P, 2I]`, probs `[P, 1]` -> `[P, I]` in x's dtype."""
     gate, up = _split_gate_up(x, "swiglu_oai", limit)
     return (gate * torch.sigmoid(alpha * gate) * (up + 1.0) * permuted_probs).to(x.dtype)
 
@@ -82,19 +75,11 @@ def quick_geglu(
     limit: float = 7.0,
     linear_offset: float = 1.0,
 ) -> torch.Tensor:
-    """Quick-GEGLU: `g * sigmoid(alpha * g) * (u + linear_offset) * prob` on an interleaved layout.
-
-    `x [P, 2I]` with gate = `x[:, ::2]`, up = `x[:, 1::2]`; probs `[P, 1]` -> `[P, I]` in x's
-    dtype. The GLU is computed in x's dtype (as the checkpoints using this layout were
-    trained); only the prob multiply is fp32. `alpha` and `limit` as in `swiglu_oai`.
+    """Quick-GEGLU: `g * sigmoid(alpha * g) * (u + linear_offset) * prob`, gate = `x[:, ::2]`,
+    up = `x[:, 1::2]`, clamped as in `swiglu_oai`; `x [P, 2I]`, probs `[P, 1]` -> `[P, I]`. The
+    GLU runs in x's dtype (as the checkpoints using this layout were trained), the prob in fp32.
     """
-    if x.shape[-1] % 2:
-        raise ValueError(f"quick_geglu: x has {x.shape[-1]} columns; expected an even count "
-                         "(interleaved gate/up)")
-    gate, up = x[..., ::2], x[..., 1::2]
-    if limit > 0:
-        gate = gate.clamp(max=limit)
-        up = up.clamp(min=-limit, max=limit)
+    gate, up = _split_gate_up(x, "quick_geglu", limit, interleaved=True)
     glu = gate * torch.sigmoid(alpha * gate) * (up + linear_offset)
     return (glu * permuted_probs).to(x.dtype)
 
@@ -106,8 +91,7 @@ def relu2(x: torch.Tensor, permuted_probs: torch.Tensor) -> torch.Tensor:
 
 
 def get_expert_activation(config: ExpertsConfig) -> ExpertActivation:
-    """The activation `fn(x, permuted_probs) -> [P, I]` that `config.expert_activation` names,
-    with `config.activation_alpha` / `activation_limit` bound."""
+    """`fn(x, permuted_probs) -> [P, I]` of `config.expert_activation`, its alpha and limit bound."""
     alpha, limit = config.activation_alpha, config.activation_limit
     activations = {
         "swiglu": swiglu,

@@ -1,14 +1,9 @@
-"""Per-expert bias on grouped GEMM output, with deterministic gradients.
+"""Per-expert bias on grouped GEMM output (`_grouped_mm` has none; the down bias is weighted:
+`prob * bias`), with deterministic gradients: per-expert segment sums without atomics, in a
+fixed order (compensated fp32 in Triton on CUDA, float64 over bounded row chunks elsewhere).
 
-`torch._grouped_mm` takes no bias, and the down-projection bias must be weighted by the
-routing prob (`prob * bias`), so `_apply_bias` adds it after the GEMM. Its gradient is a
-per-expert segment sum over the rows; it is reduced without atomics in a fixed order
-(bitwise identical across runs): compensated fp32 sums in a Triton kernel on CUDA, float64
-sums over bounded row chunks elsewhere.
-
-Rows are grouped contiguously by expert (`tokens_per_expert` rows each). Rows past
-`sum(tokens_per_expert)` are capacity padding: they get no bias and contribute to no gradient.
-Legend: P permuted rows, D features (H or 2I), e local experts.
+Rows are grouped by expert (`tokens_per_expert` rows each); rows past their sum are capacity
+padding: no bias, no gradient. Legend: P permuted rows, D features (H or 2I), e local experts.
 """
 
 from __future__ import annotations
@@ -26,7 +21,7 @@ TokenCounts = torch.Tensor | Sequence[int]
 
 
 def _use_triton(t: torch.Tensor) -> bool:
-    """The Triton kernels run on CUDA tensors (Triton is a hard dependency)."""
+    """The Triton kernels run on CUDA tensors (tests switch the CPU ones to the interpreter)."""
     return t.is_cuda
 
 
@@ -57,16 +52,8 @@ def _chunk_counts(counts_e: torch.Tensor, first: int, last: int) -> torch.Tensor
 
 def _segment_reduce_bias_grad(grad_output: torch.Tensor, token_counts: torch.Tensor,
                               accumulation_dtype: torch.dtype) -> torch.Tensor:
-    """Reduce contiguous expert segments into an accumulation-dtype tensor.
-
-    Arguments:
-        grad_output: `[P, D]`, grouped contiguously by expert; rows past the segments ignored.
-        token_counts: `[e]` int64 segment lengths on grad_output's device.
-        accumulation_dtype: dtype of the segmented sums.
-
-    Returns:
-        `[e, D]` in `accumulation_dtype`.
-    """
+    """`[P, D]` rows grouped by expert, `[e]` int64 counts on their device -> `[e, D]` segment
+    sums in `accumulation_dtype` (rows past the segments ignored)."""
     rows, experts = grad_output.shape[0], token_counts.numel()
     # A trailing segment takes the padding rows, so the lengths always cover the data and
     # segment_reduce needs no host-side check (`unsafe=True` skips its sync).
@@ -80,9 +67,8 @@ def _segment_reduce_bias_grad(grad_output: torch.Tensor, token_counts: torch.Ten
 def _reduce_bias_grad_chunked_fallback(grad_output: torch.Tensor, token_counts: torch.Tensor,
                                        probs: torch.Tensor | None,
                                        output_dtype: torch.dtype) -> torch.Tensor:
-    """Reduce bias gradients without full-size intermediates (float64 sums, fixed order):
-    `_segment_reduce_bias_grad` of `[P, D]` rows weighted by the optional `[P, 1]` probs, in
-    `_BIAS_CHUNK_ROWS` chunks; returns `[e, D]` in `output_dtype`."""
+    """`_segment_reduce_bias_grad` of `[P, D]` rows times the optional `[P, 1]` probs, in float64
+    over `_BIAS_CHUNK_ROWS` chunks (no full-size intermediates); `[e, D]` in `output_dtype`."""
     rows, hidden = grad_output.shape
     total = torch.zeros(token_counts.numel(), hidden, dtype=torch.float64,
                         device=grad_output.device)
@@ -110,11 +96,8 @@ class _DeterministicBiasRepeatInterleave(torch.autograd.Function):
     @staticmethod
     def forward(ctx, bias: torch.Tensor, token_counts: torch.Tensor,
                 output_size: int) -> torch.Tensor:
-        """Arguments: bias `[e, D]`; token_counts `[e]` int64 on bias's device; output_size P.
-
-        Returns: `[P, D]` fp32, expert i's row repeated over its rows, 0 on padding. fp32 so
-        the incoming gradient (already weighted by the probs) is reduced before any rounding.
-        """
+        """bias `[e, D]`, token_counts `[e]` int64 on its device -> `[P, D]` fp32 (0 on padding):
+        fp32 so the incoming (prob-weighted) gradient is reduced before any rounding."""
         ctx.save_for_backward(token_counts)
         ctx.bias_dtype = bias.dtype
         padded = torch.cat([bias.float(), bias.new_zeros(1, bias.shape[1], dtype=torch.float32)])
@@ -122,9 +105,16 @@ class _DeterministicBiasRepeatInterleave(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        """Returns the `[e, D]` bias gradient (one segmented reduction) and no others."""
         (token_counts,) = ctx.saved_tensors
         return _reduce_bias_grad(grad_output, token_counts, None, ctx.bias_dtype), None, None
+
+
+def _expanded_chunks(bias: torch.Tensor, expert_ids_P: torch.Tensor):
+    """`(rows, [rows, D] fp32 bias of each row's expert, 0 for padding)` per `_BIAS_CHUNK_ROWS`."""
+    padded = torch.cat([bias, bias.new_zeros(1, bias.shape[1])])
+    for first in range(0, expert_ids_P.shape[0], _BIAS_CHUNK_ROWS):
+        rows = slice(first, first + _BIAS_CHUNK_ROWS)
+        yield rows, padded.index_select(0, expert_ids_P[rows]).float()
 
 
 class _ChunkedBiasAdd(torch.autograd.Function):
@@ -133,13 +123,7 @@ class _ChunkedBiasAdd(torch.autograd.Function):
     @staticmethod
     def forward(ctx, value: torch.Tensor, bias: torch.Tensor, token_counts: torch.Tensor,
                 probs: torch.Tensor | None = None, reuse_input: bool = False) -> torch.Tensor:
-        """`value + prob * bias[expert(row)]`, fp32 math, in `_BIAS_CHUNK_ROWS` chunks.
-
-        Arguments: value `[P, D]`; bias `[e, D]`; token_counts `[e]` int64 on value's device;
-        probs optional `[P, 1]`; reuse_input: the caller hands over value's storage for the result.
-
-        Returns: `[P, D]` in value's dtype.
-        """
+        """`value + prob * bias[expert(row)]` `[P, D]` in fp32 math (arguments as `_apply_bias`)."""
         expert_ids_P = _row_expert_ids(token_counts, value.shape[0])
         if reuse_input and value.is_contiguous():
             ctx.mark_dirty(value)
@@ -149,10 +133,7 @@ class _ChunkedBiasAdd(torch.autograd.Function):
         if _use_triton(value):
             bias_triton.weighted_bias_add(value, bias, expert_ids_P, probs, out)
         else:
-            padded = torch.cat([bias, bias.new_zeros(1, bias.shape[1])])
-            for first in range(0, value.shape[0], _BIAS_CHUNK_ROWS):
-                rows = slice(first, first + _BIAS_CHUNK_ROWS)
-                added = padded.index_select(0, expert_ids_P[rows]).float()
+            for rows, added in _expanded_chunks(bias, expert_ids_P):
                 if probs is not None:
                     added = added * probs[rows]
                 out[rows] = value[rows].float() + added
@@ -161,19 +142,15 @@ class _ChunkedBiasAdd(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        """Gradients of value (identity), bias (`[e, D]`) and probs (`[P, 1]` fp32)."""
         bias, token_counts, probs, expert_ids_P = ctx.saved_tensors
         grad_bias = _reduce_bias_grad(grad_output, token_counts, probs, bias.dtype)
         grad_probs = None
         if probs is not None and ctx.needs_input_grad[3]:
             if _use_triton(grad_output):
                 grad_probs = bias_triton.weighted_bias_probs_grad(grad_output, bias, expert_ids_P)
-            else:  # the forward's fallback, chunk by chunk: `sum_d grad * bias[expert(row)]`
-                padded = torch.cat([bias, bias.new_zeros(1, bias.shape[1])])
+            else:  # `sum_d grad * bias[expert(row)]`, chunk by chunk
                 grad_probs = grad_output.new_empty(grad_output.shape[0], 1, dtype=torch.float32)
-                for first in range(0, grad_output.shape[0], _BIAS_CHUNK_ROWS):
-                    rows = slice(first, first + _BIAS_CHUNK_ROWS)
-                    expanded = padded.index_select(0, expert_ids_P[rows]).float()
+                for rows, expanded in _expanded_chunks(bias, expert_ids_P):
                     grad_probs[rows] = (grad_output[rows].float() * expanded).sum(-1, keepdim=True)
             grad_probs = grad_probs.to(probs.dtype)
         return grad_output, grad_bias, None, grad_probs, None
@@ -189,8 +166,7 @@ def _apply_bias(value: torch.Tensor, bias: torch.Tensor, tokens_per_expert: Toke
         bias: `[e, D]` per-expert bias (may be an fp32 master; the math is fp32).
         tokens_per_expert: `[e]` counts, host (list / CPU tensor) or on value's device.
         permuted_probs: optional `[P, 1]` probabilities weighting the bias (the down bias).
-        reuse_input: on the chunked path (`P > _BIAS_CHUNK_THRESHOLD`) write the result into
-            value's storage; the caller must not read value afterwards.
+        reuse_input: above `_BIAS_CHUNK_THRESHOLD` rows, write the result into value's storage.
 
     Returns:
         `[P, D]` in value's dtype; rows past `sum(tokens_per_expert)` are value unchanged.

@@ -38,7 +38,7 @@ class ExpertParallel:
 
 
 def resolve_ep_group(ep_mesh) -> ExpertParallel:
-    """A 1-D DeviceMesh, a ProcessGroup, or None (EP=1) -> `ExpertParallel`."""
+    """A 1-D DeviceMesh, a ProcessGroup or None (EP=1) -> `ExpertParallel`."""
     if ep_mesh is None:
         return ExpertParallel(None, 1, 0)
     if isinstance(ep_mesh, dist.ProcessGroup):
@@ -54,12 +54,16 @@ def resolve_ep_group(ep_mesh) -> ExpertParallel:
     return ExpertParallel(group if size > 1 else None, size, dist.get_rank(group))
 
 
-def local_expert_range(n_experts: int, ep: ExpertParallel) -> tuple[int, int]:
-    """`[start, end)` global ids of this rank's experts; E must divide evenly."""
+def local_expert_range(n_experts: int, ep: ExpertParallel, n_local_now: int | None = None) -> tuple[int, int]:
+    """`[start, end)` global ids of this rank's experts; E must divide evenly, and a module
+    holding `n_local_now` experts can only go from all E to this slice."""
     if n_experts % ep.size:
         raise ValueError(f"n_routed_experts={n_experts} is invalid: must be divisible by the "
                          f"expert-parallel size ({ep.size})")
     per_rank = n_experts // ep.size
+    if n_local_now not in (None, n_experts, per_rank):
+        raise RuntimeError("init_token_dispatcher was already called with a different "
+                           f"expert-parallel size ({n_experts // n_local_now})")
     return ep.rank * per_rank, (ep.rank + 1) * per_rank
 
 
@@ -83,8 +87,6 @@ class StackedExperts(nn.Module):
         super().__init__()
         self.config = config
         self.n_routed_experts = config.n_routed_experts
-        self.expert_bias = config.expert_bias
-        self.is_gated = is_gated_activation(config.expert_activation)
         self.ep = ExpertParallel(None, 1, 0)
         self.n_local_experts = config.n_routed_experts
         self.experts_start_idx, self.experts_end_idx = 0, config.n_routed_experts
@@ -96,11 +98,8 @@ class StackedExperts(nn.Module):
     def _set_expert_parallel(self, ep_mesh) -> ExpertParallel:
         """Keep only this rank's experts; a no-op when called again with the same group size."""
         ep = resolve_ep_group(ep_mesh)
-        start, end = local_expert_range(self.n_routed_experts, ep)
+        start, end = local_expert_range(self.n_routed_experts, ep, self.n_local_experts)
         if (end - start) != self.n_local_experts:
-            if self.n_local_experts != self.n_routed_experts:
-                raise RuntimeError("init_token_dispatcher was already called with a different "
-                                   f"expert-parallel size ({self.n_routed_experts // self.n_local_experts})")
             for name in stacked_shapes(self.config, 1):
                 full = getattr(self, name)
                 setattr(self, name, nn.Parameter(full.detach()[start:end].clone(),
@@ -151,13 +150,8 @@ def check_expert_inputs(config: ExpertsConfig, x: torch.Tensor, token_mask: torc
 
 @dataclass(frozen=True)
 class LocalPermutation:
-    """Rows of `[T, K]`-routed tokens grouped by this rank's experts, without communication.
-
-    rows_PH: `[P, H]` one row per (token, local expert) pair, grouped by expert (token order
-        within an expert). probs_P: `[P]` fp32 routing probs (differentiable).
-    tokens_per_expert: host list of `e` counts (P = their sum). state: what
-        `unpermute_from_experts` needs to sum the rows back into `[T, H]`.
-    """
+    """`[P, H]` rows, one per (token, local expert) pair grouped by expert, their `[P]` fp32
+    probs, the host list of `e` counts, and the state `unpermute_from_experts` needs."""
 
     rows_PH: torch.Tensor
     probs_P: torch.Tensor
@@ -168,8 +162,7 @@ class LocalPermutation:
 def permute_local(x_TH: torch.Tensor, token_mask_T: torch.Tensor, weights_TK: torch.Tensor,
                   indices_TK: torch.Tensor, experts_start_idx: int,
                   n_local_experts: int) -> LocalPermutation:
-    """Group the tokens routed to experts `[start, start + e)` by expert, through the
-    dispatcher's permutation (`dispatcher/permute.py`), as a dispatch at EP=1 would.
+    """Group the tokens routed to experts `[start, start + e)` by expert, as a dispatch at EP=1.
 
     Arguments:
         x_TH: `[T, H]` tokens. token_mask_T: `[T]` bool (False: left out).
@@ -177,9 +170,8 @@ def permute_local(x_TH: torch.Tensor, token_mask_T: torch.Tensor, weights_TK: to
         experts_start_idx / n_local_experts: the expert range.
 
     Returns:
-        `LocalPermutation`. A token naming one expert in two slots reaches it once with the
-        summed prob, which equals the dense per-slot sum (the expert is linear in its prob).
-        The counts are read on the host (one sync): they size the permuted buffer.
+        `LocalPermutation`; a token naming one expert twice reaches it once with the summed
+        prob (the expert is linear in it). The counts are read on the host (one sync).
     """
     local_TK = indices_TK.long() - experts_start_idx
     routed_TK = (local_TK >= 0) & (local_TK < n_local_experts) & token_mask_T[:, None]

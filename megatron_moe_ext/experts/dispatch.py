@@ -1,10 +1,5 @@
-"""`GroupedExpertsDeepEP`: the flex token dispatcher + one grouped-GEMM expert MLP.
-
-Tokens travel to the ranks of their experts through `MoEFlexTokenDispatcher`
-(DeepEP, HybridEP, UCCL-EP or the portable torch backend), arrive grouped by local
-expert, go through `run_grouped_expert_mlp` (routing prob applied inside the
-activation), and combine brings each token's sum back. `ExpertDispatch` is the
-dispatch/combine half, shared with `GroupedExpertsTE`.
+"""`GroupedExpertsDeepEP`: `MoEFlexTokenDispatcher` (any backend) + `run_grouped_expert_mlp`.
+`ExpertDispatch` is the dispatch/combine half, shared with `GroupedExpertsTE`.
 
 Legend: T local tokens, H hidden, E experts, e local experts, K top-k, P dispatched rows
 (grouped by local expert; in capacity mode rows past `sum(tokens_per_expert)` are padding).
@@ -29,28 +24,19 @@ from megatron_moe_ext.experts.mlp import run_grouped_expert_mlp
 
 
 def _stabilize_empty_routing_probs_dtype(permuted_probs: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
-    """Keep empty expert probabilities stable across checkpoint recomputation.
-
-    A dispatch that delivers no rows may return its empty probs in the router dtype or in
-    the activation dtype, and a non-reentrant activation-checkpoint recompute may take the
-    other branch; checkpointing then rejects the changed saved-tensor metadata although
-    both tensors hold nothing. Only the empty case is given `compute_dtype`; non-empty
-    probs keep their (fp32) router precision.
-    """
+    """Empty probs in `compute_dtype`, others unchanged: an empty dispatch may return its probs
+    in either dtype, and a checkpoint recompute that takes the other branch would be rejected
+    for changed saved-tensor metadata."""
     return permuted_probs.to(compute_dtype) if permuted_probs.numel() == 0 else permuted_probs
 
 
 class ExpertDispatch:
-    """Dispatch/combine of `[T, K]`-routed tokens to this rank's experts.
-
-    With an EP group of size > 1 it drives `MoEFlexTokenDispatcher.token_permutation2` /
-    `token_unpermutation`; at EP=1 it groups the routed pairs locally (`common.permute_local`) (no
-    communication, no backend library needed).
+    """Dispatch/combine of `[T, K]`-routed tokens to this rank's experts: the flex dispatcher
+    at EP > 1, `common.permute_local` at EP=1 (no communication, no backend library).
 
     Arguments:
-        config: the experts' config: E, and the H and dtype that size the backend's
-            communication buffer now, at setup, so no collective allocation happens later
-            inside an activation-checkpoint recompute.
+        config: the experts' config; its H and dtype size the backend's buffer now, so no
+            collective allocation happens later inside a checkpoint recompute.
         ep: the expert-parallel group (`common.resolve_ep_group`).
         dispatcher_config: the flex dispatcher's settings (used only when EP > 1).
     """
@@ -69,11 +55,8 @@ class ExpertDispatch:
         self._local: LocalPermutation | None = None
 
     def dispatch(self, x, token_mask, weights, indices):
-        """`[T, ...]` inputs -> `(rows_PH, tokens_per_expert [e], permuted_probs [P])`, empty
-        probs in the rows' dtype (see `_stabilize_empty_routing_probs_dtype`).
-
-        Masked tokens' slots become -1, so they are neither sent nor combined.
-        """
+        """`[T, ...]` inputs -> `(rows_PH, tokens_per_expert [e], permuted_probs [P])`; masked
+        tokens' slots become -1 (neither sent nor combined)."""
         indices = indices.masked_fill(~token_mask[:, None], -1)
         if self.dispatcher is not None:
             rows_PH, tokens_per_expert, probs_P = self.dispatcher.token_permutation2(
@@ -102,7 +85,7 @@ class ExpertDispatch:
 
 def make_dispatcher_config(config: ExpertsConfig, backend: str, num_sms: int, share: bool,
                            async_dispatch: bool, static_routing: bool, **options) -> TokenDispatcherConfig:
-    """The flex dispatcher's config from the experts' settings (validated here, at construction)."""
+    """The flex dispatcher's config (validated here, at construction)."""
     return TokenDispatcherConfig(
         moe_flex_dispatcher_backend=backend,
         num_moe_experts=config.n_routed_experts,
@@ -128,8 +111,7 @@ class GroupedExpertsDeepEP(StackedExperts):
         device: where to allocate the parameters (`meta` to defer; see `init_weights`).
         **dispatcher_options: further `TokenDispatcherConfig` fields (e.g. capacity mode).
 
-    The config is validated at construction; the dispatcher is built by
-    `init_token_dispatcher(ep_mesh)` (without it: EP=1, local permutation).
+    EP=1 (local permutation) until `init_token_dispatcher(ep_mesh)` builds the dispatcher.
     """
 
     def __init__(self, config: ExpertsConfig, dispatcher_backend: str = "deepep",
@@ -137,7 +119,6 @@ class GroupedExpertsDeepEP(StackedExperts):
                  dispatcher_async_dispatch: bool = False, *, static_routing: bool = False,
                  device: torch.device | str | None = None, **dispatcher_options):
         super().__init__(config, device)
-        self.static_routing = static_routing
         self.dispatcher_config = make_dispatcher_config(
             config, dispatcher_backend, dispatcher_num_sms, dispatcher_share_token_dispatcher,
             dispatcher_async_dispatch, static_routing, **dispatcher_options)
@@ -145,20 +126,18 @@ class GroupedExpertsDeepEP(StackedExperts):
         self.token_dispatch = ExpertDispatch(config, self.ep, self.dispatcher_config)
 
     def init_token_dispatcher(self, ep_mesh) -> None:
-        """Join the expert-parallel group (DeviceMesh or ProcessGroup), keep the local experts
-        and build the dispatcher (and its communication buffers, before any checkpointing)."""
+        """Join the EP group (DeviceMesh or ProcessGroup), keep the local experts, build the
+        dispatcher and its buffers."""
         ep = self._set_expert_parallel(ep_mesh)
         self.token_dispatch = ExpertDispatch(self.config, ep, self.dispatcher_config)
 
     def get_pipeline_runtime_initializers(self) -> tuple:
-        """Dispatcher-owned resources to prepare before a pipeline-parallel step (HybridEP's
-        buffer), else ()."""
+        """Dispatcher resources to prepare before a pipeline-parallel step, else ()."""
         return self.token_dispatch.pipeline_runtime_initializers()
 
     def forward(self, x: torch.Tensor, token_mask: torch.Tensor, weights: torch.Tensor,
                 indices: torch.Tensor) -> torch.Tensor:
-        """Apply the routed experts (flex dispatch -> grouped-GEMM MLP -> combine); arguments and result as
-        `GroupedExperts.forward`: `x [T, H]`, `token_mask [T]`, `weights`/`indices [T, K]` -> `[T, H]`."""
+        """As `GroupedExperts.forward`: `x [T, H]`, `token_mask [T]`, `weights`/`indices [T, K]` -> `[T, H]`."""
         check_expert_inputs(self.config, x, token_mask, weights, indices)
         rows_PH, tokens_per_expert, probs_P = self.token_dispatch.dispatch(x, token_mask, weights, indices)
         out_PH = run_grouped_expert_mlp(

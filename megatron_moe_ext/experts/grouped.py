@@ -1,14 +1,8 @@
 """`GroupedExperts`: expert parallelism by all-gather.
 
-Every EP rank gathers all ranks' tokens (variable lengths: the lengths travel first),
-computes its own experts on them, and an all-reduce sums the partial outputs; each rank
-keeps its own tokens' rows. No token dispatcher, no all-to-all: simple and robust, at the
-cost of moving every token to every rank.
-
-Two compute paths over the gathered tokens: a per-expert loop of plain matmuls
-(`config.use_torch_mm=False`), and `torch._grouped_mm` over (token, slot) pairs stably
-grouped by expert (`common.permute_local`, the dispatcher's permutation, then
-`run_grouped_expert_mlp`).
+Every EP rank gathers all ranks' tokens, computes its own experts on them (a per-expert loop
+with `use_torch_mm=False`, else `common.permute_local` + `run_grouped_expert_mlp`), and an
+all-reduce sums the partial outputs; each rank keeps its own tokens' rows.
 
 Legend: T local tokens, N gathered tokens, H hidden, E experts, e local experts, K top-k,
 P (token, slot) pairs routed to this rank's experts, I intermediate.
@@ -45,16 +39,14 @@ def _all_reduce_narrow(full: torch.Tensor, group, gathered_lens: list[int]) -> t
     full = full.contiguous().clone()
     dist.all_reduce(full, group=group)
     rank = dist.get_rank(group)
-    start = sum(gathered_lens[:rank])
-    return full.narrow(0, start, gathered_lens[rank]).clone()
+    return full.narrow(0, sum(gathered_lens[:rank]), gathered_lens[rank]).clone()
 
 
 class _AllGatherConcatVarlenFn(torch.autograd.Function):
-    """All-gather with variable local lengths and autograd-safe backward.
+    """All-gather with variable local lengths; backward is all-reduce + local narrow.
 
-    The backward is all-reduce + local narrow, not reduce-scatter: reduce-scatter over
-    unequal lengths needs padding and, interleaved with FSDP's own reduce-scatters in
-    backward, has been seen to deadlock on collective ordering; an all-reduce cannot.
+    Not reduce-scatter: over unequal lengths it needs padding and, interleaved with FSDP's own
+    reduce-scatters in backward, has been seen to deadlock on collective ordering.
     """
 
     @staticmethod
@@ -68,8 +60,7 @@ class _AllGatherConcatVarlenFn(torch.autograd.Function):
 
 
 class _AllReduceNarrowFn(torch.autograd.Function):
-    """Sum the ranks' partial expert outputs and keep this rank's tokens; the exact adjoint of
-    `_AllGatherConcatVarlenFn`, so its backward is the variable-length all-gather."""
+    """Sum the ranks' partial outputs and keep this rank's tokens (the adjoint of the above)."""
 
     @staticmethod
     def forward(ctx, full: torch.Tensor, group, gathered_lens: list[int]):
@@ -86,11 +77,10 @@ class GroupedExperts(StackedExperts):
     """Sparse MoE experts with expert parallelism by all-gather and all-reduce.
 
     Arguments:
-        config: `ExpertsConfig`; `use_torch_mm` picks `torch._grouped_mm` (True) or the
-            per-expert loop (False).
+        config: `ExpertsConfig` (`use_torch_mm`: grouped GEMM, else the per-expert loop).
         device: where to allocate the parameters (`meta` to defer; see `init_weights`).
 
-    Call `init_token_dispatcher(ep_mesh)` to enable EP; without it the module is EP=1.
+    EP=1 until `init_token_dispatcher(ep_mesh)`.
     """
 
     def __init__(self, config: ExpertsConfig, device: torch.device | str | None = None):
@@ -104,18 +94,8 @@ class GroupedExperts(StackedExperts):
 
     @staticmethod
     def _gather_ep_inputs(x, token_mask, weights, indices, ep_group, ep_size):
-        """Gather unequal token shards across the expert-parallel group.
-
-        Arguments:
-            x: `[T, H]` local activations; token_mask: `[T]` bool; weights: `[T, K]`
-                routing weights; indices: `[T, K]` global expert ids.
-            ep_group / ep_size: the expert-parallel group and its size.
-
-        Returns:
-            `(x [N, H], token_mask [N], weights [N, K], indices [N, K], gathered_lens)`,
-            rank-major; `gathered_lens` is the host list of every rank's T. Activations and
-            weights stay differentiable through `_AllGatherConcatVarlenFn`.
-        """
+        """`forward`'s `[T, ...]` inputs of every rank -> rank-major `[N, ...]` ones plus the
+        host list of every rank's T; x and weights stay differentiable."""
         lens = torch.zeros(ep_size, dtype=torch.int64, device=x.device)
         dist.all_gather_into_tensor(lens, torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device),
                                     group=ep_group)
@@ -158,8 +138,6 @@ class GroupedExperts(StackedExperts):
 
     def _forward_grouped_mm(self, x, token_mask, weights, indices, gate_and_up_projs, down_projs,
                             gate_up_proj_bias, down_proj_bias, n_local_experts, experts_start_idx):
-        """Grouped-GEMM path: group the routed pairs by expert, one `run_grouped_expert_mlp`,
-        sum each token's rows back."""
         perm = permute_local(x, token_mask, weights.float(), indices, experts_start_idx, n_local_experts)
         out_PH = run_grouped_expert_mlp(
             perm.rows_PH, gate_and_up_projs, down_projs, gate_up_proj_bias, down_proj_bias,
@@ -171,11 +149,7 @@ class GroupedExperts(StackedExperts):
     def _forward_loop(self, x, weights, indices, token_mask, gate_and_up_projs, down_projs,
                       gate_up_proj_bias, down_proj_bias, n_local_experts, experts_start_idx,
                       experts_end_idx):
-        """Per-expert loop: gather an expert's tokens, two matmuls, scatter-add back.
-
-        Every local expert runs, even with no tokens, so each one's parameters stay in the
-        graph and get a (zero) gradient.
-        """
+        # Every local expert runs, even with no tokens, so each one's parameters get a (zero) gradient.
         out = x.new_zeros(x.shape)
         routed_TK = indices.ge(experts_start_idx) & indices.lt(experts_end_idx) & token_mask[:, None]
         for local in range(n_local_experts):

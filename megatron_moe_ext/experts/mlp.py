@@ -1,23 +1,16 @@
-"""The grouped-GEMM expert MLP core: `act(x @ W1 + b1) @ W2 + prob * b2` per expert segment.
+"""The grouped-GEMM expert MLP: `act(x @ W1 + b1) @ W2 + prob * b2` per expert segment.
 
-Rows arrive grouped contiguously by local expert (`tokens_per_expert` rows each), as the
-dispatchers and `common.permute_local` deliver them. Two `torch._grouped_mm` calls
-do the projections; `_apply_bias` adds the biases (`_grouped_mm` has none, and the down bias
-is weighted by the prob). Large inputs run in checkpointed row chunks so the `[P, 2I]` and
-`[P, I]` intermediates never exist at full size.
+Rows arrive grouped by local expert (`tokens_per_expert` rows each). Two `torch._grouped_mm`
+calls do the projections, `_apply_bias` the biases (`_grouped_mm` has none). Large inputs
+run in checkpointed row chunks; QuACK's fused kernels (`fused.py`) where allowed and supported.
 
-Feature padding: `torch._grouped_mm` needs every row stride to be a multiple of 16 bytes.
-Hidden or intermediate sizes that are not (e.g. H 12 in bf16, I 10 in fp32) are zero-padded
-to the next multiple for the two GEMMs only and sliced back: zero columns of `x` meet zero
-rows of the weights, and the padded intermediate columns are sliced off before the bias and
-activation, so the result and every gradient equal the unpadded math.
+Feature padding: `_grouped_mm` needs 16-byte row strides, so other H or I (e.g. H 12 in
+bf16) are zero-padded for the two GEMMs only and sliced back: zero columns meet zero weight
+rows, so the result and every gradient equal the unpadded math.
 
-Capacity padding: rows past `sum(tokens_per_expert)` belong to no expert. Their output is
-unspecified but finite (it is 0 here), they add nothing to any weight or bias gradient, and
-their input and prob gradients are 0. When the counts live on the host that is free (the
-padding is sliced off); when they live on the device, masks keep the step sync-free.
-Where `expert_mlp_impl` allows and the case is supported, `run_grouped_expert_mlp` runs
-QuACK's fused kernels instead (`fused.py`, same contract).
+Capacity padding: rows past `sum(tokens_per_expert)` output 0, add nothing to any weight or
+bias gradient, and get 0 input and prob gradients: sliced off with host counts, masked on
+the device (sync-free) with device counts.
 
 Legend: P permuted rows, H hidden, I intermediate, e local experts.
 """
@@ -49,10 +42,9 @@ Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class _GroupedMmOutput(torch.autograd.Function):
-    """Wraps a `_grouped_mm` output: zeroes its padding rows (which `_grouped_mm` leaves
-    uninitialised) in place when `total_1` (rows in groups, on the device) is given, and hands
-    backward a contiguous gradient, since `_grouped_mm`'s CPU backward rejects expanded
-    zero-stride gradients (such as the one `.sum()` produces)."""
+    """Zeroes a `_grouped_mm` output's padding rows (left uninitialised) in place when `total_1`
+    (rows in groups, on the device) is given; backward makes the gradient contiguous, since
+    `_grouped_mm`'s CPU backward rejects zero-stride ones (such as `.sum()`'s)."""
 
     @staticmethod
     def forward(ctx, out: torch.Tensor, total_1: torch.Tensor | None) -> torch.Tensor:
@@ -68,8 +60,7 @@ class _GroupedMmOutput(torch.autograd.Function):
 
 
 class _ZeroGradOnPadding(torch.autograd.Function):
-    """Identity whose backward zeroes the padding rows' gradient: `_grouped_mm` leaves the
-    input gradient of rows outside every group uninitialised."""
+    """Identity whose backward zeroes the padding rows' gradient (`_grouped_mm` leaves it uninitialised)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, total_1: torch.Tensor) -> torch.Tensor:
@@ -85,8 +76,7 @@ class _ZeroGradOnPadding(torch.autograd.Function):
 
 
 def _pad_dims(t: torch.Tensor, multiple: int, dims: tuple[int, ...]) -> torch.Tensor:
-    """Zero-pad the trailing `dims` (negative indices) of `t` to multiples of `multiple`;
-    `t` itself when no padding is needed."""
+    """Zero-pad the trailing `dims` (negative indices) of `t` to multiples of `multiple`."""
     pad = [0] * (2 * -min(dims))
     for d in dims:
         pad[2 * (-d - 1) + 1] = -t.shape[d] % multiple
@@ -95,8 +85,7 @@ def _pad_dims(t: torch.Tensor, multiple: int, dims: tuple[int, ...]) -> torch.Te
 
 def _grouped_mm_any_width(x_PK: torch.Tensor, w_eKN: torch.Tensor,
                           offsets_e: torch.Tensor, total_1: torch.Tensor | None) -> torch.Tensor:
-    """`torch._grouped_mm(x, w, offs)` for any K and N: both are zero-padded to 16-byte rows
-    when needed and the result is sliced back to `[P, N]` (see "Feature padding")."""
+    """`torch._grouped_mm(x, w, offs)` for any K and N (see "Feature padding")."""
     multiple = max(1, 16 // x_PK.element_size())  # elements per 16 bytes
     width = w_eKN.shape[2]
     out = _GroupedMmOutput.apply(
@@ -117,12 +106,8 @@ def _grouped_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor, down_
                  tokens_per_expert: TokenCounts, permuted_probs_P1: torch.Tensor,
                  activation_fn: Activation, apply_router_weight_after_down: bool,
                  activation_checkpoint=None) -> torch.Tensor:
-    """The grouped MLP in one shot (arguments as `run_grouped_expert_mlp`, unchecked).
-
-    apply_router_weight_after_down: multiply by the prob after the down projection
-    (`prob * (act(x W1 + b1) W2 + b2)`) instead of inside `activation_fn`.
-    Returns `[P, H]` in hidden_PH's dtype; padding rows are 0.
-    """
+    """The grouped MLP in one shot (arguments as `run_grouped_expert_mlp`, unchecked;
+    `apply_router_weight_after_down`: `prob * (act(x W1 + b1) W2 + b2)`). Returns `[P, H]`."""
     dtype, rows = hidden_PH.dtype, hidden_PH.shape[0]
     host = _host_counts(tokens_per_expert)
     if host is not None and sum(host) < rows:
@@ -141,10 +126,8 @@ def _grouped_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor, down_
     else:
         counts_e = _counts_on(tokens_per_expert, hidden_PH.device)
         offsets_e = torch.cumsum(counts_e, 0, dtype=torch.int32)
-        # Device counts: the padding rows are unknown without a sync, so they are zeroed on
-        # the device. `_grouped_mm` never reads them (so they add nothing to weight
-        # gradients) but leaves their output and input gradient uninitialised: zero those,
-        # and the probs, which may be garbage there and would turn 0 * bias into NaN.
+        # Device counts: `_grouped_mm` leaves the padding rows' output and input gradient
+        # uninitialised: zero those, and their probs (garbage would turn 0 * bias into NaN).
         total_1 = offsets_e[-1:]
         hidden_PH = _ZeroGradOnPadding.apply(hidden_PH, total_1)
         permuted_probs_P1 = torch.where(
@@ -177,23 +160,10 @@ def _checkpointed_chunked_expert_mlp(hidden_states: torch.Tensor, gate_and_up_pr
                                      activation_fn: Activation,
                                      apply_router_weight_after_down: bool = False,
                                      chunk_bytes: int | None = None) -> torch.Tensor:
-    """Run the grouped expert MLP in checkpointed row chunks of about `chunk_bytes`.
+    """The grouped expert MLP in checkpointed row chunks, each about `chunk_bytes` of `[rows, 2I]`
+    intermediate (default `_EXPERT_MLP_CHUNK_BYTES`); chunks may cut through an expert's rows.
 
-    A chunk holds as many rows as fit `chunk_bytes` of its `[rows, 2I]` intermediate. Chunks
-    may cut through an expert's rows; each gets its own counts. Backward recomputes one
-    chunk's GEMMs at a time instead of keeping `[P, 2I]` and `[P, I]` activations, and the
-    `[P, H]` output is allocated once and filled by slices.
-
-    Arguments:
-        hidden_states, gate_and_up_projs, down_projs, tokens_per_expert, permuted_probs,
-        activation_fn, gate_up_proj_bias, down_proj_bias: as `run_grouped_expert_mlp`.
-        apply_router_weight_after_down: multiply by the prob after the down projection
-            (`prob * (act(x W1 + b1) W2 + b2)`) instead of inside `activation_fn`.
-        chunk_bytes: target size of one chunk's `[rows, 2I]` intermediate
-            (default `_EXPERT_MLP_CHUNK_BYTES`).
-
-    Returns:
-        `[P, H]` in hidden_states' dtype with its own storage; equal to the unchunked result.
+    Arguments: as `_grouped_mlp`. Returns: `[P, H]`, equal to the unchunked result.
     """
     rows, hidden = hidden_states.shape
     dtype = hidden_states.dtype
@@ -217,17 +187,22 @@ def _checkpointed_chunked_expert_mlp(hidden_states: torch.Tensor, gate_and_up_pr
     return out_PH
 
 
+def _rows_of(hidden_PH: torch.Tensor | IndexedRows) -> tuple[torch.Tensor, int]:
+    """The row tensor (`[P, H]`, or `IndexedRows`' received `[R, H]`) and P."""
+    if isinstance(hidden_PH, IndexedRows):
+        return hidden_PH.rows_RH, hidden_PH.num_permuted
+    return hidden_PH, hidden_PH.shape[0]
+
+
 def _validate(hidden_PH: torch.Tensor | IndexedRows, gate_and_up_projs: torch.Tensor,
               down_projs: torch.Tensor, gate_up_proj_bias: torch.Tensor | None,
               down_proj_bias: torch.Tensor | None, tokens_per_expert: TokenCounts,
               permuted_probs_P1: torch.Tensor) -> None:
-    indexed = isinstance(hidden_PH, IndexedRows)
-    rows_NH = hidden_PH.rows_RH if indexed else hidden_PH
+    rows_NH, rows = _rows_of(hidden_PH)
     if rows_NH.dim() != 2:
-        name = "IndexedRows.rows_RH must be [R, H]" if indexed else "hidden_PH must be [P, H]"
+        name = "IndexedRows.rows_RH must be [R, H]" if rows_NH is not hidden_PH else "hidden_PH must be [P, H]"
         raise ValueError(f"{name}, got shape {tuple(rows_NH.shape)}")
-    rows, hidden = (hidden_PH.num_permuted if indexed else rows_NH.shape[0]), rows_NH.shape[1]
-    experts = gate_and_up_projs.shape[0]
+    hidden, experts = rows_NH.shape[1], gate_and_up_projs.shape[0]
     if gate_and_up_projs.dim() != 3 or gate_and_up_projs.shape[1] != hidden:
         raise ValueError(f"gate_and_up_projs must be [e, {hidden}, 2I or I], got "
                          f"{tuple(gate_and_up_projs.shape)}")
@@ -265,29 +240,22 @@ def run_grouped_expert_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Ten
 
     Arguments:
         hidden_PH: `[P, H]` rows grouped by expert, in the compute dtype, or `IndexedRows`
-            (received rows + the maps; the fused path gathers inside its GEMM, the torch path
-            makes the permuted copy).
+            (the fused path gathers inside its GEMM, the torch path makes the permuted copy).
         gate_and_up_projs: `[e, H, 2I]` (`[e, H, I]` non-gated), maybe fp32 masters.
         down_projs: `[e, I, H]`.
         gate_up_proj_bias: optional `[e, 2I]` (unweighted).
         down_proj_bias: optional `[e, H]` (weighted: `prob * bias`).
-        tokens_per_expert: `[e]` counts, host or device (device counts cost no sync);
-            rows past their sum are capacity padding (output 0, no gradient into weights).
+        tokens_per_expert: `[e]` counts, host or device; rows past their sum are padding.
         permuted_probs_P1: `[P, 1]` routing probabilities (fp32).
-        activation_fn: `fn(x [P, 2I or I], probs [P, 1]) -> [P, I]`, e.g. from
-            `get_expert_activation`.
-        chunk_bytes: the chunking threshold (`ExpertsConfig.expert_mlp_chunk_bytes`; None:
-            `_EXPERT_MLP_CHUNK_BYTES`; 0: never chunk).
-        activation_checkpoint: single shot only, e.g. Megatron's `CheckpointWithoutOutput`:
-            its `checkpoint` runs the activation, whose output it frees once the down
-            projection has run and recomputes in backward (`moe_act` recompute). The fused
-            path needs none: it never saves the activation output (its backward recomputes
-            it from the pre-activation in the epilogue).
+        activation_fn: `fn(x [P, 2I or I], probs [P, 1]) -> [P, I]` (`get_expert_activation`).
+        chunk_bytes: the chunking threshold (None: `_EXPERT_MLP_CHUNK_BYTES`; 0: never chunk).
+        activation_checkpoint: single shot only, e.g. Megatron's `CheckpointWithoutOutput`
+            (`moe_act` recompute: the activation output is freed after the down projection).
+            The fused path never saves the activation output.
         expert_mlp_impl: "grouped_mm" (default), "auto" (fused where supported and measured
             faster: `fused.auto_declined_reason`) or "fused"
             (RuntimeError naming the reason where not).
-        experts_config: the `ExpertsConfig` naming the activation (needed unless
-            "grouped_mm").
+        experts_config: the `ExpertsConfig` naming the activation (needed unless "grouped_mm").
 
     Returns:
         `[P, H]` in the rows' dtype.
@@ -295,54 +263,34 @@ def run_grouped_expert_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Ten
     _validate(hidden_PH, gate_and_up_projs, down_projs, gate_up_proj_bias, down_proj_bias,
               tokens_per_expert, permuted_probs_P1)
     chunk_bytes = _EXPERT_MLP_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
-    reason = fused_call_unsupported_reason(hidden_PH, gate_and_up_projs, down_projs, chunk_bytes,
-                                           expert_mlp_impl, experts_config)
-    if reason is None:
-        return fused_expert_mlp(hidden_PH, gate_and_up_projs, down_projs, gate_up_proj_bias,
-                                down_proj_bias, tokens_per_expert, permuted_probs_P1,
-                                experts_config.expert_activation)
-    if expert_mlp_impl == "fused":
-        raise RuntimeError(f"expert_mlp_impl='fused' is not possible here: {reason}")
+    rows_NH, rows = _rows_of(hidden_PH)
+    intermediate_bytes = rows * gate_and_up_projs.shape[-1] * rows_NH.element_size()
+    chunked = bool(chunk_bytes) and intermediate_bytes > chunk_bytes
+    if check_expert_mlp_impl(expert_mlp_impl) != "grouped_mm":
+        if experts_config is None:
+            raise ValueError(f"expert_mlp_impl={expert_mlp_impl!r} needs experts_config (the "
+                             "ExpertsConfig naming the activation)")
+        reason = ((f"the [P, 2I] intermediate ({intermediate_bytes} bytes) exceeds chunk_bytes "
+                   f"({chunk_bytes}): the checkpointed chunked torch path bounds its memory") if chunked
+                  else activation_unsupported_reason(experts_config.expert_activation,
+                                                     experts_config.activation_alpha,
+                                                     experts_config.activation_limit)
+                  or shape_unsupported_reason(rows_NH.shape[1], down_projs.shape[1])
+                  or device_unsupported_reason(rows_NH.device, rows_NH.dtype)
+                  or auto_declined_reason(expert_mlp_impl, rows_NH.shape[1], down_projs.shape[1]))
+        if reason is None:
+            return fused_expert_mlp(hidden_PH, gate_and_up_projs, down_projs, gate_up_proj_bias,
+                                    down_proj_bias, tokens_per_expert, permuted_probs_P1,
+                                    experts_config.expert_activation)
+        if expert_mlp_impl == "fused":
+            raise RuntimeError(f"expert_mlp_impl='fused' is not possible here: {reason}")
     if isinstance(hidden_PH, IndexedRows):
-        hidden_PH = gather_indexed_rows(hidden_PH)
-    width_bytes = gate_and_up_projs.shape[-1] * hidden_PH.element_size()
-    if chunk_bytes and hidden_PH.shape[0] * width_bytes > chunk_bytes:
+        # The permuted copy; its backward sums each received row's positions (no atomics).
+        pos_RJ = torch.where(hidden_PH.slot_of_row_RJ < 0, rows, hidden_PH.slot_of_row_RJ).long()
+        hidden_PH = _GatherRows.apply(rows_NH, hidden_PH.row_of_slot_P.long(), pos_RJ)
+    if chunked:
         return _checkpointed_chunked_expert_mlp(
             hidden_PH, gate_and_up_projs, down_projs, gate_up_proj_bias, down_proj_bias,
             tokens_per_expert, permuted_probs_P1, activation_fn, chunk_bytes=chunk_bytes)
     return _grouped_mlp(hidden_PH, gate_and_up_projs, down_projs, gate_up_proj_bias, down_proj_bias,
                         tokens_per_expert, permuted_probs_P1, activation_fn, False, activation_checkpoint)
-
-
-def gather_indexed_rows(indexed: IndexedRows) -> torch.Tensor:
-    """The `[P, H]` permuted copy of `IndexedRows` (for the torch path), differentiable: the
-    backward sums each received row's positions (`slot_of_row_RJ`, no atomics)."""
-    rows = indexed.num_permuted
-    pos_RJ = torch.where(indexed.slot_of_row_RJ < 0, rows, indexed.slot_of_row_RJ).long()
-    return _GatherRows.apply(indexed.rows_RH, indexed.row_of_slot_P.long(), pos_RJ)
-
-
-def fused_call_unsupported_reason(hidden_PH: torch.Tensor | IndexedRows,
-                                  gate_and_up_projs: torch.Tensor, down_projs: torch.Tensor,
-                                  chunk_bytes: int, expert_mlp_impl: str,
-                                  experts_config) -> str | None:
-    """Why this call of `run_grouped_expert_mlp` does not run the fused path, or None."""
-    check_expert_mlp_impl(expert_mlp_impl)
-    if expert_mlp_impl == "grouped_mm":
-        return "expert_mlp_impl='grouped_mm'"
-    if experts_config is None:
-        raise ValueError(f"expert_mlp_impl={expert_mlp_impl!r} needs experts_config (the "
-                         "ExpertsConfig naming the activation)")
-    indexed = isinstance(hidden_PH, IndexedRows)
-    rows_NH = hidden_PH.rows_RH if indexed else hidden_PH
-    rows = hidden_PH.num_permuted if indexed else rows_NH.shape[0]
-    intermediate_bytes = rows * gate_and_up_projs.shape[-1] * rows_NH.element_size()
-    if chunk_bytes and intermediate_bytes > chunk_bytes:
-        return (f"the [P, 2I] intermediate ({intermediate_bytes} bytes) exceeds chunk_bytes "
-                f"({chunk_bytes}): the checkpointed chunked torch path bounds its memory")
-    return (activation_unsupported_reason(experts_config.expert_activation,
-                                          experts_config.activation_alpha,
-                                          experts_config.activation_limit)
-            or shape_unsupported_reason(rows_NH.shape[1], down_projs.shape[1])
-            or device_unsupported_reason(rows_NH.device, rows_NH.dtype)
-            or auto_declined_reason(expert_mlp_impl, rows_NH.shape[1], down_projs.shape[1]))

@@ -1,11 +1,8 @@
 """`GroupedExpertsTE`: the flex token dispatcher + Transformer Engine `GroupedLinear`.
 
-TE's `GroupedLinear` holds one `weight{i} [out, in]` (and `bias{i} [out]`) per local
-expert and runs all of them in one grouped GEMM, with FP8 when TE's autocast is on. The
-module's checkpoint is the stacked layout of the other expert modules
-(`gate_and_up_projs [e, H, 2I]`, `down_projs [e, I, H]`, biases `[e, 2I]`, `[e, H]`):
-`state_dict` / `_load_from_state_dict` convert, so checkpoints move between the three
-modules unchanged.
+`GroupedLinear` holds one `weight{i} [out, in]` (and `bias{i} [out]`) per local expert, with
+FP8 under TE's autocast; `state_dict` / `_load_from_state_dict` convert to and from the
+stacked layout of the other expert modules (`experts/common.py`).
 
 Legend: T local tokens, H hidden, E experts, e local experts, P dispatched rows,
 I intermediate.
@@ -18,17 +15,23 @@ import contextlib
 import torch
 from torch import nn
 
-from megatron_moe_ext.experts.activations import get_expert_activation, is_gated_activation
+from megatron_moe_ext.experts.activations import get_expert_activation
 from megatron_moe_ext.experts.bias import TokenCounts, _counts_on
-from megatron_moe_ext.experts.common import check_expert_inputs, local_expert_range, resolve_ep_group
+from megatron_moe_ext.experts.common import (
+    check_expert_inputs,
+    local_expert_range,
+    resolve_ep_group,
+    stacked_shapes,
+)
 from megatron_moe_ext.experts.config import ExpertsConfig
 from megatron_moe_ext.experts.dispatch import ExpertDispatch, make_dispatcher_config
 from megatron_moe_ext.experts.mlp import _host_counts
 from megatron_moe_ext.utils.optional import require
 
-# Stacked checkpoint key -> (GroupedLinear attribute, what the GroupedLinear holds).
-_STACKED_WEIGHTS = {"gate_and_up_projs": "gate_up_linear", "down_projs": "down_linear"}
-_STACKED_BIASES = {"gate_up_proj_bias": "gate_up_linear", "down_proj_bias": "down_linear"}
+# Stacked checkpoint key -> (GroupedLinear attribute, parameter kind there).
+_STACKED = {"gate_and_up_projs": ("gate_up_linear", "weight"), "down_projs": ("down_linear", "weight"),
+            "gate_up_proj_bias": ("gate_up_linear", "bias"), "down_proj_bias": ("down_linear", "bias")}
+_LINEARS = ("gate_up_linear", "down_linear")
 
 
 class GroupedExpertsTE(nn.Module):
@@ -48,14 +51,9 @@ class GroupedExpertsTE(nn.Module):
             `transformer_engine.pytorch`; tests pass tests/doubles/te_grouped_linear).
 
     The routing prob multiplies each row after the down GEMM (`prob * (act(x W1 + b1) W2
-    + b2)`): the expert is linear in it, TE adds the down bias inside the GEMM, and padding
-    rows then need no prob at all.
-
-    Host syncs: none when the dispatcher gives host counts. With device counts (capacity
-    modes) this module reads nothing on the host, but TE 2.20.2 does: `GroupedLinear`'s
-    split path calls `m_splits.tolist()` (its grouped-tensor path, `use_grouped_tensor=True`,
-    bf16 on Hopper or newer, takes device splits without a sync), and under FP8 padding the
-    counts are read once per forward here, because `Fp8Padding` takes host lists.
+    + b2)`), so TE adds the down bias inside the GEMM. Host syncs: none with host counts;
+    with device counts TE 2.20.2's `GroupedLinear` split path calls `m_splits.tolist()`
+    (not its grouped-tensor path), and FP8 padding reads them here (`Fp8Padding` takes lists).
     """
 
     def __init__(self, config: ExpertsConfig, dispatcher_backend: str = "deepep",
@@ -74,7 +72,6 @@ class GroupedExpertsTE(nn.Module):
         self.dim, self.moe_inter_dim = config.dim, config.moe_inter_dim
         self.n_routed_experts = config.n_routed_experts
         self.expert_bias = config.expert_bias
-        self.is_gated = is_gated_activation(config.expert_activation)
         self.static_routing = static_routing
         self.fp8_align_size = fp8_align_size
         self._static_m_splits: list[int] | None = None
@@ -89,74 +86,45 @@ class GroupedExpertsTE(nn.Module):
         self.token_dispatch = ExpertDispatch(config, resolve_ep_group(None), self.dispatcher_config)
 
     def _build_linears(self, num_experts: int, device: torch.device) -> None:
-        up = (2 if self.is_gated else 1) * self.moe_inter_dim
-        te = self._te
-        self.gate_up_linear = te.GroupedLinear(num_experts, self.dim, up, bias=self.expert_bias,
-                                               params_dtype=self.config.dtype, device=device)
-        self.down_linear = te.GroupedLinear(num_experts, self.moe_inter_dim, self.dim,
-                                            bias=self.expert_bias, params_dtype=self.config.dtype,
-                                            device=device)
+        config, te = self.config, self._te
+        up = stacked_shapes(config, 1)["gate_and_up_projs"][2]
+        self.gate_up_linear = te.GroupedLinear(num_experts, config.dim, up, bias=config.expert_bias,
+                                               params_dtype=config.dtype, device=device)
+        self.down_linear = te.GroupedLinear(num_experts, config.moe_inter_dim, config.dim,
+                                            bias=config.expert_bias, params_dtype=config.dtype, device=device)
         self.fp8_padding = te.Fp8Padding(num_experts, self.fp8_align_size)
         self.fp8_unpadding = te.Fp8Unpadding(num_experts, self.fp8_align_size)
 
     # ---- stacked views ------------------------------------------------------------------
     @staticmethod
-    def _get_stacked_weight(linear, transpose: bool = False) -> torch.Tensor:
-        """`[e, out, in]` (or `[e, in, out]` with `transpose`), differentiable."""
-        stacked = torch.stack([getattr(linear, f"weight{i}") for i in range(linear.num_gemms)])
+    def _get_stacked_weight(linear, transpose: bool = False, kind: str = "weight") -> torch.Tensor:
+        """`[e, out, in]` (`[e, in, out]` with `transpose`; `[e, out]` biases), differentiable."""
+        stacked = torch.stack([getattr(linear, f"{kind}{i}") for i in range(linear.num_gemms)])
         return stacked.transpose(1, 2) if transpose else stacked
 
     @staticmethod
     def _get_stacked_bias(linear) -> torch.Tensor | None:
-        if not linear.use_bias:
-            return None
-        return torch.stack([getattr(linear, f"bias{i}") for i in range(linear.num_gemms)])
+        return GroupedExpertsTE._get_stacked_weight(linear, kind="bias") if linear.use_bias else None
 
-    @staticmethod
-    def _set_stacked_weight(linear, stacked: torch.Tensor, transpose: bool = False) -> None:
-        with torch.no_grad():
-            for i in range(linear.num_gemms):
-                getattr(linear, f"weight{i}").copy_(stacked[i].t() if transpose else stacked[i])
-
-    @staticmethod
-    def _set_stacked_bias(linear, stacked: torch.Tensor) -> None:
-        with torch.no_grad():
-            for i in range(linear.num_gemms):
-                getattr(linear, f"bias{i}").copy_(stacked[i])
-
-    @property
-    def gate_and_up_projs(self) -> torch.Tensor:
-        return self._get_stacked_weight(self.gate_up_linear, transpose=True)
-
-    @property
-    def down_projs(self) -> torch.Tensor:
-        return self._get_stacked_weight(self.down_linear, transpose=True)
-
-    @property
-    def gate_up_proj_bias(self) -> torch.Tensor | None:
-        return self._get_stacked_bias(self.gate_up_linear)
-
-    @property
-    def down_proj_bias(self) -> torch.Tensor | None:
-        return self._get_stacked_bias(self.down_linear)
+    gate_and_up_projs = property(lambda self: self._get_stacked_weight(self.gate_up_linear, True))
+    down_projs = property(lambda self: self._get_stacked_weight(self.down_linear, True))
+    gate_up_proj_bias = property(lambda self: self._get_stacked_bias(self.gate_up_linear))
+    down_proj_bias = property(lambda self: self._get_stacked_bias(self.down_linear))
 
     # ---- setup ---------------------------------------------------------------------------
     def init_token_dispatcher(self, ep_mesh, moe_mesh=None) -> None:
         """Join the expert-parallel group (DeviceMesh or ProcessGroup), rebuild the
         GroupedLinears for the `e = E / ep` local experts (keeping their current weights) and
-        build the dispatcher. `moe_mesh` is accepted for the original interface's signature; unused."""
+        build the dispatcher. `moe_mesh` is accepted for the seed's signature; unused."""
         ep = resolve_ep_group(ep_mesh)
-        start, end = local_expert_range(self.n_routed_experts, ep)
+        start, end = local_expert_range(self.n_routed_experts, ep, self.num_local_experts)
         if end - start != self.num_local_experts:
-            if self.num_local_experts != self.n_routed_experts:
-                raise RuntimeError("init_token_dispatcher was already called with a different "
-                                   "expert-parallel size")
-            stacked = {name: getattr(self, name) for name in (*_STACKED_WEIGHTS, *_STACKED_BIASES)}
+            stacked = {name: getattr(self, name) for name in _STACKED}
             self._build_linears(end - start, self.gate_up_linear.weight0.device)
-            for name, child in _STACKED_WEIGHTS.items():
-                self._set_stacked_weight(getattr(self, child), stacked[name][start:end], transpose=True)
-            for name, child in _STACKED_BIASES.items() if self.expert_bias else ():
-                self._set_stacked_bias(getattr(self, child), stacked[name][start:end])
+            with torch.no_grad():
+                for name, (child, kind) in _STACKED.items():
+                    for i, value in enumerate([] if stacked[name] is None else stacked[name][start:end]):
+                        getattr(getattr(self, child), f"{kind}{i}").copy_(value.t() if kind == "weight" else value)
         self.ep_rank, self.num_local_experts = ep.rank, end - start
         self.token_dispatch = ExpertDispatch(self.config, ep, self.dispatcher_config)
 
@@ -179,18 +147,13 @@ class GroupedExpertsTE(nn.Module):
 
     # ---- checkpoint: the stacked layout ------------------------------------------------------
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
-        """The module's state in the stacked layout shared by every expert module.
-
-        Returns:
-            `{prefix}gate_and_up_projs [e, H, 2I]`, `{prefix}down_projs [e, I, H]` and, with
-            biases, `{prefix}gate_up_proj_bias [e, 2I]`, `{prefix}down_proj_bias [e, H]`
-            (this rank's experts), detached, instead of the GroupedLinears' per-expert keys.
-        """
+        """Returns: this rank's experts in the stacked layout (`{prefix}gate_and_up_projs
+        [e, H, 2I]`, ...; `experts/common.py`), detached, instead of the GroupedLinears' keys."""
         out = super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
-        children = tuple(f"{prefix}{child}." for child in set(_STACKED_WEIGHTS.values()))
+        children = tuple(f"{prefix}{child}." for child in _LINEARS)
         for key in [k for k in out if k.startswith(children)]:
             del out[key]
-        for name in (*_STACKED_WEIGHTS, *_STACKED_BIASES):
+        for name in _STACKED:
             value = getattr(self, name)
             if value is not None:
                 out[prefix + name] = value.detach().contiguous()
@@ -200,7 +163,7 @@ class GroupedExpertsTE(nn.Module):
                               unexpected_keys, error_msgs):
         """Load the stacked layout by expanding it into the GroupedLinears' `weight{i}` /
         `bias{i}` keys before they load (TE's own per-expert keys load unchanged too)."""
-        for name, child in {**_STACKED_WEIGHTS, **_STACKED_BIASES}.items():
+        for name, (child, kind) in _STACKED.items():
             key = prefix + name
             if key not in state_dict:
                 continue
@@ -214,10 +177,9 @@ class GroupedExpertsTE(nn.Module):
                                   f"{tuple(stacked.shape)} from checkpoint, the shape in current "
                                   f"model is {tuple(expected.shape)}.")
                 continue
-            kind = "bias" if name in _STACKED_BIASES else "weight"
             for i in range(stacked.shape[0]):
                 state_dict[f"{prefix}{child}.{kind}{i}"] = stacked[i] if kind == "bias" else stacked[i].t()
-        for child in set(_STACKED_WEIGHTS.values()):
+        for child in _LINEARS:
             # The stacked layout carries no FP8 metadata: keep the current one.
             extra_key = f"{prefix}{child}._extra_state"
             if extra_key not in state_dict:
@@ -228,8 +190,7 @@ class GroupedExpertsTE(nn.Module):
     # ---- forward ---------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, token_mask: torch.Tensor, weights: torch.Tensor,
                 indices: torch.Tensor) -> torch.Tensor:
-        """Apply the routed experts (flex dispatch -> TE `GroupedLinear` MLP -> combine); arguments and result as
-        `GroupedExperts.forward`: `x [T, H]`, `token_mask [T]`, `weights`/`indices [T, K]` -> `[T, H]`."""
+        """As `GroupedExperts.forward`: `x [T, H]`, `token_mask [T]`, `weights`/`indices [T, K]` -> `[T, H]`."""
         check_expert_inputs(self.config, x, token_mask, weights, indices)
         rows_PH, tokens_per_expert, probs_P = self.token_dispatch.dispatch(x, token_mask, weights, indices)
         return self.token_dispatch.combine(self._grouped_mlp(rows_PH, probs_P, tokens_per_expert).to(x.dtype))
@@ -248,20 +209,15 @@ class GroupedExpertsTE(nn.Module):
 
     def _grouped_mlp(self, rows_PH: torch.Tensor, probs_P: torch.Tensor,
                      tokens_per_expert: TokenCounts) -> torch.Tensor:
-        """`prob * (act(x W1 + b1) W2 + b2)` per row; rows past `sum(tokens_per_expert)`
-        (capacity padding) come out 0 and add nothing to any gradient.
-
-        Host counts: the padding is sliced off and, under FP8, each group padded by TE's
-        `Fp8Padding`. Device counts: the padding rows join the last expert's group (zeroed,
-        prob 0), so the splits cover every row without reading the counts on the host.
-        """
+        """`prob * (act(x W1 + b1) W2 + b2)` per row; capacity padding rows come out 0 and add
+        nothing to any gradient. With device counts they join the last expert's group (zeroed,
+        prob 0), so the splits cover every row without a host read."""
         rows = rows_PH.shape[0]
         pad_groups = self.fp8_align_size is not None or self._uses_te and require(
             "transformer_engine.pytorch.quantization", "GroupedExpertsTE FP8 padding"
         ).FP8GlobalStateManager.is_fp8_enabled()
-        # Host splits when reading them costs no sync. Static routing (benchmark-only: the
-        # counts are the same every microbatch) reads device counts once and caches the list;
-        # Fp8Padding needs host splits.
+        # Static routing (benchmark-only: the same counts every microbatch) reads device counts
+        # once and caches the list; Fp8Padding needs host splits.
         host = self._static_m_splits or _host_counts(tokens_per_expert)
         if host is None and (pad_groups or self.static_routing):
             host = [int(n) for n in tokens_per_expert.tolist()]

@@ -2,21 +2,14 @@
 `gather_sum` (each output row the sum of up to J source rows, slot by slot) and
 `gather_rows` (a pick of rows), each the other's gradient.
 
-The torch versions in `permute.py` (the CPU path) build a padded copy of the whole source
-with a zero row appended and add J `index_select`ed `[R, H]` tensors one by one; their
-backward is J zero-filled `index_add_`s summed by autograd. On an H200 that data movement
-outweighed the expert GEMMs of a sync-free layer. Here each output row is written once:
-- `gather_sum`'s kernel loads an output row's J sources (position N, one past the last row,
-  is a masked load of zeros) and adds them in slot order from 0, rounding every add to the
-  output dtype, so the bits equal the torch path's sequential adds (and the dropless path's
-  `index_put(accumulate=True)` over ascending positions);
-- its gradient w.r.t. the rows is a pure pick, since the positions other than N are distinct
-  (each row feeds at most one output slot): a small kernel inverts `pos_RJ` into
-  `src_N` (R where a row feeds nothing), then the same kernel with J=1 gathers
-  `0 + grad[src[n]]`: the torch path's `0 + g` (a -0 gradient becomes +0) for every row,
-  zeros included, without zero-filling `[N, H]` first;
-- `gather_rows` copies the picked rows (bit for bit) and its gradient is `gather_sum`.
-No host reads, no data-dependent shapes or allocations, int64 row offsets: CUDA-graph safe.
+The torch versions in `permute.py` (the CPU path) move data J times over a padded copy; on
+an H200 that outweighed the expert GEMMs of a sync-free layer. Here each output row is
+written once. `gather_sum` adds its J sources in slot order from 0, rounding every add to the
+output dtype: the bits of the torch path's sequential adds. Its gradient is a pick (the
+positions other than N are distinct): `pos_RJ` is inverted into `src_N` and the same kernel
+with J=1 gathers `0 + grad[src[n]]` (-0 becomes +0, as in the torch path). `gather_rows`
+copies rows bit for bit; its gradient is `gather_sum`. No host reads, no data-dependent
+shapes: CUDA-graph safe.
 
 Legend: N source rows, R output rows of gather_sum, J slots per output row, P picked rows,
 H row width (trailing dims flattened).
@@ -131,16 +124,9 @@ def _launch(rows_NH: torch.Tensor, pos_RJ: torch.Tensor, summed: bool) -> torch.
 
 
 def invert_positions(pos_RJ: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """`[N, 1]` int64 inverse of `pos_RJ`: the output row that each source row feeds, R for
-    a row that feeds none; the positions in [0, N) must be distinct.
-
-    Arguments:
-        pos_RJ: `[R, J]` integer positions, N (or anything outside [0, N)) for an empty slot.
-        num_rows: N, the source rows.
-
-    Returns:
-        `src_N1` such that `gather_sum(grad_RH, src_N1)` is `gather_sum`'s gradient.
-    """
+    """`[N, 1]` int64 inverse of `pos_RJ` (`[R, J]`, distinct positions in [0, N), anything else
+    an empty slot): the output row each source row feeds, R for none. `gather_sum(grad_RH,
+    src_N1)` is `gather_sum`'s gradient."""
     pos_RJ = pos_RJ.contiguous()
     src_N = torch.full((num_rows,), pos_RJ.shape[0], dtype=torch.int64, device=pos_RJ.device)
     total = pos_RJ.numel()
@@ -182,13 +168,11 @@ class _GatherRows(torch.autograd.Function):
 
 
 def gather_sum(rows_NH: torch.Tensor, pos_RJ: torch.Tensor) -> torch.Tensor:
-    """`out[r] = 0 + rows[pos[r, 0]] + rows[pos[r, 1]] + ...`, each add rounded to the rows'
-    dtype (the bits of `permute.gather_sum`'s torch path); a position of N adds a zero row.
+    """`out[r] = 0 + rows[pos[r, 0]] + rows[pos[r, 1]] + ...`, each add rounded to the rows' dtype.
 
     Arguments:
         rows_NH: `[N, ...]` floating-point rows (`supported`).
-        pos_RJ: `[R, J]` integer positions in [0, N]; those below N distinct across the whole
-            tensor (the gradient is a pick, not a sum: see the module docstring).
+        pos_RJ: `[R, J]` positions in [0, N] (N adds a zero row), those below N distinct.
 
     Returns:
         `[R, ...]` sums, differentiable w.r.t. `rows_NH` (once).
@@ -197,16 +181,7 @@ def gather_sum(rows_NH: torch.Tensor, pos_RJ: torch.Tensor) -> torch.Tensor:
 
 
 def gather_rows(x_NH: torch.Tensor, src_P: torch.Tensor, pos_NJ: torch.Tensor) -> torch.Tensor:
-    """`[P, ...]` rows of `x_NH` picked by `src_P` (N picks a zero row), whose gradient is
-    `gather_sum(grad, pos_NJ)`.
-
-    Arguments:
-        x_NH: `[N, ...]` floating-point rows (`supported`).
-        src_P: `[P]` integer row of each output row, N for a zero row.
-        pos_NJ: `[N, J]` the output rows that picked each row of x (P for an empty slot),
-            ascending: the inverse of `src_P`, which the gradient sums along.
-
-    Returns:
-        `[P, ...]` picked rows, differentiable w.r.t. `x_NH` (once).
-    """
+    """`[P, ...]` rows of `x_NH` (`[N, ...]`) picked by `src_P` (`[P]`, N picks a zero row),
+    differentiable once: the gradient is `gather_sum(grad, pos_NJ)`, `pos_NJ` `[N, J]` the
+    ascending output rows that picked each row (P for an empty slot)."""
     return _GatherRows.apply(x_NH, src_P, pos_NJ)

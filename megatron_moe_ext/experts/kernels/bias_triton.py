@@ -1,13 +1,9 @@
 """Per-expert bias on grouped rows: the weighted add and its two gradients, without atomics.
 
-Rows are grouped contiguously by expert (`offsets_e1` = exclusive cumsum of the counts);
-rows past the last offset (capacity padding) belong to no expert: they get no bias and add
-nothing to any gradient. Every output element is written by exactly one program, which
-reduces in a fixed order, so results are bitwise reproducible.
-
-The bias gradient uses compensated sums: each of BLOCK_TOKENS lanes keeps a TwoSum
-(Kahan-Babuska / Neumaier) pair over its rows, and the lanes are folded the same way at the
-end, so the fp32 result is about as accurate as a double-precision sum rounded to fp32.
+Rows past the last expert offset (capacity padding) get no bias and add to no gradient. Each
+output element is written by one program reducing in a fixed order: bitwise reproducible.
+The bias gradient keeps a TwoSum (Neumaier) pair per lane and folds the lanes the same way,
+about as accurate as a float64 sum rounded to fp32.
 Legend: P permuted rows, D features (H or 2I), e local experts.
 """
 
@@ -126,17 +122,8 @@ def _unit_col_stride(t: torch.Tensor) -> torch.Tensor:
 
 def reduce_bias_grad(grad_output: torch.Tensor, token_offsets: torch.Tensor,
                      probs: torch.Tensor | None, output_dtype: torch.dtype) -> torch.Tensor:
-    """Per-expert `sum over the expert's rows of grad_output * prob`, compensated fp32.
-
-    Arguments:
-        grad_output: `[P, D]` fp32/bf16/fp16, rows grouped by expert; any row stride.
-        token_offsets: `[e + 1]` integer, exclusive cumsum of the counts (0 first), same device.
-        probs: optional `[P, 1]` routing probabilities weighting each row.
-        output_dtype: dtype of the result.
-
-    Returns:
-        `[e, D]` in `output_dtype`.
-    """
+    """`[e, D]` per-expert sums of `grad_output [P, D] * probs [P, 1]` (probs optional),
+    compensated fp32, in `output_dtype`; `token_offsets [e + 1]` exclusive cumsum of the counts."""
     grad_output = _unit_col_stride(grad_output)
     experts, hidden = token_offsets.numel() - 1, grad_output.shape[1]
     out = torch.empty(experts, hidden, dtype=torch.float32, device=grad_output.device)
@@ -152,15 +139,8 @@ def reduce_bias_grad(grad_output: torch.Tensor, token_offsets: torch.Tensor,
 
 def weighted_bias_add(value: torch.Tensor, bias: torch.Tensor, expert_ids: torch.Tensor,
                       probs: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
-    """`out = value + prob * bias[expert_ids]` row by row (fp32 math, out's dtype).
-
-    Arguments:
-        value: `[P, D]`; bias: `[e, D]`; expert_ids: `[P]` integer, `e` for padding rows;
-        probs: optional `[P, 1]`; out: `[P, D]`, may be `value` itself.
-
-    Returns:
-        `out`.
-    """
+    """`out = value + prob * bias[expert_ids]` in fp32 math; value and out (may be value) `[P, D]`,
+    bias `[e, D]`, expert_ids `[P]` (`e` for padding), probs optional `[P, 1]`. Returns out."""
     value, bias = _unit_col_stride(value), _unit_col_stride(bias)
     rows, hidden = value.shape
     if rows and hidden:
@@ -176,14 +156,8 @@ def weighted_bias_add(value: torch.Tensor, bias: torch.Tensor, expert_ids: torch
 
 def weighted_bias_probs_grad(grad_output: torch.Tensor, bias: torch.Tensor,
                              expert_ids: torch.Tensor) -> torch.Tensor:
-    """`[P, 1]` fp32 gradient of the probs of `value + prob * bias[expert_ids]`.
-
-    Arguments:
-        grad_output: `[P, D]`; bias: `[e, D]`; expert_ids: `[P]` integer, `e` for padding rows.
-
-    Returns:
-        `[P, 1]` fp32, 0 on padding rows.
-    """
+    """`[P, 1]` fp32 gradient of the probs of `value + prob * bias[expert_ids]` (0 on padding),
+    arguments as `weighted_bias_add`."""
     grad_output, bias = _unit_col_stride(grad_output), _unit_col_stride(bias)
     rows, hidden = grad_output.shape
     out = torch.zeros(rows, 1, dtype=torch.float32, device=grad_output.device)

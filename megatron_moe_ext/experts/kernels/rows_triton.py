@@ -1,13 +1,7 @@
-"""Zero the capacity-padding rows of a `[P, D]` tensor in place, reading where they start
-from the device (no host sync).
-
-With device-side counts, rows `>= sum(counts)` belong to no expert and `_grouped_mm` leaves
-their output and input gradient uninitialised. A full-size `torch.where` / `masked_fill_`
-reads and writes all P rows to fix the few padding ones; this kernel stores only to them.
-A fixed grid of programs strides over the padding rows, so with no padding it costs one
-launch of `_MAX_PROGRAMS` programs that each read the start and exit (one program per row
-cost 40 us at Qwen3-30B-A3B's 32768 rows on an H200).
-Legend: P rows, D features.
+"""Zero the capacity-padding rows of a `[P, D]` tensor in place, reading where they start from
+the device (no host sync), storing only to them (a full-size mask reads and writes all P).
+A fixed grid strides over the padding rows: one program per row cost 40 us at Qwen3-30B-A3B's
+32768 rows on an H200. Legend: P rows, D features.
 """
 
 from __future__ import annotations
@@ -38,12 +32,8 @@ def _zero_rows_from_kernel(x_ptr, start_ptr, rows, width, row_stride, BLOCK: tl.
 
 
 def zero_rows_from_(x_PD: torch.Tensor, start_1: torch.Tensor) -> torch.Tensor:
-    """Zero rows `start_1.item():` of `x_PD` in place (unit column stride) and return it.
-
-    Arguments:
-        x_PD: `[P, D]` tensor with `x_PD.stride(1) == 1`.
-        start_1: one-element integer tensor on x's device, the first padding row.
-    """
+    """Zero rows `start_1.item():` of `x_PD` (`[P, D]`, unit column stride; `start_1` a
+    one-element integer tensor on its device) in place and return it."""
     rows, width = x_PD.shape
     if rows and width:
         _zero_rows_from_kernel[(min(rows, _MAX_PROGRAMS),)](

@@ -108,14 +108,7 @@ class _SwiGLU(torch.autograd.Function):
 
 
 def swiglu(x: torch.Tensor, permuted_probs: torch.Tensor, limit: float) -> torch.Tensor:
-    """`silu(clamp(gate)) * clamp(up) * prob` for `x [P, 2I]` (`[gate | up]`), probs `[P, 1]`.
-
-    Arguments:
-        x: `[P, 2I]` fp32/bf16/fp16 with unit column stride (see `supported`).
-        permuted_probs: `[P, 1]` routing probabilities.
-        limit: gate clamped above at `limit`, up to `[-limit, limit]`; `limit <= 0` disables.
-
-    Returns:
-        `[P, I]` in x's dtype; differentiable in x and the probs.
-    """
+    """`silu(clamp(gate)) * clamp(up) * prob`: `x [P, 2I]` (`[gate | up]`, see `supported`),
+    probs `[P, 1]`, gate clamped above at `limit` and up to `[-limit, limit]` (`limit <= 0`: no
+    clamp) -> `[P, I]` in x's dtype, differentiable in x and the probs."""
     return _SwiGLU.apply(x, permuted_probs, limit)
