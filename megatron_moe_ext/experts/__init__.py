@@ -1,7 +1,5 @@
-"""Grouped expert MLPs: `grouped.py` (all-gather EP), `dispatch.py` (flex dispatcher +
-grouped GEMM), `te.py` (Transformer Engine), `common.py` (EP group, stacked parameters),
-`mlp.py` (the grouped-GEMM MLP core and its chunked variant), `activations.py`, `bias.py`
-and `kernels/` (Triton)."""
+"""Grouped expert MLPs: `grouped.py` (all-gather EP), `dispatch.py` (flex dispatcher), `te.py`
+(Transformer Engine), `common.py`, `mlp.py` (the MLP core), `fused.py` (QuACK), `kernels/`."""
 
 from megatron_moe_ext.experts.config import ExpertsConfig
 from megatron_moe_ext.experts.dispatch import GroupedExpertsDeepEP

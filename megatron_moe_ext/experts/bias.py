@@ -32,11 +32,6 @@ def _counts_on(tokens_per_expert: TokenCounts, device: torch.device) -> torch.Te
     return tokens_per_expert.to(device=device, dtype=torch.int64, non_blocking=True)
 
 
-def _token_offsets(counts_e: torch.Tensor) -> torch.Tensor:
-    """`[e + 1]` exclusive cumsum (0 first) on the counts' device."""
-    return torch.nn.functional.pad(torch.cumsum(counts_e, 0), (1, 0))
-
-
 def _row_expert_ids(counts_e: torch.Tensor, rows: int) -> torch.Tensor:
     """`[rows]` int64 expert of each row; `e` for rows past the last segment (padding)."""
     rows_P = torch.arange(rows, device=counts_e.device)
@@ -85,8 +80,8 @@ def _reduce_bias_grad_chunked_fallback(grad_output: torch.Tensor, token_counts: 
 def _reduce_bias_grad(grad_output: torch.Tensor, token_counts: torch.Tensor,
                       probs: torch.Tensor | None, output_dtype: torch.dtype) -> torch.Tensor:
     if _use_triton(grad_output):
-        return bias_triton.reduce_bias_grad(grad_output, _token_offsets(token_counts), probs,
-                                            output_dtype)
+        offsets_e1 = torch.nn.functional.pad(torch.cumsum(token_counts, 0), (1, 0))
+        return bias_triton.reduce_bias_grad(grad_output, offsets_e1, probs, output_dtype)
     return _reduce_bias_grad_chunked_fallback(grad_output, token_counts, probs, output_dtype)
 
 

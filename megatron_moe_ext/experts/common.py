@@ -22,7 +22,6 @@ from megatron_moe_ext.dispatcher.permute import (
     PermutationState,
     indices_to_multihot,
     permute_to_experts,
-    unpermute_from_experts,
 )
 from megatron_moe_ext.experts.activations import is_gated_activation
 from megatron_moe_ext.experts.config import ExpertsConfig
@@ -179,8 +178,3 @@ def permute_local(x_TH: torch.Tensor, token_mask_T: torch.Tensor, weights_TK: to
         torch.where(routed_TK, local_TK, -1), weights_TK, n_local_experts)
     counts = routing_map_Te.sum(0).tolist()
     return LocalPermutation(*permute_to_experts(x_TH, routing_map_Te, probs_Te, counts))
-
-
-def unpermute_local(out_PH: torch.Tensor, permutation: LocalPermutation) -> torch.Tensor:
-    """Expert outputs `[P, H]` (rows past P ignored) -> `[T, H]`, each token the sum of its rows."""
-    return unpermute_from_experts(out_PH, permutation.state)

@@ -15,11 +15,8 @@ ACTIVATIONS = ("swiglu", "swiglu_clamped", "swiglu_oai", "quick_geglu", "relu2")
 
 @dataclass
 class ExpertsConfig:
-    """Shapes and math of a grouped expert MLP (E experts, H hidden, I intermediate, K top-k).
-
-    Weights are stacked: `gate_and_up_projs [e, H, 2I]` (`[e, H, I]` for relu2) and
-    `down_projs [e, I, H]`, used as `x @ W`; optional biases `[e, 2I]` and `[e, H]`.
-    """
+    """Shapes and math of a grouped expert MLP (E experts, H hidden, I intermediate, K top-k);
+    the stacked weight layout is in `experts/common.py`."""
 
     n_routed_experts: int
     n_activated_experts: int
@@ -31,13 +28,10 @@ class ExpertsConfig:
     activation_limit: float = 7.0
     dtype: torch.dtype = torch.bfloat16
     use_torch_mm: bool = True
-    #: Above this many bytes of `[P, 2I]` intermediate the grouped MLP runs in checkpointed
-    #: row chunks (`mlp._checkpointed_chunked_expert_mlp`); 0 turns chunking off.
+    #: Above this many bytes of `[P, 2I]` intermediate the MLP runs in checkpointed row chunks; 0: never.
     expert_mlp_chunk_bytes: int = _EXPERT_MLP_CHUNK_BYTES
-    #: Which kernels compute the grouped MLP (`experts/fused.py`): "auto" (QuACK's fused
-    #: kernels where they import, the tensors are CUDA sm90+ and the case is supported; else
-    #: `torch._grouped_mm`), "fused" (required: RuntimeError naming the reason where not
-    #: possible) or "grouped_mm" (always the torch path).
+    #: "auto" (QuACK's fused kernels where supported, `experts/fused.py`, else `torch._grouped_mm`),
+    #: "fused" (RuntimeError naming the reason where not supported) or "grouped_mm".
     expert_mlp_impl: str = "auto"
 
     def __post_init__(self) -> None:

@@ -10,14 +10,15 @@ from __future__ import annotations
 import torch
 
 from megatron_moe_ext.config import TokenDispatcherConfig
+from megatron_moe_ext.dispatcher.permute import unpermute_from_experts
 from megatron_moe_ext.experts.activations import get_expert_activation
 from megatron_moe_ext.experts.common import (
     ExpertParallel,
     LocalPermutation,
     StackedExperts,
     check_expert_inputs,
+    local_expert_range,
     permute_local,
-    unpermute_local,
 )
 from megatron_moe_ext.experts.config import ExpertsConfig
 from megatron_moe_ext.experts.mlp import run_grouped_expert_mlp
@@ -45,12 +46,12 @@ class ExpertDispatch:
         from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
 
         self.config = config
-        self.n_local_experts = config.n_routed_experts // ep.size
-        self.experts_start_idx = ep.rank * self.n_local_experts
+        start, end = local_expert_range(config.n_routed_experts, ep)
+        self.n_local_experts, self.experts_start_idx = end - start, start
         self.dispatcher = None
         if ep.group is not None:
-            local = list(range(self.experts_start_idx, self.experts_start_idx + self.n_local_experts))
-            self.dispatcher = MoEFlexTokenDispatcher(self.n_local_experts, local, dispatcher_config, ep.group)
+            self.dispatcher = MoEFlexTokenDispatcher(end - start, list(range(start, end)),
+                                                     dispatcher_config, ep.group)
             self.dispatcher.allocate_buffers(config.dim, config.dtype)
         self._local: LocalPermutation | None = None
 
@@ -75,7 +76,7 @@ class ExpertDispatch:
         if local is None:
             raise RuntimeError("ExpertDispatch.combine: no dispatch to combine (each dispatch "
                                "is combined once)")
-        return unpermute_local(rows_PH, local)
+        return unpermute_from_experts(rows_PH, local.state)
 
     def pipeline_runtime_initializers(self) -> tuple:
         if self.dispatcher is None:
@@ -98,7 +99,24 @@ def make_dispatcher_config(config: ExpertsConfig, backend: str, num_sms: int, sh
     )
 
 
-class GroupedExpertsDeepEP(StackedExperts):
+class FlexDispatchedExperts:
+    """What `GroupedExpertsDeepEP` and `GroupedExpertsTE` share: `forward` is dispatch ->
+    `self._grouped_mlp(rows_PH, probs_P, tokens_per_expert)` -> combine."""
+
+    def get_pipeline_runtime_initializers(self) -> tuple:
+        """Dispatcher resources to prepare before a pipeline-parallel step, else ()."""
+        return self.token_dispatch.pipeline_runtime_initializers()
+
+    def forward(self, x: torch.Tensor, token_mask: torch.Tensor, weights: torch.Tensor,
+                indices: torch.Tensor) -> torch.Tensor:
+        """As `GroupedExperts.forward`: `x [T, H]`, `token_mask [T]`, `weights`/`indices [T, K]`
+        -> `[T, H]`."""
+        check_expert_inputs(self.config, x, token_mask, weights, indices)
+        rows_PH, tokens_per_expert, probs_P = self.token_dispatch.dispatch(x, token_mask, weights, indices)
+        return self.token_dispatch.combine(self._grouped_mlp(rows_PH, probs_P, tokens_per_expert).to(x.dtype))
+
+
+class GroupedExpertsDeepEP(FlexDispatchedExperts, StackedExperts):
     """Sparse MoE experts: flex token dispatch + `torch._grouped_mm`.
 
     Arguments:
@@ -131,17 +149,8 @@ class GroupedExpertsDeepEP(StackedExperts):
         ep = self._set_expert_parallel(ep_mesh)
         self.token_dispatch = ExpertDispatch(self.config, ep, self.dispatcher_config)
 
-    def get_pipeline_runtime_initializers(self) -> tuple:
-        """Dispatcher resources to prepare before a pipeline-parallel step, else ()."""
-        return self.token_dispatch.pipeline_runtime_initializers()
-
-    def forward(self, x: torch.Tensor, token_mask: torch.Tensor, weights: torch.Tensor,
-                indices: torch.Tensor) -> torch.Tensor:
-        """As `GroupedExperts.forward`: `x [T, H]`, `token_mask [T]`, `weights`/`indices [T, K]` -> `[T, H]`."""
-        check_expert_inputs(self.config, x, token_mask, weights, indices)
-        rows_PH, tokens_per_expert, probs_P = self.token_dispatch.dispatch(x, token_mask, weights, indices)
-        out_PH = run_grouped_expert_mlp(
+    def _grouped_mlp(self, rows_PH: torch.Tensor, probs_P: torch.Tensor, tokens_per_expert) -> torch.Tensor:
+        return run_grouped_expert_mlp(
             rows_PH, self.gate_and_up_projs, self.down_projs, self.gate_up_proj_bias, self.down_proj_bias,
             tokens_per_expert, probs_P.reshape(-1, 1), self.expert_activation, self.config.expert_mlp_chunk_bytes,
             expert_mlp_impl=self.config.expert_mlp_impl, experts_config=self.config)
-        return self.token_dispatch.combine(out_PH.to(x.dtype))

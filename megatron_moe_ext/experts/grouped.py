@@ -13,13 +13,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_moe_ext.dispatcher.permute import unpermute_from_experts
 from megatron_moe_ext.experts.activations import get_expert_activation
-from megatron_moe_ext.experts.common import (
-    StackedExperts,
-    check_expert_inputs,
-    permute_local,
-    unpermute_local,
-)
+from megatron_moe_ext.experts.common import StackedExperts, check_expert_inputs, permute_local
 from megatron_moe_ext.experts.config import ExpertsConfig
 from megatron_moe_ext.experts.mlp import run_grouped_expert_mlp
 
@@ -144,7 +140,7 @@ class GroupedExperts(StackedExperts):
             perm.tokens_per_expert, perm.probs_P[:, None], self.expert_activation_grouped,
             self.config.expert_mlp_chunk_bytes, expert_mlp_impl=self.config.expert_mlp_impl,
             experts_config=self.config)
-        return unpermute_local(out_PH.to(x.dtype), perm)
+        return unpermute_from_experts(out_PH.to(x.dtype), perm.state)
 
     def _forward_loop(self, x, weights, indices, token_mask, gate_and_up_projs, down_projs,
                       gate_up_proj_bias, down_proj_bias, n_local_experts, experts_start_idx,

@@ -200,7 +200,8 @@ def _validate(hidden_PH: torch.Tensor | IndexedRows, gate_and_up_projs: torch.Te
               permuted_probs_P1: torch.Tensor) -> None:
     rows_NH, rows = _rows_of(hidden_PH)
     if rows_NH.dim() != 2:
-        name = "IndexedRows.rows_RH must be [R, H]" if rows_NH is not hidden_PH else "hidden_PH must be [P, H]"
+        name = ("hidden_PH must be [P, H]" if rows_NH is hidden_PH
+                else "IndexedRows.rows_RH must be [R, H]")
         raise ValueError(f"{name}, got shape {tuple(rows_NH.shape)}")
     hidden, experts = rows_NH.shape[1], gate_and_up_projs.shape[0]
     if gate_and_up_projs.dim() != 3 or gate_and_up_projs.shape[1] != hidden:

@@ -17,14 +17,9 @@ from torch import nn
 
 from megatron_moe_ext.experts.activations import get_expert_activation
 from megatron_moe_ext.experts.bias import TokenCounts, _counts_on
-from megatron_moe_ext.experts.common import (
-    check_expert_inputs,
-    local_expert_range,
-    resolve_ep_group,
-    stacked_shapes,
-)
+from megatron_moe_ext.experts.common import local_expert_range, resolve_ep_group, stacked_shapes
 from megatron_moe_ext.experts.config import ExpertsConfig
-from megatron_moe_ext.experts.dispatch import ExpertDispatch, make_dispatcher_config
+from megatron_moe_ext.experts.dispatch import ExpertDispatch, FlexDispatchedExperts, make_dispatcher_config
 from megatron_moe_ext.experts.mlp import _host_counts
 from megatron_moe_ext.utils.optional import require
 
@@ -34,7 +29,7 @@ _STACKED = {"gate_and_up_projs": ("gate_up_linear", "weight"), "down_projs": ("d
 _LINEARS = ("gate_up_linear", "down_linear")
 
 
-class GroupedExpertsTE(nn.Module):
+class GroupedExpertsTE(FlexDispatchedExperts, nn.Module):
     """MoE experts on TE's `GroupedLinear` (gate/up and down), with flex token dispatch.
 
     Arguments:
@@ -95,7 +90,6 @@ class GroupedExpertsTE(nn.Module):
         self.fp8_padding = te.Fp8Padding(num_experts, self.fp8_align_size)
         self.fp8_unpadding = te.Fp8Unpadding(num_experts, self.fp8_align_size)
 
-    # ---- stacked views ------------------------------------------------------------------
     @staticmethod
     def _get_stacked_weight(linear, transpose: bool = False, kind: str = "weight") -> torch.Tensor:
         """`[e, out, in]` (`[e, in, out]` with `transpose`; `[e, out]` biases), differentiable."""
@@ -111,7 +105,6 @@ class GroupedExpertsTE(nn.Module):
     gate_up_proj_bias = property(lambda self: self._get_stacked_bias(self.gate_up_linear))
     down_proj_bias = property(lambda self: self._get_stacked_bias(self.down_linear))
 
-    # ---- setup ---------------------------------------------------------------------------
     def init_token_dispatcher(self, ep_mesh, moe_mesh=None) -> None:
         """Join the expert-parallel group (DeviceMesh or ProcessGroup), rebuild the
         GroupedLinears for the `e = E / ep` local experts (keeping their current weights) and
@@ -124,7 +117,8 @@ class GroupedExpertsTE(nn.Module):
             with torch.no_grad():
                 for name, (child, kind) in _STACKED.items():
                     for i, value in enumerate([] if stacked[name] is None else stacked[name][start:end]):
-                        getattr(getattr(self, child), f"{kind}{i}").copy_(value.t() if kind == "weight" else value)
+                        value = value.t() if kind == "weight" else value
+                        getattr(getattr(self, child), f"{kind}{i}").copy_(value)
         self.ep_rank, self.num_local_experts = ep.rank, end - start
         self.token_dispatch = ExpertDispatch(self.config, ep, self.dispatcher_config)
 
@@ -141,11 +135,6 @@ class GroupedExpertsTE(nn.Module):
                     if linear.use_bias:
                         getattr(linear, f"bias{i}").zero_()
 
-    def get_pipeline_runtime_initializers(self) -> tuple:
-        """Dispatcher-owned resources to prepare before a pipeline-parallel step, else ()."""
-        return self.token_dispatch.pipeline_runtime_initializers()
-
-    # ---- checkpoint: the stacked layout ------------------------------------------------------
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         """Returns: this rank's experts in the stacked layout (`{prefix}gate_and_up_projs
         [e, H, 2I]`, ...; `experts/common.py`), detached, instead of the GroupedLinears' keys."""
@@ -186,14 +175,6 @@ class GroupedExpertsTE(nn.Module):
                 state_dict[extra_key] = getattr(self, child).get_extra_state()
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
-
-    # ---- forward ---------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, token_mask: torch.Tensor, weights: torch.Tensor,
-                indices: torch.Tensor) -> torch.Tensor:
-        """As `GroupedExperts.forward`: `x [T, H]`, `token_mask [T]`, `weights`/`indices [T, K]` -> `[T, H]`."""
-        check_expert_inputs(self.config, x, token_mask, weights, indices)
-        rows_PH, tokens_per_expert, probs_P = self.token_dispatch.dispatch(x, token_mask, weights, indices)
-        return self.token_dispatch.combine(self._grouped_mlp(rows_PH, probs_P, tokens_per_expert).to(x.dtype))
 
     def _linears(self, rows: torch.Tensor, m_splits) -> torch.Tensor:
         """gate/up GEMM (+ b1) -> activation -> down GEMM (+ b2), the prob left out (1)."""

@@ -9,12 +9,12 @@ import dataclasses
 import pytest
 import torch
 
+from megatron_moe_ext.dispatcher.permute import unpermute_from_experts
 from megatron_moe_ext.experts import ExpertsConfig, GroupedExpertsDeepEP, GroupedExpertsTE, mlp, te
 from megatron_moe_ext.experts.common import (
     ExpertParallel,
     local_expert_range,
     permute_local,
-    unpermute_local,
 )
 from megatron_moe_ext.experts.dispatch import _stabilize_empty_routing_probs_dtype
 from tests.experts.cases_modules import (
@@ -56,7 +56,7 @@ def test_permute_local_matches_brute_force():
     assert torch.equal(perm.rows_PH, x[[t for _, t in expected]])
     probs = [float(weights[t][indices[t] == e].sum()) for e, t in expected]
     torch.testing.assert_close(perm.probs_P, torch.tensor(probs))
-    back = unpermute_local(perm.rows_PH, perm)
+    back = unpermute_from_experts(perm.rows_PH, perm.state)
     copies = torch.tensor([sum(1 for _, t in expected if t == u) for u in range(13)], dtype=x.dtype)
     torch.testing.assert_close(back, x * copies[:, None])
 
