@@ -1,16 +1,11 @@
 """Checkpoint interop between `GroupedGemmExperts` and Megatron's SequentialMLP experts.
 
-Distributed checkpoints: `grouped_experts_sharded_state_dict` describes the stacked weights
-with exactly the ShardedTensors Megatron's SequentialMLP (and TEGroupedMLP) write: one
-global tensor per projection with the expert axis right after the layer axis,
-`...experts.linear_fc1.weight [L, E, 2I, H]` (gated fc1 split into its gate and up halves,
-as `apply_swiglu_sharded_factory` does), `linear_fc2.weight [L, E, H, I]` and the biases
-`[L, E, 2I]`, `[L, E, H]`; replicas are numbered over the expert-data-parallel group.
-A Megatron checkpoint therefore loads into this package's experts, and back, at any EP size.
-
-Plain state dicts: `sequential_mlp_to_grouped` / `grouped_to_sequential_mlp` convert from/to
-SequentialMLP's per-expert keys (`local_experts.{i}.linear_fc1.weight [2I, H]` with
-`[gate; up]` rows, `local_experts.{i}.linear_fc2.weight [H, I]`, and the biases).
+Distributed checkpoints: `grouped_experts_sharded_state_dict` writes exactly SequentialMLP's
+(and TEGroupedMLP's) ShardedTensors, e.g. `...experts.linear_fc1.weight [L, E, 2I, H]` (gated
+fc1 as gate and up halves, as `apply_swiglu_sharded_factory`), replicas numbered over the
+expert-data-parallel group: checkpoints move both ways at any EP size. Plain state dicts:
+`sequential_mlp_to_grouped` / `grouped_to_sequential_mlp` convert SequentialMLP's per-expert
+keys (`local_experts.{i}.linear_fc1.weight [2I, H]`, ...).
 
 Legend: e local experts, E global experts, H hidden, I expert intermediate size.
 """
@@ -57,11 +52,9 @@ def _to_megatron(t: torch.Tensor, spec: _ExpertTensor) -> torch.Tensor:
 
 def grouped_experts_sharded_state_dict(experts, prefix: str = "", sharded_offsets: tuple = (),
                                        metadata: dict | None = None) -> dict:
-    """Sharded state dict of a `GroupedGemmExperts` in SequentialMLP's checkpoint layout.
-
-    Each stacked parameter becomes one `ShardedTensorFactory` under its own state-dict key
-    (`{prefix}gate_and_up_projs`, ...), so `module.load_state_dict` takes the loaded result
-    as is; the factory writes and reads the per-expert ShardedTensors SequentialMLP uses.
+    """Sharded state dict of a `GroupedGemmExperts` in SequentialMLP's checkpoint layout: one
+    `ShardedTensorFactory` per stacked parameter under its own key, so `load_state_dict` takes
+    the loaded result as is.
 
     Arguments:
         experts: the `GroupedGemmExperts` (its `ep_group`, `dp_group`, `num_local_experts`).
@@ -82,6 +75,13 @@ def grouped_experts_sharded_state_dict(experts, prefix: str = "", sharded_offset
     replica_id = (0, 0, experts.dp_group.rank())
     expert_axis = len(sharded_offsets)
     out = {}
+
+    def place(key: str, leaf: str, g: int) -> tuple[str, tuple]:
+        """Key and offsets of global expert g's `leaf` (`key` ends in it)."""
+        if singleton:
+            return f"{key[:-len(leaf)]}{g}.{leaf}", tuple(sharded_offsets)
+        return key, (*sharded_offsets, (expert_axis, g, num_experts))
+
     for spec in _expert_tensors(experts.gated):
         param = getattr(experts, spec.param)
         if param is None:
@@ -93,14 +93,9 @@ def grouped_experts_sharded_state_dict(experts, prefix: str = "", sharded_offset
                                  "use a fully-reshardable (non-flattened) checkpoint format")
             shards = []
             for i in range(data_eX.shape[0]):
-                g = first_expert + i
                 # `key`, not `prefix`: the enclosing block renames the factory's key (it
                 # drops the layer number, which becomes the layer axis) after this returns.
-                if singleton:
-                    base = f"{key[:-len(spec.leaf)]}{g}.{spec.leaf}"
-                    offsets = tuple(sharded_offsets)
-                else:
-                    base, offsets = key, (*sharded_offsets, (expert_axis, g, num_experts))
+                base, offsets = place(key, spec.leaf, first_expert + i)
                 axis = len(offsets)
                 # Contiguous copies: the checkpoint reads into them, `merge` stacks them back.
                 t = _to_megatron(data_eX[i].detach(), spec).contiguous()
@@ -128,13 +123,9 @@ def grouped_experts_sharded_state_dict(experts, prefix: str = "", sharded_offset
         key = f"{prefix}experts.{spec.leaf}"
         out[f"{prefix}{spec.param}"] = ShardedTensorFactory(key, param, build, merge, replica_id)
     for i in range(e):
-        g = first_expert + i
         for linear in _LINEARS:
-            if singleton:
-                key, offsets = f"{prefix}experts.{g}.{linear}._extra_state", sharded_offsets
-            else:
-                key = f"{prefix}experts.{linear}._extra_state"
-                offsets = (*sharded_offsets, (expert_axis, g, num_experts))
+            key, offsets = place(f"{prefix}experts.{linear}._extra_state", f"{linear}._extra_state",
+                                 first_expert + i)
             out[f"{prefix}local_experts.{i}.{linear}._extra_state"] = (
                 make_sharded_object_for_checkpoint(None, key, offsets, replica_id))
     return out
@@ -142,19 +133,9 @@ def grouped_experts_sharded_state_dict(experts, prefix: str = "", sharded_offset
 
 def sequential_mlp_to_grouped(state_dict: Mapping[str, torch.Tensor], num_local_experts: int,
                               prefix: str = "") -> dict[str, torch.Tensor]:
-    """SequentialMLP's per-expert state dict -> GroupedGemmExperts' stacked one.
-
-    Arguments:
-        state_dict: holds `{prefix}local_experts.{i}.linear_fc1.weight [2I, H]` (or [I, H]),
-            `...linear_fc2.weight [H, I]` and optionally the biases `[2I]`, `[H]`, for every
-            i < num_local_experts; other keys are ignored.
-        num_local_experts: e.
-        prefix: prefix of the experts module in `state_dict`.
-
-    Returns:
-        {`{prefix}gate_and_up_projs` [e, H, 2I], `{prefix}down_projs` [e, I, H], and with
-        biases `{prefix}gate_up_proj_bias` [e, 2I], `{prefix}down_proj_bias` [e, H]}.
-    """
+    """SequentialMLP's per-expert state dict (`{prefix}local_experts.{i}.linear_fc1.weight
+    [2I, H]`, `...linear_fc2.weight [H, I]`, optional biases, for all i < num_local_experts;
+    other keys ignored) -> the stacked `{prefix}gate_and_up_projs [e, H, 2I]`, ...."""
     out = {}
     for spec in _expert_tensors(gated=False):
         keys = [f"{prefix}local_experts.{i}.{spec.leaf}" for i in range(num_local_experts)]
@@ -178,17 +159,7 @@ def sequential_mlp_to_grouped(state_dict: Mapping[str, torch.Tensor], num_local_
 
 def grouped_to_sequential_mlp(state_dict: Mapping[str, torch.Tensor],
                               prefix: str = "") -> dict[str, torch.Tensor]:
-    """GroupedGemmExperts' stacked state dict -> SequentialMLP's per-expert one.
-
-    Arguments:
-        state_dict: holds `{prefix}gate_and_up_projs [e, H, 2I]`, `{prefix}down_projs [e, I, H]`
-            and optionally the biases; other keys are ignored.
-        prefix: prefix of the experts module in `state_dict`.
-
-    Returns:
-        {`{prefix}local_experts.{i}.linear_fc1.weight` [2I, H], `...linear_fc2.weight` [H, I],
-        and the biases `[2I]`, `[H]` when present}, for every local expert i.
-    """
+    """The inverse of `sequential_mlp_to_grouped` (other keys ignored)."""
     out = {}
     for spec in _expert_tensors(gated=False):
         stacked = state_dict.get(f"{prefix}{spec.param}")
@@ -202,12 +173,8 @@ def grouped_to_sequential_mlp(state_dict: Mapping[str, torch.Tensor],
 
 def convert_sequential_mlp_keys_inplace(state_dict: dict, prefix: str,
                                         num_local_experts: int) -> None:
-    """Replace SequentialMLP's per-expert keys under `prefix` by the stacked ones, in place.
-
-    Used by `GroupedGemmExperts._load_from_state_dict`. The per-expert `_extra_state` entries
-    (empty for Megatron's local linears, and written by `grouped_experts_sharded_state_dict`)
-    carry nothing these experts use and are dropped.
-    """
+    """Replace SequentialMLP's per-expert keys under `prefix` by the stacked ones, in place;
+    the per-expert `_extra_state` entries (empty) are dropped."""
     state_dict.update(sequential_mlp_to_grouped(state_dict, num_local_experts, prefix))
     leaves = [spec.leaf for spec in _expert_tensors(gated=False)]
     leaves += [f"{linear}._extra_state" for linear in _LINEARS]

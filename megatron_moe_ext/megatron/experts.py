@@ -1,10 +1,6 @@
-"""This package's grouped expert MLP as a Megatron `ExpertsBuilder`.
-
-`GroupedGemmExperts(num_local_experts, config, *, pg_collection, name=None)` slots into
-`MoESubmodules(experts=...)` of Megatron's (or this package's) MoE layer. It holds the
-stacked weights of `experts/common.py` (`gate_and_up_projs [e, H, 2I]`, `down_projs [e, I, H]`)
-and computes with `run_grouped_expert_mlp`; its checkpoints use Megatron's SequentialMLP
-keys and global shapes (`megatron/checkpoint.py`), so a model moves between the two.
+"""This package's grouped expert MLP as a Megatron `ExpertsBuilder` for `MoESubmodules(experts=...)`:
+the stacked weights of `experts/common.py`, `run_grouped_expert_mlp`, and checkpoints in
+SequentialMLP's keys and global shapes (`megatron/checkpoint.py`).
 
 Legend: P dispatched rows, H hidden, I expert intermediate size, e local experts.
 """
@@ -54,21 +50,10 @@ def _unsupported(field: str, value, allowed: str) -> ValueError:
 
 
 def experts_config_from_transformer_config(config, expert_mlp_impl: str = "auto") -> ExpertsConfig:
-    """Map Megatron's MoE MLP settings onto `ExpertsConfig`, refusing what the math cannot match.
-
-    Megatron's expert MLP computes `act(x W1_gate) * (x W1_up + glu_linear_offset)` with the
-    optional clamp `activation_func_clamp_value` (gated), or `act(x W1)`:
-    - gated silu, offset 0, no clamp -> "swiglu"; with a clamp L -> "swiglu_clamped" (L)
-    - gated quick_gelu, offset 1 -> "swiglu_oai" (alpha 1.702, limit = clamp or 0)
-    - non-gated squared_relu -> "relu2"
-
-    Arguments:
-        config: Megatron `TransformerConfig` of an MoE model.
-        expert_mlp_impl: `ExpertsConfig.expert_mlp_impl`.
-
-    Returns:
-        `ExpertsConfig` with the same experts, top-k, sizes, activation, bias and dtype.
-    """
+    """Megatron's `TransformerConfig` -> `ExpertsConfig` (with `expert_mlp_impl`), refusing what
+    the math cannot match. Megatron's gated expert MLP is `act(x W1_gate) * (x W1_up + offset)`
+    with an optional clamp: gated silu, offset 0 -> "swiglu" ("swiglu_clamped" with a clamp);
+    gated quick_gelu, offset 1 -> "swiglu_oai"; non-gated squared_relu -> "relu2"."""
     gated = bool(config.gated_linear_unit)
     act = config.activation_func
     clamp = config.activation_func_clamp_value
@@ -128,7 +113,8 @@ def _check_megatron_features(config) -> None:
 
 
 class GroupedGemmExperts(MegatronModule):
-    """Megatron experts computed by one grouped GEMM per projection over stacked weights.
+    """Megatron experts computed by one grouped GEMM per projection over stacked weights
+    (`experts/common.py`'s layout, dtype `config.params_dtype`).
 
     Arguments:
         num_local_experts: e, the experts this EP rank holds.
@@ -136,22 +122,11 @@ class GroupedGemmExperts(MegatronModule):
         pg_collection: Megatron `ProcessGroupCollection`; `ep` and `expt_dp` name the expert
             shards and their replicas in checkpoints.
         name: module name passed down by Megatron (kept for its logging).
-        init_like: the Megatron experts whose initial weights these copy (same seed, same
-            RNG stream, same draws): "sequential_mlp" (expert by expert, fc1 then fc2) or
-            "te_grouped_mlp" (fc1 of every expert, then fc2 of every expert, as TEGroupedMLP's
-            two GroupedLinears draw them).
-        expert_mlp_impl: "auto", "fused" or "grouped_mm" (`ExpertsConfig.expert_mlp_impl`);
-            None reads the environment variable `MOE_EXT_EXPERT_MLP_IMPL`, else "auto".
-
-    Properties (where the weights are now):
-        expert_mlp_fallback_reason: why the fused (QuACK) path does not run, or None when it
-            does. accepts_indexed_rows: True when it does: the dispatcher may then hand over
-            `IndexedRows` and skip the permuted copy.
-
-    Parameters (dtype `config.params_dtype`, used as `x @ W`):
-        gate_and_up_projs [e, H, 2I] (`[gate | up]`; [e, H, I] when not gated),
-        down_projs [e, I, H], and with `config.add_bias_linear` gate_up_proj_bias [e, 2I]
-        (or [e, I]) and down_proj_bias [e, H].
+        init_like: the Megatron experts whose initial weights these copy (same seed, stream
+            and draws): "sequential_mlp" (expert by expert, fc1 then fc2) or "te_grouped_mlp"
+            (every fc1, then every fc2, as TEGroupedMLP's two GroupedLinears draw them).
+        expert_mlp_impl: "auto", "fused" or "grouped_mm"; None reads `MOE_EXT_EXPERT_MLP_IMPL`,
+            else "auto".
     """
 
     def __init__(self, num_local_experts: int, config, *, pg_collection=None,
@@ -207,23 +182,19 @@ class GroupedGemmExperts(MegatronModule):
     @property
     def expert_mlp_fallback_reason(self) -> str | None:
         """Why the fused (QuACK) path does not run where the weights are now, or None."""
-        # The rows arrive in the params' dtype (Megatron's bf16/fp16 training casts both).
         return fused_unsupported_reason(self.experts_config, self.gate_and_up_projs.device,
                                         self.config.params_dtype)
 
     @property
     def accepts_indexed_rows(self) -> bool:
-        """Whether `forward` takes an `IndexedRows` hand-off with its gather fused (the fused
-        path runs); it takes one anyway, making the permuted copy on the torch path."""
+        """Whether the fused path runs, so an `IndexedRows` hand-off skips the permuted copy (the
+        torch path takes one too, making the copy)."""
         return self.expert_mlp_fallback_reason is None
 
     @torch.no_grad()
     def _init_weights(self) -> None:
-        """Initialise each expert weight as Megatron's `[out, in]` weight, in the order and
-        from the RNG stream of the experts named by `init_like` (the CPU generator under
-        `use_cpu_initialization`, else the expert-parallel RNG tracker), so a model built with
-        the same seed gets the same expert weights either way.
-        """
+        """Each expert weight drawn as Megatron's `[out, in]` one, in `init_like`'s order, from the
+        CPU generator under `use_cpu_initialization`, else the expert-parallel RNG tracker."""
         cfg = self.config
         fc1 = [(w, cfg.init_method) for w in self.gate_and_up_projs]
         fc2 = [(w, cfg.output_layer_init_method) for w in self.down_projs]
@@ -239,8 +210,7 @@ class GroupedGemmExperts(MegatronModule):
             weight_IO.copy_(master_OI.t())
 
     def warmup_fused_kernels(self) -> None:
-        """Compile QuACK's kernels now (seconds at the first call of a process, then read from
-        its disk cache): call before capturing a CUDA graph. A no-op on the torch path."""
+        """Compile QuACK's kernels now (before capturing a CUDA graph); a no-op on the torch path."""
         if self.accepts_indexed_rows:
             param = self.gate_and_up_projs
             warmup_fused_expert_mlp(self.experts_config, param.device, self.config.params_dtype)
@@ -250,17 +220,14 @@ class GroupedGemmExperts(MegatronModule):
         """Run every local expert on its contiguous block of rows.
 
         Arguments:
-            dispatched_input: [P, H] rows grouped by local expert (activation dtype), or an
-                `IndexedRows` hand-off when `accepts_indexed_rows`.
-            tokens_per_expert: [e] int rows per local expert, on the host or the device;
-                `P` may exceed its sum (capacity padding): those tail rows are not trusted.
+            dispatched_input: [P, H] rows grouped by local expert (activation dtype), or
+                `IndexedRows`.
+            tokens_per_expert: [e] rows per local expert, host or device (P may exceed the sum).
             permuted_probs: [P] fp32 routing prob of each row, applied inside the activation.
 
         Returns:
-            (out [P, H] in the activation dtype, None): Megatron's (output, bias) pair; the down
-            bias is already added, weighted by the prob, so no bias is returned.
+            (out [P, H], None): Megatron's (output, bias) pair, the weighted down bias added.
         """
-        # Weights may be fp32 masters: run_grouped_expert_mlp computes in the rows' dtype.
         # "moe_act" as Megatron's TEGroupedMLP does it (fp8=None: no TE quantization, refused above).
         checkpoint = CheckpointWithoutOutput(fp8=None) if self.activation_recompute else None
         return run_grouped_expert_mlp(
@@ -275,10 +242,7 @@ class GroupedGemmExperts(MegatronModule):
         (`delay_wgrad_compute` is refused at construction)."""
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
-        """Megatron distributed-checkpoint view with SequentialMLP's keys and global shapes.
-
-        See `megatron_moe_ext.megatron.checkpoint.grouped_experts_sharded_state_dict`.
-        """
+        """SequentialMLP's keys and global shapes (`checkpoint.grouped_experts_sharded_state_dict`)."""
         return _checkpoint.grouped_experts_sharded_state_dict(
             self, prefix=prefix, sharded_offsets=sharded_offsets, metadata=metadata)
 

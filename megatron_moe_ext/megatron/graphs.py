@@ -1,17 +1,10 @@
-"""CUDA-graph settings of `FlexMoELayer`: what a capture of the MoE layer needs.
+"""CUDA-graph settings of `FlexMoELayer`: a captured MoE layer cannot wait for the host, so it
+must dispatch in budget mode (`moe_expert_rank_capacity_factor`); `check_capturable` refuses
+the others at construction instead of deep inside capture.
 
-A graph replays fixed shapes and cannot wait for the host, so a captured MoE layer must
-dispatch in budget mode (`moe_expert_rank_capacity_factor`, `dispatcher/fixed.py`): the
-dropless modes read the received counts on the host. Megatron asks for a capture of the
-whole MoE layer with `cuda_graph_impl` "local" or "transformer_engine" and
-`cuda_graph_modules` empty (the whole layer) or holding "moe", and with "full_iteration";
-`check_capturable` refuses those without a budget at construction, instead of an error deep
-inside capture.
-
-Megatron's `TransformerConfig` itself allows the "moe" module only for drop-and-pad layers
-and `moe_expert_rank_capacity_factor` only for its hybridep/ncclep backends; both checks run
-in its `__post_init__`, so a config for a sync-free `FlexMoELayer` sets these two fields after
-construction (see bench/gpu/cuda_graph_train.py).
+Megatron's `TransformerConfig.__post_init__` allows the "moe" graph module only for
+drop-and-pad layers and the budget only for its own backends, so a config for a sync-free
+`FlexMoELayer` sets these two fields after construction (see bench/gpu/cuda_graph_train.py).
 """
 
 from __future__ import annotations
@@ -43,7 +36,6 @@ def check_capturable(config, dispatcher_config) -> None:
 
 
 def cudagraph_attrs(backend: str) -> list[str]:
-    """What the dispatcher's preprocess leaves on its manager for dispatch, returned as graph
-    outputs when Megatron captures the router and preprocess only (the backend row's
-    `preprocess_outputs`)."""
+    """The manager attributes preprocess leaves for dispatch (the backend row's
+    `preprocess_outputs`): graph outputs when Megatron captures router and preprocess only."""
     return [f"_comm_manager.{name}" for name in registry.BACKENDS[backend].preprocess_outputs]

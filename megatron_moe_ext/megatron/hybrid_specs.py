@@ -1,24 +1,13 @@
 """HybridModel stack specs whose MoE (`E`) layers are `FlexMoELayer`.
 
-Megatron-Core 0.19 steers GPT users to `HybridModel` (`pretrain_hybrid.py`, pattern symbols
-`*` attention, `E` MoE, `-` dense MLP, `M` Mamba). Its `hybrid_layer_specs.hybrid_stack_spec`
-is built once, at import, with `get_moe_module_spec(...)`, so `--spec` is the way to give it
-another MoE layer:
+Megatron's `hybrid_layer_specs.hybrid_stack_spec` is built at import, so `--spec` gives it
+another MoE layer: `pretrain_hybrid.py --hybrid-layer-pattern '*E*E' --spec
+megatron_moe_ext.megatron.hybrid_specs flex_hybrid_stack_spec` (passed to `HybridModel`
+uncalled: a ready `ModuleSpec` with only the MoE layer's MLP swapped).
 
-    torchrun ... pretrain_hybrid.py --hybrid-layer-pattern '*E*E' \\
-        --spec megatron_moe_ext.megatron.hybrid_specs flex_hybrid_stack_spec ...
-
-`pretrain_hybrid.py` passes the named object to `HybridModel` as it is (it does not call it),
-so `flex_hybrid_stack_spec` is a ready `ModuleSpec`: Megatron's stack with only the MoE
-layer's MLP swapped (attention, Mamba, norms and the MTP block stay Megatron's).
-
-`get_flex_hybrid_stack_spec(use_transformer_engine=False)` gives the same stack from
-Megatron's local (non-TE) modules for attention and MoE layers, with the GPT local spec's
-layer norms, so a GPT-MoE built from `get_flex_decoder_block_spec` and a `*E*E...` hybrid
-model built from it have the same state-dict keys (the GPT-to-Hybrid translation of
-Megatron's `gpt_checkpoint_interop` pairs them). Megatron's `HybridStack` still builds its
-final norm with `TENorm`, so a HybridModel with `post_process` needs Transformer Engine
-whichever stack is used.
+The local (non-TE) stack keeps the GPT local spec's norms, so it has a GPT-MoE's state-dict
+keys (as Megatron's `gpt_checkpoint_interop` pairs them). `HybridStack`'s final norm is
+still `TENorm`: with `post_process` a HybridModel needs Transformer Engine either way.
 """
 
 from __future__ import annotations
@@ -34,7 +23,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import MoETransformerLayer, TransformerLayerSubmodules
 
 from megatron_moe_ext.config import TokenDispatcherConfig
-from megatron_moe_ext.megatron.specs import _use_te, flex_moe_builder
+from megatron_moe_ext.megatron.specs import _use_te, use_flex_moe_layer
 
 
 def use_flex_moe_in_hybrid_stack(stack_spec: ModuleSpec,
@@ -54,24 +43,15 @@ def use_flex_moe_in_hybrid_stack(stack_spec: ModuleSpec,
             and isinstance(stack_spec.submodules, HybridStackSubmodules)):
         raise ValueError(f"stack_spec: expected a ModuleSpec of HybridStack with "
                          f"HybridStackSubmodules, got {stack_spec!r:.200}")
-    moe_layer = stack_spec.submodules.moe_layer
-    mlp = flex_moe_builder(moe_layer.submodules.mlp, dispatcher_config, experts)
-    moe_layer = dataclasses.replace(moe_layer, submodules=dataclasses.replace(moe_layer.submodules, mlp=mlp))
+    moe_layer = use_flex_moe_layer(stack_spec.submodules.moe_layer, dispatcher_config, experts)
     return dataclasses.replace(stack_spec, submodules=dataclasses.replace(stack_spec.submodules,
                                                                           moe_layer=moe_layer))
 
 
 def local_hybrid_stack_spec(moe_grouped_gemm: bool = True) -> ModuleSpec:
-    """A `HybridStack` spec of Megatron's local modules with Megatron's own `MoELayer`:
-    the GPT local layer split in two, as HybridModel splits a GPT layer, into the attention
-    half (`*`) and the MoE half (`E`), each with the GPT layer's own norm.
-
-    Arguments:
-        moe_grouped_gemm: Megatron's experts choice (`GroupedMLP` / `SequentialMLP`).
-
-    Returns:
-        `ModuleSpec(module=HybridStack, ...)` with attention and MoE layers only.
-    """
+    """`ModuleSpec(module=HybridStack, ...)` of Megatron's local modules: the GPT local layer
+    (`moe_grouped_gemm` picks its experts) split into an attention (`*`) and an MoE (`E`)
+    half, each with the GPT layer's own norm."""
     gpt_layer = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=1, moe_grouped_gemm=moe_grouped_gemm)
     parts = gpt_layer.submodules
     attention_layer = dataclasses.replace(gpt_layer, submodules=dataclasses.replace(

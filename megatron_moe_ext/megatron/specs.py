@@ -1,23 +1,13 @@
 """Spec entry points: Megatron's GPT layer/block specs with `FlexMoELayer` at every MoE position.
 
-Every function here calls Megatron's builders (`get_gpt_decoder_block_spec`,
-`get_gpt_layer_local_spec`, `get_gpt_layer_with_transformer_engine_spec`) and then swaps
-the MoE layer in the result with `use_flex_moe_layer`, so attention, norms, dense layers,
-router, shared experts and the pipeline slicing stay exactly Megatron's.
+Each calls Megatron's builder and swaps the MoE layer with `use_flex_moe_layer`, so the rest
+(attention, norms, router, shared experts, pipeline slicing) stays Megatron's.
 
-Megatron-LM (`--spec megatron_moe_ext.megatron.specs <name>`): at core_r0.19.0,
-`pretrain_gpt.py` builds its model config with `gpt_config_from_args`
-(megatron/training/argument_utils.py), which imports the named object into
-`GPTModelConfig.transformer_layer_spec`; `GPTModelBuilder.build_model`
-(megatron/training/models/gpt.py) calls it with `(config, vp_stage=...)` when it is a
-callable and not a `ModuleSpec`, and passes a `ModuleSpec` to `GPTModel` as it is.
-- `get_flex_decoder_block_spec` is such a callable: every pipeline / virtual-pipeline stage
-  gets its own block, and `moe_layer_freq` (dense and MoE layers) is honoured.
-- `flex_moe_layer_spec` is a ready layer spec object (every layer MoE); the expert count
-  comes from `--num-experts` at build time.
-The legacy `gpt_builders.gpt_builder` (the `model_provider` path, still in that commit but
-not what `pretrain_gpt.py`'s main calls) passes the object uncalled; only
-`flex_moe_layer_spec` fits it.
+Megatron-LM `--spec megatron_moe_ext.megatron.specs <name>` (core_r0.19.0): `GPTModelBuilder`
+calls a callable spec with `(config, vp_stage=...)` and passes a `ModuleSpec` as it is.
+`get_flex_decoder_block_spec` is such a callable (per pipeline stage, `moe_layer_freq`
+honoured); `flex_moe_layer_spec` is a ready layer spec (every layer MoE), the only one that
+fits the legacy `gpt_builders.gpt_builder`, which passes the object uncalled.
 """
 
 from __future__ import annotations
@@ -59,12 +49,8 @@ def _is_moe_layer_class(obj) -> bool:
 
 
 def flex_moe_builder(mlp, dispatcher_config: TokenDispatcherConfig | None = None, experts=None):
-    """One MLP builder: an MoE layer builder becomes the same builder of `FlexMoELayer`.
-
-    Megatron 0.19 builds an MoE layer from `functools.partial(MoELayer, submodules=...)`
-    (older specs used `ModuleSpec(module=MoELayer, ...)`); both forms are handled. Any other
-    MLP (dense MLP, identity) is returned unchanged.
-    """
+    """An MoE layer builder (`functools.partial(MoELayer, ...)` or `ModuleSpec(module=MoELayer)`)
+    -> the same builder of `FlexMoELayer`; any other MLP unchanged."""
     extra = _flex_kwargs(dispatcher_config, experts)
     if isinstance(mlp, functools.partial) and _is_moe_layer_class(mlp.func):
         return functools.partial(FlexMoELayer, *mlp.args, **{**mlp.keywords, **extra})
@@ -101,9 +87,7 @@ def use_flex_moe_layer(spec, dispatcher_config: TokenDispatcherConfig | None = N
 
 def _transformer_config(config) -> TransformerConfig:
     """Megatron-LM's `GPTModelConfig` wraps the `TransformerConfig` in `.transformer`."""
-    if isinstance(config, TransformerConfig):
-        return config
-    inner = getattr(config, "transformer", None)
+    inner = config if isinstance(config, TransformerConfig) else getattr(config, "transformer", None)
     if isinstance(inner, TransformerConfig):
         return inner
     raise ValueError(f"config: expected a TransformerConfig (or a model config holding one in "
@@ -129,11 +113,10 @@ def get_flex_decoder_block_spec(config, vp_stage: int | None = None, *,
 
     Arguments:
         config: `TransformerConfig` (or Megatron-LM's model config holding one).
-        vp_stage: virtual pipeline stage, as Megatron's `get_gpt_decoder_block_spec`.
+        vp_stage, pp_rank: as Megatron's `get_gpt_decoder_block_spec`.
         use_transformer_engine: None = TE when importable and `config.transformer_impl`
-            is "transformer_engine", else Megatron's local modules.
+            is "transformer_engine".
         dispatcher_config, experts: see `use_flex_moe_layer`.
-        pp_rank: pipeline rank, as Megatron's builder.
 
     Returns:
         `TransformerBlockSubmodules` of this pipeline stage's layers.
@@ -151,13 +134,12 @@ def get_flex_layer_spec(num_experts: int, moe_grouped_gemm: bool = False, *,
                         use_transformer_engine: bool | None = None,
                         dispatcher_config: TokenDispatcherConfig | None = None,
                         experts=None, **layer_kwargs) -> ModuleSpec:
-    """One GPT transformer-layer spec with `FlexMoELayer` as its MLP (like Megatron's
+    """One GPT transformer-layer spec with `FlexMoELayer` as its MLP (as Megatron's
     `get_gpt_layer_local_spec(num_experts=...)` / `..._with_transformer_engine_spec`).
 
     Arguments:
-        num_experts: must be set (this is an MoE layer); the layer reads the actual count
-            from `config.num_moe_experts`.
-        moe_grouped_gemm: Megatron's experts choice (TE grouped MLP when True).
+        num_experts: >= 1 (the layer reads the count from `config.num_moe_experts`).
+        moe_grouped_gemm: Megatron's experts choice.
         use_transformer_engine: None = TE when importable.
         dispatcher_config, experts: see `use_flex_moe_layer`.
         layer_kwargs: passed to Megatron's builder (qk_layernorm, normalization, ...).
@@ -174,33 +156,25 @@ def get_flex_layer_spec(num_experts: int, moe_grouped_gemm: bool = False, *,
 
 
 class _DeferredLayerSpec(ModuleSpec):
-    """A `ModuleSpec` whose fields are read from `build()`'s spec, built on first read.
-
-    Megatron-LM's `--spec` importer reads the object with `vars(module)[name]`, so it must
-    exist at import; deferring its fields keeps that import free of spec building (and of
-    the Transformer Engine probe it makes). `dataclasses.replace` of it, which calls this
-    class with ModuleSpec's fields, gives an already-built one.
-    """
+    """A `ModuleSpec` whose fields are read from `build()`'s spec, built on first read, so the
+    object exists at import (`--spec` reads `vars(module)[name]`) without building a spec (and
+    probing TE) then. `dataclasses.replace` of it gives an already-built one."""
 
     def __init__(self, *args, build=None, **fields):
         self._build = build
-        self._spec = None if build is not None else ModuleSpec(*args, **fields)
+        if build is None:
+            self._spec = ModuleSpec(*args, **fields)
 
-    def _built(self) -> ModuleSpec:
-        if self._spec is None:
-            self._spec = self._build()
-        return self._spec
-
-
-def _deferred_field(name: str) -> property:
-    return property(lambda self: getattr(self._built(), name),
-                    lambda self, value: setattr(self._built(), name, value))
+    @functools.cached_property
+    def _spec(self) -> ModuleSpec:
+        return self._build()
 
 
 for _field in dataclasses.fields(ModuleSpec):
-    setattr(_DeferredLayerSpec, _field.name, _deferred_field(_field.name))
+    setattr(_DeferredLayerSpec, _field.name, property(
+        lambda self, name=_field.name: getattr(self._spec, name),
+        lambda self, value, name=_field.name: setattr(self._spec, name, value)))
 
-# For `pretrain_gpt.py --spec megatron_moe_ext.megatron.specs flex_moe_layer_spec`, which
-# passes the imported object itself to GPTModel. Any positive count builds the MoE spec;
-# the layer takes its expert count from the config.
+# For `--spec megatron_moe_ext.megatron.specs flex_moe_layer_spec`; the layer takes its expert
+# count from the config.
 flex_moe_layer_spec = _DeferredLayerSpec(build=functools.partial(get_flex_layer_spec, num_experts=1))

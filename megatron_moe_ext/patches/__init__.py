@@ -5,21 +5,12 @@
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)  # Megatron's
     patches.revert()
 
-Megatron-Core 0.19 has one place that names the MoE layer class when building specs: the
-module global `MoELayer` of `megatron.core.models.gpt.moe_module_specs`, read at call time
-by `get_moe_module_spec`, `get_moe_module_spec_for_backend` and the inference MoE spec.
-Every GPT builder (`get_gpt_decoder_block_spec`, `get_gpt_decoder_layer_specs`,
-`get_gpt_layer_local_spec`, `get_gpt_layer_with_transformer_engine_spec`, the MTP and
-experimental-attention specs) reaches it through those functions. Patching that one
-global therefore also catches callers that imported a builder by name before `apply()`,
-and leaves every builder function object untouched. Specs built before `apply()` keep
-Megatron's layer; build them after.
-
-The HybridModel stacks of `megatron.core.models.hybrid.hybrid_layer_specs`
-(`hybrid_stack_spec`, `hybrid_inference_stack_spec`) are the exception: Megatron builds
-their MoE layer spec once, at import, so the global never reaches them. `apply()` swaps
-their `moe_layer`'s MLP in place (Megatron-LM's `HybridModelBuilder` imports the stack
-object by name) and `revert()` puts the original back.
+Megatron-Core 0.19 names the MoE layer class in one place: the module global `MoELayer` of
+`megatron.core.models.gpt.moe_module_specs`, read at call time by the MoE spec functions that
+every GPT builder goes through. Patching it also catches builders imported by name before
+`apply()`; specs built before `apply()` keep Megatron's layer. The HybridModel stacks of
+`hybrid_layer_specs` are built at import, so `apply()` swaps their MoE layer's MLP in place
+(Megatron-LM imports the stack object by name) and `revert()` puts it back.
 """
 
 from __future__ import annotations
@@ -75,14 +66,12 @@ def apply(dispatcher_config: TokenDispatcherConfig | None = None, experts=None) 
     """Make Megatron's MoE module specs build `FlexMoELayer`.
 
     Arguments:
-        dispatcher_config: given to every layer (default: each layer derives its own from
-            its `TransformerConfig`: Megatron's flex backend when
-            `moe_token_dispatcher_type="flex"`, else the portable `torch` backend).
-        experts: an `ExpertsBuilder` replacing Megatron's experts in every MoE layer
-            (default: keep the spec's experts).
+        dispatcher_config: given to every layer (default: each derives its own from its
+            `TransformerConfig`).
+        experts: an `ExpertsBuilder` replacing the spec's experts (default: keep them).
 
-    Applying again with the same arguments changes nothing; with different arguments it
-    raises ValueError (call `revert()` first), so two callers cannot silently disagree.
+    Applying again with the same arguments changes nothing; with others it raises ValueError
+    (call `revert()` first), so two callers cannot silently disagree.
     """
     global _applied
     from megatron_moe_ext.megatron.specs import flex_layer_builder, flex_moe_builder
