@@ -92,15 +92,11 @@ def relu2(x: torch.Tensor, permuted_probs: torch.Tensor) -> torch.Tensor:
 
 def get_expert_activation(config: ExpertsConfig) -> ExpertActivation:
     """`fn(x, permuted_probs) -> [P, I]` of `config.expert_activation`, its alpha and limit bound."""
-    alpha, limit = config.activation_alpha, config.activation_limit
-    activations = {
+    alpha, limit = config.activation_alpha, config.activation_limit  # validated by ExpertsConfig
+    return {
         "swiglu": swiglu,
         "swiglu_clamped": functools.partial(swiglu_clamped, limit=limit),
         "swiglu_oai": functools.partial(swiglu_oai, alpha=alpha, limit=limit),
         "quick_geglu": functools.partial(quick_geglu, alpha=alpha, limit=limit),
         "relu2": relu2,
-    }
-    if config.expert_activation not in activations:
-        raise ValueError(f"expert_activation={config.expert_activation!r} is invalid: allowed "
-                         f"values are {ACTIVATIONS}")
-    return activations[config.expert_activation]
+    }[config.expert_activation]

@@ -23,7 +23,7 @@ from megatron_moe_ext.dispatcher.permute import (
     indices_to_multihot,
     permute_to_experts,
 )
-from megatron_moe_ext.experts.activations import is_gated_activation
+from megatron_moe_ext.experts.activations import get_expert_activation, is_gated_activation
 from megatron_moe_ext.experts.config import ExpertsConfig
 
 
@@ -86,6 +86,7 @@ class StackedExperts(nn.Module):
         super().__init__()
         self.config = config
         self.n_routed_experts = config.n_routed_experts
+        self.expert_activation = get_expert_activation(config)
         self.ep = ExpertParallel(None, 1, 0)
         self.n_local_experts = config.n_routed_experts
         self.experts_start_idx, self.experts_end_idx = 0, config.n_routed_experts
@@ -94,8 +95,9 @@ class StackedExperts(nn.Module):
         if not config.expert_bias:
             self.gate_up_proj_bias = self.down_proj_bias = None
 
-    def _set_expert_parallel(self, ep_mesh) -> ExpertParallel:
-        """Keep only this rank's experts; a no-op when called again with the same group size."""
+    def init_token_dispatcher(self, ep_mesh) -> None:
+        """Join the expert-parallel group (DeviceMesh or ProcessGroup) and keep only this rank's
+        experts; a no-op when called again with the same group size."""
         ep = resolve_ep_group(ep_mesh)
         start, end = local_expert_range(self.n_routed_experts, ep, self.n_local_experts)
         if (end - start) != self.n_local_experts:
@@ -106,7 +108,6 @@ class StackedExperts(nn.Module):
         self.ep = ep
         self.n_local_experts = end - start
         self.experts_start_idx, self.experts_end_idx = start, end
-        return ep
 
     def init_weights(self, buffer_device: torch.device, init_std: float = 0.02) -> None:
         """Materialise the parameters on `buffer_device` (they may be on `meta`), weights

@@ -11,7 +11,6 @@ import torch
 
 from megatron_moe_ext.config import TokenDispatcherConfig
 from megatron_moe_ext.dispatcher.permute import unpermute_from_experts
-from megatron_moe_ext.experts.activations import get_expert_activation
 from megatron_moe_ext.experts.common import (
     ExpertParallel,
     LocalPermutation,
@@ -140,14 +139,13 @@ class GroupedExpertsDeepEP(FlexDispatchedExperts, StackedExperts):
         self.dispatcher_config = make_dispatcher_config(
             config, dispatcher_backend, dispatcher_num_sms, dispatcher_share_token_dispatcher,
             dispatcher_async_dispatch, static_routing, **dispatcher_options)
-        self.expert_activation = get_expert_activation(config)
         self.token_dispatch = ExpertDispatch(config, self.ep, self.dispatcher_config)
 
     def init_token_dispatcher(self, ep_mesh) -> None:
         """Join the EP group (DeviceMesh or ProcessGroup), keep the local experts, build the
         dispatcher and its buffers."""
-        ep = self._set_expert_parallel(ep_mesh)
-        self.token_dispatch = ExpertDispatch(self.config, ep, self.dispatcher_config)
+        super().init_token_dispatcher(ep_mesh)
+        self.token_dispatch = ExpertDispatch(self.config, self.ep, self.dispatcher_config)
 
     def _grouped_mlp(self, rows_PH: torch.Tensor, probs_P: torch.Tensor, tokens_per_expert) -> torch.Tensor:
         return run_grouped_expert_mlp(

@@ -14,9 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_moe_ext.dispatcher.permute import unpermute_from_experts
-from megatron_moe_ext.experts.activations import get_expert_activation
 from megatron_moe_ext.experts.common import StackedExperts, check_expert_inputs, permute_local
-from megatron_moe_ext.experts.config import ExpertsConfig
 from megatron_moe_ext.experts.mlp import run_grouped_expert_mlp
 
 
@@ -79,15 +77,6 @@ class GroupedExperts(StackedExperts):
     EP=1 until `init_token_dispatcher(ep_mesh)`.
     """
 
-    def __init__(self, config: ExpertsConfig, device: torch.device | str | None = None):
-        super().__init__(config, device)
-        self.use_torch_mm = config.use_torch_mm
-        self.expert_activation_grouped = get_expert_activation(config)
-
-    def init_token_dispatcher(self, ep_mesh) -> None:
-        """Join the expert-parallel group (DeviceMesh or ProcessGroup) and keep the local experts."""
-        self._set_expert_parallel(ep_mesh)
-
     @staticmethod
     def _gather_ep_inputs(x, token_mask, weights, indices, ep_group, ep_size):
         """`forward`'s `[T, ...]` inputs of every rank -> rank-major `[N, ...]` ones plus the
@@ -122,7 +111,7 @@ class GroupedExperts(StackedExperts):
             x, token_mask, weights, indices, lens = self._gather_ep_inputs(
                 x, token_mask, weights, indices, group, self.ep.size)
         params = (self.gate_and_up_projs, self.down_projs, self.gate_up_proj_bias, self.down_proj_bias)
-        if self.use_torch_mm:
+        if self.config.use_torch_mm:
             out = self._forward_grouped_mm(x, token_mask, weights, indices, *params,
                                            self.n_local_experts, self.experts_start_idx)
         else:
@@ -137,7 +126,7 @@ class GroupedExperts(StackedExperts):
         perm = permute_local(x, token_mask, weights.float(), indices, experts_start_idx, n_local_experts)
         out_PH = run_grouped_expert_mlp(
             perm.rows_PH, gate_and_up_projs, down_projs, gate_up_proj_bias, down_proj_bias,
-            perm.tokens_per_expert, perm.probs_P[:, None], self.expert_activation_grouped,
+            perm.tokens_per_expert, perm.probs_P[:, None], self.expert_activation,
             self.config.expert_mlp_chunk_bytes, expert_mlp_impl=self.config.expert_mlp_impl,
             experts_config=self.config)
         return unpermute_from_experts(out_PH.to(x.dtype), perm.state)
@@ -154,7 +143,7 @@ class GroupedExperts(StackedExperts):
             h = x.index_select(0, token_ids) @ gate_and_up_projs[local].to(x.dtype)
             if gate_up_proj_bias is not None:
                 h = h + gate_up_proj_bias[local].to(x.dtype)
-            y = self.expert_activation_grouped(h, probs) @ down_projs[local].to(x.dtype)
+            y = self.expert_activation(h, probs) @ down_projs[local].to(x.dtype)
             if down_proj_bias is not None:
                 y = (y + probs * down_proj_bias[local].float()).to(x.dtype)
             out.index_put_((token_ids,), y, accumulate=True)
