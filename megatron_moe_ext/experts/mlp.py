@@ -153,11 +153,9 @@ def _grouped_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor, down_
 
 
 def _checkpointed_chunked_expert_mlp(hidden_states: torch.Tensor, gate_and_up_projs: torch.Tensor,
-                                     down_projs: torch.Tensor,
-                                     gate_up_proj_bias: torch.Tensor | None,
-                                     down_proj_bias: torch.Tensor | None,
-                                     tokens_per_expert: TokenCounts, permuted_probs: torch.Tensor,
-                                     activation_fn: Activation,
+                                     down_projs: torch.Tensor, gate_up_proj_bias: torch.Tensor | None,
+                                     down_proj_bias: torch.Tensor | None, tokens_per_expert: TokenCounts,
+                                     permuted_probs: torch.Tensor, activation_fn: Activation,
                                      apply_router_weight_after_down: bool = False,
                                      chunk_bytes: int | None = None) -> torch.Tensor:
     """The grouped expert MLP in checkpointed row chunks, each about `chunk_bytes` of `[rows, 2I]`

@@ -66,14 +66,12 @@ class GroupedExpertsTE(FlexDispatchedExperts, nn.Module):
         self.config = config
         self.dim, self.moe_inter_dim = config.dim, config.moe_inter_dim
         self.n_routed_experts = config.n_routed_experts
-        self.expert_bias = config.expert_bias
         self.static_routing = static_routing
         self.fp8_align_size = fp8_align_size
         self._static_m_splits: list[int] | None = None
         self.expert_activation = get_expert_activation(config)
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
         self.ep_rank, self.num_local_experts = 0, config.n_routed_experts
+        device = device if device is not None else "cuda" if torch.cuda.is_available() else "cpu"
         self._build_linears(config.n_routed_experts, torch.device(device))
         self.dispatcher_config = make_dispatcher_config(
             config, dispatcher_backend, dispatcher_num_sms, dispatcher_share_token_dispatcher,
@@ -206,9 +204,6 @@ class GroupedExpertsTE(FlexDispatchedExperts, nn.Module):
             self._static_m_splits = host
         if host is not None:
             routed = sum(host)
-            if routed > rows:
-                raise ValueError(f"tokens_per_expert sums to {routed} but only {rows} rows were "
-                                 "dispatched")
             valid_PH = rows_PH[:routed]
             if pad_groups:
                 padded_PH, padded_splits = self.fp8_padding(valid_PH, host)

@@ -38,12 +38,10 @@ class _ExpertTensor:
 
 
 def _expert_tensors(gated: bool) -> tuple[_ExpertTensor, ...]:
-    return (
-        _ExpertTensor("gate_and_up_projs", "linear_fc1.weight", True, gated),
-        _ExpertTensor("down_projs", "linear_fc2.weight", True, False),
-        _ExpertTensor("gate_up_proj_bias", "linear_fc1.bias", False, gated),
-        _ExpertTensor("down_proj_bias", "linear_fc2.bias", False, False),
-    )
+    return (_ExpertTensor("gate_and_up_projs", "linear_fc1.weight", True, gated),
+            _ExpertTensor("down_projs", "linear_fc2.weight", True, False),
+            _ExpertTensor("gate_up_proj_bias", "linear_fc1.bias", False, gated),
+            _ExpertTensor("down_proj_bias", "linear_fc2.bias", False, False))
 
 
 def _to_megatron(t: torch.Tensor, spec: _ExpertTensor) -> torch.Tensor:

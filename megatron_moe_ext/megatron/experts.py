@@ -7,6 +7,7 @@ Legend: P dispatched rows, H hidden, I expert intermediate size, e local experts
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -198,15 +199,13 @@ class GroupedGemmExperts(MegatronModule):
         cfg = self.config
         fc1 = [(w, cfg.init_method) for w in self.gate_and_up_projs]
         fc2 = [(w, cfg.output_layer_init_method) for w in self.down_projs]
+        on_cpu = cfg.use_cpu_initialization
         for weight_IO, init_method in _INIT_ORDERS[self.init_like](fc1, fc2):
-            if cfg.use_cpu_initialization:
-                master_OI = torch.empty(weight_IO.shape[::-1], dtype=torch.float32)
+            master_OI = torch.empty(weight_IO.shape[::-1], dtype=torch.float32 if on_cpu else weight_IO.dtype,
+                                    device="cpu" if on_cpu else weight_IO.device)
+            with (contextlib.nullcontext() if on_cpu
+                  else get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name())):
                 init_method(master_OI)
-            else:
-                master_OI = torch.empty(weight_IO.shape[::-1], dtype=weight_IO.dtype,
-                                        device=weight_IO.device)
-                with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
-                    init_method(master_OI)
             weight_IO.copy_(master_OI.t())
 
     def warmup_fused_kernels(self) -> None:

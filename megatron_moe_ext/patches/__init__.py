@@ -54,14 +54,6 @@ def _check_megatron_target() -> None:
 _check_megatron_target()
 
 
-def _hybrid_moe_slots() -> list:
-    """The `TransformerLayerSubmodules` of each Megatron hybrid stack's MoE layer."""
-    from megatron.core.models.hybrid import hybrid_layer_specs
-
-    return [getattr(hybrid_layer_specs, name).submodules.moe_layer.submodules
-            for name in _HYBRID_STACKS]
-
-
 def apply(dispatcher_config: TokenDispatcherConfig | None = None, experts=None) -> None:
     """Make Megatron's MoE module specs build `FlexMoELayer`.
 
@@ -85,7 +77,10 @@ def apply(dispatcher_config: TokenDispatcherConfig | None = None, experts=None) 
                     raise ValueError(f"{field}: patches are already applied with {_applied[field]!r}; "
                                      "call revert() before applying different settings")
             return
-        slots = _hybrid_moe_slots()
+        from megatron.core.models.hybrid import hybrid_layer_specs
+
+        # The `TransformerLayerSubmodules` of each hybrid stack's MoE layer.
+        slots = [getattr(hybrid_layer_specs, name).submodules.moe_layer.submodules for name in _HYBRID_STACKS]
         _applied = {"original": _moe_module_specs.MoELayer, "dispatcher_config": dispatcher_config,
                     "experts": experts, "hybrid": [(slot, slot.mlp) for slot in slots]}
         _moe_module_specs.MoELayer = builder

@@ -1,15 +1,11 @@
-"""The two row primitives of the fixed-shape (capacity and budget) permutation in Triton:
-`gather_sum` (each output row the sum of up to J source rows, slot by slot) and
-`gather_rows` (a pick of rows), each the other's gradient.
+"""The row primitives of the fixed-shape permutation in Triton, each the other's gradient:
+`gather_sum` (each output row the sum of up to J source rows) and `gather_rows` (a pick).
 
-The torch versions in `permute.py` (the CPU path) move data J times over a padded copy; on
-an H200 that outweighed the expert GEMMs of a sync-free layer. Here each output row is
-written once. `gather_sum` adds its J sources in slot order from 0, rounding every add to the
-output dtype: the bits of the torch path's sequential adds. Its gradient is a pick (the
-positions other than N are distinct): `pos_RJ` is inverted into `src_N` and the same kernel
-with J=1 gathers `0 + grad[src[n]]` (-0 becomes +0, as in the torch path). `gather_rows`
-copies rows bit for bit; its gradient is `gather_sum`. No host reads, no data-dependent
-shapes: CUDA-graph safe.
+Each output row is written once (the torch path in `permute.py` moves data J times, which on
+an H200 outweighed the expert GEMMs). `gather_sum` adds in slot order from 0, rounding every
+add to the output dtype: the torch path's bits. Its gradient is a pick (positions below N are
+distinct) through the inverted positions, `0 + grad[src[n]]` (-0 becomes +0, as in torch).
+No host reads, no data-dependent shapes: CUDA-graph safe.
 
 Legend: N source rows, R output rows of gather_sum, J slots per output row, P picked rows,
 H row width (trailing dims flattened).
@@ -55,9 +51,8 @@ def _fp32_to_bf16(x):
 def _gather_sum_kernel(out_ptr, rows_ptr, pos_ptr, num_rows, width, out_stride, rows_stride,
                        pos_stride, pos_slot_stride, J: tl.constexpr, SUM: tl.constexpr,
                        ACC: tl.constexpr, BF16: tl.constexpr, BLOCK: tl.constexpr):
-    """Grid (R, column blocks): `out[r] = 0 + rows[pos[r, 0]] + ... + rows[pos[r, J-1]]`
-    (SUM), each add in ACC rounded to out's dtype (BF16: out is bf16), or
-    `out[r] = rows[pos[r, 0]]` copied bit for bit (not SUM, J=1). A position outside
+    """Grid (R, column blocks): `out[r] = 0 + rows[pos[r, 0]] + ...` (SUM; each add in ACC rounded
+    to out's dtype), else `out[r] = rows[pos[r, 0]]` bit for bit (J=1). A position outside
     [0, num_rows) reads a zero row."""
     r = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

@@ -47,8 +47,7 @@ def _swiglu_bwd_kernel(grad_out_ptr, x_ptr, probs_ptr, grad_x_ptr, grad_probs_pt
                      other=0.0).to(tl.float32)
         gate_raw = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
         up_raw = tl.load(x_ptr + row * x_stride + inter + cols, mask=mask, other=0.0).to(tl.float32)
-        gate = gate_raw
-        up = up_raw
+        gate, up = gate_raw, up_raw
         if CLAMP:
             gate = tl.minimum(gate_raw, limit)
             up = tl.minimum(tl.maximum(up_raw, -limit), limit)
