@@ -1,13 +1,7 @@
-"""HybridModel stack specs whose MoE (`E`) layers are `FlexMoELayer`.
+"""HybridModel stack specs whose MoE (`E`) layers are `FlexMoELayer` (README, "HybridModel").
 
-Megatron's `hybrid_layer_specs.hybrid_stack_spec` is built at import, so `--spec` gives it
-another MoE layer: `pretrain_hybrid.py --hybrid-layer-pattern '*E*E' --spec
-megatron_moe_ext.megatron.hybrid_specs flex_hybrid_stack_spec` (passed to `HybridModel`
-uncalled: a ready `ModuleSpec` with only the MoE layer's MLP swapped).
-
-The local (non-TE) stack keeps the GPT local spec's norms, so it has a GPT-MoE's state-dict
-keys (as Megatron's `gpt_checkpoint_interop` pairs them). `HybridStack`'s final norm is
-still `TENorm`: with `post_process` a HybridModel needs Transformer Engine either way.
+`flex_hybrid_stack_spec` is a ready `ModuleSpec` (`pretrain_hybrid.py` passes `--spec` uncalled).
+The local (non-TE) stack keeps the GPT local spec's norms, so it has a GPT-MoE's state-dict keys.
 """
 
 from __future__ import annotations

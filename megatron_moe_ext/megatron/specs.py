@@ -3,11 +3,10 @@
 Each calls Megatron's builder and swaps the MoE layer with `use_flex_moe_layer`, so the rest
 (attention, norms, router, shared experts, pipeline slicing) stays Megatron's.
 
-Megatron-LM `--spec megatron_moe_ext.megatron.specs <name>` (core_r0.19.0): `GPTModelBuilder`
-calls a callable spec with `(config, vp_stage=...)` and passes a `ModuleSpec` as it is.
-`get_flex_decoder_block_spec` is such a callable (per pipeline stage, `moe_layer_freq`
-honoured); `flex_moe_layer_spec` is a ready layer spec (every layer MoE), the only one that
-fits the legacy `gpt_builders.gpt_builder`, which passes the object uncalled.
+`--spec megatron_moe_ext.megatron.specs <name>` (README): Megatron-LM calls a callable spec with
+`(config, vp_stage=...)` (`get_flex_decoder_block_spec`: per pipeline stage, `moe_layer_freq`
+honoured) and passes a `ModuleSpec` as it is (`flex_moe_layer_spec`: every layer MoE; the only
+one that fits the legacy `gpt_builders.gpt_builder`).
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""The row primitives of the fixed-shape permutation in Triton, each the other's gradient:
-`gather_sum` (each output row the sum of up to J source rows) and `gather_rows` (a pick).
-
-Each output row is written once (the torch path in `permute.py` moves data J times, which on
-an H200 outweighed the expert GEMMs). `gather_sum` adds in slot order from 0, rounding every
-add to the output dtype: the torch path's bits. Its gradient is a pick (positions below N are
-distinct) through the inverted positions, `0 + grad[src[n]]` (-0 becomes +0, as in torch).
-No host reads, no data-dependent shapes: CUDA-graph safe.
+"""The row primitives of the fixed-shape permutation in Triton (DESIGN.md, "What a CUDA graph
+may contain"), each the other's gradient: `gather_rows` (a pick) and `gather_sum` (each output
+row the sum of up to J source rows, added in slot order from 0 and rounded to the output dtype
+at every add: the torch path's bits). `gather_sum`'s gradient is a pick through the inverted
+positions, `0 + grad[src[n]]` (-0 becomes +0, as in torch).
 
 Legend: N source rows, R output rows of gather_sum, J slots per output row, P picked rows,
 H row width (trailing dims flattened).
