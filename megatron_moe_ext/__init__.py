@@ -1,9 +1,4 @@
-"""megatron_moe_ext: a drop-in Mixture-of-Experts layer for Megatron-Core.
-
-Folders: `dispatcher/` (flex token dispatcher, its managers and backends), `experts/`
-(grouped expert MLPs and their kernels), `megatron/` (Megatron MoE layer, expert
-builders, specs, checkpoint interop); `patches` swaps them into Megatron's spec builders.
-"""
+"""megatron_moe_ext: a drop-in Mixture-of-Experts layer for Megatron-Core (the layers: DESIGN.md)."""
 
 from megatron_moe_ext.config import TokenDispatcherConfig
 

@@ -115,10 +115,7 @@ class StackedExperts(nn.Module):
         for name in stacked_shapes(self.config, 1):
             param = getattr(self, name)
             value = torch.empty(param.shape, dtype=param.dtype, device=buffer_device)
-            if name.endswith("bias"):
-                value.zero_()
-            else:
-                value.normal_(0.0, init_std)
+            value = value.zero_() if name.endswith("bias") else value.normal_(0.0, init_std)
             setattr(self, name, nn.Parameter(value, requires_grad=param.requires_grad))
 
 

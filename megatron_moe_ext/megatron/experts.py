@@ -39,9 +39,6 @@ _INIT_ORDERS = {
     "te_grouped_mlp": lambda fc1, fc2: fc1 + fc2,  # two GroupedLinears, fc1's weights first
 }
 
-# Quick-GELU's sigmoid slope, fixed inside Megatron's `quick_gelu`.
-_QUICK_GELU_ALPHA = 1.702
-
 #: Picks `expert_mlp_impl` for command-line users of `--spec` (who cannot pass the keyword).
 EXPERT_MLP_IMPL_ENV = "MOE_EXT_EXPERT_MLP_IMPL"
 
@@ -80,7 +77,7 @@ def experts_config_from_transformer_config(config, expert_mlp_impl: str = "auto"
         moe_inter_dim=config.moe_ffn_hidden_size,
         expert_activation=activation,
         expert_bias=bool(config.add_bias_linear),
-        activation_alpha=_QUICK_GELU_ALPHA,
+        activation_alpha=1.702,  # Quick-GELU's slope, fixed inside Megatron's `quick_gelu`
         activation_limit=limit,
         dtype=config.params_dtype,
         expert_mlp_chunk_bytes=0,  # Megatron's recompute flags decide: never recompute twice

@@ -25,9 +25,6 @@ EXPECTED_MEGATRON_CORE = "megatron-core 0.19.x"
 # The spec functions that read the module global `MoELayer` at call time.
 _READERS = ("get_moe_module_spec_for_backend", "get_inference_optimized_moe_spec")
 
-# HybridModel stacks built at import, whose MoE layer `apply()` swaps in place.
-_HYBRID_STACKS = ("hybrid_stack_spec", "hybrid_inference_stack_spec")
-
 _lock = threading.Lock()
 # {"original": MoELayer, "dispatcher_config": ..., "experts": ..., "hybrid": [(slot, mlp)]}
 _applied: dict | None = None
@@ -79,8 +76,8 @@ def apply(dispatcher_config: TokenDispatcherConfig | None = None, experts=None) 
             return
         from megatron.core.models.hybrid import hybrid_layer_specs
 
-        # The `TransformerLayerSubmodules` of each hybrid stack's MoE layer.
-        slots = [getattr(hybrid_layer_specs, name).submodules.moe_layer.submodules for name in _HYBRID_STACKS]
+        stacks = (hybrid_layer_specs.hybrid_stack_spec, hybrid_layer_specs.hybrid_inference_stack_spec)
+        slots = [stack.submodules.moe_layer.submodules for stack in stacks]
         _applied = {"original": _moe_module_specs.MoELayer, "dispatcher_config": dispatcher_config,
                     "experts": experts, "hybrid": [(slot, slot.mlp) for slot in slots]}
         _moe_module_specs.MoELayer = builder
