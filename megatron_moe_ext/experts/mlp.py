@@ -252,8 +252,7 @@ def run_grouped_expert_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Ten
             (`moe_act` recompute: the activation output is freed after the down projection).
             The fused path never saves the activation output.
         expert_mlp_impl: "grouped_mm" (default), "auto" (fused where supported and measured
-            faster: `fused.auto_declined_reason`) or "fused"
-            (RuntimeError naming the reason where not).
+            faster: `fused.auto_declined_reason`) or "fused" (RuntimeError naming why not).
         experts_config: the `ExpertsConfig` naming the activation (needed unless "grouped_mm").
 
     Returns:

@@ -81,5 +81,4 @@ def get_flex_hybrid_stack_spec(use_transformer_engine: bool | None = None, *,
     return use_flex_moe_in_hybrid_stack(stack, dispatcher_config, experts)
 
 
-# For `pretrain_hybrid.py --spec megatron_moe_ext.megatron.hybrid_specs flex_hybrid_stack_spec`.
 flex_hybrid_stack_spec = get_flex_hybrid_stack_spec()

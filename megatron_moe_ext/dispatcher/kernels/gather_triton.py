@@ -86,8 +86,7 @@ def _invert_positions_kernel(src_ptr, pos_ptr, total, J, num_rows, BLOCK: tl.con
 
 
 def supported(t: torch.Tensor) -> bool:
-    """Whether the kernels take rows of this dtype (floating point: the sum runs in fp32, or
-    fp64 for fp64 rows)."""
+    """Whether the kernels take rows of this dtype (floating point; fp64 rows sum in fp64)."""
     return t.dtype in _DTYPES
 
 
