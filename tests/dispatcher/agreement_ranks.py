@@ -319,3 +319,10 @@ def assert_agreed_error(results: list[dict], error_type: str, bad_rank: int, cau
         assert names_rank(r["message"], bad_rank), f"rank {rank}'s error does not name rank {bad_rank}: {r['message']}"
         for cause in causes:
             assert cause in r["message"], f"rank {rank}'s error does not name {cause!r}: {r['message']}"
+
+
+def assert_refused(outcomes: list[dict], names: tuple[str, ...]) -> None:
+    """Every rank raised ValueError naming one of `names` (the setting refused)."""
+    for rank, r in enumerate(outcomes):
+        assert r["type"] == "ValueError", f"rank {rank} ended with {r['type']}, not ValueError: {r['message']}"
+        assert any(name in r["message"] for name in names), f"rank {rank}'s error names none of {names}: {r['message']}"

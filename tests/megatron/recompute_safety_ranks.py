@@ -73,16 +73,23 @@ def _bias_change(layer) -> None:
     layer.router.expert_bias.copy_(torch.linspace(-1.0, 1.0, E).roll(dist.get_rank() + 1))
 
 
-def _grads(layer, x) -> dict[str, torch.Tensor]:
+def _grads(layer, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The layer's parameter gradients and those of `inputs` (by name), then zeroed."""
     grads = {n: p.grad.detach().clone() for n, p in layer.named_parameters() if p.grad is not None}
-    grads["x"] = x.grad.detach().clone()
+    grads.update({name: x.grad.detach().clone() for name, x in inputs.items()})
     layer.zero_grad(set_to_none=True)
     return grads
 
 
-def _max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys(), (sorted(a), sorted(b))
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
+def _outcome_against(fn, reference: dict) -> dict:
+    """How `fn()` (which returns gradients) ended and, if it returned, the largest difference
+    of its gradients from `reference`."""
+    got = {}
+    result = outcome(lambda: got.update(grads=fn()))
+    if "grads" in got:
+        assert got["grads"].keys() == reference.keys(), (sorted(got["grads"]), sorted(reference))
+        result["grad_err"] = max(float((got["grads"][k] - reference[k]).abs().max()) for k in reference)
+    return result
 
 
 def _step(layer, case, seed, granularity, change_bias: bool = False):
@@ -94,7 +101,7 @@ def _step(layer, case, seed, granularity, change_bias: bool = False):
     if change_bias:
         _bias_change(layer)
     (out * g).sum().backward()
-    return _grads(layer, x)
+    return _grads(layer, x=x)
 
 
 # ---- item 2: a routing change seen during recompute on one rank only -----------------------
@@ -140,17 +147,14 @@ def fixed_shape_mode_recompute(mode: str, granularity: str) -> dict:
         reference.load_state_dict(layer.state_dict())
         _step(reference, case, 100, None)
         ref = _step(reference, case, 200, None)
-        got = {}
 
         def steps():
             _step(layer, case, 100, granularity)
-            got["grads"] = _step(layer, case, 200, granularity, change_bias=True)
+            grads = _step(layer, case, 200, granularity, change_bias=True)
             recompute.check_routing(layer)
+            return grads
 
-        result = {"build": build, "run": outcome(steps)}
-        if "grads" in got:
-            result["grad_err"] = _max_diff(got["grads"], ref)
-        return result
+        return {"build": build, "run": _outcome_against(steps, ref)}
     finally:
         megatron_cpu.uninstall()
 
@@ -179,17 +183,9 @@ def layer_called_twice(second: str) -> dict:
             else:
                 outs = [layer(x)[0] for x in xs]
             ((outs[0] * g1).sum() + (outs[1] * g2).sum()).backward()
-            grads = {n: p.grad.detach().clone() for n, p in layer.named_parameters() if p.grad is not None}
-            grads.update(x1=xs[0].grad.clone(), x2=xs[1].grad.clone())
-            layer.zero_grad(set_to_none=True)
-            return grads
+            return _grads(layer, x1=xs[0], x2=xs[1])
 
-        ref = run(False)
-        got = {}
-        result = outcome(lambda: got.update(grads=run(True)))
-        if "grads" in got:
-            result["grad_err"] = _max_diff(got["grads"], ref)
-        return result
+        return _outcome_against(lambda: run(True), run(False))
     finally:
         megatron_cpu.uninstall()
 
