@@ -46,8 +46,8 @@ class Communicator(Protocol):
     #: Its `dispatch_fixed` exchanges equal splits, so every rank needs the same send capacity.
     fixed_equal_splits: bool
 
-    def announce_input_error(self, group, word: int, like=None, send_capacity: int | None = None,
-                             topk: int = 0) -> list[int]:
+    def announce_input_error(self, group, word: int, like=None, num_experts: int = 0,
+                             send_capacity: int | None = None, topk: int = 0) -> list[int]:
         """This rank failed before this step's first collective: send the error `word`
         (`checks.error_word`) in place of its data, in the collective its peers wait in (the
         backend table's `error_flag`), so that they raise too. `like`: a `[T, H]` tensor of the

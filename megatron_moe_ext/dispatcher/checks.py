@@ -111,8 +111,8 @@ def agreed_error(words, own: BaseException | None = None, rank: int | None = Non
             f"deterministic (bf16 top-k ties){detail}")
     else:
         causes = ", ".join(sorted(set(by_rank.values())))
-        error = ValueError(f"{cause}: expert-parallel rank(s) {ranks} rejected their {causes}; every "
-                           f"rank of the group abandons this step{detail}")
+        error = ValueError(f"{cause}: expert-parallel rank(s) {ranks} failed their check of {causes}; "
+                           f"every rank of the group abandons this step{detail}")
     error.agreed = True
     return error
 
@@ -120,6 +120,10 @@ def agreed_error(words, own: BaseException | None = None, rank: int | None = Non
 def announces(error: BaseException) -> bool:
     """Whether a rank that raised `error` must tell its peers (not yet agreed)."""
     return isinstance(error, ANNOUNCED) and not getattr(error, "agreed", False)
+
+
+_DEVICE_MESSAGE = ("a rank of the expert-parallel group failed this step (its own error names the "
+                   "cause): every rank stops")
 
 
 def raise_on_words(words: torch.Tensor) -> None:
@@ -130,13 +134,17 @@ def raise_on_words(words: torch.Tensor) -> None:
         if bool(words.any()):
             raise agreed_error(words.unique().tolist())
         return
-    torch._assert_async(words.eq(0).all(), "a rank of the expert-parallel group failed this step "
-                        "(its own error names the cause): every rank stops")
+    torch._assert_async(words.eq(0).all(), _DEVICE_MESSAGE)
 
 
-def words_in(weights: torch.Tensor) -> torch.Tensor:
-    """The error words carried as -(FLAG_BASE + word) among float `weights` (0 elsewhere)."""
-    return torch.where(weights <= -FLAG_BASE, -weights.float() - FLAG_BASE, 0).round().long()
+def raise_on_flagged(weights: torch.Tensor) -> None:
+    """`raise_on_words` for error words carried as -(FLAG_BASE + word) among float `weights`
+    (a peer's `announce_input_error` on the backends whose collectives move only rows)."""
+    if weights.is_cpu:
+        words = torch.where(weights <= -FLAG_BASE, -weights.float() - FLAG_BASE, 0).round().long()
+        raise_on_words(words)
+        return
+    torch._assert_async(weights.gt(-FLAG_BASE).all(), _DEVICE_MESSAGE)
 
 
 def flag_device(group):

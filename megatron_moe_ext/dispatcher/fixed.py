@@ -110,7 +110,8 @@ class Budget:
         field = "moe_expert_rank_capacity_factor"
         if self.tokens is not None:
             word = checks.error_word(field, rank)
-            words = manager.comm.announce_input_error(group, word, None, self.tokens, manager.router_topk)
+            words = manager.comm.announce_input_error(group, word, None, manager.num_experts, self.tokens,
+                                                      manager.router_topk)
             if words != [checks.error_word(field, r) for r in range(world)]:
                 raise checks.agreed_error([w for w in words if w != word], ValueError(
                     f"{field}: budget mode needs the same token count on every rank; this rank "

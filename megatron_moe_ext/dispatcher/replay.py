@@ -229,12 +229,20 @@ class RecomputeReplay(DispatchHook):
                 f"the recomputed MoE forward routes {tuple(indices_TK.shape)} top-k slots, the "
                 f"original forward routed {tuple(record.indices_TK.shape)}: recomputes must run "
                 "in the order of their forwards, on the same tokens")
-        # One `[T, K]` mask (ids and weights have one shape) and one reduction.
-        changed_TK = torch.ne(probs_TK.detach(), record.probs_TK).logical_or_(indices_TK != record.indices_TK)
-        self._flag(changed_TK.any())
-        # The layout is the original one, so the ids must be too (the weights keep the
-        # recomputed graph: their gradient flows to the router).
-        state.token_indices = record.indices_TK
+        # Routing is a set of (expert, weight) pairs per token: a router may return tied pairs
+        # in another order. Both sides sorted by expert id, one `[T, K]` mask and one reduction.
+        record_ids_TK, record_order_TK = record.indices_TK.sort(dim=-1, stable=True)
+        ids_TK, order_TK = indices_TK.sort(dim=-1, stable=True)
+        # The gathers' saved indices stay with them: the forward had no such nodes, so the
+        # checkpoint must not see them.
+        with _kept_saved_tensors():
+            probs_by_id_TK = probs_TK.gather(-1, order_TK)
+            changed_TK = torch.ne(probs_by_id_TK.detach(), record.probs_TK.gather(-1, record_order_TK))
+            self._flag(changed_TK.logical_or_(ids_TK != record_ids_TK).any())
+            # The layout is the original one, so the ids must be too, and the weights go in
+            # their slots (they keep the recomputed graph: their gradient flows to the router).
+            state.token_indices = record.indices_TK
+            state.token_probs = probs_by_id_TK.gather(-1, record_order_TK.argsort(-1))
         self._replaying = record
 
     def _flag(self, changed: torch.Tensor) -> None:

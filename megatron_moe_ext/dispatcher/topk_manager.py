@@ -110,7 +110,8 @@ class _DeepepManager(_DispatchManager):
         self.comm.allocate_buffer(self.group, hidden_size, dtype)
 
     def announce_input_error(self, word: int, like=None) -> None:
-        self.comm.announce_input_error(self.group, word, like, self.fixed_send_capacity(), self.router_topk)
+        self.comm.announce_input_error(self.group, word, like, self.num_experts, self.fixed_send_capacity(),
+                                       self.router_topk)
 
     def fixed_send_capacity(self) -> int | None:
         """The fixed splits of this step's first collective (None: a dropless dispatch)."""

@@ -82,8 +82,8 @@ def _exchange_counts(send_counts_W: torch.Tensor, group, word: int = 0) -> tuple
     return send_splits, recv_splits
 
 
-def announce_input_error(group, word: int, like=None, send_capacity: int | None = None,
-                         topk: int = 0) -> list[int]:
+def announce_input_error(group, word: int, like=None, num_experts: int = 0,
+                         send_capacity: int | None = None, topk: int = 0) -> list[int]:
     """This rank failed before its step's first collective: send `word` in place of its data,
     in the collective its peers wait in (`send_capacity` None: the counts of `_exchange_counts`,
     else the routing rows of a `dispatch_fixed` of that capacity and `topk`). Returns the word
