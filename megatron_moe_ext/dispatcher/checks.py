@@ -22,7 +22,7 @@ of its data (`_DispatchManager.announce_input_error`) and raises; its peers read
 after that collective and raise `agreed_error`. The words are read on the host where that
 costs no sync (CPU tensors, the host counts of a dropless dispatch); on the device (the
 sync-free modes, DeepEP's rows) a word fails a device assert instead. Construction-time
-checks agree in one all-reduce at construction (`agree_at_construction`).
+checks agree in one all-reduce at construction (`agree`).
 
 Duplicated expert ids in one token's top-k are rejected: Megatron's routing map cannot
 express them, and the dense reference would have to pick a meaning for them.
@@ -152,9 +152,10 @@ def flag_device(group):
     return torch.cuda.current_device() if dist.get_backend(group) == "nccl" else "cpu"
 
 
-def agree_at_construction(group, error: BaseException | None) -> None:
-    """One MAX all-reduce of the ranks' construction errors (collective: every rank of `group`,
-    once, before the first dispatch): every rank raises `agreed_error` when any rank failed."""
+def agree(group, error: BaseException | None) -> None:
+    """One MAX all-reduce of the ranks' errors (collective: every rank of `group`; at
+    construction, before any dispatch, and in `recompute.check_routing`): every rank raises
+    `agreed_error` when any rank failed."""
     if group is None or dist.get_world_size(group) == 1:
         if error is not None:
             raise error

@@ -116,7 +116,7 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
                                                self.tp_size)
         except ValueError as exc:
             error = exc
-        checks.agree_at_construction(self.tp_ep_group, error)
+        checks.agree(self.tp_ep_group, error)
         #: The hook seat: called at every manager step (`hooks.DispatchHook`; recompute's
         #: `RecomputeReplay` plugs in here).
         self.replay: hooks.DispatchHook = hooks.NO_HOOK
