@@ -414,7 +414,8 @@ class DeepEPCommunicator:
         if not direct:
             recv_x = recv_x[:, :hidden]
         # A peer that failed sent its error word as a weight (`announce_input_error`).
-        checks.raise_on_flagged(torch.where(recv_indices >= 0, recv_probs, 0.0))
+        # Rows past the received ones (`num_worst_tokens`) are uninitialised: not read.
+        checks.raise_on_flagged(torch.where(recv_indices >= 0, recv_probs, 0.0) if num_worst_tokens else recv_probs)
         handle = DeepEPHandle(raw, recv_x.shape[0], tokens)
         if torch.is_grad_enabled() and (x_TH.requires_grad or probs_TK.requires_grad):
             recv_x, recv_probs = _DispatchGrad.apply(

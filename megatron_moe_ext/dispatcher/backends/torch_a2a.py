@@ -307,9 +307,11 @@ def dispatch_fixed(x_TH, indices_TK, probs_TK, num_experts, group, send_capacity
     send_rank_S = torch.arange(world, device=device).repeat_interleave(C)
     indices_pad = torch.cat([indices_TK, indices_TK.new_full((1, topk), -1)])
     splits = [C] * world
+    # One rank whose send side cannot overflow (C >= T) has no word to send.
+    word = None if world == 1 and C >= num_tokens else send_overflow.long() * checks.error_word("overflow", rank)
     recv_indices_RK, recv_probs_RK = send_routing(
         indices_pad.index_select(0, send_token_ids_S), P.gather_rows(probs_TK, send_token_ids_S, slot_TW),
-        send_rank_S, e, splits, splits, group, word=send_overflow.long() * checks.error_word("overflow", rank))
+        send_rank_S, e, splits, splits, group, word=word)
     rows_SH = P.gather_rows(x_TH, send_token_ids_S, slot_TW)
     if receive_overflow is None or C == 0:
         recv_x_RH = all_to_all_rows(rows_SH, splits, splits, group)
@@ -319,7 +321,8 @@ def dispatch_fixed(x_TH, indices_TK, probs_TK, num_experts, group, send_capacity
         recv_x_RH = all_to_all_rows(rows_SH, splits, splits, group)
         # Each source's C rows carry its flag: the first of them names it.
         flagged_W = recv_x_RH[::C, -1].detach() != 0
-        words_W = torch.tensor([checks.error_word("overflow", r) for r in range(world)], device=device)
+        # A word is the cause's bits plus the rank (no host list: a CUDA graph may capture this).
+        words_W = checks.error_word("overflow", 0) + torch.arange(world, device=device)
         checks.raise_on_words(torch.where(flagged_W, words_W, 0))
         recv_x_RH = recv_x_RH[:, :-1]
     return recv_x_RH, recv_indices_RK, recv_probs_RK, FixedHandle(slot_TW, C), None

@@ -395,8 +395,11 @@ class _HybridEPManager(_DispatchManager):
     def _raise_on_peer_words(self) -> None:
         """A peer that failed sent its error word as a weight (`announce_input_error`); rows
         past the routed ones are padding or (non-blocking) garbage, so they are not read."""
-        probs_P = self.dispatched_probs.detach()
-        routed_P = torch.arange(probs_P.shape[0], device=probs_P.device) < self.tokens_per_expert.sum().to(probs_P.device)
+        probs_P, counts_e = self.dispatched_probs.detach(), self.tokens_per_expert
+        if counts_e.device != probs_P.device:  # host counts (blocking): no device read needed
+            checks.raise_on_flagged(probs_P[: int(counts_e.sum())])
+            return
+        routed_P = torch.arange(probs_P.shape[0], device=probs_P.device) < counts_e.sum()
         checks.raise_on_flagged(torch.where(routed_P, probs_P, 0.0))
 
     def combine(self, hidden_states, async_finish=True, allocate_on_comm_stream=True):
