@@ -94,7 +94,7 @@ class Budget:
         self.tokens: int | None = None  # the T every rank agreed on (equal splits only)
 
     def size(self, manager: "_FixedShapeManager", num_tokens: int) -> tuple[int, int]:
-        if manager.comm.fixed_equal_splits and num_tokens != self.tokens:
+        if manager.comm.fixed_equal_splits and num_tokens != self.tokens and dist.get_world_size(manager.group) > 1:
             self._agree(manager, num_tokens)
         return num_tokens, rank_budget(num_tokens, manager.router_topk, self.factor, manager.pad_multiple)
 
@@ -191,9 +191,14 @@ class _FixedShapeManager(_DeepepManager):
         s = self.state
         receive_overflow = self.overflow.receive_overflow(self)
         extra = {} if receive_overflow is None else {"receive_overflow": receive_overflow}
-        rows, s.dispatched_indices, s.dispatched_probs, s.handle, _ = self.comm.dispatch_fixed(
-            hidden_states, s.token_indices, s.token_probs, self.num_experts, self.group,
-            self.send_capacity, async_finish, allocate_on_comm_stream, **extra)
+        try:
+            rows, s.dispatched_indices, s.dispatched_probs, s.handle, _ = self.comm.dispatch_fixed(
+                hidden_states, s.token_indices, s.token_probs, self.num_experts, self.group,
+                self.send_capacity, async_finish, allocate_on_comm_stream, **extra)
+        except checks.CapacityOverflowError as exc:  # every rank's sizes are the same: name them
+            exc.args = (f"{exc} (send capacity {self.send_capacity} rows per rank pair, capacity "
+                        f"{self.capacity} permuted rows per rank)",)
+            raise
         s.token_indices = s.token_probs = None
         return rows
 

@@ -237,7 +237,7 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
             yield
         except checks.ANNOUNCED as exc:
             # A recompute's next collective is a replayed one, which carries no word.
-            if not checks.announces(exc) or hooks.in_backward():
+            if not checks.announces(exc) or hooks.in_backward() or self.tp_size * self.ep_size == 1:
                 raise
             rank = dist.get_rank(self.tp_ep_group)
             like = hidden_states if isinstance(hidden_states, torch.Tensor) else None

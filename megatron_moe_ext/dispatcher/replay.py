@@ -255,19 +255,19 @@ class RecomputeReplay(DispatchHook):
                 f"original forward routed {tuple(record.indices_TK.shape)}: recomputes must run "
                 "in the order of their forwards, on the same tokens")
         # Routing is a set of (expert, weight) pairs per token: a router may return tied pairs
-        # in another order. Both sides sorted by expert id, one `[T, K]` mask and one reduction.
-        record_ids_TK, record_order_TK = record.indices_TK.sort(dim=-1, stable=True)
-        ids_TK, order_TK = indices_TK.sort(dim=-1, stable=True)
-        # The gathers' saved indices stay with them: the forward had no such nodes, so the
-        # checkpoint must not see them.
-        with _kept_saved_tensors():
-            probs_by_id_TK = probs_TK.gather(-1, order_TK)
-            changed_TK = torch.ne(probs_by_id_TK.detach(), record.probs_TK.gather(-1, record_order_TK))
-            self._flag(changed_TK.logical_or_(ids_TK != record_ids_TK).any())
-            # The layout is the original one, so the ids must be too, and the weights go in
-            # their slots (they keep the recomputed graph: their gradient flows to the router).
-            state.token_indices = record.indices_TK
-            state.token_probs = probs_by_id_TK.gather(-1, record_order_TK.argsort(-1))
+        # in another order. Each recorded expert is looked up among the token's recomputed ones
+        # (`[T, K, K]`, no sort or gather: the recompute moves no data) and the weights are
+        # taken into the recorded slots (they keep the recomputed graph: their gradient flows
+        # to the router); masked slots keep theirs. The layout is the original one, so the ids
+        # are too. One flag: a recorded expert missing, another count, or another weight.
+        recorded_TK = record.indices_TK >= 0
+        match_TKK = record.indices_TK[:, :, None].eq(indices_TK[:, None, :]).logical_and_(recorded_TK[:, :, None])
+        with _kept_saved_tensors():  # the forward had no such nodes: the checkpoint must not see them
+            probs_TK = (match_TKK * probs_TK[:, None, :]).sum(-1) + probs_TK * record.indices_TK.lt(0)
+        changed_TK = match_TKK.any(-1).ne_(recorded_TK).logical_or_(probs_TK.detach().ne(record.probs_TK))
+        changed_T = (indices_TK >= 0).sum(-1).ne(recorded_TK.sum(-1))
+        self._flag(changed_TK.any().logical_or_(changed_T.any()))
+        state.token_indices, state.token_probs = record.indices_TK, probs_TK
         self._replaying = record
 
     def _flag(self, changed: torch.Tensor) -> None:
