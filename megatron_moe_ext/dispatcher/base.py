@@ -45,6 +45,8 @@ class Communicator(Protocol):
 
     #: Its `dispatch_fixed` exchanges equal splits, so every rank needs the same send capacity.
     fixed_equal_splits: bool
+    #: The row dtypes its `dispatch_fixed` takes (None: any float).
+    fixed_dtypes: tuple | None
 
     def announce_input_error(self, group, word: int, like=None, num_experts: int = 0,
                              send_capacity: int | None = None, topk: int = 0) -> list[int]:

@@ -205,6 +205,12 @@ class _FixedShapeManager(_DeepepManager):
     def fixed_send_capacity(self) -> int | None:
         return self.sizing.agreed_send_capacity()
 
+    def check_rows(self, hidden_states) -> None:
+        dtypes = self.comm.fixed_dtypes
+        if dtypes is not None and hidden_states.dtype not in dtypes:
+            raise ValueError(f"hidden_states: the sync-free {self.comm.name} dispatch takes {dtypes} rows "
+                             f"(its combine kernel has no other), got {hidden_states.dtype}")
+
     def combine(self, hidden_states, async_finish=False, allocate_on_comm_stream=False):
         if not self._fixed:
             return super().combine(hidden_states, async_finish, allocate_on_comm_stream)

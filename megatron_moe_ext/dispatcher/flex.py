@@ -240,7 +240,8 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
             if not checks.announces(exc) or hooks.in_backward() or self.tp_size * self.ep_size == 1:
                 raise
             rank = dist.get_rank(self.tp_ep_group)
-            like = hidden_states if isinstance(hidden_states, torch.Tensor) else None
+            rows = isinstance(hidden_states, torch.Tensor) and hidden_states.dim() >= 2
+            like = hidden_states.reshape(-1, hidden_states.shape[-1]) if rows else None
             self._comm_manager.announce_input_error(checks.error_word(checks.cause_of(exc), rank), like)
             raise checks.agreed_error((), exc, rank) from exc
 

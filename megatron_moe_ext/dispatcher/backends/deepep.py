@@ -92,6 +92,8 @@ class DeepEPCommunicator:
     replays_in_one_graph = False
     #: `dispatch_fixed` sizes its output per rank (`num_worst_tokens`): ranks may differ in T.
     fixed_equal_splits = False
+    #: `dispatch_fixed` takes bf16 rows only: its combine kernel is bf16 only.
+    fixed_dtypes = (torch.bfloat16,)
 
     def __init__(self, library: Callable[[], ModuleType], name: str, num_sms: int,
                  pad_empty: bool = False):
@@ -441,13 +443,10 @@ class DeepEPCommunicator:
 
     def dispatch_fixed(self, x_TH, indices_TK, probs_TK, num_experts, group, send_capacity: int,
                        async_finish: bool = False, allocate_on_comm_stream: bool = False):
-        """A dispatch of fixed shape without a host sync: `num_worst_tokens = W * send_capacity`
+        """A dispatch of fixed shape (bf16 rows) without a host sync: `num_worst_tokens = W * send_capacity`
         received rows (DeepEP V1 intranode, its CUDA-graph-compatible path; a rank never sends
         more than its T tokens to one rank, so `send_capacity` = T cannot overflow). Returns
         `(recv_x, recv_indices, recv_probs, handle, None)` (no send overflow)."""
-        if x_TH.dtype != torch.bfloat16:
-            raise ValueError(f"hidden_states: sync-free {self.name} dispatch takes bf16 rows (its "
-                             f"combine kernel is bf16 only), got {x_TH.dtype}")
         num_worst_tokens = dist.get_world_size(group) * send_capacity
         recv_x, recv_indices, recv_probs, _, handle = self.dispatch(
             x_TH, indices_TK, probs_TK, num_experts, group, async_finish, allocate_on_comm_stream,

@@ -355,6 +355,8 @@ class TorchCommunicator:
     exchange_counts = staticmethod(_exchange_counts)
     #: `dispatch_fixed` exchanges equal splits: every rank must send the same capacity.
     fixed_equal_splits = True
+    #: `dispatch_fixed` takes any float rows.
+    fixed_dtypes = None
 
     def check_group(self, group) -> None:
         """Any group size: all-to-all has no compiled sizes."""

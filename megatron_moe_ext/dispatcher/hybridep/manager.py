@@ -332,10 +332,11 @@ class _HybridEPManager(_DispatchManager):
 
     def announce_input_error(self, word: int, like=None) -> None:
         """Send `word` in this step's first collective: the token-count all-reduce, else (a
-        pinned or equal count: the peers' batches are within the pin) the library's dispatch, of one zero token routed to the first
-        expert of each rank with the weight -(FLAG_BASE + word), which `dispatch` reads on every
-        rank. Without rows of the width and dtype the peers send (`like`), nothing can be sent
-        there and the peers wait out the group's timeout."""
+        pinned or equal count: the peers' batches are within the pin) the library's dispatch
+        of one zero token routed to the first expert of each rank with the weight
+        -(FLAG_BASE + word), which `dispatch` reads on every rank. Without rows of the width
+        and dtype the peers send (`like`), nothing can be sent there and the peers wait out
+        the group's timeout."""
         tokens = 0 if like is None or like.dim() < 2 else like.numel() // like.shape[-1]
         if not self.equal_token_counts and self._pinned_tokens is None:
             self._resolve_padded_tokens(tokens, checks.flag_device(self.group), word)
