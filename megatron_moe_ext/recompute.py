@@ -28,8 +28,10 @@ dispatcher steps. Non-reentrant checkpointing stops the recompute once the last 
 region saved is recomputed: for a SwiGLU expert MLP, before the down projection (its saved
 input is the activation), and before the combine unless the region reads the layer's output.
 
-Records are consumed first-in first-out, which matches every schedule in which a layer's
-recomputes run in the order of its forwards (1F1B and interleaved pipelines included).
+Each `checkpoint_moe` call takes its own records (keyed by the call), whatever the order of
+the recomputes; Megatron's own recompute takes them first-in first-out, which matches every
+schedule in which a layer's recomputes run in the order of its forwards (1F1B and interleaved
+pipelines included), and a record checked against the recomputed routing's shape and values.
 
 `checkpoint_moe` runs a function under non-reentrant `torch.utils.checkpoint` with a policy:
 
@@ -59,6 +61,7 @@ import torch
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
                                     noop_context_fn)
 
+from megatron_moe_ext.dispatcher import checks
 from megatron_moe_ext.dispatcher.replay import RecomputeReplay, RoutingChangedError
 
 __all__ = ["RecomputeReplay", "RoutingChangedError", "attach_replay", "check_routing", "checkpoint_moe",
@@ -110,10 +113,16 @@ def replays_in(module_or_dispatchers) -> list[RecomputeReplay]:
 
 
 def check_routing(module_or_dispatchers) -> None:
-    """Raise `RoutingChangedError` for any recompute that routed differently (one host read
-    per layer; call it once per step, before the optimizer step)."""
+    """Raise `RoutingChangedError` on every rank for any recompute, on any rank, that routed
+    differently (collective: every rank of the layers' expert-parallel groups, once per step,
+    before the optimizer step; one host read per layer, one all-reduce per group)."""
+    changed_by_group: dict = {}
     for replay in replays_in(module_or_dispatchers):
-        replay.check()
+        group = replay.manager.group
+        changed_by_group[group] = replay.changed() | changed_by_group.get(group, False)
+    for group, changed in changed_by_group.items():
+        checks.agree(group, RoutingChangedError("the recomputed MoE router output differs "
+                                                                "from the original forward's") if changed else None)
 
 
 def checkpoint_moe(fn: Callable, *args, replays: Iterable[RecomputeReplay],
@@ -143,6 +152,16 @@ def checkpoint_moe(fn: Callable, *args, replays: Iterable[RecomputeReplay],
                              "'torch' backend; recompute DeepEP/UCCL-EP layers with Megatron's "
                              "recompute flags (reentrant), which replay their dispatch handle")
     keep_outputs = policy is save_dispatch_outputs
+    # This call's records are its own: its recompute may run before an earlier call's (two
+    # calls of one layer whose losses are summed are recomputed last call first).
+    key = object()
+
+    def call(*call_args, **call_kwargs):
+        with contextlib.ExitStack() as stack:
+            for replay in replays:
+                stack.enter_context(replay.call(key))
+            return fn(*call_args, **call_kwargs)
+
     if keep_outputs:
         context_fn = functools.partial(_ending_recompute, replays)
     elif policy is recompute_all:
@@ -152,7 +171,7 @@ def checkpoint_moe(fn: Callable, *args, replays: Iterable[RecomputeReplay],
     with contextlib.ExitStack() as stack:
         for replay in replays:
             stack.enter_context(replay.recording(keep_outputs=keep_outputs))
-        return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+        return checkpoint(call, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
 
 def _ending_recompute(replays: list[RecomputeReplay]):

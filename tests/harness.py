@@ -8,6 +8,12 @@ rank failed, or when the call's `timeout` runs out (a hang in a collective, say)
 reported as stuck with its Python stack (faulthandler, dumped on SIGUSR1), and the pool is
 killed instead of hanging the test suite. A broken pool is replaced on the next `get_pool`.
 
+Every collective waits a bounded time: the world group's gloo timeout is `WORLD_TIMEOUT_S`,
+and `bounded_group()` gives a task a group whose collectives wait at most
+`COLLECTIVE_TIMEOUT_S` (a few seconds). A rank left waiting for a peer that raised, or that
+went another way, then raises gloo's timeout error on its own, naming the collective, and
+the call fails in seconds instead of at its deadline.
+
 Worker functions must be importable (module level) and return picklable values.
 """
 
@@ -20,11 +26,17 @@ import signal
 import socket
 import tempfile
 import time
+from datetime import timedelta
 import traceback
 
 import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("MOE_EXT_TEST_TIMEOUT", "240"))
+# The longest a collective of the world group waits for a peer.
+WORLD_TIMEOUT_S = float(os.environ.get("MOE_EXT_TEST_WORLD_TIMEOUT", "120"))
+# The longest a collective of a `bounded_group()` waits for a peer: a step of the tests that use
+# it takes milliseconds, so a longer wait is a rank that will never come.
+COLLECTIVE_TIMEOUT_S = float(os.environ.get("MOE_EXT_TEST_COLLECTIVE_TIMEOUT", "5"))
 # How long the other ranks may still run after one rank failed.
 DEFAULT_GRACE_S = 5.0
 
@@ -83,7 +95,7 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, stack_file: s
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=WORLD_TIMEOUT_S))
     while True:
         task = tasks.get()
         if task is None:
@@ -96,6 +108,18 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, stack_file: s
         finally:
             _reset_worker_state()
     dist.destroy_process_group()
+
+
+def bounded_group(timeout_s: float = COLLECTIVE_TIMEOUT_S):
+    """A gloo group of every rank whose collectives wait at most `timeout_s` (call it on every
+    rank, inside a task: the task's groups are destroyed when it ends). A rank left waiting in
+    one of its collectives raises gloo's timeout error after `timeout_s`."""
+    import torch.distributed as dist
+
+    # The ranks meet first, on the world group: the new group's own setup waits `timeout_s` too,
+    # and a rank still importing (a fresh pool) must not fail it.
+    dist.barrier()
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
 
 class DistPool:

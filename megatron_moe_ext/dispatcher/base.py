@@ -43,9 +43,19 @@ class Communicator(Protocol):
     def allocate_buffer(self, group, hidden: int, dtype: torch.dtype) -> None:
         """Allocate the communication buffer now (outside any recompute)."""
 
-    def announce_input_error(self, group) -> None:
-        """Tell the peers, already in this step's first collective, that this rank rejected its
-        input (the error-flag seat of the backend table, `registry.BackendRow.error_flag`)."""
+    #: Its `dispatch_fixed` exchanges equal splits, so every rank needs the same send capacity.
+    fixed_equal_splits: bool
+    #: The row dtypes its `dispatch_fixed` takes (None: any float).
+    fixed_dtypes: tuple | None
+
+    def announce_input_error(self, group, word: int, like=None, num_experts: int = 0,
+                             send_capacity: int | None = None, topk: int = 0) -> list[int]:
+        """This rank failed before this step's first collective: send the error `word`
+        (`checks.error_word`) in place of its data, in the collective its peers wait in (the
+        backend table's `error_flag`), so that they raise too. `like`: a `[T, H]` tensor of the
+        rows the step would have sent (their width and dtype), or None; `send_capacity`: the
+        fixed splits of a sync-free dispatch (None: dropless). Returns the words received,
+        where the backend sees them (else [])."""
 
 
 class _DispatchManager(ABC):
@@ -64,9 +74,12 @@ class _DispatchManager(ABC):
         """What to run before a pipeline step (HybridEP's buffer), else None."""
         return None
 
-    def announce_input_error(self) -> None:
-        """This rank rejected its input before dispatching: tell the peers waiting in this
-        step's first collective (see `Communicator.announce_input_error`)."""
+    def announce_input_error(self, word: int, like=None) -> None:
+        """This rank failed before this step's first collective: send the error `word` to the
+        peers waiting in it (see `Communicator.announce_input_error`)."""
+
+    def check_rows(self, hidden_states: torch.Tensor) -> None:
+        """Refuse rows the backend cannot send (ValueError), before the step's first collective."""
 
     @abstractmethod
     def setup_metadata(self, num_local_tokens: int, probs: torch.Tensor, routing_map=None):

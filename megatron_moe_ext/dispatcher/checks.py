@@ -14,12 +14,15 @@ The environment variable ``MOE_EXT_INPUT_CHECKS`` picks the mode: ``auto`` (the 
 as above), ``sync`` (a debug setting: device tensors are checked at once, one host sync
 per dispatch) or ``deferred`` (host tensors take the device path too; the tests use it).
 
-An error that only one rank sees and that it raises before a collective: the torch
-backend's dropless dispatch carries an error flag in its counts all-to-all
-(`backends.torch_a2a.announce_input_error`), so the peers raise as well. Every other
-collective of the package waits at most the process group's timeout (``timeout=`` of
-``init_process_group`` / ``new_group``; the DeepEP-family kernels have their own timeout):
-the waiting peers then fail, and under ``torchrun`` the job ends instead of hanging.
+An error that one rank sees (a rejected input, a capacity overflow, a changed routing): every
+rank raises it together, naming the rank and the cause. Each backend's first collective of a
+step carries an error word per rank (`error_word`: the cause and the rank; 0 = none), in every
+mode (the backend table's `error_flag` says where): a rank that fails sends its word in place
+of its data (`_DispatchManager.announce_input_error`) and raises; its peers read the words
+after that collective and raise `agreed_error`. The words are read on the host where that
+costs no sync (CPU tensors, the host counts of a dropless dispatch); on the device (the
+sync-free modes, DeepEP's rows) a word fails a device assert instead. Construction-time
+checks agree in one all-reduce at construction (`agree`).
 
 Duplicated expert ids in one token's top-k are rejected: Megatron's routing map cannot
 express them, and the dense reference would have to pick a meaning for them.
@@ -45,6 +48,127 @@ _USUAL_PROB_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def bad_input(field: str, message: str) -> ValueError:
     return ValueError(f"{field}: {message}")
+
+
+# ---- every rank raises together ----------------------------------------------------------
+class RoutingChangedError(RuntimeError):
+    """The recomputed router chose other experts or weights than the original forward."""
+
+
+class CapacityOverflowError(RuntimeError):
+    """A capacity-mode dispatch needed more rows than its calibrated capacity."""
+
+
+#: What an error word can name (cause code = index + 1): the field a rejected input names
+#: (a ValueError naming another field travels as "input"), a capacity overflow or a routing
+#: change seen by a recompute.
+CAUSES = ("input", "hidden_states", "num_local_tokens", "token_indices", "token_probs", "probs",
+          "routing_map", "num_local_experts", "local_expert_indices", "num_moe_experts",
+          "moe_router_topk", "moe_hybridep_capacity_factor", "moe_expert_rank_capacity_factor",
+          "moe_benchmark_static_routing", "ep_group", "overflow", "routing")
+_RANK_BITS = 8  # ranks below 256 per expert-parallel group
+#: A word travels as -(FLAG_BASE + word) in a float column of routing weights (exact in fp32;
+#: no weight a router gives is that negative).
+FLAG_BASE = 2**20
+_CAUSE_OF = {RoutingChangedError: "routing", CapacityOverflowError: "overflow"}
+#: What a rank announces to its peers before raising (an agreed error is not announced again).
+ANNOUNCED = (ValueError, RoutingChangedError)
+
+
+def cause_of(error: BaseException) -> str:
+    """The `CAUSES` entry of a rank's own error (the field its message starts with)."""
+    if type(error) in _CAUSE_OF:
+        return _CAUSE_OF[type(error)]
+    field = str(error).split(":", 1)[0].split("=", 1)[0].strip()
+    return field if field in CAUSES else "input"
+
+
+def error_word(cause: str, rank: int) -> int:
+    """The word rank `rank` sends when it fails with `cause` (never 0)."""
+    return (CAUSES.index(cause) + 1) << _RANK_BITS | rank
+
+
+def agreed_error(words, own: BaseException | None = None, rank: int | None = None) -> Exception:
+    """The error every rank raises for the non-zero `words` it received and, on a rank that
+    failed itself (`rank`), its `own` error: ranks and causes named, marked `agreed`."""
+    by_rank = {int(w) & ((1 << _RANK_BITS) - 1): CAUSES[(int(w) >> _RANK_BITS) - 1] for w in words if w}
+    if own is not None:
+        by_rank[rank] = cause_of(own)
+    ranks = sorted(by_rank)
+    cause = by_rank[ranks[0]]
+    detail = f"; rank {rank}: {own}" if own is not None else "; their own error says more"
+    if cause == "overflow":
+        error = CapacityOverflowError(
+            f"moe_hybridep_capacity_factor: a capacity-mode dispatch overflowed its capacity on "
+            f"expert-parallel rank(s) {ranks}: tokens would be dropped; raise "
+            f"moe_hybridep_capacity_factor{detail}")
+    elif cause == "routing":
+        error = RoutingChangedError(
+            f"expert-parallel rank(s) {ranks}: the recomputed MoE router output differs from the "
+            "original forward's (expert ids or weights): the backward used the original routing and "
+            "its gradients do not match the recomputed router. Do not change router weights or "
+            "expert bias between a checkpointed forward and its backward; make the router "
+            f"deterministic (bf16 top-k ties){detail}")
+    else:
+        causes = ", ".join(sorted(set(by_rank.values())))
+        error = ValueError(f"{cause}: expert-parallel rank(s) {ranks} failed their check of {causes}; "
+                           f"every rank of the group abandons this step{detail}")
+    error.agreed = True
+    return error
+
+
+def announces(error: BaseException) -> bool:
+    """Whether a rank that raised `error` must tell its peers (not yet agreed)."""
+    return isinstance(error, ANNOUNCED) and not getattr(error, "agreed", False)
+
+
+_DEVICE_MESSAGE = ("a rank of the expert-parallel group failed this step (its own error names the "
+                   "cause): every rank stops")
+
+
+def raise_on_words(words: torch.Tensor) -> None:
+    """Raise `agreed_error` for the non-zero error words in `words` (any shape): read on the
+    host when they are on the CPU, else a device assert (no host sync; it cannot name the
+    rank, whose own error does)."""
+    if words.is_cpu:
+        if bool(words.any()):
+            raise agreed_error(words.unique().tolist())
+        return
+    torch._assert_async(words.eq(0).all(), _DEVICE_MESSAGE)
+
+
+def raise_on_flagged(weights: torch.Tensor) -> None:
+    """`raise_on_words` for error words carried as -(FLAG_BASE + word) among float `weights`
+    (a peer's `announce_input_error` on the backends whose collectives move only rows)."""
+    if weights.is_cpu:
+        words = torch.where(weights <= -FLAG_BASE, -weights.float() - FLAG_BASE, 0).round().long()
+        raise_on_words(words)
+        return
+    torch._assert_async(weights.gt(-FLAG_BASE).all(), _DEVICE_MESSAGE)
+
+
+def flag_device(group):
+    """Where a collective of `group` takes its tensors."""
+    return torch.cuda.current_device() if dist.get_backend(group) == "nccl" else "cpu"
+
+
+def agree(group, error: BaseException | None) -> None:
+    """One MAX all-reduce of the ranks' errors (collective: every rank of `group`; at
+    construction, before any dispatch, and in `recompute.check_routing`): every rank raises
+    `agreed_error` when any rank failed."""
+    if group is None or dist.get_world_size(group) == 1:
+        if error is not None:
+            raise error
+        return
+    rank = dist.get_rank(group)
+    words_W = torch.zeros(dist.get_world_size(group), dtype=torch.long, device=flag_device(group))
+    if error is not None:
+        words_W[rank] = error_word(cause_of(error), rank)
+    dist.all_reduce(words_W, op=dist.ReduceOp.MAX, group=group)
+    if error is not None:
+        raise agreed_error(words_W.tolist(), error, rank) from error
+    if bool(words_W.any()):
+        raise agreed_error(words_W.tolist())
 
 
 class RoutingError(enum.IntFlag):

@@ -9,16 +9,21 @@ sizing reads the device (a CUDA graph can capture it):
   (permuted rows any rank may receive, after per-expert padding);
 - `Budget` (budget mode, `moe_expert_rank_capacity_factor`, torch and DeepEP): both from the
   local token count T alone, `send_capacity = T` (a token goes at most once to each rank, so
-  the send side cannot overflow) and `capacity = rank_budget(T, K, factor)`. Every rank of the
-  EP group needs the same T (fixed-shape batches, as in Megatron training).
+  the send side cannot overflow) and `capacity = rank_budget(T, K, factor)`. The torch
+  backend's equal splits need the same T on every rank of the EP group (fixed-shape batches,
+  as in Megatron training): the first dispatch agrees on it (one count exchange, which carries
+  the error words too); a rank whose T changes later says so in the next dispatch's first
+  collective, and every rank raises ValueError, unless every rank changed to the same T.
 The communicator moves the rows (`dispatch_fixed` / `combine_fixed`: torch with equal
 all-to-all splits, DeepEP with `num_worst_tokens`), the permutation is `permute.fixed_layout`,
 and `tokens_per_expert` stays on the device; rows past its sum are zero padding that experts
 must not trust and combine never reads.
 
 What a dispatch that does not fit does is the overflow policy's:
-- `RaiseOnOverflow` (capacity mode): a device assert naming the capacities, no host sync:
-  training never continues on dropped tokens;
+- `RaiseOnOverflow` (capacity mode): every rank raises `checks.CapacityOverflowError` naming
+  the ranks that overflowed, before the experts run (the error words of the dispatch's
+  collectives; a device assert on the GPU, no host sync): training never continues on
+  dropped tokens;
 - `CountOverflow` (budget mode): the (token, expert) pairs that do not fit (in expert-major
   order: the last local experts lose first) get no row, so they contribute zero and get no
   gradient; the manager leaves `overflow_stats = [dropped pairs, rows needed]` (device int64)
@@ -33,6 +38,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_moe_ext.dispatcher import checks
 from megatron_moe_ext.dispatcher import permute as P
 from megatron_moe_ext.dispatcher.handoff import IndexedRows, indexed_rows
 from megatron_moe_ext.dispatcher.topk_manager import _DeepepManager
@@ -60,6 +66,10 @@ class CalibratedCapacity:
         """`(send_capacity, capacity)`, or None: dispatch dropless and `calibrate` after."""
         return self.sizes
 
+    def agreed_send_capacity(self) -> int | None:
+        """The send capacity every rank uses in this step's first collective (None: dropless)."""
+        return None if self.sizes is None else self.sizes[0]
+
     def calibrate(self, manager: "_FixedShapeManager", device) -> None:
         """One MAX all-reduce of both capacities (none within one rank) after the calibration
         dispatch, whose counts are on the host already."""
@@ -76,30 +86,57 @@ class CalibratedCapacity:
 
 
 class Budget:
-    """Sizes from the token count alone: `(T, rank_budget(T, K, factor))`."""
+    """Sizes from the token count alone: `(T, rank_budget(T, K, factor))`; T agreed across the
+    EP group where the communicator's fixed splits need it (see the module docstring)."""
 
     def __init__(self, factor: float):
         self.factor = factor
+        self.tokens: int | None = None  # the T every rank agreed on (equal splits only)
 
     def size(self, manager: "_FixedShapeManager", num_tokens: int) -> tuple[int, int]:
+        if manager.comm.fixed_equal_splits and num_tokens != self.tokens and dist.get_world_size(manager.group) > 1:
+            self._agree(manager, num_tokens)
         return num_tokens, rank_budget(num_tokens, manager.router_topk, self.factor, manager.pad_multiple)
+
+    def agreed_send_capacity(self) -> int | None:
+        return self.tokens
+
+    def _agree(self, manager: "_FixedShapeManager", num_tokens: int) -> None:
+        """Agree on T: at the first dispatch in a count exchange; after it, a rank whose T
+        changed sends its error word in the routing collective its peers wait in, and only if
+        every rank's word says so (all changed) do they exchange the new T."""
+        group, rank = manager.group, dist.get_rank(manager.group)
+        world = dist.get_world_size(group)
+        field = "moe_expert_rank_capacity_factor"
+        if self.tokens is not None:
+            word = checks.error_word(field, rank)
+            words = manager.comm.announce_input_error(group, word, None, manager.num_experts, self.tokens,
+                                                      manager.router_topk)
+            if words != [checks.error_word(field, r) for r in range(world)]:
+                raise checks.agreed_error([w for w in words if w != word], ValueError(
+                    f"{field}: budget mode needs the same token count on every rank; this rank "
+                    f"brings {num_tokens}, the EP group agreed on {self.tokens}"), rank)
+        _, counts = manager.comm.exchange_counts(torch.full((world,), num_tokens, device=checks.flag_device(group)),
+                                                 group)
+        if len(set(counts)) > 1:
+            error = ValueError(f"{field}: budget mode on the {manager.comm.name!r} backend needs the same "
+                               f"token count on every expert-parallel rank (ranks 0..{world - 1} bring "
+                               f"{counts}); give every rank the same batch shape, or use the dropless mode")
+            error.agreed = True
+            raise error
+        self.tokens = num_tokens
 
 
 class RaiseOnOverflow:
-    """Never continue on dropped tokens: fail on the device, without a host sync."""
+    """Never continue on dropped tokens: every rank raises (see the module docstring)."""
 
-    def dispatched(self, manager: "_FixedShapeManager", send_overflow: torch.Tensor | None) -> None:
-        # The receive-side check is local, so both flags are known here, after the only
-        # collectives of the dispatch: no rank can leave a peer waiting in one.
-        s = manager.state
-        routing_Re, _ = manager._indices_to_multihot(s.dispatched_indices, s.dispatched_probs)
-        overflow = P.align_up(routing_Re.sum(0), manager.pad_multiple or 1).sum() > manager.capacity
-        if send_overflow is not None:
-            overflow = overflow | send_overflow
-        torch._assert_async(
-            ~overflow, f"capacity-mode dispatch overflowed its capacity (send capacity "
-            f"{manager.send_capacity} rows per rank pair, capacity {manager.capacity} permuted rows "
-            "per rank): tokens would be dropped. Raise moe_hybridep_capacity_factor.")
+    def receive_overflow(self, manager: "_FixedShapeManager"):
+        """The communicator's receive-side check: whether the received `[R, K]` routing needs
+        more permuted rows than the capacity (a send overflow is the communicator's own)."""
+        def needs_more(indices_RK, probs_RK) -> torch.Tensor:
+            routing_Re, _ = manager._indices_to_multihot(indices_RK, probs_RK)
+            return P.align_up(routing_Re.sum(0), manager.pad_multiple or 1).sum() > manager.capacity
+        return needs_more
 
     def permuted(self, manager: "_FixedShapeManager", pairs: torch.Tensor, slot_of_row_RK) -> None:
         """Nothing past the dispatch's assert."""
@@ -108,8 +145,9 @@ class RaiseOnOverflow:
 class CountOverflow:
     """Drop the pairs that do not fit and count them for the layer (see the module docstring)."""
 
-    def dispatched(self, manager: "_FixedShapeManager", send_overflow: torch.Tensor | None) -> None:
-        """Counted in the permutation instead."""
+    def receive_overflow(self, manager: "_FixedShapeManager"):
+        """None: counted in the permutation instead."""
+        return None
 
     def permuted(self, manager: "_FixedShapeManager", pairs: torch.Tensor, slot_of_row_RK) -> None:
         placed = (slot_of_row_RK < manager.capacity).sum()
@@ -151,12 +189,27 @@ class _FixedShapeManager(_DeepepManager):
             return rows
         self.send_capacity, self.capacity = sizes
         s = self.state
-        rows, s.dispatched_indices, s.dispatched_probs, s.handle, send_overflow = self.comm.dispatch_fixed(
-            hidden_states, s.token_indices, s.token_probs, self.num_experts, self.group,
-            self.send_capacity, async_finish, allocate_on_comm_stream)
+        receive_overflow = self.overflow.receive_overflow(self)
+        extra = {} if receive_overflow is None else {"receive_overflow": receive_overflow}
+        try:
+            rows, s.dispatched_indices, s.dispatched_probs, s.handle, _ = self.comm.dispatch_fixed(
+                hidden_states, s.token_indices, s.token_probs, self.num_experts, self.group,
+                self.send_capacity, async_finish, allocate_on_comm_stream, **extra)
+        except checks.CapacityOverflowError as exc:  # every rank's sizes are the same: name them
+            exc.args = (f"{exc} (send capacity {self.send_capacity} rows per rank pair, capacity "
+                        f"{self.capacity} permuted rows per rank)",)
+            raise
         s.token_indices = s.token_probs = None
-        self.overflow.dispatched(self, send_overflow)
         return rows
+
+    def fixed_send_capacity(self) -> int | None:
+        return self.sizing.agreed_send_capacity()
+
+    def check_rows(self, hidden_states) -> None:
+        dtypes = self.comm.fixed_dtypes
+        if dtypes is not None and hidden_states.dtype not in dtypes:
+            raise ValueError(f"hidden_states: the sync-free {self.comm.name} dispatch takes {dtypes} rows "
+                             f"(its combine kernel has no other), got {hidden_states.dtype}")
 
     def combine(self, hidden_states, async_finish=False, allocate_on_comm_stream=False):
         if not self._fixed:

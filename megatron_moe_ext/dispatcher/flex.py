@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import List
 
 import torch
+import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from megatron.core.utils import get_pg_rank
@@ -101,21 +102,21 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
             self.tp_ep_group = self.ep_group
 
         self.dispatcher_config = dispatcher_config
-        dispatcher_config.validate_for_group(self.ep_size)
-        expected_local = dispatcher_config.num_moe_experts // self.ep_size
-        if num_local_experts != expected_local:
-            raise checks.bad_input("num_local_experts", f"{num_local_experts} does not match "
-                                   f"num_moe_experts/ep_size = {expected_local}")
-        if len(local_expert_indices) != num_local_experts:
-            raise checks.bad_input("local_expert_indices", f"has {len(local_expert_indices)} entries, "
-                                   f"expected num_local_experts={num_local_experts}")
-        checks.check_local_expert_indices(local_expert_indices, get_pg_rank(self.ep_group), num_local_experts)
         self.num_local_experts = num_local_experts
         self.local_expert_indices = list(local_expert_indices)
         self._deferred_errors = checks.DeferredRoutingErrors()
         self.num_experts = dispatcher_config.num_moe_experts
         self.topk = dispatcher_config.moe_router_topk
-        self._comm_manager = build_manager(dispatcher_config, self.tp_ep_group, num_local_experts, self.tp_size)
+        # A rank's checks may fail where its peers' pass (its own arguments): the group agrees
+        # here, in one all-reduce, so every rank raises before any dispatch.
+        error = None
+        try:
+            self._check_construction()
+            self._comm_manager = build_manager(dispatcher_config, self.tp_ep_group, num_local_experts,
+                                               self.tp_size)
+        except ValueError as exc:
+            error = exc
+        checks.agree(self.tp_ep_group, error)
         #: The hook seat: called at every manager step (`hooks.DispatchHook`; recompute's
         #: `RecomputeReplay` plugs in here).
         self.replay: hooks.DispatchHook = hooks.NO_HOOK
@@ -123,6 +124,24 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         #: HybridEP's top-k -> dense/compact metadata converter (a graphable nn.Module), else None.
         self.hybridep_metadata_processor = self._comm_manager.metadata_processor
         self._inflight: _InFlight | None = None
+
+    def _check_construction(self) -> None:
+        """The constructor's checks of this rank's arguments against the group."""
+        cfg, e = self.dispatcher_config, self.num_local_experts
+        cfg.validate_for_group(self.ep_size)
+        backend = cfg.moe_flex_dispatcher_backend
+        if cfg.moe_benchmark_static_routing and not registry.BACKENDS[backend].static_routing:
+            raise checks.bad_input("moe_benchmark_static_routing", f"backend {backend!r} would ignore it; "
+                                   f"backends {registry.backends_with(static_routing=True)} have static "
+                                   "routing: set it to False or choose one of them")
+        expected_local = cfg.num_moe_experts // self.ep_size
+        if e != expected_local:
+            raise checks.bad_input("num_local_experts", f"{e} does not match "
+                                   f"num_moe_experts/ep_size = {expected_local}")
+        if len(self.local_expert_indices) != e:
+            raise checks.bad_input("local_expert_indices", f"has {len(self.local_expert_indices)} entries, "
+                                   f"expected num_local_experts={e}")
+        checks.check_local_expert_indices(self.local_expert_indices, get_pg_rank(self.ep_group), e)
 
     @staticmethod
     def release_shared_managers() -> None:
@@ -210,14 +229,21 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         return self._deferred_errors.mask_topk(token_indices, self.num_experts)
 
     @contextlib.contextmanager
-    def _peers_see_input_errors(self):
-        """A rank that rejects its input tells the peers already waiting in its backend's
-        first collective (where that carries an error flag), so they raise instead of waiting."""
+    def _peers_see_input_errors(self, hidden_states):
+        """A rank that fails before its step's first collective (a rejected input, a routing
+        change its recompute saw) sends its error word in that collective, which its peers
+        wait in, and raises the agreed error naming itself; they raise it too."""
         try:
             yield
-        except ValueError:
-            self._comm_manager.announce_input_error()
-            raise
+        except checks.ANNOUNCED as exc:
+            # A recompute's next collective is a replayed one, which carries no word.
+            if not checks.announces(exc) or hooks.in_backward() or self.tp_size * self.ep_size == 1:
+                raise
+            rank = dist.get_rank(self.tp_ep_group)
+            rows = isinstance(hidden_states, torch.Tensor) and hidden_states.dim() >= 2
+            like = hidden_states.reshape(-1, hidden_states.shape[-1]) if rows else None
+            self._comm_manager.announce_input_error(checks.error_word(checks.cause_of(exc), rank), like)
+            raise checks.agreed_error((), exc, rank) from exc
 
     def check_input_errors(self) -> None:
         """Step-boundary check (collective over the EP group): raise ValueError on every rank
@@ -246,29 +272,31 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         return expanded.flatten(1), probs.flatten(1)
 
     def _setup_dense(self, hidden_states, probs, routing_map=None, num_local_tokens=None):
-        with self._peers_see_input_errors():
+        with self._peers_see_input_errors(hidden_states):
             tokens = checks.check_hidden(hidden_states, num_local_tokens)
+            self._comm_manager.check_rows(hidden_states)
             if not self.replay.routing_handed(*(t for t in (probs, routing_map) if t is not None)):
                 self._check_dense("probs", probs, tokens)
                 if routing_map is not None:
                     self._check_dense("routing_map", routing_map, tokens)
-        if routing_map is not None:
-            routing_map = self._initialize_metadata(tokens, routing_map)
-        self._check_idle()
-        probs = self._initialize_metadata(tokens, probs)
-        self.replay.setup(lambda: self._comm_manager.setup_metadata(tokens, probs, routing_map))
+            self._check_idle()
+            if routing_map is not None:
+                routing_map = self._initialize_metadata(tokens, routing_map)
+            probs = self._initialize_metadata(tokens, probs)
+            self.replay.setup(lambda: self._comm_manager.setup_metadata(tokens, probs, routing_map))
         self._inflight = _InFlight(hidden_states.shape, in_recompute=hooks.in_backward())
         return hidden_states.reshape(tokens, hidden_states.shape[-1])
 
     def _setup_topk(self, hidden_states, num_local_tokens, token_probs, token_indices):
-        with self._peers_see_input_errors():
+        with self._peers_see_input_errors(hidden_states):
             tokens = checks.check_hidden(hidden_states, num_local_tokens)
+            self._comm_manager.check_rows(hidden_states)
             if not self.replay.routing_handed(token_probs, token_indices):
                 token_indices = self._check_topk(token_probs, token_indices, tokens)
-        self._check_idle()
-        if self.tp_size > 1:
-            token_indices, token_probs = self._expand_topk_for_tp(token_indices, token_probs)
-        self.replay.setup(lambda: self._comm_manager.setup_metadata_from_indices(token_indices, token_probs))
+            self._check_idle()
+            if self.tp_size > 1:
+                token_indices, token_probs = self._expand_topk_for_tp(token_indices, token_probs)
+            self.replay.setup(lambda: self._comm_manager.setup_metadata_from_indices(token_indices, token_probs))
         self._inflight = _InFlight(hidden_states.shape, in_recompute=hooks.in_backward())
         if hidden_states.dim() == 2:  # already [T, H]: no view (and no autograd node) to make
             return hidden_states
@@ -295,10 +323,11 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
             dispatched = self.replay.dispatch(lambda: self._comm_manager.dispatch(
                 hidden_states, async_finish, allocate_on_comm_stream), hidden_states, async_finish,
                 allocate_on_comm_stream)
-        except ValueError:
-            # A peer rejected its input (torch backend): this dispatch is abandoned on every
-            # rank, and the next step starts afresh.
-            self._inflight = None
+        except Exception as exc:
+            if getattr(exc, "agreed", False):
+                # Every rank raised it (a peer's error word): the dispatch is abandoned on every
+                # rank, and the next step starts afresh.
+                self._inflight = None
             raise
         inflight.num_rows = dispatched.shape[0]
         if self.shared_experts is not None:

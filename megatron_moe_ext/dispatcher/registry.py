@@ -22,6 +22,8 @@ from typing import Callable
 from megatron_moe_ext.dispatcher.base import _DispatchManager
 
 MODES = ("dropless", "capacity", "budget")
+#: The config field that chooses each fixed-shape mode.
+MODE_FIELDS = {"capacity": "moe_hybridep_capacity_factor", "budget": "moe_expert_rank_capacity_factor"}
 #: `(cfg, group, num_local_experts, tp_size)` -> manager; `cfg` a `TokenDispatcherConfig` (the
 #: config imports this table, so the table names the class in words only).
 ManagerBuilder = Callable[[object, object, int, int], _DispatchManager]
@@ -29,10 +31,9 @@ ManagerBuilder = Callable[[object, object, int, int], _DispatchManager]
 
 def mode_of(cfg) -> str:
     """The dispatch mode `cfg` asks for (the config refuses both factors at once)."""
-    if cfg.moe_expert_rank_capacity_factor is not None:
-        return "budget"
-    if cfg.moe_hybridep_capacity_factor is not None:
-        return "capacity"
+    for mode in ("budget", "capacity"):
+        if getattr(cfg, MODE_FIELDS[mode]) is not None:
+            return mode
     return "dropless"
 
 
@@ -46,8 +47,8 @@ class BackendRow:
     static_routing: it honours `moe_benchmark_static_routing`.
     indexed_rows: it can hand experts `IndexedRows` (received rows plus maps) instead of
         permuted rows; a backend that permutes inside its communication cannot.
-    error_flag: the collective that carries a rank's error flag to its peers each step (so
-        every rank raises together), or None where none does yet.
+    error_flag: the collective that carries each rank's error word to its peers, the first of
+        every step in every mode (so every rank raises together, see `checks.py`).
     sms_field: the config field of its kernels' SM count (Megatron's
         `moe_flex_dispatcher_num_sms` maps onto it), or None.
     async_dispatch: it runs `moe_deepep_async_dispatch` on a communication stream.
@@ -65,7 +66,7 @@ class BackendRow:
     graph_capture: bool = False
     static_routing: bool = False
     indexed_rows: bool = False
-    error_flag: str | None = None
+    error_flag: str = ""
     sms_field: str | None = None
     async_dispatch: bool = False
     permute_fusion: bool = False
@@ -154,7 +155,9 @@ def _build_hybridep(cfg, group, num_local_experts, tp_size):
     )
 
 
-_DEEPEP_KERNELS = dict(sms_field="moe_deepep_num_sms", async_dispatch=True)
+_DEEPEP_KERNELS = dict(sms_field="moe_deepep_num_sms", async_dispatch=True,
+                       error_flag="the dispatch: a failed rank sends one token per rank whose weight "
+                                  "is its word (DeepEPCommunicator.announce_input_error)")
 
 #: The backend table (the order is the one error messages list).
 BACKENDS: dict[str, BackendRow] = {
@@ -165,10 +168,13 @@ BACKENDS: dict[str, BackendRow] = {
         sms_field="moe_hybridep_num_sms", permute_fusion=True, options=_HYBRIDEP_OPTIONS,
         megatron_fields=(("moe_hybridep_num_sms_preprocessing", "moe_hybridep_num_sms_preprocessing"),
                          ("moe_permute_fusion_into_hybridep", "moe_hybridep_permute_fusion")),
-        preprocess_outputs=("token_probs", "routing_map")),
+        preprocess_outputs=("token_probs", "routing_map"),
+        error_flag="the token-count all-reduce (one word per rank); with a pinned count, the "
+                   "dispatch, as DeepEP's (_HybridEPManager.announce_input_error)"),
     "uccl_ep": BackendRow(_build_uccl, frozenset({"dropless"}), indexed_rows=True, **_DEEPEP_KERNELS),
     "torch": BackendRow(_build_torch, frozenset(MODES), graph_capture=True, indexed_rows=True,
-                        error_flag="the dropless dispatch's counts all-to-all (torch_a2a._exchange_counts)"),
+                        error_flag="the counts all-to-all (dropless, calibration, budget-mode T), else "
+                                   "the sync-free routing all-to-all (torch_a2a.announce_input_error)"),
 }
 
 

@@ -18,13 +18,12 @@ from typing import Callable
 import torch
 from torch.utils._pytree import tree_leaves, tree_map_only
 
+from megatron_moe_ext.dispatcher.checks import RoutingChangedError
 from megatron_moe_ext.dispatcher.handoff import IndexedRows
 from megatron_moe_ext.dispatcher.hooks import DispatchHook, in_backward
 from megatron_moe_ext.dispatcher.topk_manager import DispatchState
 
 
-class RoutingChangedError(RuntimeError):
-    """The recomputed router chose other experts or weights than the original forward."""
 
 
 def _kept_saved_tensors(enabled: bool = True):
@@ -94,7 +93,10 @@ class RecomputeReplay(DispatchHook):
 
     def __init__(self, manager):
         self.manager = manager
-        self._records: deque[_DispatchRecord] = deque()
+        # Records by the call they belong to (`call`: a `checkpoint_moe` region; None: every
+        # other recompute, whose records are taken in the order of their forwards).
+        self._records: dict[object, deque[_DispatchRecord]] = {}
+        self._call: object = None
         self._recording = False
         self._keep_outputs = False
         self._replaying: _DispatchRecord | None = None  # popped by the routing, for the dispatch
@@ -119,7 +121,29 @@ class RecomputeReplay(DispatchHook):
     @property
     def num_records(self) -> int:
         """Recorded dispatches whose recompute has not run yet."""
-        return len(self._records)
+        return sum(len(records) for records in self._records.values())
+
+    def _next(self) -> _DispatchRecord | None:
+        """The record the next recompute of the current call takes, if any."""
+        records = self._records.get(self._call)
+        return records[0] if records else None
+
+    def _take(self) -> _DispatchRecord:
+        records = self._records[self._call]
+        record = records.popleft()
+        if not records:
+            del self._records[self._call]
+        return record
+
+    @contextlib.contextmanager
+    def call(self, key: object):
+        """Within, the dispatches recorded and the records taken are `key`'s: its forward and
+        its recompute (which may run in any order among other calls') see the same records."""
+        saved, self._call = self._call, key
+        try:
+            yield
+        finally:
+            self._call = saved
 
     @contextlib.contextmanager
     def recording(self, enabled: bool = True, keep_outputs: bool = False):
@@ -165,9 +189,10 @@ class RecomputeReplay(DispatchHook):
         Its outputs must not be modified in place afterwards.
         """
         if in_backward():
-            if not (self._records and self._records[0].routed is not None):
+            record = self._next()
+            if record is None or record.routed is None:
                 return fn(*args, **kwargs)  # this forward's router was not kept: run it again
-            out = tree_map_only(torch.Tensor, _leaf, self._records[0].routed)
+            out = tree_map_only(torch.Tensor, _leaf, record.routed)
         elif not (self._recording and self._keep_outputs):
             return fn(*args, **kwargs)
         else:
@@ -188,8 +213,8 @@ class RecomputeReplay(DispatchHook):
 
     def _replays_routing(self) -> bool:
         """The setup to come is a recompute's, of the routing its forward kept."""
-        return (self._handed and in_backward() and bool(self._records)
-                and self._records[0].routed is not None)
+        record = self._next()
+        return self._handed and in_backward() and record is not None and record.routed is not None
 
     def _setting_up(self):
         """Context of the routing's setup. A forward keeping `route`'s outputs keeps the
@@ -210,18 +235,18 @@ class RecomputeReplay(DispatchHook):
     def _replay_routing(self) -> None:
         """The routing is the forward's (`routing_handed`): its recorded ids and weights are
         the dispatch's, with no conversion and nothing to compare."""
-        record = self._replaying = self._records.popleft()
+        record = self._replaying = self._take()
         self.manager.state.token_indices, self.manager.state.token_probs = record.indices_TK, record.probs_TK
         record.routed = self._route_out = self._routed = None
         self._handed = False
 
     def _after_setup(self) -> None:
         self._routed = None  # `_route_out` stays for the record of a forward's dispatch
-        if not (in_backward() and self._records):
+        if not (in_backward() and self._next() is not None):
             self._replaying = None
             self.check()
             return
-        record = self._records.popleft()
+        record = self._take()
         state = self.manager.state
         indices_TK, probs_TK = state.token_indices, state.token_probs
         if indices_TK.shape != record.indices_TK.shape:
@@ -229,12 +254,20 @@ class RecomputeReplay(DispatchHook):
                 f"the recomputed MoE forward routes {tuple(indices_TK.shape)} top-k slots, the "
                 f"original forward routed {tuple(record.indices_TK.shape)}: recomputes must run "
                 "in the order of their forwards, on the same tokens")
-        # One `[T, K]` mask (ids and weights have one shape) and one reduction.
-        changed_TK = torch.ne(probs_TK.detach(), record.probs_TK).logical_or_(indices_TK != record.indices_TK)
-        self._flag(changed_TK.any())
-        # The layout is the original one, so the ids must be too (the weights keep the
-        # recomputed graph: their gradient flows to the router).
-        state.token_indices = record.indices_TK
+        # Routing is a set of (expert, weight) pairs per token: a router may return tied pairs
+        # in another order. Each recorded expert is looked up among the token's recomputed ones
+        # (`[T, K, K]`, no sort or gather: the recompute moves no data) and the weights are
+        # taken into the recorded slots (they keep the recomputed graph: their gradient flows
+        # to the router); masked slots keep theirs. The layout is the original one, so the ids
+        # are too. One flag: a recorded expert missing, another count, or another weight.
+        recorded_TK = record.indices_TK >= 0
+        match_TKK = record.indices_TK[:, :, None].eq(indices_TK[:, None, :]).logical_and_(recorded_TK[:, :, None])
+        with _kept_saved_tensors():  # the forward had no such nodes: the checkpoint must not see them
+            probs_TK = (match_TKK * probs_TK[:, None, :]).sum(-1) + probs_TK * record.indices_TK.lt(0)
+        changed_TK = match_TKK.any(-1).ne_(recorded_TK).logical_or_(probs_TK.detach().ne(record.probs_TK))
+        changed_T = (indices_TK >= 0).sum(-1).ne(recorded_TK.sum(-1))
+        self._flag(changed_TK.any().logical_or_(changed_T.any()))
+        state.token_indices, state.token_probs = record.indices_TK, probs_TK
         self._replaying = record
 
     def _flag(self, changed: torch.Tensor) -> None:
@@ -248,18 +281,25 @@ class RecomputeReplay(DispatchHook):
             self._changed_host.copy_(self._changed, non_blocking=True)
             self._changed_copied.record()
 
-    def check(self) -> None:
-        """Raise `RoutingChangedError` if a recompute since the last check routed differently.
+    def changed(self) -> bool:
+        """Whether a recompute since the last call routed differently (and forget it).
 
         The flag was copied to the host when the last recompute ran; reading it waits only for
         that copy (long done by the next forward)."""
         changed, self._changed = self._changed, None
         if changed is None:
-            return
+            return False
         if changed.is_cuda:
             self._changed_copied.synchronize()
             changed = self._changed_host
-        if bool(changed):
+        return bool(changed)
+
+    def check(self) -> None:
+        """Raise `RoutingChangedError` on this rank if a recompute since the last check routed
+        differently: at a dispatch's setup, where the dispatcher sends it to the peers in the
+        step's first collective (`MoEFlexTokenDispatcher`); `recompute.check_routing` agrees
+        across the group itself."""
+        if self.changed():
             raise RoutingChangedError(
                 "the recomputed MoE router output differs from the original forward's (expert "
                 "ids or weights): the backward used the original routing and its gradients "
@@ -284,7 +324,7 @@ class RecomputeReplay(DispatchHook):
                     indices_TK, probs_TK.detach(), state.handle, state.dispatched_indices,
                     state.dispatched_probs.detach(), list(state.host_counts()), self._keep_outputs,
                     tree_map_only(torch.Tensor, _leaf, self._route_out) if self._routing_kept else None)
-                self._records.append(self._current)
+                self._records.setdefault(self._call, deque()).append(self._current)
             self._route_out, self._routing_kept = None, False
             return out
         if self._skipping:  # the permutation hands the experts the kept rows: nothing moves

@@ -109,9 +109,13 @@ class _DeepepManager(_DispatchManager):
     def allocate_buffers(self, hidden_size: int, dtype: torch.dtype) -> None:
         self.comm.allocate_buffer(self.group, hidden_size, dtype)
 
-    def announce_input_error(self) -> None:
-        if self.capacity is None:  # the fixed-shape modes' first collective carries no flag yet
-            self.comm.announce_input_error(self.group)
+    def announce_input_error(self, word: int, like=None) -> None:
+        self.comm.announce_input_error(self.group, word, like, self.num_experts, self.fixed_send_capacity(),
+                                       self.router_topk)
+
+    def fixed_send_capacity(self) -> int | None:
+        """The fixed splits of this step's first collective (None: a dropless dispatch)."""
+        return None
 
     # ---- metadata ---------------------------------------------------------------------
     def setup_metadata(self, num_local_tokens: int, probs: torch.Tensor, routing_map=None):

@@ -18,6 +18,7 @@ import threading
 
 import torch
 from megatron.core.transformer.moe import moe_layer as _megatron_moe_layer
+from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from megatron_moe_ext.config import TokenDispatcherConfig
@@ -70,6 +71,28 @@ def _megatron_builds_dispatcher(factory):
                 setattr(_megatron_moe_layer, n, cls)
 
 
+def _check_fixed_shape_mode(dispatcher_config: TokenDispatcherConfig, experts, recomputed: bool) -> None:
+    """The fixed-shape modes (capacity, budget) hand the experts a fixed number of rows with
+    device counts, which Megatron's SequentialMLP splits on the host by the counts; and their
+    recompute repeats the whole dispatch with the recomputed routing (no replay of the
+    forward's, see `recompute.attach_replay`), so a routing changed before the recompute would
+    train on gradients of another routing, unnoticed. Both are refused here, on every rank."""
+    mode = registry.mode_of(dispatcher_config)
+    if mode == "dropless":
+        return
+    field = registry.MODE_FIELDS[mode]
+    value = getattr(dispatcher_config, field)
+    if isinstance(experts, SequentialMLP):
+        raise ValueError(f"{field}={value!r} is invalid with Megatron's SequentialMLP experts, which need "
+                         "as many rows as the counts sum to: set moe_grouped_gemm=True (grouped-GEMM "
+                         f"experts take {mode} mode's fixed rows) or leave {field} unset (dropless)")
+    if recomputed:
+        raise ValueError(f"{field}={value!r} is invalid under Megatron's recompute of the MoE layer "
+                         "(recompute_granularity='full', or 'selective' with 'moe' in recompute_modules): "
+                         f"{mode} mode's recompute cannot replay the forward's routing; leave {field} "
+                         "unset (dropless, whose recompute replays it) or recompute other modules")
+
+
 class FlexMoELayer(MoELayer, overflow.OverflowCounter):
     """Megatron `MoELayer` whose token dispatcher is `MoEFlexTokenDispatcher`.
 
@@ -104,13 +127,13 @@ class FlexMoELayer(MoELayer, overflow.OverflowCounter):
         row = registry.BACKENDS[dispatcher_config.moe_flex_dispatcher_backend]
         self.token_dispatcher.hand_indexed_rows = (
             row.indexed_rows and getattr(self.experts, "accepts_indexed_rows", False))
+        recomputed = self.moe_layer_recompute or config.recompute_granularity == "full"
+        _check_fixed_shape_mode(dispatcher_config, self.experts, recomputed)
         # Budget mode: `[dropped pairs, rows needed]` on the device, see `overflow.py`.
         self._init_overflow_counter(config, dispatcher_config)
         # Megatron recomputes this layer (selective "moe", or the whole transformer layer):
         # the recompute replays the original routing and layout (megatron_moe_ext.recompute).
-        self.recompute_replay = None
-        if self.moe_layer_recompute or config.recompute_granularity == "full":
-            self.recompute_replay = attach_replay(self.token_dispatcher)
+        self.recompute_replay = attach_replay(self.token_dispatcher) if recomputed else None
 
     def routed_experts_compute(self, hidden_states, probs):
         output, mlp_bias = super().routed_experts_compute(hidden_states, probs)

@@ -252,7 +252,8 @@ def initialize_runtime_restores_state():
 
 def capacity_pins_token_count():
     """Capacity mode after calibration at 16 tokens: 12 and 16 tokens dispatch with no
-    collective; 20 tokens is refused before any collective."""
+    collective; 20 tokens is refused before the count exchange, and announced in the
+    dispatch the peers wait in."""
     disp = _setup(moe_hybridep_capacity_factor=1.5)
     params = _params()
     out = {}

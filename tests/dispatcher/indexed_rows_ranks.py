@@ -131,7 +131,8 @@ def indexed_rows_under_checkpoint(policy: str) -> dict:
         if checkpointed:
             y = recompute.checkpoint_moe(lambda *a: torch.nn.functional.silu(_block(disp, *a)[0]), *leaves,
                                          replays=[replay], policy=policy)
-            kept = [type(r.expert_inputs).__name__ for r in replay._records]
+            # Records by call (one `checkpoint_moe` call here).
+            kept = [type(r.expert_inputs).__name__ for records in replay._records.values() for r in records]
         else:
             y = torch.nn.functional.silu(_block(disp, *leaves)[0])
         y.backward(g)

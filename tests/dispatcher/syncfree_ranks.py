@@ -68,6 +68,15 @@ def _step(disp, x, indices, probs, params, counter=None):
                 tpe=torch.as_tensor(tpe))
 
 
+def _agreed(disp, x, indices, probs, params):
+    """`disp` after its first budget-mode dispatch, which agrees on the token count across the
+    EP group (the torch backend's equal splits need the same T on every rank: one count
+    exchange, read on the host once, issue 28 item 5); the host reads counted are the later
+    dispatches'."""
+    _step(disp, x, indices, probs, params)
+    return disp
+
+
 def _dense(x, indices, probs, params):
     x = x.clone().float().requires_grad_()
     probs = probs.clone().requires_grad_()
@@ -97,7 +106,7 @@ def syncfree_vs_blocking(backend: str = "torch", dtype: str = "fp32"):
     x, indices, probs = make_routing(CASE, rank, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
     ref = _step(blocking, x, indices, probs, params)
     counter = LibraryHostReads()
-    got = _step(budget, x, indices, probs, params, counter)
+    got = _step(_agreed(budget, x, indices, probs, params), x, indices, probs, params, counter)
     release_buffers()
     return dict(
         diffs={k: _err(got[k], ref[k]) for k in ("y", "gx", "gp")},
@@ -139,7 +148,7 @@ def syncfree_overflow_then_fit(backend: str = "torch"):
     counter = LibraryHostReads()
 
     indices, probs = _skewed(x)
-    got = _step(disp, x, indices, probs, params, counter)
+    got = _step(_agreed(disp, x, indices, probs, params), x, indices, probs, params, counter)
     order_TK = torch.arange(K)[None, :] * world * T + rank * T + torch.arange(T)[:, None]
     kept = torch.where(order_TK < budget_rows, indices, -1)
     ref = _dense(x, kept, probs, params)

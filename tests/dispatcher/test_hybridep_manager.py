@@ -48,7 +48,9 @@ def test_capacity_mode_pins_the_token_count(dist_pools, world):
         # Calibration: the padded-count exchange and the capacity exchange, then none.
         assert first["all_reduces"] == 2 and first["non_blocking"] == 0 and first["error"] is None
         assert smaller == same == {"all_reduces": 0, "error": None, "non_blocking": 1}
-        assert larger["all_reduces"] == 0 and larger["non_blocking"] == 0
+        # A larger batch is refused; the refusing rank tells its peers in the dispatch they
+        # wait in (one non-blocking dispatch carrying its error word), and no count is exchanged.
+        assert larger["all_reduces"] == 0 and larger["non_blocking"] == 1
         assert "static per-rank token count" in larger["error"] and "16" in larger["error"]
 
 

@@ -164,7 +164,7 @@ def uninstall() -> None:
     logging.getLogger(mrandom.__name__).removeFilter(_FORK_FILTER)
 
 
-def init_parallel_state(ep_size: int | None = None, seed: int = 1234):
+def init_parallel_state(ep_size: int | None = None, seed: int = 1234, timeout_s: float | None = None):
     """Initialise Megatron's `parallel_state` on the current gloo world; return its MoE groups.
 
     Also reseeds Megatron's RNG tracker and drops its MoE metrics (aux-loss) tracker, so a
@@ -174,6 +174,9 @@ def init_parallel_state(ep_size: int | None = None, seed: int = 1234):
         ep_size: expert-model-parallel size (default: the world size); tensor and pipeline
             parallel sizes are 1, so the rest of the world is data parallel.
         seed: passed to `model_parallel_cuda_manual_seed` (through the RNG shim).
+        timeout_s: the longest a collective of Megatron's groups waits for a peer (default:
+            Megatron's 30 minutes); tests/harness.py's `COLLECTIVE_TIMEOUT_S` makes a rank left
+            waiting fail in seconds.
 
     Returns:
         `ProcessGroupCollection` with Megatron's default MoE groups (`ep`, `tp`, `tp_ep`, ...),
@@ -196,7 +199,8 @@ def init_parallel_state(ep_size: int | None = None, seed: int = 1234):
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-        expert_model_parallel_size=ep_size, create_gloo_process_groups=False)
+        expert_model_parallel_size=ep_size, create_gloo_process_groups=False,
+        **({} if timeout_s is None else {"distributed_timeout_minutes": timeout_s / 60}))
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     # The aux-loss tracker is process-global and sized by the first model's layer count;
     # a fresh parallel state means a fresh model, so start it afresh too.

@@ -24,7 +24,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
-from megatron_moe_ext.dispatcher import buffers
+from megatron_moe_ext.dispatcher import buffers, checks
 from megatron_moe_ext.utils.optional import require
 
 SUPPORTED_EP_SIZES = (2, 4, 8)
@@ -90,6 +90,10 @@ class DeepEPCommunicator:
     #: The first dispatch (layout and rows in one library call) and its cached replay build
     #: different autograd graphs, which non-reentrant checkpointing refuses.
     replays_in_one_graph = False
+    #: `dispatch_fixed` sizes its output per rank (`num_worst_tokens`): ranks may differ in T.
+    fixed_equal_splits = False
+    #: `dispatch_fixed` takes bf16 rows only: its combine kernel is bf16 only.
+    fixed_dtypes = (torch.bfloat16,)
 
     def __init__(self, library: Callable[[], ModuleType], name: str, num_sms: int,
                  pad_empty: bool = False):
@@ -219,9 +223,24 @@ class DeepEPCommunicator:
         self._dispatch_config, self._combine_config = configs
         return self.buffer
 
-    def announce_input_error(self, group) -> None:
-        """No error flag rides on this backend's first collective (the layout's counts inside
-        the library) yet: a peer of a rank that rejected its input is not told."""
+    def announce_input_error(self, group, word: int, like=None, num_experts: int = 0,
+                             send_capacity: int | None = None, topk: int = 0) -> list[int]:
+        """Send `word` in place of this step's rows: one zero token to the first expert of each
+        rank, its weight -(FLAG_BASE + word) (`checks.raise_on_flagged`), which `dispatch` reads on
+        every rank. `like` gives the row width and dtype the peers dispatch; without it
+        (a malformed input) nothing can be sent and the peers wait out the group's timeout.
+        Returns [] (this rank's received words are not read)."""
+        if like is None or like.dim() != 2 or not like.dtype.is_floating_point:
+            return []
+        world = dist.get_world_size(group)
+        buffer, direct = self._plan(group, like.shape[1], like.dtype)
+        routes_WK = torch.full((world, max(topk, 1)), -1, dtype=torch.int64, device=like.device)
+        routes_WK[:, 0] = torch.arange(world, device=like.device) * (num_experts // world)
+        weights_WK = torch.zeros(routes_WK.shape, dtype=torch.float32, device=like.device)
+        weights_WK[:, 0] = -float(checks.FLAG_BASE + word)
+        self._layout_and_dispatch(buffer, like.new_zeros(world, like.shape[1]), routes_WK, num_experts,
+                                  False, False, weights_WK, direct)
+        return []
 
     def allocate_buffer(self, group, hidden: int, dtype: torch.dtype):
         """Allocate up front (at expert setup, before any activation checkpoint)."""
@@ -396,6 +415,9 @@ class DeepEPCommunicator:
             allocate_on_comm_stream, probs_TK.contiguous(), direct, num_worst_tokens)
         if not direct:
             recv_x = recv_x[:, :hidden]
+        # A peer that failed sent its error word as a weight (`announce_input_error`).
+        # Rows past the received ones (`num_worst_tokens`) are uninitialised: not read.
+        checks.raise_on_flagged(torch.where(recv_indices >= 0, recv_probs, 0.0) if num_worst_tokens else recv_probs)
         handle = DeepEPHandle(raw, recv_x.shape[0], tokens)
         if torch.is_grad_enabled() and (x_TH.requires_grad or probs_TK.requires_grad):
             recv_x, recv_probs = _DispatchGrad.apply(
@@ -421,13 +443,10 @@ class DeepEPCommunicator:
 
     def dispatch_fixed(self, x_TH, indices_TK, probs_TK, num_experts, group, send_capacity: int,
                        async_finish: bool = False, allocate_on_comm_stream: bool = False):
-        """A dispatch of fixed shape without a host sync: `num_worst_tokens = W * send_capacity`
+        """A dispatch of fixed shape (bf16 rows) without a host sync: `num_worst_tokens = W * send_capacity`
         received rows (DeepEP V1 intranode, its CUDA-graph-compatible path; a rank never sends
         more than its T tokens to one rank, so `send_capacity` = T cannot overflow). Returns
         `(recv_x, recv_indices, recv_probs, handle, None)` (no send overflow)."""
-        if x_TH.dtype != torch.bfloat16:
-            raise ValueError(f"hidden_states: sync-free {self.name} dispatch takes bf16 rows (its "
-                             f"combine kernel is bf16 only), got {x_TH.dtype}")
         num_worst_tokens = dist.get_world_size(group) * send_capacity
         recv_x, recv_indices, recv_probs, _, handle = self.dispatch(
             x_TH, indices_TK, probs_TK, num_experts, group, async_finish, allocate_on_comm_stream,

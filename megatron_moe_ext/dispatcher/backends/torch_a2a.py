@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from megatron_moe_ext.dispatcher import checks
 from megatron_moe_ext.dispatcher import permute as P
 
 # All-to-all only moves bytes, and gloo has no 16-bit types: send half types as raw bytes.
@@ -67,33 +68,38 @@ def all_to_all_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int]
     return _all_to_all_rows_op(x, out_splits, in_splits, group.group_name)
 
 
-def _exchange_counts(send_counts_W: torch.Tensor, group) -> tuple[list[int], list[int]]:
-    """The layout collective: rows this rank sends to / receives from each rank (host lists).
-
-    Each count travels with an error flag (0 here): a rank that rejected its input before
-    this collective sends 1s instead (`announce_input_error`), and every peer raises.
-    """
-    send_W2 = torch.stack([send_counts_W, torch.zeros_like(send_counts_W)], dim=1)
+def _exchange_counts(send_counts_W: torch.Tensor, group, word: int = 0) -> tuple[list[int], list[int]]:
+    """The layout collective: one count to and from each rank (host lists), each with this
+    step's error word (`checks.error_word`, 0 = none): a rank that failed before this
+    collective sends its word instead (`announce_input_error`), and every rank raises
+    `checks.agreed_error`."""
+    send_W2 = torch.stack([send_counts_W, torch.full_like(send_counts_W, word)], dim=1)
     recv_W2 = torch.empty_like(send_W2)
     dist.all_to_all_single(recv_W2, send_W2, group=group)
-    send_splits, recv_splits, peer_errors = torch.stack([send_counts_W, recv_W2[:, 0], recv_W2[:, 1]]).tolist()
-    if any(peer_errors):
-        ranks = [r for r, flag in enumerate(peer_errors) if flag]
-        raise ValueError(f"dispatch: expert-parallel rank(s) {ranks} of this group rejected their "
-                         "input before the all-to-all (see their ValueError); this rank's dispatch "
-                         "is abandoned")
+    send_splits, recv_splits, words = torch.stack([send_counts_W, recv_W2[:, 0], recv_W2[:, 1]]).tolist()
+    if any(words):
+        raise checks.agreed_error(words)
     return send_splits, recv_splits
 
 
-def announce_input_error(group) -> None:
-    """Collective partner of a peer's dispatch: called by a rank that rejected its own
-    input before dispatching, so the peers waiting in the counts all-to-all raise too."""
+def announce_input_error(group, word: int, like=None, num_experts: int = 0,
+                         send_capacity: int | None = None, topk: int = 0) -> list[int]:
+    """This rank failed before its step's first collective: send `word` in place of its data,
+    in the collective its peers wait in (`send_capacity` None: the counts of `_exchange_counts`,
+    else the routing rows of a `dispatch_fixed` of that capacity and `topk`). Returns the word
+    each rank sent (0 from a rank that did not fail)."""
     world = dist.get_world_size(group)
     if world == 1:
-        return
-    device = torch.cuda.current_device() if dist.get_backend(group) == "nccl" else "cpu"
-    flags_W2 = torch.ones(world, 2, dtype=torch.int64, device=device)
-    dist.all_to_all_single(torch.empty_like(flags_W2), flags_W2, group=group)
+        return [word]
+    device = checks.flag_device(group)
+    if send_capacity is None:
+        words_W2 = torch.full((world, 2), word, dtype=torch.int64, device=device)
+        recv_W2 = torch.empty_like(words_W2)
+        dist.all_to_all_single(recv_W2, words_W2, group=group)
+        return recv_W2[:, 1].tolist()
+    words_SC = torch.full((world * send_capacity, 2 * topk + 1), float(word), device=device)
+    recv_SC = _all_to_all(words_SC, [send_capacity] * world, [send_capacity] * world, group)
+    return recv_SC[::send_capacity, 2 * topk].long().tolist() if send_capacity else [0] * world
 
 
 def token_ranks(indices_TK: torch.Tensor, num_local_experts: int, world: int) -> torch.Tensor:
@@ -111,23 +117,30 @@ def _local_routing(sent_indices_SK: torch.Tensor, send_rank_S: torch.Tensor, num
     return mine_SK, torch.where(mine_SK, sent_indices_SK - send_rank_S[:, None] * num_local_experts, -1)
 
 
-def _send_meta(local_SK, probs_SK, recv_splits, send_splits, group):
-    """Local ids and fp32 probs to their destinations: `(recv_indices_RK, recv_probs_RK)`."""
+def _send_meta(local_SK, probs_SK, recv_splits, send_splits, group, word=None):
+    """Local ids and fp32 probs to their destinations: `(recv_indices_RK, recv_probs_RK)`.
+    `word`: this rank's error word (a 0-d tensor) rides along in one more column, and every
+    rank raises on a non-zero one it receives (the sync-free modes' first collective)."""
     topk = local_SK.shape[1]
     # Ids travel as fp32 next to the weights (exact below 2**24 experts): one collective for both.
-    recv_meta = all_to_all_rows(torch.cat([local_SK.float(), probs_SK], dim=1), recv_splits, send_splits, group)
-    return recv_meta[:, :topk].detach().long(), recv_meta[:, topk:]
+    columns = [local_SK.float(), probs_SK]
+    if word is not None:
+        columns.append(word.float().expand(local_SK.shape[0], 1))
+    recv_meta = all_to_all_rows(torch.cat(columns, dim=1), recv_splits, send_splits, group)
+    if word is not None:
+        checks.raise_on_words(recv_meta[:, 2 * topk].detach().long())
+    return recv_meta[:, :topk].detach().long(), recv_meta[:, topk:2 * topk]
 
 
 def send_routing(sent_indices_SK, sent_probs_SK, send_rank_S, num_local_experts, recv_splits,
-                 send_splits, group) -> tuple[torch.Tensor, torch.Tensor]:
+                 send_splits, group, word=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Send the routing of `[S]` rows (`[S, K]` global ids, -1 = masked, and probs; `send_rank_S`
     their destinations; `recv_splits` / `send_splits` rows from / to each rank) as
     `(recv_indices_RK, recv_probs_RK)`: the destination's local ids (-1 = not its) and fp32
-    probs (0 there), differentiable in the probs."""
+    probs (0 there), differentiable in the probs; `word` as `_send_meta`."""
     mine_SK, local_SK = _local_routing(sent_indices_SK, send_rank_S, num_local_experts)
     probs_SK = torch.where(mine_SK, sent_probs_SK.float(), 0.0)
-    return _send_meta(local_SK, probs_SK, recv_splits, send_splits, group)
+    return _send_meta(local_SK, probs_SK, recv_splits, send_splits, group, word)
 
 
 def count_per_expert(indices_RK: torch.Tensor, num_local_experts: int) -> list[int]:
@@ -263,17 +276,22 @@ class FixedHandle:
 
 
 def dispatch_fixed(x_TH, indices_TK, probs_TK, num_experts, group, send_capacity: int,
-                   async_finish: bool = False, allocate_on_comm_stream: bool = False):
+                   async_finish: bool = False, allocate_on_comm_stream: bool = False,
+                   receive_overflow=None):
     """A dispatch of fixed shape: equal all-to-all splits of `send_capacity` (C) rows per rank
     pair, every layout computed on the device (no host sync). Empty slots are a zero token
     routed nowhere.
 
+    The routing goes first, with this rank's error word (`checks.error_word`: a rank pair
+    that needed more than C rows, whose copies cannot be sent, is a capacity overflow): every
+    rank raises on a word it receives, before the rows move. `receive_overflow`, when given,
+    maps the received `(indices [W*C, K], probs)` to a 0-d bool (this rank cannot take them),
+    which travels with the rows in one more column, so every rank raises on it too.
+
     Returns:
-        `(recv_x [W*C, H], recv_indices [W*C, K], recv_probs [W*C, K], FixedHandle,
-        send_overflow)`: the last a 0-d bool, set when a rank pair needed more than C rows
-        (those tokens' copies are not sent).
+        `(recv_x [W*C, H], recv_indices [W*C, K], recv_probs [W*C, K], FixedHandle, None)`.
     """
-    world = dist.get_world_size(group)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
     e, C = num_experts // world, send_capacity
     num_tokens, topk = indices_TK.shape
     device = x_TH.device
@@ -289,11 +307,25 @@ def dispatch_fixed(x_TH, indices_TK, probs_TK, num_experts, group, send_capacity
     send_rank_S = torch.arange(world, device=device).repeat_interleave(C)
     indices_pad = torch.cat([indices_TK, indices_TK.new_full((1, topk), -1)])
     splits = [C] * world
-    recv_x_RH = all_to_all_rows(P.gather_rows(x_TH, send_token_ids_S, slot_TW), splits, splits, group)
+    # One rank whose send side cannot overflow (C >= T) has no word to send.
+    word = None if world == 1 and C >= num_tokens else send_overflow.long() * checks.error_word("overflow", rank)
     recv_indices_RK, recv_probs_RK = send_routing(
         indices_pad.index_select(0, send_token_ids_S), P.gather_rows(probs_TK, send_token_ids_S, slot_TW),
-        send_rank_S, e, splits, splits, group)
-    return recv_x_RH, recv_indices_RK, recv_probs_RK, FixedHandle(slot_TW, C), send_overflow
+        send_rank_S, e, splits, splits, group, word=word)
+    rows_SH = P.gather_rows(x_TH, send_token_ids_S, slot_TW)
+    if receive_overflow is None or C == 0:
+        recv_x_RH = all_to_all_rows(rows_SH, splits, splits, group)
+    else:
+        overflow = receive_overflow(recv_indices_RK, recv_probs_RK)
+        rows_SH = torch.cat([rows_SH, overflow.to(rows_SH.dtype).expand(rows_SH.shape[0], 1)], dim=1)
+        recv_x_RH = all_to_all_rows(rows_SH, splits, splits, group)
+        # Each source's C rows carry its flag: the first of them names it.
+        flagged_W = recv_x_RH[::C, -1].detach() != 0
+        # A word is the cause's bits plus the rank (no host list: a CUDA graph may capture this).
+        words_W = checks.error_word("overflow", 0) + torch.arange(world, device=device)
+        checks.raise_on_words(torch.where(flagged_W, words_W, 0))
+        recv_x_RH = recv_x_RH[:, :-1]
+    return recv_x_RH, recv_indices_RK, recv_probs_RK, FixedHandle(slot_TW, C), None
 
 
 def combine_fixed(x_RH, group, handle: FixedHandle, async_finish: bool = False,
@@ -320,6 +352,11 @@ class TorchCommunicator:
     dispatch_fixed = staticmethod(dispatch_fixed)
     combine_fixed = staticmethod(combine_fixed)
     announce_input_error = staticmethod(announce_input_error)
+    exchange_counts = staticmethod(_exchange_counts)
+    #: `dispatch_fixed` exchanges equal splits: every rank must send the same capacity.
+    fixed_equal_splits = True
+    #: `dispatch_fixed` takes any float rows.
+    fixed_dtypes = None
 
     def check_group(self, group) -> None:
         """Any group size: all-to-all has no compiled sizes."""

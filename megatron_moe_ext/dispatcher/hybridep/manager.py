@@ -27,7 +27,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from megatron_moe_ext.dispatcher import buffers
+from megatron_moe_ext.dispatcher import buffers, checks
 from megatron_moe_ext.dispatcher import permute as P
 from megatron_moe_ext.dispatcher.base import _DispatchManager
 from megatron_moe_ext.dispatcher.hybridep.metadata import _HybridEPMetadataProcessor
@@ -250,11 +250,12 @@ class _HybridEPManager(_DispatchManager):
     def _static_pin(self) -> bool:
         return self.benchmark_static_routing and _STATIC_ROUTING_PAD_PIN
 
-    def _resolve_padded_tokens(self, num_tokens: int, device) -> int:
+    def _resolve_padded_tokens(self, num_tokens: int, device, word: int = 0) -> int:
         """Every rank must send the same 4-aligned count: the EP-group max, padded.
 
-        Only the first dispatch exchanges it (a MAX all-reduce read on the host) when a pin
-        applies; capacity mode refuses a batch past its pin rather than exchange again.
+        Only the first dispatch exchanges it (a MAX all-reduce read on the host, which carries
+        every rank's error word: `word` is this rank's) when a pin applies; capacity mode
+        refuses a batch past its pin rather than exchange again.
         """
         if self.equal_token_counts:
             return P.align_up(num_tokens, _HYBRIDEP_TOKEN_ALIGNMENT)
@@ -263,13 +264,18 @@ class _HybridEPManager(_DispatchManager):
                 return self._pinned_tokens
             if self._hybridep_capacity is not None:
                 raise ValueError(
-                    f"hidden_states: {num_tokens} tokens on this rank, but moe_hybridep_capacity_factor "
-                    f"needs a static per-rank token count and was calibrated at {self._pinned_tokens}; "
+                    f"moe_hybridep_capacity_factor: hidden_states has {num_tokens} tokens on this rank, but "
+                    f"capacity mode needs a static per-rank token count and was calibrated at {self._pinned_tokens}; "
                     "keep every batch at or below it, or set moe_hybridep_equal_token_counts=True "
                     "(fixed-shape batches)")
-        count = torch.tensor([num_tokens], dtype=torch.long, device=device)
+        # [T, one error word per rank]: one MAX all-reduce agrees on both.
+        count = torch.zeros(1 + dist.get_world_size(self.group), dtype=torch.long, device=device)
+        count[0], count[1 + dist.get_rank(self.group)] = num_tokens, word
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
-        padded = P.align_up(int(count.item()), _HYBRIDEP_TOKEN_ALIGNMENT)
+        exchanged = count.tolist()
+        if any(exchanged[1:]) and not word:
+            raise checks.agreed_error(exchanged[1:])
+        padded = P.align_up(exchanged[0], _HYBRIDEP_TOKEN_ALIGNMENT)
         if self._static_pin():
             # First dispatch, or a larger batch: (re-)pin, and re-record the permuted count.
             self._pinned_tokens = padded
@@ -315,13 +321,7 @@ class _HybridEPManager(_DispatchManager):
                 load_cached_kernels=True)
         return owner.buffer
 
-    def dispatch(self, hidden_states, async_finish=True, allocate_on_comm_stream=True, capacity_mode=None):
-        """Dispatch `[T, H]` rows; returns `[P, H]` rows grouped by local expert.
-
-        `async_finish` / `allocate_on_comm_stream` are ignored: HybridEP owns its stream.
-        `capacity_mode=None` follows `moe_hybridep_capacity_factor`; False forces a blocking
-        dispatch that neither uses nor calibrates the capacity (the runtime warmup).
-        """
+    def check_rows(self, hidden_states) -> None:
         if hidden_states.element_size() != 2:
             raise ValueError(f"hidden_states: HybridEP dispatches 16-bit tokens (bf16/fp16), got "
                              f"{hidden_states.dtype}; cast the activations or use another backend")
@@ -329,6 +329,42 @@ class _HybridEPManager(_DispatchManager):
         if hidden % _HYBRIDEP_HIDDEN_ALIGNMENT or hidden < _HYBRIDEP_MIN_HIDDEN:
             raise ValueError(f"hidden_states: HybridEP needs a hidden size that is a multiple of "
                              f"{_HYBRIDEP_HIDDEN_ALIGNMENT} and at least {_HYBRIDEP_MIN_HIDDEN}, got {hidden}")
+
+    def announce_input_error(self, word: int, like=None) -> None:
+        """Send `word` in this step's first collective: the token-count all-reduce, else (a
+        pinned or equal count: the peers' batches are within the pin) the library's dispatch
+        of one zero token routed to the first expert of each rank with the weight
+        -(FLAG_BASE + word), which `dispatch` reads on every rank. Without rows of the width
+        and dtype the peers send (`like`), nothing can be sent there and the peers wait out
+        the group's timeout."""
+        tokens = 0 if like is None or like.dim() < 2 else like.numel() // like.shape[-1]
+        if not self.equal_token_counts and self._pinned_tokens is None:
+            self._resolve_padded_tokens(tokens, checks.flag_device(self.group), word)
+            return
+        if like is None or like.dim() < 2 or like.element_size() != 2:
+            return
+        padded = P.align_up(tokens, _HYBRIDEP_TOKEN_ALIGNMENT) if self.equal_token_counts else self._pinned_tokens
+        world = dist.get_world_size(self.group)
+        routing_map = torch.zeros(padded, self.num_experts, dtype=torch.bool, device=like.device)
+        probs = torch.zeros(routing_map.shape, dtype=torch.float32, device=like.device)
+        firsts = torch.arange(world, device=like.device) * self.num_local_experts
+        routing_map[0, firsts], probs[0, firsts] = True, -float(checks.FLAG_BASE + word)
+        num_permuted = self._resolve_num_permuted_tokens(self.hybridep_capacity_factor is not None)
+        with torch.no_grad():
+            self._buffer(like.shape[-1], padded).dispatch_with_permute(
+                hidden=like.new_zeros(padded, like.shape[-1]), routing_map=routing_map, probs=probs,
+                num_of_experts_per_rank=self.num_local_experts, num_permuted_tokens=num_permuted,
+                non_blocking=num_permuted is not None, pad_multiple=self.pad_multiple,
+                fuse_permute_dispatch=self.hybridep_permute_fusion)
+
+    def dispatch(self, hidden_states, async_finish=True, allocate_on_comm_stream=True, capacity_mode=None):
+        """Dispatch `[T, H]` rows; returns `[P, H]` rows grouped by local expert.
+
+        `async_finish` / `allocate_on_comm_stream` are ignored: HybridEP owns its stream.
+        `capacity_mode=None` follows `moe_hybridep_capacity_factor`; False forces a blocking
+        dispatch that neither uses nor calibrates the capacity (the runtime warmup).
+        """
+        self.check_rows(hidden_states)
         if capacity_mode is None:
             capacity_mode = self.hybridep_capacity_factor is not None
         padded = self.token_probs.shape[0]
@@ -345,6 +381,7 @@ class _HybridEPManager(_DispatchManager):
             x_TH, self.token_probs, outputs, self.buffer, kwargs)
         self.handle, self.tokens_per_expert = outputs.handle, outputs.tokens_per_expert
         self.num_permuted_tokens = rows_PH.shape[0]
+        self._raise_on_peer_words()
         if num_permuted is not None:
             _assert_no_hybridep_overflow(self.handle, num_permuted)
         else:
@@ -355,6 +392,16 @@ class _HybridEPManager(_DispatchManager):
         # The routing inputs are consumed: drop them so recompute cannot keep them alive.
         self.routing_map = self.token_probs = None
         return rows_PH
+
+    def _raise_on_peer_words(self) -> None:
+        """A peer that failed sent its error word as a weight (`announce_input_error`); rows
+        past the routed ones are padding or (non-blocking) garbage, so they are not read."""
+        probs_P, counts_e = self.dispatched_probs.detach(), self.tokens_per_expert
+        if counts_e.device != probs_P.device:  # host counts (blocking): no device read needed
+            checks.raise_on_flagged(probs_P[: int(counts_e.sum())])
+            return
+        routed_P = torch.arange(probs_P.shape[0], device=probs_P.device) < counts_e.sum()
+        checks.raise_on_flagged(torch.where(routed_P, probs_P, 0.0))
 
     def combine(self, hidden_states, async_finish=True, allocate_on_comm_stream=True):
         """`[P, H]` expert outputs -> `[T, H]` (padding tokens sliced off)."""
