@@ -123,8 +123,9 @@ run det32_local_native_unfused_swiglu 240 $DET_ENV $LAUNCH $PRETRAIN $COMMON_FP3
 # share the GPU). Both sides take the flags of Megatron's Qwen3-30B-A3B recipe (RECIPE,
 # RECIPE_ENV); native adds --moe-permute-fusion. The throughput runs (SLICE_ITERS iterations, default 14) log Megatron's
 # timers at level 2 and profile their last iteration (bench/gpu/pretrain_profiled.py, left out of
-# the medians): slice_native, slice_ext (--spec --moe-grouped-gemm: the fused QuACK experts where
-# QuACK imports), slice_ext_grouped_mm (MOE_EXT_EXPERT_MLP_IMPL=grouped_mm: the torch path).
+# the medians): slice_native, slice_ext (--spec --moe-grouped-gemm, MOE_EXT_EXPERT_MLP_IMPL=fused:
+# the fused QuACK experts), slice_ext_grouped_mm (MOE_EXT_EXPERT_MLP_IMPL=grouped_mm: the torch
+# path, which "auto" picks at these widths).
 # det_slice_* runs: --deterministic-mode, run side by side on the GPU (bitwise results do not
 # depend on what else runs), three then two: det_slice_ext twice (the fused path, bit-identical
 # run to run?) and det_slice_ext_grouped_mm (the torch path: its loss against the fused path),
@@ -155,12 +156,12 @@ profiled() {  # name: the profiler wrapper around pretrain_gpt.py, profiling the
 if [ $HAVE_TE = 1 ]; then
   SLICE_RUN="$SLICE --num-layers $SLICE_LAYERS --train-iters $SLICE_ITERS $TE $RECIPE $CE_FUSION --timing-log-level 2"
   run slice_native 240 $RECIPE_ENV $LAUNCH $(profiled slice_native) $COMMON $SLICE_RUN $FUSION
-  run slice_ext 240 $RECIPE_ENV $LAUNCH $(profiled slice_ext) $COMMON $SLICE_RUN $SPEC
+  run slice_ext 240 $RECIPE_ENV MOE_EXT_EXPERT_MLP_IMPL=fused $LAUNCH $(profiled slice_ext) $COMMON $SLICE_RUN $SPEC
   run slice_ext_grouped_mm 240 $RECIPE_ENV MOE_EXT_EXPERT_MLP_IMPL=grouped_mm $LAUNCH \
     $(profiled slice_ext_grouped_mm) $COMMON $SLICE_RUN $SPEC
   DET_SLICE="$DET_ENV $RECIPE_ENV $LAUNCH $PRETRAIN $COMMON $SLICE --num-layers $DET_SLICE_LAYERS $TE $RECIPE $DET"
-  run det_slice_ext 300 $DET_SLICE --train-iters $DET_SLICE_ITERS $SPEC &
-  run det_slice_ext_repeat 300 $DET_SLICE --train-iters $DET_SLICE_ITERS $SPEC &
+  run det_slice_ext 300 env MOE_EXT_EXPERT_MLP_IMPL=fused $DET_SLICE --train-iters $DET_SLICE_ITERS $SPEC &
+  run det_slice_ext_repeat 300 env MOE_EXT_EXPERT_MLP_IMPL=fused $DET_SLICE --train-iters $DET_SLICE_ITERS $SPEC &
   run det_slice_ext_grouped_mm 300 env MOE_EXT_EXPERT_MLP_IMPL=grouped_mm $DET_SLICE --train-iters $DET_SLICE_ITERS $SPEC &
   wait
   run det_slice_native 300 $DET_SLICE --train-iters $DET_SLICE_NATIVE_ITERS &
