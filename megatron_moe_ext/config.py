@@ -86,10 +86,8 @@ class TokenDispatcherConfig:
     #: Sync-free mode (dispatcher/fixed.py): each rank's permuted rows are a static budget of
     #: this many times the balanced load (T*K); Megatron's field of the same name.
     moe_expert_rank_capacity_factor: float | None = None
-    #: What a step whose routing exceeds the budget does, read once per step outside any
-    #: CUDA graph by `megatron_moe_ext.megatron.overflow.check_overflow`: "error" raises
-    #: naming the layer and how far over budget; "drop" gives the pairs past the budget zero
-    #: output, counts them and logs the count.
+    #: What a step whose routing exceeds the budget does (`megatron.overflow.check_overflow`):
+    #: "error" raises; "drop" gives the pairs past the budget zero output and logs their count.
     moe_expert_rank_overflow_policy: Literal["error", "drop"] = "error"
 
     def __post_init__(self) -> None:

@@ -1,54 +1,15 @@
 """Activation recompute of the MoE layer that neither re-communicates the layout nor changes
-the routing (docs/DESIGN.md, "Recompute").
+the routing (docs/DESIGN.md, "Recompute", tells the whole story and its policy table).
 
-A checkpointed MoE forward runs twice: once in forward, once again in backward. The second
-run must route exactly like the first (otherwise the saved activations and the recomputed
-rows disagree) and should not pay the dispatch again. `RecomputeReplay` (`dispatcher/replay.py`)
-plugs into one layer's dispatcher at its hook seat (`dispatcher/hooks.py`) and
-
-- records, in a forward that will be recomputed, the top-k routing the layer dispatched
-  (ids and fp32 weights, small) and the backend's layout (torch: split sizes and
-  permutation; DeepEP/UCCL-EP: the dispatch handle) with the received ids and counts, and,
-  when asked to, what the dispatch handed the experts and what the combine returned;
-- replays it in the recompute (recognised as a forward running inside backward): the
-  dispatch reuses the saved ids and layout (no layout collective, no host sync) and only the
-  token rows move again, or nothing runs when the dispatch's outputs were kept;
-- compares, on the device, the recomputed router output with the saved one (one mask, one
-  reduction, or'ed into one flag per layer and copied to one pinned host flag) and raises
-  `RoutingChangedError` at this layer's next dispatch (a host sync point) or at `check()`;
-- runs the router, when it is called through `RecomputeReplay.route`, so that a forward
-  keeping the dispatch's outputs also keeps the router's (`[T, K]` or `[T, E]`) and its
-  recompute skips the router: no router kernel, no input check, no routing conversion and
-  nothing to compare, since the backward then meets the router's original autograd nodes.
-  `FlexMoELayer` routes this way.
-
-The dispatcher's autograd nodes of a recorded dispatch keep what they save for backward (row
-ids and masks, never rows) instead of handing it to the checkpoint, so a recompute may skip
-dispatcher steps. Non-reentrant checkpointing stops the recompute once the last tensor the
-region saved is recomputed: for a SwiGLU expert MLP, before the down projection (its saved
-input is the activation), and before the combine unless the region reads the layer's output.
-
-Each `checkpoint_moe` call takes its own records (keyed by the call), whatever the order of
-the recomputes; Megatron's own recompute takes them first-in first-out, which matches every
-schedule in which a layer's recomputes run in the order of its forwards (1F1B and interleaved
-pipelines included), and a record checked against the recomputed routing's shape and values.
-
-`checkpoint_moe` runs a function under non-reentrant `torch.utils.checkpoint` with a policy:
-
-- `save_dispatch_outputs` keeps the rows `[P, H]` and probs `[P]` the dispatch hands the
-  experts (the rows are what the experts' first GEMM saves without recompute), the router's
-  outputs and autograd nodes when it runs through `route` and, when the combine moves rows
-  between ranks, the combined tokens `[T, H]`. The recompute runs the experts up to their last
-  saved input (a router not run through `route` too, its output checked): no collective, no
-  permutation. At one rank the combine is the local unpermutation, which runs again only if
-  the region reads the layer's output.
-- `recompute_all` keeps nothing: the recompute dispatches again along the recorded layout
-  (the rows' all-to-alls and the permutation, no layout collective), then runs the experts.
-
-Both run without a selective-checkpoint context, whose Python dispatch of every op cost
-about the experts' forward per layer (one H200, Qwen3-30B-A3B shape). Any other policy is
-applied op by op; `save_dispatch_outputs` is one too, saving `moe_ext::permute_rows`'s
-outputs (without the replay's skip, the dispatch before that op still runs again).
+`RecomputeReplay` (`dispatcher/replay.py`) sits in one layer's dispatcher hook seat: a
+forward that will be recomputed records its routing and layout (and, when asked, what the
+dispatch handed the experts); the recompute (a forward running inside backward) replays them,
+with no layout collective and no host sync, and compares the recomputed routing on the device.
+This module is the user-facing side: `checkpoint_moe` (non-reentrant `torch.utils.checkpoint`
+with the records keyed by the call) and its policies `save_dispatch_outputs` (keep the rows and
+probs handed to the experts, the router's outputs and the combined tokens: the recompute runs
+no dispatcher step) and `recompute_all` (the rows move again along the recorded layout);
+`attach_replay` / `replays_in` for Megatron's own recompute; `check_routing` at the step boundary.
 """
 
 from __future__ import annotations
@@ -88,12 +49,9 @@ POLICIES: dict[str, Callable] = {"save_dispatch_outputs": save_dispatch_outputs,
 
 
 def attach_replay(dispatcher) -> RecomputeReplay | None:
-    """Give `dispatcher` (a `MoEFlexTokenDispatcher`) a `RecomputeReplay` (idempotent).
-
-    Returns it, or None for backends whose recompute repeats the whole dispatch (HybridEP,
-    the torch backend's capacity mode): those stay consistent with the recomputed routing
-    but pay the layout again.
-    """
+    """Give `dispatcher` (a `MoEFlexTokenDispatcher`) a `RecomputeReplay` (idempotent); None
+    where the manager is not `replayable` (HybridEP, the fixed-shape modes: their recompute
+    repeats the whole dispatch)."""
     if isinstance(dispatcher.replay, RecomputeReplay):
         return dispatcher.replay
     if not dispatcher.manager.replayable:

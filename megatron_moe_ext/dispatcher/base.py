@@ -16,16 +16,10 @@ import torch
 
 
 class Communicator(Protocol):
-    """A backend's communication with DeepEP's dispatch/combine contract (`backends/`).
-
-    `dispatch(x_TH, indices_TK, probs_TK, num_experts, group, async_finish,
-    allocate_on_comm_stream, **backend_kwargs)` -> `(recv_x_RH, recv_indices_RK, recv_probs_RK,
-    counts, handle)`, where `counts` is always a host list of `e` ints (empty where the
-    backend's sync-free path returns none); `dispatch_cached(x_TH, probs_TK, handle,
-    recv_indices_RK, recv_probs_RK, counts, group, async_finish, allocate_on_comm_stream)`
-    repeats one along its handle (recompute); `combine(x_RH, group, handle, async_finish,
-    allocate_on_comm_stream)` -> `([T, H], None)`.
-    """
+    """A backend's communication with DeepEP's dispatch/combine contract (`backends/`; the
+    signatures are in docs/DESIGN.md, "Where a new backend goes"). `dispatch`'s counts are
+    always a host list of `e` ints (empty where the sync-free path returns none);
+    `dispatch_cached` repeats a dispatch along its handle (recompute)."""
 
     name: str
     #: `dispatch_cached` builds the autograd graph `dispatch` built (non-reentrant recompute).
@@ -52,10 +46,9 @@ class Communicator(Protocol):
                              send_capacity: int | None = None, topk: int = 0) -> list[int]:
         """This rank failed before this step's first collective: send the error `word`
         (`checks.error_word`) in place of its data, in the collective its peers wait in (the
-        backend table's `error_flag`), so that they raise too. `like`: a `[T, H]` tensor of the
-        rows the step would have sent (their width and dtype), or None; `send_capacity`: the
-        fixed splits of a sync-free dispatch (None: dropless). Returns the words received,
-        where the backend sees them (else [])."""
+        backend table's `error_flag`). `like`: a `[T, H]` tensor of the rows the step would
+        have sent, or None; `send_capacity`: the fixed splits of a sync-free dispatch (None:
+        dropless). Returns the words received, where the backend sees them (else [])."""
 
 
 class _DispatchManager(ABC):
@@ -117,9 +110,6 @@ class _DispatchManager(ABC):
 
     @abstractmethod
     def _release_dispatch_state(self) -> None:
-        """Initialize or release this manager's per-dispatch state.
-
-        Routing probabilities can retain recomputed activations through their autograd
-        graph, and checkpoint recomputation can stop before combine, so consumed tensors
-        are dropped as early as possible. Persistent capacity/static state stays.
-        """
+        """Initialize or release this manager's per-dispatch state (consumed tensors go early:
+        routing probabilities can retain recomputed activations, and a recompute can stop
+        before combine); persistent capacity/static state stays."""

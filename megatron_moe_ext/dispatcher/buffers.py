@@ -1,11 +1,7 @@
-"""The one registry of communication buffers: the only dispatcher state layers share.
-
-Every layer has its own dispatcher and manager (routing, handles, calibrated capacity);
-what is expensive to have per layer is the backend's communication buffer (NVLink/RDMA
-memory registered with every peer). Backends keep that buffer in an owner object that
-they get from `acquire`, under a key naming the backend, the process group and every
-setting that sizes or configures the buffer (SM counts included), so two layers share a
-buffer only when it serves both exactly as it is. See docs/DESIGN.md.
+"""The one registry of communication buffers (NVLink/RDMA memory registered with every peer),
+which layers share when one buffer serves them exactly as it is: backends keep a buffer in an
+owner object from `acquire`, keyed by the backend, the process group and every setting that
+sizes or configures it. See docs/DESIGN.md.
 """
 
 from __future__ import annotations
@@ -35,7 +31,7 @@ def acquire(key: tuple, make: Callable[[], OwnerT], shared: bool = True) -> Owne
             still registered so `release_all` frees it.
 
     Returns:
-        The owner (any object with `release_buffers()`).
+        The owner.
     """
     if not shared:
         key = key + (("private", next(_PRIVATE)),)

@@ -14,18 +14,10 @@ The environment variable ``MOE_EXT_INPUT_CHECKS`` picks the mode: ``auto`` (the 
 as above), ``sync`` (a debug setting: device tensors are checked at once, one host sync
 per dispatch) or ``deferred`` (host tensors take the device path too; the tests use it).
 
-An error that one rank sees (a rejected input, a capacity overflow, a changed routing): every
-rank raises it together, naming the rank and the cause. Each backend's first collective of a
-step carries an error word per rank (`error_word`: the cause and the rank; 0 = none), in every
-mode (the backend table's `error_flag` says where): a rank that fails sends its word in place
-of its data (`_DispatchManager.announce_input_error`) and raises; its peers read the words
-after that collective and raise `agreed_error`. The words are read on the host where that
-costs no sync (CPU tensors, the host counts of a dropless dispatch); on the device (the
-sync-free modes, DeepEP's rows) a word fails a device assert instead. Construction-time
-checks agree in one all-reduce at construction (`agree`).
-
-Duplicated expert ids in one token's top-k are rejected: Megatron's routing map cannot
-express them, and the dense reference would have to pick a meaning for them.
+An error that one rank sees reaches every rank in the step's first collective as an error
+word (`error_word`), and every rank raises `agreed_error` (docs/DESIGN.md, "Step
+boundaries"). An expert twice in one token's top-k is rejected: Megatron's routing map
+cannot express it.
 
 Legend: T tokens, E global experts, e local experts, K top-k, W expert-parallel ranks.
 """
@@ -311,10 +303,7 @@ class DeferredRoutingErrors:
 
     `mask_topk` / `flag_routes` record errors; `raise_pending` reads them once per step.
     The flag is one tensor, created by the first record and from then on updated and reset
-    in place: a CUDA graph that captured a record keeps writing to that address at every
-    replay, so the flag must neither move nor be freed. (A flag rebuilt as `old | new` by
-    each forward left the graph reading the pre-capture tensor after it was freed: issue 15's
-    illegal memory access at replay, once `torch.cuda.graph` had released its memory.)
+    in place: a captured record keeps writing to that address (docs/DESIGN.md, issue 15).
     """
 
     def __init__(self):

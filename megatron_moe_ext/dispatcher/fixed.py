@@ -1,33 +1,28 @@
 """The fixed-shape modes: one manager, a sizing policy and an overflow policy.
 
 The dropless modes read the received counts on the host to size the permutation. In a
-fixed-shape mode every shape follows from a sizing policy instead, so no dispatch after the
-sizing reads the device (a CUDA graph can capture it):
-- `CalibratedCapacity` (capacity mode, `moe_hybridep_capacity_factor`, the torch backend): the
-  first dispatch is a dropless calibration (one host sync); it fixes, as EP-group maxima times
-  the factor, `send_capacity` (rows any rank may send to any one rank) and `capacity`
-  (permuted rows any rank may receive, after per-expert padding);
-- `Budget` (budget mode, `moe_expert_rank_capacity_factor`, torch and DeepEP): both from the
-  local token count T alone, `send_capacity = T` (a token goes at most once to each rank, so
-  the send side cannot overflow) and `capacity = rank_budget(T, K, factor)`. The torch
-  backend's equal splits need the same T on every rank of the EP group (fixed-shape batches,
-  as in Megatron training): the first dispatch agrees on it (one count exchange, which carries
-  the error words too); a rank whose T changes later says so in the next dispatch's first
-  collective, and every rank raises ValueError, unless every rank changed to the same T.
-The communicator moves the rows (`dispatch_fixed` / `combine_fixed`: torch with equal
-all-to-all splits, DeepEP with `num_worst_tokens`), the permutation is `permute.fixed_layout`,
-and `tokens_per_expert` stays on the device; rows past its sum are zero padding that experts
-must not trust and combine never reads.
+fixed-shape mode every shape follows from a sizing policy, so no dispatch after the sizing
+reads the device (a CUDA graph can capture it):
+- `CalibratedCapacity` (capacity mode, `moe_hybridep_capacity_factor`, torch backend): a first,
+  dropless dispatch (one host sync) fixes, as EP-group maxima times the factor,
+  `send_capacity` (rows any rank may send to any one rank) and `capacity` (permuted rows any
+  rank may receive, after per-expert padding);
+- `Budget` (budget mode, `moe_expert_rank_capacity_factor`, torch and DeepEP): from the local
+  token count T alone, `send_capacity = T` (a token goes at most once to each rank) and
+  `capacity = rank_budget(T, K, factor)`. The torch backend's equal splits need the same T on
+  every EP rank: the first dispatch agrees on it in a count exchange; a rank whose T changes
+  later says so in the next dispatch's first collective, and every rank raises ValueError
+  (unless every rank changed to the same T).
+The communicator moves the rows (`dispatch_fixed` / `combine_fixed`), the permutation is
+`permute.fixed_layout`, and `tokens_per_expert` stays on the device; rows past its sum are
+zero padding that experts must not trust and combine never reads.
 
-What a dispatch that does not fit does is the overflow policy's:
+A dispatch that does not fit is the overflow policy's:
 - `RaiseOnOverflow` (capacity mode): every rank raises `checks.CapacityOverflowError` naming
-  the ranks that overflowed, before the experts run (the error words of the dispatch's
-  collectives; a device assert on the GPU, no host sync): training never continues on
-  dropped tokens;
-- `CountOverflow` (budget mode): the (token, expert) pairs that do not fit (in expert-major
-  order: the last local experts lose first) get no row, so they contribute zero and get no
-  gradient; the manager leaves `overflow_stats = [dropped pairs, rows needed]` (device int64)
-  for its layer after each permutation (`megatron/overflow.py` applies the user's policy).
+  the ranks that overflowed, before the experts run (a device assert on the GPU);
+- `CountOverflow` (budget mode): the (token, expert) pairs that do not fit (the last local
+  experts lose first) get no row, and the manager leaves `overflow_stats = [dropped pairs,
+  rows needed]` (device int64) for its layer (`megatron/overflow.py` applies the policy).
 
 Legend: T local tokens, K top-k (TP-expanded), W ranks, e local experts, R received rows,
 P permuted rows.
@@ -247,13 +242,3 @@ class _FixedShapeManager(_DeepepManager):
         if not self._fixed:
             return super().get_restored_hidden_states_by_experts(hidden_states)
         return self.restore_indexed_rows(hidden_states)  # the same gather-and-sum
-
-
-def capacity_manager(factor: float, **kwargs) -> _FixedShapeManager:
-    """Capacity mode: calibrated sizes, overflow raises."""
-    return _FixedShapeManager(CalibratedCapacity(factor), RaiseOnOverflow(), **kwargs)
-
-
-def budget_manager(factor: float, **kwargs) -> _FixedShapeManager:
-    """Budget mode: sizes from the token count, overflow counted."""
-    return _FixedShapeManager(Budget(factor), CountOverflow(), **kwargs)

@@ -1,22 +1,11 @@
-"""`MoEFlexTokenDispatcher`: one dispatcher, two faces, one implementation.
-
-Megatron's face: the six `MoETokenDispatcher` methods (`dispatch_preprocess(tokens,
-routing_map, probs)`, `token_dispatch`, `dispatch_postprocess`, `combine_preprocess`,
-`token_combine`, `combine_postprocess`), so Megatron's MoELayer, shared-expert overlap and
-1F1B overlap callables drive it unchanged.
-
-The seed's face: `token_permutation(hidden, num_local_tokens, probs[T, E])`,
-`token_permutation2(hidden, num_local_tokens, token_probs[T, K], token_indices[T, K])`,
-`token_unpermutation(expert_out)` and the split steps.
+"""`MoEFlexTokenDispatcher`: one dispatcher, two faces (Megatron's six `MoETokenDispatcher`
+methods and the seed's `token_permutation*` / split steps), one implementation.
 
 Both faces end in the same steps: `_setup_*` -> `token_dispatch` -> `dispatch_postprocess`
 -> (experts) -> `combine_preprocess` -> `token_combine` -> `combine_postprocess`. Each step that
-reaches the manager goes through the hook seat `replay` (`hooks.py`; recompute plugs in there).
-
-Each dispatcher serves one layer: it owns its manager (routing, handles, calibrated
-capacity) and tracks its one dispatch in flight (`_InFlight`), so a step out of order
-raises instead of mixing two dispatches; layers share only communication buffers
-(`dispatcher/buffers.py`). See docs/DESIGN.md.
+reaches the manager goes through the hook seat `replay` (`hooks.py`). Each dispatcher serves
+one layer and tracks its one dispatch in flight (`_InFlight`); layers share only
+communication buffers (`dispatcher/buffers.py`). See docs/DESIGN.md.
 
 Legend: T local tokens, H hidden, E global experts, e local experts, K top-k, R received
 rows, P permuted rows.
@@ -48,12 +37,10 @@ class _InFlight:
     """The dispatch a dispatcher has in flight, from routing to the restored output.
 
     hidden_shape: the input's shape, restored at the end.
-    num_rows: R, rows the dispatch delivered (set by `_dispatch`).
-    num_permuted: P, rows handed to the experts (set by `_permute`).
+    num_rows / num_permuted: R and P, set by `token_dispatch` and `dispatch_postprocess`.
     next_call: index in `_CALLS` of the call the dispatch needs next.
-    in_recompute: started while autograd ran a backward, i.e. inside an activation
-        recompute, which non-reentrant checkpointing stops as soon as it has the tensors it
-        needs: such a dispatch may never reach its combine, and the next one replaces it.
+    in_recompute: started inside an activation recompute, which non-reentrant checkpointing
+        may stop before the combine: the next dispatch replaces it.
     """
 
     hidden_shape: torch.Size
@@ -66,12 +53,10 @@ class _InFlight:
 class MoEFlexTokenDispatcher(MoETokenDispatcher):
     """Flex token dispatcher supporting DeepEP, HybridEP, UCCL-EP and torch backends.
 
-    Construct it either the seed's way, `(num_local_experts, local_expert_indices,
-    TokenDispatcherConfig, ep_group)`, or Megatron's way, `(num_local_experts,
-    local_expert_indices, config=TransformerConfig, pg_collection=...)`; in Megatron's
-    way `dispatcher_config` overrides what is derived from the TransformerConfig.
-    `moe_share_token_dispatcher` decides whether this layer shares its communication
-    buffer with the other layers of the same settings; all other state is this layer's.
+    Construct it the seed's way, `(num_local_experts, local_expert_indices,
+    TokenDispatcherConfig, ep_group)`, or Megatron's, `(num_local_experts, local_expert_indices,
+    config=TransformerConfig, pg_collection=...)`, where `dispatcher_config` overrides what is
+    derived from the TransformerConfig.
     """
 
     def __init__(
@@ -152,10 +137,9 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
 
     @property
     def hand_indexed_rows(self) -> bool:
-        """Whether `dispatch_postprocess` hands the experts `IndexedRows` (received rows plus
-        maps, `handoff.py`) instead of permuted rows, and `combine_preprocess` takes their
-        `[P, H]` outputs back along the maps. `FlexMoELayer` sets it for experts that declare
-        `accepts_indexed_rows`; only backends whose table row has `indexed_rows` can."""
+        """Whether `dispatch_postprocess` hands the experts `IndexedRows` (`handoff.py`) instead
+        of permuted rows (`FlexMoELayer` sets it for experts that declare `accepts_indexed_rows`;
+        only backends whose table row has `indexed_rows` can)."""
         return self._hand_indexed_rows
 
     @hand_indexed_rows.setter
@@ -173,8 +157,7 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         return self._comm_manager
 
     def allocate_buffers(self, hidden_size: int, dtype: torch.dtype) -> None:
-        """Allocate the backend's buffer for `[*, hidden_size]` rows of `dtype` now (before any
-        activation checkpoint, so no collective allocation happens inside a recompute)."""
+        """Allocate the backend's buffer now (`_DispatchManager.allocate_buffers`)."""
         self._comm_manager.allocate_buffers(hidden_size, dtype)
 
     # ---- the dispatch in flight -------------------------------------------------------
@@ -252,11 +235,8 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
 
     # ---- the shared core -------------------------------------------------------------
     def _initialize_metadata(self, num_local_tokens: int, probs: torch.Tensor) -> torch.Tensor:
-        """Dense `[T, E]` routing data -> `[T, tp*ep, e]`, replicated over the expert-TP ranks.
-
-        This decouples the communication group from the parallel layout: every TPxEP rank is
-        a destination, and each TP rank of an expert receives the same tokens.
-        """
+        """Dense `[T, E]` routing data -> `[T, tp*ep, e]`, replicated over the expert-TP ranks
+        (every TPxEP rank is a destination; each TP rank of an expert receives the same tokens)."""
         x = probs.reshape(num_local_tokens, self.ep_size, 1, self.num_local_experts)
         x = x.expand(-1, -1, self.tp_size, -1)
         return x.reshape(num_local_tokens, self.tp_size * self.ep_size, self.num_local_experts)
@@ -383,23 +363,20 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         hidden = self._setup_topk(hidden_states, num_local_tokens, token_probs, token_indices)
         return hidden, self._comm_manager.token_probs
 
-    def dispatch_all_to_all(self, hidden_states, probs=None, async_finish=True,
-                            allocate_on_comm_stream=True):
-        return self.token_dispatch(hidden_states, probs, async_finish, allocate_on_comm_stream)
-
-    def combine_all_to_all(self, hidden_states, async_finish=True, allocate_on_comm_stream=True):
-        return self.token_combine(hidden_states, async_finish, allocate_on_comm_stream)
+    dispatch_all_to_all = token_dispatch
+    combine_all_to_all = token_combine
 
     # The seed's one-call faces communicate asynchronously only under moe_deepep_async_dispatch.
     def token_permutation(self, hidden_states, num_local_tokens, probs):
         """Dense probs `[T, E]` -> `(tokens [P, H], tokens_per_expert [e], permuted_probs [P])`."""
-        hidden, _ = self.dispatch_preprocess(hidden_states, num_local_tokens, probs)
-        async_mode = self.dispatcher_config.moe_deepep_async_dispatch
-        return self.dispatch_postprocess(self.token_dispatch(hidden, None, async_mode, async_mode)[0])
+        return self._dispatch_and_permute(self.dispatch_preprocess(hidden_states, num_local_tokens, probs)[0])
 
     def token_permutation2(self, hidden_states, num_local_tokens, token_probs, token_indices):
         """Top-k routing -> `(tokens [P, H], tokens_per_expert [e], permuted_probs [P])`."""
-        hidden, _ = self.dispatch_preprocess2(hidden_states, num_local_tokens, token_probs, token_indices)
+        return self._dispatch_and_permute(
+            self.dispatch_preprocess2(hidden_states, num_local_tokens, token_probs, token_indices)[0])
+
+    def _dispatch_and_permute(self, hidden):
         async_mode = self.dispatcher_config.moe_deepep_async_dispatch
         return self.dispatch_postprocess(self.token_dispatch(hidden, None, async_mode, async_mode)[0])
 

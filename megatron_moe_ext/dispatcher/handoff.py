@@ -1,13 +1,7 @@
-"""What a dispatcher hands experts that gather their own rows.
-
-The permuting hand-off copies every received row once per local expert it is routed to
-(`[P, H]` permuted rows). Experts that fuse the gather into their up projection (the fused
-expert path, `experts/fused.py`) take the received rows as they arrived plus the index maps
-instead, so that copy is never made: `IndexedRows`.
-
-The experts still return `[P, H]` outputs in permuted order (prob applied, as always); the
-dispatcher's combine sums each received row's outputs back with `slot_of_row_RJ` (a
-gather-and-sum, no atomics).
+"""What a dispatcher hands experts that gather their own rows (the fused expert path,
+`experts/fused.py`): `IndexedRows`, the received rows as they arrived plus the index maps,
+instead of the `[P, H]` permuted copy. The experts still return `[P, H]` outputs in permuted
+order (prob applied); the combine sums them back along `slot_of_row_RJ` (no atomics).
 
 Legend: R received rows, H hidden, P permuted rows (positions), J slots per received row
 (the top-k width the backend delivers), e local experts.

@@ -1,18 +1,10 @@
 """The dispatcher's hook seat: one object the dispatcher calls at each manager step.
 
 `MoEFlexTokenDispatcher.replay` holds a `DispatchHook`; the dispatcher hands it every step of
-a dispatch as a callable, and the hook runs it (the default), or runs it inside a context,
-or replaces it. Activation recompute (`megatron_moe_ext.recompute`, `RecomputeReplay`) sits
-here: it records the routing and layout of a forward and replays them in its recompute,
-reading and restoring the manager's public per-dispatch state (`topk_manager.DispatchState`).
-
-    dispatcher step         hook call                       manager call inside `run`
-    routing handed in       routing_handed(*routing)        (before the input checks)
-    _setup_*                setup(run)                      setup_metadata[_from_indices]
-    token_dispatch          dispatch(run, rows, flags)      dispatch
-    dispatch_postprocess    permute(run)                    get_permuted_hidden_states_by_experts
-    combine_preprocess      restore(run, rows)              get_restored_hidden_states_by_experts
-    token_combine           combine(run, rows)              combine
+a dispatch as a callable `run`, and the hook runs it (the default), runs it inside a context,
+or replaces it. Activation recompute's `RecomputeReplay` sits here, reading and restoring the
+manager's public `topk_manager.DispatchState`. The table of steps, hook calls and manager
+calls is in docs/DESIGN.md, "The hook seat and the backend table".
 """
 
 from __future__ import annotations

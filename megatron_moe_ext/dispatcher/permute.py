@@ -2,11 +2,8 @@
 capacities, and the permutation of dispatched rows into per-expert groups and back: the
 one permutation of the package (every backend's manager and the expert modules use it).
 
-Megatron-Core's `moe_utils` helpers are reused where their semantics match (`get_capacity`);
-`moe_utils.permute` / `unpermute` are not: their unfused path sizes its output with a
-`masked_select` (a host sync, where the host counts are already known here) and sums back
-with CUDA's atomic `scatter_add_` (not bitwise reproducible), and `pad_routing_map` pads
-with real tokens routed at probability 0 where the experts here get zero rows.
+Megatron-Core's `get_capacity` is reused; why `moe_utils.permute` / `unpermute` /
+`pad_routing_map` are not: docs/DESIGN.md, "Megatron-Core helpers reused".
 
 Legend: T local tokens, E global experts, e local experts, K top-k, R received token
 rows (one per token per destination rank), P permuted rows (one per token-expert pair,
@@ -237,13 +234,10 @@ def gather_sum(rows_NH: torch.Tensor, pos_RJ: torch.Tensor) -> torch.Tensor:
     """`out[r] = 0 + rows[pos[r, 0]] + rows[pos[r, 1]] + ...`, column by column; a position of
     N (one past the last row) adds a zero row. `[N, H]`, `[R, J]` -> `[R, H]`.
 
-    The fixed-shape counterpart of `index_put(accumulate=True)` for the capacity and budget
-    modes, where each output row's sources are known per slot: no sort and no atomics, so CUDA
-    graphs capture it and every replay gives the same bits. Positions other than N are distinct,
-    so the backward (`index_add_`) never adds two values into one row and stays deterministic;
-    with each row's positions ascending, the sum runs in the order of an accumulate over the
-    positions, so both give the same bits. On CUDA a Triton kernel computes the same bits
-    without the padded copy and the J intermediate `[R, H]` sums (`kernels/gather_triton.py`).
+    The fixed-shape counterpart of `index_put(accumulate=True)`: no sort and no atomics, so
+    CUDA graphs capture it, and with each row's positions ascending (those below N distinct)
+    it gives the accumulate's bits (docs/DESIGN.md, "What a CUDA graph may contain"). On CUDA,
+    the Triton kernel of `kernels/gather_triton.py` (the same bits, no padded copy).
     """
     if _use_kernels(rows_NH):
         return gather_triton.gather_sum(rows_NH, pos_RJ)

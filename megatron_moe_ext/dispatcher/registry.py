@@ -1,13 +1,10 @@
 """The backend table: one row per backend, its builder and what it can do.
 
-Everything the package knows about a backend by name is in its row here: the config's
-checks (`config.py`), the CUDA-graph settings (`megatron/graphs.py`) and the dispatcher
-(`flex.py`) read the row, and no other module tests a backend's name. A builder returns the
-manager of one layer; the communication buffer behind it comes from the shared-buffer
-registry (`dispatcher/buffers.py`). A backend that is not installed raises ImportError in its
-builder, at construction, naming the package and how to get it; nothing falls back silently
-to another backend. A new backend is a row here and a communicator in `backends/` (see
-docs/DESIGN.md, "Where a new backend goes").
+Everything the package knows about a backend by name is in its row here: the config's checks
+(`config.py`), the CUDA-graph settings (`megatron/graphs.py`) and the dispatcher (`flex.py`)
+read the row. A builder returns the manager of one layer (its buffer comes from
+`dispatcher/buffers.py`) and raises ImportError naming the package when the backend is not
+installed; nothing falls back silently. See docs/DESIGN.md, "Where a new backend goes".
 
 The modes (`mode_of`): "dropless" (sizes follow the routing, read on the host), "capacity"
 (`moe_hybridep_capacity_factor`: a calibrated fixed size, overflow raises) and "budget"
@@ -16,6 +13,7 @@ The modes (`mode_of`): "dropless" (sizes follow the routing, read on the host), 
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -97,10 +95,12 @@ def _build_topk(comm, cfg, group, num_local_experts, tp_size):
     comm.check_group(group)
     kwargs = _topk_kwargs(cfg, group, num_local_experts, tp_size)
     mode = mode_of(cfg)
-    if mode == "budget":
-        return fixed.budget_manager(cfg.moe_expert_rank_capacity_factor, comm=comm, **kwargs)
-    if mode == "capacity":
-        return fixed.capacity_manager(cfg.moe_hybridep_capacity_factor, comm=comm, **kwargs)
+    if mode == "budget":  # sizes from the token count, overflow counted
+        return fixed._FixedShapeManager(fixed.Budget(cfg.moe_expert_rank_capacity_factor),
+                                        fixed.CountOverflow(), comm=comm, **kwargs)
+    if mode == "capacity":  # calibrated sizes, overflow raises
+        return fixed._FixedShapeManager(fixed.CalibratedCapacity(cfg.moe_hybridep_capacity_factor),
+                                        fixed.RaiseOnOverflow(), comm=comm, **kwargs)
     return _DeepepManager(comm, **kwargs)
 
 
@@ -110,18 +110,13 @@ def _build_torch(cfg, group, num_local_experts, tp_size):
     return _build_topk(COMMUNICATOR, cfg, group, num_local_experts, tp_size)
 
 
-def _build_deepep(cfg, group, num_local_experts, tp_size):
-    from megatron_moe_ext.dispatcher.backends import deepep
-
-    comm = deepep.communicator(group, cfg.moe_deepep_num_sms, cfg.moe_share_token_dispatcher)
-    return _build_topk(comm, cfg, group, num_local_experts, tp_size)
-
-
-def _build_uccl(cfg, group, num_local_experts, tp_size):
-    from megatron_moe_ext.dispatcher.backends import uccl
-
-    comm = uccl.communicator(group, cfg.moe_deepep_num_sms, cfg.moe_share_token_dispatcher)
-    return _build_topk(comm, cfg, group, num_local_experts, tp_size)
+def _deepep_family(module: str) -> ManagerBuilder:
+    """The builder of a backend whose `backends/<module>.py` has DeepEP's `communicator`."""
+    def build(cfg, group, num_local_experts, tp_size):
+        backend = importlib.import_module(f"megatron_moe_ext.dispatcher.backends.{module}")
+        comm = backend.communicator(group, cfg.moe_deepep_num_sms, cfg.moe_share_token_dispatcher)
+        return _build_topk(comm, cfg, group, num_local_experts, tp_size)
+    return build
 
 
 _HYBRIDEP_OPTIONS = (
@@ -130,12 +125,8 @@ _HYBRIDEP_OPTIONS = (
     "moe_hybridep_num_blocks_permute", "moe_hybridep_num_blocks_unpermute",
 )
 #: `TokenDispatcherConfig` fields the HybridEP manager takes under the same name.
-_HYBRIDEP_MANAGER_FIELDS = (
-    "moe_hybridep_num_sms", "moe_hybridep_permute_fusion", "moe_hybridep_compact_routing",
-    "moe_hybridep_num_sms_preprocessing", "moe_hybridep_num_blocks_permute",
-    "moe_hybridep_num_blocks_unpermute", "moe_hybridep_capacity_factor",
-    "moe_hybridep_equal_token_counts", "moe_router_expert_pad_multiple",
-)
+_HYBRIDEP_MANAGER_FIELDS = tuple(f for f in _HYBRIDEP_OPTIONS if f != "moe_permute_fusion") + (
+    "moe_hybridep_capacity_factor", "moe_router_expert_pad_multiple")
 
 
 def _build_hybridep(cfg, group, num_local_experts, tp_size):
@@ -161,7 +152,7 @@ _DEEPEP_KERNELS = dict(sms_field="moe_deepep_num_sms", async_dispatch=True,
 
 #: The backend table (the order is the one error messages list).
 BACKENDS: dict[str, BackendRow] = {
-    "deepep": BackendRow(_build_deepep, frozenset({"dropless", "budget"}), graph_capture=True,
+    "deepep": BackendRow(_deepep_family("deepep"), frozenset({"dropless", "budget"}), graph_capture=True,
                          indexed_rows=True, requires="moe_enable_deepep", **_DEEPEP_KERNELS),
     "hybridep": BackendRow(
         _build_hybridep, frozenset({"dropless", "capacity"}), static_routing=True,
@@ -171,7 +162,7 @@ BACKENDS: dict[str, BackendRow] = {
         preprocess_outputs=("token_probs", "routing_map"),
         error_flag="the token-count all-reduce (one word per rank); with a pinned count, the "
                    "dispatch, as DeepEP's (_HybridEPManager.announce_input_error)"),
-    "uccl_ep": BackendRow(_build_uccl, frozenset({"dropless"}), indexed_rows=True, **_DEEPEP_KERNELS),
+    "uccl_ep": BackendRow(_deepep_family("uccl"), frozenset({"dropless"}), indexed_rows=True, **_DEEPEP_KERNELS),
     "torch": BackendRow(_build_torch, frozenset(MODES), graph_capture=True, indexed_rows=True,
                         error_flag="the counts all-to-all (dropless, calibration, budget-mode T), else "
                                    "the sync-free routing all-to-all (torch_a2a.announce_input_error)"),

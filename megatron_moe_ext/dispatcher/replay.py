@@ -24,8 +24,6 @@ from megatron_moe_ext.dispatcher.hooks import DispatchHook, in_backward
 from megatron_moe_ext.dispatcher.topk_manager import DispatchState
 
 
-
-
 def _kept_saved_tensors(enabled: bool = True):
     """Autograd nodes built inside keep their saved tensors instead of handing them to an
     activation checkpoint, whose recompute then need not repeat them."""
@@ -43,13 +41,6 @@ def _leaf(tensor: torch.Tensor) -> torch.Tensor:
     """A kept forward tensor as an input of the recompute, whose graph is discarded: only
     what it saves for backward counts, and that depends on `requires_grad` alone."""
     return tensor.detach().requires_grad_(tensor.requires_grad)
-
-
-def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """`a` and `b` view the same contiguous bytes as one dtype (a reshape of the other), so
-    they hold the same values; a host-side test, no kernel."""
-    return (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.numel() == b.numel()
-            and a.is_contiguous() and b.is_contiguous())
 
 
 @dataclass
@@ -135,27 +126,25 @@ class RecomputeReplay(DispatchHook):
             del self._records[self._call]
         return record
 
-    @contextlib.contextmanager
     def call(self, key: object):
         """Within, the dispatches recorded and the records taken are `key`'s: its forward and
         its recompute (which may run in any order among other calls') see the same records."""
-        saved, self._call = self._call, key
-        try:
-            yield
-        finally:
-            self._call = saved
+        return self._setting(_call=key)
 
-    @contextlib.contextmanager
     def recording(self, enabled: bool = True, keep_outputs: bool = False):
         """Record the dispatches of this forward (it will be recomputed); `keep_outputs`: also
         keep what they hand the experts, so their recompute skips the dispatch (non-reentrant
         checkpoint only; end the recompute with `end_recompute`)."""
-        saved = self._recording, self._keep_outputs
-        self._recording, self._keep_outputs = enabled, keep_outputs
+        return self._setting(_recording=enabled, _keep_outputs=keep_outputs)
+
+    @contextlib.contextmanager
+    def _setting(self, **values):
+        saved = {name: getattr(self, name) for name in values}
+        self.__dict__.update(values)
         try:
             yield
         finally:
-            self._recording, self._keep_outputs = saved
+            self.__dict__.update(saved)
 
     def end_recompute(self) -> None:
         """Drop what a recompute left of a dispatch replayed from kept outputs (a checkpoint
@@ -175,14 +164,10 @@ class RecomputeReplay(DispatchHook):
         """`fn(*args, **kwargs)`: the layer's router, whose outputs (tensors, or nests of them)
         become the routing handed to the dispatcher.
 
-        In a forward recorded with `keep_outputs` (`checkpoint_moe`'s `save_dispatch_outputs`)
-        the router's autograd nodes keep what they save (the checkpoint neither holds nor
-        recomputes it: its `[T, H]` input and `[T, E]` scores, about what the router's backward
-        needs anyway) and its outputs are recorded; its recompute hands them back without
-        running `fn`: no router kernel, no input check, no routing compare, and the router
-        cannot route differently (a changed expert bias or router weight meets the backward of
-        the original routing, as without recompute). Elsewhere `fn` runs (and is recomputed,
-        and checked, under `recompute_all` or reentrant checkpoints).
+        In a forward recorded with `keep_outputs` its autograd nodes keep what they save (its
+        `[T, H]` input and `[T, E]` scores, out of the checkpoint) and its outputs are recorded;
+        its recompute hands them back without running `fn` (docs/DESIGN.md, "Recompute").
+        Elsewhere `fn` runs (and is recomputed, and checked).
 
         `fn` must not draw random numbers (router input jitter) when later ops of the region
         do: the recompute, which skips it, would draw theirs from another point of the stream.
@@ -207,8 +192,12 @@ class RecomputeReplay(DispatchHook):
         routing's). Returns whether this is a recompute replaying the forward's routing: what
         `route` handed back, from a forward that kept it, whose checks, conversion and record
         ran on exactly these values (so the dispatcher need not check them again)."""
+        # Each tensor views the same contiguous bytes as one of `route`'s outputs (a reshape of
+        # it), so it holds the same values; a host-side test, no kernel.
         routed = self._routed
-        self._handed = routed is not None and all(any(_same_bytes(t, r) for r in routed) for t in routing)
+        self._handed = routed is not None and all(any(
+            t.data_ptr() == r.data_ptr() and t.dtype == r.dtype and t.numel() == r.numel()
+            and t.is_contiguous() and r.is_contiguous() for r in routed) for t in routing)
         return self._handed and self._replays_routing()
 
     def _replays_routing(self) -> bool:
@@ -216,31 +205,23 @@ class RecomputeReplay(DispatchHook):
         record = self._next()
         return self._handed and in_backward() and record is not None and record.routed is not None
 
-    def _setting_up(self):
-        """Context of the routing's setup. A forward keeping `route`'s outputs keeps the
-        setup's saved tensors out of the checkpoint too, as its recompute skips the setup."""
+    def setup(self, run: Callable[[], None]) -> None:
+        if self._replays_routing():
+            # The routing is the forward's (`routing_handed`): its recorded ids and weights are
+            # the dispatch's, with no conversion and nothing to compare.
+            record = self._replaying = self._take()
+            self.manager.state.token_indices, self.manager.state.token_probs = record.indices_TK, record.probs_TK
+            record.routed = self._route_out = self._routed = None
+            self._handed = False
+            return
+        # A forward keeping `route`'s outputs keeps the setup's saved tensors out of the
+        # checkpoint too, as its recompute skips the setup.
         self._routing_kept = self._handed and self._recording and self._keep_outputs and not in_backward()
         if not self._routing_kept:
             self._route_out = None
         self._handed = False
-        return _kept_saved_tensors(self._routing_kept)
-
-    def setup(self, run: Callable[[], None]) -> None:
-        if self._replays_routing():
-            return self._replay_routing()
-        with self._setting_up():
+        with _kept_saved_tensors(self._routing_kept):
             run()
-        self._after_setup()
-
-    def _replay_routing(self) -> None:
-        """The routing is the forward's (`routing_handed`): its recorded ids and weights are
-        the dispatch's, with no conversion and nothing to compare."""
-        record = self._replaying = self._take()
-        self.manager.state.token_indices, self.manager.state.token_probs = record.indices_TK, record.probs_TK
-        record.routed = self._route_out = self._routed = None
-        self._handed = False
-
-    def _after_setup(self) -> None:
         self._routed = None  # `_route_out` stays for the record of a forward's dispatch
         if not (in_backward() and self._next() is not None):
             self._replaying = None
@@ -282,10 +263,8 @@ class RecomputeReplay(DispatchHook):
             self._changed_copied.record()
 
     def changed(self) -> bool:
-        """Whether a recompute since the last call routed differently (and forget it).
-
-        The flag was copied to the host when the last recompute ran; reading it waits only for
-        that copy (long done by the next forward)."""
+        """Whether a recompute since the last call routed differently (and forget it); waits
+        only for the host copy of the flag made by the last recompute."""
         changed, self._changed = self._changed, None
         if changed is None:
             return False

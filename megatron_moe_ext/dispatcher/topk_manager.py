@@ -1,10 +1,7 @@
-"""`_DeepepManager`: the dropless manager of every backend with DeepEP's top-k contract.
-
-DeepEP, UCCL-EP and the portable torch backend all take `[T, K]` expert ids and fp32
-weights and return received rows with local ids; they differ only in the injected
-`comm` (a `base.Communicator`, see `backends/`). Everything else (top-k metadata, token
-dropping, multihot conversion, per-expert permutation and padding) lives here once, on a
-public per-dispatch `DispatchState`. The fixed-shape modes build on it (`fixed.py`).
+"""`_DeepepManager`: the dropless manager of every backend with DeepEP's top-k contract
+(DeepEP, UCCL-EP, torch: they differ only in the injected `comm`, a `base.Communicator`).
+Top-k metadata, token dropping, multihot conversion and the per-expert permutation live here
+once, on a public per-dispatch `DispatchState`. The fixed-shape modes build on it (`fixed.py`).
 """
 
 from __future__ import annotations
@@ -20,8 +17,8 @@ from megatron_moe_ext.dispatcher.handoff import IndexedRows, indexed_rows
 
 @dataclass
 class DispatchState:
-    """One dispatch of a top-k manager, from routing to combine: public, so the dispatcher's
-    hook (recompute) can read what a dispatch left and hand a replayed one back.
+    """One dispatch of a top-k manager, from routing to combine (public: the dispatcher's hook
+    reads it and hands a replayed one back).
 
     token_indices / token_probs: `[T, K]` routing to dispatch (ids after token dropping, fp32
         weights); consumed by the dispatch.
@@ -63,8 +60,7 @@ class _DeepepManager(_DispatchManager):
     """Fused all-to-all dispatch/combine with DeepEP's contract, for one layer.
 
     Arguments:
-        comm: the backend, a `base.Communicator` (`torch_a2a.COMMUNICATOR`, or a
-            `DeepEPCommunicator`).
+        comm: the backend, a `base.Communicator`.
         group: the TPxEP communication group.
         router_topk: K (times the expert-TP size when TP > 1).
         capacity_factor: Megatron's `moe_expert_capacity_factor`; slots over an expert's

@@ -1,12 +1,8 @@
 """`FlexMoELayer`: Megatron's `MoELayer` with this package's flex dispatcher.
 
 Megatron's router, experts, shared experts, aux losses and recompute are inherited
-unchanged; only the token dispatcher is swapped. The dispatcher is chosen from the
-`TransformerConfig` (`TokenDispatcherConfig.from_transformer_config`) unless a
-`dispatcher_config` is given (spec functions in `specs.py`, or the patch module's
-`apply`). `experts`, an `ExpertsBuilder`, optionally replaces the spec's experts (for
-example this package's grouped-GEMM experts); without it, `config.moe_grouped_gemm` picks
-grouped-GEMM experts (`expert_choice.py`), also where Megatron's local spec would not.
+unchanged; only the token dispatcher is swapped (and, optionally, the experts: see
+`FlexMoELayer`'s arguments).
 """
 
 from __future__ import annotations
@@ -141,10 +137,8 @@ class FlexMoELayer(MoELayer, overflow.OverflowCounter):
         return output, mlp_bias
 
     def route(self, hidden_states, padding_mask=None):
-        """Megatron's router, through the layer's `RecomputeReplay` when it has one: under
-        `checkpoint_moe`'s `save_dispatch_outputs` the recompute reuses its outputs instead of
-        running it again (unless input jitter draws random numbers, which the recompute must
-        draw again)."""
+        """Megatron's router, through the layer's `RecomputeReplay.route` when it has one
+        (not with input jitter: its random numbers must be drawn again in the recompute)."""
         replay = self.token_dispatcher.replay
         if isinstance(replay, RecomputeReplay) and not self.config.moe_input_jitter_eps:
             return replay.route(super().route, hidden_states, padding_mask)

@@ -1,16 +1,10 @@
 """Overflow of sync-free MoE layers: counted on the device, read once per step on the host.
 
-In budget mode (`moe_expert_rank_capacity_factor`, see `dispatcher/fixed.py`) a dispatch
-never reads the device, so it cannot stop when routing exceeds a rank's budget. Instead each
-`FlexMoELayer` accumulates, on the device and inside any CUDA graph, `[dropped pairs, rows
-needed]` (a sum and a max over the step's dispatches; a recomputed forward counts again).
-A training loop calls `check_overflow(model)` once per step, outside the graphs: one
-all-gather over the ranks and one host read for the whole model, after which each layer's
-`moe_expert_rank_overflow_policy` applies:
-- "error" (default): raise `MoEOverflowError` naming every layer over budget and by how much;
-  every rank raises, at the same step boundary;
-- "drop": the pairs past the budget got zero output (like Megatron's token dropping); the
-  count is logged and returned.
+In budget mode (`moe_expert_rank_capacity_factor`, see `dispatcher/fixed.py`) a dispatch never
+reads the device, so it cannot stop when routing exceeds a rank's budget. Each `FlexMoELayer`
+accumulates `[dropped pairs, rows needed]` on the device, inside any CUDA graph (a sum and a
+max over the step's dispatches; a recomputed forward counts again), and `check_overflow(model)`
+reads them once per step and applies each layer's `moe_expert_rank_overflow_policy`.
 """
 
 from __future__ import annotations
@@ -56,19 +50,6 @@ class OverflowReport:
                 f"{self.dropped_pairs} (token, expert) pairs dropped")
 
 
-def new_stats(config) -> torch.Tensor:
-    """`[2]` int64 zeros on the device the layer's parameters are built on."""
-    on_gpu = torch.cuda.is_available() and not getattr(config, "use_cpu_initialization", False)
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    return torch.zeros(2, dtype=torch.int64, device=device)
-
-
-def accumulate(stats_2: torch.Tensor, dispatch_stats_2: torch.Tensor) -> None:
-    """In place, so a CUDA graph replay updates the same tensor: sum of drops, max of rows."""
-    stats_2[0].add_(dispatch_stats_2[0])
-    torch.maximum(stats_2[1], dispatch_stats_2[1], out=stats_2[1])
-
-
 class OverflowCounter:
     """The overflow counter an MoE layer owns (a mixin of `FlexMoELayer`): `[dropped pairs,
     rows needed]` on the device, its budget and policy; `check_overflow` finds layers by it."""
@@ -80,15 +61,22 @@ class OverflowCounter:
     def _init_overflow_counter(self, config, dispatcher_config) -> None:
         """A device counter in budget mode (None otherwise), registered as a non-persistent
         buffer so it follows the layer to its device; call after `nn.Module.__init__`."""
-        budget = dispatcher_config.moe_expert_rank_capacity_factor is not None
-        self.register_buffer("moe_overflow_stats", new_stats(config) if budget else None, persistent=False)
+        stats_2 = None
+        if dispatcher_config.moe_expert_rank_capacity_factor is not None:
+            # On the device the layer's parameters are built on.
+            on_gpu = torch.cuda.is_available() and not getattr(config, "use_cpu_initialization", False)
+            stats_2 = torch.zeros(2, dtype=torch.int64, device=torch.cuda.current_device() if on_gpu else "cpu")
+        self.register_buffer("moe_overflow_stats", stats_2, persistent=False)
         self.moe_overflow_policy = dispatcher_config.moe_expert_rank_overflow_policy
         self.moe_overflow_budget = 0
 
     def _count_overflow(self, manager) -> None:
         """Add the last permutation's `manager.overflow_stats` (budget mode only)."""
-        if self.moe_overflow_stats is not None:
-            accumulate(self.moe_overflow_stats, manager.overflow_stats)
+        stats_2 = self.moe_overflow_stats
+        if stats_2 is not None:
+            # In place, so a CUDA graph replay updates the same tensor: sum of drops, max of rows.
+            stats_2[0].add_(manager.overflow_stats[0])
+            torch.maximum(stats_2[1], manager.overflow_stats[1], out=stats_2[1])
             self.moe_overflow_budget = manager.capacity
 
     def overflow(self) -> "OverflowReport | None":

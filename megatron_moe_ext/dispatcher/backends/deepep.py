@@ -1,9 +1,7 @@
 """DeepEP V1 `deep_ep.Buffer` backend: DeepEP-contract `dispatch` / `combine` as autograd
-functions over a buffer from the shared-buffer registry (`dispatcher/buffers.py`).
-
-The code is written over a *buffer library provider* (`DeepEPCommunicator(library)`): any
-module exposing DeepEP's Python `Buffer` API works. This module binds it to `deep_ep`;
-`backends/uccl.py` binds the same class to UCCL-EP's DeepEP-compatible buffer.
+functions over a buffer from `dispatcher/buffers.py`, written over any module exposing
+DeepEP's Python `Buffer` API (`DeepEPCommunicator(library)`: `deep_ep` here, UCCL-EP's
+DeepEP-compatible buffer in `backends/uccl.py`).
 
 Contract (DeepEP intranode, read from deep_ep/buffer.py and csrc/kernels/intranode.cu):
 each token goes once to every rank hosting one of its experts; received rows are grouped
@@ -41,13 +39,11 @@ MAX_TOPK = 32
 
 class DeepEPHandle(NamedTuple):
     """A library handle plus the sizes combine and both backwards need (a NamedTuple: it is
-    built on every dispatch, after the library's host sync, on the host's critical path).
+    built on every dispatch, on the host's critical path).
 
-    raw: the library's handle tuple. DeepEP's is `(rank_prefix_matrix,
-        channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank,
-        send_head)`; UCCL-EP's adds the received count before `recv_src_idx`. Both end
-        with `(..., recv_src_idx, is_token_in_rank, send_head)`, so fields are read from
-        the end.
+    raw: the library's handle tuple. DeepEP's is `(rank_prefix_matrix, channel_prefix_matrix,
+        recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank, send_head)`; UCCL-EP's
+        adds the received count before `recv_src_idx`, so fields are read from the end.
     num_recv_rows: R, the rows this rank received.
     num_tokens: T, the tokens this rank sent.
     """
@@ -193,12 +189,10 @@ class DeepEPCommunicator:
     def get_buffer(self, group, hidden_bytes: int):
         """The buffer, (re)allocated only when the group or library changes or it is too small.
 
-        Allocation is collective over `group` (the library exchanges IPC handles), so every
-        rank must reach it together: sizes depend only on H, dtype and the SM count.
-        Sized as Megatron-Core's `fused_a2a.get_buffer` does: the larger of the dispatch and
-        combine Configs' NVLink and RDMA size hints. The RDMA bytes are 0 within one node;
-        beyond 8 ranks they would size the internode buffer, which `check_group` refuses for
-        now (internode sizing is unverified here: no multi-node machine).
+        Allocation is collective over `group` (IPC handles), so sizes depend only on H, dtype
+        and the SM count: the larger of the dispatch and combine Configs' NVLink and RDMA size
+        hints, as Megatron-Core's `fused_a2a.get_buffer` (RDMA: 0 within one node, the only
+        layout `check_group` allows).
         """
         buffer_cls = self.library().Buffer
         world = dist.get_world_size(group)
@@ -225,11 +219,9 @@ class DeepEPCommunicator:
 
     def announce_input_error(self, group, word: int, like=None, num_experts: int = 0,
                              send_capacity: int | None = None, topk: int = 0) -> list[int]:
-        """Send `word` in place of this step's rows: one zero token to the first expert of each
-        rank, its weight -(FLAG_BASE + word) (`checks.raise_on_flagged`), which `dispatch` reads on
-        every rank. `like` gives the row width and dtype the peers dispatch; without it
-        (a malformed input) nothing can be sent and the peers wait out the group's timeout.
-        Returns [] (this rank's received words are not read)."""
+        """`base.Communicator.announce_input_error`: one zero token to the first expert of each
+        rank, its weight -(FLAG_BASE + word), which `dispatch` reads on every rank; without
+        `like` nothing can be sent and the peers wait out the group's timeout. Returns []."""
         if like is None or like.dim() != 2 or not like.dtype.is_floating_point:
             return []
         world = dist.get_world_size(group)
@@ -243,11 +235,10 @@ class DeepEPCommunicator:
         return []
 
     def allocate_buffer(self, group, hidden: int, dtype: torch.dtype):
-        """Allocate up front (at expert setup, before any activation checkpoint)."""
         return self.get_buffer(group, self.hidden_bytes_for(hidden, dtype))
 
     def release_buffers(self) -> None:
-        """Free the buffer now (collective; call on every rank before destroying the group)."""
+        """Free the buffer now (collective)."""
         buffer, self.buffer, self._group = self.buffer, None, None
         self._plans.clear()  # they hold the buffer
         if buffer is not None:
@@ -274,11 +265,8 @@ class DeepEPCommunicator:
     def _layout_and_dispatch(self, buffer, x_NC, routes_NK, num_experts, async_finish, alloc,
                              topk_weights=None, direct=False, num_worst_tokens=0):
         """`get_dispatch_layout` + `dispatch` of `[N, C]` rows along `[N, K]` routes (the
-        first column chunk; the others follow through the cached handle).
-
-        `direct`: the contiguous rows already meet the kernel's row rule (see `_plan`), so
-        they go as they are, with no Python work before the library's host sync.
-        `num_worst_tokens` > 0: R is that many rows, with no host sync (see `dispatch`).
+        first column chunk; the others follow through the cached handle). `direct`: the rows
+        meet the kernel's row rule (`_plan`) and go as they are; `num_worst_tokens` as `dispatch`.
         Returns `(recv [R, C'], recv_routes, recv_weights, per-expert counts, raw handle)`,
         with `C'` >= C (padded columns are the caller's to slice off).
         """
@@ -419,11 +407,16 @@ class DeepEPCommunicator:
         # Rows past the received ones (`num_worst_tokens`) are uninitialised: not read.
         checks.raise_on_flagged(torch.where(recv_indices >= 0, recv_probs, 0.0) if num_worst_tokens else recv_probs)
         handle = DeepEPHandle(raw, recv_x.shape[0], tokens)
-        if torch.is_grad_enabled() and (x_TH.requires_grad or probs_TK.requires_grad):
-            recv_x, recv_probs = _DispatchGrad.apply(
-                x_TH, probs_TK,
-                (self, handle, group, (async_finish, allocate_on_comm_stream), recv_x, recv_probs, recv_indices))
+        recv_x, recv_probs = self._record(x_TH, probs_TK, handle, group, (async_finish, allocate_on_comm_stream),
+                                          recv_x, recv_probs, recv_indices)
         return recv_x, recv_indices, recv_probs, list(tokens_per_expert), handle
+
+    def _record(self, x_TH, probs_TK, handle, group, flags, recv_x, recv_probs, recv_indices):
+        """The received rows and weights, recorded for autograd when a gradient is needed."""
+        if torch.is_grad_enabled() and (x_TH.requires_grad or probs_TK.requires_grad):
+            return _DispatchGrad.apply(x_TH, probs_TK.float(),  # dispatch's are fp32 already
+                                       (self, handle, group, flags, recv_x, recv_probs, recv_indices))
+        return recv_x, recv_probs
 
     def dispatch_cached(self, x_TH, probs_TK, handle: DeepEPHandle, recv_indices_RK, recv_probs_RK,
                         tokens_per_expert, group, async_finish: bool = False,
@@ -434,11 +427,8 @@ class DeepEPCommunicator:
         weights still reaches `probs_TK` (backward is the same combine as `dispatch`'s)."""
         recv_x = self.cached_dispatch_raw(x_TH.contiguous(), handle, group, async_finish,
                                           allocate_on_comm_stream)
-        recv_probs = recv_probs_RK.detach()
-        if torch.is_grad_enabled() and (x_TH.requires_grad or probs_TK.requires_grad):
-            recv_x, recv_probs = _DispatchGrad.apply(
-                x_TH, probs_TK.float(),
-                (self, handle, group, (async_finish, allocate_on_comm_stream), recv_x, recv_probs, recv_indices_RK))
+        recv_x, recv_probs = self._record(x_TH, probs_TK, handle, group, (async_finish, allocate_on_comm_stream),
+                                          recv_x, recv_probs_RK.detach(), recv_indices_RK)
         return recv_x, recv_indices_RK, recv_probs, tokens_per_expert, handle
 
     def dispatch_fixed(self, x_TH, indices_TK, probs_TK, num_experts, group, send_capacity: int,

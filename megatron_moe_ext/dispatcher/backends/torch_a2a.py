@@ -1,14 +1,8 @@
-"""The portable ``torch`` backend: DeepEP's dispatch/combine contract over
-``torch.distributed.all_to_all_single``, so the flex dispatcher runs on any device and
-process group (NCCL on GPU, gloo on CPU). It is the oracle the other backends are tested
-against.
-
-Contract (the same as DeepEP's intranode ``Buffer.dispatch`` / ``combine``):
-each token is sent once to every rank that hosts at least one of its experts; the receiver
-gets the row, its `[K]` expert ids translated to local ids (-1 = not mine) and the matching
-fp32 weights (0 where not mine), plus host counts per local expert. Combine sends rows
-back and sums each token's copies. Dispatch and combine are built from one all-to-all
-custom op (with autograd) and gather/scatter ops, so each is the other's backward by construction.
+"""The portable ``torch`` backend: DeepEP's dispatch/combine contract (`backends/deepep.py`)
+over ``torch.distributed.all_to_all_single``, on any device and process group (NCCL on GPU,
+gloo on CPU); the oracle the other backends are tested against. Dispatch and combine are
+built from one all-to-all custom op (with autograd) and gather/scatter ops, so each is the
+other's backward by construction.
 
 Legend: T local tokens, K top-k, W ranks, e local experts, S sent rows, R received rows.
 """
@@ -132,17 +126,6 @@ def _send_meta(local_SK, probs_SK, recv_splits, send_splits, group, word=None):
     return recv_meta[:, :topk].detach().long(), recv_meta[:, topk:2 * topk]
 
 
-def send_routing(sent_indices_SK, sent_probs_SK, send_rank_S, num_local_experts, recv_splits,
-                 send_splits, group, word=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Send the routing of `[S]` rows (`[S, K]` global ids, -1 = masked, and probs; `send_rank_S`
-    their destinations; `recv_splits` / `send_splits` rows from / to each rank) as
-    `(recv_indices_RK, recv_probs_RK)`: the destination's local ids (-1 = not its) and fp32
-    probs (0 there), differentiable in the probs; `word` as `_send_meta`."""
-    mine_SK, local_SK = _local_routing(sent_indices_SK, send_rank_S, num_local_experts)
-    probs_SK = torch.where(mine_SK, sent_probs_SK.float(), 0.0)
-    return _send_meta(local_SK, probs_SK, recv_splits, send_splits, group, word)
-
-
 def count_per_expert(indices_RK: torch.Tensor, num_local_experts: int) -> list[int]:
     """Host list of rows per local expert (-1 slots are not counted): the one host read."""
     counts = torch.bincount(indices_RK.flatten() + 1, minlength=num_local_experts + 1)
@@ -181,21 +164,9 @@ def dispatch(
     async_finish: bool = False,
     allocate_on_comm_stream: bool = False,
 ):
-    """Send each token to the ranks of its experts.
-
-    Arguments:
-        x_TH: `[T, H]` tokens (any float dtype).
-        indices_TK: `[T, K]` global expert ids, -1 for masked/dropped slots.
-        probs_TK: `[T, K]` fp32 routing weights.
-        num_experts: E, divisible by the group size.
-        async_finish / allocate_on_comm_stream: accepted for DeepEP signature
-            compatibility; torch.distributed collectives here are stream-ordered already.
-
-    Returns:
-        `(recv_x_RH, recv_indices_RK, recv_probs_RK, tokens_per_expert, handle)` where
-        `recv_indices_RK` holds local expert ids or -1, `recv_probs_RK` is 0 where -1, and
-        `tokens_per_expert` is a host list of `e` ints.
-    """
+    """Send each token to the ranks of its experts: `DeepEPCommunicator.dispatch`'s arguments
+    and returns, for rows of any float dtype (the async flags are accepted for its signature:
+    these collectives are stream-ordered already)."""
     world = dist.get_world_size(group)
     num_local_experts = num_experts // world
     num_tokens = indices_TK.shape[0]
@@ -223,9 +194,8 @@ def dispatch_cached(x_TH, probs_TK, handle: TorchDispatchHandle, recv_indices_RK
                     tokens_per_expert, group, async_finish: bool = False,
                     allocate_on_comm_stream: bool = False):
     """Repeat a dispatch along its saved layout (activation recompute): the `dispatch` 5-tuple
-    without the layout collective or a host sync. The saved received ids and weights are not
-    used: they travel again in the one metadata collective, which rebuilds the forward's
-    autograd graph exactly (so the weights' gradient reaches `probs_TK`)."""
+    without the layout collective or a host sync. The received ids and weights travel again
+    (not the saved ones), which rebuilds the forward's autograd graph exactly."""
     return (*exchange(x_TH, probs_TK, handle), tokens_per_expert, handle)
 
 
@@ -309,9 +279,9 @@ def dispatch_fixed(x_TH, indices_TK, probs_TK, num_experts, group, send_capacity
     splits = [C] * world
     # One rank whose send side cannot overflow (C >= T) has no word to send.
     word = None if world == 1 and C >= num_tokens else send_overflow.long() * checks.error_word("overflow", rank)
-    recv_indices_RK, recv_probs_RK = send_routing(
-        indices_pad.index_select(0, send_token_ids_S), P.gather_rows(probs_TK, send_token_ids_S, slot_TW),
-        send_rank_S, e, splits, splits, group, word=word)
+    mine_SK, local_SK = _local_routing(indices_pad.index_select(0, send_token_ids_S), send_rank_S, e)
+    probs_SK = torch.where(mine_SK, P.gather_rows(probs_TK, send_token_ids_S, slot_TW).float(), 0.0)
+    recv_indices_RK, recv_probs_RK = _send_meta(local_SK, probs_SK, splits, splits, group, word)
     rows_SH = P.gather_rows(x_TH, send_token_ids_S, slot_TW)
     if receive_overflow is None or C == 0:
         recv_x_RH = all_to_all_rows(rows_SH, splits, splits, group)

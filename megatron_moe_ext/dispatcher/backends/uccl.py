@@ -1,19 +1,15 @@
 """UCCL-EP backend: the DeepEP backend's code over UCCL-EP's DeepEP-compatible buffer.
 
-UCCL-EP (uccl-project/uccl, `ep/`) builds its engine as the extension `uccl.ep` (the C++
-runtime, `Config`, `EventHandle`; PyPI's `uccl` wheel ships it) and keeps the
-DeepEP-compatible Python `Buffer` in the repository only, as a drop-in package named
-`deep_ep` (`ep/deep_ep_wrapper`, recognisable by its `initialize_uccl`), which must come
-from the same release as the engine. Written against v0.1.1 (73ee4f1). Its `Buffer` has
-DeepEP's dispatch/combine/layout/config API; the differences that matter here are absorbed
-by `DeepEPCommunicator`:
+UCCL-EP (uccl-project/uccl, `ep/`, written against v0.1.1, 73ee4f1) builds its engine as the
+extension `uccl.ep` (PyPI's `uccl` wheel) and keeps the DeepEP-compatible Python `Buffer` in
+the repository only, as a drop-in package named `deep_ep` (`ep/deep_ep_wrapper`, recognisable
+by its `initialize_uccl`) from the same release. `DeepEPCommunicator` absorbs the differences:
 - the constructor has no `allow_nvlink_for_normal_mode` / `use_fabric` / `comm` and starts
-  UCCL proxies (it picks the device from LOCAL_RANK); only `(group, num_nvl_bytes,
-  num_rdma_bytes, explicitly_destroy=True)` is passed, which both accept;
+  UCCL proxies; only `(group, num_nvl_bytes, num_rdma_bytes, explicitly_destroy=True)` is passed;
 - the handle carries the received count before `recv_src_idx` (7 items instead of 6),
   so `DeepEPHandle` reads its fields from the end;
-- `get_dispatch_layout` asserts `topk_idx_ptr != 0` (seen on the H200), so a rank with 0
-  tokens sends one padding token (`pad_empty`).
+- `get_dispatch_layout` asserts `topk_idx_ptr != 0`, so a rank with 0 tokens sends one
+  padding token (`pad_empty`).
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 """`_HybridEPManager`: dispatch/combine through DeepEP's `HybridEPBuffer` (hybrid-ep branch).
 
-HybridEP permutes, sends and groups rows by local expert in one call
-(`dispatch_with_permute`); `combine_with_unpermute` is its inverse. Both are wrapped in
-autograd Functions that are each other's backward.
-
-What the manager adds around the buffer:
-- equal, 4-aligned per-rank token counts (zero padding rows, sliced off after combine);
-- the static-routing pin of the padded count and the permuted-row count;
-- capacity mode: one blocking calibration dispatch, then non-blocking fixed-size dispatches
-  guarded by a device-side overflow assert. The calibration also pins the padded per-rank
-  token count, so no later dispatch exchanges counts or reads the device: capacity mode
-  needs a static per-rank token count, and a larger batch raises ValueError.
-
-Per layer: each manager calibrates its own capacity and keeps its own pins. Shared: only the
-`HybridEPBuffer`, one per `buffer_key` (group and constructor settings).
+HybridEP permutes, sends and groups rows by local expert in one call (`dispatch_with_permute`);
+`combine_with_unpermute` is its inverse; the autograd Functions below are each other's
+backward. Around the buffer the manager adds equal, 4-aligned per-rank token counts (zero
+padding rows, sliced off after combine), the static-routing pins, and capacity mode: one
+blocking calibration dispatch (which also pins the padded per-rank token count, so a larger
+batch later raises ValueError), then non-blocking fixed-size dispatches guarded by a
+device-side overflow assert. Per layer: its capacity and pins; shared: only the
+`HybridEPBuffer`, one per `buffer_key`.
 
 Legend: T local tokens, T' padded tokens, H hidden, E experts, e local experts, K top-k,
 P permuted rows (grouped by local expert; in non-blocking mode the tail past
@@ -23,6 +17,7 @@ P permuted rows (grouped by local expert; in non-blocking mode the tail past
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -47,14 +42,8 @@ _STATIC_ROUTING_PAD_PIN = os.environ.get(
 
 
 def _assert_no_hybridep_overflow(handle, capacity: int) -> None:
-    """Device-side guard: HybridEP truncates silently past the capacity and sets
-    `overflow_flag`; fail loudly instead of training on dropped tokens, without a host sync.
-
-    Arguments:
-        handle: HybridEP dispatch handle (tuple); its last item is the one-element int32
-            device `overflow_flag`, non-zero after a truncated dispatch.
-        capacity: the permuted-row count the dispatch was sized to (quoted in the error).
-    """
+    """Device-side guard, no host sync: HybridEP truncates silently past `capacity` and sets
+    `overflow_flag`, the one-element int32 last item of its `handle`."""
     torch._assert_async(
         handle[-1].reshape(()) == 0,
         f"HybridEP dispatch overflowed its capacity of {capacity} permuted rows: tokens were "
@@ -75,13 +64,6 @@ class _BufferOwner:
 
         self.buffer = None  # HybridEP frees its memory when the buffer object is collected
         release_published_capacity(self.key)
-
-
-class _DispatchOutputs:
-    """Side channel for the non-tensor outputs of `_HybridEPDispatch.forward`."""
-
-    handle = None
-    tokens_per_expert = None
 
 
 class _HybridEPDispatch(torch.autograd.Function):
@@ -332,11 +314,8 @@ class _HybridEPManager(_DispatchManager):
 
     def announce_input_error(self, word: int, like=None) -> None:
         """Send `word` in this step's first collective: the token-count all-reduce, else (a
-        pinned or equal count: the peers' batches are within the pin) the library's dispatch
-        of one zero token routed to the first expert of each rank with the weight
-        -(FLAG_BASE + word), which `dispatch` reads on every rank. Without rows of the width
-        and dtype the peers send (`like`), nothing can be sent there and the peers wait out
-        the group's timeout."""
+        pinned or equal count) a dispatch as `DeepEPCommunicator.announce_input_error`'s, which
+        needs `like` (else the peers wait out the group's timeout)."""
         tokens = 0 if like is None or like.dim() < 2 else like.numel() // like.shape[-1]
         if not self.equal_token_counts and self._pinned_tokens is None:
             self._resolve_padded_tokens(tokens, checks.flag_device(self.group), word)
@@ -375,13 +354,20 @@ class _HybridEPManager(_DispatchManager):
         kwargs = dict(routing_map=self.routing_map, num_of_experts_per_rank=self.num_local_experts,
                       num_permuted_tokens=num_permuted, non_blocking=num_permuted is not None,
                       pad_multiple=self.pad_multiple, fuse_permute_dispatch=self.hybridep_permute_fusion)
-        outputs = _DispatchOutputs()
+        outputs = SimpleNamespace()  # the non-tensor outputs of `_HybridEPDispatch.forward`
         self.buffer = self._buffer(x_TH.shape[1], padded)
         rows_PH, self.dispatched_probs = _HybridEPDispatch.apply(
             x_TH, self.token_probs, outputs, self.buffer, kwargs)
         self.handle, self.tokens_per_expert = outputs.handle, outputs.tokens_per_expert
         self.num_permuted_tokens = rows_PH.shape[0]
-        self._raise_on_peer_words()
+        # A peer that failed sent its error word as a weight (`announce_input_error`); rows
+        # past the routed ones are padding or (non-blocking) garbage, so they are not read.
+        probs_P, counts_e = self.dispatched_probs.detach(), self.tokens_per_expert
+        if counts_e.device != probs_P.device:  # host counts (blocking): no device read needed
+            checks.raise_on_flagged(probs_P[: int(counts_e.sum())])
+        else:
+            routed_P = torch.arange(probs_P.shape[0], device=probs_P.device) < counts_e.sum()
+            checks.raise_on_flagged(torch.where(routed_P, probs_P, 0.0))
         if num_permuted is not None:
             _assert_no_hybridep_overflow(self.handle, num_permuted)
         else:
@@ -392,16 +378,6 @@ class _HybridEPManager(_DispatchManager):
         # The routing inputs are consumed: drop them so recompute cannot keep them alive.
         self.routing_map = self.token_probs = None
         return rows_PH
-
-    def _raise_on_peer_words(self) -> None:
-        """A peer that failed sent its error word as a weight (`announce_input_error`); rows
-        past the routed ones are padding or (non-blocking) garbage, so they are not read."""
-        probs_P, counts_e = self.dispatched_probs.detach(), self.tokens_per_expert
-        if counts_e.device != probs_P.device:  # host counts (blocking): no device read needed
-            checks.raise_on_flagged(probs_P[: int(counts_e.sum())])
-            return
-        routed_P = torch.arange(probs_P.shape[0], device=probs_P.device) < counts_e.sum()
-        checks.raise_on_flagged(torch.where(routed_P, probs_P, 0.0))
 
     def combine(self, hidden_states, async_finish=True, allocate_on_comm_stream=True):
         """`[P, H]` expert outputs -> `[T, H]` (padding tokens sliced off)."""
@@ -434,13 +410,9 @@ class _HybridEPManager(_DispatchManager):
         return HybridEPPipelineRuntimeInitializer(self, hidden_dim, dtype)
 
     def initialize_runtime(self, num_tokens: int, hidden_dim: int, dtype: torch.dtype, device) -> None:
-        """One synthetic dispatch + combine + backward so HybridEP sizes its buffer and compiles
-        its kernels before any pipeline traffic.
-
-        Grad mode is forced on (also under inference mode). No parameter and no RNG take part:
-        the batch is deterministic and balanced. Every manager field is restored afterwards,
-        even on failure, so capacity mode and the static pins are left exactly as they were.
-        """
+        """One synthetic dispatch + combine + backward (grad mode forced on; a deterministic,
+        balanced batch, no RNG) so HybridEP sizes its buffer and compiles its kernels before
+        any pipeline traffic. Every manager field is restored afterwards, even on failure."""
         saved = dict(self.__dict__)
         try:
             # A plain blocking dispatch: it neither uses nor records this layer's pins.

@@ -1,12 +1,8 @@
 """`_HybridEPMetadataProcessor`: top-k routing `[T, K]` -> what HybridEP consumes.
 
-HybridEP takes a dense `[T, E]` routing map with dense `[T, E]` fp32 probs. In compact mode
-the processor keeps the `[T, K]` indices (no dense map in its graph) and the manager builds
-the map at dispatch. The probs stay dense in both modes so the router gradient keeps its
-dense layout; their gradient is the gather of the dense gradient at the routed slots (0 for
--1 slots).
-
-It is an `nn.Module` (no parameters) so it can be a CUDA-graph capture boundary.
+HybridEP takes a dense `[T, E]` routing map with dense `[T, E]` fp32 probs; in compact mode
+the processor keeps the `[T, K]` indices and the manager builds the map at dispatch. The
+probs stay dense in both modes. An `nn.Module` (no parameters): a CUDA-graph capture boundary.
 
 Legend: T tokens, E experts, K top-k.
 """

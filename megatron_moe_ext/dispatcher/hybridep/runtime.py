@@ -1,10 +1,8 @@
 """`HybridEPPipelineRuntimeInitializer`: size HybridEP's buffer before pipeline traffic.
 
-A HybridEP buffer is shared by every manager with the same `buffer_key` and grows lazily,
-and growth contains a collective (and a JIT compile), so under pipeline parallelism it must
-happen before any P2P work is posted, or stages would serialise on it. One capacity is
-published per buffer, keyed by `resource_key`; it only ever grows, and only after a
-successful initialisation.
+A shared HybridEP buffer grows lazily, with a collective and a JIT compile, so under pipeline
+parallelism it must grow before any P2P work is posted. One capacity is published per buffer
+(`resource_key`); it only grows, and only after a successful initialisation.
 """
 
 from __future__ import annotations
