@@ -209,11 +209,19 @@ def fused_unsupported_reason(config, device: torch.device | str | None = None,
         return "expert_mlp_impl='grouped_mm'"
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    return case_unsupported_reason(config.expert_mlp_impl, config, config.dim, config.moe_inter_dim,
+                                   torch.device(device), dtype or config.dtype)
+
+
+def case_unsupported_reason(expert_mlp_impl: str, config, hidden: int, inter: int,
+                            device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why `expert_mlp_impl` ("auto" or "fused") does not run the fused path for `config`'s
+    activation at these widths, on `device` in `dtype`, or None when it does."""
     return (activation_unsupported_reason(config.expert_activation, config.activation_alpha,
                                           config.activation_limit)
-            or shape_unsupported_reason(config.dim, config.moe_inter_dim)
-            or device_unsupported_reason(torch.device(device), dtype or config.dtype)
-            or auto_declined_reason(config.expert_mlp_impl, config.dim, config.moe_inter_dim))
+            or shape_unsupported_reason(hidden, inter)
+            or device_unsupported_reason(device, dtype)
+            or auto_declined_reason(expert_mlp_impl, hidden, inter))
 
 
 def auto_declined_reason(expert_mlp_impl: str, hidden: int, inter: int) -> str | None:

@@ -26,14 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from megatron_moe_ext.dispatcher.handoff import IndexedRows
 from megatron_moe_ext.dispatcher.permute import _GatherRows
 from megatron_moe_ext.experts.bias import TokenCounts, _apply_bias, _chunk_counts, _counts_on
-from megatron_moe_ext.experts.fused import (
-    activation_unsupported_reason,
-    auto_declined_reason,
-    check_expert_mlp_impl,
-    device_unsupported_reason,
-    fused_expert_mlp,
-    shape_unsupported_reason,
-)
+from megatron_moe_ext.experts.fused import case_unsupported_reason, check_expert_mlp_impl, fused_expert_mlp
 from megatron_moe_ext.experts.rows import zero_padding_rows_
 
 _EXPERT_MLP_CHUNK_BYTES = 512 * 1024 * 1024
@@ -270,12 +263,8 @@ def run_grouped_expert_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Ten
                              "ExpertsConfig naming the activation)")
         reason = ((f"the [P, 2I] intermediate ({intermediate_bytes} bytes) exceeds chunk_bytes "
                    f"({chunk_bytes}): the checkpointed chunked torch path bounds its memory") if chunked
-                  else activation_unsupported_reason(experts_config.expert_activation,
-                                                     experts_config.activation_alpha,
-                                                     experts_config.activation_limit)
-                  or shape_unsupported_reason(rows_NH.shape[1], down_projs.shape[1])
-                  or device_unsupported_reason(rows_NH.device, rows_NH.dtype)
-                  or auto_declined_reason(expert_mlp_impl, rows_NH.shape[1], down_projs.shape[1]))
+                  else case_unsupported_reason(expert_mlp_impl, experts_config, rows_NH.shape[1],
+                                               down_projs.shape[1], rows_NH.device, rows_NH.dtype))
         if reason is None:
             return fused_expert_mlp(hidden_PH, gate_and_up_projs, down_projs, gate_up_proj_bias,
                                     down_proj_bias, tokens_per_expert, permuted_probs_P1,
