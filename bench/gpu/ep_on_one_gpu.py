@@ -1,7 +1,7 @@
 """EP4 and EP8 as processes sharing one H200: HybridEP, UCCL-EP and DeepEP V1 on the real libraries.
 
     python3 bench/gpu/ep_on_one_gpu.py [--backends uccl_ep hybridep deepep] [--worlds 4 8]
-        # under 8 minutes (the launch limits add up to 465 s); writes $OUT/ep_on_one_gpu_h200.json
+        # under 10 minutes (the launch limits add up to 595 s); writes $OUT/ep_on_one_gpu_h200.json
     python3 bench/gpu/ep_on_one_gpu.py --cpu-doubles ...   # the same plans over tests/doubles on CPU
 
 Both libraries' intranode paths share buffers through CUDA IPC, which works between processes
@@ -21,7 +21,8 @@ of cases, agree before each one that time is left, and rank 0 records whether it
   equal token counts), bf16; fp32 and the budget mode must be refused with ValueError on
   every rank; `FlexMoELayer` (Megatron's local MoE spec) against Megatron's own MoELayer.
   At the largest EP size of the run (EP8) also two layers in flight (Megatron's 1F1B A2A
-  overlap order) and, last, one rank with a bad input (a duplicate expert on rank 0) over a
+  overlap order), on the GPU `FlexMoELayer` with the fused (QuACK) experts
+  (`GroupedGemmExperts(expert_mlp_impl="fused")`; source /tmp/quack_env.sh first) and, last, one rank with a bad input (a duplicate expert on rank 0) over a
   group with a 20 s timeout, in the default and the `sync` input-check modes
   (`bad_input_outcomes`): every rank's outcome, or that it gave none within 45 s.
 - UCCL-EP (`.gpu/uccl`, `.gpu/uccl-wheel`, as bench/gpu/uccl_real.py): the dense-reference
@@ -35,7 +36,10 @@ of cases, agree before each one that time is left, and rank 0 records whether it
   every pair of the ranks' GPUs, here GPU 0 with itself, and asserts it is OK (DeepEP issue
   #582); the only way past it, `allow_nvlink_for_normal_mode=False`, needs NVSHMEM
   (csrc/deep_ep.cpp asserts `num_rdma_ranks == 1 and ... not disable_nvlink_for_normal_mode`
-  when built without it). The launch records each rank's error.
+  when built without it). The launch records each rank's error. Without a built
+  `deep_ep_cpp` the launch runs only that check (`deepep_library_check` in the JSON: DeepEP's
+  utils.py unchanged, a placeholder module for the two extension names it imports), so the
+  refusal shown is the library's own assertion on this machine, not a pass or a fail.
 The FlexMoELayer face: each rank builds Megatron's MoELayer (alltoall dispatcher) on the CPU
 with the test shims (tests/shims/megatron_cpu.py) and runs it over gloo as the reference,
 then the FlexMoELayer with the same weights and the real backend on the GPU.
@@ -72,7 +76,7 @@ import uccl_real  # noqa: E402
 HYBRIDEP_DIR = os.path.join(ROOT, ".gpu", "hybridep")
 DEEPEP_DIR = os.path.join(ROOT, ".gpu", "deepep-v1")
 #: Wall-clock limit of each launch (seconds): JIT compiles, the cases, teardown.
-LIMITS_S = {("uccl_ep", 4): 50, ("uccl_ep", 8): 70, ("hybridep", 4): 110, ("hybridep", 8): 170,
+LIMITS_S = {("uccl_ep", 4): 50, ("uccl_ep", 8): 70, ("hybridep", 4): 110, ("hybridep", 8): 300,
             ("deepep", 4): 30, ("deepep", 8): 35}
 TEARDOWN_S = 8
 GROUP_TIMEOUT_S = 20  # the bad-input group's timeout: a peer waiting in gloo fails after this
@@ -109,9 +113,13 @@ def _budget_refusal(backend: str):
                                                   moe_router_topk=2, moe_expert_rank_capacity_factor=1.0))
 
 
-def flex_layer_case(backend: str, dtype: str, hidden: int):
+def flex_layer_case(backend: str, dtype: str, hidden: int, expert_mlp_impl: str | None = None):
     """Megatron's MoELayer on the CPU (reference) and `FlexMoELayer` with `backend` on the GPU,
-    same weights and tokens on this rank; relative errors of output and every gradient."""
+    same weights and tokens on this rank; relative errors of output and every gradient.
+    `expert_mlp_impl`: the flex layer's experts are `GroupedGemmExperts` with that choice
+    ("fused": QuACK), loaded from the reference's SequentialMLP weights; None keeps the spec's."""
+    import dataclasses
+
     import torch
     import torch.distributed as dist
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
@@ -123,7 +131,9 @@ def flex_layer_case(backend: str, dtype: str, hidden: int):
     from tests.shims import megatron_cpu
 
     ep, rank = dist.get_world_size(), dist.get_rank()
-    case = LayerCase(f"flex_{backend}", num_experts=2 * ep, hidden=hidden, ffn=32, seq=8, batch=2, dtype=dtype)
+    # The fused path takes gated SiLU (SwiGLU), what `moe_grouped_gemm` cases configure.
+    case = LayerCase(f"flex_{backend}", num_experts=2 * ep, hidden=hidden, ffn=32, seq=8, batch=2, dtype=dtype,
+                     grouped_gemm=expert_mlp_impl is not None)
     gen = torch.Generator().manual_seed(case.seed * 100 + rank)
     x = torch.randn(case.seq, case.batch, case.hidden, generator=gen).to(DTYPES[dtype])
     g = torch.randn(case.seq, case.batch, case.hidden, generator=gen).to(DTYPES[dtype])
@@ -141,8 +151,16 @@ def flex_layer_case(backend: str, dtype: str, hidden: int):
         megatron_cpu.install()
     else:
         model_parallel_cuda_manual_seed(1234, force_reset_rng=True)  # a real CUDA RNG state again
+    submodules = spec.keywords["submodules"]
+    if expert_mlp_impl is not None:
+        from megatron.core.transformer.spec_utils import ModuleSpec
+
+        from megatron_moe_ext.megatron.experts import GroupedGemmExperts
+
+        submodules = dataclasses.replace(submodules, experts=ModuleSpec(
+            module=GroupedGemmExperts, params={"expert_mlp_impl": expert_mlp_impl}))
     try:
-        flex = FlexMoELayer(config, submodules=spec.keywords["submodules"], pg_collection=pg, layer_number=1,
+        flex = FlexMoELayer(config, submodules=submodules, pg_collection=pg, layer_number=1,
                             dispatcher_config=TokenDispatcherConfig.from_transformer_config(
                                 config, moe_flex_dispatcher_backend=backend))
         flex.set_layer_number(1)
@@ -151,9 +169,16 @@ def flex_layer_case(backend: str, dtype: str, hidden: int):
         out_f, gx_f, grads_f, _ = _forward_backward(flex, x.to(DEVICE), g.to(DEVICE))
     finally:
         megatron_cpu.uninstall()
+    if expert_mlp_impl is not None:  # compared in SequentialMLP's layout
+        from megatron_moe_ext.megatron.checkpoint import grouped_to_sequential_mlp
+
+        stacked = {n: grads_f.pop(n) for n in list(grads_f) if n.startswith("experts.")}
+        grads_f.update(grouped_to_sequential_mlp(stacked, "experts."))
     grads = {n: _rel_err(grads_f[n].cpu().float(), grads_n[n].float()) for n in grads_n}
     return {"out": _rel_err(out_f.cpu().float(), out_n.float()), "grad_x": _rel_err(gx_f.cpu().float(), gx_n.float()),
-            "grads": max(grads.values()), "grad_names": sorted(grads), "tol": FLEX_TOL[dtype]}
+            "grads": max(grads.values()), "grad_names": sorted(grads), "tol": FLEX_TOL[dtype],
+            "fused_ran": bool(getattr(flex.experts, "accepts_indexed_rows", False)),
+            "fallback_reason": getattr(flex.experts, "expert_mlp_fallback_reason", None)}
 
 
 def bad_input_outcomes(case, report) -> None:
@@ -252,6 +277,53 @@ def _flex_check(results):
     return worst <= 1, {"worst_rel_error_over_tol": round(worst, 4), "params": len(results[0]["grad_names"])}
 
 
+def _flex_fused_check(results):
+    """`_flex_check`, and the fused (QuACK) expert path ran on every rank."""
+    ok, detail = _flex_check(results)
+    ran = all(r["fused_ran"] for r in results)
+    return ok and ran, {**detail, "fused_ran_every_rank": ran, "fallback_reason_rank0": results[0]["fallback_reason"]}
+
+
+def _deepep_built() -> bool:
+    return bool(glob.glob(os.path.join(DEEPEP_DIR, "deep_ep_cpp*.so")))
+
+
+def _deepep_nvlink_check() -> dict:
+    """What DeepEP V1's `Buffer.__init__` does first, `check_nvlink_connections` (deep_ep/utils.py
+    at the pinned commit, run unchanged over this launch's ranks, real NVML), without a built
+    `deep_ep_cpp`: utils.py imports only the names `Config` and `EventHandle` from it, so a
+    placeholder module holding those two names (None) stands in for the extension."""
+    import importlib.util
+    import types
+
+    import pynvml
+    import torch.distributed as dist
+
+    placeholder = types.ModuleType("deep_ep_cpp")
+    placeholder.Config = placeholder.EventHandle = None
+    sys.modules.setdefault("deep_ep_cpp", placeholder)
+    spec = importlib.util.spec_from_file_location("deep_ep_utils", os.path.join(DEEPEP_DIR, "deep_ep", "utils.py"))
+    utils = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(utils)
+    pynvml.nvmlInit()
+    handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+    status = pynvml.nvmlDeviceGetP2PStatus(handle, handle, pynvml.NVML_P2P_CAPS_INDEX_NVLINK)
+    pynvml.nvmlShutdown()
+    try:
+        utils.check_nvlink_connections(dist.group.WORLD)
+        outcome = "passed"
+    except Exception as exc:  # noqa: BLE001 - the library's refusal is the result
+        outcome = f"{type(exc).__name__}: {exc}"
+    return {"outcome": outcome, "nvml_p2p_nvlink_status_gpu0_gpu0": int(status),
+            "NVML_P2P_STATUS_OK": int(pynvml.NVML_P2P_STATUS_OK)}
+
+
+def _same_outcome_check(results):
+    """A record, not a pass: every rank reached the library's check and gave the same outcome."""
+    same = all(r["outcome"] == results[0]["outcome"] for r in results)
+    return same, {"rank0": results[0]}
+
+
 def hybridep_plan(extras: bool) -> list:
     """(name, thunk, check) for every HybridEP case (`extras`: also two layers in flight)."""
     from tests.dispatcher import protocol_ranks
@@ -296,6 +368,11 @@ def hybridep_plan(extras: bool) -> list:
     plan.append(("flex_layer/bf16", lambda: flex_layer_case("hybridep", "bf16", 128), _flex_check))
     plan.append(("refused/flex_layer_fp32", lambda: _refusal(lambda: flex_layer_case("hybridep", "fp32", 128)),
                  _refusal_check("16-bit")))
+    if extras and DEVICE == "cuda":
+        # The fused (QuACK) expert path behind the same layer (GroupedGemmExperts fed HybridEP's
+        # permuted rows); its first call compiles QuACK's kernels in every process.
+        plan.append(("flex_layer/fused_experts/bf16", lambda: flex_layer_case("hybridep", "bf16", 128, "fused"),
+                     _flex_fused_check))
     return plan
 
 
@@ -345,6 +422,8 @@ def _rank(backend: str, world: int, extras: bool, select: list, rank: int, port:
             from tests.doubles import deep_ep_buffer, hybrid_ep_buffer, uccl_ep
 
             {"uccl_ep": uccl_ep, "hybridep": hybrid_ep_buffer, "deepep": deep_ep_buffer}[backend].install()
+        elif backend == "deepep" and not _deepep_built():
+            sys.path[:0] = [DEEPEP_DIR, ROOT, BENCH]  # DeepEP's pynvml.py
         elif backend == "deepep":
             # DeepEP V1 built intranode-only (deep_ep_cpp, no NVSHMEM) with its Python layer and
             # pynvml, which its Buffer uses to check NVLink between the ranks' GPUs.
@@ -363,7 +442,9 @@ def _rank(backend: str, world: int, extras: bool, select: list, rank: int, port:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         report("result", key="pid", value=os.getpid())
         stage("plan")
-        if backend in ("uccl_ep", "deepep"):
+        if backend == "deepep" and not _deepep_built():
+            plan = [("library_check/check_nvlink_connections", _deepep_nvlink_check, _same_outcome_check)]
+        elif backend in ("uccl_ep", "deepep"):
             from megatron_moe_ext.dispatcher.backends import deepep as deepep_backend
             from megatron_moe_ext.dispatcher.backends import uccl as uccl_backend
             from tests.dispatcher.cases import CASES
@@ -483,9 +564,11 @@ def main() -> None:
         # that every rank puts on its path; `deep_ep` comes from .gpu/uccl or .gpu/hybridep.
         record["installed"] = "doubles" if args.cpu_doubles else uccl_real._prepare(site)
         for backend in args.backends:
-            if backend == "deepep" and not args.cpu_doubles and not glob.glob(os.path.join(DEEPEP_DIR, "deep_ep_cpp*.so")):
-                record["launches_not_run"] = {"deepep": f"no deep_ep_cpp in {DEEPEP_DIR} (.gpu/deepep-src/build.sh "
-                                                        "builds it); the reason it cannot run is in this script's docstring"}
+            if backend == "deepep" and not args.cpu_doubles and not _deepep_built():
+                # Not a pass/fail launch: the library's own first check, run at each size.
+                record["deepep_library_check"] = {
+                    "deep_ep_cpp": f"not built in {DEEPEP_DIR} (.gpu/deepep-src/build.sh builds it)",
+                    **{f"ep{world}": launch(backend, world, site, LIMITS_S[(backend, world)]) for world in args.worlds}}
                 continue
             for world in args.worlds:
                 limit = LIMITS_S.get((backend, world), 60) * args.limit_scale

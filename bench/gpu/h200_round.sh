@@ -12,7 +12,7 @@
 #   NAME       run one task in the foreground (results in /tmp/round/out)
 #   summary    print every result JSON, compact and cut to SUMMARY_CHARS each
 #   pack       tar /tmp/round/out into $OUT/round_<date>.tgz (the tool returns at most 8 files)
-# Tasks: hybridep_real uccl_real ep_on_one_gpu deepep_v1_build hybridep_build device_checks cuda_graph_train graph_te_diag graph_bisect graph_fault probes experts_te bias permute
+# Tasks: ab_cost te_install hybridep_real uccl_real ep_on_one_gpu deepep_v1_build hybridep_build device_checks cuda_graph_train graph_te_diag graph_bisect graph_fault probes experts_te bias permute
 #        layer_bench graphs recompute pretrain_local pretrain_te pretrain_small pretrain_det
 #        pretrain_det32 te_init_check pretrain_qwen3 fused_experts fused_experts_tests slice_bench pretrain_slice
 #        pretrain_slice_det megatron_tools (QuACK: source /tmp/quack_env.sh first).
@@ -43,7 +43,9 @@ run_task() {
   case $1 in
     hybridep_real) task hybridep_real 480 $PY bench/gpu/hybridep_real.py ${HYBRIDEP_ARGS:-} ;;
     uccl_real) task uccl_real 200 $PY bench/gpu/uccl_real.py ;;
-    ep_on_one_gpu) task ep_on_one_gpu 500 $PY bench/gpu/ep_on_one_gpu.py ${EP_ARGS:-} ;;
+    ep_on_one_gpu) task ep_on_one_gpu 800 $PY bench/gpu/ep_on_one_gpu.py ${EP_ARGS:-} ;;
+    ab_cost) task ab_cost 480 bash bench/gpu/ab_cost.sh ;;
+    te_install) task te_install 420 bash .gpu/te/kit/device.sh install .gpu/te ;;  # parts staged before
     deepep_v1_build) task deepep_v1_build 300 env PYTHON=$PY bash .gpu/deepep-src/build.sh v1 ;;
     hybridep_build) task hybridep_build 300 env PYTHON=$PY bash .gpu/deepep-src/build.sh hybrid ;;
     device_checks) task device_checks 240 bash -c "$PY -m pytest tests/dispatcher/test_errors.py -q -rs \
