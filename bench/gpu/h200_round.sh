@@ -89,7 +89,7 @@ run_task() {
         det_slice_ext_grouped_mm det_slice_native det_slice_native_unfused_swiglu}" bash bench/gpu/pretrain_megatron_lm.sh ;;
     megatron_tools) task megatron_tools 570 bash -c "te() { [ -f /tmp/te_env.sh ] && source /tmp/te_env.sh; true; }; \
         (te; bash bench/gpu/megatron_functional.sh unit_tests > \$OUT/megatron_unit_tests.console 2>&1) & u=\$!; \
-        bash bench/gpu/megatron_functional.sh functional; (te; bash bench/gpu/megatron_functional.sh hybrid); wait \$u" ;;
+        (te; bash bench/gpu/megatron_functional.sh functional); (te; bash bench/gpu/megatron_functional.sh hybrid); wait \$u" ;;
     *) echo "unknown task $1"; return 2 ;;
   esac
 }
