@@ -9,6 +9,7 @@
 #              then run alone on the GPU)
 #   par NAME.. the same with each task in a list of its own (correctness tasks side by side)
 #   wait       wait (at most WAIT_S seconds, default 540) for the background lists
+#   after:NAME inside a list: wait until task NAME (of any list) has ended
 #   NAME       run one task in the foreground (results in /tmp/round/out)
 #   summary    print every result JSON, compact and cut to SUMMARY_CHARS each
 #   pack       tar /tmp/round/out into $OUT/round_<date>.tgz (the tool returns at most 8 files)
@@ -45,7 +46,9 @@ run_task() {
     uccl_real) task uccl_real 200 $PY bench/gpu/uccl_real.py ;;
     ep_on_one_gpu) task ep_on_one_gpu 800 $PY bench/gpu/ep_on_one_gpu.py ${EP_ARGS:-} ;;
     ab_cost) task ab_cost 480 bash bench/gpu/ab_cost.sh ;;
-    te_install) task te_install 420 bash .gpu/te/kit/device.sh install .gpu/te ;;  # parts staged before
+    # Transformer Engine's install from what earlier calls staged: the parts in /tmp/te and the kit
+    # copied to /tmp/te_stage/kit (so a list started before the kit arrived can run it).
+    te_install) task te_install 420 bash /tmp/te_stage/kit/device.sh install /tmp/te_stage ;;
     deepep_v1_build) task deepep_v1_build 300 env PYTHON=$PY bash .gpu/deepep-src/build.sh v1 ;;
     hybridep_build) task hybridep_build 300 env PYTHON=$PY bash .gpu/deepep-src/build.sh hybrid ;;
     device_checks) task device_checks 240 bash -c "$PY -m pytest tests/dispatcher/test_errors.py -q -rs \
@@ -113,6 +116,8 @@ while [ $# -gt 0 ]; do
           rm -f $ROUND/running_$id" > "$tree.$id.log" 2>&1 < /dev/null &)
         echo "background list $id: $list"
       done ;;
+    after:*)  # after:NAME waits (at most WAIT_S seconds) until task NAME has ended in any list
+      for _ in $(seq "${WAIT_S:-540}"); do grep -q "^${step#after:}	" "$RES/tasks.tsv" 2>/dev/null && break; sleep 1; done ;;
     wait)  # for the background lists started before this one (all, outside a list)
       mine=$(ls "$ROUND"/running_* 2>/dev/null | while read -r f; do [[ "$f" > "$ROUND/running_${BG_ID:-z}" ]] || [ "$f" = "$ROUND/running_${BG_ID:-}" ] || echo "$f"; done)
       for _ in $(seq "${WAIT_S:-540}"); do
