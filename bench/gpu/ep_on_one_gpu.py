@@ -314,6 +314,9 @@ def _deepep_nvlink_check() -> dict:
         outcome = "passed"
     except Exception as exc:  # noqa: BLE001 - the library's refusal is the result
         outcome = f"{type(exc).__name__}: {exc}"
+    if dist.get_rank() == 0:  # in the log too: the JSON is written only when the script ends
+        print(f"[deepep EP{dist.get_world_size()}] check_nvlink_connections on rank 0: {outcome} "
+              f"(NVML NVLink P2P status of GPU 0 with itself: {int(status)})", flush=True)
     return {"outcome": outcome, "nvml_p2p_nvlink_status_gpu0_gpu0": int(status),
             "NVML_P2P_STATUS_OK": int(pynvml.NVML_P2P_STATUS_OK)}
 

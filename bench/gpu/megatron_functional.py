@@ -38,15 +38,19 @@ import glob
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "bench", "gpu"))
+import hybridep_real  # noqa: E402
 from tests.functional.megatron_yaml import model_args_argv, read_flat_yaml  # noqa: E402
 
 MLM = os.path.join(REPO, ".gpu", "megatron-lm")
+HYBRIDEP_DIR = os.path.join(REPO, ".gpu", "hybridep")
 OUT = os.environ.get("OUT", os.path.join(REPO, "outputs"))
 PY = os.environ.get("PYTHON", sys.executable)
 CASES_DIR = os.path.join(REPO, "tests", "functional_tests", "test_cases", "moe")
@@ -55,9 +59,14 @@ LAUNCH = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """Megatron-LM's tree first on PYTHONPATH (its `tests` package), this repository after it."""
-    path = [MLM, REPO, *filter(None, os.environ.get("PYTHONPATH", "").split(":"))]
-    return {**os.environ, "PYTHONPATH": ":".join(path), **(extra or {})}
+    """Megatron-LM's tree first on PYTHONPATH (its `tests` package), this repository after it,
+    then the HybridEP build where one is carried (with the CUDA_HOME its JIT needs)."""
+    env = dict(os.environ)
+    if os.path.isdir(HYBRIDEP_DIR):
+        env = {**hybridep_real.gpu_environment(HYBRIDEP_DIR), "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "8")}
+        env.pop("MOE_EXT_HYBRIDEP_REAL")  # a switch of the package's tests only
+    path = [MLM, REPO, *filter(None, env.get("PYTHONPATH", "").split(":"))]
+    return {**env, "PYTHONPATH": ":".join(dict.fromkeys(path)), **(extra or {})}
 
 
 def start(cmd: list[str] | str, log: str, env: dict[str, str], cwd: str = MLM) -> tuple:
@@ -165,10 +174,13 @@ def functional(names: list[str]) -> dict:
         entry["steps"]["extract_run2"] = _extract(f"{res}/{name}/run2/tensorboard", iters, actual,
                                                   f"{res}/{name}/extract_run2.log")
         nondet = str(config["ENV_VARS"].get("NVTE_ALLOW_NONDETERMINISTIC_ALGO", 0)) == "1"
+        # pytest loads the conftest.py files above every path among its arguments; a config under
+        # this repository's tests/ would load tests/conftest.py as Megatron's `tests.conftest`.
+        model_config = shutil.copy(cases[name]["path"], f"{res}/{name}/model_config.yaml")
         check = [PY, "-m", "pytest", "-s", "-p", "no:cacheprovider", "-o", "log_cli=true", "--log-cli-level=info",
                  os.path.join(MLM, "tests/functional_tests/python_test_utils/test_pretraining_regular_pipeline.py"),
                  "--golden-values-path", golden, "--actual-values-path", actual, "--train-iters", str(iters),
-                 "--model-config-path", cases[name]["path"], *(["--allow-nondeterministic-algo"] if nondet else [])]
+                 "--model-config-path", model_config, *(["--allow-nondeterministic-algo"] if nondet else [])]
         step = entry["steps"]["megatron_check_run2_vs_run1"] = run(check, f"{res}/{name}/check.log", _env(), 300)
         step["tail"] = _tail(step["log"], 12)
         entry["passed"] = step["rc"] == 0
