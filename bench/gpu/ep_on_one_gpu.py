@@ -379,8 +379,19 @@ def hybridep_plan(extras: bool) -> list:
     return plan
 
 
-def deepep_contract_plan(world: int, backend: str) -> list:
-    """(name, thunk, check) for every case of a DeepEP-contract backend (uccl_ep, deepep)."""
+def _releasing(comm, thunk):
+    """`thunk` after freeing the suite's buffer: UCCL registers one set of proxies per device and
+    process, and a second Buffer in the process (the layer's own, over Megatron's EP group)
+    overwrote the first's; on the GPU every rank then aborted in the layer case."""
+    def run():
+        comm.release_buffers()  # collective; a no-op once freed
+        return thunk()
+    return run
+
+
+def deepep_contract_plan(world: int, backend: str, comm) -> list:
+    """(name, thunk, check) for every case of a DeepEP-contract backend (uccl_ep, deepep);
+    `comm` is the suite's communicator, freed before the layer cases."""
     from tests.dispatcher.cases import CASES, FACES, run_dense_reference_case
     from tests.dispatcher.deepep_ranks import capacity_drop_case, pad_multiple_case
     from tests.reference import RoutingCase
@@ -404,7 +415,8 @@ def deepep_contract_plan(world: int, backend: str) -> list:
                      _refusal_check("moe_expert_rank_capacity_factor")))
     # Last: the layer dispatches over Megatron's EP group, a second buffer in each process.
     for dtype in ("bf16", "fp32"):
-        plan.append((f"flex_layer/{dtype}", lambda d=dtype: flex_layer_case(backend, d, 128), _flex_check))
+        plan.append((f"flex_layer/{dtype}", _releasing(comm, lambda d=dtype: flex_layer_case(backend, d, 128)),
+                     _flex_check))
     return plan
 
 
@@ -462,7 +474,7 @@ def _rank(backend: str, world: int, extras: bool, select: list, rank: int, port:
             comm.allocate_buffer(dist.group.WORLD, max([c.hidden + c.topk + 1 for c in CASES] + [128 + 3]),
                                  torch.float32)
             report("result", key="buffer_bytes", value={"num_nvl_bytes": comm.buffer.num_nvl_bytes})
-            plan = deepep_contract_plan(world, backend)
+            plan = deepep_contract_plan(world, backend, comm)
         else:
             plan = hybridep_plan(extras)
         plan = [c for c in plan if not select or any(part in c[0] for part in select)]
