@@ -23,8 +23,9 @@ of cases, agree before each one that time is left, and rank 0 records whether it
   At the largest EP size of the run (EP8) also two layers in flight (Megatron's 1F1B A2A
   overlap order), on the GPU `FlexMoELayer` with the fused (QuACK) experts
   (`GroupedGemmExperts(expert_mlp_impl="fused")`; source /tmp/quack_env.sh first) and, last,
-  one rank with a bad input (a duplicate expert on rank 0) over a group with a 20 s timeout, in the default and the `sync` input-check modes
-  (`bad_input_outcomes`): every rank's outcome, or that it gave none within 45 s.
+  one rank with a bad input (a duplicate expert on rank 0) over a group with a 20 s timeout,
+  in the default and the `sync` input-check modes (`bad_input_outcomes`): every rank's
+  outcome, or that it gave none within 45 s.
 - UCCL-EP (`.gpu/uccl`, `.gpu/uccl-wheel`, as bench/gpu/uccl_real.py): the dense-reference
   cases of tests/dispatcher/cases.py x three faces x bf16/fp32, token dropping
   (`moe_expert_capacity_factor`) and the expert pad multiple in both dtypes, the budget
