@@ -53,8 +53,9 @@ def _check_gelu_settings(config) -> None:
         # SequentialMLP (MLP with per_token_scale) and TEGroupedMLP fuse only swiglu and
         # quick_gelu with the routing prob; their fused bias_gelu_impl is tanh-approximated.
         raise _unsupported("bias_activation_fusion", True,
-                           "set bias_activation_fusion=False for non-gated gelu experts (Megatron's "
-                           "expert MLPs have no fused weighted GELU and raise at their first forward)")
+                           "set bias_activation_fusion=False (--no-bias-gelu-fusion) for non-gated "
+                           "gelu experts (Megatron's expert MLPs have no fused weighted GELU and "
+                           "raise at their first forward)")
     if config.use_te_activation_func:
         raise _unsupported("use_te_activation_func", True,
                            "set use_te_activation_func=False for non-gated gelu experts (TE's GELU op "
