@@ -1,7 +1,8 @@
 """Expert activations for the grouped-GEMM path: `fn(x [P, 2I or I], probs [P, 1]) -> [P, I]`.
 
 Each multiplies by the routing prob inside (one elementwise pass instead of two). Gated
-layouts are `[gate | up]`, except quick-GEGLU's interleaved one (even columns gate). SwiGLU
+layouts are `[gate | up]`, except quick-GEGLU's interleaved one (even columns gate); relu2 and
+gelu are not gated (`x [P, I]`). SwiGLU
 runs a Triton kernel on CUDA (`kernels/swiglu_triton.py`), plain torch elsewhere.
 Legend: P permuted rows, I intermediate size.
 """
@@ -14,18 +15,19 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from megatron_moe_ext.experts.config import ACTIVATIONS, ExpertsConfig
+from megatron_moe_ext.experts.config import ACTIVATIONS, NON_GATED_ACTIVATIONS, ExpertsConfig
 from megatron_moe_ext.experts.kernels import swiglu_triton
 
 ExpertActivation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def is_gated_activation(activation: str) -> bool:
-    """Whether `activation` needs a gate and an up projection (`[e, H, 2I]` weights): True but for relu2."""
+    """Whether `activation` needs a gate and an up projection (`[e, H, 2I]` weights): True but for
+    relu2 and gelu."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"expert_activation={activation!r} is invalid: allowed values are "
                          f"{ACTIVATIONS}")
-    return activation != "relu2"
+    return activation not in NON_GATED_ACTIVATIONS
 
 
 def _split_gate_up(x: torch.Tensor, name: str, limit: float, interleaved: bool = False):
@@ -90,6 +92,12 @@ def relu2(x: torch.Tensor, permuted_probs: torch.Tensor) -> torch.Tensor:
     return (torch.square(F.relu(x.float())) * permuted_probs).to(x.dtype)
 
 
+def gelu(x: torch.Tensor, permuted_probs: torch.Tensor) -> torch.Tensor:
+    """GELU (non-gated, exact erf form, Megatron's default `F.gelu`): `gelu(x) * prob` in fp32;
+    `x [P, I]`, probs `[P, 1]` -> `[P, I]` in x's dtype."""
+    return (F.gelu(x.float()) * permuted_probs).to(x.dtype)
+
+
 def get_expert_activation(config: ExpertsConfig) -> ExpertActivation:
     """`fn(x, permuted_probs) -> [P, I]` of `config.expert_activation`, its alpha and limit bound."""
     alpha, limit = config.activation_alpha, config.activation_limit  # validated by ExpertsConfig
@@ -99,4 +107,5 @@ def get_expert_activation(config: ExpertsConfig) -> ExpertActivation:
         "swiglu_oai": functools.partial(swiglu_oai, alpha=alpha, limit=limit),
         "quick_geglu": functools.partial(quick_geglu, alpha=alpha, limit=limit),
         "relu2": relu2,
+        "gelu": gelu,
     }[config.expert_activation]

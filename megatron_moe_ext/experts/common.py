@@ -2,7 +2,7 @@
 parameters, their initialisation, and the checks of `forward`'s inputs.
 
 Stacked layout (the checkpoint format of all three modules): `gate_and_up_projs [e, H, 2I]`
-(`[e, H, I]` for relu2) and `down_projs [e, I, H]`, used as `x @ W`; optional biases
+(`[e, H, I]` for the non-gated relu2 and gelu) and `down_projs [e, I, H]`, used as `x @ W`; optional biases
 `gate_up_proj_bias [e, 2I]` and `down_proj_bias [e, H]`. A module is built for all E
 experts (EP=1); `init_token_dispatcher(ep_mesh)` keeps only this rank's `e = E / ep` slice.
 

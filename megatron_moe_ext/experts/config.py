@@ -10,7 +10,9 @@ from megatron_moe_ext.config import check_positive_int
 from megatron_moe_ext.experts.fused import check_expert_mlp_impl
 from megatron_moe_ext.experts.mlp import _EXPERT_MLP_CHUNK_BYTES
 
-ACTIVATIONS = ("swiglu", "swiglu_clamped", "swiglu_oai", "quick_geglu", "relu2")
+ACTIVATIONS = ("swiglu", "swiglu_clamped", "swiglu_oai", "quick_geglu", "relu2", "gelu")
+#: The activations without a gate: their gate/up weights are `[e, H, I]`, not `[e, H, 2I]`.
+NON_GATED_ACTIVATIONS = ("relu2", "gelu")
 
 
 @dataclass

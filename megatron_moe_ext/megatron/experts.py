@@ -21,7 +21,7 @@ from megatron.core.tensor_parallel.random import (
 from megatron.core.transformer.module import MegatronModule
 
 from megatron_moe_ext.dispatcher.handoff import IndexedRows
-from megatron_moe_ext.experts.activations import get_expert_activation
+from megatron_moe_ext.experts.activations import get_expert_activation, is_gated_activation
 from megatron_moe_ext.experts.common import stacked_shapes
 from megatron_moe_ext.experts.config import ExpertsConfig
 from megatron_moe_ext.experts.fused import (
@@ -47,11 +47,29 @@ def _unsupported(field: str, value, allowed: str) -> ValueError:
     return ValueError(f"GroupedGemmExperts: {field}={value!r} is not supported; {allowed}")
 
 
+def _check_gelu_settings(config) -> None:
+    """Refuse the settings under which Megatron's experts would not compute exact erf GELU."""
+    if config.bias_activation_fusion:
+        # SequentialMLP (MLP with per_token_scale) and TEGroupedMLP fuse only swiglu and
+        # quick_gelu with the routing prob; their fused bias_gelu_impl is tanh-approximated.
+        raise _unsupported("bias_activation_fusion", True,
+                           "set bias_activation_fusion=False (--no-bias-gelu-fusion) for non-gated "
+                           "gelu experts (Megatron's expert MLPs have no fused weighted GELU and "
+                           "raise at their first forward)")
+    if config.use_te_activation_func:
+        raise _unsupported("use_te_activation_func", True,
+                           "set use_te_activation_func=False for non-gated gelu experts (TE's GELU op "
+                           "is tanh-approximated; these experts compute exact erf GELU)")
+
+
 def experts_config_from_transformer_config(config, expert_mlp_impl: str = "auto") -> ExpertsConfig:
     """Megatron's `TransformerConfig` -> `ExpertsConfig` (with `expert_mlp_impl`), refusing what
     the math cannot match. Megatron's gated expert MLP is `act(x W1_gate) * (x W1_up + offset)`
     with an optional clamp: gated silu, offset 0 -> "swiglu" ("swiglu_clamped" with a clamp);
-    gated quick_gelu, offset 1 -> "swiglu_oai"; non-gated squared_relu -> "relu2"."""
+    gated quick_gelu, offset 1 -> "swiglu_oai"; non-gated squared_relu -> "relu2"; non-gated
+    gelu -> "gelu" (exact erf GELU, what Megatron's experts compute unless TE's tanh-approximated
+    activation op is selected; with `bias_activation_fusion` they have no gelu kernel and raise
+    at their first forward, so both are refused here)."""
     gated = bool(config.gated_linear_unit)
     act = config.activation_func
     clamp = config.activation_func_clamp_value
@@ -64,12 +82,15 @@ def experts_config_from_transformer_config(config, expert_mlp_impl: str = "auto"
         activation = "swiglu_oai"
     elif not gated and act is squared_relu and clamp is None:
         activation = "relu2"
+    elif not gated and act is F.gelu and clamp is None:
+        activation = "gelu"
+        _check_gelu_settings(config)
     else:
         raise _unsupported(
             "activation_func/gated_linear_unit/glu_linear_offset/activation_func_clamp_value",
             (getattr(act, "__name__", act), gated, offset, clamp),
             "allowed: gated silu with offset 0 (optionally clamped), gated quick_gelu with "
-            "offset 1, or non-gated squared_relu without clamp")
+            "offset 1, or non-gated squared_relu or gelu without clamp")
     return ExpertsConfig(
         n_routed_experts=config.num_moe_experts,
         n_activated_experts=config.moe_router_topk,
@@ -147,7 +168,7 @@ class GroupedGemmExperts(MegatronModule):
         self.name = name
         self.ep_group = pg_collection.ep
         self.dp_group = pg_collection.expt_dp
-        self.gated = self.experts_config.expert_activation != "relu2"
+        self.gated = is_gated_activation(self.experts_config.expert_activation)
         self.activation_fn = get_expert_activation(self.experts_config)
         # Megatron's "moe_act": the activation output is freed after fc2, recomputed in backward.
         self.activation_recompute = (config.recompute_granularity == "selective"

@@ -130,7 +130,7 @@ def global_weights(case: ModuleCase) -> dict[str, torch.Tensor]:
     """fp32 stacked weights for all E experts, scaled so pre-activations are O(1) (and the
     clamp at `limit` is active for part of them)."""
     g = torch.Generator().manual_seed(4321 + case.seed)
-    up = case.inter * (1 if case.activation == "relu2" else 2)
+    up = case.inter * (1 if case.activation in ("relu2", "gelu") else 2)
     out = {
         "gate_and_up_projs": torch.randn(case.experts, case.hidden, up, generator=g) * 1.5 / case.hidden ** 0.5,
         "down_projs": torch.randn(case.experts, case.inter, case.hidden, generator=g) / case.inter ** 0.5,
@@ -162,6 +162,8 @@ def reference_activation(name: str, h: torch.Tensor, limit: float) -> torch.Tens
     """The activations' math (docs/DESIGN.md), written independently, without the routing prob."""
     if name == "relu2":
         return F.relu(h) ** 2
+    if name == "gelu":  # exact (erf) GELU
+        return 0.5 * h * (1.0 + torch.erf(h / 2.0 ** 0.5))
     if name == "quick_geglu":
         gate, up = h[:, 0::2], h[:, 1::2]
     else:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from megatron_moe_ext.experts.activations import (
+    gelu,
     get_expert_activation,
     is_gated_activation,
     quick_geglu,
@@ -58,6 +59,8 @@ def _reference(kind: str, x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
             vals = [_ref_oai(g, u) for g, u in zip(row[:half], row[half:])]
         elif kind == "quick_geglu":
             vals = [_ref_oai(g, u) for g, u in zip(row[0::2], row[1::2])]
+        elif kind == "gelu":  # exact (erf) GELU
+            vals = [0.5 * v * (1.0 + math.erf(v / math.sqrt(2.0))) for v in row]
         else:
             vals = [max(v, 0.0) ** 2 for v in row]
         rows.append([v * prob for v in vals])
@@ -71,6 +74,7 @@ def _under_test(kind: str):
         "swiglu_oai": lambda x, p: swiglu_oai(x, p, alpha=ALPHA, limit=LIMIT),
         "quick_geglu": lambda x, p: quick_geglu(x, p, alpha=ALPHA, limit=LIMIT),
         "relu2": relu2,
+        "gelu": gelu,
     }[kind]
 
 
@@ -108,7 +112,8 @@ def _inputs(rows: int, cols: int, dtype: torch.dtype, device: str):
 
 
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
-KINDS = ["swiglu", "swiglu_clamped", "swiglu_oai", "quick_geglu", "relu2"]
+KINDS = ["swiglu", "swiglu_clamped", "swiglu_oai", "quick_geglu", "relu2", "gelu"]
+NON_GATED = ("relu2", "gelu")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -117,7 +122,7 @@ KINDS = ["swiglu", "swiglu_clamped", "swiglu_oai", "quick_geglu", "relu2"]
 def test_forward_matches_elementwise_reference(kind, dtype, device):
     x, probs = _inputs(7, 24, dtype, device)
     out = _under_test(kind)(x, probs)
-    cols = 24 if kind == "relu2" else 12
+    cols = 24 if kind in NON_GATED else 12
     assert out.shape == (7, cols) and out.dtype == dtype
     expected = _reference(kind, x.cpu(), probs.cpu())
     torch.testing.assert_close(out.cpu().double(), expected, **TOLERANCE[dtype])
@@ -155,12 +160,12 @@ def test_config_selects_activation_and_binds_constants():
                                expert_activation=name, activation_alpha=ALPHA, activation_limit=LIMIT)
         fn = get_expert_activation(config)
         torch.testing.assert_close(fn(x, probs), _under_test(name)(x, probs))
-        assert is_gated_activation(name) == (name != "relu2")
+        assert is_gated_activation(name) == (name not in NON_GATED)
 
 
 def test_bad_inputs_raise_value_error():
     with pytest.raises(ValueError, match="expert_activation"):
-        is_gated_activation("gelu")
+        is_gated_activation("geglu")
     odd = torch.randn(3, 5)
     for fn in (swiglu, swiglu_oai, quick_geglu):
         with pytest.raises(ValueError, match="even"):

@@ -106,6 +106,7 @@ def _config(**changes) -> ExpertsConfig:
     ({"expert_activation": "swiglu_clamped", "activation_limit": 7.0}, "clamp"),
     ({"expert_activation": "swiglu_oai", "activation_limit": 7.0}, "clamp"),
     ({"expert_activation": "swiglu_oai", "activation_alpha": 1.0}, "alpha"),
+    ({"expert_activation": "gelu"}, "'gelu' has no QuACK epilogue"),
     ({"dim": 36}, "multiples of 8"),
     ({"dtype": torch.float32}, "bf16 or fp16"),
     ({"expert_mlp_impl": "grouped_mm"}, "grouped_mm"),
@@ -143,14 +144,15 @@ def test_without_quack_auto_runs_torch_path_and_fused_refuses():
         fused.set_quack_backend(previous)
 
 
-def test_unsupported_activation_auto_falls_back_fused_raises(fused_device):
-    case = make_case(32, 4, 2, 32, 16, device=fused_device)
-    case.config = dataclasses.replace(case.config, expert_activation="swiglu_clamped",
-                                      activation_limit=7.0)
+@pytest.mark.parametrize("activation,limit,named", [("swiglu_clamped", 7.0, "no clamp"),
+                                                     ("gelu", 0.0, "no QuACK epilogue")])
+def test_unsupported_activation_auto_falls_back_fused_raises(fused_device, activation, limit, named):
+    case = make_case(32, 4, 2, 32, 16, activation=activation, device=fused_device)
+    case.config = dataclasses.replace(case.config, activation_limit=limit)
     out_auto, _ = run_path(case, "auto", False, device_counts=False)
     out_torch, _ = run_path(case, "grouped_mm", False, device_counts=False)
     assert torch.equal(out_auto, out_torch)
-    with pytest.raises(RuntimeError, match="no clamp"):
+    with pytest.raises(RuntimeError, match=named):
         run_path(case, "fused", False, device_counts=False)
 
 

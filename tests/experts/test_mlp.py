@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_moe_ext.experts import mlp
-from megatron_moe_ext.experts.activations import quick_geglu, relu2, swiglu
+from megatron_moe_ext.experts.activations import gelu, quick_geglu, relu2, swiglu
 from tests.experts.devices import DEVICES
 from tests.experts.memory import LiveStorageTracker
 
@@ -28,16 +28,18 @@ def _ref_activation(kind, h, probs):
     if kind == "quick_geglu":
         gate, up = h[:, 0::2].clamp(max=7.0), h[:, 1::2].clamp(-7.0, 7.0)
         return gate * torch.sigmoid(1.702 * gate) * (up + 1.0) * probs
+    if kind == "gelu":  # exact (erf) GELU
+        return 0.5 * h * (1.0 + torch.erf(h / 2.0 ** 0.5)) * probs
     return F.relu(h) ** 2 * probs
 
 
-ACTIVATIONS = {"swiglu": swiglu, "quick_geglu": quick_geglu, "relu2": relu2}
+ACTIVATIONS = {"swiglu": swiglu, "quick_geglu": quick_geglu, "relu2": relu2, "gelu": gelu}
 
 
 def _case(kind, with_bias, seed=0, counts=COUNTS, tail=TAIL, param_dtype=torch.float32):
     gen = torch.Generator().manual_seed(seed)
     rows, experts = sum(counts) + tail, len(counts)
-    width = INTER if kind == "relu2" else 2 * INTER
+    width = INTER if kind in ("relu2", "gelu") else 2 * INTER
     tensors = {
         "x": torch.randn(rows, HIDDEN, generator=gen),
         "probs": torch.rand(rows, 1, generator=gen),
@@ -118,7 +120,7 @@ def _counts(counts_on, device, counts=COUNTS):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("entry", [_run_grouped, _torch_mm])
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("kind", ["swiglu", "quick_geglu", "relu2"])
+@pytest.mark.parametrize("kind", ["swiglu", "quick_geglu", "relu2", "gelu"])
 def test_matches_per_expert_loop(kind, with_bias, entry, device, counts_on):
     tensors, grad_out = _case(kind, with_bias)
     out, grads = _run(entry, tensors, grad_out, _counts(counts_on, device), device, kind)

@@ -74,6 +74,9 @@ CASES = [
     ModuleCase("mm_oai_fp32_inter3_ep2", "grouped_mm", "swiglu_oai", "fp32", False, 2, inter=3),
     ModuleCase("deepep_clamped_bf16master_hidden12_inter6_ep1", "deepep", "swiglu_clamped",
                "bf16_fp32_master", True, 1, hidden=12, inter=6),
+    # Megatron's default non-gated GELU ([e, H, I] gate/up weights).
+    ModuleCase("mm_gelu_fp32_bias_ep2_empty_expert", "grouped_mm", "gelu", "fp32", True, 2, empty_expert=0),
+    ModuleCase("te_gelu_bf16master_ep1", "te", "gelu", "bf16_fp32_master", False, 1),
     ModuleCase("te_swiglu_fp32_ep2_no_tokens_anywhere", "te", "swiglu", "fp32", False, 2, tokens_per_rank=(0, 0)),
 ]
 

@@ -27,6 +27,7 @@ LAYERS, HIDDEN, HEADS, EXPERTS, TOPK, FFN = 2, 16, 2, 4, 2, 8
 ACTIVATIONS = {  # name -> TransformerConfig fields of Megatron's expert MLP
     "swiglu": dict(gated_linear_unit=True, activation_func=F.silu),
     "relu2": dict(gated_linear_unit=False, activation_func="squared_relu"),
+    "gelu": dict(gated_linear_unit=False, activation_func=F.gelu),  # Megatron's default
     # Clamps small enough for the tiny model's activations to reach them.
     "swiglu_clamped": dict(gated_linear_unit=True, activation_func=F.silu,
                            activation_func_clamp_value=0.05),

@@ -41,9 +41,12 @@ class LayerCase:
     recompute: bool = False
     # Megatron's selective recompute of these modules (e.g. ("moe_act",)); `recompute` adds "moe".
     recompute_modules: tuple[str, ...] = ()
-    # `moe_grouped_gemm` with a gated SiLU MLP: the flex layer builds GroupedGemmExperts, the
-    # native one keeps the spec's SequentialMLP (Megatron's local spec has no grouped GEMM).
+    # `moe_grouped_gemm`: the flex layer builds GroupedGemmExperts, the native one keeps the
+    # spec's SequentialMLP (Megatron's local spec has no grouped GEMM).
     grouped_gemm: bool = False
+    # The expert MLP: "gelu" (Megatron's default F.gelu, gated only with `gated`) or "swiglu"
+    # (gated SiLU); None: gelu, but swiglu under `grouped_gemm`.
+    activation: str | None = None
     capacity_factor: float | None = None
     pad_to_capacity: bool = False
     gated: bool = False
@@ -70,8 +73,9 @@ def layer_config(case: LayerCase, ep_size: int):
     if case.recompute or case.recompute_modules:
         extra.update(recompute_granularity="selective",
                      recompute_modules=["moe"] * case.recompute + list(case.recompute_modules))
-    if case.grouped_gemm:
-        extra.update(moe_grouped_gemm=True, activation_func=F.silu)
+    swiglu = (case.activation or ("swiglu" if case.grouped_gemm else "gelu")) == "swiglu"
+    if swiglu:
+        extra.update(activation_func=F.silu)
     if case.capacity_factor is not None:
         extra.update(moe_expert_capacity_factor=case.capacity_factor,
                      moe_token_drop_policy="probs",
@@ -80,7 +84,8 @@ def layer_config(case: LayerCase, ep_size: int):
         num_layers=1, hidden_size=case.hidden, num_attention_heads=2, ffn_hidden_size=case.ffn,
         num_moe_experts=case.num_experts, moe_router_topk=case.topk, moe_ffn_hidden_size=case.ffn,
         moe_token_dispatcher_type="alltoall", expert_model_parallel_size=ep_size,
-        gated_linear_unit=case.gated or case.grouped_gemm, add_bias_linear=False, use_cpu_initialization=True,
+        moe_grouped_gemm=case.grouped_gemm, gated_linear_unit=case.gated or swiglu,
+        add_bias_linear=False, use_cpu_initialization=True,
         params_dtype=DTYPES[case.dtype], bf16=case.dtype == "bf16", fp16=False, **extra)
 
 

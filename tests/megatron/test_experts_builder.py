@@ -90,7 +90,7 @@ def test_init_like_te_grouped_mlp_draws_in_te_order(dist_pools):
     assert "init_like='te'" in r["error"] and "te_grouped_mlp" in r["error"], r
 
 
-@pytest.mark.parametrize("activation,bias", [("swiglu", True), ("relu2", False)])
+@pytest.mark.parametrize("activation,bias", [("swiglu", True), ("relu2", False), ("gelu", True)])
 def test_tokens_per_expert_host_device_and_capacity_tail(dist_pools, activation, bias):
     (r,) = dist_pools(1).run(tokens_per_expert_forms, activation, bias)
     assert r["host_vs_ref"] <= RTOL, r
@@ -121,6 +121,17 @@ def test_unsupported_megatron_settings_raise_naming_the_field(dist_pools, field,
     also = {"fine_grained_activation_offloading": True} if field == "offload_modules" else {}
     (message,) = dist_pools(1).run(unsupported_config_error, field, value, **also)
     assert message is not None and named in message, message
+
+
+@pytest.mark.parametrize("field", ["bias_activation_fusion", "use_te_activation_func"])
+def test_gelu_settings_megatron_does_not_compute_exactly_raise(dist_pools, field):
+    """Non-gated GELU experts refuse Megatron's fused bias-GELU (its experts have none with the
+    routing prob) and TE's (tanh-approximated) activation op, naming the field and the fix."""
+    import torch.nn.functional as F
+
+    (message,) = dist_pools(1).run(unsupported_config_error, field, True, activation_func=F.gelu,
+                                   gated_linear_unit=False)
+    assert message is not None and f"{field}=True" in message and f"set {field}=False" in message, message
 
 
 def odd_size_experts(hidden: int, ffn: int, dtype_name: str) -> dict:

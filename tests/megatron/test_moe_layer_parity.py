@@ -23,6 +23,8 @@ CASES = [
     LayerCase("bf16", dtype="bf16", aux_loss=True),
     # Megatron's recompute flags on the flex layer's GroupedGemmExperts (native: SequentialMLP).
     LayerCase("grouped_gemm", grouped_gemm=True),
+    # Megatron's default expert activation (non-gated exact GELU) on GroupedGemmExperts.
+    LayerCase("grouped_gemm_gelu", grouped_gemm=True, activation="gelu"),
     LayerCase("grouped_gemm_recompute_moe_act", grouped_gemm=True, recompute_modules=("moe_act",)),
     LayerCase("grouped_gemm_recompute_moe_and_moe_act", grouped_gemm=True, recompute=True,
               recompute_modules=("moe_act",), aux_loss=True),
