@@ -47,6 +47,12 @@ class RoutingChangedError(RuntimeError):
     """The recomputed router chose other experts or weights than the original forward."""
 
 
+ROUTING_CHANGED = ("the recomputed MoE router output differs from the original forward's (expert ids "
+                   "or weights): the backward used the original routing and its gradients do not match "
+                   "the recomputed router. Do not change router weights or expert bias between a "
+                   "checkpointed forward and its backward; make the router deterministic (bf16 top-k ties)")
+
+
 class CapacityOverflowError(RuntimeError):
     """A capacity-mode dispatch needed more rows than its calibrated capacity."""
 
@@ -95,12 +101,7 @@ def agreed_error(words, own: BaseException | None = None, rank: int | None = Non
             f"expert-parallel rank(s) {ranks}: tokens would be dropped; raise "
             f"moe_hybridep_capacity_factor{detail}")
     elif cause == "routing":
-        error = RoutingChangedError(
-            f"expert-parallel rank(s) {ranks}: the recomputed MoE router output differs from the "
-            "original forward's (expert ids or weights): the backward used the original routing and "
-            "its gradients do not match the recomputed router. Do not change router weights or "
-            "expert bias between a checkpointed forward and its backward; make the router "
-            f"deterministic (bf16 top-k ties){detail}")
+        error = RoutingChangedError(f"expert-parallel rank(s) {ranks}: {ROUTING_CHANGED}{detail}")
     else:
         causes = ", ".join(sorted(set(by_rank.values())))
         error = ValueError(f"{cause}: expert-parallel rank(s) {ranks} failed their check of {causes}; "

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from megatron_moe_ext.dispatcher.checks import RoutingChangedError
+from megatron_moe_ext.dispatcher.checks import ROUTING_CHANGED, RoutingChangedError
 from megatron_moe_ext.dispatcher.handoff import IndexedRows
 from megatron_moe_ext.dispatcher.hooks import DispatchHook, in_backward
 from megatron_moe_ext.dispatcher.topk_manager import DispatchState
@@ -279,12 +279,7 @@ class RecomputeReplay(DispatchHook):
         step's first collective (`MoEFlexTokenDispatcher`); `recompute.check_routing` agrees
         across the group itself."""
         if self.changed():
-            raise RoutingChangedError(
-                "the recomputed MoE router output differs from the original forward's (expert "
-                "ids or weights): the backward used the original routing and its gradients "
-                "do not match the recomputed router. Do not change router weights or expert "
-                "bias between a checkpointed forward and its backward; make the router "
-                "deterministic (bf16 top-k ties)")
+            raise RoutingChangedError(ROUTING_CHANGED)
 
     # ---- communication and permutation ---------------------------------------------------
     def dispatch(self, run: Callable[[], torch.Tensor], hidden_states: torch.Tensor,
