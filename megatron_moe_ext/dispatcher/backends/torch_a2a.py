@@ -155,15 +155,8 @@ class TorchDispatchHandle:
     local_SK: torch.Tensor | None = None
 
 
-def dispatch(
-    x_TH: torch.Tensor,
-    indices_TK: torch.Tensor,
-    probs_TK: torch.Tensor,
-    num_experts: int,
-    group,
-    async_finish: bool = False,
-    allocate_on_comm_stream: bool = False,
-):
+def dispatch(x_TH: torch.Tensor, indices_TK: torch.Tensor, probs_TK: torch.Tensor, num_experts: int,
+             group, async_finish: bool = False, allocate_on_comm_stream: bool = False):
     """Send each token to the ranks of its experts: `DeepEPCommunicator.dispatch`'s arguments
     and returns, for rows of any float dtype (the async flags are accepted for its signature:
     these collectives are stream-ordered already)."""
@@ -212,19 +205,12 @@ def exchange(x_TH: torch.Tensor, probs_TK: torch.Tensor, handle: TorchDispatchHa
                                   handle.group)
 
 
-def combine(
-    x_RH: torch.Tensor,
-    group,
-    handle: TorchDispatchHandle,
-    async_finish: bool = False,
-    allocate_on_comm_stream: bool = False,
-):
+def combine(x_RH: torch.Tensor, group, handle: TorchDispatchHandle, async_finish: bool = False,
+            allocate_on_comm_stream: bool = False):
     """Send expert-output rows back and sum each token's copies: `[R, H]` -> `([T, H], None)`."""
     if x_RH.shape[0] != sum(handle.recv_splits):
-        raise ValueError(
-            f"combine input has {x_RH.shape[0]} rows but dispatch delivered "
-            f"{sum(handle.recv_splits)}: pass the restored rows of the same dispatch"
-        )
+        raise ValueError(f"combine input has {x_RH.shape[0]} rows but dispatch delivered "
+                         f"{sum(handle.recv_splits)}: pass the restored rows of the same dispatch")
     if handle.send_token_ids_S is None:
         return x_RH, None
     rows_SH = all_to_all_rows(x_RH, handle.send_splits, handle.recv_splits, handle.group)
