@@ -74,26 +74,18 @@ class BackendRow:
     preprocess_outputs: tuple[str, ...] = ("token_probs", "token_indices")
 
 
-def _topk_kwargs(cfg, group, num_local_experts: int, tp_size: int) -> dict:
-    """The top-k managers' arguments; expert TP folds into the expert space."""
-    return dict(
-        group=group,
-        router_topk=tp_size * cfg.moe_router_topk,
-        capacity_factor=cfg.moe_expert_capacity_factor,
-        num_experts=tp_size * cfg.num_moe_experts,
-        num_local_experts=num_local_experts,
-        router_dtype=cfg.moe_router_dtype,
-        moe_router_expert_pad_multiple=cfg.moe_router_expert_pad_multiple,
-    )
-
-
 def _build_topk(comm, cfg, group, num_local_experts, tp_size):
-    """The top-k manager of `cfg`'s mode over `comm` (a `base.Communicator`)."""
+    """The top-k manager of `cfg`'s mode over `comm` (a `base.Communicator`); expert TP folds
+    into the expert space."""
     from megatron_moe_ext.dispatcher import fixed
     from megatron_moe_ext.dispatcher.topk_manager import _DeepepManager
 
     comm.check_group(group)
-    kwargs = _topk_kwargs(cfg, group, num_local_experts, tp_size)
+    kwargs = dict(group=group, router_topk=tp_size * cfg.moe_router_topk,
+                  capacity_factor=cfg.moe_expert_capacity_factor,
+                  num_experts=tp_size * cfg.num_moe_experts, num_local_experts=num_local_experts,
+                  router_dtype=cfg.moe_router_dtype,
+                  moe_router_expert_pad_multiple=cfg.moe_router_expert_pad_multiple)
     mode = mode_of(cfg)
     if mode == "budget":  # sizes from the token count, overflow counted
         return fixed._FixedShapeManager(fixed.Budget(cfg.moe_expert_rank_capacity_factor),
@@ -130,7 +122,7 @@ _HYBRIDEP_MANAGER_FIELDS = tuple(f for f in _HYBRIDEP_OPTIONS if f != "moe_permu
 
 
 def _build_hybridep(cfg, group, num_local_experts, tp_size):
-    """Expert TP folds into the expert space, as in `_topk_kwargs`."""
+    """Expert TP folds into the expert space, as in `_build_topk`."""
     from megatron_moe_ext.dispatcher.hybridep import _HybridEPManager
 
     return _HybridEPManager(
