@@ -137,12 +137,11 @@ class _DeepepManager(_DispatchManager):
         self.state.token_probs = token_probs if token_probs.dtype == torch.float32 else token_probs.float()
 
     # ---- communication ----------------------------------------------------------------
-    def dispatch(self, hidden_states, async_finish=False, allocate_on_comm_stream=False, **backend_kwargs):
-        """`backend_kwargs`: extra arguments of the backend's dispatch (`num_worst_tokens`)."""
+    def dispatch(self, hidden_states, async_finish=False, allocate_on_comm_stream=False):
         s = self.state
         hidden, s.dispatched_indices, s.dispatched_probs, s.counts, s.handle = self.comm.dispatch(
             hidden_states, s.token_indices, s.token_probs, self.num_experts, self.group, async_finish,
-            allocate_on_comm_stream, **backend_kwargs)
+            allocate_on_comm_stream)
         # The routing inputs are consumed: drop them so recompute cannot keep them alive.
         s.token_indices = s.token_probs = None
         return hidden
