@@ -159,8 +159,8 @@ def _permute_rows_setup(ctx, inputs, output):
 
 
 def _permute_rows_backward(ctx, grad_PH, grad_P):
-    # The gradients autograd derives for the index_select / advanced indexing / index_copy
-    # this op used to be made of, so results keep their bits.
+    # The gradients autograd derives for index_select / advanced indexing / index_copy, so the
+    # op's results have the bits of those plain ops.
     row_ids_N, expert_ids_N, dest_N = ctx.saved_tensors
     if dest_N is not None:
         grad_PH, grad_P = grad_PH.index_select(0, dest_N), grad_P.index_select(0, dest_N)
@@ -316,7 +316,6 @@ def unpermute_from_experts(expert_out_PH: torch.Tensor, state: PermutationState)
         rows_NH = rows_NH[: state.row_ids_N.shape[0]]
     out_RH = expert_out_PH.new_zeros(state.num_rows, expert_out_PH.shape[-1])
     return out_RH.index_put((state.row_ids_N,), rows_NH, accumulate=True)
-
 
 
 def fixed_layout(indices_RK: torch.Tensor, probs_RK: torch.Tensor, num_local_experts: int,
