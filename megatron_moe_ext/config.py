@@ -205,7 +205,7 @@ class TokenDispatcherConfig:
             _fail("moe_flex_dispatcher_backend", backend,
                   f"megatron_moe_ext supports {BACKENDS}; Megatron's {backend!r} is not wrapped")
         row = registry.BACKENDS[backend]
-        _refuse_unhonoured_megatron_settings(config, backend)
+        _refuse_unhonoured_megatron_settings(config, backend, row)
         pad_multiple = None
         if getattr(config, "moe_router_padding_for_quantization", False):
             from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
@@ -250,13 +250,12 @@ _UNHONOURED_MEGATRON_SETTINGS = {
 }
 
 
-def _refuse_unhonoured_megatron_settings(config: Any, backend: str) -> None:
+def _refuse_unhonoured_megatron_settings(config: Any, backend: str, row: registry.BackendRow) -> None:
     """Raise ValueError naming the first Megatron MoE setting the flex layer would ignore."""
     for field, (off, why) in _UNHONOURED_MEGATRON_SETTINGS.items():
         value = getattr(config, field, off)
         if value != off:
             _fail(field, value, f"not supported by megatron_moe_ext's MoE layer ({why}); set it to {off!r}")
-    row = registry.BACKENDS[backend]
     if getattr(config, "moe_permute_fusion", False) and not row.permute_fusion:
         _fail("moe_permute_fusion", True,
               f"the {backend!r} backend has no fused permutation kernel, so the flag would be "
