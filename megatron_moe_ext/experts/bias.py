@@ -32,6 +32,13 @@ def _counts_on(tokens_per_expert: TokenCounts, device: torch.device) -> torch.Te
     return tokens_per_expert.to(device=device, dtype=torch.int64, non_blocking=True)
 
 
+def _host_counts(tokens_per_expert: TokenCounts) -> list[int] | None:
+    """The counts as ints when they are on the host (reading them costs no sync), else None."""
+    if isinstance(tokens_per_expert, torch.Tensor):
+        return tokens_per_expert.tolist() if tokens_per_expert.device.type == "cpu" else None
+    return [int(c) for c in tokens_per_expert]
+
+
 def _row_expert_ids(counts_e: torch.Tensor, rows: int) -> torch.Tensor:
     """`[rows]` int64 expert of each row; `e` for rows past the last segment (padding)."""
     rows_P = torch.arange(rows, device=counts_e.device)

@@ -62,7 +62,7 @@ import torch
 
 from megatron_moe_ext.dispatcher.handoff import IndexedRows
 from megatron_moe_ext.dispatcher.permute import gather_sum
-from megatron_moe_ext.experts.bias import TokenCounts, _apply_bias, _counts_on, _reduce_bias_grad
+from megatron_moe_ext.experts.bias import TokenCounts, _apply_bias, _counts_on, _host_counts, _reduce_bias_grad
 from megatron_moe_ext.experts.kernels import interleave_triton
 from megatron_moe_ext.experts.rows import zero_padding_rows_
 
@@ -368,11 +368,7 @@ def _segment_offsets(tokens_per_expert: TokenCounts, rows: int,
                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`(cu_seqlens int32 [e + 1], counts int64 [e], total_1 or None)` on `device`, without a
     host sync; total_1 (rows in segments, `[1]`) is None when the host counts fill all rows."""
-    if isinstance(tokens_per_expert, torch.Tensor) and tokens_per_expert.device.type != "cpu":
-        host = None
-    else:
-        host = [int(c) for c in (tokens_per_expert.tolist() if isinstance(tokens_per_expert, torch.Tensor)
-                                 else tokens_per_expert)]
+    host = _host_counts(tokens_per_expert)
     counts_e = _counts_on(tokens_per_expert if host is None else host, device)
     cu_e1 = torch.nn.functional.pad(torch.cumsum(counts_e, 0), (1, 0)).to(torch.int32)
     total_1 = None if host is not None and sum(host) == rows else cu_e1[-1:].long()

@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megatron_moe_ext.dispatcher.handoff import IndexedRows
 from megatron_moe_ext.dispatcher.permute import _GatherRows
-from megatron_moe_ext.experts.bias import TokenCounts, _apply_bias, _chunk_counts, _counts_on
+from megatron_moe_ext.experts.bias import TokenCounts, _apply_bias, _chunk_counts, _counts_on, _host_counts
 from megatron_moe_ext.experts.fused import case_unsupported_reason, check_expert_mlp_impl, fused_expert_mlp
 from megatron_moe_ext.experts.rows import zero_padding_rows_
 
@@ -85,13 +85,6 @@ def _grouped_mm_any_width(x_PK: torch.Tensor, w_eKN: torch.Tensor,
         torch._grouped_mm(_pad_dims(x_PK, multiple, (-1,)), _pad_dims(w_eKN, multiple, (-2, -1)),
                           offs=offsets_e), total_1)
     return out if out.shape[1] == width else out[:, :width].contiguous()
-
-
-def _host_counts(tokens_per_expert: TokenCounts) -> list[int] | None:
-    """The counts as ints when they are on the host (reading them costs no sync), else None."""
-    if isinstance(tokens_per_expert, torch.Tensor):
-        return tokens_per_expert.tolist() if tokens_per_expert.device.type == "cpu" else None
-    return [int(c) for c in tokens_per_expert]
 
 
 def _grouped_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor, down_projs: torch.Tensor,

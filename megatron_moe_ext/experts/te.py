@@ -16,11 +16,10 @@ import torch
 from torch import nn
 
 from megatron_moe_ext.experts.activations import get_expert_activation
-from megatron_moe_ext.experts.bias import TokenCounts, _counts_on
+from megatron_moe_ext.experts.bias import TokenCounts, _counts_on, _host_counts
 from megatron_moe_ext.experts.common import local_expert_range, resolve_ep_group, stacked_shapes
 from megatron_moe_ext.experts.config import ExpertsConfig
 from megatron_moe_ext.experts.dispatch import ExpertDispatch, FlexDispatchedExperts, make_dispatcher_config
-from megatron_moe_ext.experts.mlp import _host_counts
 from megatron_moe_ext.utils.optional import require
 
 # Stacked checkpoint key -> (GroupedLinear attribute, parameter kind there).
