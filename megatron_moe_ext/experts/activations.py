@@ -2,8 +2,8 @@
 
 Each multiplies by the routing prob inside (one elementwise pass instead of two). Gated
 layouts are `[gate | up]`, except quick-GEGLU's interleaved one (even columns gate); relu2 and
-gelu are not gated (`x [P, I]`). SwiGLU
-runs a Triton kernel on CUDA (`kernels/swiglu_triton.py`), plain torch elsewhere.
+gelu are not gated (`x [P, I]`). SwiGLU runs a Triton kernel on CUDA
+(`kernels/swiglu_triton.py`), plain torch elsewhere.
 Legend: P permuted rows, I intermediate size.
 """
 
