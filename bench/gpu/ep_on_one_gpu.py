@@ -434,6 +434,7 @@ def _rank(backend: str, world: int, extras: bool, select: list, rank: int, port:
         uccl_real.rank_environment(port)
         # The CPU reference runs under tests/shims, which swap torch.cuda's RNG state functions;
         # TorchDynamo (Megatron's jit_fuser) then fails restoring a CUDA state in the GPU run.
+        # Read when torch is imported, which happens below in this process.
         os.environ["TORCHDYNAMO_DISABLE"] = "1"
         if site is None:
             DEVICE = "cpu"
@@ -456,7 +457,6 @@ def _rank(backend: str, world: int, extras: bool, select: list, rank: int, port:
         import torch
         import torch.distributed as dist
 
-        torch._dynamo.config.disable = True
         if DEVICE == "cuda":
             torch.cuda.set_device(0)
         dist.init_process_group("gloo", rank=rank, world_size=world)
