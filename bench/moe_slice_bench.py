@@ -28,7 +28,10 @@ Variants:
 Per shape and routing: the layer forward+backward and the experts alone (the call the layer made
 to its experts, recorded once and replayed with its inputs as leaves) are timed in interleaved
 rounds: each round runs `--steps` steps of every variant in turn, each step between CUDA events
-from an idle GPU; the result is the median over `--rounds` of the per-round mean. The first step
+from an idle GPU (`median_ms`, the step's latency), then `--steps` steps issued back to back
+(`queued_ms`: what a step costs in a loop that keeps the GPU fed, as a model's layers do;
+`queued_host_ms`: the host's time to issue one, host syncs included); the result is the median
+over `--rounds` of the per-round mean. The first step
 of each variant (JIT compiles) is timed apart (`first_step_s`). Then one profiler pass per
 variant sums kernel time per step into router / permutation+gather (the dispatcher's methods) /
 expert GEMMs / expert other (activation, gathers inside the experts) / other
@@ -164,14 +167,41 @@ def experts_step(layer, x_SBH, grad_SBH):
     return step
 
 
+def queued_ms(step, n: int, cuda: bool) -> tuple[float, float]:
+    """`(wall ms, host ms)` per step of `n` steps issued back to back, as a training loop issues
+    layers: wall from a CUDA event before the first to one after the last; host the time the
+    Python took to issue them (a host sync inside a step counts there: it waits for the GPU)."""
+    if cuda:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step()
+    host = (time.perf_counter() - t0) * 1e3 / n
+    if not cuda:
+        return host, host
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / n, host
+
+
 def interleaved(steps: dict, rounds: int, per_round: int, cuda: bool) -> dict:
-    """`{name: {median_ms, min_ms, max_ms, rounds}}`: per round the mean of `per_round` timed
-    calls of each step in turn; median, min and max over the rounds."""
+    """`{name: {median_ms, min_ms, max_ms, rounds, queued_ms, queued_host_ms}}`, each round
+    running every step in turn:
+    - median/min/max_ms: the mean of `per_round` calls each timed from an idle GPU
+      (`timing.call_ms`): the step's latency, its host time before the GPU has work included;
+    - queued_ms / queued_host_ms: `queued_ms` over `per_round` steps (medians over rounds):
+      what a step costs inside a loop that keeps the GPU fed, and its host time."""
     means: dict[str, list[float]] = {name: [] for name in steps}
+    queued: dict[str, list[tuple[float, float]]] = {name: [] for name in steps}
     for _ in range(rounds):
         for name, step in steps.items():
             means[name].append(sum(call_ms(step, cuda) for _ in range(per_round)) / per_round)
-    return {name: dict(median_ms=statistics.median(v), min_ms=min(v), max_ms=max(v), rounds=rounds)
+            queued[name].append(queued_ms(step, per_round, cuda))
+    return {name: dict(median_ms=statistics.median(v), min_ms=min(v), max_ms=max(v), rounds=rounds,
+                       queued_ms=statistics.median(w for w, _ in queued[name]),
+                       queued_host_ms=statistics.median(h for _, h in queued[name]))
             for name, v in means.items()}
 
 
@@ -301,14 +331,17 @@ def run_case(shape: dict, routing: str, variants, pg, device, cpu: bool, args) -
 
 
 def summarize(cells: dict) -> dict:
-    """Speedups of the fused path over the grouped path and Megatron + TE (layer and experts)."""
+    """Speedups of the fused path over the grouped path and Megatron + TE (layer and experts),
+    from idle (`<part>_...`) and queued (`queued_<part>_...`)."""
     out = {}
     for part in ("layer", "experts"):
-        ms = {k: c[part]["median_ms"] for k, c in cells.items() if isinstance(c, dict) and part in c}
-        for ref in ("flex_grouped_mm", "megatron_te"):
-            for mine in ("flex_fused", "flex_grouped_mm"):
-                if mine != ref and mine in ms and ref in ms:
-                    out[f"{part}_{mine}_speedup_vs_{ref}"] = round(ms[ref] / ms[mine], 4)
+        for timing, prefix in (("median_ms", ""), ("queued_ms", "queued_")):
+            ms = {k: c[part][timing] for k, c in cells.items()
+                  if isinstance(c, dict) and timing in c.get(part, {})}
+            for ref in ("flex_grouped_mm", "megatron_te"):
+                for mine in ("flex_fused", "flex_grouped_mm"):
+                    if mine != ref and mine in ms and ref in ms:
+                        out[f"{prefix}{part}_{mine}_speedup_vs_{ref}"] = round(ms[ref] / ms[mine], 4)
     return out
 
 
@@ -360,7 +393,9 @@ def main() -> None:
             for name in args.variants:
                 cell = cells.get(name, {})
                 print(f"{key:32s} {name:16s} " + (
-                    f"layer {cell['layer']['median_ms']:8.3f} ms  experts {cell['experts']['median_ms']:8.3f} ms "
+                    f"layer {cell['layer']['median_ms']:8.3f} ms (queued {cell['layer']['queued_ms']:.3f}, "
+                    f"host {cell['layer']['queued_host_ms']:.3f})  experts {cell['experts']['median_ms']:8.3f} ms "
+                    f"(queued {cell['experts']['queued_ms']:.3f}, host {cell['experts']['queued_host_ms']:.3f}) "
                     f"({cell['experts']['tflops']:.0f} TFLOP/s)  first step {cell['first_step_s']} s"
                     if "experts" in cell else (cell.get("skipped") or cell.get("error", "?"))[:200]), flush=True)
             print(f"{key:32s} summary {json.dumps(result['summary'][key])}", flush=True)

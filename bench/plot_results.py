@@ -64,18 +64,20 @@ def plot_moe_slice(json_path: str) -> str:
     fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.8 * rows), squeeze=False)
     for ax, (key, cells) in zip(axes.flat, panels):
         timed = [(name, cell) for name, cell in cells.items() if "experts" in cell]
+        # Steps issued back to back where the JSON has them (what a model's loop sees).
+        key_ms = "queued_ms" if all("queued_ms" in c["layer"] for _, c in timed) else "median_ms"
         ys = range(len(timed))
-        layer = ax.barh([y - 0.2 for y in ys], [c["layer"]["median_ms"] for _, c in timed], height=0.4,
+        layer = ax.barh([y - 0.2 for y in ys], [c["layer"][key_ms] for _, c in timed], height=0.4,
                         color="tab:gray", label="layer")
-        experts = ax.barh([y + 0.2 for y in ys], [c["experts"]["median_ms"] for _, c in timed], height=0.4,
+        experts = ax.barh([y + 0.2 for y in ys], [c["experts"][key_ms] for _, c in timed], height=0.4,
                           color="tab:green", label="experts alone")
         ax.bar_label(layer, fmt="%.2f", fontsize=7, padding=2)
-        ax.bar_label(experts, labels=[f"{c['experts']['median_ms']:.2f} ({c['experts']['tflops']:.0f} TF/s)"
-                                      for _, c in timed], fontsize=7, padding=2)
+        ax.bar_label(experts, labels=[f"{c['experts'][key_ms]:.2f}" for _, c in timed], fontsize=7, padding=2)
         ax.set_yticks(list(ys), [name for name, _ in timed], fontsize=7)
         ax.invert_yaxis()
         ax.set_title(key, fontsize=9)
-        ax.set_xlabel("fwd+bwd ms (median of rounds)", fontsize=8)
+        ax.set_xlabel("fwd+bwd ms, " + ("steps queued" if key_ms == "queued_ms" else "from idle")
+                      + " (median of rounds)", fontsize=8)
         ax.legend(fontsize=6, loc="lower right")
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
