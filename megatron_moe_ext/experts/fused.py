@@ -36,9 +36,9 @@ of P rows, not of the weight): `dx = dpreact W1^T` sums over the columns in any 
 
 Selection (`ExpertsConfig.expert_mlp_impl`): "auto" runs this path where QuACK imports, the
 tensors are CUDA on sm90+, the case is supported and hidden * FFN reaches
-`AUTO_MIN_HIDDEN_X_FFN` (`fused_unsupported_reason` says why not), else the
-`torch._grouped_mm` path; "fused" requires it (RuntimeError naming the
-reason); "grouped_mm" never uses it.
+`AUTO_MIN_HIDDEN_X_FFN` (no width yet: it measured slower than the torch path everywhere;
+`fused_unsupported_reason` says why not), else the `torch._grouped_mm` path; "fused" requires
+it (RuntimeError naming the reason); "grouped_mm" never uses it.
 
 Host syncs: none (segment offsets are a device cumsum; padding rows are zeroed by a device
 kernel). QuACK compiles each kernel at its first call (seconds, then cached on disk, see the
@@ -54,6 +54,7 @@ I intermediate, e local experts, J slots per received row.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from types import ModuleType
@@ -81,12 +82,13 @@ _QUACK_ACTIVATIONS = {
 }
 _QUACK_OAI_ALPHA = 1.702  # fixed inside QuACK's swiglu_oai epilogue
 
-#: "auto" runs the fused path only where hidden * FFN reaches this. On one H200
-#: (bench/results/moe_slice_h200.json, one MoE layer forward+backward) the fused layer was
-#: 0.83-0.91x the torch path at the Qwen3-30B-A3B EP8 slice (hidden 2048, FFN 768, 16 experts)
-#: although its kernels summed 4 % less: QuACK's per-call host cost is not hidden by GEMMs that
-#: small. It was 1.03-1.08x at the DeepSeek-V3-like shapes (hidden 7168, FFN 2048).
-AUTO_MIN_HIDDEN_X_FFN = 4 * 1024 * 1024
+#: "auto" runs the fused path only where hidden * FFN reaches this: nowhere, today. On one H200
+#: (bench/results/moe_slice_h200.json, one MoE layer forward+backward, steps queued as in a
+#: training loop) the fused layer was 0.80-0.99x the torch path at every measured shape: 0.80x
+#: at the Qwen3-30B-A3B EP8 slice, where QuACK's per-call host cost is not hidden by GEMMs that
+#: small, 0.97-0.99x at the DeepSeek-V3-like shapes, where both are GEMM-bound. A width where it
+#: measures faster goes here.
+AUTO_MIN_HIDDEN_X_FFN = math.inf
 
 
 def check_expert_mlp_impl(value) -> str:
@@ -111,7 +113,7 @@ class QuackBackend:
     reason: str | None
     any_device: bool = False
     epilogues: ModuleType | None = None
-    auto_min_hidden_x_ffn: int = 0
+    auto_min_hidden_x_ffn: float = 0
 
 
 _backend: QuackBackend | None = None
@@ -229,9 +231,10 @@ def auto_declined_reason(expert_mlp_impl: str, hidden: int, inter: int) -> str |
     least = quack_backend().auto_min_hidden_x_ffn
     if expert_mlp_impl != "auto" or hidden * inter >= least:
         return None
-    return (f"expert_mlp_impl='auto' keeps the torch path where hidden * FFN ({hidden} * {inter}) "
-            f"< {least}: it measured faster there (fused.AUTO_MIN_HIDDEN_X_FFN); "
-            "expert_mlp_impl='fused' runs the fused path anyway")
+    where = ("at every width measured so far" if least == math.inf
+             else f"where hidden * FFN ({hidden} * {inter}) < {least}")
+    return (f"expert_mlp_impl='auto' keeps the torch path {where}: it measured faster "
+            "(fused.AUTO_MIN_HIDDEN_X_FFN); expert_mlp_impl='fused' runs the fused path anyway")
 
 
 # --- layout -------------------------------------------------------------------------------------
@@ -430,9 +433,12 @@ def warmup_fused_expert_mlp(config, device: torch.device | str, dtype: torch.dty
     layouts, activation, bias, gather), not per shape, so these cover every later shape.
 
     Arguments:
-        config: `ExpertsConfig`. device / dtype: where and in what dtype the rows will be
-            (dtype default `config.dtype`). indexed: warm up the `IndexedRows` gather too.
+        config: `ExpertsConfig` (with "auto" at a width where it keeps the torch path, this
+            does nothing). device / dtype: where and in what dtype the rows will be (dtype
+            default `config.dtype`). indexed: warm up the `IndexedRows` gather too.
     """
+    if auto_declined_reason(config.expert_mlp_impl, config.dim, config.moe_inter_dim):
+        return  # "auto" keeps the torch path at this width: no QuACK kernel will run
     reason = fused_unsupported_reason(config, device, dtype)
     if reason is not None:
         raise RuntimeError(f"fused expert MLP unavailable: {reason}")

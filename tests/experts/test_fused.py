@@ -179,10 +179,30 @@ def test_invalid_impl_is_refused():
 
 
 def test_warmup_runs_every_kernel(fused_device):
-    fused.warmup_fused_expert_mlp(_config(dtype=torch.bfloat16, expert_bias=True), fused_device)
+    # "fused": at these widths real QuACK's "auto" keeps the torch path (AUTO_MIN_HIDDEN_X_FFN).
+    fused.warmup_fused_expert_mlp(_config(dtype=torch.bfloat16, expert_bias=True, expert_mlp_impl="fused"),
+                                  fused_device)
     with pytest.raises(RuntimeError, match="clamp"):
         fused.warmup_fused_expert_mlp(
             _config(expert_activation="swiglu_clamped", activation_limit=7.0), fused_device)
+
+
+def test_warmup_does_nothing_where_auto_keeps_the_torch_path():
+    """Below `auto_min_hidden_x_ffn`, "auto" never calls QuACK, so there is nothing to compile
+    (a backend without functions would fail on any call); "fused" still warms up."""
+    previous = fused.set_quack_backend(fused.QuackBackend(quack_gemm, None, any_device=True,
+                                                          auto_min_hidden_x_ffn=1 << 40))
+    calls = []
+    original = quack_gemm.gemm_gated
+    quack_gemm.gemm_gated = lambda *a, **k: calls.append(1) or original(*a, **k)
+    try:
+        fused.warmup_fused_expert_mlp(_config(dtype=torch.bfloat16), "cpu")
+        assert calls == []
+        fused.warmup_fused_expert_mlp(_config(dtype=torch.bfloat16, expert_mlp_impl="fused"), "cpu")
+        assert calls
+    finally:
+        quack_gemm.gemm_gated = original
+        fused.set_quack_backend(previous)
 
 
 def test_seed_module_fused_matches_grouped_mm(fused_device):
@@ -227,7 +247,7 @@ def test_cuda_graph_replay_equals_eager(fused_device):
     if fused_device == "cpu":
         pytest.skip("CUDA graphs need CUDA")
     case = make_case(64, 4, 2, 64, 32, pad=8, device="cuda")
-    fused.warmup_fused_expert_mlp(case.config, "cuda")
+    fused.warmup_fused_expert_mlp(dataclasses.replace(case.config, expert_mlp_impl="fused"), "cuda")
     counts = torch.tensor(case.counts, device="cuda")
     leaves = {"rows": case.tokens_RH.detach().clone().requires_grad_(True),
               "probs": case.probs_P1.detach().clone().requires_grad_(True),
@@ -281,17 +301,19 @@ def test_no_rows_for_any_local_expert(fused_device):
         assert t.grad is not None and not t.grad.any()
 
 
-@pytest.mark.parametrize("impl,hidden,inter,declined", [
-    ("auto", 2048, 768, True),     # the Qwen3-30B-A3B width: the torch path measured faster
-    ("auto", 7168, 2048, False),   # the DeepSeek-V3-like width: the fused path did
-    ("fused", 2048, 768, False),   # "fused" is not a preference
+@pytest.mark.parametrize("least,impl,hidden,inter,declined", [
+    # QuACK's threshold: the torch path measured faster at both widths (moe_slice_h200.json)
+    (fused.AUTO_MIN_HIDDEN_X_FFN, "auto", 2048, 768, "at every width measured"),
+    (fused.AUTO_MIN_HIDDEN_X_FFN, "auto", 7168, 2048, "at every width measured"),
+    (fused.AUTO_MIN_HIDDEN_X_FFN, "fused", 2048, 768, None),  # "fused" is not a preference
+    (4 << 20, "auto", 2048, 768, "hidden * FFN (2048 * 768) < 4194304"),  # a finite threshold
+    (4 << 20, "auto", 7168, 2048, None),
 ])
-def test_auto_keeps_the_torch_path_below_the_measured_width(impl, hidden, inter, declined):
-    previous = fused.set_quack_backend(dataclasses.replace(
-        DOUBLE, auto_min_hidden_x_ffn=fused.AUTO_MIN_HIDDEN_X_FFN))
+def test_auto_keeps_the_torch_path_below_the_measured_width(least, impl, hidden, inter, declined):
+    previous = fused.set_quack_backend(dataclasses.replace(DOUBLE, auto_min_hidden_x_ffn=least))
     try:
         config = _config(dim=hidden, moe_inter_dim=inter, dtype=torch.bfloat16, expert_mlp_impl=impl)
         reason = fused.fused_unsupported_reason(config, "cpu")
     finally:
         fused.set_quack_backend(previous)
-    assert (reason is not None and "hidden * FFN" in reason) if declined else reason is None, reason
+    assert (reason is not None and declined in reason) if declined else reason is None, reason
