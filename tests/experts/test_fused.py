@@ -184,7 +184,8 @@ def test_warmup_runs_every_kernel(fused_device):
                                   fused_device)
     with pytest.raises(RuntimeError, match="clamp"):
         fused.warmup_fused_expert_mlp(
-            _config(expert_activation="swiglu_clamped", activation_limit=7.0), fused_device)
+            _config(expert_activation="swiglu_clamped", activation_limit=7.0, expert_mlp_impl="fused"),
+            fused_device)
 
 
 def test_warmup_does_nothing_where_auto_keeps_the_torch_path():
