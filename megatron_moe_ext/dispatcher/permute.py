@@ -162,7 +162,7 @@ def _permute_rows_backward(ctx, grad_PH, grad_P):
     # The gradients autograd derives for index_select / advanced indexing / index_copy, except
     # that the rows are summed by `index_put_(accumulate=True)`, not index_select's atomic
     # `index_add_`: deterministic on CUDA (sort-based) and, at top-8, about 3x faster there
-    # (bench/results/moe_slice_h200.json: 0.17 against 0.54 ms at the Qwen3 EP8 slice).
+    # (0.17 against 0.54 ms at the Qwen3 EP8 slice: bench/results/moe_slice_h200{,_23c705d}.json).
     row_ids_N, expert_ids_N, dest_N = ctx.saved_tensors
     if dest_N is not None:
         grad_PH, grad_P = grad_PH.index_select(0, dest_N), grad_P.index_select(0, dest_N)
