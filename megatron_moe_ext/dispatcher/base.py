@@ -58,6 +58,9 @@ class _DispatchManager(ABC):
     metadata_processor = None
     #: Fixed-shape modes: permuted rows per dispatch (None: dropless, sized by the counts).
     capacity: int | None = None
+    #: Its dispatch can be replayed along a saved layout, so the recompute hook
+    #: (`RecomputeReplay`) can plug in; a recompute of the others would route anew.
+    replayable = False
 
     def allocate_buffers(self, hidden_size: int, dtype: torch.dtype) -> None:
         """Allocate the backend's buffer now (experts call it at setup, before any activation

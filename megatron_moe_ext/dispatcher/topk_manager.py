@@ -91,9 +91,7 @@ class _DeepepManager(_DispatchManager):
         self.pad_multiple = moe_router_expert_pad_multiple
         self._release_dispatch_state()
 
-    #: Its dispatch can be replayed along a saved layout (`Communicator.dispatch_cached`): the
-    #: recompute hook (`RecomputeReplay`) plugs in. The fixed-shape modes keep their own.
-    replayable = True
+    replayable = True  # along the saved layout (`Communicator.dispatch_cached`)
 
     def _release_dispatch_state(self) -> None:
         self.state = DispatchState()

@@ -67,26 +67,35 @@ def _megatron_builds_dispatcher(factory):
                 setattr(_megatron_moe_layer, n, cls)
 
 
-def _check_fixed_shape_mode(dispatcher_config: TokenDispatcherConfig, experts, recomputed: bool) -> None:
+def _check_sequential_mlp(dispatcher_config: TokenDispatcherConfig, experts) -> None:
     """The fixed-shape modes (capacity, budget) hand the experts a fixed number of rows with
-    device counts, which Megatron's SequentialMLP splits on the host by the counts; and their
-    recompute repeats the whole dispatch with the recomputed routing (no replay of the
-    forward's, see `recompute.attach_replay`), so a routing changed before the recompute would
-    train on gradients of another routing, unnoticed. Both are refused here, on every rank."""
+    device counts, which Megatron's SequentialMLP splits on the host by the counts: refused."""
     mode = registry.mode_of(dispatcher_config)
-    if mode == "dropless":
-        return
-    field = registry.MODE_FIELDS[mode]
-    value = getattr(dispatcher_config, field)
-    if isinstance(experts, SequentialMLP):
-        raise ValueError(f"{field}={value!r} is invalid with Megatron's SequentialMLP experts, which need "
-                         "as many rows as the counts sum to: set moe_grouped_gemm=True (grouped-GEMM "
-                         f"experts take {mode} mode's fixed rows) or leave {field} unset (dropless)")
-    if recomputed:
-        raise ValueError(f"{field}={value!r} is invalid under Megatron's recompute of the MoE layer "
-                         "(recompute_granularity='full', or 'selective' with 'moe' in recompute_modules): "
-                         f"{mode} mode's recompute cannot replay the forward's routing; leave {field} "
-                         "unset (dropless, whose recompute replays it) or recompute other modules")
+    if mode != "dropless" and isinstance(experts, SequentialMLP):
+        field = registry.MODE_FIELDS[mode]
+        raise ValueError(f"{field}={getattr(dispatcher_config, field)!r} is invalid with Megatron's "
+                         "SequentialMLP experts, which need as many rows as the counts sum to: set "
+                         f"moe_grouped_gemm=True (grouped-GEMM experts take {mode} mode's fixed rows) "
+                         f"or leave {field} unset (dropless)")
+
+
+def _refuse_unreplayable_recompute(dispatcher_config: TokenDispatcherConfig) -> None:
+    """A recompute that cannot replay the forward's routing (the fixed-shape modes, HybridEP:
+    their managers are not `replayable`) repeats the whole dispatch with the recomputed
+    routing, so a routing changed before the recompute would train on gradients of another
+    routing, unnoticed: refused, on every rank, naming the setting to change."""
+    mode = registry.mode_of(dispatcher_config)
+    if mode != "dropless":
+        field = registry.MODE_FIELDS[mode]
+        setting, remedy = (f"{field}={getattr(dispatcher_config, field)!r}",
+                           f"leave {field} unset (dropless, whose recompute replays it)")
+    else:
+        setting = f"moe_flex_dispatcher_backend={dispatcher_config.moe_flex_dispatcher_backend!r}"
+        remedy = "use a backend whose recompute replays it (torch, deepep, uccl_ep)"
+    raise ValueError(f"{setting} is invalid under Megatron's recompute of the MoE layer "
+                     "(recompute_granularity='full', or 'selective' with 'moe' in recompute_modules): "
+                     f"its recompute cannot replay the forward's routing; {remedy} or recompute "
+                     "other modules")
 
 
 class FlexMoELayer(MoELayer, overflow.OverflowCounter):
@@ -123,13 +132,15 @@ class FlexMoELayer(MoELayer, overflow.OverflowCounter):
         row = registry.BACKENDS[dispatcher_config.moe_flex_dispatcher_backend]
         self.token_dispatcher.hand_indexed_rows = (
             row.indexed_rows and getattr(self.experts, "accepts_indexed_rows", False))
-        recomputed = self.moe_layer_recompute or config.recompute_granularity == "full"
-        _check_fixed_shape_mode(dispatcher_config, self.experts, recomputed)
-        # Budget mode: `[dropped pairs, rows needed]` on the device, see `overflow.py`.
-        self._init_overflow_counter(config, dispatcher_config)
+        _check_sequential_mlp(dispatcher_config, self.experts)
         # Megatron recomputes this layer (selective "moe", or the whole transformer layer):
         # the recompute replays the original routing and layout (megatron_moe_ext.recompute).
+        recomputed = self.moe_layer_recompute or config.recompute_granularity == "full"
         self.recompute_replay = attach_replay(self.token_dispatcher) if recomputed else None
+        if recomputed and self.recompute_replay is None:
+            _refuse_unreplayable_recompute(dispatcher_config)
+        # Budget mode: `[dropped pairs, rows needed]` on the device, see `overflow.py`.
+        self._init_overflow_counter(config, dispatcher_config)
 
     def routed_experts_compute(self, hidden_states, probs):
         output, mlp_bias = super().routed_experts_compute(hidden_states, probs)

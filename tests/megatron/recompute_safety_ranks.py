@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from megatron_moe_ext import recompute
 from megatron_moe_ext.config import TokenDispatcherConfig
-from tests.dispatcher.agreement_ranks import MODES, outcome
+from tests.dispatcher.agreement_ranks import INSTALLERS, MODES, outcome
 from tests.harness import COLLECTIVE_TIMEOUT_S
 from tests.megatron.cases_layer import LayerCase, layer_config
 from tests.shims import megatron_cpu
@@ -28,9 +28,10 @@ E = 8
 
 
 def _build(recompute_granularity: str | None = None, mode: str = "dropless", grouped_gemm: bool = False,
-           seed: int = 5):
+           seed: int = 5, backend: str = "torch"):
     """`FlexMoELayer` on EP = world size under Megatron's recompute flag ("moe": selective
-    recompute of the MoE layer, "full": the whole layer), its dispatcher in `mode`."""
+    recompute of the MoE layer, "full": the whole layer), its dispatcher on `backend` (its
+    double installed) in `mode`."""
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 
     from megatron_moe_ext.megatron.moe_layer import FlexMoELayer
@@ -44,8 +45,10 @@ def _build(recompute_granularity: str | None = None, mode: str = "dropless", gro
     elif recompute_granularity == "full":
         extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     config = dataclasses.replace(config, **extra)
+    if backend in INSTALLERS:
+        INSTALLERS[backend]()
     dispatcher_config = TokenDispatcherConfig.from_transformer_config(
-        config, moe_share_token_dispatcher=False, **MODES[mode])
+        config, moe_share_token_dispatcher=False, moe_flex_dispatcher_backend=backend, **MODES[mode])
     spec = get_moe_module_spec(use_te=False, num_experts=E)
     torch.manual_seed(seed)
     layer = FlexMoELayer(config, submodules=spec.keywords["submodules"], pg_collection=pg, layer_number=1,
@@ -155,6 +158,16 @@ def fixed_shape_mode_recompute(mode: str, granularity: str) -> dict:
             return grads
 
         return {"build": build, "run": _outcome_against(steps, ref)}
+    finally:
+        megatron_cpu.uninstall()
+
+
+def unreplayable_backend_recompute(backend: str, granularity: str) -> dict:
+    """The outcome of building a dropless `FlexMoELayer` on `backend` under Megatron's
+    `granularity` recompute."""
+    megatron_cpu.install()
+    try:
+        return outcome(lambda: _build(granularity, backend=backend))
     finally:
         megatron_cpu.uninstall()
 

@@ -28,6 +28,16 @@ def test_routing_change_on_one_rank_raises_on_every_rank(dist_pools, granularity
     assert_agreed_error(results, "RoutingChangedError", BAD_RANK, ())
 
 
+@pytest.mark.parametrize("granularity", ["moe", "full"])
+def test_hybridep_under_megatron_recompute_is_refused(dist_pools, granularity):
+    """HybridEP's recompute repeats the whole dispatch with the recomputed routing (its manager
+    is not `replayable`): the build refuses it on every rank, naming the backend, as it does the
+    fixed-shape modes (HybridEP's double)."""
+    results = dist_pools(2).run(ranks.unreplayable_backend_recompute, "hybridep", granularity)
+    assert_refused(results, ("moe_flex_dispatcher_backend='hybridep'",))
+    assert all("recompute" in r["message"] for r in results), results
+
+
 @pytest.mark.parametrize("mode", ["capacity", "budget"])
 @pytest.mark.parametrize("granularity", ["moe", "full"])
 def test_fixed_shape_mode_under_megatron_recompute_is_correct_or_refused(dist_pools, mode, granularity):
