@@ -111,12 +111,12 @@ def _with_clean_step(result: dict, disp, backend: str, mode: str) -> dict:
 
 
 # ---- item 1: an error one rank sees, every backend and mode ------------------------------
-def bad_input_on_one_rank(backend: str, mode: str, bad_rank: int) -> dict:
+def bad_input_on_one_rank(backend: str, mode: str, bad_rank: int, **overrides) -> dict:
     """Rank `bad_rank` names an expert twice in one token's top-k (after a calibration step in
-    capacity mode); every rank reports how its step ended."""
+    capacity mode); every rank reports how its step ended. `overrides`: more dispatcher settings."""
     group, rank = bounded_group(), dist.get_rank()
     dtype, hidden = _row_format(backend, mode)
-    disp = dispatcher(backend, mode, group)
+    disp = dispatcher(backend, mode, group, **overrides)
     if mode == "capacity":  # the first dispatch calibrates; the fixed-shape path comes after
         clean_step_error(disp, 100 + rank, hidden, dtype)
     x, indices, probs = routing(rank, hidden=hidden, dtype=dtype)
