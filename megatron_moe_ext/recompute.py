@@ -9,7 +9,8 @@ This module is the user-facing side: `checkpoint_moe` (non-reentrant `torch.util
 with the records keyed by the call) and its policies `save_dispatch_outputs` (keep the rows and
 probs handed to the experts, the router's outputs and the combined tokens: the recompute runs
 no dispatcher step) and `recompute_all` (the rows move again along the recorded layout);
-`attach_replay` / `replays_in` for Megatron's own recompute; `check_routing` at the step boundary.
+`attach_replay` / `replays_in` for Megatron's own recompute; `check_routing` at the step boundary;
+`clear_records` after a step abandoned by an error.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from megatron_moe_ext.dispatcher import checks
 from megatron_moe_ext.dispatcher.replay import RecomputeReplay, RoutingChangedError
 
 __all__ = ["RecomputeReplay", "RoutingChangedError", "attach_replay", "check_routing", "checkpoint_moe",
-           "recompute_all", "replays_in", "save_dispatch_outputs"]
+           "clear_records", "recompute_all", "replays_in", "save_dispatch_outputs"]
 
 
 def save_dispatch_outputs(ctx, func, *args, **kwargs) -> CheckpointPolicy:
@@ -79,8 +80,7 @@ def check_routing(module_or_dispatchers) -> None:
         group = replay.manager.group
         changed_by_group[group] = replay.changed() | changed_by_group.get(group, False)
     for group, changed in changed_by_group.items():
-        checks.agree(group, RoutingChangedError("the recomputed MoE router output differs "
-                                                                "from the original forward's") if changed else None)
+        checks.agree(group, RoutingChangedError(checks.ROUTING_CHANGED) if changed else None)
 
 
 def checkpoint_moe(fn: Callable, *args, replays: Iterable[RecomputeReplay],
@@ -129,7 +129,23 @@ def checkpoint_moe(fn: Callable, *args, replays: Iterable[RecomputeReplay],
     with contextlib.ExitStack() as stack:
         for replay in replays:
             stack.enter_context(replay.recording(keep_outputs=keep_outputs))
-        return checkpoint(call, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+        try:
+            return checkpoint(call, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+        except BaseException:
+            # An abandoned forward (an error every rank raised): its records would be replayed
+            # by nothing, or, under another key, by a later call.
+            for replay in replays:
+                replay.drop_call(key)
+            raise
+
+
+def clear_records(module_or_dispatchers) -> None:
+    """Drop every unconsumed record of the MoE layers in a module (or of dispatchers): call it
+    after catching an error that abandoned a step, before the next, when the layers record
+    under Megatron's recompute flags (their records are taken in forward order, so a record
+    of the abandoned forward would be replayed by the next step's recompute)."""
+    for replay in replays_in(module_or_dispatchers):
+        replay.clear()
 
 
 def _ending_recompute(replays: list[RecomputeReplay]):

@@ -15,6 +15,7 @@ if [ "${1:-}" = prepare ]; then
   git archive "$AB_BASE" megatron_moe_ext bench tests/__init__.py tests/shims ":(exclude)bench/results" | tar x -C "$BASE_DIR"
   git rev-parse "$AB_BASE" > "$BASE_DIR/COMMIT"; exit 0
 fi
+[ -f "$BASE_DIR/COMMIT" ] || { echo "no base tree in $BASE_DIR: run 'bash $0 prepare' first" >&2; exit 1; }
 PY="${PYTHON:-python3}"
 OUT=${OUT:-./outputs}; RUNS=$(realpath -m "$OUT/ab_cost"); mkdir -p "$RUNS"
 run() {  # tree label round
@@ -22,7 +23,7 @@ run() {  # tree label round
   (cd "$tree" && PYTHONPATH="$PWD" $PY bench/moe_layer_bench.py --shapes qwen3_30b_a3b --variants flex_grouped_gemm \
      ${AB_SMOKE:+--smoke} --iters 50 --json "$RUNS/${label}_dropless_$round.json") > "$RUNS/${label}_dropless_$round.log" 2>&1
   (cd "$tree" && PYTHONPATH="$PWD" $PY bench/moe_layer_graphs.py --shapes qwen3_30b_a3b --tokens-per-expert 512 \
-     ${AB_SMOKE:+--smoke} --steps 5 --out "$RUNS/${label}_budget_$round.json") > "$RUNS/${label}_budget_$round.log" 2>&1
+     ${AB_SMOKE:+--smoke} --steps 5 --iters 20 --out "$RUNS/${label}_budget_$round.json") > "$RUNS/${label}_budget_$round.log" 2>&1
   echo "$label round $round done"
 }
 run "$BASE_DIR" base 1; run . head 1; run . head 2; run "$BASE_DIR" base 2
@@ -45,6 +46,7 @@ for kind in ("dropless", "budget"):
     base, head = load("base", kind), load("head", kind)
     for key in (base[0] if base else {}):
         b = [r[key] for r in base]; h = [r[key] for r in head]
+        assert len(b) == len(h) == 2, f"{kind}/{key}: a run failed (see {runs}/*.log): base {b}, head {h}"
         record["ms"][f"{kind}/{key}"] = {"base": b, "head": h}
         record["head_over_base"][f"{kind}/{key}"] = round(statistics.mean(h) / statistics.mean(b), 4)
 json.dump(record, open(path, "w"), indent=2)

@@ -187,7 +187,7 @@ class _FixedShapeManager(_DeepepManager):
         receive_overflow = self.overflow.receive_overflow(self)
         extra = {} if receive_overflow is None else {"receive_overflow": receive_overflow}
         try:
-            rows, s.dispatched_indices, s.dispatched_probs, s.handle, _ = self.comm.dispatch_fixed(
+            rows, s.dispatched_indices, s.dispatched_probs, s.handle = self.comm.dispatch_fixed(
                 hidden_states, s.token_indices, s.token_probs, self.num_experts, self.group,
                 self.send_capacity, async_finish, allocate_on_comm_stream, **extra)
         except checks.CapacityOverflowError as exc:  # every rank's sizes are the same: name them

@@ -153,6 +153,10 @@ class RecomputeReplay(DispatchHook):
         if self._skipping:
             self._current, self._skipping = None, False
 
+    def drop_call(self, key: object) -> None:
+        """Drop `key`'s unconsumed records (its forward raised: no recompute will take them)."""
+        self._records.pop(key, None)
+
     def clear(self) -> None:
         """Drop unconsumed records (a checkpointed forward whose backward never ran)."""
         self._records.clear()

@@ -203,6 +203,9 @@ class GroupedExpertsTE(FlexDispatchedExperts, nn.Module):
             self._static_m_splits = host
         if host is not None:
             routed = sum(host)
+            if routed > rows:
+                raise ValueError(f"tokens_per_expert sums to {routed} but only {rows} rows were "
+                                 "dispatched")
             valid_PH = rows_PH[:routed]
             if pad_groups:
                 padded_PH, padded_splits = self.fp8_padding(valid_PH, host)

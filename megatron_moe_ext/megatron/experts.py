@@ -121,6 +121,14 @@ def _check_megatron_features(config) -> None:
         "fp4": (config.fp4, None, "use the TE experts for FP4"),
         "delay_wgrad_compute": (bool(config.delay_wgrad_compute), False,
                                 "weight gradients are computed in the ordinary backward"),
+        "moe_mlp_glu_interleave_size": (getattr(config, "moe_mlp_glu_interleave_size", None), None,
+                                        "fc1 stores gate and up as two halves"),
+        "moe_single_grouped_weight": (bool(getattr(config, "moe_single_grouped_weight", False)), False,
+                                      "the experts' weights are stacked tensors"),
+        "moe_single_grouped_bias": (bool(getattr(config, "moe_single_grouped_bias", False)), False,
+                                    "the experts' biases are stacked tensors"),
+        "moe_paged_stash": (bool(getattr(config, "moe_paged_stash", False)), False,
+                            "expert activations are saved as autograd saves them"),
         # Megatron's expert activation offloading hooks live inside its own expert classes.
         "offload_modules": (sorted(set(config.offload_modules or ()) & _EXPERT_OFFLOAD_MODULES)
                             if config.fine_grained_activation_offloading else [], [],

@@ -188,21 +188,20 @@ def test_warmup_runs_every_kernel(fused_device):
             fused_device)
 
 
-def test_warmup_does_nothing_where_auto_keeps_the_torch_path():
-    """Below `auto_min_hidden_x_ffn`, "auto" never calls QuACK, so there is nothing to compile
-    (a backend without functions would fail on any call); "fused" still warms up."""
+def test_warmup_does_nothing_where_auto_keeps_the_torch_path(monkeypatch):
+    """Below `auto_min_hidden_x_ffn`, "auto" never calls QuACK, so there is nothing to compile;
+    "fused" still warms up."""
     previous = fused.set_quack_backend(fused.QuackBackend(quack_gemm, None, any_device=True,
                                                           auto_min_hidden_x_ffn=1 << 40))
     calls = []
     original = quack_gemm.gemm_gated
-    quack_gemm.gemm_gated = lambda *a, **k: calls.append(1) or original(*a, **k)
+    monkeypatch.setattr(quack_gemm, "gemm_gated", lambda *a, **k: calls.append(1) or original(*a, **k))
     try:
         fused.warmup_fused_expert_mlp(_config(dtype=torch.bfloat16), "cpu")
         assert calls == []
         fused.warmup_fused_expert_mlp(_config(dtype=torch.bfloat16, expert_mlp_impl="fused"), "cpu")
         assert calls
     finally:
-        quack_gemm.gemm_gated = original
         fused.set_quack_backend(previous)
 
 

@@ -93,6 +93,15 @@ def test_te_static_routing_caches_m_splits_once():
     assert module._static_m_splits is first
 
 
+def test_te_counts_past_the_dispatched_rows_raise():
+    """Host counts that sum past the rows handed over are refused, not silently cut short."""
+    case = dataclasses.replace(CASE, module="te")
+    module = build_module(case)
+    rows = torch.zeros(5, module.dim, device=case_device(case))
+    with pytest.raises(ValueError, match="tokens_per_expert sums to 6 but only 5 rows"):
+        module._grouped_mlp(rows, torch.ones(5, device=rows.device), [2, 2, 1, 1])
+
+
 def test_te_fp8_padding_aligns_every_group_and_changes_nothing():
     """TE's Fp8Padding / Fp8Unpadding around both GEMMs: every group TE sees is a multiple of
     the alignment, and the result equals the unpadded module's."""

@@ -203,6 +203,32 @@ def layer_called_twice(second: str) -> dict:
         megatron_cpu.uninstall()
 
 
+def abandoned_forward_records() -> dict:
+    """Records left by a forward that raised after its dispatch: under `checkpoint_moe`, and
+    under Megatron's `moe` recompute then `recompute.clear_records`."""
+    megatron_cpu.install()
+    try:
+        layer, case = _build(None)
+        x, _ = _inputs(case, 100)
+        replays = recompute.replays_in(layer)
+
+        def forward_then_fail(h):
+            layer(h)
+            raise RuntimeError("abandoned after the dispatch")
+
+        result = {"checkpoint_moe": outcome(lambda: recompute.checkpoint_moe(
+            forward_then_fail, x.clone().requires_grad_(), replays=replays))}
+        result["checkpoint_moe_records"] = replays[0].num_records
+        megatron_layer, _ = _build("moe")
+        megatron_layer(x.clone().requires_grad_())  # its backward never runs
+        result["megatron_records"] = megatron_layer.recompute_replay.num_records
+        recompute.clear_records(megatron_layer)
+        result["megatron_records_cleared"] = megatron_layer.recompute_replay.num_records
+        return result
+    finally:
+        megatron_cpu.uninstall()
+
+
 # ---- item 6: fixed-shape modes with Megatron's default SequentialMLP experts -----------------
 def sequential_mlp_with_fixed_shape_mode(mode: str) -> dict:
     """`dispatcher_config` in `mode` with the spec's SequentialMLP experts (no grouped GEMM):

@@ -113,6 +113,10 @@ def test_plain_state_dict_conversion_roundtrip(dist_pools):
     ("delay_wgrad_compute", True, "delay_wgrad_compute"),
     ("moe_latent_size", 8, "moe_latent_size"),
     ("offload_modules", ["moe_act"], "offload_modules"),
+    ("moe_mlp_glu_interleave_size", 32, "moe_mlp_glu_interleave_size"),
+    ("moe_single_grouped_weight", True, "moe_single_grouped_weight"),
+    ("moe_single_grouped_bias", True, "moe_single_grouped_bias"),
+    ("moe_paged_stash", True, "moe_paged_stash"),
 ])
 def test_unsupported_megatron_settings_raise_naming_the_field(dist_pools, field, value, named):
     if value == "gelu":

@@ -28,6 +28,17 @@ def test_routing_change_on_one_rank_raises_on_every_rank(dist_pools, granularity
     assert_agreed_error(results, "RoutingChangedError", BAD_RANK, ())
 
 
+def test_abandoned_forward_leaves_no_record_to_replay(dist_pools):
+    """A forward that raised after its dispatch (an error every rank raised) leaves no record
+    that a later recompute could take: `checkpoint_moe` drops its call's records; under
+    Megatron's recompute flags (records taken in forward order) `recompute.clear_records`
+    drops them."""
+    for r in dist_pools(2).run(ranks.abandoned_forward_records):
+        assert r["checkpoint_moe"]["type"] == "RuntimeError", r
+        assert r["checkpoint_moe_records"] == 0, r
+        assert r["megatron_records"] == 1 and r["megatron_records_cleared"] == 0, r
+
+
 @pytest.mark.parametrize("granularity", ["moe", "full"])
 def test_hybridep_under_megatron_recompute_is_refused(dist_pools, granularity):
     """HybridEP's recompute repeats the whole dispatch with the recomputed routing (its manager

@@ -197,6 +197,10 @@ def init_parallel_state(ep_size: int | None = None, seed: int = 1234, timeout_s:
         raise ValueError(f"ep_size: must divide the world size {world}, got {ep_size}")
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    if timeout_s is not None:
+        # The ranks meet first (as `harness.bounded_group` does): the groups' own setup waits
+        # `timeout_s` too, and a rank still importing Megatron must not fail it.
+        dist.barrier()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
         expert_model_parallel_size=ep_size, create_gloo_process_groups=False,

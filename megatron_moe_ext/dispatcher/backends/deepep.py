@@ -436,12 +436,12 @@ class DeepEPCommunicator:
         """A dispatch of fixed shape (bf16 rows) without a host sync: `num_worst_tokens = W * send_capacity`
         received rows (DeepEP V1 intranode, its CUDA-graph-compatible path; a rank never sends
         more than its T tokens to one rank, so `send_capacity` = T cannot overflow). Returns
-        `(recv_x, recv_indices, recv_probs, handle, None)` (no send overflow)."""
+        `(recv_x, recv_indices, recv_probs, handle)`."""
         num_worst_tokens = dist.get_world_size(group) * send_capacity
         recv_x, recv_indices, recv_probs, _, handle = self.dispatch(
             x_TH, indices_TK, probs_TK, num_experts, group, async_finish, allocate_on_comm_stream,
             num_worst_tokens=num_worst_tokens)
-        return recv_x, recv_indices, recv_probs, handle, None
+        return recv_x, recv_indices, recv_probs, handle
 
     def combine(self, x_RH, group, handle: DeepEPHandle,
                 async_finish: bool = False, allocate_on_comm_stream: bool = False):

@@ -245,7 +245,7 @@ def dispatch_fixed(x_TH, indices_TK, probs_TK, num_experts, group, send_capacity
     which travels with the rows in one more column, so every rank raises on it too.
 
     Returns:
-        `(recv_x [W*C, H], recv_indices [W*C, K], recv_probs [W*C, K], FixedHandle, None)`.
+        `(recv_x [W*C, H], recv_indices [W*C, K], recv_probs [W*C, K], FixedHandle)`.
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     e, C = num_experts // world, send_capacity
@@ -281,7 +281,7 @@ def dispatch_fixed(x_TH, indices_TK, probs_TK, num_experts, group, send_capacity
         words_W = checks.error_word("overflow", 0) + torch.arange(world, device=device)
         checks.raise_on_words(torch.where(flagged_W, words_W, 0))
         recv_x_RH = recv_x_RH[:, :-1]
-    return recv_x_RH, recv_indices_RK, recv_probs_RK, FixedHandle(slot_TW, C), None
+    return recv_x_RH, recv_indices_RK, recv_probs_RK, FixedHandle(slot_TW, C)
 
 
 def combine_fixed(x_RH, group, handle: FixedHandle, async_finish: bool = False,
