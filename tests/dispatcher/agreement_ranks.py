@@ -7,7 +7,10 @@ rank left waiting in a collective by a peer that raised reports gloo's timeout e
 so a missing agreement fails its test in seconds, naming the rank that waited.
 
 Backends that need a GPU library run over their doubles (tests/doubles/); the same bodies
-run against the real library when it is importable.
+run against the real library when it is importable. The helpers (`dispatcher`, `routing`,
+`step`, `megatron_step`, `outcome`, `clean_step_error`) serve the robustness and
+recompute-safety bodies too (tests/dispatcher/test_robustness_ranks.py,
+tests/megatron/recompute_safety_ranks.py).
 
 Legend: T tokens, H hidden, E experts, K top-k.
 """
@@ -15,6 +18,7 @@ Legend: T tokens, H hidden, E experts, K top-k.
 from __future__ import annotations
 
 import re
+import time
 
 import torch
 import torch.distributed as dist
@@ -46,8 +50,11 @@ def _row_format(backend: str, mode: str) -> tuple[torch.dtype, int]:
     return (torch.bfloat16 if mode == "budget" and backend == "deepep" else torch.float32), 16
 
 
-def dispatcher(backend: str, mode: str, group, local_expert_indices=None, **overrides) -> MoEFlexTokenDispatcher:
-    """The seed's constructor on `group`, with this rank's contiguous experts unless given."""
+def dispatcher(backend: str, mode: str = "dropless", group=None, local_expert_indices=None,
+               **overrides) -> MoEFlexTokenDispatcher:
+    """The seed's constructor on `group` (default: the world group), with this rank's
+    contiguous experts unless given."""
+    group = dist.group.WORLD if group is None else group
     if backend in INSTALLERS:
         INSTALLERS[backend]()
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -73,22 +80,40 @@ def step(disp, x, indices, probs, params):
     return disp.token_unpermutation(apply_local_experts(rows, tpe, pprobs, disp.local_expert_indices, params))
 
 
-def clean_step_error(disp, seed: int, hidden: int, dtype) -> float:
-    """Max error of a clean step against the dense per-token reference."""
+def megatron_step(disp, x, mask, probs_TE, params):
+    """One forward through Megatron's dispatcher face (`disp`: the flex dispatcher or
+    Megatron's own) with the toy experts."""
+    h, p = disp.dispatch_preprocess(x, mask, probs_TE)
+    h, p = disp.token_dispatch(h, p)
+    rows, tpe, pprobs = disp.dispatch_postprocess(h, p)
+    out = apply_local_experts(rows, tpe, pprobs, disp.local_expert_indices, params)
+    return disp.combine_postprocess(disp.token_combine(disp.combine_preprocess(out)))
+
+
+def clean_step_error(disp, seed: int, hidden: int = 16, dtype=torch.float32) -> float:
+    """Max error of a clean step against the dense per-token reference (with the
+    dispatcher's `moe_expert_capacity_factor`, after Megatron's own token dropping)."""
     params = toy_expert_params(E, hidden)
     x, indices, probs = routing(seed, hidden=hidden, dtype=dtype)
     y = step(disp, x, indices, probs, params)
     mask, probs_TE = topk_to_dense(indices, probs, E)
+    factor = disp.dispatcher_config.moe_expert_capacity_factor
+    if factor is not None:  # token dropping as Megatron does it
+        from megatron.core.transformer.moe.moe_utils import apply_router_token_dropping
+
+        probs_TE, mask = apply_router_token_dropping(probs_TE, mask, K, factor)
     return float((y.float() - dense_moe_reference(x, mask, probs_TE, params)).abs().max())
 
 
 def outcome(fn) -> dict:
-    """How `fn()` ended: `{"type": exception class name or None, "message": str}`."""
+    """How `fn()` ended: `{"type": exception class name or None, "message": str, "seconds":
+    how long it ran}`."""
+    start = time.monotonic()
     try:
         fn()
     except Exception as exc:  # noqa: BLE001 - the test asserts on the type and message
-        return {"type": type(exc).__name__, "message": str(exc)}
-    return {"type": None, "message": ""}
+        return {"type": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - start}
+    return {"type": None, "message": "", "seconds": time.monotonic() - start}
 
 
 def all_raised(result: dict) -> bool:
@@ -223,9 +248,7 @@ def topk_tie_on_recompute() -> dict:
 
     def block(x_TH, w_HE):
         probs_TK, indices_TK = router(x_TH, w_HE)
-        rows, tpe, pprobs = disp.token_permutation2(x_TH, x_TH.shape[0], probs_TK, indices_TK)
-        return torch.tanh(disp.token_unpermutation(
-            apply_local_experts(rows, tpe, pprobs, disp.local_expert_indices, params)))
+        return torch.tanh(step(disp, x_TH, indices_TK, probs_TK, params))
 
     def grads(checkpointed: bool):
         calls.clear()
@@ -282,11 +305,7 @@ def zero_prob_slot_vs_megatron_alltoall(backend: str) -> dict:
 
         def run(disp):
             x1, p1 = x.clone().requires_grad_(), probs_TE.clone().requires_grad_()
-            h, p = disp.dispatch_preprocess(x1, mask_TE, p1)
-            h, p = disp.token_dispatch(h, p)
-            rows, tpe, pprobs = disp.dispatch_postprocess(h, p)
-            out = apply_local_experts(rows, tpe, pprobs, local, params)
-            y = disp.combine_postprocess(disp.token_combine(disp.combine_preprocess(out)))
+            y = megatron_step(disp, x1, mask_TE, p1, params)
             (y.float() * g_TH.float()).sum().backward()
             return y.detach().float(), x1.grad.float(), p1.grad.float()
 

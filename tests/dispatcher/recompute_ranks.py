@@ -264,31 +264,15 @@ def megatron_layer_case(recompute_granularity: str | None, perturb: bool = False
     GroupedGemmExperts (`moe_grouped_gemm`), whose MLP and activation runs are counted
     (`expert_calls`) and whose activation outputs are checked for being freed after the
     forward (`act_freed`)."""
-    import dataclasses
-
-    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-
-    from megatron_moe_ext.megatron.moe_layer import FlexMoELayer
-    from tests.megatron.cases_layer import LayerCase, layer_config
+    from tests.megatron.cases_layer import LayerCase
+    from tests.megatron.recompute_safety_ranks import build_flex_layer, change_expert_bias, layer_forward
     from tests.shims import megatron_cpu
 
     megatron_cpu.install()
     try:
-        ep, rank = dist.get_world_size(), dist.get_rank()
-        pg = megatron_cpu.init_parallel_state(ep)
+        rank = dist.get_rank()
         case = LayerCase("recompute", num_experts=8, topk=2, grouped_gemm=grouped_gemm)
-        config = layer_config(case, ep)
-        extra = dict(moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid")
-        if recompute_granularity == "selective":
-            extra.update(recompute_granularity="selective", recompute_modules=list(modules))
-        elif recompute_granularity == "full":
-            extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-        config = dataclasses.replace(config, **extra)
-        spec = get_moe_module_spec(use_te=False, num_experts=case.num_experts)
-        torch.manual_seed(5)
-        layer = FlexMoELayer(config, submodules=spec.keywords["submodules"], pg_collection=pg,
-                             layer_number=1)
-        layer.set_layer_number(1)
+        layer = build_flex_layer(case, recompute_granularity, modules)
         router_calls_in_backward = []
         layer.router.register_forward_pre_hook(lambda *_: router_calls_in_backward.append(in_backward()))
         gen = torch.Generator().manual_seed(100 + rank)
@@ -300,20 +284,11 @@ def megatron_layer_case(recompute_granularity: str | None, perturb: bool = False
                  else contextlib.nullcontext())
         with probe:
             try:
-                if recompute_granularity == "full":
-                    from megatron.core import tensor_parallel
-
-                    out, _ = tensor_parallel.checkpoint(layer, False, x)
-                elif recompute_granularity in recompute.POLICIES:
-                    out = recompute.checkpoint_moe(lambda h: layer(h)[0], x,
-                                                   replays=recompute.replays_in(layer),
-                                                   policy=recompute_granularity)
-                else:
-                    out, _ = layer(x)
+                out = layer_forward(layer, x, recompute_granularity)
                 counter.reset()
                 act_freed = [t.untyped_storage().size() == 0 for t in act_outputs]
                 if perturb:
-                    layer.router.expert_bias.copy_(torch.linspace(-1.0, 1.0, case.num_experts).roll(rank + 1))
+                    change_expert_bias(layer)
                 (out * g).sum().backward()
                 counts = (counter.layout, counter.data)
             finally:

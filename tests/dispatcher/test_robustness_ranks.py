@@ -24,67 +24,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_moe_ext.config import TokenDispatcherConfig
 from megatron_moe_ext.dispatcher.checks import check_model_input_errors
-from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
-from tests.doubles import deep_ep_buffer, uccl_ep
-from tests.reference import apply_local_experts, dense_moe_reference, topk_to_dense, toy_expert_params
+from tests.dispatcher.agreement_ranks import E, K, clean_step_error, dispatcher, megatron_step, outcome, routing, step
+from tests.reference import dense_moe_reference, topk_to_dense, toy_expert_params
 
-E, K, H, T = 8, 2, 8, 12
-INSTALLERS = {"deepep": deep_ep_buffer.install, "uccl_ep": uccl_ep.install}
-
-
-def _dispatcher(backend: str, group=None, **cfg_overrides) -> MoEFlexTokenDispatcher:
-    group = dist.group.WORLD if group is None else group
-    if backend in INSTALLERS:
-        INSTALLERS[backend]()
-    ep, rank = dist.get_world_size(group), dist.get_rank(group)
-    e = E // ep
-    cfg = TokenDispatcherConfig(moe_flex_dispatcher_backend=backend, num_moe_experts=E, moe_router_topk=K,
-                                moe_share_token_dispatcher=False, **cfg_overrides)
-    return MoEFlexTokenDispatcher(e, list(range(rank * e, rank * e + e)), cfg, group)
-
-
-def _routing(seed: int, tokens: int = T):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, H, generator=g)
-    indices = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(tokens)])
-    probs = torch.rand(tokens, K, generator=g) + 0.1
-    return x, indices, probs
-
-
-def _topk_step(disp, x, indices, probs, params):
-    rows, tpe, pprobs = disp.token_permutation2(x, x.shape[0], probs, indices)
-    return disp.token_unpermutation(apply_local_experts(rows, tpe, pprobs, disp.local_expert_indices, params))
-
-
-def _megatron_step(disp, x, mask, probs_TE, params):
-    h, p = disp.dispatch_preprocess(x, mask, probs_TE)
-    h, p = disp.token_dispatch(h, p)
-    rows, tpe, pprobs = disp.dispatch_postprocess(h, p)
-    out = apply_local_experts(rows, tpe, pprobs, disp.local_expert_indices, params)
-    return disp.combine_postprocess(disp.token_combine(disp.combine_preprocess(out)))
-
-
-def _outcome(fn) -> dict:
-    start = time.monotonic()
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the test asserts on the type and message
-        return {"type": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - start}
-    return {"type": None, "message": "", "seconds": time.monotonic() - start}
-
-
-def _reference_error(disp, seed: int, params) -> float:
-    x, indices, probs = _routing(seed)
-    y = _topk_step(disp, x, indices, probs, params)
-    mask, probs_TE = topk_to_dense(indices, probs, E)
-    factor = disp.dispatcher_config.moe_expert_capacity_factor
-    if factor is not None:  # token dropping as Megatron does it
-        from megatron.core.transformer.moe.moe_utils import apply_router_token_dropping
-
-        probs_TE, mask = apply_router_token_dropping(probs_TE, mask, K, factor)
-    return float((y - dense_moe_reference(x, mask, probs_TE, params)).abs().max())
+H = 8  # hidden size of these bodies' rows (the agreement bodies use 16)
 
 
 @contextlib.contextmanager
@@ -105,30 +49,30 @@ def bad_input_on_some_ranks(backend: str, kind: str, bad_ranks: tuple, cfg_overr
     """Ranks in `bad_ranks` pass one bad input; every rank reports how its step ended, then
     all run a clean step checked against the dense reference (the dispatcher still works)."""
     rank = dist.get_rank()
-    disp = _dispatcher(backend, **cfg_overrides)
+    disp = dispatcher(backend, **cfg_overrides)
     params = toy_expert_params(E, H)
     if warm:  # capacity mode calibrates on the first dispatch
-        _reference_error(disp, 100 + rank, params)
-    x, indices, probs = _routing(rank)
+        clean_step_error(disp, 100 + rank, H)
+    x, indices, probs = routing(rank, hidden=H)
     mask, probs_TE = topk_to_dense(indices, probs, E)
     bad = rank in bad_ranks
     if kind == "duplicate":
         if bad:
             indices[2] = indices[2, 0]
-        outcome = _outcome(lambda: _topk_step(disp, x, indices, probs, params))
+        result = outcome(lambda: step(disp, x, indices, probs, params))
     elif kind == "out_of_range":
         if bad:
             indices[5, 1] = E + 1
-        outcome = _outcome(lambda: _topk_step(disp, x, indices, probs, params))
+        result = outcome(lambda: step(disp, x, indices, probs, params))
     elif kind == "integer_routing_map":
-        outcome = _outcome(lambda: _megatron_step(disp, x, mask.int() if bad else mask, probs_TE, params))
+        result = outcome(lambda: megatron_step(disp, x, mask.int() if bad else mask, probs_TE, params))
     elif kind == "transposed_probs":
         x, probs_TE, mask = x[:E], probs_TE[:E], mask[:E]  # T == E: only the map's shape is wrong
         wrong = torch.ones(E, E + 1, dtype=torch.bool) if bad else mask
-        outcome = _outcome(lambda: _megatron_step(disp, x, wrong, probs_TE, params))
+        result = outcome(lambda: megatron_step(disp, x, wrong, probs_TE, params))
     else:
         raise KeyError(kind)
-    return {**outcome, "bad": bad, "clean_step_err": _reference_error(disp, 200 + rank, params)}
+    return {**result, "bad": bad, "clean_step_err": clean_step_error(disp, 200 + rank, H)}
 
 
 def one_rank_errors_with_bounded_wait(backend: str, cfg_overrides: dict, warm: bool, timeout_s: float) -> dict:
@@ -137,14 +81,14 @@ def one_rank_errors_with_bounded_wait(backend: str, cfg_overrides: dict, warm: b
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
     try:
         rank = dist.get_rank()
-        disp = _dispatcher(backend, group, **cfg_overrides)
+        disp = dispatcher(backend, group=group, **cfg_overrides)
         params = toy_expert_params(E, H)
         if warm:
-            _reference_error(disp, 100 + rank, params)
-        x, indices, probs = _routing(rank)
+            clean_step_error(disp, 100 + rank, H)
+        x, indices, probs = routing(rank, hidden=H)
         if rank == 0:
             indices[2] = indices[2, 0]
-        return _outcome(lambda: _topk_step(disp, x, indices, probs, params))
+        return outcome(lambda: step(disp, x, indices, probs, params))
     finally:
         dist.destroy_process_group(group)
 
@@ -171,41 +115,41 @@ def deferred_checks_case(backend: str) -> dict:
     and so does `check_model_input_errors` after another bad step; then the flags are clear."""
     rank = dist.get_rank()
     with _env("MOE_EXT_INPUT_CHECKS", "deferred"):
-        disp = _dispatcher(backend)
+        disp = dispatcher(backend)
         params = toy_expert_params(E, H)
-        x, indices, probs = _routing(rank)
+        x, indices, probs = routing(rank, hidden=H)
         if rank == 0:
             indices[1] = indices[1, 1]
             indices[3, 0] = E + 1
             indices[4, 1] = -5
-        y = _topk_step(disp, x, indices, probs, params)
+        y = step(disp, x, indices, probs, params)
         mask, probs_TE = topk_to_dense(_mask_bad_slots(indices), probs, E)
         topk_err = float((y - dense_moe_reference(x, mask, probs_TE, params)).abs().max())
-        x2, indices2, probs2 = _routing(10 + rank)
+        x2, indices2, probs2 = routing(10 + rank, hidden=H)
         mask2, probs2_TE = topk_to_dense(indices2, probs2, E)
         if rank == 1:
             mask2[0] = True  # routed to all E experts: more than moe_router_topk
-        _megatron_step(disp, x2, mask2, probs2_TE, params)
-        first = _outcome(disp.check_input_errors)
+        megatron_step(disp, x2, mask2, probs2_TE, params)
+        first = outcome(disp.check_input_errors)
         layer = torch.nn.Module()  # a model whose MoE layer holds the dispatcher, as Megatron's does
         layer.token_dispatcher = disp
-        _topk_step(disp, x, indices, probs, params)  # rank 0's bad slots again
-        second = _outcome(lambda: check_model_input_errors(torch.nn.Sequential(layer)))
-        third = _outcome(disp.check_input_errors)
+        step(disp, x, indices, probs, params)  # rank 0's bad slots again
+        second = outcome(lambda: check_model_input_errors(torch.nn.Sequential(layer)))
+        third = outcome(disp.check_input_errors)
     return {"topk_err": topk_err, "first": first, "second": second, "third": third,
-            "clean_step_err": _reference_error(disp, 300 + rank, params)}
+            "clean_step_err": clean_step_error(disp, 300 + rank, H)}
 
 
 def negative_probs_megatron_face() -> dict:
     """Routed experts with probabilities below -1 through Megatron's face vs the dense reference."""
     rank = dist.get_rank()
-    disp = _dispatcher("torch")
+    disp = dispatcher("torch")
     params = toy_expert_params(E, H)
-    x, indices, probs = _routing(rank)
+    x, indices, probs = routing(rank, hidden=H)
     probs[::2, 1] = -2.5
     probs[1, 0] = -7.0
     mask, probs_TE = topk_to_dense(indices, probs, E)
-    y = _megatron_step(disp, x, mask, probs_TE, params)
+    y = megatron_step(disp, x, mask, probs_TE, params)
     return {"err": float((y - dense_moe_reference(x, mask, probs_TE, params)).abs().max())}
 
 
@@ -215,12 +159,12 @@ def nan_prob_with_capacity_factor(factor: float) -> dict:
     from megatron.core.transformer.moe.moe_utils import apply_router_token_dropping
 
     rank = dist.get_rank()
-    disp = _dispatcher("torch", moe_expert_capacity_factor=factor)
+    disp = dispatcher("torch", moe_expert_capacity_factor=factor)
     params = toy_expert_params(E, H)
-    x, indices, probs = _routing(rank)
+    x, indices, probs = routing(rank, hidden=H)
     probs[0, 0] = float("nan")
     mask, probs_TE = topk_to_dense(indices, probs, E)
-    y = _megatron_step(disp, x, mask, probs_TE, params)
+    y = megatron_step(disp, x, mask, probs_TE, params)
     kept_probs, kept_map = apply_router_token_dropping(probs_TE, mask, K, factor)
     y_ref = dense_moe_reference(x, kept_map, kept_probs, params)
     return {"same": bool(torch.allclose(y, y_ref, atol=1e-5, equal_nan=True)),

@@ -5,7 +5,8 @@ The layer is built from Megatron's MoE module spec (TopKRouter with an expert bi
 scores) on Megatron groups whose collectives wait at most `COLLECTIVE_TIMEOUT_S`
 (tests/harness.py), so a rank left waiting by a peer fails in seconds. Every body returns
 plain values: how a step ended (`outcome`) and, where gradients are compared, the largest
-difference from the same layer run without recompute.
+difference from the same layer run without recompute. `build_flex_layer`, `layer_forward` and
+`change_expert_bias` serve the Megatron-layer body of tests/dispatcher/recompute_ranks.py too.
 
 Legend: T tokens (seq x batch), H hidden, E experts.
 """
@@ -27,33 +28,58 @@ from tests.shims import megatron_cpu
 E = 8
 
 
-def _build(recompute_granularity: str | None = None, mode: str = "dropless", grouped_gemm: bool = False,
-           seed: int = 5, backend: str = "torch"):
-    """`FlexMoELayer` on EP = world size under Megatron's recompute flag ("moe": selective
-    recompute of the MoE layer, "full": the whole layer), its dispatcher on `backend` (its
-    double installed) in `mode`."""
+def build_flex_layer(case: LayerCase, recompute_granularity: str | None = None,
+                     recompute_modules: tuple[str, ...] = ("moe",), timeout_s: float | None = None,
+                     dispatcher_overrides: dict | None = None):
+    """`FlexMoELayer` of `case` from Megatron's MoE module spec (TopKRouter with an expert bias,
+    sigmoid scores; parameters drawn after `torch.manual_seed(5)`) on Megatron groups of EP =
+    world size.
+
+    Arguments:
+        recompute_granularity: Megatron's recompute flag: "selective" (of `recompute_modules`),
+            "full" (the whole layer, one uniform layer); any other value sets none.
+        timeout_s: the longest a collective of Megatron's groups waits (default: Megatron's).
+        dispatcher_overrides: the dispatcher config is `TokenDispatcherConfig.from_transformer_config`
+            of the layer's config with these (default: the layer derives its own).
+
+    Returns:
+        The layer, its layer number set to 1.
+    """
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 
     from megatron_moe_ext.megatron.moe_layer import FlexMoELayer
 
-    pg = megatron_cpu.init_parallel_state(dist.get_world_size(), timeout_s=COLLECTIVE_TIMEOUT_S)
-    case = LayerCase("recompute_safety", num_experts=E, topk=2, grouped_gemm=grouped_gemm)
+    pg = megatron_cpu.init_parallel_state(dist.get_world_size(), timeout_s=timeout_s)
     config = layer_config(case, dist.get_world_size())
     extra = dict(moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid")
-    if recompute_granularity == "moe":
-        extra.update(recompute_granularity="selective", recompute_modules=["moe"])
+    if recompute_granularity == "selective":
+        extra.update(recompute_granularity="selective", recompute_modules=list(recompute_modules))
     elif recompute_granularity == "full":
         extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     config = dataclasses.replace(config, **extra)
-    if backend in INSTALLERS:
-        INSTALLERS[backend]()
-    dispatcher_config = TokenDispatcherConfig.from_transformer_config(
-        config, moe_share_token_dispatcher=False, moe_flex_dispatcher_backend=backend, **MODES[mode])
-    spec = get_moe_module_spec(use_te=False, num_experts=E)
-    torch.manual_seed(seed)
+    dispatcher_config = (None if dispatcher_overrides is None
+                         else TokenDispatcherConfig.from_transformer_config(config, **dispatcher_overrides))
+    spec = get_moe_module_spec(use_te=False, num_experts=case.num_experts)
+    torch.manual_seed(5)
     layer = FlexMoELayer(config, submodules=spec.keywords["submodules"], pg_collection=pg, layer_number=1,
                          dispatcher_config=dispatcher_config)
     layer.set_layer_number(1)
+    return layer
+
+
+def _build(recompute_granularity: str | None = None, mode: str = "dropless", grouped_gemm: bool = False,
+           backend: str = "torch"):
+    """`(layer, case)`: `build_flex_layer` under Megatron's recompute flag ("moe": selective
+    recompute of the MoE layer, "full": the whole layer), with collectives that wait at most
+    `COLLECTIVE_TIMEOUT_S`, its dispatcher on `backend` (its double installed) in `mode`."""
+    case = LayerCase("recompute_safety", num_experts=E, topk=2, grouped_gemm=grouped_gemm)
+    if backend in INSTALLERS:
+        INSTALLERS[backend]()
+    layer = build_flex_layer(
+        case, "selective" if recompute_granularity == "moe" else recompute_granularity,
+        timeout_s=COLLECTIVE_TIMEOUT_S,
+        dispatcher_overrides=dict(moe_share_token_dispatcher=False, moe_flex_dispatcher_backend=backend,
+                                  **MODES[mode]))
     return layer, case
 
 
@@ -63,17 +89,24 @@ def _inputs(case: LayerCase, seed: int, seq: int | None = None):
     return torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
 
 
-def _forward(layer, x, granularity: str | None):
+def layer_forward(layer, x, granularity: str | None):
+    """The layer's output on `x`: "full", under Megatron's checkpoint of the whole layer; a
+    `recompute.POLICIES` name, under `checkpoint_moe` with that policy; otherwise a plain call
+    (Megatron's selective recompute, if configured, runs inside the layer)."""
     if granularity == "full":
         from megatron.core import tensor_parallel
 
         return tensor_parallel.checkpoint(layer, False, x)[0]
+    if granularity in recompute.POLICIES:
+        return recompute.checkpoint_moe(lambda h: layer(h)[0], x, replays=recompute.replays_in(layer),
+                                        policy=granularity)
     return layer(x)[0]
 
 
-def _bias_change(layer) -> None:
+def change_expert_bias(layer) -> None:
     """A load-balancing update large enough to change the top-k (sigmoid scores are in [0, 1])."""
-    layer.router.expert_bias.copy_(torch.linspace(-1.0, 1.0, E).roll(dist.get_rank() + 1))
+    bias_E = torch.linspace(-1.0, 1.0, layer.config.num_moe_experts).roll(dist.get_rank() + 1)
+    layer.router.expert_bias.copy_(bias_E)
 
 
 def _grads(layer, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -100,9 +133,9 @@ def _step(layer, case, seed, granularity, change_bias: bool = False):
     the backward (so before the recompute). Returns the gradients."""
     x, g = _inputs(case, seed)
     x.requires_grad_()
-    out = _forward(layer, x, granularity)
+    out = layer_forward(layer, x, granularity)
     if change_bias:
-        _bias_change(layer)
+        change_expert_bias(layer)
     (out * g).sum().backward()
     return _grads(layer, x=x)
 
@@ -119,9 +152,9 @@ def routing_change_on_one_rank(granularity: str, bad_rank: int) -> dict:
         def two_steps():
             x, g = _inputs(case, 100)
             x.requires_grad_()
-            out = _forward(layer, x, granularity)
+            out = layer_forward(layer, x, granularity)
             if dist.get_rank() == bad_rank:
-                _bias_change(layer)
+                change_expert_bias(layer)
             (out * g).sum().backward()
             _step(layer, case, 200, granularity)
             recompute.check_routing(layer)
@@ -190,11 +223,7 @@ def layer_called_twice(second: str) -> dict:
 
         def run(checkpointed: bool):
             xs = [x1.clone().requires_grad_(), x2.clone().requires_grad_()]
-            if checkpointed:
-                outs = [recompute.checkpoint_moe(lambda h: layer(h)[0], x, replays=recompute.replays_in(layer),
-                                                 policy="save_dispatch_outputs") for x in xs]
-            else:
-                outs = [layer(x)[0] for x in xs]
+            outs = [layer_forward(layer, x, "save_dispatch_outputs" if checkpointed else None) for x in xs]
             ((outs[0] * g1).sum() + (outs[1] * g2).sum()).backward()
             return _grads(layer, x1=xs[0], x2=xs[1])
 
