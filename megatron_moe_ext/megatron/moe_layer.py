@@ -128,10 +128,8 @@ class FlexMoELayer(MoELayer, overflow.OverflowCounter):
         self.dispatcher_config = dispatcher_config
         self.token_dispatcher.cudagraph_attrs = graphs.cudagraph_attrs(
             dispatcher_config.moe_flex_dispatcher_backend)
-        # Experts that gather their own rows take `IndexedRows` where the backend can hand them.
-        row = registry.BACKENDS[dispatcher_config.moe_flex_dispatcher_backend]
-        self.token_dispatcher.hand_indexed_rows = (
-            row.indexed_rows and getattr(self.experts, "accepts_indexed_rows", False))
+        self._backend_hands_indexed_rows = registry.BACKENDS[
+            dispatcher_config.moe_flex_dispatcher_backend].indexed_rows
         _check_sequential_mlp(dispatcher_config, self.experts)
         # Megatron recomputes this layer (selective "moe", or the whole transformer layer):
         # the recompute replays the original routing and layout (megatron_moe_ext.recompute).
@@ -158,6 +156,11 @@ class FlexMoELayer(MoELayer, overflow.OverflowCounter):
     def forward(self, hidden_states, *args, **kwargs):
         """Megatron's forward; a training forward that Megatron will recompute (its own "moe"
         checkpoint, or a no-grad forward inside a full-layer checkpoint) records its dispatches."""
+        # Experts that gather their own rows take `IndexedRows` where the backend can hand them.
+        # Asked at each forward: whether they can depends on where the weights are now (a model
+        # built under `use_cpu_initialization` moves to the GPU after construction).
+        self.token_dispatcher.hand_indexed_rows = (
+            self._backend_hands_indexed_rows and getattr(self.experts, "accepts_indexed_rows", False))
         replay = self.recompute_replay
         if replay is None:
             return super().forward(hidden_states, *args, **kwargs)

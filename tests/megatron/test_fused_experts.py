@@ -62,6 +62,8 @@ def _fused_experts_module(mode: str) -> dict:
             error = str(exc)
         return {"accepts": auto.accepts_indexed_rows, "reason": auto.expert_mlp_fallback_reason,
                 "error": error}
+    if mode == "layer":
+        return _layer_asks_at_each_forward(config)
     if mode == "invalid":
         try:
             build(expert_mlp_impl="cutlass")
@@ -105,6 +107,41 @@ def _fused_experts_module(mode: str) -> dict:
             "reason": fused_experts.expert_mlp_fallback_reason,
             "padding_zero": bool((out_f[valid:] == 0).all()),
             "errors": [err(out_f[:valid], out_t[:valid])] + [err(a, b) for a, b in zip(grads_f, grads_t)]}
+
+
+def _layer_asks_at_each_forward(config) -> list[str]:
+    """A FlexMoELayer built while its experts cannot take `IndexedRows` (QuACK unavailable, as
+    for a model built on the CPU before it moves to the GPU) hands them once they can: the
+    type of what its experts received in a forward before and after."""
+    import functools
+
+    import torch
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+    from megatron_moe_ext.experts import fused
+    from megatron_moe_ext.megatron.experts import GroupedGemmExperts
+    from megatron_moe_ext.megatron.moe_layer import FlexMoELayer
+    from tests.doubles import quack_gemm
+
+    double = fused.QuackBackend(quack_gemm, None, any_device=True)
+    fused.set_quack_backend(fused.QuackBackend(None, "QuACK is not importable (test)"))
+    submodules = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts).keywords["submodules"]
+    layer = FlexMoELayer(config, submodules=submodules, pg_collection=get_default_pg_collection(),
+                         experts=functools.partial(GroupedGemmExperts, expert_mlp_impl="auto"),
+                         layer_number=1)
+    seen = []
+    layer.experts.register_forward_pre_hook(lambda _m, args: seen.append(type(args[0]).__name__))
+    x = torch.randn(6, 1, config.hidden_size, dtype=torch.bfloat16)
+    layer(x)
+    fused.set_quack_backend(double)
+    layer(x)[0].float().sum().backward()
+    return seen
+
+
+def test_layer_hands_indexed_rows_once_its_experts_can(dist_pools):
+    (seen,) = dist_pools(1).run(fused_experts_module, "layer")
+    assert seen == ["Tensor", "IndexedRows"], seen
 
 
 def test_indexed_rows_through_fused_module_match_torch_path(dist_pools):
