@@ -15,7 +15,7 @@
 #   pack       tar /tmp/round/out into $OUT/round_<date>.tgz (the tool returns at most 8 files)
 # Tasks: ab_cost te_install hybridep_real uccl_real ep_on_one_gpu deepep_v1_build hybridep_build device_checks cuda_graph_train graph_te_diag graph_bisect graph_fault probes experts_te bias permute
 #        layer_bench graphs recompute pretrain_local pretrain_te pretrain_small pretrain_det
-#        pretrain_det32 te_init_check pretrain_qwen3 fused_experts fused_experts_tests slice_bench pretrain_slice
+#        pretrain_det32 te_init_check pretrain_qwen3 fused_experts fused_experts_tests slice_bench host_profile pretrain_slice
 #        pretrain_slice_det megatron_tools (QuACK: source /tmp/quack_env.sh first).
 # Transformer Engine comes from ../shared/tools/te-on-device (source /tmp/te_env.sh first); the
 # HybridEP build (.gpu/hybridep, bench/gpu/HYBRIDEP.md), the uccl pieces (.gpu/uccl,
@@ -86,6 +86,7 @@ run_task() {
     # Issue 27: one MoE layer at per-rank loads (bench/moe_slice_bench.py), and pretrain_gpt.py on
     # the Qwen3-30B-A3B EP8 rank slice (the slice_* / det_slice_* runs of pretrain_megatron_lm.sh).
     slice_bench) task slice_bench 420 $PY bench/moe_slice_bench.py ${SLICE_ARGS:-} ;;
+    host_profile) task host_profile 300 $PY bench/gpu/host_profile.py ${HOST_PROFILE_ARGS:-} ;;
     pretrain_slice) task pretrain_slice 480 env RUNS="${SLICE_RUNS:-slice_native slice_ext slice_ext_grouped_mm}" \
         bash bench/gpu/pretrain_megatron_lm.sh ;;
     pretrain_slice_det) task pretrain_slice_det 480 env RUNS="${DET_SLICE_RUNS:-det_slice_ext det_slice_ext_repeat \

@@ -100,7 +100,7 @@ def main() -> None:
             try:
                 if name in slice_bench.TE_VARIANTS and not layer_bench.have_te():
                     raise RuntimeError("Transformer Engine is not importable")
-                layer = slice_bench.build_variant(name, shape, pg, "cuda", cpu=not layer_bench.have_te())
+                layer = slice_bench.build_variant(name, shape, pg, "cuda", cpu=not layer_bench.have_te())  # cpu: no fused router without TE
                 step = slice_bench.layer_step(layer, x, grad)
                 for _ in range(3):
                     step()
