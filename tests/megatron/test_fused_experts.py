@@ -132,7 +132,7 @@ def _layer_asks_at_each_forward(config) -> list[str]:
                          layer_number=1)
     seen = []
     layer.experts.register_forward_pre_hook(lambda _m, args: seen.append(type(args[0]).__name__))
-    x = torch.randn(6, 1, config.hidden_size, dtype=torch.bfloat16)
+    x = torch.randn(6, 1, config.hidden_size, dtype=torch.bfloat16, device=layer.experts.gate_and_up_projs.device)
     layer(x)
     fused.set_quack_backend(double)
     layer(x)[0].float().sum().backward()
