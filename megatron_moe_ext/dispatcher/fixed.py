@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from megatron_moe_ext.dispatcher import checks
 from megatron_moe_ext.dispatcher import permute as P
+from megatron_moe_ext.dispatcher.handoff import IndexedRows, indexed_rows
 from megatron_moe_ext.dispatcher.topk_manager import _DeepepManager
 
 # Capacities are rounded to this many rows (or to the expert pad multiple when set).
@@ -128,14 +129,12 @@ class RaiseOnOverflow:
         """The communicator's receive-side check: whether the received `[R, K]` routing needs
         more permuted rows than the capacity (a send overflow is the communicator's own)."""
         def needs_more(indices_RK, probs_RK) -> torch.Tensor:
-            routing_Re = P.indices_to_routing_map(indices_RK, manager.num_local_experts)
+            routing_Re, _ = manager._indices_to_multihot(indices_RK, probs_RK)
             return P.align_up(routing_Re.sum(0), manager.pad_multiple or 1).sum() > manager.capacity
         return needs_more
 
-    def permuted(self, manager: "_FixedShapeManager", pairs: torch.Tensor, slot_of_row_RK,
-                 padded_e: torch.Tensor) -> torch.Tensor:
-        """The padded counts as they are: nothing past the dispatch's assert."""
-        return padded_e
+    def permuted(self, manager: "_FixedShapeManager", pairs: torch.Tensor, slot_of_row_RK) -> None:
+        """Nothing past the dispatch's assert."""
 
 
 class CountOverflow:
@@ -145,15 +144,14 @@ class CountOverflow:
         """None: counted in the permutation instead."""
         return None
 
-    def permuted(self, manager: "_FixedShapeManager", pairs: torch.Tensor, slot_of_row_RK,
-                 needed_e: torch.Tensor) -> torch.Tensor:
-        """The counts that fit; `[dropped pairs, rows needed]` left for the layer."""
+    def permuted(self, manager: "_FixedShapeManager", pairs: torch.Tensor, slot_of_row_RK) -> None:
         placed = (slot_of_row_RK < manager.capacity).sum()
-        manager.overflow_stats = torch.stack([pairs - placed, needed_e.sum()])
+        needed_e = manager.state.counts
         # Past the budget an expert keeps only the rows that fit, so the grouped GEMM's
         # offsets never run past the P rows it is given.
         ends_e = torch.cumsum(needed_e, 0).clamp(max=manager.capacity)
-        return torch.diff(ends_e, prepend=ends_e.new_zeros(1))
+        manager.state.counts = torch.diff(ends_e, prepend=ends_e.new_zeros(1))
+        manager.overflow_stats = torch.stack([pairs - placed, needed_e.sum()])
 
 
 class _FixedShapeManager(_DeepepManager):
@@ -217,11 +215,30 @@ class _FixedShapeManager(_DeepepManager):
         self._release_dispatch_state()
         return hidden
 
-    def layout_of(self, indices_RK, probs_RK):
-        """`P.fixed_layout` at the sized capacity, the overflow counted (dropless until sized)."""
-        if not self._fixed:
-            return super().layout_of(indices_RK, probs_RK)
+    def _layout(self):
+        """`(probs [P], row_of_slot [P], slot_of_row [R, K])` of the dispatch in flight, its
+        padded counts and overflow kept (see `P.fixed_layout`)."""
+        s = self.state
+        pairs = (s.dispatched_indices >= 0).sum()
         probs_P, padded_e, row_of_slot_P, slot_of_row_RK = P.fixed_layout(
-            indices_RK, probs_RK, self.num_local_experts, self.capacity, self.pad_multiple)
-        counts_e = self.overflow.permuted(self, (indices_RK >= 0).sum(), slot_of_row_RK, padded_e)
-        return probs_P, counts_e, P.PermutationState(row_of_slot_P, slot_of_row_RK)
+            s.dispatched_indices, s.dispatched_probs, self.num_local_experts, self.capacity,
+            self.pad_multiple)
+        probs_P = self.keep_permutation(padded_e, slot_of_row_RK, probs_P)
+        self.overflow.permuted(self, pairs, slot_of_row_RK)
+        return probs_P, row_of_slot_P, slot_of_row_RK
+
+    def get_permuted_hidden_states_by_experts(self, hidden_states):
+        if not self._fixed:
+            return super().get_permuted_hidden_states_by_experts(hidden_states)
+        probs_P, row_of_slot_P, slot_of_row_RK = self._layout()
+        return P.gather_rows(hidden_states, row_of_slot_P, slot_of_row_RK), probs_P
+
+    def get_indexed_rows(self, hidden_states) -> IndexedRows:
+        if not self._fixed:
+            return super().get_indexed_rows(hidden_states)
+        return indexed_rows(hidden_states, *self._layout(), self.state.counts)
+
+    def get_restored_hidden_states_by_experts(self, hidden_states):
+        if not self._fixed:
+            return super().get_restored_hidden_states_by_experts(hidden_states)
+        return self.restore_indexed_rows(hidden_states)  # the same gather-and-sum

@@ -118,101 +118,125 @@ def drop_tokens_over_capacity(
 
 @dataclass(frozen=True)
 class PermutationState:
-    """Where each permuted row came from and where each received row's pairs went: what
-    `permute_rows` and `unpermute_from_experts` need (the maps of `fixed_layout`).
+    """Where each permuted row came from: what `permute_rows` and `unpermute_from_experts` need.
 
-    row_of_slot_P: `[P]` received row each permuted position reads (R on padding: a zero row).
-    slot_of_row_RK: `[R, K]` positions of each received row's pairs, ascending (P where none).
+    row_ids_N / expert_ids_N: `[N]` received row and local expert of each real token-expert
+        pair, grouped by expert.
+    dest_N: `[N]` position of that pair in the permuted buffer, or None when it is the
+        identity (no padding), which saves a gather.
+    num_rows: R, the number of received token rows to restore.
+    num_permuted: P, the rows handed to the experts (N plus padding).
     """
 
-    row_of_slot_P: torch.Tensor
-    slot_of_row_RK: torch.Tensor
+    row_ids_N: torch.Tensor
+    expert_ids_N: torch.Tensor
+    dest_N: torch.Tensor | None
+    num_rows: int
+    num_permuted: int
 
 
 @torch.library.custom_op("moe_ext::permute_rows", mutates_args=())
-def _permute_rows_op(hidden_RH: torch.Tensor, row_of_slot_P: torch.Tensor,
-                     slot_of_row_RK: torch.Tensor) -> torch.Tensor:
-    return gather_rows(hidden_RH, row_of_slot_P, slot_of_row_RK)
+def _permute_rows_op(hidden_RH: torch.Tensor, probs_Re: torch.Tensor, row_ids_N: torch.Tensor,
+                     expert_ids_N: torch.Tensor, dest_N: torch.Tensor | None,
+                     num_permuted: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows_NH = hidden_RH.index_select(0, row_ids_N)
+    probs_N = probs_Re[row_ids_N, expert_ids_N]
+    if dest_N is None:
+        return rows_NH, probs_N
+    return (rows_NH.new_zeros(num_permuted, rows_NH.shape[1]).index_copy_(0, dest_N, rows_NH),
+            probs_N.new_zeros(num_permuted).index_copy_(0, dest_N, probs_N))
 
 
 @_permute_rows_op.register_fake
-def _(hidden_RH, row_of_slot_P, slot_of_row_RK):
-    return hidden_RH.new_empty(row_of_slot_P.shape[0], *hidden_RH.shape[1:])
+def _(hidden_RH, probs_Re, row_ids_N, expert_ids_N, dest_N, num_permuted):
+    return hidden_RH.new_empty(num_permuted, hidden_RH.shape[1]), probs_Re.new_empty(num_permuted)
 
 
 def _permute_rows_setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs[2])
+    hidden_RH, probs_Re, row_ids_N, expert_ids_N, dest_N, _ = inputs
+    ctx.save_for_backward(row_ids_N, expert_ids_N, dest_N)
+    ctx.hidden_shape, ctx.probs_shape = hidden_RH.shape, probs_Re.shape
 
 
-def _permute_rows_backward(ctx, grad_PH):
-    # Each received row's gradient sums its positions in ascending order: deterministic, no
-    # atomics, no sort (an accumulate's bits: see gather_sum).
-    (slot_of_row_RK,) = ctx.saved_tensors
-    return gather_sum(grad_PH, slot_of_row_RK), None, None
+def _permute_rows_backward(ctx, grad_PH, grad_P):
+    # The gradients autograd derives for index_select / advanced indexing / index_copy, except
+    # that the rows are summed by `index_put_(accumulate=True)`, not index_select's atomic
+    # `index_add_`: deterministic on CUDA (sort-based) and, at top-8, about 3x faster there
+    # (0.17 against 0.54 ms at the Qwen3 EP8 slice: bench/results/moe_slice_h200{,_23c705d}.json).
+    row_ids_N, expert_ids_N, dest_N = ctx.saved_tensors
+    if dest_N is not None:
+        grad_PH, grad_P = grad_PH.index_select(0, dest_N), grad_P.index_select(0, dest_N)
+    grad_RH = grad_Re = None
+    if ctx.needs_input_grad[0]:
+        grad_RH = grad_PH.new_zeros(ctx.hidden_shape).index_put_((row_ids_N,), grad_PH, accumulate=True)
+    if ctx.needs_input_grad[1]:
+        grad_Re = grad_P.new_zeros(ctx.probs_shape).index_put_((row_ids_N, expert_ids_N), grad_P,
+                                                                accumulate=True)
+    return grad_RH, grad_Re, None, None, None, None
 
 
 _permute_rows_op.register_autograd(_permute_rows_backward, setup_context=_permute_rows_setup)
 
 
-def permute_rows(hidden_RH: torch.Tensor, state: PermutationState) -> torch.Tensor:
-    """`[P, H]` rows handed to the experts: `state`'s pick of `[R, H]` rows, zeros at padding.
-    One `torch.library` custom op, so a selective-checkpoint policy saves the dispatch's
-    outputs by name (`recompute.save_dispatch_outputs`)."""
-    return _permute_rows_op(hidden_RH, state.row_of_slot_P, state.slot_of_row_RK)
+def permute_rows(hidden_RH: torch.Tensor, probs_Re: torch.Tensor,
+                 state: PermutationState) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(rows [P, H], probs [P])` handed to the experts: `state`'s pairs picked from `[R, H]`
+    rows and `[R, e]` probs, zeros at padding. One `torch.library` custom op, so a
+    selective-checkpoint policy saves the dispatch's outputs by name
+    (`recompute.save_dispatch_outputs`)."""
+    return _permute_rows_op(hidden_RH, probs_Re, state.row_ids_N, state.expert_ids_N, state.dest_N,
+                            state.num_permuted)
 
 
-def padded_host_counts(tokens_per_expert: list[int], pad_multiple: int | None) -> list[int]:
-    """Host counts, each rounded up to `pad_multiple` (when set)."""
-    if not pad_multiple or pad_multiple == 1:
-        return list(tokens_per_expert)
-    return [align_up(c, pad_multiple) for c in tokens_per_expert]
-
-
-def dropless_layout(indices_RK: torch.Tensor, probs_RK: torch.Tensor, num_local_experts: int,
-                    tokens_per_expert: list[int], pad_multiple: int | None = None):
-    """The dropless permutation as maps: every pair gets a position (`fixed_layout` with the
-    exact capacity the host counts give: no pair past it, and no host read).
-
-    Returns:
-        `(permuted_probs_P, padded_counts, state)`: probs differentiable in `probs_RK`, the
-        padded host counts, the `PermutationState`.
-    """
-    counts = padded_host_counts(tokens_per_expert, pad_multiple)
-    probs_P, _, row_of_slot_P, slot_of_row_RK = fixed_layout(
-        indices_RK, probs_RK, num_local_experts, sum(counts), pad_multiple)
-    return probs_P, counts, PermutationState(row_of_slot_P, slot_of_row_RK)
-
-
-def permute_to_experts(hidden_RH: torch.Tensor, indices_RK: torch.Tensor, probs_RK: torch.Tensor,
-                       num_local_experts: int, tokens_per_expert: list[int],
-                       pad_multiple: int | None = None):
-    """Group received rows contiguously by local expert (stable: row order within an expert).
+def permute_to_experts(
+    hidden_RH: torch.Tensor,
+    routing_map_Re: torch.Tensor,
+    probs_Re: torch.Tensor,
+    tokens_per_expert: list[int],
+    pad_multiple: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, list[int], PermutationState]:
+    """Group received rows contiguously by local expert (stable: token order within an expert).
 
     Arguments:
         hidden_RH: `[R, H]` received token rows.
-        indices_RK / probs_RK: `[R, K]` local expert ids (-1 = not here) and fp32 probs.
-        tokens_per_expert: host list of `e` counts (pairs per local expert).
+        routing_map_Re / probs_Re: `[R, e]` multihot map and fp32 probs.
+        tokens_per_expert: host list of `e` counts; must equal `routing_map_Re.sum(0)`.
         pad_multiple: pad each expert's group to a multiple with zero rows (prob 0).
 
     Returns:
         `(permuted_PH, permuted_probs_P, padded_tokens_per_expert, state)`.
     """
-    probs_P, counts, state = dropless_layout(indices_RK, probs_RK, num_local_experts,
-                                             tokens_per_expert, pad_multiple)
-    return permute_rows(hidden_RH, state), probs_P, counts, state
+    state, counts = dropless_permutation(routing_map_Re, tokens_per_expert, pad_multiple)
+    permuted_PH, permuted_probs_P = permute_rows(hidden_RH, probs_Re, state)
+    return permuted_PH, permuted_probs_P, counts, state
 
 
-def unpermute_from_experts(expert_out_PH: torch.Tensor, state: PermutationState) -> torch.Tensor:
-    """Sum each received row's expert outputs back into `[R, H]`, in ascending expert order
-    (`gather_sum`: deterministic, no atomics); padding rows are never read."""
-    return gather_sum(expert_out_PH, state.slot_of_row_RK)
+def dropless_permutation(routing_map_Re: torch.Tensor, tokens_per_expert: list[int],
+                         pad_multiple: int | None = None) -> tuple[PermutationState, list[int]]:
+    """The `PermutationState` of grouping `[R, e]` routed rows by expert (token order within
+    an expert; each group padded to `pad_multiple`), and the padded host counts."""
+    num_pairs = int(sum(tokens_per_expert))
+    device = routing_map_Re.device
+    # nonzero_static knows its output size from the host counts: no device->host sync.
+    pairs_N2 = torch.nonzero_static(routing_map_Re.t(), size=num_pairs)
+    expert_ids_N, row_ids_N = pairs_N2[:, 0], pairs_N2[:, 1]
+    counts, dest_N = list(tokens_per_expert), None
+    if pad_multiple and pad_multiple != 1:
+        counts_e = host_counts_tensor(tokens_per_expert)
+        padded_e = align_up(counts_e, pad_multiple)
+        # Host tensors: the shift of each expert's rows is known without touching the device.
+        shift_e = start_offsets(padded_e - counts_e).to(device, non_blocking=True)
+        dest_N = torch.arange(num_pairs, device=device) + shift_e[expert_ids_N]
+        counts = padded_e.tolist()
+    num_rows = routing_map_Re.shape[0]
+    return PermutationState(row_ids_N, expert_ids_N, dest_N, num_rows, sum(counts)), counts
 
 
 def gather_sum(rows_NH: torch.Tensor, pos_RJ: torch.Tensor) -> torch.Tensor:
     """`out[r] = 0 + rows[pos[r, 0]] + rows[pos[r, 1]] + ...`, column by column; a position of
     N (one past the last row) adds a zero row. `[N, H]`, `[R, J]` -> `[R, H]`.
 
-    What `index_put(accumulate=True)` computes, without a sort or atomics, so
+    The fixed-shape counterpart of `index_put(accumulate=True)`: no sort and no atomics, so
     CUDA graphs capture it, and with each row's positions ascending (those below N distinct)
     it gives the accumulate's bits (docs/DESIGN.md, "What a CUDA graph may contain"). On CUDA,
     the Triton kernel of `kernels/gather_triton.py` (the same bits, no padded copy).
@@ -283,11 +307,23 @@ def slot_positions(indices_RK: torch.Tensor, routing_map_Re: torch.Tensor,
     return torch.where((expert_RK < e) & ~repeat_RK & (dest_RK < capacity), dest_RK, capacity)
 
 
+def unpermute_from_experts(expert_out_PH: torch.Tensor, state: PermutationState) -> torch.Tensor:
+    """Sum each received row's expert outputs back into `[R, H]`.
+
+    Padding and capacity tail rows are never read. `index_put(accumulate=True)` is
+    deterministic (unlike CUDA's atomic `index_add_`), so training is bitwise reproducible.
+    """
+    rows_NH = expert_out_PH if state.dest_N is None else expert_out_PH.index_select(0, state.dest_N)
+    if state.dest_N is None and rows_NH.shape[0] != state.row_ids_N.shape[0]:
+        rows_NH = rows_NH[: state.row_ids_N.shape[0]]
+    out_RH = expert_out_PH.new_zeros(state.num_rows, expert_out_PH.shape[-1])
+    return out_RH.index_put((state.row_ids_N,), rows_NH, accumulate=True)
+
+
 def fixed_layout(indices_RK: torch.Tensor, probs_RK: torch.Tensor, num_local_experts: int,
                  capacity: int, pad_multiple: int | None = None):
-    """The permutation of every mode, as maps: `capacity` (P) positions grouped by local
-    expert, every layout on the device (no host sync). The dropless modes give the exact
-    capacity of their host counts (`dropless_layout`), the fixed-shape modes their sized one.
+    """The fixed-shape modes' permutation, as maps: `capacity` (P) positions grouped by local
+    expert, every layout on the device (no host sync).
 
     Arguments:
         indices_RK / probs_RK: local expert ids (-1 = not here) and fp32 probs of R rows.
@@ -322,3 +358,26 @@ def fixed_layout(indices_RK: torch.Tensor, probs_RK: torch.Tensor, num_local_exp
                                         + safe_expert_N)
     permuted_probs_P = probs_N.new_zeros(capacity + 1).index_copy(0, dest_N, probs_N)[:capacity]
     return permuted_probs_P, padded_e, row_of_slot_P, slot_of_row_RK
+
+
+def dropless_layout(routing_map_Re: torch.Tensor, probs_Re: torch.Tensor, indices_RK: torch.Tensor,
+                    tokens_per_expert: list[int], pad_multiple: int | None = None):
+    """`permute_to_experts`' layout as maps, for experts that gather their own rows.
+
+    Returns:
+        `(permuted_probs_P, padded_counts, row_of_slot_P, slot_of_row_RK)`: the received row
+        each position reads (R on padding), the positions of each row's slots (P where none),
+        the same positions and probs `permute_to_experts` gives.
+    """
+    state, counts = dropless_permutation(routing_map_Re, tokens_per_expert, pad_multiple)
+    device = indices_RK.device
+    dest_N = state.dest_N if state.dest_N is not None else torch.arange(
+        state.row_ids_N.shape[0], device=device)
+    row_of_slot_P = state.row_ids_N.new_full((state.num_permuted,), state.num_rows).index_copy(
+        0, dest_N, state.row_ids_N)
+    probs_P = probs_Re[state.row_ids_N, state.expert_ids_N]
+    if state.dest_N is not None:
+        probs_P = probs_P.new_zeros(state.num_permuted).index_copy(0, dest_N, probs_P)
+    padded_offsets_e = start_offsets(host_counts_tensor(counts)).to(device, non_blocking=True)
+    slot_of_row_RK = slot_positions(indices_RK, routing_map_Re, padded_offsets_e, state.num_permuted)
+    return probs_P, counts, row_of_slot_P, slot_of_row_RK

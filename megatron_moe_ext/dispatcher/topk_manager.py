@@ -28,7 +28,7 @@ class DispatchState:
     counts: rows per local expert: the communicator's host list after a dropless dispatch,
         a device tensor in the fixed-shape modes; padded counts once permuted.
     permutation: what the restore reads: a `PermutationState` (dropless), or `[R, K]` slot
-        positions (fixed-shape modes: `gather_sum`'s map).
+        positions (fixed-shape modes, and `IndexedRows` hand-offs: `gather_sum`'s map).
     """
 
     token_indices: torch.Tensor | None = None
@@ -160,22 +160,16 @@ class _DeepepManager(_DispatchManager):
         return P.host_counts_tensor(counts) if isinstance(counts, list) else counts
 
     # ---- local permutation ------------------------------------------------------------
-    def _layout(self):
-        """`(probs [P], PermutationState)` of the dispatch in flight, its padded counts and
-        maps kept for the experts and the restore (`layout_of`)."""
-        s = self.state
-        probs_P, counts, permutation = self.layout_of(s.dispatched_indices, s.dispatched_probs)
-        return self.keep_permutation(counts, permutation, probs_P), permutation
-
-    def layout_of(self, indices_RK, probs_RK):
-        """`(probs [P], padded counts, PermutationState)` of received routing: dropless, sized
-        by the host counts (`P.dropless_layout`)."""
-        return P.dropless_layout(indices_RK, probs_RK, self.num_local_experts, self.state.host_counts(),
-                                 self.pad_multiple)
+    def _indices_to_multihot(self, indices, probs):
+        """`[R, K]` local ids (-1 = masked) and probs -> `([R, e] bool map, [R, e] fp32 probs)`."""
+        return P.indices_to_multihot(indices, probs, self.num_local_experts)
 
     def get_permuted_hidden_states_by_experts(self, hidden_states):
-        probs_P, permutation = self._layout()
-        return P.permute_rows(hidden_states, permutation), probs_P
+        s = self.state
+        routing_map, probs = self._indices_to_multihot(s.dispatched_indices, s.dispatched_probs)
+        permuted, permuted_probs, counts, permutation = P.permute_to_experts(
+            hidden_states, routing_map, probs, s.host_counts(), self.pad_multiple)
+        return permuted, self.keep_permutation(counts, permutation, permuted_probs)
 
     def keep_permutation(self, counts, permutation, permuted_probs):
         """Keep what the experts and the restore need, drop the received routing, and return
@@ -191,10 +185,15 @@ class _DeepepManager(_DispatchManager):
     # ---- the hand-off to experts that gather their own rows (`handoff.py`) ----------------
     def get_indexed_rows(self, hidden_states) -> IndexedRows:
         """The received rows as they are, with the maps of the permutation above (no copy)."""
-        probs_P, permutation = self._layout()
-        return indexed_rows(hidden_states, probs_P, permutation.row_of_slot_P, permutation.slot_of_row_RK,
+        s = self.state
+        routing_map, probs = self._indices_to_multihot(s.dispatched_indices, s.dispatched_probs)
+        probs_P, counts, row_of_slot_P, slot_of_row_RK = P.dropless_layout(
+            routing_map, probs, s.dispatched_indices, s.host_counts(), self.pad_multiple)
+        probs_P = self.keep_permutation(counts, slot_of_row_RK, probs_P)
+        return indexed_rows(hidden_states, probs_P, row_of_slot_P, slot_of_row_RK,
                             self.get_number_of_tokens_per_expert())
 
     def restore_indexed_rows(self, expert_out_PH: torch.Tensor) -> torch.Tensor:
-        """`[P, H]` outputs of `IndexedRows` -> `[R, H]`, as the restore above."""
-        return P.unpermute_from_experts(expert_out_PH, self.state.permutation)
+        """`[P, H]` outputs of `IndexedRows` -> `[R, H]`: each row's positions summed in
+        ascending expert order (`gather_sum`: deterministic, no atomics)."""
+        return P.gather_sum(expert_out_PH, self.state.permutation)

@@ -20,7 +20,7 @@ from torch import nn
 from megatron_moe_ext.dispatcher.checks import checks_values_now
 from megatron_moe_ext.dispatcher.permute import (
     PermutationState,
-    indices_to_routing_map,
+    indices_to_multihot,
     permute_to_experts,
 )
 from megatron_moe_ext.experts.activations import get_expert_activation, is_gated_activation
@@ -172,6 +172,7 @@ def permute_local(x_TH: torch.Tensor, token_mask_T: torch.Tensor, weights_TK: to
     """
     local_TK = indices_TK.long() - experts_start_idx
     routed_TK = (local_TK >= 0) & (local_TK < n_local_experts) & token_mask_T[:, None]
-    local_TK = torch.where(routed_TK, local_TK, -1)
-    counts = indices_to_routing_map(local_TK, n_local_experts).sum(0).tolist()
-    return LocalPermutation(*permute_to_experts(x_TH, local_TK, weights_TK, n_local_experts, counts))
+    routing_map_Te, probs_Te = indices_to_multihot(
+        torch.where(routed_TK, local_TK, -1), weights_TK, n_local_experts)
+    counts = routing_map_Te.sum(0).tolist()
+    return LocalPermutation(*permute_to_experts(x_TH, routing_map_Te, probs_Te, counts))
