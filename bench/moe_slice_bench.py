@@ -2,7 +2,7 @@
 package's grouped and fused expert paths, same inputs, same run.
 
     python bench/moe_slice_bench.py [--shapes ...] [--routing balanced skewed]
-        [--rounds 7] [--steps 5] [--warmup 2] [--no-profile] [--smoke]
+        [--rounds 7] [--steps 5] [--warmup 2] [--no-profile] [--no-router-fusion] [--smoke]
 
 Shapes (bf16, SwiGLU, no bias; one GPU holds what one rank holds):
 - qwen3_ep8_slice: Qwen3-30B-A3B at EP8, one rank: 16 local experts, top-8, hidden 2048, FFN 768,
@@ -23,7 +23,11 @@ Variants:
   recipe's fusions `moe_permute_fusion`, `moe_router_fusion`, `moe_router_dtype="fp32"`
 - flex_grouped_mm: FlexMoELayer (torch backend) + GroupedGemmExperts(expert_mlp_impl="grouped_mm")
 - flex_fused: FlexMoELayer + GroupedGemmExperts(expert_mlp_impl="fused") (QuACK)
-(the flex variants use the same router settings; the torch backend refuses `moe_permute_fusion`.)
+- flex_budget / flex_fused_budget (asked for by `--variants`): the same two in the sync-free
+  budget mode (`moe_expert_rank_capacity_factor=1.0`; at EP 1 the budget holds every pair), which
+  has no host read of the counts; a real EP job in budget mode may drop pairs the budget misses
+(the flex variants use the same router settings; the torch backend refuses `moe_permute_fusion`.
+`--no-router-fusion`: Megatron's unfused router everywhere, so the flex variants run without TE.)
 
 Per shape and routing: the layer forward+backward and the experts alone (the call the layer made
 to its experts, recorded once and replayed with its inputs as leaves) are timed in interleaved
@@ -72,22 +76,26 @@ SHAPES = {
     "smoke": dict(hidden=64, experts=8, topk=2, ffn=32, tokens=64, heads=4),
 }
 VARIANTS = ("megatron_te", "flex_grouped_mm", "flex_fused")
+# The same two flex layers in the sync-free budget mode (`moe_expert_rank_capacity_factor` 1.0:
+# at EP 1 the budget is every pair, so nothing drops): no host read of the counts.
+BUDGET_VARIANTS = ("flex_budget", "flex_fused_budget")
 TE_VARIANTS = ("megatron_te",)
-EXPERT_MLP_IMPL = {"flex_grouped_mm": "grouped_mm", "flex_fused": "fused"}
+EXPERT_MLP_IMPL = {"flex_grouped_mm": "grouped_mm", "flex_fused": "fused", "flex_budget": "grouped_mm",
+                   "flex_fused_budget": "fused"}
 DISPATCHER_METHODS = ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess",
                       "combine_preprocess", "token_combine", "combine_postprocess")
 
 
 # ---- layers -----------------------------------------------------------------------------
-def slice_config(shape: dict, name: str, cpu: bool):
+def slice_config(shape: dict, name: str, cpu: bool, router_fusion: bool = True):
     """Megatron's TransformerConfig of one variant: the recipe's router settings everywhere
     (fused router only where TE is, i.e. not on the CPU), `moe_permute_fusion` for Megatron."""
     base = layer_bench.layer_config(shape, permute_fusion=name == "megatron_te" and not cpu,
                                     grouped_gemm=name in TE_VARIANTS, cpu=cpu)
-    return dataclasses.replace(base, moe_router_fusion=not cpu, moe_router_dtype="fp32")
+    return dataclasses.replace(base, moe_router_fusion=router_fusion and not cpu, moe_router_dtype="fp32")
 
 
-def build_variant(name: str, shape: dict, pg, device, cpu: bool):
+def build_variant(name: str, shape: dict, pg, device, cpu: bool, router_fusion: bool = True):
     """The layer of variant `name`, its router weight set to pass the wanted logits."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
@@ -95,7 +103,9 @@ def build_variant(name: str, shape: dict, pg, device, cpu: bool):
     from megatron_moe_ext.megatron.experts import GroupedGemmExperts
     from megatron_moe_ext.megatron.moe_layer import FlexMoELayer
 
-    config = slice_config(shape, name, cpu)
+    from megatron_moe_ext.config import TokenDispatcherConfig
+
+    config = slice_config(shape, name, cpu, router_fusion)
     kw = dict(config=config, pg_collection=pg, layer_number=1)
     if name == "megatron_te":
         te = get_gpt_layer_with_transformer_engine_spec(num_experts=shape["experts"], moe_grouped_gemm=True)
@@ -103,6 +113,9 @@ def build_variant(name: str, shape: dict, pg, device, cpu: bool):
     else:
         local = get_moe_module_spec(use_te=False, num_experts=shape["experts"]).keywords["submodules"]
         experts = functools.partial(GroupedGemmExperts, expert_mlp_impl=EXPERT_MLP_IMPL[name])
+        if name in BUDGET_VARIANTS:
+            kw["dispatcher_config"] = TokenDispatcherConfig.from_transformer_config(
+                config, moe_expert_rank_capacity_factor=1.0)
         layer = FlexMoELayer(submodules=local, experts=experts, **kw)
     return layer_bench.route_by_input(layer.to(device), shape["experts"])
 
@@ -288,7 +301,7 @@ def run_case(shape: dict, routing: str, variants, pg, device, cpu: bool, args) -
             cells[name] = {"skipped": "Transformer Engine is not importable"}
             continue
         try:
-            layer = build_variant(name, shape, pg, device, cpu)
+            layer = build_variant(name, shape, pg, device, cpu, not args.no_router_fusion)
             cell = cells[name] = {"router_follows_routing": layer_bench.router_counts(layer, x) == counts}
             if hasattr(layer.experts, "expert_mlp_fallback_reason"):  # None: the fused path runs
                 cell["expert_mlp_fallback_reason"] = layer.experts.expert_mlp_fallback_reason
@@ -324,9 +337,10 @@ def run_case(shape: dict, routing: str, variants, pg, device, cpu: bool, args) -
                 cells[name]["profile"] = profile_layer(layers[name], step)
             except Exception as error:  # noqa: BLE001 - the timings above stand without it
                 cells[name]["profile_error"] = f"{type(error).__name__}: {error}"
-    if "flex_fused" in layers and "flex_grouped_mm" in layers:
-        cells["flex_fused"]["vs_flex_grouped_mm"] = compare_with_reference(
-            layers["flex_fused"], layers["flex_grouped_mm"], x, grad)
+    for mine in ("flex_fused", *BUDGET_VARIANTS):
+        if mine in layers and "flex_grouped_mm" in layers:
+            cells[mine]["vs_flex_grouped_mm"] = compare_with_reference(
+                layers[mine], layers["flex_grouped_mm"], x, grad)
     return cells
 
 
@@ -339,7 +353,7 @@ def summarize(cells: dict) -> dict:
             ms = {k: c[part][timing] for k, c in cells.items()
                   if isinstance(c, dict) and timing in c.get(part, {})}
             for ref in ("flex_grouped_mm", "megatron_te"):
-                for mine in ("flex_fused", "flex_grouped_mm"):
+                for mine in ("flex_fused", "flex_grouped_mm", *BUDGET_VARIANTS):
                     if mine != ref and mine in ms and ref in ms:
                         out[f"{prefix}{part}_{mine}_speedup_vs_{ref}"] = round(ms[ref] / ms[mine], 4)
     return out
@@ -357,7 +371,9 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=[s for s in SHAPES if s != "smoke"],
                         choices=[s for s in SHAPES if s != "smoke"])
     parser.add_argument("--routing", nargs="+", default=["balanced", "skewed"], choices=["balanced", "skewed"])
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS + BUDGET_VARIANTS)
+    parser.add_argument("--no-router-fusion", action="store_true",
+                        help="Megatron's unfused router in every variant (runs without TE)")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per variant per round")
     parser.add_argument("--warmup", type=int, default=2)
