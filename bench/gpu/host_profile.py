@@ -7,8 +7,10 @@ after warm-up: `--steps` layer forward+backward steps issued back to back under 
 top functions by own and cumulative time, so a host sync shows as the call that waits), then
 the same under torch.profiler (CPU + CUDA): host time per step, the CUDA runtime calls that
 block (synchronize, device-to-host copies) and their time, kernel launches per step, and the
-GPU's busy time per step. The experts alone (the call the layer made, replayed) get the same
-cProfile. Writes $OUT/host_profile_h200.json.
+GPU's busy time per step, and where the GPU waits (`gpu_gaps`: the largest gaps between
+kernels, with the host operations that ran in each and the one that launched the kernel after
+it). The experts alone (the call the layer made, replayed) get the same cProfile. Writes
+$OUT/host_profile_h200.json.
 """
 
 from __future__ import annotations
@@ -78,10 +80,68 @@ def runtime_calls(step, steps: int) -> dict:
             "top_ops_by_self_cpu": table.splitlines()}
 
 
+def gpu_gaps(trace: dict, steps: int, top: int = 12, min_us: float = 20.0) -> dict:
+    """Where the GPU idles, from a chrome trace of `steps` queued steps (torch.profiler's
+    `export_chrome_trace`): idle microseconds per step between the first and the last kernel,
+    and the `top` longest gaps, each with the outermost host operations running during it and
+    the operation whose launch ended it (joined by the launch's correlation id)."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                     key=lambda e: e["ts"])
+    ops = sorted((e for e in events if e.get("cat") == "cpu_op"), key=lambda e: e["ts"])
+    launches = {e["args"].get("correlation"): e for e in events
+                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    if not kernels:
+        return {"idle_us_per_step": None, "gaps": []}
+    gaps, busy_until = [], kernels[0]["ts"] + kernels[0]["dur"]
+    for k in kernels[1:]:
+        if k["ts"] - busy_until >= min_us:
+            gaps.append((k["ts"] - busy_until, busy_until, k))
+        busy_until = max(busy_until, k["ts"] + k["dur"])
+
+    def outermost(t0: float, t1: float) -> list[str]:
+        inside = [o for o in ops if o["ts"] < t1 and o["ts"] + o["dur"] > t0]
+        return [o["name"] for o in inside
+                if not any(p is not o and p["ts"] <= o["ts"] and p["ts"] + p["dur"] >= o["ts"] + o["dur"]
+                           and p.get("tid") == o.get("tid") for p in inside)][:8]
+
+    def launcher(kernel: dict) -> str | None:
+        launch = launches.get(kernel.get("args", {}).get("correlation"))
+        if launch is None:
+            return None
+        around = [o for o in ops if o.get("tid") == launch.get("tid")
+                  and o["ts"] <= launch["ts"] <= o["ts"] + o["dur"]]
+        return min(around, key=lambda o: o["dur"])["name"] if around else launch["name"]
+
+    longest = sorted(gaps, key=lambda g: -g[0])[:top]
+    return {"idle_us_per_step": round(sum(g[0] for g in gaps) / steps, 1),
+            "gaps_per_step": round(len(gaps) / steps, 1),
+            "gaps": [{"idle_us": round(us, 1), "next_kernel": k["name"][:90], "launched_by": launcher(k),
+                      "host_ops_during": outermost(start, k["ts"])} for us, start, k in longest]}
+
+
+def traced_gaps(step, steps: int) -> dict:
+    """`gpu_gaps` of `steps` queued steps."""
+    import json as _json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        return gpu_gaps(_json.load(open(f.name)), steps)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", nargs="+", default=["qwen3_ep8_slice"], choices=list(slice_bench.SHAPES))
-    parser.add_argument("--variants", nargs="+", default=list(slice_bench.VARIANTS), choices=slice_bench.VARIANTS)
+    parser.add_argument("--variants", nargs="+", default=list(slice_bench.VARIANTS),
+                        choices=slice_bench.VARIANTS + slice_bench.BUDGET_VARIANTS)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -105,7 +165,8 @@ def main() -> None:
                 for _ in range(3):
                     step()
                 cell = {"layer_cprofile": cprofile_top(step, args.steps),
-                        "layer_runtime": runtime_calls(step, args.steps)}
+                        "layer_runtime": runtime_calls(step, args.steps),
+                        "layer_gpu_gaps": traced_gaps(step, min(args.steps, 5))}
                 experts = slice_bench.experts_step(layer, x, grad)
                 for _ in range(3):
                     experts()
@@ -117,6 +178,7 @@ def main() -> None:
                 cell = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()[-2000:]}
             result["results"][key] = cell
             summary = {k: v for k, v in cell.get("layer_runtime", {}).items() if k != "top_ops_by_self_cpu" and k != "runtime_calls"}
+            summary["idle_us_per_step"] = cell.get("layer_gpu_gaps", {}).get("idle_us_per_step")
             print(key, json.dumps(summary), json.dumps(cell.get("error", "")), flush=True)
             with open(path, "w") as f:
                 json.dump(result, f, indent=1)

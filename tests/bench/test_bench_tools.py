@@ -146,6 +146,48 @@ def test_slice_bench_smoke_runs_on_cpu(tmp_path):
     assert skewed["max"] > skewed["min"]
 
 
+def test_slice_bench_budget_variant_matches_dropless_on_cpu(tmp_path):
+    """The budget-mode variant at EP 1 holds every pair: its output and gradients are the
+    dropless layer's bits, with the unfused router (the flag that lets it run without TE)."""
+    env = dict(os.environ, OUT=str(tmp_path))
+    done = subprocess.run([sys.executable, "bench/moe_slice_bench.py", "--smoke", "--no-router-fusion",
+                           "--variants", "flex_grouped_mm", "flex_budget"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    data = json.load(open(tmp_path / "moe_slice_smoke.json"))
+    for key in ("smoke/balanced", "smoke/skewed"):
+        budget = data["results"][key]["flex_budget"]
+        assert budget["router_follows_routing"] and budget["layer"]["queued_ms"] > 0, key
+        assert budget["vs_flex_grouped_mm"] == {"output": 0.0, "input_grad": 0.0, "grad_gate_and_up_projs": 0.0,
+                                                "grad_down_projs": 0.0}, key
+        assert "queued_layer_flex_budget_speedup_vs_flex_grouped_mm" in data["summary"][key]
+
+
+def test_gpu_gaps_of_a_trace():
+    """host_profile.gpu_gaps on a hand-made chrome trace: kernels at 0-10, 50-60 and 200-210 us;
+    a host op 15-150 (with a nested one) while the GPU waits, and the op that launched the last
+    kernel (joined by correlation id)."""
+    sys.path.insert(0, os.path.join(ROOT, "bench", "gpu"))
+    import host_profile
+
+    def ev(cat, name, ts, dur, tid=1, **args):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "args": args}
+
+    trace = {"traceEvents": [
+        ev("kernel", "k1", 0, 10, tid=7, correlation=1), ev("kernel", "k2", 50, 10, tid=7, correlation=2),
+        ev("kernel", "k3", 200, 10, tid=7, correlation=3),
+        ev("cpu_op", "aten::outer", 15, 135), ev("cpu_op", "aten::inner", 20, 20),
+        ev("cpu_op", "aten::mm", 185, 10), ev("cuda_runtime", "cudaLaunchKernel", 190, 2, correlation=3)]}
+    gaps = host_profile.gpu_gaps(trace, steps=2)
+    assert gaps["idle_us_per_step"] == 90.0 and gaps["gaps_per_step"] == 1.0
+    first, second = gaps["gaps"]
+    assert (first["idle_us"], first["next_kernel"], first["launched_by"]) == (140, "k3", "aten::mm")
+    assert first["host_ops_during"] == ["aten::outer", "aten::mm"]
+    assert (second["idle_us"], second["next_kernel"]) == (40, "k2")
+    assert second["host_ops_during"] == ["aten::outer"]
+    assert host_profile.gpu_gaps({"traceEvents": []}, steps=1)["gaps"] == []
+
+
 def _fake_megatron_log(losses, ms, tflops, timers) -> str:
     """Lines as Megatron's training_log and Timers.log print them (log interval 1, minmax)."""
     lines = ["building GPT model ...", "  num_layers ...................................... 8"]
