@@ -160,7 +160,8 @@ def main() -> None:
             try:
                 if name in slice_bench.TE_VARIANTS and not layer_bench.have_te():
                     raise RuntimeError("Transformer Engine is not importable")
-                layer = slice_bench.build_variant(name, shape, pg, "cuda", cpu=not layer_bench.have_te())  # cpu: no fused router without TE
+                layer = slice_bench.build_variant(name, shape, pg, "cuda", cpu=False,
+                                                  router_fusion=layer_bench.have_te())
                 step = slice_bench.layer_step(layer, x, grad)
                 for _ in range(3):
                     step()
@@ -177,7 +178,8 @@ def main() -> None:
 
                 cell = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()[-2000:]}
             result["results"][key] = cell
-            summary = {k: v for k, v in cell.get("layer_runtime", {}).items() if k != "top_ops_by_self_cpu" and k != "runtime_calls"}
+            summary = {k: v for k, v in cell.get("layer_runtime", {}).items()
+                       if k not in ("top_ops_by_self_cpu", "runtime_calls")}
             summary["idle_us_per_step"] = cell.get("layer_gpu_gaps", {}).get("idle_us_per_step")
             print(key, json.dumps(summary), json.dumps(cell.get("error", "")), flush=True)
             with open(path, "w") as f:

@@ -116,7 +116,6 @@ def _layer_asks_at_each_forward(config) -> list[str]:
     type of what its experts received in a forward before and after."""
     import functools
 
-    import torch
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
@@ -133,7 +132,7 @@ def _layer_asks_at_each_forward(config) -> list[str]:
                          layer_number=1)
     seen = []
     layer.experts.register_forward_pre_hook(lambda _m, args: seen.append(type(args[0]).__name__))
-    x = torch.randn(6, 1, config.hidden_size, dtype=torch.bfloat16, device=layer.experts.gate_and_up_projs.device)
+    x = torch.randn(6, 1, config.hidden_size, dtype=torch.bfloat16)
     layer(x)
     fused.set_quack_backend(double)
     layer(x)[0].float().sum().backward()
