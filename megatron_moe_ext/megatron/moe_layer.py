@@ -141,6 +141,12 @@ class FlexMoELayer(MoELayer, overflow.OverflowCounter):
         self._init_overflow_counter(config, dispatcher_config)
 
     def routed_experts_compute(self, hidden_states, probs):
+        # Experts that gather their own rows take `IndexedRows` where the backend can hand them.
+        # Asked at each call (the forward's, and the 1F1B overlap's, which skips `forward`):
+        # whether they can depends on where the weights are now (a model built under
+        # `use_cpu_initialization` moves to the GPU after construction).
+        self.token_dispatcher.hand_indexed_rows = (
+            self._backend_hands_indexed_rows and getattr(self.experts, "accepts_indexed_rows", False))
         output, mlp_bias = super().routed_experts_compute(hidden_states, probs)
         self._count_overflow(self.token_dispatcher.manager)
         return output, mlp_bias
@@ -156,11 +162,6 @@ class FlexMoELayer(MoELayer, overflow.OverflowCounter):
     def forward(self, hidden_states, *args, **kwargs):
         """Megatron's forward; a training forward that Megatron will recompute (its own "moe"
         checkpoint, or a no-grad forward inside a full-layer checkpoint) records its dispatches."""
-        # Experts that gather their own rows take `IndexedRows` where the backend can hand them.
-        # Asked at each forward: whether they can depends on where the weights are now (a model
-        # built under `use_cpu_initialization` moves to the GPU after construction).
-        self.token_dispatcher.hand_indexed_rows = (
-            self._backend_hands_indexed_rows and getattr(self.experts, "accepts_indexed_rows", False))
         replay = self.recompute_replay
         if replay is None:
             return super().forward(hidden_states, *args, **kwargs)
