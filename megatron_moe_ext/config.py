@@ -221,6 +221,7 @@ class TokenDispatcherConfig:
             moe_flex_dispatcher_backend=backend,
             moe_expert_rank_capacity_factor=getattr(config, "moe_expert_rank_capacity_factor", None),
         )
+        values.update(budget_from_environment(values["moe_expert_rank_capacity_factor"]))
         num_sms = getattr(config, "moe_flex_dispatcher_num_sms", None)
         if num_sms is not None and row.sms_field is not None:
             check_sm_count("moe_flex_dispatcher_num_sms", num_sms, even=row.sms_field == "moe_deepep_num_sms")
@@ -233,6 +234,31 @@ class TokenDispatcherConfig:
             values[field] = defaults[field] if value is None else value
         values.update(overrides)
         return cls(**values)
+
+
+#: The budget mode from the command line: Megatron's validation accepts
+#: `--moe-expert-rank-capacity-factor` for its own HybridEP and NCCL-EP dispatchers only.
+BUDGET_FACTOR_ENV = "MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR"
+OVERFLOW_POLICY_ENV = "MOE_EXT_EXPERT_RANK_OVERFLOW_POLICY"
+
+
+def budget_from_environment(megatron_factor: float | None) -> dict[str, Any]:
+    """`moe_expert_rank_capacity_factor` / `moe_expert_rank_overflow_policy` from
+    `MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR` (a float > 0; unset: Megatron's field, else dropless)
+    and `MOE_EXT_EXPERT_RANK_OVERFLOW_POLICY` (error | drop; unset: error)."""
+    from megatron_moe_ext.utils import env
+
+    factor = env.env_float(BUDGET_FACTOR_ENV, None, above=0)
+    policy = env.env_choice(OVERFLOW_POLICY_ENV, OVERFLOW_POLICIES, None)
+    if factor is not None and megatron_factor is not None and factor != megatron_factor:
+        raise ValueError(f"{BUDGET_FACTOR_ENV}={factor} contradicts Megatron's "
+                         f"moe_expert_rank_capacity_factor={megatron_factor}: set one of them")
+    values: dict[str, Any] = {}
+    if factor is not None:
+        values["moe_expert_rank_capacity_factor"] = factor
+    if policy is not None:
+        values["moe_expert_rank_overflow_policy"] = policy
+    return values
 
 
 # Megatron settings the flex layer does not honour, with the value that means "off" and why.

@@ -1,10 +1,11 @@
 """The narrow interface every communication manager implements.
 
-A manager belongs to one layer and owns one dispatch at a time: `setup_metadata*` ->
-`dispatch` -> `get_permuted_hidden_states_by_experts` -> (experts) ->
-`get_restored_hidden_states_by_experts` -> `combine` (the dispatcher enforces the order).
-Backward never reads manager state (it lives in the autograd graph), so per-dispatch state
-is released after combine. Only the backend's buffer is shared (`buffers.py`).
+A manager belongs to one layer; each dispatch is a `DispatchRecord` (`record.py`) that the
+dispatcher hands to every step: `setup_metadata*` -> `dispatch` ->
+`get_permuted_hidden_states_by_experts` -> (experts) -> `get_restored_hidden_states_by_experts`
+-> `combine` (the dispatcher enforces the order). Backward never reads a record (what it needs
+lives in the autograd graph), so a record's tensors are released at combine. Only the
+backend's buffer is shared (`buffers.py`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from abc import ABC, abstractmethod
 from typing import Protocol
 
 import torch
+
+from megatron_moe_ext.dispatcher.record import DispatchRecord
 
 
 class Communicator(Protocol):
@@ -39,6 +42,10 @@ class Communicator(Protocol):
 
     #: Its `dispatch_fixed` exchanges equal splits, so every rank needs the same send capacity.
     fixed_equal_splits: bool
+
+    def exchange_counts(self, send_counts_W: torch.Tensor, group, word: int = 0) -> tuple[list[int], list[int]]:
+        """Every rank's `[W]` counts to every rank, read on the host: `(sent, received)` (the
+        budget mode agrees on its token count through it where `fixed_equal_splits`)."""
     #: The row dtypes its `dispatch_fixed` takes (None: any float).
     fixed_dtypes: tuple | None
 
@@ -51,13 +58,13 @@ class Communicator(Protocol):
         dropless). Returns the words received, where the backend sees them (else [])."""
 
 
-class _DispatchManager(ABC):
-    """A manager class to handle dispatch and combine processes for MoE models."""
+class DispatchManager(ABC):
+    """The communication manager of one layer: its buffers and calibrated sizes, nothing of a
+    dispatch. Each step takes the dispatch's `DispatchRecord` (`record.py`) and writes into it
+    what the later steps read."""
 
     #: A graphable top-k -> backend metadata converter (HybridEP's), else None.
     metadata_processor = None
-    #: Fixed-shape modes: permuted rows per dispatch (None: dropless, sized by the counts).
-    capacity: int | None = None
     #: Its dispatch can be replayed along a saved layout, so the recompute hook
     #: (`RecomputeReplay`) can plug in; a recompute of the others would route anew.
     replayable = False
@@ -78,41 +85,38 @@ class _DispatchManager(ABC):
         """Refuse rows the backend cannot send (ValueError), before the step's first collective."""
 
     @abstractmethod
-    def setup_metadata(self, num_local_tokens: int, probs: torch.Tensor, routing_map=None):
-        """Set up routing from dense `[T, E]` probs (and optionally the routing map)."""
+    def setup_metadata(self, record: DispatchRecord, num_local_tokens: int, probs: torch.Tensor,
+                       routing_map=None) -> None:
+        """Set up `record`'s routing from dense `[T, E]` probs (and optionally the routing map)."""
 
     @abstractmethod
-    def setup_metadata_from_indices(self, token_indices: torch.Tensor, token_probs: torch.Tensor):
-        """Set up routing from top-k `[T, K]` global expert ids (-1 = masked) and probs."""
+    def setup_metadata_from_indices(self, record: DispatchRecord, token_indices: torch.Tensor,
+                                    token_probs: torch.Tensor) -> None:
+        """Set up `record`'s routing from top-k `[T, K]` global expert ids (-1 = masked) and probs."""
 
     @abstractmethod
-    def dispatch(self, hidden_states: torch.Tensor, async_finish: bool = False,
+    def dispatch(self, record: DispatchRecord, hidden_states: torch.Tensor, async_finish: bool = False,
                  allocate_on_comm_stream: bool = False) -> torch.Tensor:
-        """Dispatch the hidden_states according to the routing set up before."""
+        """Dispatch `[T, H]` rows along `record`'s routing -> received rows."""
 
     @abstractmethod
-    def combine(self, hidden_states: torch.Tensor, async_finish: bool = False,
+    def combine(self, record: DispatchRecord, hidden_states: torch.Tensor, async_finish: bool = False,
                 allocate_on_comm_stream: bool = False) -> torch.Tensor:
-        """Combine the hidden_states after expert processing."""
+        """Received rows back to their owners -> `[T, H]`; releases `record`'s tensors."""
+
+    def get_dispatched_metadata(self, record: DispatchRecord):
+        """`(received ids [R, K] or None, received weights)`."""
+        return record.dispatched_indices, record.dispatched_probs
 
     @abstractmethod
-    def get_dispatched_metadata(self):
-        """Metadata of the dispatched hidden states."""
-
-    @abstractmethod
-    def get_permuted_hidden_states_by_experts(self, hidden_states: torch.Tensor):
+    def get_permuted_hidden_states_by_experts(self, record: DispatchRecord, hidden_states: torch.Tensor):
         """`(permuted_hidden [P, H], permuted_probs [P])` grouped by local expert."""
 
     @abstractmethod
-    def get_restored_hidden_states_by_experts(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def get_restored_hidden_states_by_experts(self, record: DispatchRecord,
+                                              hidden_states: torch.Tensor) -> torch.Tensor:
         """Inverse of the permutation: `[P, H]` expert outputs -> dispatched row order."""
 
     @abstractmethod
-    def get_number_of_tokens_per_expert(self) -> torch.Tensor:
-        """`[e]` row counts of the last dispatch (host or device tensor)."""
-
-    @abstractmethod
-    def _release_dispatch_state(self) -> None:
-        """Initialize or release this manager's per-dispatch state (consumed tensors go early:
-        routing probabilities can retain recomputed activations, and a recompute can stop
-        before combine); persistent capacity/static state stays."""
+    def get_number_of_tokens_per_expert(self, record: DispatchRecord) -> torch.Tensor:
+        """`[e]` row counts of the dispatch (host or device tensor)."""

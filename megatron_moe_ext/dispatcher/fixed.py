@@ -21,8 +21,9 @@ A dispatch that does not fit is the overflow policy's:
 - `RaiseOnOverflow` (capacity mode): every rank raises `checks.CapacityOverflowError` naming
   the ranks that overflowed, before the experts run (a device assert on the GPU);
 - `CountOverflow` (budget mode): the (token, expert) pairs that do not fit (the last local
-  experts lose first) get no row, and the manager leaves `overflow_stats = [dropped pairs,
-  rows needed]` (device int64) for its layer (`megatron/overflow.py` applies the policy).
+  experts lose first) get no row, and the dispatch's record carries `overflow_stats =
+  [dropped pairs, rows needed]` (device int64) for its layer (`megatron/overflow.py` applies
+  the policy).
 
 Legend: T local tokens, K top-k (TP-expanded), W ranks, e local experts, R received rows,
 P permuted rows.
@@ -36,7 +37,8 @@ import torch.distributed as dist
 from megatron_moe_ext.dispatcher import checks
 from megatron_moe_ext.dispatcher import permute as P
 from megatron_moe_ext.dispatcher.handoff import IndexedRows, indexed_rows
-from megatron_moe_ext.dispatcher.topk_manager import _DeepepManager
+from megatron_moe_ext.dispatcher.record import DispatchRecord
+from megatron_moe_ext.dispatcher.topk_manager import TopKManager
 
 # Capacities are rounded to this many rows (or to the expert pad multiple when set).
 _CAPACITY_ALIGNMENT = 4
@@ -57,7 +59,7 @@ class CalibratedCapacity:
         self.factor = factor
         self.sizes: tuple[int, int] | None = None
 
-    def size(self, manager: "_FixedShapeManager", num_tokens: int) -> tuple[int, int] | None:
+    def size(self, manager: "FixedShapeManager", num_tokens: int) -> tuple[int, int] | None:
         """`(send_capacity, capacity)`, or None: dispatch dropless and `calibrate` after."""
         return self.sizes
 
@@ -65,12 +67,12 @@ class CalibratedCapacity:
         """The send capacity every rank uses in this step's first collective (None: dropless)."""
         return None if self.sizes is None else self.sizes[0]
 
-    def calibrate(self, manager: "_FixedShapeManager", device) -> None:
+    def calibrate(self, manager: "FixedShapeManager", record: DispatchRecord, device) -> None:
         """One MAX all-reduce of both capacities (none within one rank) after the calibration
-        dispatch, whose counts are on the host already."""
+        dispatch `record`, whose counts are on the host already."""
         pad = manager.pad_multiple
-        rows = sum(P.align_up(n, pad or 1) for n in manager.state.counts)
-        pair_rows = max(manager.state.handle.send_splits)
+        rows = sum(P.align_up(n, pad or 1) for n in record.counts)
+        pair_rows = max(record.handle.send_splits)
         local = [P.capacity_rows(pair_rows, self.factor, _CAPACITY_ALIGNMENT),
                  P.capacity_rows(rows, self.factor, pad or _CAPACITY_ALIGNMENT)]
         if dist.get_world_size(manager.group) > 1:
@@ -88,7 +90,7 @@ class Budget:
         self.factor = factor
         self.tokens: int | None = None  # the T every rank agreed on (equal splits only)
 
-    def size(self, manager: "_FixedShapeManager", num_tokens: int) -> tuple[int, int]:
+    def size(self, manager: "FixedShapeManager", num_tokens: int) -> tuple[int, int]:
         if manager.comm.fixed_equal_splits and num_tokens != self.tokens and dist.get_world_size(manager.group) > 1:
             self._agree(manager, num_tokens)
         return num_tokens, rank_budget(num_tokens, manager.router_topk, self.factor, manager.pad_multiple)
@@ -96,7 +98,7 @@ class Budget:
     def agreed_send_capacity(self) -> int | None:
         return self.tokens
 
-    def _agree(self, manager: "_FixedShapeManager", num_tokens: int) -> None:
+    def _agree(self, manager: "FixedShapeManager", num_tokens: int) -> None:
         """Agree on T: at the first dispatch in a count exchange; after it, a rank whose T
         changed sends its error word in the routing collective its peers wait in, and only if
         every rank's word says so (all changed) do they exchange the new T."""
@@ -125,42 +127,42 @@ class Budget:
 class RaiseOnOverflow:
     """Never continue on dropped tokens: every rank raises (see the module docstring)."""
 
-    def receive_overflow(self, manager: "_FixedShapeManager"):
+    def receive_overflow(self, manager: "FixedShapeManager", capacity: int):
         """The communicator's receive-side check: whether the received `[R, K]` routing needs
-        more permuted rows than the capacity (a send overflow is the communicator's own)."""
+        more permuted rows than `capacity` (a send overflow is the communicator's own)."""
         def needs_more(indices_RK, probs_RK) -> torch.Tensor:
-            routing_Re, _ = manager._indices_to_multihot(indices_RK, probs_RK)
-            return P.align_up(routing_Re.sum(0), manager.pad_multiple or 1).sum() > manager.capacity
+            routing_Re, _ = P.indices_to_multihot(indices_RK, probs_RK, manager.num_local_experts)
+            return P.align_up(routing_Re.sum(0), manager.pad_multiple or 1).sum() > capacity
         return needs_more
 
-    def permuted(self, manager: "_FixedShapeManager", pairs: torch.Tensor, slot_of_row_RK) -> None:
-        """Nothing past the dispatch's assert."""
+    def permuted(self, counts_e: torch.Tensor, capacity: int, pairs: torch.Tensor, slot_of_row_RK):
+        """`(counts_e, None)`: nothing past the dispatch's assert."""
+        return counts_e, None
 
 
 class CountOverflow:
     """Drop the pairs that do not fit and count them for the layer (see the module docstring)."""
 
-    def receive_overflow(self, manager: "_FixedShapeManager"):
+    def receive_overflow(self, manager: "FixedShapeManager", capacity: int):
         """None: counted in the permutation instead."""
         return None
 
-    def permuted(self, manager: "_FixedShapeManager", pairs: torch.Tensor, slot_of_row_RK) -> None:
-        placed = (slot_of_row_RK < manager.capacity).sum()
-        needed_e = manager.state.counts
+    def permuted(self, needed_e: torch.Tensor, capacity: int, pairs: torch.Tensor, slot_of_row_RK):
+        """`(counts_e that fit, [dropped pairs, rows needed])`."""
+        placed = (slot_of_row_RK < capacity).sum()
         # Past the budget an expert keeps only the rows that fit, so the grouped GEMM's
         # offsets never run past the P rows it is given.
-        ends_e = torch.cumsum(needed_e, 0).clamp(max=manager.capacity)
-        manager.state.counts = torch.diff(ends_e, prepend=ends_e.new_zeros(1))
-        manager.overflow_stats = torch.stack([pairs - placed, needed_e.sum()])
+        ends_e = torch.cumsum(needed_e, 0).clamp(max=capacity)
+        return torch.diff(ends_e, prepend=ends_e.new_zeros(1)), torch.stack([pairs - placed, needed_e.sum()])
 
 
-class _FixedShapeManager(_DeepepManager):
+class FixedShapeManager(TopKManager):
     """The top-k manager in a fixed-shape mode (see the module docstring).
 
     Arguments:
         sizing: `CalibratedCapacity` or `Budget`.
         overflow: `RaiseOnOverflow` or `CountOverflow`.
-        **kwargs: `_DeepepManager`'s arguments; `comm` has `dispatch_fixed` / `combine_fixed`.
+        **kwargs: `TopKManager`'s arguments; `comm` has `dispatch_fixed` / `combine_fixed`.
     """
 
     replayable = False  # recompute repeats the whole dispatch (consistent, pays the layout)
@@ -168,31 +170,24 @@ class _FixedShapeManager(_DeepepManager):
     def __init__(self, sizing, overflow, **kwargs):
         super().__init__(**kwargs)
         self.sizing, self.overflow = sizing, overflow
-        self.send_capacity: int | None = None
-        self.capacity: int | None = None
-        self.overflow_stats: torch.Tensor | None = None
-        self._fixed = False  # whether the dispatch in flight has a fixed shape
 
-    def dispatch(self, hidden_states, async_finish=False, allocate_on_comm_stream=False):
+    def dispatch(self, record, hidden_states, async_finish=False, allocate_on_comm_stream=False):
         sizes = self.sizing.size(self, hidden_states.shape[0])
-        self._fixed = sizes is not None
-        if not self._fixed:
-            rows = super().dispatch(hidden_states, async_finish, allocate_on_comm_stream)
-            self.sizing.calibrate(self, hidden_states.device)
-            # Sized from here on (the next step's first collective is a fixed one).
-            self.send_capacity, self.capacity = self.sizing.size(self, hidden_states.shape[0])
+        if sizes is None:  # the calibration: dropless, sized from here on
+            rows = super().dispatch(record, hidden_states, async_finish, allocate_on_comm_stream)
+            self.sizing.calibrate(self, record, hidden_states.device)
             return rows
-        self.send_capacity, self.capacity = sizes
-        s = self.state
-        receive_overflow = self.overflow.receive_overflow(self)
+        s = record
+        s.send_capacity, s.capacity = sizes
+        receive_overflow = self.overflow.receive_overflow(self, s.capacity)
         extra = {} if receive_overflow is None else {"receive_overflow": receive_overflow}
         try:
             rows, s.dispatched_indices, s.dispatched_probs, s.handle = self.comm.dispatch_fixed(
                 hidden_states, s.token_indices, s.token_probs, self.num_experts, self.group,
-                self.send_capacity, async_finish, allocate_on_comm_stream, **extra)
+                s.send_capacity, async_finish, allocate_on_comm_stream, **extra)
         except checks.CapacityOverflowError as exc:  # every rank's sizes are the same: name them
-            exc.args = (f"{exc} (send capacity {self.send_capacity} rows per rank pair, capacity "
-                        f"{self.capacity} permuted rows per rank)",)
+            exc.args = (f"{exc} (send capacity {s.send_capacity} rows per rank pair, capacity "
+                        f"{s.capacity} permuted rows per rank)",)
             raise
         s.token_indices = s.token_probs = None
         return rows
@@ -206,39 +201,38 @@ class _FixedShapeManager(_DeepepManager):
             raise ValueError(f"hidden_states: the sync-free {self.comm.name} dispatch takes {dtypes} rows "
                              f"(its combine kernel has no other), got {hidden_states.dtype}")
 
-    def combine(self, hidden_states, async_finish=False, allocate_on_comm_stream=False):
-        if not self._fixed:
-            return super().combine(hidden_states, async_finish, allocate_on_comm_stream)
+    def combine(self, record, hidden_states, async_finish=False, allocate_on_comm_stream=False):
+        if not record.fixed:
+            return super().combine(record, hidden_states, async_finish, allocate_on_comm_stream)
         # The dispatcher checked the rows against the dispatch (`MoEFlexTokenDispatcher`).
-        hidden, _ = self.comm.combine_fixed(hidden_states, self.group, self.state.handle, async_finish,
+        hidden, _ = self.comm.combine_fixed(hidden_states, self.group, record.handle, async_finish,
                                             allocate_on_comm_stream)
-        self._release_dispatch_state()
+        record.release()
         return hidden
 
-    def _layout(self):
-        """`(probs [P], row_of_slot [P], slot_of_row [R, K])` of the dispatch in flight, its
-        padded counts and overflow kept (see `P.fixed_layout`)."""
-        s = self.state
+    def _layout(self, record):
+        """`(probs [P], row_of_slot [P], slot_of_row [R, K])` of the dispatch, its padded
+        counts and overflow kept in `record` (see `P.fixed_layout`)."""
+        s = record
         pairs = (s.dispatched_indices >= 0).sum()
         probs_P, padded_e, row_of_slot_P, slot_of_row_RK = P.fixed_layout(
-            s.dispatched_indices, s.dispatched_probs, self.num_local_experts, self.capacity,
-            self.pad_multiple)
-        probs_P = self.keep_permutation(padded_e, slot_of_row_RK, probs_P)
-        self.overflow.permuted(self, pairs, slot_of_row_RK)
+            s.dispatched_indices, s.dispatched_probs, self.num_local_experts, s.capacity, self.pad_multiple)
+        probs_P = self.keep_permutation(record, padded_e, slot_of_row_RK, probs_P)
+        s.counts, s.overflow_stats = self.overflow.permuted(s.counts, s.capacity, pairs, slot_of_row_RK)
         return probs_P, row_of_slot_P, slot_of_row_RK
 
-    def get_permuted_hidden_states_by_experts(self, hidden_states):
-        if not self._fixed:
-            return super().get_permuted_hidden_states_by_experts(hidden_states)
-        probs_P, row_of_slot_P, slot_of_row_RK = self._layout()
+    def get_permuted_hidden_states_by_experts(self, record, hidden_states):
+        if not record.fixed:
+            return super().get_permuted_hidden_states_by_experts(record, hidden_states)
+        probs_P, row_of_slot_P, slot_of_row_RK = self._layout(record)
         return P.gather_rows(hidden_states, row_of_slot_P, slot_of_row_RK), probs_P
 
-    def get_indexed_rows(self, hidden_states) -> IndexedRows:
-        if not self._fixed:
-            return super().get_indexed_rows(hidden_states)
-        return indexed_rows(hidden_states, *self._layout(), self.state.counts)
+    def get_indexed_rows(self, record, hidden_states) -> IndexedRows:
+        if not record.fixed:
+            return super().get_indexed_rows(record, hidden_states)
+        return indexed_rows(hidden_states, *self._layout(record), record.counts)
 
-    def get_restored_hidden_states_by_experts(self, hidden_states):
-        if not self._fixed:
-            return super().get_restored_hidden_states_by_experts(hidden_states)
-        return self.restore_indexed_rows(hidden_states)  # the same gather-and-sum
+    def get_restored_hidden_states_by_experts(self, record, hidden_states):
+        if not record.fixed:
+            return super().get_restored_hidden_states_by_experts(record, hidden_states)
+        return self.restore_indexed_rows(record, hidden_states)  # the same gather-and-sum

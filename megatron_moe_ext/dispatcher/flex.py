@@ -3,9 +3,10 @@ methods and the seed's `token_permutation*` / split steps), one implementation.
 
 Both faces end in the same steps: `_setup_*` -> `token_dispatch` -> `dispatch_postprocess`
 -> (experts) -> `combine_preprocess` -> `token_combine` -> `combine_postprocess`. Each step that
-reaches the manager goes through the hook seat `replay` (`hooks.py`). Each dispatcher serves
-one layer and tracks its one dispatch in flight (`_InFlight`); layers share only
-communication buffers (`dispatcher/buffers.py`). See docs/DESIGN.md.
+reaches the manager goes through the hook seat `replay` (`hooks.py`) with the dispatch's
+`DispatchRecord` (`record.py`). Each dispatcher serves one layer and holds the record of its
+dispatch between Megatron's calls; layers share only communication buffers
+(`dispatcher/buffers.py`). See docs/DESIGN.md.
 
 Legend: T local tokens, H hidden, E global experts, e local experts, K top-k, R received
 rows, P permuted rows.
@@ -14,40 +15,19 @@ rows, P permuted rows.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import List
 
 import torch
 import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.cuda_graphs import is_graph_capturing
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from megatron.core.utils import get_pg_rank
 
 from megatron_moe_ext.config import TokenDispatcherConfig
 from megatron_moe_ext.dispatcher import buffers, checks, hooks, registry
+from megatron_moe_ext.dispatcher.record import DispatchRecord, Step
 from megatron_moe_ext.dispatcher.registry import build_manager
-
-# The calls of one dispatch, in order (the seed's faces make the same calls).
-_CALLS = ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess", "combine_preprocess",
-          "token_combine", "combine_postprocess")
-
-
-@dataclass
-class _InFlight:
-    """The dispatch a dispatcher has in flight, from routing to the restored output.
-
-    hidden_shape: the input's shape, restored at the end.
-    num_rows / num_permuted: R and P, set by `token_dispatch` and `dispatch_postprocess`.
-    next_call: index in `_CALLS` of the call the dispatch needs next.
-    in_recompute: started inside an activation recompute, which non-reentrant checkpointing
-        may stop before the combine: the next dispatch replaces it.
-    """
-
-    hidden_shape: torch.Size
-    num_rows: int | None = None
-    num_permuted: int | None = None
-    next_call: int = 1
-    in_recompute: bool = False
 
 
 class MoEFlexTokenDispatcher(MoETokenDispatcher):
@@ -108,7 +88,9 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         self._hand_indexed_rows = False
         #: HybridEP's top-k -> dense/compact metadata converter (a graphable nn.Module), else None.
         self.hybridep_metadata_processor = self._comm_manager.metadata_processor
-        self._inflight: _InFlight | None = None
+        #: The record of the dispatch in flight (Megatron's face holds it between its calls).
+        self.record: DispatchRecord | None = None
+        self._last_shape: torch.Size | None = None  # the input shape of the last preprocess
 
     def _check_construction(self) -> None:
         """The constructor's checks of this rank's arguments against the group."""
@@ -157,41 +139,62 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         return self._comm_manager
 
     def allocate_buffers(self, hidden_size: int, dtype: torch.dtype) -> None:
-        """Allocate the backend's buffer now (`_DispatchManager.allocate_buffers`)."""
+        """Allocate the backend's buffer now (`DispatchManager.allocate_buffers`)."""
         self._comm_manager.allocate_buffers(hidden_size, dtype)
 
     # ---- the dispatch in flight -------------------------------------------------------
-    def _check_idle(self) -> None:
-        inflight = self._inflight
-        if (inflight is not None and _CALLS[inflight.next_call] != "combine_postprocess"
-                and not inflight.in_recompute):
+    def _begin(self, hidden_shape: torch.Size) -> DispatchRecord:
+        """A new record in place of the one in flight. A record not yet dispatched is replaced
+        (a preprocess run again: the warm-up and capture of a CUDA graph of Megatron's router
+        and preprocess), as is one a recompute left; one whose rows are out is refused."""
+        record = self.record
+        if (record is not None and Step.TOKEN_DISPATCH < record.next < Step.DONE
+                and not record.in_recompute):
             raise RuntimeError(
                 f"dispatch started while this dispatcher's previous dispatch is still in flight "
-                f"(its next step is {_CALLS[inflight.next_call]}): a dispatcher holds one dispatch "
-                "at a time; combine it first, or give each layer its own dispatcher")
+                f"(its next step is {record.next.call}): a dispatcher holds one dispatch at a "
+                "time; combine it first, or give each layer its own dispatcher")
+        self._last_shape = hidden_shape
+        self.record = DispatchRecord(hidden_shape, in_recompute=hooks.in_backward(),
+                                     indexed_rows=self._hand_indexed_rows)
+        return self.record
 
-    def _advance(self, call: str, rows_TH=None, num_rows: int | None = None, what: str = "") -> _InFlight:
-        """The dispatch in flight, checked to need `call` next and moved past it.
+    @property
+    def preprocessed(self) -> DispatchRecord:
+        """The record awaiting its dispatch: Megatron's `cudagraph_attrs` name its routing
+        (`preprocessed.token_probs`, ...). A CUDA graph of the router and preprocess returns
+        them, and its replay, which runs no preprocess, sets them back here: where no record
+        awaits its dispatch, that starts a new one with the captured preprocess's input shape."""
+        record = self.record
+        if record is None or record.next != Step.TOKEN_DISPATCH:
+            if self._last_shape is None:
+                raise RuntimeError("no dispatch_preprocess has run on this dispatcher: a CUDA graph "
+                                   "replay of the preprocess needs its capture first")
+            record = self._begin(self._last_shape)
+        return record
+
+    def _advance(self, step: Step, rows_TH=None, num_rows: int | None = None, what: str = "") -> DispatchRecord:
+        """The dispatch in flight, checked to need `step` next and moved past it.
 
         `rows_TH`, when given, must be `[num_rows, H]` (any rows if `num_rows` is None); a
         refused call leaves the dispatch where it was, so a corrected call can follow.
         """
-        inflight = self._inflight
-        if inflight is None:
-            raise RuntimeError(f"{call} called without a dispatch in flight on this dispatcher: "
+        record = self.record
+        if record is None or record.next == Step.DONE:
+            raise RuntimeError(f"{step.call} called without a dispatch in flight on this dispatcher: "
                                "call dispatch_preprocess and token_dispatch first")
-        if _CALLS[inflight.next_call] != call:
-            raise RuntimeError(f"{call} called out of order: the dispatch in flight needs "
-                               f"{_CALLS[inflight.next_call]} next")
+        if record.next != step:
+            raise RuntimeError(f"{step.call} called out of order: the dispatch in flight needs "
+                               f"{record.next.call} next")
         if rows_TH is not None:
-            hidden_size = inflight.hidden_shape[-1]
+            hidden_size = record.hidden_shape[-1]
             rows = rows_TH.shape[0] if num_rows is None else num_rows
             if rows_TH.dim() != 2 or rows_TH.shape != (rows, hidden_size):
                 expected = rows if num_rows is not None else "T"
-                raise checks.bad_input("hidden_states", f"{call} expects [{expected}, H={hidden_size}] "
+                raise checks.bad_input("hidden_states", f"{step.call} expects [{expected}, H={hidden_size}] "
                                        f"({what}), got {tuple(rows_TH.shape)}")
-        inflight.next_call += 1
-        return inflight
+        record.next = Step(step + 1)
+        return record
 
     # ---- input checks (megatron_moe_ext/dispatcher/checks.py; no device sync) ----------
     def _check_dense(self, name: str, tensor: torch.Tensor, tokens: int):
@@ -259,12 +262,11 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
                 self._check_dense("probs", probs, tokens)
                 if routing_map is not None:
                     self._check_dense("routing_map", routing_map, tokens)
-            self._check_idle()
+            record = self._begin(hidden_states.shape)
             if routing_map is not None:
                 routing_map = self._initialize_metadata(tokens, routing_map)
             probs = self._initialize_metadata(tokens, probs)
-            self.replay.setup(lambda: self._comm_manager.setup_metadata(tokens, probs, routing_map))
-        self._inflight = _InFlight(hidden_states.shape, in_recompute=hooks.in_backward())
+            self.replay.setup(record, lambda: self._comm_manager.setup_metadata(record, tokens, probs, routing_map))
         return hidden_states.reshape(tokens, hidden_states.shape[-1])
 
     def _setup_topk(self, hidden_states, num_local_tokens, token_probs, token_indices):
@@ -273,11 +275,11 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
             self._comm_manager.check_rows(hidden_states)
             if not self.replay.routing_handed(token_probs, token_indices):
                 token_indices = self._check_topk(token_probs, token_indices, tokens)
-            self._check_idle()
+            record = self._begin(hidden_states.shape)
             if self.tp_size > 1:
                 token_indices, token_probs = self._expand_topk_for_tp(token_indices, token_probs)
-            self.replay.setup(lambda: self._comm_manager.setup_metadata_from_indices(token_indices, token_probs))
-        self._inflight = _InFlight(hidden_states.shape, in_recompute=hooks.in_backward())
+            self.replay.setup(record, lambda: self._comm_manager.setup_metadata_from_indices(
+                record, token_indices, token_probs))
         if hidden_states.dim() == 2:  # already [T, H]: no view (and no autograd node) to make
             return hidden_states
         return hidden_states.reshape(tokens, hidden_states.shape[-1])
@@ -290,7 +292,7 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
             hidden = self._setup_dense(hidden_states, probs, routing_map=routing_map_or_num_tokens)
         else:
             hidden = self._setup_dense(hidden_states, probs, num_local_tokens=routing_map_or_num_tokens)
-        return hidden, self._comm_manager.token_probs
+        return hidden, self.record.token_probs
 
     def token_dispatch(self, hidden_states, probs=None, async_finish=True, allocate_on_comm_stream=True):
         """`[T, H]` -> `(rows [R, H], dispatched probs)`. Asynchronous by default, as
@@ -298,70 +300,76 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         events; the other backends ignore the flags)."""
         if self.shared_experts is not None:
             self.shared_experts.wait_current_stream()
-        inflight = self._advance("token_dispatch", hidden_states, None, "the output of dispatch_preprocess")
+        record = self._advance(Step.TOKEN_DISPATCH, hidden_states, None, "the output of dispatch_preprocess")
         try:
-            dispatched = self.replay.dispatch(lambda: self._comm_manager.dispatch(
-                hidden_states, async_finish, allocate_on_comm_stream), hidden_states, async_finish,
+            dispatched = self.replay.dispatch(record, lambda: self._comm_manager.dispatch(
+                record, hidden_states, async_finish, allocate_on_comm_stream), hidden_states, async_finish,
                 allocate_on_comm_stream)
         except Exception as exc:
             if getattr(exc, "agreed", False):
                 # Every rank raised it (a peer's error word): the dispatch is abandoned on every
                 # rank, and the next step starts afresh.
-                self._inflight = None
+                self.record = None
             raise
-        inflight.num_rows = dispatched.shape[0]
+        record.num_rows = dispatched.shape[0]
         if self.shared_experts is not None:
             self.shared_experts.pre_forward_comm(hidden_states, wait_current_stream=False)
             self.shared_experts.linear_fc1_forward_and_act(dispatched)
-        return dispatched, self._comm_manager.get_dispatched_metadata()[1]
+        return dispatched, self._comm_manager.get_dispatched_metadata(record)[1]
 
     def dispatch_postprocess(self, hidden_states, probs=None):
         """-> `(tokens [P, H], tokens_per_expert [e], permuted_probs [P])`; with
         `hand_indexed_rows`, `(IndexedRows, tokens_per_expert, permuted_probs)` and no copy."""
-        inflight = self._advance("dispatch_postprocess")
+        record = self._advance(Step.DISPATCH_POSTPROCESS)
         manager = self._comm_manager
-        if self._hand_indexed_rows:
-            rows = self.replay.permute(lambda: manager.get_indexed_rows(hidden_states))
-            inflight.num_permuted = rows.num_permuted
+        if record.indexed_rows:
+            rows = self.replay.permute(record, lambda: manager.get_indexed_rows(record, hidden_states))
+            record.num_permuted = rows.num_permuted
             return rows, rows.tokens_per_expert, rows.probs_P
         tokens, permuted_probs = self.replay.permute(
-            lambda: manager.get_permuted_hidden_states_by_experts(hidden_states))
-        inflight.num_permuted = tokens.shape[0]
-        return tokens, manager.get_number_of_tokens_per_expert(), permuted_probs
+            record, lambda: manager.get_permuted_hidden_states_by_experts(record, hidden_states))
+        record.num_permuted = tokens.shape[0]
+        return tokens, manager.get_number_of_tokens_per_expert(record), permuted_probs
 
     def combine_preprocess(self, hidden_states):
         """Expert outputs `[P, H]` -> `[R, H]`, one row per row the dispatch delivered."""
         checks.check_expert_output_dtype(hidden_states)
-        self._advance("combine_preprocess", hidden_states, self._inflight and self._inflight.num_permuted,
-                      "one row per permuted row handed to the experts")
+        record = self._advance(Step.COMBINE_PREPROCESS, hidden_states, self.record and self.record.num_permuted,
+                               "one row per permuted row handed to the experts")
         manager = self._comm_manager
-        restore = manager.restore_indexed_rows if self._hand_indexed_rows else \
+        restore = manager.restore_indexed_rows if record.indexed_rows else \
             manager.get_restored_hidden_states_by_experts
-        return self.replay.restore(lambda: restore(hidden_states), hidden_states)
+        return self.replay.restore(record, lambda: restore(record, hidden_states), hidden_states)
 
     def token_combine(self, hidden_states, async_finish=True, allocate_on_comm_stream=True):
         """`[R, H]` restored rows -> `[T, H]` (asynchronous by default, as `token_dispatch`)."""
         if self.shared_experts is not None:
             self.shared_experts.wait_current_stream()
-        self._advance("token_combine", hidden_states, self._inflight and self._inflight.num_rows,
-                      "one row per row the dispatch delivered")
-        return self.replay.combine(lambda: self._comm_manager.combine(
-            hidden_states, async_finish, allocate_on_comm_stream), hidden_states)
+        record = self._advance(Step.TOKEN_COMBINE, hidden_states, self.record and self.record.num_rows,
+                               "one row per row the dispatch delivered")
+        return self.replay.combine(record, lambda: self._comm_manager.combine(
+            record, hidden_states, async_finish, allocate_on_comm_stream), hidden_states)
 
     def combine_postprocess(self, hidden_states):
+        record = self.record
+        if (is_graph_capturing() and self.shared_experts is None and self._last_shape is not None
+                and (record is None or record.next != Step.COMBINE_POSTPROCESS)):
+            # Megatron's local CUDA graphs capture the postprocess stage on its own (warm-up and
+            # capture run it on recorded inputs, no dispatch): it only restores the shape.
+            return hidden_states.view(self._last_shape)
         if self.shared_experts is not None:
             self.shared_experts.linear_fc2_forward(hidden_states)
             self.shared_experts.post_forward_comm()
             hidden_states = hidden_states + self.shared_experts.get_output()
-        inflight = self._advance("combine_postprocess")
-        self._inflight = None
-        return hidden_states.view(inflight.hidden_shape)
+        record = self._advance(Step.COMBINE_POSTPROCESS)
+        self.record = None
+        return hidden_states.view(record.hidden_shape)
 
     # ---- the seed's methods -----------------------------------------------------------
     def dispatch_preprocess2(self, hidden_states, num_local_tokens, token_probs, token_indices):
         """Top-k `[T, K]` routing -> `(hidden [T, H], token_probs [T, K] fp32)`."""
         hidden = self._setup_topk(hidden_states, num_local_tokens, token_probs, token_indices)
-        return hidden, self._comm_manager.token_probs
+        return hidden, self.record.token_probs
 
     dispatch_all_to_all = token_dispatch
     combine_all_to_all = token_combine

@@ -1,9 +1,9 @@
 """The dispatcher's hook seat: one object the dispatcher calls at each manager step.
 
 `MoEFlexTokenDispatcher.replay` holds a `DispatchHook`; the dispatcher hands it every step of
-a dispatch as a callable `run`, and the hook runs it (the default), runs it inside a context,
-or replaces it. Activation recompute's `RecomputeReplay` sits here, reading and restoring the
-manager's public `topk_manager.DispatchState`. The table of steps, hook calls and manager
+a dispatch as a callable `run`, with the dispatch's `DispatchRecord`, and the hook runs it
+(the default), runs it inside a context, or replaces it. Activation recompute's
+`RecomputeReplay` sits here, reading a recorded dispatch's record and filling a replayed one. The table of steps, hook calls and manager
 calls is in docs/DESIGN.md, "The hook seat and the backend table".
 """
 
@@ -12,6 +12,8 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+
+from megatron_moe_ext.dispatcher.record import DispatchRecord
 
 
 def in_backward() -> bool:
@@ -27,21 +29,23 @@ class DispatchHook:
         replay of routing the forward checked, so the checks are skipped."""
         return False
 
-    def setup(self, run: Callable[[], None]) -> None:
+    def setup(self, record: DispatchRecord, run: Callable[[], None]) -> None:
         run()
 
-    def dispatch(self, run: Callable[[], torch.Tensor], hidden_states: torch.Tensor,
+    def dispatch(self, record: DispatchRecord, run: Callable[[], torch.Tensor], hidden_states: torch.Tensor,
                  async_finish: bool = False, allocate_on_comm_stream: bool = False) -> torch.Tensor:
         """`run` dispatches `hidden_states` with the flags (a replay may move them itself)."""
         return run()
 
-    def permute(self, run: Callable[[], tuple]) -> tuple:
+    def permute(self, record: DispatchRecord, run: Callable[[], tuple]) -> tuple:
         return run()
 
-    def restore(self, run: Callable[[], torch.Tensor], hidden_states: torch.Tensor) -> torch.Tensor:
+    def restore(self, record: DispatchRecord, run: Callable[[], torch.Tensor],
+                hidden_states: torch.Tensor) -> torch.Tensor:
         return run()
 
-    def combine(self, run: Callable[[], torch.Tensor], hidden_states: torch.Tensor) -> torch.Tensor:
+    def combine(self, record: DispatchRecord, run: Callable[[], torch.Tensor],
+                hidden_states: torch.Tensor) -> torch.Tensor:
         return run()
 
 

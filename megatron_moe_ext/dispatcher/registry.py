@@ -17,14 +17,14 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable
 
-from megatron_moe_ext.dispatcher.base import _DispatchManager
+from megatron_moe_ext.dispatcher.base import DispatchManager
 
 MODES = ("dropless", "capacity", "budget")
 #: The config field that chooses each fixed-shape mode.
 MODE_FIELDS = {"capacity": "moe_hybridep_capacity_factor", "budget": "moe_expert_rank_capacity_factor"}
 #: `(cfg, group, num_local_experts, tp_size)` -> manager; `cfg` a `TokenDispatcherConfig` (the
 #: config imports this table, so the table names the class in words only).
-ManagerBuilder = Callable[[object, object, int, int], _DispatchManager]
+ManagerBuilder = Callable[[object, object, int, int], DispatchManager]
 
 
 def mode_of(cfg) -> str:
@@ -78,7 +78,7 @@ def _build_topk(comm, cfg, group, num_local_experts, tp_size):
     """The top-k manager of `cfg`'s mode over `comm` (a `base.Communicator`); expert TP folds
     into the expert space."""
     from megatron_moe_ext.dispatcher import fixed
-    from megatron_moe_ext.dispatcher.topk_manager import _DeepepManager
+    from megatron_moe_ext.dispatcher.topk_manager import TopKManager
 
     comm.check_group(group)
     kwargs = dict(group=group, router_topk=tp_size * cfg.moe_router_topk,
@@ -88,12 +88,12 @@ def _build_topk(comm, cfg, group, num_local_experts, tp_size):
                   moe_router_expert_pad_multiple=cfg.moe_router_expert_pad_multiple)
     mode = mode_of(cfg)
     if mode == "budget":  # sizes from the token count, overflow counted
-        return fixed._FixedShapeManager(fixed.Budget(cfg.moe_expert_rank_capacity_factor),
+        return fixed.FixedShapeManager(fixed.Budget(cfg.moe_expert_rank_capacity_factor),
                                         fixed.CountOverflow(), comm=comm, **kwargs)
     if mode == "capacity":  # calibrated sizes, overflow raises
-        return fixed._FixedShapeManager(fixed.CalibratedCapacity(cfg.moe_hybridep_capacity_factor),
+        return fixed.FixedShapeManager(fixed.CalibratedCapacity(cfg.moe_hybridep_capacity_factor),
                                         fixed.RaiseOnOverflow(), comm=comm, **kwargs)
-    return _DeepepManager(comm, **kwargs)
+    return TopKManager(comm, **kwargs)
 
 
 def _build_torch(cfg, group, num_local_experts, tp_size):
@@ -123,9 +123,9 @@ _HYBRIDEP_MANAGER_FIELDS = tuple(f for f in _HYBRIDEP_OPTIONS if f != "moe_permu
 
 def _build_hybridep(cfg, group, num_local_experts, tp_size):
     """Expert TP folds into the expert space, as in `_build_topk`."""
-    from megatron_moe_ext.dispatcher.hybridep import _HybridEPManager
+    from megatron_moe_ext.dispatcher.hybridep import HybridEPManager
 
-    return _HybridEPManager(
+    return HybridEPManager(
         group=group,
         num_local_experts=num_local_experts,
         num_experts=tp_size * cfg.num_moe_experts,
@@ -153,7 +153,7 @@ BACKENDS: dict[str, BackendRow] = {
                          ("moe_permute_fusion_into_hybridep", "moe_hybridep_permute_fusion")),
         preprocess_outputs=("token_probs", "routing_map"),
         error_flag="the token-count all-reduce (one word per rank); with a pinned count, the "
-                   "dispatch, as DeepEP's (_HybridEPManager.announce_input_error)"),
+                   "dispatch, as DeepEP's (HybridEPManager.announce_input_error)"),
     "uccl_ep": BackendRow(_deepep_family("uccl"), frozenset({"dropless"}), indexed_rows=True, **_DEEPEP_KERNELS),
     "torch": BackendRow(_build_torch, frozenset(MODES), graph_capture=True, indexed_rows=True,
                         error_flag="the counts all-to-all (dropless, calibration, budget-mode T), else "

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from megatron_moe_ext.dispatcher.checks import ROUTING_CHANGED, RoutingChangedError
 from megatron_moe_ext.dispatcher.handoff import IndexedRows
 from megatron_moe_ext.dispatcher.hooks import DispatchHook, in_backward
-from megatron_moe_ext.dispatcher.topk_manager import DispatchState
+from megatron_moe_ext.dispatcher.record import DispatchRecord
 
 
 def _kept_saved_tensors(enabled: bool = True):
@@ -44,7 +44,7 @@ def _leaf(tensor: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class _DispatchRecord:
+class _Recorded:
     """What one recorded dispatch hands its recompute.
 
     indices_TK / probs_TK: the routing dispatched (after token dropping), fp32 weights detached.
@@ -54,7 +54,7 @@ class _DispatchRecord:
     routed: the outputs of `RecomputeReplay.route` when they were the routing (the recompute
         returns them instead of running the router, and skips the routing's setup, whose
         autograd nodes keep what they save), else None.
-    permutation: `(the manager's state.permutation, padded counts)` of the local permutation.
+    permutation: `(the record's permutation, padded counts)` of the local permutation.
     expert_inputs: what the dispatch handed the experts (until replayed): `(rows [P, H],
         probs [P])`, or `IndexedRows` (the received rows and the maps: no permuted rows).
     combined: `[T, H]` the combine returned, when it moved rows between ranks.
@@ -78,29 +78,29 @@ class RecomputeReplay(DispatchHook):
 
     Arguments:
         manager: the layer's top-k manager (`replayable`: torch, DeepEP or UCCL-EP backend in
-            dropless mode), whose public `state` it reads after each step of a recorded
-            dispatch and hands back in a replayed one.
+            dropless mode); the hook reads each step's `DispatchRecord` after a recorded
+            dispatch and fills a replayed one's.
     """
 
     def __init__(self, manager):
         self.manager = manager
         # Records by the call they belong to (`call`: a `checkpoint_moe` region; None: every
         # other recompute, whose records are taken in the order of their forwards).
-        self._records: dict[object, deque[_DispatchRecord]] = {}
+        self._records: dict[object, deque[_Recorded]] = {}
         self._call: object = None
         self._recording = False
         self._keep_outputs = False
-        self._replaying: _DispatchRecord | None = None  # popped by the routing, for the dispatch
+        self._replaying: _Recorded | None = None  # popped by the routing, for the dispatch
         # What `route` returned last (kept outputs in a forward, or handed back in a recompute)
         # and its tensors, until a routing setup consumes them; whether the dispatcher was
         # handed exactly them (`routing_handed`), for the setup; and, in a forward, whether the
-        # setup kept them, for the record of its dispatch.
+        # setup kept them, for the recording of its dispatch.
         self._route_out: object = None
         self._routed: list[torch.Tensor] | None = None
         self._handed = False
         self._routing_kept = False
-        # The record of the dispatch in flight (recorded or replayed), until its combine.
-        self._current: _DispatchRecord | None = None
+        # The recording of the dispatch in flight (recorded or replayed), until its combine.
+        self._current: _Recorded | None = None
         self._skipping = False  # the dispatch in flight is replayed from kept outputs
         # A routing change seen by the recomputes since the last `check`: a device flag (or'ed
         # over them), its host copy (one pinned buffer, written again by each recompute: stream
@@ -114,17 +114,17 @@ class RecomputeReplay(DispatchHook):
         """Recorded dispatches whose recompute has not run yet."""
         return sum(len(records) for records in self._records.values())
 
-    def _next(self) -> _DispatchRecord | None:
-        """The record the next recompute of the current call takes, if any."""
+    def _next(self) -> _Recorded | None:
+        """The recording the next recompute of the current call takes, if any."""
         records = self._records.get(self._call)
         return records[0] if records else None
 
-    def _take(self) -> _DispatchRecord:
+    def _take(self) -> _Recorded:
         records = self._records[self._call]
-        record = records.popleft()
+        kept = records.popleft()
         if not records:
             del self._records[self._call]
-        return record
+        return kept
 
     def call(self, key: object):
         """Within, the dispatches recorded and the records taken are `key`'s: its forward and
@@ -178,10 +178,10 @@ class RecomputeReplay(DispatchHook):
         Its outputs must not be modified in place afterwards.
         """
         if in_backward():
-            record = self._next()
-            if record is None or record.routed is None:
+            kept = self._next()
+            if kept is None or kept.routed is None:
                 return fn(*args, **kwargs)  # this forward's router was not kept: run it again
-            out = tree_map_only(torch.Tensor, _leaf, record.routed)
+            out = tree_map_only(torch.Tensor, _leaf, kept.routed)
         elif not (self._recording and self._keep_outputs):
             return fn(*args, **kwargs)
         else:
@@ -194,7 +194,7 @@ class RecomputeReplay(DispatchHook):
     def routing_handed(self, *routing: torch.Tensor) -> bool:
         """The dispatcher is handed `routing`, before its checks (the next setup is this
         routing's). Returns whether this is a recompute replaying the forward's routing: what
-        `route` handed back, from a forward that kept it, whose checks, conversion and record
+        `route` handed back, from a forward that kept it, whose checks, conversion and recording
         ran on exactly these values (so the dispatcher need not check them again)."""
         # Each tensor views the same contiguous bytes as one of `route`'s outputs (a reshape of
         # it), so it holds the same values; a host-side test, no kernel.
@@ -206,16 +206,16 @@ class RecomputeReplay(DispatchHook):
 
     def _replays_routing(self) -> bool:
         """The setup to come is a recompute's, of the routing its forward kept."""
-        record = self._next()
-        return self._handed and in_backward() and record is not None and record.routed is not None
+        kept = self._next()
+        return self._handed and in_backward() and kept is not None and kept.routed is not None
 
-    def setup(self, run: Callable[[], None]) -> None:
+    def setup(self, record: DispatchRecord, run: Callable[[], None]) -> None:
         if self._replays_routing():
             # The routing is the forward's (`routing_handed`): its recorded ids and weights are
             # the dispatch's, with no conversion and nothing to compare.
-            record = self._replaying = self._take()
-            self.manager.state.token_indices, self.manager.state.token_probs = record.indices_TK, record.probs_TK
-            record.routed = self._route_out = self._routed = None
+            kept = self._replaying = self._take()
+            record.token_indices, record.token_probs = kept.indices_TK, kept.probs_TK
+            kept.routed = self._route_out = self._routed = None
             self._handed = False
             return
         # A forward keeping `route`'s outputs keeps the setup's saved tensors out of the
@@ -226,18 +226,17 @@ class RecomputeReplay(DispatchHook):
         self._handed = False
         with _kept_saved_tensors(self._routing_kept):
             run()
-        self._routed = None  # `_route_out` stays for the record of a forward's dispatch
+        self._routed = None  # `_route_out` stays for the recording of a forward's dispatch
         if not (in_backward() and self._next() is not None):
             self._replaying = None
             self.check()
             return
-        record = self._take()
-        state = self.manager.state
-        indices_TK, probs_TK = state.token_indices, state.token_probs
-        if indices_TK.shape != record.indices_TK.shape:
+        kept = self._take()
+        indices_TK, probs_TK = record.token_indices, record.token_probs
+        if indices_TK.shape != kept.indices_TK.shape:
             raise RoutingChangedError(
                 f"the recomputed MoE forward routes {tuple(indices_TK.shape)} top-k slots, the "
-                f"original forward routed {tuple(record.indices_TK.shape)}: recomputes must run "
+                f"original forward routed {tuple(kept.indices_TK.shape)}: recomputes must run "
                 "in the order of their forwards, on the same tokens")
         # Routing is a set of (expert, weight) pairs per token: a router may return tied pairs
         # in another order. Each recorded expert is looked up among the token's recomputed ones
@@ -245,15 +244,15 @@ class RecomputeReplay(DispatchHook):
         # taken into the recorded slots (they keep the recomputed graph: their gradient flows
         # to the router); masked slots keep theirs. The layout is the original one, so the ids
         # are too. One flag: a recorded expert missing, another count, or another weight.
-        recorded_TK = record.indices_TK >= 0
-        match_TKK = record.indices_TK[:, :, None].eq(indices_TK[:, None, :]).logical_and_(recorded_TK[:, :, None])
+        recorded_TK = kept.indices_TK >= 0
+        match_TKK = kept.indices_TK[:, :, None].eq(indices_TK[:, None, :]).logical_and_(recorded_TK[:, :, None])
         with _kept_saved_tensors():  # the forward had no such nodes: the checkpoint must not see them
-            probs_TK = (match_TKK * probs_TK[:, None, :]).sum(-1) + probs_TK * record.indices_TK.lt(0)
-        changed_TK = match_TKK.any(-1).ne_(recorded_TK).logical_or_(probs_TK.detach().ne(record.probs_TK))
+            probs_TK = (match_TKK * probs_TK[:, None, :]).sum(-1) + probs_TK * kept.indices_TK.lt(0)
+        changed_TK = match_TKK.any(-1).ne_(recorded_TK).logical_or_(probs_TK.detach().ne(kept.probs_TK))
         changed_T = (indices_TK >= 0).sum(-1).ne(recorded_TK.sum(-1))
         self._flag(changed_TK.any().logical_or_(changed_T.any()))
-        state.token_indices, state.token_probs = record.indices_TK, probs_TK
-        self._replaying = record
+        record.token_indices, record.token_probs = kept.indices_TK, probs_TK
+        self._replaying = kept
 
     def _flag(self, changed: torch.Tensor) -> None:
         """Or a device flag into this step's and copy it to the host without a sync, for the
@@ -286,19 +285,18 @@ class RecomputeReplay(DispatchHook):
             raise RoutingChangedError(ROUTING_CHANGED)
 
     # ---- communication and permutation ---------------------------------------------------
-    def dispatch(self, run: Callable[[], torch.Tensor], hidden_states: torch.Tensor,
+    def dispatch(self, record: DispatchRecord, run: Callable[[], torch.Tensor], hidden_states: torch.Tensor,
                  async_finish: bool = False, allocate_on_comm_stream: bool = False) -> torch.Tensor:
-        manager = self.manager
-        state = manager.state
-        record, self._replaying = self._replaying, None
-        self._current, self._skipping = record, record is not None and record.keep_outputs
-        if record is None:
+        manager, state = self.manager, record  # the replayed dispatch fills its record
+        kept, self._replaying = self._replaying, None
+        self._current, self._skipping = kept, kept is not None and kept.keep_outputs
+        if kept is None:
             recording = self._recording and not in_backward()
             indices_TK, probs_TK = state.token_indices, state.token_probs
             with _kept_saved_tensors(recording):
                 out = run()
             if recording:
-                self._current = _DispatchRecord(
+                self._current = _Recorded(
                     indices_TK, probs_TK.detach(), state.handle, state.dispatched_indices,
                     state.dispatched_probs.detach(), list(state.host_counts()), self._keep_outputs,
                     tree_map_only(torch.Tensor, _leaf, self._route_out) if self._routing_kept else None)
@@ -306,14 +304,14 @@ class RecomputeReplay(DispatchHook):
             self._route_out, self._routing_kept = None, False
             return out
         if self._skipping:  # the permutation hands the experts the kept rows: nothing moves
-            hidden, indices, probs = (_stand_in(hidden_states, record.recv_indices_RK.shape[0]),
-                                      record.recv_indices_RK, record.recv_probs_RK)
-            handle, counts = record.handle, record.tokens_per_expert
+            hidden, indices, probs = (_stand_in(hidden_states, kept.recv_indices_RK.shape[0]),
+                                      kept.recv_indices_RK, kept.recv_probs_RK)
+            handle, counts = kept.handle, kept.tokens_per_expert
         else:
             with _kept_saved_tensors():
                 hidden, indices, probs, counts, handle = manager.comm.dispatch_cached(
-                    hidden_states, state.token_probs, record.handle, record.recv_indices_RK,
-                    record.recv_probs_RK, record.tokens_per_expert, manager.group, async_finish,
+                    hidden_states, state.token_probs, kept.handle, kept.recv_indices_RK,
+                    kept.recv_probs_RK, kept.tokens_per_expert, manager.group, async_finish,
                     allocate_on_comm_stream)
         # What the manager's own dispatch leaves for permute and combine.
         state.handle, state.counts = handle, list(counts)
@@ -321,39 +319,40 @@ class RecomputeReplay(DispatchHook):
         state.token_indices = state.token_probs = None
         return hidden
 
-    def permute(self, run: Callable[[], tuple]) -> tuple:
-        record = self._current
+    def permute(self, record: DispatchRecord, run: Callable[[], tuple]) -> tuple:
+        kept = self._current
         if self._skipping:
-            (permutation, counts), handed = record.permutation, record.expert_inputs
-            record.expert_inputs = None  # backward holds them from here on
+            (permutation, counts), handed = kept.permutation, kept.expert_inputs
+            kept.expert_inputs = None  # backward holds them from here on
             if isinstance(handed, IndexedRows):  # the received rows and the maps, no permuted copy
-                probs_P = self.manager.keep_permutation(counts, permutation, _leaf(handed.probs_P))
+                probs_P = self.manager.keep_permutation(record, counts, permutation, _leaf(handed.probs_P))
                 return dataclasses.replace(handed, rows_RH=_leaf(handed.rows_RH), probs_P=probs_P)
             rows_PH, probs_P = handed
-            return _leaf(rows_PH), self.manager.keep_permutation(counts, permutation, _leaf(probs_P))
-        with _kept_saved_tensors(record is not None):
+            return _leaf(rows_PH), self.manager.keep_permutation(record, counts, permutation, _leaf(probs_P))
+        with _kept_saved_tensors(kept is not None):
             out = run()
-        if record is not None and record.keep_outputs:
-            state = self.manager.state
-            record.permutation = state.permutation, state.host_counts()
-            record.expert_inputs = out
+        if kept is not None and kept.keep_outputs:
+            kept.permutation = record.permutation, record.host_counts()
+            kept.expert_inputs = out
         return out
 
-    def restore(self, run: Callable[[], torch.Tensor], hidden_states: torch.Tensor) -> torch.Tensor:
-        record = self._current
-        if self._skipping and record.combined is not None:  # the combine returns what it kept
-            return _stand_in(hidden_states, record.recv_indices_RK.shape[0])
-        with _kept_saved_tensors(record is not None):
+    def restore(self, record: DispatchRecord, run: Callable[[], torch.Tensor],
+                hidden_states: torch.Tensor) -> torch.Tensor:
+        kept = self._current
+        if self._skipping and kept.combined is not None:  # the combine returns what it kept
+            return _stand_in(hidden_states, kept.recv_indices_RK.shape[0])
+        with _kept_saved_tensors(kept is not None):
             return run()
 
-    def combine(self, run: Callable[[], torch.Tensor], hidden_states: torch.Tensor) -> torch.Tensor:
-        record, skipping = self._current, self._skipping
+    def combine(self, record: DispatchRecord, run: Callable[[], torch.Tensor],
+                hidden_states: torch.Tensor) -> torch.Tensor:
+        kept, skipping = self._current, self._skipping
         self._current, self._skipping = None, False
-        if skipping and record.combined is not None:
-            self.manager.state = DispatchState()  # the dispatch ends here: drop what it held
-            return _leaf(record.combined)
-        with _kept_saved_tensors(record is not None):
+        if skipping and kept.combined is not None:
+            record.release()  # the dispatch ends here: drop what it held
+            return _leaf(kept.combined)
+        with _kept_saved_tensors(kept is not None):
             out = run()
-        if record is not None and record.keep_outputs and out is not hidden_states:
-            record.combined = out  # rows came back from other ranks: worth keeping
+        if kept is not None and kept.keep_outputs and out is not hidden_states:
+            kept.combined = out  # rows came back from other ranks: worth keeping
         return out

@@ -1,62 +1,21 @@
-"""`_DeepepManager`: the dropless manager of every backend with DeepEP's top-k contract
+"""`TopKManager`: the dropless manager of every backend with DeepEP's top-k contract
 (DeepEP, UCCL-EP, torch: they differ only in the injected `comm`, a `base.Communicator`).
 Top-k metadata, token dropping, multihot conversion and the per-expert permutation live here
-once, on a public per-dispatch `DispatchState`. The fixed-shape modes build on it (`fixed.py`).
+once, reading and writing the dispatch's `DispatchRecord`. The fixed-shape modes build on it
+(`fixed.py`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from megatron_moe_ext.dispatcher import permute as P
-from megatron_moe_ext.dispatcher.base import _DispatchManager
+from megatron_moe_ext.dispatcher.base import DispatchManager
 from megatron_moe_ext.dispatcher.handoff import IndexedRows, indexed_rows
+from megatron_moe_ext.dispatcher.record import DispatchRecord
 
 
-@dataclass
-class DispatchState:
-    """One dispatch of a top-k manager, from routing to combine (public: the dispatcher's hook
-    reads it and hands a replayed one back).
-
-    token_indices / token_probs: `[T, K]` routing to dispatch (ids after token dropping, fp32
-        weights); consumed by the dispatch.
-    handle: the communicator's layout of the dispatch.
-    dispatched_indices / dispatched_probs: `[R, K]` local ids (-1 = not here) and weights
-        received; consumed by the permutation.
-    counts: rows per local expert: the communicator's host list after a dropless dispatch,
-        a device tensor in the fixed-shape modes; padded counts once permuted.
-    permutation: what the restore reads: a `PermutationState` (dropless), or `[R, K]` slot
-        positions (fixed-shape modes, and `IndexedRows` hand-offs: `gather_sum`'s map).
-    """
-
-    token_indices: torch.Tensor | None = None
-    token_probs: torch.Tensor | None = None
-    handle: object = None
-    dispatched_indices: torch.Tensor | None = None
-    dispatched_probs: torch.Tensor | None = None
-    counts: list[int] | torch.Tensor | None = None
-    permutation: P.PermutationState | torch.Tensor | None = None
-
-    def host_counts(self) -> list[int]:
-        return self.counts if isinstance(self.counts, list) else self.counts.tolist()
-
-
-class _StateField:
-    """A manager attribute that lives in the manager's `state`."""
-
-    def __set_name__(self, owner, name: str) -> None:
-        self.name = name
-
-    def __get__(self, manager, owner=None):
-        return self if manager is None else getattr(manager.state, self.name)
-
-    def __set__(self, manager, value) -> None:
-        setattr(manager.state, self.name, value)
-
-
-class _DeepepManager(_DispatchManager):
+class TopKManager(DispatchManager):
     """Fused all-to-all dispatch/combine with DeepEP's contract, for one layer.
 
     Arguments:
@@ -89,16 +48,8 @@ class _DeepepManager(_DispatchManager):
         self.num_local_experts = num_local_experts
         self.router_dtype = router_dtype
         self.pad_multiple = moe_router_expert_pad_multiple
-        self._release_dispatch_state()
 
     replayable = True  # along the saved layout (`Communicator.dispatch_cached`)
-
-    def _release_dispatch_state(self) -> None:
-        self.state = DispatchState()
-
-    # The routing's preprocess leaves these for dispatch (Megatron's CUDA-graph attributes).
-    token_indices = _StateField()
-    token_probs = _StateField()
 
     def allocate_buffers(self, hidden_size: int, dtype: torch.dtype) -> None:
         self.comm.allocate_buffer(self.group, hidden_size, dtype)
@@ -112,7 +63,7 @@ class _DeepepManager(_DispatchManager):
         return None
 
     # ---- metadata ---------------------------------------------------------------------
-    def setup_metadata(self, num_local_tokens: int, probs: torch.Tensor, routing_map=None):
+    def setup_metadata(self, record: DispatchRecord, num_local_tokens: int, probs: torch.Tensor, routing_map=None):
         """Dense `[T, E]` (or TPxEP-shaped `[T, W, e]`) probs, optionally with the routing map."""
         probs_TE = probs.reshape(num_local_tokens, self.num_experts)
         if routing_map is None:
@@ -120,9 +71,10 @@ class _DeepepManager(_DispatchManager):
         else:
             routing_map_TE = routing_map.reshape(num_local_tokens, self.num_experts)
             indices_TK, probs_TK = P.routing_map_to_topk(routing_map_TE, probs_TE, self.router_topk)
-        self.setup_metadata_from_indices(indices_TK, probs_TK)
+        self.setup_metadata_from_indices(record, indices_TK, probs_TK)
 
-    def setup_metadata_from_indices(self, token_indices: torch.Tensor, token_probs: torch.Tensor) -> None:
+    def setup_metadata_from_indices(self, record: DispatchRecord, token_indices: torch.Tensor,
+                                    token_probs: torch.Tensor) -> None:
         """Top-k `[T, K]` expert ids (-1 = masked) and weights."""
         # Conversions only when needed: this runs on the host path before DeepEP's sync.
         if token_indices.dtype != torch.int64:
@@ -131,12 +83,12 @@ class _DeepepManager(_DispatchManager):
             token_indices = P.drop_tokens_over_capacity(
                 token_indices, token_probs, self.num_experts, self.capacity_factor)
         # DeepEP takes fp32 weights only; fp32 also keeps the weighted sum stable.
-        self.state.token_indices = token_indices
-        self.state.token_probs = token_probs if token_probs.dtype == torch.float32 else token_probs.float()
+        record.token_indices = token_indices
+        record.token_probs = token_probs if token_probs.dtype == torch.float32 else token_probs.float()
 
     # ---- communication ----------------------------------------------------------------
-    def dispatch(self, hidden_states, async_finish=False, allocate_on_comm_stream=False):
-        s = self.state
+    def dispatch(self, record, hidden_states, async_finish=False, allocate_on_comm_stream=False):
+        s = record
         hidden, s.dispatched_indices, s.dispatched_probs, s.counts, s.handle = self.comm.dispatch(
             hidden_states, s.token_indices, s.token_probs, self.num_experts, self.group, async_finish,
             allocate_on_comm_stream)
@@ -144,19 +96,16 @@ class _DeepepManager(_DispatchManager):
         s.token_indices = s.token_probs = None
         return hidden
 
-    def combine(self, hidden_states, async_finish=False, allocate_on_comm_stream=False):
-        hidden, _ = self.comm.combine(hidden_states, self.group, self.state.handle, async_finish,
+    def combine(self, record, hidden_states, async_finish=False, allocate_on_comm_stream=False):
+        hidden, _ = self.comm.combine(hidden_states, self.group, record.handle, async_finish,
                                       allocate_on_comm_stream)
-        self._release_dispatch_state()
+        record.release()
         return hidden
 
-    def get_dispatched_metadata(self):
-        return self.state.dispatched_indices, self.state.dispatched_probs
-
-    def get_number_of_tokens_per_expert(self) -> torch.Tensor:
-        """`[e]` int64 counts of the last dispatch (padded ones once permuted): host counts as
-        a CPU tensor, the fixed-shape modes' device tensor as it is."""
-        counts = self.state.counts
+    def get_number_of_tokens_per_expert(self, record) -> torch.Tensor:
+        """`[e]` int64 counts of the dispatch (padded ones once permuted): host counts as a CPU
+        tensor, the fixed-shape modes' device tensor as it is."""
+        counts = record.counts
         return P.host_counts_tensor(counts) if isinstance(counts, list) else counts
 
     # ---- local permutation ------------------------------------------------------------
@@ -164,36 +113,36 @@ class _DeepepManager(_DispatchManager):
         """`[R, K]` local ids (-1 = masked) and probs -> `([R, e] bool map, [R, e] fp32 probs)`."""
         return P.indices_to_multihot(indices, probs, self.num_local_experts)
 
-    def get_permuted_hidden_states_by_experts(self, hidden_states):
-        s = self.state
+    def get_permuted_hidden_states_by_experts(self, record, hidden_states):
+        s = record
         routing_map, probs = self._indices_to_multihot(s.dispatched_indices, s.dispatched_probs)
         permuted, permuted_probs, counts, permutation = P.permute_to_experts(
             hidden_states, routing_map, probs, s.host_counts(), self.pad_multiple)
-        return permuted, self.keep_permutation(counts, permutation, permuted_probs)
+        return permuted, self.keep_permutation(record, counts, permutation, permuted_probs)
 
-    def keep_permutation(self, counts, permutation, permuted_probs):
+    def keep_permutation(self, record, counts, permutation, permuted_probs):
         """Keep what the experts and the restore need, drop the received routing, and return
         the permuted probs in the router's dtype (a replayed permutation hands its own)."""
-        s = self.state
+        s = record
         s.counts, s.permutation = counts, permutation
         s.dispatched_indices = s.dispatched_probs = None
         return permuted_probs.double() if self.router_dtype == "fp64" else permuted_probs
 
-    def get_restored_hidden_states_by_experts(self, hidden_states):
-        return P.unpermute_from_experts(hidden_states, self.state.permutation)
+    def get_restored_hidden_states_by_experts(self, record, hidden_states):
+        return P.unpermute_from_experts(hidden_states, record.permutation)
 
     # ---- the hand-off to experts that gather their own rows (`handoff.py`) ----------------
-    def get_indexed_rows(self, hidden_states) -> IndexedRows:
+    def get_indexed_rows(self, record, hidden_states) -> IndexedRows:
         """The received rows as they are, with the maps of the permutation above (no copy)."""
-        s = self.state
+        s = record
         routing_map, probs = self._indices_to_multihot(s.dispatched_indices, s.dispatched_probs)
         probs_P, counts, row_of_slot_P, slot_of_row_RK = P.dropless_layout(
             routing_map, probs, s.dispatched_indices, s.host_counts(), self.pad_multiple)
-        probs_P = self.keep_permutation(counts, slot_of_row_RK, probs_P)
+        probs_P = self.keep_permutation(record, counts, slot_of_row_RK, probs_P)
         return indexed_rows(hidden_states, probs_P, row_of_slot_P, slot_of_row_RK,
-                            self.get_number_of_tokens_per_expert())
+                            self.get_number_of_tokens_per_expert(record))
 
-    def restore_indexed_rows(self, expert_out_PH: torch.Tensor) -> torch.Tensor:
+    def restore_indexed_rows(self, record, expert_out_PH: torch.Tensor) -> torch.Tensor:
         """`[P, H]` outputs of `IndexedRows` -> `[R, H]`: each row's positions summed in
         ascending expert order (`gather_sum`: deterministic, no atomics)."""
-        return P.gather_sum(expert_out_PH, self.state.permutation)
+        return P.gather_sum(expert_out_PH, record.permutation)

@@ -23,8 +23,32 @@ def captures_moe_layer(config) -> bool:
     return not modules or any(getattr(m, "name", m) == "moe" for m in modules)
 
 
+def _modules(config) -> list[str]:
+    return [getattr(m, "name", m) for m in getattr(config, "cuda_graph_modules", None) or []]
+
+
 def check_capturable(config, dispatcher_config) -> None:
-    """Raise ValueError when a capture of the MoE layer is asked for in a mode that syncs."""
+    """Raise ValueError naming `cuda_graph_modules` when a graph scope asked for cannot hold
+    this layer: a capture of the whole MoE layer in a mode that syncs; a captured preprocess
+    that reads the device on the host (HybridEP's token-count agreement); Megatron's local
+    postprocess graph with shared-expert overlap (its postprocess then joins a side stream's
+    work begun in the dispatch, outside the graph)."""
+    modules, impl = _modules(config), getattr(config, "cuda_graph_impl", "none")
+    backend = dispatcher_config.moe_flex_dispatcher_backend
+    partial = impl in ("local", "transformer_engine") and "moe_router" in modules
+    if (partial and "moe_preprocess" in modules and backend == "hybridep"
+            and not dispatcher_config.moe_hybridep_equal_token_counts):
+        raise ValueError(
+            f"cuda_graph_modules={modules!r} captures the MoE preprocess, where the 'hybridep' "
+            "dispatcher agrees on the token count in an all-reduce read on the host; set "
+            "moe_hybridep_equal_token_counts=True (fixed-shape batches) or leave moe_preprocess "
+            "out of cuda_graph_modules")
+    if partial and impl == "local" and getattr(config, "moe_shared_expert_overlap", False):
+        raise ValueError(
+            f"cuda_graph_modules={modules!r} with cuda_graph_impl='local' captures the MoE "
+            "postprocess, which with moe_shared_expert_overlap joins the shared experts' stream "
+            "begun in the dispatch; turn moe_shared_expert_overlap off or use "
+            "cuda_graph_impl='transformer_engine'")
     if captures_moe_layer(config) and registry.mode_of(dispatcher_config) != "budget":
         raise ValueError(
             f"cuda_graph_impl={config.cuda_graph_impl!r} with cuda_graph_modules="
@@ -36,6 +60,7 @@ def check_capturable(config, dispatcher_config) -> None:
 
 
 def cudagraph_attrs(backend: str) -> list[str]:
-    """The manager attributes preprocess leaves for dispatch (the backend row's
-    `preprocess_outputs`): graph outputs when Megatron captures router and preprocess only."""
-    return [f"_comm_manager.{name}" for name in registry.BACKENDS[backend].preprocess_outputs]
+    """The record fields preprocess leaves for dispatch (the backend row's
+    `preprocess_outputs`): graph outputs when Megatron captures router and preprocess only,
+    set back on `MoEFlexTokenDispatcher.preprocessed` when it replays them."""
+    return [f"preprocessed.{name}" for name in registry.BACKENDS[backend].preprocess_outputs]

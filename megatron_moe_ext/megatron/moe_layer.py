@@ -130,6 +130,7 @@ class FlexMoELayer(MoELayer, overflow.OverflowCounter):
             dispatcher_config.moe_flex_dispatcher_backend)
         self._backend_hands_indexed_rows = registry.BACKENDS[
             dispatcher_config.moe_flex_dispatcher_backend].indexed_rows
+        self._decide_expert_path()
         _check_sequential_mlp(dispatcher_config, self.experts)
         # Megatron recomputes this layer (selective "moe", or the whole transformer layer):
         # the recompute replays the original routing and layout (megatron_moe_ext.recompute).
@@ -139,16 +140,26 @@ class FlexMoELayer(MoELayer, overflow.OverflowCounter):
             _refuse_unreplayable_recompute(dispatcher_config)
         # Budget mode: `[dropped pairs, rows needed]` on the device, see `overflow.py`.
         self._init_overflow_counter(config, dispatcher_config)
+        if self.moe_overflow_stats is not None:
+            overflow.check_overflow_after_each_step()
 
-    def routed_experts_compute(self, hidden_states, probs):
-        # Experts that gather their own rows take `IndexedRows` where the backend can hand them.
-        # Asked at each call (the forward's, and the 1F1B overlap's, which skips `forward`):
-        # whether they can depends on where the weights are now (a model built under
-        # `use_cpu_initialization` moves to the GPU after construction).
+    def _decide_expert_path(self) -> None:
+        """Experts that gather their own rows take `IndexedRows` where the backend can hand
+        them. Whether they can depends on where the weights are, so it is decided at build and
+        again whenever the layer moves (`_apply`: a model built under `use_cpu_initialization`
+        moves to the GPU after construction), never per forward."""
         self.token_dispatcher.hand_indexed_rows = (
             self._backend_hands_indexed_rows and getattr(self.experts, "accepts_indexed_rows", False))
+
+    def _apply(self, fn, *args, **kwargs):
+        module = super()._apply(fn, *args, **kwargs)
+        if "_backend_hands_indexed_rows" in self.__dict__:  # not while Megatron's __init__ runs
+            self._decide_expert_path()
+        return module
+
+    def routed_experts_compute(self, hidden_states, probs):
         output, mlp_bias = super().routed_experts_compute(hidden_states, probs)
-        self._count_overflow(self.token_dispatcher.manager)
+        self._count_overflow(self.token_dispatcher.record)
         return output, mlp_bias
 
     def route(self, hidden_states, padding_mask=None):

@@ -10,6 +10,8 @@ reads them once per step and applies each layer's `moe_expert_rank_overflow_poli
 from __future__ import annotations
 
 import logging
+import math
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -70,14 +72,14 @@ class OverflowCounter:
         self.moe_overflow_policy = dispatcher_config.moe_expert_rank_overflow_policy
         self.moe_overflow_budget = 0
 
-    def _count_overflow(self, manager) -> None:
-        """Add the last permutation's `manager.overflow_stats` (budget mode only)."""
+    def _count_overflow(self, record) -> None:
+        """Add the dispatch `record`'s `overflow_stats` (budget mode only)."""
         stats_2 = self.moe_overflow_stats
         if stats_2 is not None:
             # In place, so a CUDA graph replay updates the same tensor: sum of drops, max of rows.
-            stats_2[0].add_(manager.overflow_stats[0])
-            torch.maximum(stats_2[1], manager.overflow_stats[1], out=stats_2[1])
-            self.moe_overflow_budget = manager.capacity
+            stats_2[0].add_(record.overflow_stats[0])
+            torch.maximum(stats_2[1], record.overflow_stats[1], out=stats_2[1])
+            self.moe_overflow_budget = record.capacity
 
     def overflow(self) -> "OverflowReport | None":
         """This layer's budget overflow since the last read (one host read, then reset; over
@@ -131,16 +133,46 @@ def check_overflow(model, group=None) -> list[OverflowReport]:
     Raises:
         MoEOverflowError: a layer with policy "error" dropped pairs in this step.
     """
-    reports = read_overflow(_budget_layers(model), group)
+    layers = _budget_layers(model)
+    reports = read_overflow(layers, group)
     over = [r for r in reports if r.overflowed]
     errors = [r for r in over if r.policy == "error"]
     for report in over:
         if report.policy == "drop":
             logger.warning("MoE budget overflow (policy drop): %s", report.describe())
     if errors:
+        factors = {layer.dispatcher_config.moe_expert_rank_capacity_factor for _, layer in layers}
+        # Budgets scale linearly with the factor: this one would have held every row needed.
+        needed = max(max(factors) * r.rows_needed / max(r.budget, 1) for r in errors)
         raise MoEOverflowError(
             "MoE routing exceeded the per-rank budget (moe_expert_rank_capacity_factor) under "
             "moe_expert_rank_overflow_policy='error': "
             + "; ".join(r.describe() for r in errors)
-            + ". Raise moe_expert_rank_capacity_factor, or set the policy to 'drop'.")
+            + f". Set moe_expert_rank_capacity_factor (from the command line: "
+            f"MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR) to at least {math.ceil(needed * 100) / 100:.2f} "
+            f"(now {max(factors)}), or the policy to 'drop'.")
     return reports
+
+
+def check_overflow_after_each_step() -> None:
+    """Make Megatron-LM's training loop call `check_overflow(model)` after the forward and
+    backward of every step, before its optimizer step (a budget-mode layer built from the
+    command line has no other step boundary to report at). Wraps the schedule that
+    `megatron.training.training` asks `get_forward_backward_func` for; once per process."""
+    training = sys.modules.get("megatron.training.training")
+    if training is None or getattr(training.get_forward_backward_func, "checks_moe_overflow", False):
+        return
+    get_schedule = training.get_forward_backward_func
+
+    def get_checking_schedule(*args, **kwargs):
+        schedule = get_schedule(*args, **kwargs)
+
+        def forward_backward(*f_args, **f_kwargs):
+            losses = schedule(*f_args, **f_kwargs)
+            if not f_kwargs.get("forward_only", False):
+                check_overflow(f_kwargs["model"])
+            return losses
+        return forward_backward
+
+    get_checking_schedule.checks_moe_overflow = True
+    training.get_forward_backward_func = get_checking_schedule

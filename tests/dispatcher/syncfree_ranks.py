@@ -58,7 +58,7 @@ def _step(disp, x, indices, probs, params, counter=None):
     counter = counter or LibraryHostReads()
     with counter:
         rows, tpe, pprobs = disp.token_permutation2(x, x.shape[0], probs, indices)
-    stats = getattr(disp._comm_manager, "overflow_stats", None)
+    stats = disp.record.overflow_stats
     stats = None if stats is None else stats.clone()
     out = apply_local_experts(rows, tpe, pprobs, disp.local_expert_indices, params)
     with counter:

@@ -1,11 +1,11 @@
-"""_HybridEPMetadataProcessor: top-k metadata -> dense map + probs (or compact indices +
+"""HybridEPMetadataProcessor: top-k metadata -> dense map + probs (or compact indices +
 probs); the probs gradient is the gather of the dense gradient, 0 for -1 slots, and the
 fused and unfused conversions agree exactly."""
 
 import pytest
 import torch
 
-from megatron_moe_ext.dispatcher.hybridep.metadata import _HybridEPMetadataProcessor
+from megatron_moe_ext.dispatcher.hybridep.metadata import HybridEPMetadataProcessor
 
 E = 8
 
@@ -34,7 +34,7 @@ def _dense_by_loop(indices, probs):
 def test_conversion_and_gradient(fused, compact):
     indices, probs = _routing()
     probs = probs.requires_grad_()
-    metadata, probs_TE = _HybridEPMetadataProcessor(E, fused, compact)(indices, probs)
+    metadata, probs_TE = HybridEPMetadataProcessor(E, fused, compact)(indices, probs)
     ref_map, ref_dense = _dense_by_loop(indices, probs.detach())
     assert probs_TE.dtype == torch.float32 and torch.equal(probs_TE.detach(), ref_dense)
     if compact:
@@ -52,7 +52,7 @@ def test_fused_and_unfused_gradients_identical():
     grads = []
     for fused in (False, True):
         p = probs.clone().requires_grad_()
-        _, probs_TE = _HybridEPMetadataProcessor(E, fused)(indices, p)
+        _, probs_TE = HybridEPMetadataProcessor(E, fused)(indices, p)
         (probs_TE * torch.arange(E * indices.shape[0]).view(-1, E)).sum().backward()
         grads.append(p.grad)
     assert torch.equal(grads[0], grads[1])

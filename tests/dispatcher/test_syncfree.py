@@ -25,7 +25,7 @@ from tests.dispatcher import syncfree_ranks
     (16, 2, 1.0, None), (10, 3, 1.25, None), (10, 3, 1.25, 16), (7, 8, 0.3, None), (0, 2, 1.5, None),
     (4096, 8, 1.1, 128)])
 def test_rank_budget_is_megatrons_formula(tokens, topk, factor, multiple):
-    # Megatron's _HybridEPManager.setup_metadata: int(T * K * f), then up to the pad multiple.
+    # Megatron's HybridEPManager.setup_metadata: int(T * K * f), then up to the pad multiple.
     expected = int(tokens * topk * factor)
     expected += -expected % (multiple or 4)
     assert rank_budget(tokens, topk, factor, multiple) == expected

@@ -186,3 +186,124 @@ def run_captured_reads_stay_alive() -> dict:
         else:
             os.environ[CHECK_MODE_ENV] = old_mode
         megatron_cpu.uninstall()
+
+
+def _set_attr_path(root, path: str, value) -> None:
+    """Megatron's `_restore_token_dispatcher_attrs`: `a.b.c = value` from the dispatcher."""
+    *parents, leaf = path.split(".")
+    for name in parents:
+        root = getattr(root, name)
+    setattr(root, leaf, value)
+
+
+def run_partial_graph_pattern(impl: str) -> dict:
+    """The call pattern of Megatron's partial CUDA graphs of the router and preprocess
+    (`--cuda-graph-modules moe_router moe_preprocess`), driven as Megatron 0.19 drives it, on a
+    dropless `FlexMoELayer` (torch backend), against the same layer's plain forward:
+    - "transformer_engine": the captured callable runs three times (TE's warm-up and capture,
+      each with its backward) and returns early after the preprocess (the capture signal); the
+      replay hands the graph's outputs back: the dispatcher attributes named by
+      `cudagraph_attrs`, and the tensor store, from which the layer's forward skips its router
+      and preprocess;
+    - "local": `MoETransformerLayer`'s three stages (`fwd_execution_map` "route" run three
+      times, then "expert_compute" after the attributes are restored, then "postprocess")."""
+    from megatron.core.transformer import cuda_graphs
+    from megatron.core.transformer.enums import CudaGraphModule
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+
+    from megatron_moe_ext.megatron.moe_layer import FlexMoELayer
+
+    megatron_cpu.install()
+    try:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        pg = megatron_cpu.init_parallel_state(world)
+        config = layer_config(LayerCase("partial", num_experts=E, topk=K, hidden=H, seq=SEQ, batch=BATCH),
+                              world)
+        spec = get_moe_module_spec(use_te=False, num_experts=E)
+        layer = FlexMoELayer(config, submodules=spec.keywords["submodules"], pg_collection=pg, layer_number=1)
+        g = torch.Generator().manual_seed(5 + rank)
+        x = torch.randn(SEQ, BATCH, H, generator=g)
+
+        def eager():
+            x_in = x.clone().requires_grad_()
+            out, _ = layer(x_in)
+            out.square().sum().backward()
+            return out.detach(), x_in.grad
+
+        ref_out, ref_grad = eager()
+        dispatcher = layer.token_dispatcher
+        config.cuda_graph_impl = impl
+        config.cuda_graph_modules = [CudaGraphModule.moe_router, CudaGraphModule.moe_preprocess]
+        x_in = x.clone().requires_grad_()
+        if impl == "transformer_engine":
+            cuda_graphs._set_capture_start()
+            try:
+                for _ in range(3):  # TE's warm-up runs and its capture, each with its backward
+                    outs = layer(x.clone().requires_grad_())
+                    torch.autograd.backward([t for t in outs if t.requires_grad],
+                                            [torch.ones_like(t) for t in outs if t.requires_grad])
+                # The replay's forward: the captured part's outputs (with their backward), no
+                # Python of it afterwards (the layer only sees what Megatron hands back).
+                hidden, probs, *attrs = layer(x_in)
+            finally:
+                cuda_graphs._set_capture_end()
+            names = dispatcher.valid_cudagraph_attrs
+            for name, value in zip(names, attrs):  # the replay: no Python of the captured part
+                _set_attr_path(dispatcher, name, value)
+            layer.cudagraph_tensor_store.set(hidden_states=hidden, probs=probs)
+            out, _ = layer(x_in)
+            layer.cudagraph_tensor_store.clear()
+
+            def replay_again():  # a later step's replay: the dispatcher holds no record then
+                for name, value in zip(names, attrs):
+                    _set_attr_path(dispatcher, name, value.detach())
+                layer.cudagraph_tensor_store.set(hidden_states=hidden.detach(), probs=probs.detach())
+                again, _ = layer(x)
+                layer.cudagraph_tensor_store.clear()
+                return again
+        else:
+            names = list(dispatcher.cudagraph_attrs)
+            # `create_cudagraphs`: each recorded stage warmed up and captured on its own, the
+            # postprocess on recorded inputs with no dispatch in flight.
+            cuda_graphs._set_capture_start()
+            try:
+                for stage in ("route", "postprocess"):
+                    layer.fwd_execution_map = stage
+                    for _ in range(3):
+                        if stage == "route":
+                            layer(x.clone().requires_grad_(), intermediate_tensors=())
+                        else:
+                            layer(None, intermediate_tensors=(torch.zeros(T, H), None))
+            finally:
+                cuda_graphs._set_capture_end()
+            layer.fwd_execution_map = "route"  # the step's replay of the router graph
+            hidden, probs, _ = layer(x_in, intermediate_tensors=())
+            attrs = [getattr(dispatcher.preprocessed, n.split(".")[-1]) for n in names]
+            for name, value in zip(names, attrs):
+                _set_attr_path(dispatcher, name, value)
+
+            def rest(hidden, probs):
+                layer.fwd_execution_map = "expert_compute"
+                output, _ = layer(None, intermediate_tensors=(hidden, probs))
+                layer.fwd_execution_map = "postprocess"
+                out = layer(None, intermediate_tensors=(output, None))
+                layer.fwd_execution_map = ["route", "expert_compute", "postprocess"]
+                return out
+
+            def replay_again():  # a later step's replay: the dispatcher holds no record then
+                for name, value in zip(names, attrs):
+                    _set_attr_path(dispatcher, name, value.detach())
+                return rest(hidden.detach(), probs.detach())
+
+            out = rest(hidden, probs)
+        out.square().sum().backward()
+        grad = x_in.grad
+        replayed = float((replay_again().detach() - ref_out).abs().max())
+        config.cuda_graph_impl, config.cuda_graph_modules = "none", []
+        again_out, again_grad = eager()  # the dispatcher is idle again afterwards
+        return dict(out=float((out.detach() - ref_out).abs().max()), grad=float((grad - ref_grad).abs().max()),
+                    again=float((again_out - ref_out).abs().max()) + float((again_grad - ref_grad).abs().max()),
+                    replayed=replayed,
+                    names=list(names))
+    finally:
+        megatron_cpu.uninstall()

@@ -40,3 +40,15 @@ def test_captured_step_reads_no_tensor_the_next_step_frees(dist_pools):
     access came from the routing-check flag, rebuilt by every forward)."""
     (r,) = dist_pools(1).run(cases.run_captured_reads_stay_alive)
     assert r["pre_existing"] > 0 and r["freed"] == [], r
+
+
+@pytest.mark.parametrize("impl", ["transformer_engine", "local"])
+@pytest.mark.parametrize("world", [1, 2])
+def test_partial_graph_of_router_and_preprocess(dist_pools, world, impl):
+    """Megatron's `--cuda-graph-modules moe_router moe_preprocess` runs the router and the
+    preprocess several times (warm-up, capture) before the rest of the layer, whose replay
+    runs no preprocess: each run replaces the record awaiting dispatch, and the replayed
+    outputs start the dispatch (today's state machine raised "still in flight")."""
+    for r in dist_pools(world).run(cases.run_partial_graph_pattern, impl):
+        assert r["out"] == 0.0 and r["grad"] == 0.0 and r["replayed"] == 0.0 and r["again"] == 0.0, r
+        assert r["names"] == ["preprocessed.token_probs", "preprocessed.token_indices"], r

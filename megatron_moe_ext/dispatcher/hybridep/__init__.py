@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from megatron_moe_ext.dispatcher.hybridep.manager import _HybridEPManager
-from megatron_moe_ext.dispatcher.hybridep.metadata import _HybridEPMetadataProcessor
+from megatron_moe_ext.dispatcher.hybridep.manager import HybridEPManager
+from megatron_moe_ext.dispatcher.hybridep.metadata import HybridEPMetadataProcessor
 from megatron_moe_ext.dispatcher.hybridep.runtime import HybridEPPipelineRuntimeInitializer
 
 __all__ = ["HybridEPPipelineRuntimeInitializer"]

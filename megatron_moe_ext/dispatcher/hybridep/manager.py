@@ -1,4 +1,4 @@
-"""`_HybridEPManager`: dispatch/combine through DeepEP's `HybridEPBuffer` (hybrid-ep branch).
+"""`HybridEPManager`: dispatch/combine through DeepEP's `HybridEPBuffer` (hybrid-ep branch).
 
 HybridEP permutes, sends and groups rows by local expert in one call (`dispatch_with_permute`);
 `combine_with_unpermute` is its inverse; the autograd Functions below are each other's
@@ -24,8 +24,9 @@ import torch.distributed as dist
 
 from megatron_moe_ext.dispatcher import buffers, checks
 from megatron_moe_ext.dispatcher import permute as P
-from megatron_moe_ext.dispatcher.base import _DispatchManager
-from megatron_moe_ext.dispatcher.hybridep.metadata import _HybridEPMetadataProcessor
+from megatron_moe_ext.dispatcher.base import DispatchManager
+from megatron_moe_ext.dispatcher.record import DispatchRecord
+from megatron_moe_ext.dispatcher.hybridep.metadata import HybridEPMetadataProcessor
 
 #: HybridEP's TMA loads need every rank's token count to be a multiple of this.
 _HYBRIDEP_TOKEN_ALIGNMENT = 4
@@ -108,14 +109,14 @@ class _HybridEPCombine(torch.autograd.Function):
         return grad_PH, None, None, None, None
 
 
-class _HybridEPManager(_DispatchManager):
+class HybridEPManager(DispatchManager):
     """Fused permute + all-to-all + permute with HybridEP.
 
     Arguments:
         group: the TPxEP communication group.
         num_local_experts / num_experts: e and E (TP-expanded when expert TP > 1).
         router_topk: K, used when only dense probs are given.
-        permute_fusion: fused top-k -> dense probs conversion (`_HybridEPMetadataProcessor`).
+        permute_fusion: fused top-k -> dense probs conversion (`HybridEPMetadataProcessor`).
         moe_hybridep_num_sms, *_num_sms_preprocessing, *_num_blocks_permute,
             *_num_blocks_unpermute: HybridEPBuffer occupancy settings.
         moe_hybridep_permute_fusion: HybridEP's fused permute+dispatch / unpermute+combine.
@@ -173,7 +174,7 @@ class _HybridEPManager(_DispatchManager):
         self.equal_token_counts = moe_hybridep_equal_token_counts
         self.pad_multiple = moe_router_expert_pad_multiple
         self.router_dtype = router_dtype
-        self.metadata_processor = _HybridEPMetadataProcessor(num_experts, permute_fusion, moe_hybridep_compact_routing)
+        self.metadata_processor = HybridEPMetadataProcessor(num_experts, permute_fusion, moe_hybridep_compact_routing)
         # The shared-buffer registry key: the group and every constructor setting of the buffer.
         # HybridEP grows a buffer in place (hidden size, tokens per rank), so those are not in it.
         self.buffer_key = ("hybridep", group, num_local_experts, moe_hybridep_num_sms,
@@ -186,17 +187,6 @@ class _HybridEPManager(_DispatchManager):
         self._hybridep_capacity: int | None = None
         self._pinned_tokens: int | None = None
         self._static_num_permuted_tokens: int | None = None
-        self._release_dispatch_state()
-
-    def _release_dispatch_state(self) -> None:
-        self.routing_map: torch.Tensor | None = None
-        self.token_probs: torch.Tensor | None = None
-        self.handle = None
-        self.buffer = None
-        self.dispatched_probs: torch.Tensor | None = None
-        self.tokens_per_expert: torch.Tensor | None = None
-        self.num_permuted_tokens: int | None = None
-        self.num_unpadded_tokens: int | None = None
 
     def release_buffers(self) -> None:
         """Drop this layer's HybridEP buffer and its published capacity (collective teardown:
@@ -204,30 +194,30 @@ class _HybridEPManager(_DispatchManager):
         self._buffer_owner.release_buffers()
 
     # ---- metadata ---------------------------------------------------------------------
-    def setup_metadata(self, num_local_tokens: int, probs: torch.Tensor, routing_map=None):
+    def setup_metadata(self, record, num_local_tokens: int, probs: torch.Tensor, routing_map=None):
         """Dense `[T, E]` (or `[T, tp*ep, e]`) probs, optionally with the routing map."""
         probs_TE = probs.reshape(num_local_tokens, self.num_experts)
         if routing_map is None:
-            return self.setup_metadata_from_indices(*P.probs_to_topk(probs_TE, self.router_topk))
+            return self.setup_metadata_from_indices(record, *P.probs_to_topk(probs_TE, self.router_topk))
         routing_map_TE = routing_map.reshape(num_local_tokens, self.num_experts).bool()
         # Unrouted entries must not carry probability mass into HybridEP's dense probs.
-        self._set_metadata(routing_map_TE, torch.where(routing_map_TE, probs_TE.float(), 0.0))
+        self._set_metadata(record, routing_map_TE, torch.where(routing_map_TE, probs_TE.float(), 0.0))
 
-    def setup_metadata_from_indices(self, token_indices: torch.Tensor, token_probs: torch.Tensor):
+    def setup_metadata_from_indices(self, record, token_indices: torch.Tensor, token_probs: torch.Tensor):
         """Top-k `[T, K]` ids (-1 = masked) and probs, through the metadata processor."""
         metadata, probs_TE = self.metadata_processor(token_indices, token_probs)
         if self.compact_routing:
             metadata = P.indices_to_routing_map(metadata, self.num_experts)
-        self._set_metadata(metadata, probs_TE)
+        self._set_metadata(record, metadata, probs_TE)
 
-    def _set_metadata(self, routing_map_TE, probs_TE) -> None:
+    def _set_metadata(self, record, routing_map_TE, probs_TE) -> None:
         num_tokens = probs_TE.shape[0]
         padded = self._resolve_padded_tokens(num_tokens, probs_TE.device)
         pad = padded - num_tokens
-        self.num_unpadded_tokens = num_tokens
+        record.num_tokens = num_tokens
         # Padding rows route nowhere with prob 0; they are constants, so they get no gradient.
-        self.routing_map = torch.cat([routing_map_TE, routing_map_TE.new_zeros(pad, self.num_experts)])
-        self.token_probs = torch.cat([probs_TE.float(), probs_TE.new_zeros(pad, self.num_experts).float()])
+        record.routing_map = torch.cat([routing_map_TE, routing_map_TE.new_zeros(pad, self.num_experts)])
+        record.token_probs = torch.cat([probs_TE.float(), probs_TE.new_zeros(pad, self.num_experts).float()])
 
     def _static_pin(self) -> bool:
         return self.benchmark_static_routing and _STATIC_ROUTING_PAD_PIN
@@ -338,7 +328,7 @@ class _HybridEPManager(_DispatchManager):
                 non_blocking=num_permuted is not None, pad_multiple=self.pad_multiple,
                 fuse_permute_dispatch=self.hybridep_permute_fusion)
 
-    def dispatch(self, hidden_states, async_finish=True, allocate_on_comm_stream=True, capacity_mode=None):
+    def dispatch(self, record, hidden_states, async_finish=True, allocate_on_comm_stream=True, capacity_mode=None):
         """Dispatch `[T, H]` rows; returns `[P, H]` rows grouped by local expert.
 
         `async_finish` / `allocate_on_comm_stream` are ignored: HybridEP owns its stream.
@@ -348,62 +338,54 @@ class _HybridEPManager(_DispatchManager):
         self.check_rows(hidden_states)
         if capacity_mode is None:
             capacity_mode = self.hybridep_capacity_factor is not None
-        padded = self.token_probs.shape[0]
+        padded = record.token_probs.shape[0]
         x_TH = hidden_states
         if padded > x_TH.shape[0]:
             x_TH = torch.cat([x_TH, x_TH.new_zeros(padded - x_TH.shape[0], x_TH.shape[1])])
         num_permuted = self._resolve_num_permuted_tokens(capacity_mode)
-        kwargs = dict(routing_map=self.routing_map, num_of_experts_per_rank=self.num_local_experts,
+        kwargs = dict(routing_map=record.routing_map, num_of_experts_per_rank=self.num_local_experts,
                       num_permuted_tokens=num_permuted, non_blocking=num_permuted is not None,
                       pad_multiple=self.pad_multiple, fuse_permute_dispatch=self.hybridep_permute_fusion)
         outputs = SimpleNamespace()  # the non-tensor outputs of `_HybridEPDispatch.forward`
-        self.buffer = self._buffer(x_TH.shape[1], padded)
-        rows_PH, self.dispatched_probs = _HybridEPDispatch.apply(
-            x_TH, self.token_probs, outputs, self.buffer, kwargs)
-        self.handle, self.tokens_per_expert = outputs.handle, outputs.tokens_per_expert
-        self.num_permuted_tokens = rows_PH.shape[0]
+        record.buffer = self._buffer(x_TH.shape[1], padded)
+        rows_PH, record.dispatched_probs = _HybridEPDispatch.apply(
+            x_TH, record.token_probs, outputs, record.buffer, kwargs)
+        record.handle, record.counts = outputs.handle, outputs.tokens_per_expert
         # A peer that failed sent its error word as a weight (`announce_input_error`); rows
         # past the routed ones are padding or (non-blocking) garbage, so they are not read.
-        probs_P, counts_e = self.dispatched_probs.detach(), self.tokens_per_expert
+        probs_P, counts_e = record.dispatched_probs.detach(), record.counts
         if counts_e.device != probs_P.device:  # host counts (blocking): no device read needed
             checks.raise_on_flagged(probs_P[: int(counts_e.sum())])
         else:
             routed_P = torch.arange(probs_P.shape[0], device=probs_P.device) < counts_e.sum()
             checks.raise_on_flagged(torch.where(routed_P, probs_P, 0.0))
         if num_permuted is not None:
-            _assert_no_hybridep_overflow(self.handle, num_permuted)
+            _assert_no_hybridep_overflow(record.handle, num_permuted)
         else:
             if capacity_mode and self._hybridep_capacity is None:
-                self._calibrate_hybridep_capacity(self.tokens_per_expert, padded, x_TH.device)
+                self._calibrate_hybridep_capacity(record.counts, padded, x_TH.device)
             if self._static_pin() and self._static_num_permuted_tokens is None:
-                self._static_num_permuted_tokens = self.num_permuted_tokens
+                self._static_num_permuted_tokens = rows_PH.shape[0]
         # The routing inputs are consumed: drop them so recompute cannot keep them alive.
-        self.routing_map = self.token_probs = None
+        record.routing_map = record.token_probs = None
         return rows_PH
 
-    def combine(self, hidden_states, async_finish=True, allocate_on_comm_stream=True):
+    def combine(self, record, hidden_states, async_finish=True, allocate_on_comm_stream=True):
         """`[P, H]` expert outputs -> `[T, H]` (padding tokens sliced off)."""
-        y_TH = _HybridEPCombine.apply(hidden_states, self.buffer, self.handle, self.pad_multiple,
-                                      self.hybridep_permute_fusion)[: self.num_unpadded_tokens]
-        self._release_dispatch_state()
+        y_TH = _HybridEPCombine.apply(hidden_states, record.buffer, record.handle, self.pad_multiple,
+                                      self.hybridep_permute_fusion)[: record.num_tokens]
+        record.release()
         return y_TH
 
-    def get_dispatched_metadata(self):
-        return None, self.dispatched_probs
+    def get_number_of_tokens_per_expert(self, record) -> torch.Tensor:
+        return record.counts
 
-    def get_number_of_tokens_per_expert(self) -> torch.Tensor:
-        return self.tokens_per_expert
-
-    def get_permuted_hidden_states_by_experts(self, hidden_states):
-        probs_P, self.dispatched_probs = self.dispatched_probs, None
+    def get_permuted_hidden_states_by_experts(self, record, hidden_states):
+        probs_P, record.dispatched_probs = record.dispatched_probs, None
         return hidden_states, probs_P.double() if self.router_dtype == "fp64" else probs_P
 
-    def get_restored_hidden_states_by_experts(self, hidden_states):
+    def get_restored_hidden_states_by_experts(self, record, hidden_states):
         return hidden_states
-
-    def _indices_to_multihot(self, indices, probs):
-        """`[T, K]` ids (-1 = masked) and probs -> `([T, E] bool map, [T, E] fp32 probs)`."""
-        return P.indices_to_multihot(indices, probs, self.num_experts)
 
     # ---- pipeline runtime ----------------------------------------------------------------
     def pipeline_runtime_initializer(self, hidden_dim: int, dtype: torch.dtype):
@@ -414,7 +396,8 @@ class _HybridEPManager(_DispatchManager):
     def initialize_runtime(self, num_tokens: int, hidden_dim: int, dtype: torch.dtype, device) -> None:
         """One synthetic dispatch + combine + backward (grad mode forced on; a deterministic,
         balanced batch, no RNG) so HybridEP sizes its buffer and compiles its kernels before
-        any pipeline traffic. Every manager field is restored afterwards, even on failure."""
+        any pipeline traffic (its own record). Every manager field is restored afterwards, even
+        on failure."""
         saved = dict(self.__dict__)
         try:
             # A plain blocking dispatch: it neither uses nor records this layer's pins.
@@ -427,11 +410,12 @@ class _HybridEPManager(_DispatchManager):
                 probs_TK = torch.full(indices_TK.shape, 1.0 / self.router_topk, device=device, requires_grad=True)
                 x_TH = torch.linspace(-1.0, 1.0, num_tokens * hidden_dim, device=device)
                 x_TH = x_TH.reshape(num_tokens, hidden_dim).to(dtype).requires_grad_()
-                self.setup_metadata_from_indices(indices_TK, probs_TK)
-                rows_PH = self.dispatch(x_TH, capacity_mode=False)
-                rows_PH, probs_P = self.get_permuted_hidden_states_by_experts(rows_PH)
+                record = DispatchRecord(x_TH.shape)
+                self.setup_metadata_from_indices(record, indices_TK, probs_TK)
+                rows_PH = self.dispatch(record, x_TH, capacity_mode=False)
+                rows_PH, probs_P = self.get_permuted_hidden_states_by_experts(record, rows_PH)
                 out_PH = rows_PH * probs_P[:, None].to(rows_PH.dtype)
-                y_TH = self.combine(self.get_restored_hidden_states_by_experts(out_PH))
+                y_TH = self.combine(record, self.get_restored_hidden_states_by_experts(record, out_PH))
                 y_TH.float().sum().backward()
         finally:
             self.__dict__.clear()

@@ -1,4 +1,4 @@
-"""`_HybridEPMetadataProcessor`: top-k routing `[T, K]` -> what HybridEP consumes.
+"""`HybridEPMetadataProcessor`: top-k routing `[T, K]` -> what HybridEP consumes.
 
 HybridEP takes a dense `[T, E]` routing map with dense `[T, E]` fp32 probs; in compact mode
 the processor keeps the `[T, K]` indices and the manager builds the map at dispatch. The
@@ -33,7 +33,7 @@ class _ScatterProbs(torch.autograd.Function):
         return grad_TK, None, None
 
 
-class _HybridEPMetadataProcessor(nn.Module):
+class HybridEPMetadataProcessor(nn.Module):
     """Graphable conversion of top-k metadata for dense or compact HybridEP dispatch.
 
     Arguments:

@@ -35,7 +35,7 @@ class HybridEPPipelineRuntimeInitializer:
     """Prepare a manager's (shared) HybridEP buffer before pipeline traffic.
 
     Arguments:
-        manager: the `_HybridEPManager` whose dispatch warms the buffer.
+        manager: the `HybridEPManager` whose dispatch warms the buffer.
         hidden_dim: H dispatched to the experts.
         dtype: hidden-state dtype used by the experts.
     """
