@@ -16,7 +16,6 @@ P permuted rows (grouped by local expert; in non-blocking mode the tail past
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import torch
@@ -26,6 +25,7 @@ from megatron_moe_ext.dispatcher import buffers, checks
 from megatron_moe_ext.dispatcher import permute as P
 from megatron_moe_ext.dispatcher.base import _DispatchManager
 from megatron_moe_ext.dispatcher.hybridep.metadata import _HybridEPMetadataProcessor
+from megatron_moe_ext.utils.env import env_flag
 
 #: HybridEP's TMA loads need every rank's token count to be a multiple of this.
 _HYBRIDEP_TOKEN_ALIGNMENT = 4
@@ -35,10 +35,9 @@ _HYBRIDEP_HIDDEN_ALIGNMENT = 16
 #: (csrc/hybrid_ep/buffer/intranode.cu), and a 0-byte allocation makes its IPC allocator exit
 #: the process (`cuMemGetAddressRange ... named symbol not found`).
 _HYBRIDEP_MIN_HIDDEN = 128
-#: Set MOE_EXT_STATIC_ROUTING_PAD_PIN=0 to keep the per-dispatch all-reduce under static
-#: routing (the seed's name NEMO_STATIC_ROUTING_PAD_PIN is read where the new one is unset).
-_STATIC_ROUTING_PAD_PIN = os.environ.get(
-    "MOE_EXT_STATIC_ROUTING_PAD_PIN", os.environ.get("NEMO_STATIC_ROUTING_PAD_PIN", "1")) != "0"
+#: Set MOE_EXT_STATIC_ROUTING_PAD_PIN=0 (false, off, no) to keep the per-dispatch all-reduce under
+#: static routing (the seed's name NEMO_STATIC_ROUTING_PAD_PIN is read where the new one is unset).
+_STATIC_ROUTING_PAD_PIN = env_flag("MOE_EXT_STATIC_ROUTING_PAD_PIN", True, fallback="NEMO_STATIC_ROUTING_PAD_PIN")
 
 
 def _assert_no_hybridep_overflow(handle, capacity: int) -> None:
