@@ -29,6 +29,13 @@ from megatron_moe_ext.utils.env import env_flag
 
 #: HybridEP's TMA loads need every rank's token count to be a multiple of this.
 _HYBRIDEP_TOKEN_ALIGNMENT = 4
+
+
+def _padded_count(num_tokens: int) -> int:
+    """The 4-aligned count a rank sends for `num_tokens`, at least one aligned group: a batch
+    of 0 tokens on every rank sends padding rows (route nowhere) instead of handing HybridEP
+    an empty batch, and a failed rank always has a row to carry its error word."""
+    return P.align_up(max(num_tokens, 1), _HYBRIDEP_TOKEN_ALIGNMENT)
 #: ... and the hidden size a multiple of this (its config check, `hidden_dim % 16`)
 _HYBRIDEP_HIDDEN_ALIGNMENT = 16
 #: ... and at least this: its buffer holds `hidden_dim // 128` FP8 scale columns per token
@@ -239,7 +246,7 @@ class _HybridEPManager(_DispatchManager):
         refuses a batch past its pin rather than exchange again.
         """
         if self.equal_token_counts:
-            return P.align_up(num_tokens, _HYBRIDEP_TOKEN_ALIGNMENT)
+            return _padded_count(num_tokens)
         if self._pinned_tokens is not None:
             if num_tokens <= self._pinned_tokens:
                 return self._pinned_tokens
@@ -258,7 +265,7 @@ class _HybridEPManager(_DispatchManager):
             if word:  # this rank's own error, which its caller raises: nothing is pinned
                 return 0
             raise checks.agreed_error(exchanged[1:])
-        padded = P.align_up(exchanged[0], _HYBRIDEP_TOKEN_ALIGNMENT)
+        padded = _padded_count(exchanged[0])
         if self._static_pin():
             # First dispatch, or a larger batch: (re-)pin, and re-record the permuted count.
             self._pinned_tokens = padded
@@ -316,14 +323,18 @@ class _HybridEPManager(_DispatchManager):
     def announce_input_error(self, word: int, like=None) -> None:
         """Send `word` in this step's first collective: the token-count all-reduce, else (a
         pinned or equal count) a dispatch as `DeepEPCommunicator.announce_input_error`'s, which
-        needs `like` (else the peers wait out the group's timeout)."""
+        needs `like` for the hidden size (else the peers wait out the group's timeout). Any
+        token count, 0 included, sends at least one row (`_padded_count`), in 16-bit rows
+        whatever `like`'s dtype, as the peers' dispatch expects."""
         tokens = 0 if like is None or like.dim() < 2 else like.numel() // like.shape[-1]
         if not self.equal_token_counts and self._pinned_tokens is None:
             self._resolve_padded_tokens(tokens, checks.flag_device(self.group), word)
             return
-        if like is None or like.dim() < 2 or like.element_size() != 2:
+        if like is None or like.dim() < 2:
             return
-        padded = P.align_up(tokens, _HYBRIDEP_TOKEN_ALIGNMENT) if self.equal_token_counts else self._pinned_tokens
+        if like.element_size() != 2:
+            like = like.new_zeros((), dtype=torch.bfloat16).expand(like.shape)
+        padded = _padded_count(tokens) if self.equal_token_counts else self._pinned_tokens
         world = dist.get_world_size(self.group)
         routing_map = torch.zeros(padded, self.num_experts, dtype=torch.bool, device=like.device)
         probs = torch.zeros(routing_map.shape, dtype=torch.float32, device=like.device)
@@ -375,7 +386,10 @@ class _HybridEPManager(_DispatchManager):
             if capacity_mode and self._hybridep_capacity is None:
                 self._calibrate_hybridep_capacity(self.tokens_per_expert, padded, x_TH.device)
             if self._static_pin() and self._static_num_permuted_tokens is None:
-                self._static_num_permuted_tokens = self.num_permuted_tokens
+                # At least one aligned group: a batch that routed no rows still leaves room for
+                # a peer's error word (`announce_input_error`) in a later pinned dispatch.
+                self._static_num_permuted_tokens = max(self.num_permuted_tokens,
+                                                       self.pad_multiple or _HYBRIDEP_TOKEN_ALIGNMENT)
         # The routing inputs are consumed: drop them so recompute cannot keep them alive.
         self.routing_map = self.token_probs = None
         return rows_PH
