@@ -25,10 +25,11 @@ Legend: T tokens, E global experts, e local experts, K top-k, W expert-parallel 
 from __future__ import annotations
 
 import enum
-import os
 
 import torch
 import torch.distributed as dist
+
+from megatron_moe_ext.utils.env import env_choice
 
 CHECK_MODE_ENV = "MOE_EXT_INPUT_CHECKS"
 _CHECK_MODES = ("auto", "sync", "deferred")
@@ -187,9 +188,7 @@ def describe(bits: int, num_experts: int, topk: int) -> str:
 
 def checks_values_now(tensor: torch.Tensor) -> bool:
     """Whether value checks on `tensor` run at once, per ``MOE_EXT_INPUT_CHECKS``."""
-    mode = os.environ.get(CHECK_MODE_ENV, "auto")
-    if mode not in _CHECK_MODES:
-        raise bad_input(CHECK_MODE_ENV, f"{mode!r} is not one of {_CHECK_MODES}")
+    mode = env_choice(CHECK_MODE_ENV, _CHECK_MODES, "auto")
     return mode == "sync" or (mode == "auto" and tensor.is_cpu)
 
 

@@ -1,18 +1,41 @@
-"""`ExpertsConfig`: the typed configuration shared by every expert module."""
+"""`ExpertsConfig`: the typed configuration shared by every expert module, checked at construction.
+
+It holds the constants the expert modules share (the implementations, the chunk threshold), so
+it imports nothing from the compute modules (`mlp.py`, `fused.py`), which import from it.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from megatron_moe_ext.config import check_positive_int
-from megatron_moe_ext.experts.fused import check_expert_mlp_impl
-from megatron_moe_ext.experts.mlp import _EXPERT_MLP_CHUNK_BYTES
 
 ACTIVATIONS = ("swiglu", "swiglu_clamped", "swiglu_oai", "quick_geglu", "relu2", "gelu")
 #: The activations without a gate: their gate/up weights are `[e, H, I]`, not `[e, H, 2I]`.
 NON_GATED_ACTIVATIONS = ("relu2", "gelu")
+#: The expert MLP implementations (`ExpertsConfig.expert_mlp_impl`, `MOE_EXT_EXPERT_MLP_IMPL`).
+EXPERT_MLP_IMPLS = ("auto", "fused", "grouped_mm")
+#: The weight dtypes the expert MLPs are built in.
+PARAM_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+_EXPERT_MLP_CHUNK_BYTES = 512 * 1024 * 1024
+
+
+def _fail(field: str, value, allowed: str) -> None:
+    raise ValueError(f"{field}={value!r} is invalid: {allowed}")
+
+
+def check_expert_mlp_impl(value) -> str:
+    """`value` if it names an implementation, else ValueError naming the field."""
+    if not isinstance(value, str) or value not in EXPERT_MLP_IMPLS:
+        _fail("expert_mlp_impl", value, f"allowed values are {EXPERT_MLP_IMPLS}")
+    return value
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass
@@ -40,15 +63,21 @@ class ExpertsConfig:
         for field in ("n_routed_experts", "n_activated_experts", "dim", "moe_inter_dim"):
             check_positive_int(field, getattr(self, field))
         if self.n_activated_experts > self.n_routed_experts:
-            raise ValueError(f"n_activated_experts={self.n_activated_experts} is invalid: expected "
-                             f"<= n_routed_experts ({self.n_routed_experts})")
-        if self.expert_activation not in ACTIVATIONS:
-            raise ValueError(f"expert_activation={self.expert_activation!r} is invalid: "
-                             f"allowed values are {ACTIVATIONS}")
+            _fail("n_activated_experts", self.n_activated_experts,
+                  f"expected <= n_routed_experts ({self.n_routed_experts})")
+        if not isinstance(self.expert_activation, str) or self.expert_activation not in ACTIVATIONS:
+            _fail("expert_activation", self.expert_activation, f"allowed values are {ACTIVATIONS}")
+        for field in ("expert_bias", "use_torch_mm"):
+            if not isinstance(getattr(self, field), bool):
+                _fail(field, getattr(self, field), "expected a bool (True or False)")
+        if not _is_real(self.activation_alpha) or not 0 < self.activation_alpha < math.inf:
+            _fail("activation_alpha", self.activation_alpha, "expected a finite number > 0")
+        if not _is_real(self.activation_limit) or not 0 <= self.activation_limit < math.inf:
+            _fail("activation_limit", self.activation_limit, "expected a finite number >= 0 "
+                  "(0 disables clamping)")
+        if not isinstance(self.dtype, torch.dtype) or self.dtype not in PARAM_DTYPES:
+            _fail("dtype", self.dtype, f"expected a torch.dtype, one of {PARAM_DTYPES}")
         if type(self.expert_mlp_chunk_bytes) is not int or self.expert_mlp_chunk_bytes < 0:
-            raise ValueError(f"expert_mlp_chunk_bytes={self.expert_mlp_chunk_bytes!r} is invalid: "
-                             "expected an int >= 0 (0 turns chunking off)")
+            _fail("expert_mlp_chunk_bytes", self.expert_mlp_chunk_bytes,
+                  "expected an int >= 0 (0 turns chunking off)")
         check_expert_mlp_impl(self.expert_mlp_impl)
-        if not self.activation_limit >= 0:
-            raise ValueError(f"activation_limit={self.activation_limit!r} is invalid: expected >= 0 "
-                             "(0 disables clamping)")

@@ -55,7 +55,6 @@ I intermediate, e local experts, J slots per received row.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -66,8 +65,7 @@ from megatron_moe_ext.dispatcher.permute import gather_sum
 from megatron_moe_ext.experts.bias import TokenCounts, _apply_bias, _counts_on, _host_counts, _reduce_bias_grad
 from megatron_moe_ext.experts.kernels import interleave_triton
 from megatron_moe_ext.experts.rows import zero_padding_rows_
-
-EXPERT_MLP_IMPLS = ("auto", "fused", "grouped_mm")
+from megatron_moe_ext.utils.env import env_flag
 
 #: QuACK versions this path was verified against (`quack-kernels`, the `quack` extra).
 VERIFIED_QUACK = "0.6.5"
@@ -90,13 +88,6 @@ _QUACK_OAI_ALPHA = 1.702  # fixed inside QuACK's swiglu_oai epilogue
 #: measures faster goes here.
 AUTO_MIN_HIDDEN_X_FFN = math.inf
 
-
-def check_expert_mlp_impl(value) -> str:
-    """`value` if it names an implementation, else ValueError naming the field."""
-    if value not in EXPERT_MLP_IMPLS:
-        raise ValueError(f"expert_mlp_impl={value!r} is invalid: allowed values are "
-                         f"{EXPERT_MLP_IMPLS}")
-    return value
 
 
 # --- the QuACK module -------------------------------------------------------------------------
@@ -153,7 +144,7 @@ def set_quack_backend(backend: QuackBackend | None) -> QuackBackend | None:
 
 
 def _tuned() -> bool:
-    return os.environ.get("MOE_EXT_QUACK_TUNED", "0") == "1"
+    return env_flag("MOE_EXT_QUACK_TUNED", False)
 
 
 # --- what is supported --------------------------------------------------------------------------

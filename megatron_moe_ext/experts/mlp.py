@@ -26,10 +26,9 @@ from torch.utils.checkpoint import checkpoint
 from megatron_moe_ext.dispatcher.handoff import IndexedRows
 from megatron_moe_ext.dispatcher.permute import _GatherRows
 from megatron_moe_ext.experts.bias import TokenCounts, _apply_bias, _chunk_counts, _counts_on, _host_counts
-from megatron_moe_ext.experts.fused import case_unsupported_reason, check_expert_mlp_impl, fused_expert_mlp
+from megatron_moe_ext.experts.config import _EXPERT_MLP_CHUNK_BYTES, check_expert_mlp_impl
+from megatron_moe_ext.experts.fused import case_unsupported_reason, fused_expert_mlp
 from megatron_moe_ext.experts.rows import zero_padding_rows_
-
-_EXPERT_MLP_CHUNK_BYTES = 512 * 1024 * 1024
 
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

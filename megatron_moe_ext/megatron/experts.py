@@ -8,7 +8,6 @@ Legend: P dispatched rows, H hidden, I expert intermediate size, e local experts
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import torch.nn.functional as F
@@ -23,14 +22,11 @@ from megatron.core.transformer.module import MegatronModule
 from megatron_moe_ext.dispatcher.handoff import IndexedRows
 from megatron_moe_ext.experts.activations import get_expert_activation, is_gated_activation
 from megatron_moe_ext.experts.common import stacked_shapes
-from megatron_moe_ext.experts.config import ExpertsConfig
-from megatron_moe_ext.experts.fused import (
-    check_expert_mlp_impl,
-    fused_unsupported_reason,
-    warmup_fused_expert_mlp,
-)
+from megatron_moe_ext.experts.config import EXPERT_MLP_IMPLS, ExpertsConfig, check_expert_mlp_impl
+from megatron_moe_ext.experts.fused import fused_unsupported_reason, warmup_fused_expert_mlp
 from megatron_moe_ext.experts.mlp import run_grouped_expert_mlp
 from megatron_moe_ext.megatron import checkpoint as _checkpoint
+from megatron_moe_ext.utils.env import env_choice
 
 # The order in which Megatron's expert classes draw their initial weights from one RNG stream,
 # over `[(weight, init_method)]` of fc1 and of fc2 (one entry per expert).
@@ -169,7 +165,7 @@ class GroupedGemmExperts(MegatronModule):
                              "expt_dp groups)")
         _check_megatron_features(config)
         if expert_mlp_impl is None:
-            expert_mlp_impl = os.environ.get(EXPERT_MLP_IMPL_ENV, "auto")
+            expert_mlp_impl = env_choice(EXPERT_MLP_IMPL_ENV, EXPERT_MLP_IMPLS, "auto")
         self.experts_config = experts_config_from_transformer_config(
             config, check_expert_mlp_impl(expert_mlp_impl))
         self.num_local_experts = num_local_experts

@@ -23,7 +23,9 @@ preprocessing kernel), not what the manager expects:
 - past `num_permuted_tokens` rows are truncated exactly as the preprocessing kernel does and
   `overflow_flag`, the last handle item (a one-element int32 tensor), is set to 1;
 - the combine sums each token's rows (no prob weighting) and returns the dense `[T, E]`
-  probs (the probs gradient when used as dispatch's backward).
+  probs (the probs gradient when used as dispatch's backward);
+- 0 tokens on every rank passes (the Python layer at 94a9f8f has no check of its own): empty
+  rows out, empty tokens back.
 
 `install()` makes `deep_ep.HybridEPBuffer` resolve to this class when the real one is not
 importable, adding it to an existing (real or fake) `deep_ep` module or creating one.
@@ -35,7 +37,6 @@ P permuted rows.
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 import types
 from collections import Counter
@@ -43,7 +44,9 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
-_CHUNK = int(os.environ.get("NUM_OF_TOKENS_PER_CHUNK_COMBINE_API", 64))
+from megatron_moe_ext.utils.env import env_int
+
+_CHUNK = env_int("NUM_OF_TOKENS_PER_CHUNK_COMBINE_API", 64, minimum=1)
 
 #: Calls made on any double instance in this process (tests read it).
 CALLS: Counter = Counter()
@@ -224,14 +227,14 @@ class _HybridEPBufferDouble:
         contrib.index_add_(0, row_N, hidden[dest_N].float())
         recv = torch.empty_like(contrib)
         dist.all_to_all_single(recv, contrib, group=self.group)
-        combined = recv.view(world, num_tokens, -1).sum(0).to(hidden.dtype)
+        combined = recv.view(world, num_tokens, hidden.shape[1]).sum(0).to(hidden.dtype)
         combined_probs = None
         if probs is not None:
             local = torch.zeros(world * num_tokens, world * e, device=hidden.device)
             local[row_N, self.rank * e + expert_N] = probs[dest_N].float()
             recv_p = torch.empty_like(local)
             dist.all_to_all_single(recv_p, local, group=self.group)
-            combined_probs = recv_p.view(world, num_tokens, -1).sum(0)
+            combined_probs = recv_p.view(world, num_tokens, world * e).sum(0)
         return combined, combined_probs
 
 

@@ -16,7 +16,6 @@ P permuted rows (grouped by local expert; in non-blocking mode the tail past
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import torch
@@ -25,21 +24,28 @@ import torch.distributed as dist
 from megatron_moe_ext.dispatcher import buffers, checks
 from megatron_moe_ext.dispatcher import permute as P
 from megatron_moe_ext.dispatcher.base import DispatchManager
-from megatron_moe_ext.dispatcher.record import DispatchRecord
 from megatron_moe_ext.dispatcher.hybridep.metadata import HybridEPMetadataProcessor
+from megatron_moe_ext.dispatcher.record import DispatchRecord
+from megatron_moe_ext.utils.env import env_flag
 
 #: HybridEP's TMA loads need every rank's token count to be a multiple of this.
 _HYBRIDEP_TOKEN_ALIGNMENT = 4
+
+
+def _padded_count(num_tokens: int) -> int:
+    """The 4-aligned count a rank sends for `num_tokens`, at least one aligned group: a batch
+    of 0 tokens on every rank sends padding rows (route nowhere) instead of handing HybridEP
+    an empty batch, and a failed rank always has a row to carry its error word."""
+    return P.align_up(max(num_tokens, 1), _HYBRIDEP_TOKEN_ALIGNMENT)
 #: ... and the hidden size a multiple of this (its config check, `hidden_dim % 16`)
 _HYBRIDEP_HIDDEN_ALIGNMENT = 16
 #: ... and at least this: its buffer holds `hidden_dim // 128` FP8 scale columns per token
 #: (csrc/hybrid_ep/buffer/intranode.cu), and a 0-byte allocation makes its IPC allocator exit
 #: the process (`cuMemGetAddressRange ... named symbol not found`).
 _HYBRIDEP_MIN_HIDDEN = 128
-#: Set MOE_EXT_STATIC_ROUTING_PAD_PIN=0 to keep the per-dispatch all-reduce under static
-#: routing (the seed's name NEMO_STATIC_ROUTING_PAD_PIN is read where the new one is unset).
-_STATIC_ROUTING_PAD_PIN = os.environ.get(
-    "MOE_EXT_STATIC_ROUTING_PAD_PIN", os.environ.get("NEMO_STATIC_ROUTING_PAD_PIN", "1")) != "0"
+#: Set MOE_EXT_STATIC_ROUTING_PAD_PIN=0 (false, off, no) to keep the per-dispatch all-reduce under
+#: static routing (the seed's name NEMO_STATIC_ROUTING_PAD_PIN is read where the new one is unset).
+_STATIC_ROUTING_PAD_PIN = env_flag("MOE_EXT_STATIC_ROUTING_PAD_PIN", True, fallback="NEMO_STATIC_ROUTING_PAD_PIN")
 
 
 def _assert_no_hybridep_overflow(handle, capacity: int) -> None:
@@ -230,7 +236,7 @@ class HybridEPManager(DispatchManager):
         refuses a batch past its pin rather than exchange again.
         """
         if self.equal_token_counts:
-            return P.align_up(num_tokens, _HYBRIDEP_TOKEN_ALIGNMENT)
+            return _padded_count(num_tokens)
         if self._pinned_tokens is not None:
             if num_tokens <= self._pinned_tokens:
                 return self._pinned_tokens
@@ -249,7 +255,7 @@ class HybridEPManager(DispatchManager):
             if word:  # this rank's own error, which its caller raises: nothing is pinned
                 return 0
             raise checks.agreed_error(exchanged[1:])
-        padded = P.align_up(exchanged[0], _HYBRIDEP_TOKEN_ALIGNMENT)
+        padded = _padded_count(exchanged[0])
         if self._static_pin():
             # First dispatch, or a larger batch: (re-)pin, and re-record the permuted count.
             self._pinned_tokens = padded
@@ -307,14 +313,18 @@ class HybridEPManager(DispatchManager):
     def announce_input_error(self, word: int, like=None) -> None:
         """Send `word` in this step's first collective: the token-count all-reduce, else (a
         pinned or equal count) a dispatch as `DeepEPCommunicator.announce_input_error`'s, which
-        needs `like` (else the peers wait out the group's timeout)."""
+        needs `like` for the hidden size (else the peers wait out the group's timeout). Any
+        token count, 0 included, sends at least one row (`_padded_count`), in 16-bit rows
+        whatever `like`'s dtype, as the peers' dispatch expects."""
         tokens = 0 if like is None or like.dim() < 2 else like.numel() // like.shape[-1]
         if not self.equal_token_counts and self._pinned_tokens is None:
             self._resolve_padded_tokens(tokens, checks.flag_device(self.group), word)
             return
-        if like is None or like.dim() < 2 or like.element_size() != 2:
+        if like is None or like.dim() < 2:
             return
-        padded = P.align_up(tokens, _HYBRIDEP_TOKEN_ALIGNMENT) if self.equal_token_counts else self._pinned_tokens
+        if like.element_size() != 2:
+            like = like.new_zeros((), dtype=torch.bfloat16).expand(like.shape)
+        padded = _padded_count(tokens) if self.equal_token_counts else self._pinned_tokens
         world = dist.get_world_size(self.group)
         routing_map = torch.zeros(padded, self.num_experts, dtype=torch.bool, device=like.device)
         probs = torch.zeros(routing_map.shape, dtype=torch.float32, device=like.device)
@@ -365,7 +375,10 @@ class HybridEPManager(DispatchManager):
             if capacity_mode and self._hybridep_capacity is None:
                 self._calibrate_hybridep_capacity(record.counts, padded, x_TH.device)
             if self._static_pin() and self._static_num_permuted_tokens is None:
-                self._static_num_permuted_tokens = rows_PH.shape[0]
+                # At least one aligned group: a batch that routed no rows still leaves room for
+                # a peer's error word (`announce_input_error`) in a later pinned dispatch.
+                self._static_num_permuted_tokens = max(rows_PH.shape[0],
+                                                       self.pad_multiple or _HYBRIDEP_TOKEN_ALIGNMENT)
         # The routing inputs are consumed: drop them so recompute cannot keep them alive.
         record.routing_map = record.token_probs = None
         return rows_PH

@@ -8,12 +8,12 @@ parallelism it must grow before any P2P work is posted. One capacity is publishe
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.distributed as dist
 
 from megatron_moe_ext.dispatcher.permute import align_up
+from megatron_moe_ext.utils.env import env_int
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class HybridEPPipelineRuntimeInitializer:
     @staticmethod
     def required_capacity(num_tokens: int) -> int:
         """HybridEP's token-capacity floor and rounding for its JIT key."""
-        chunk = int(os.environ.get("NUM_OF_TOKENS_PER_CHUNK_COMBINE_API", _DEFAULT_COMBINE_CHUNK))
+        chunk = env_int("NUM_OF_TOKENS_PER_CHUNK_COMBINE_API", _DEFAULT_COMBINE_CHUNK, minimum=1)
         aligned = align_up(num_tokens, _TEMPLATE_ALIGNMENT)
         return align_up(max(aligned, _MIN_TOKEN_CAPACITY), chunk)
 

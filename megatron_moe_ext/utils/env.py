@@ -1,0 +1,96 @@
+"""Every environment variable the package reads, parsed in one place.
+
+Each reader takes the variable's name and its default (returned where the variable is unset)
+and raises ValueError naming the variable, its value and what is allowed for anything else,
+so a misspelt value never falls back to the default silently. An empty value is refused too:
+unset the variable to get its default. The README lists the variables the package reads.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import TypeVar
+
+#: The spellings of a flag, case-insensitive.
+TRUE_SPELLINGS = ("1", "true", "on", "yes")
+FALSE_SPELLINGS = ("0", "false", "off", "no")
+
+_Default = TypeVar("_Default")
+
+
+def _fail(name: str, raw: str, allowed: str) -> ValueError:
+    return ValueError(f"environment variable {name}={raw!r} is invalid: {allowed}")
+
+
+def _raw(name: str) -> str | None:
+    """The variable's value without surrounding blanks, or None where it is unset."""
+    raw = os.environ.get(name)
+    return None if raw is None else raw.strip()
+
+
+def env_flag(name: str, default: bool, *, fallback: str | None = None) -> bool:
+    """A boolean: 1/true/on/yes or 0/false/off/no, case-insensitive. `fallback` names an older
+    variable read (with the same rules) only where `name` is unset."""
+    raw = _raw(name)
+    if raw is None:
+        return default if fallback is None else env_flag(fallback, default)
+    if raw.lower() in TRUE_SPELLINGS:
+        return True
+    if raw.lower() in FALSE_SPELLINGS:
+        return False
+    raise _fail(name, raw, f"allowed values are {'/'.join(TRUE_SPELLINGS)} (on) or "
+                           f"{'/'.join(FALSE_SPELLINGS)} (off), case-insensitive")
+
+
+def env_choice(name: str, choices: tuple[str, ...], default: _Default) -> str | _Default:
+    """One of `choices` (lower-case names, matched case-insensitively), returned as written there."""
+    raw = _raw(name)
+    if raw is None:
+        return default
+    if raw.lower() in choices:
+        return raw.lower()
+    raise _fail(name, raw, f"allowed values are {choices}, case-insensitive")
+
+
+def _bounds(minimum: float | None, above: float | None) -> str:
+    parts = ([f">= {minimum}"] if minimum is not None else []) + ([f"> {above}"] if above is not None else [])
+    return " and ".join(parts)
+
+
+def _check_bounds(name: str, raw: str, value: float, kind: str, minimum, above) -> None:
+    if (minimum is not None and value < minimum) or (above is not None and value <= above):
+        raise _fail(name, raw, f"expected {kind} {_bounds(minimum, above)}")
+
+
+def env_int(name: str, default: _Default, *, minimum: int | None = None,
+            above: int | None = None) -> int | _Default:
+    """A decimal integer, at least `minimum` and greater than `above` where given."""
+    raw = _raw(name)
+    if raw is None:
+        return default
+    kind = "an integer"
+    try:
+        value = int(raw, 10)
+    except ValueError:
+        raise _fail(name, raw, f"expected {kind} {_bounds(minimum, above)}".rstrip()) from None
+    _check_bounds(name, raw, value, kind, minimum, above)
+    return value
+
+
+def env_float(name: str, default: _Default, *, minimum: float | None = None,
+              above: float | None = None) -> float | _Default:
+    """A finite number, at least `minimum` and greater than `above` where given
+    (`above=0`: a factor that must be positive)."""
+    raw = _raw(name)
+    if raw is None:
+        return default
+    kind = "a finite number"
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise _fail(name, raw, f"expected {kind} {_bounds(minimum, above)}".rstrip())
+    _check_bounds(name, raw, value, kind, minimum, above)
+    return value

@@ -1,0 +1,89 @@
+"""Every field of the package's configuration dataclasses is checked at construction for type and
+range (issue 39): ValueError naming the field and what is allowed, never a value taken as given.
+`TokenDispatcherConfig` and `ExpertsConfig` are the package's configurations; its other
+dataclasses are internal records built by the package itself."""
+
+import ast
+import dataclasses
+import inspect
+import math
+
+import pytest
+import torch
+
+from megatron_moe_ext.config import TokenDispatcherConfig
+from megatron_moe_ext.experts import config as experts_config
+from megatron_moe_ext.experts.config import ExpertsConfig
+
+SHAPES = dict(n_routed_experts=8, n_activated_experts=2, dim=16, moe_inter_dim=8)
+
+EXPERTS_ERRORS = [
+    ("activation_alpha", math.nan, "finite number > 0"),  # NaN gave NaN outputs
+    ("activation_alpha", -1.0, "finite number > 0"),
+    ("activation_alpha", 0.0, "finite number > 0"),
+    ("activation_alpha", math.inf, "finite number > 0"),
+    ("activation_alpha", "1.7", "finite number > 0"),
+    ("activation_alpha", True, "finite number > 0"),
+    ("activation_limit", math.nan, "finite number >= 0"),
+    ("activation_limit", -1.0, "finite number >= 0"),
+    ("activation_limit", math.inf, "finite number >= 0"),
+    ("activation_limit", "7", "finite number >= 0"),
+    ("dtype", "bf16", "torch.dtype"),
+    ("dtype", torch.int32, "torch.dtype"),
+    ("dtype", torch.float8_e4m3fn, "torch.dtype"),
+    ("expert_bias", "no", "bool"),
+    ("expert_bias", 0, "bool"),
+    ("use_torch_mm", 1, "bool"),
+    ("expert_activation", "silu", "allowed values"),
+    ("expert_activation", 3, "allowed values"),
+    ("expert_mlp_impl", "bogus", "allowed values"),
+    ("expert_mlp_impl", ["auto"], "allowed values"),
+    ("expert_mlp_chunk_bytes", -1, "int >= 0"),
+    ("expert_mlp_chunk_bytes", 1.0, "int >= 0"),
+    ("n_routed_experts", 0, "positive integer"),
+    ("n_activated_experts", 9, "n_routed_experts"),
+    ("dim", 16.0, "positive integer"),
+    ("moe_inter_dim", True, "positive integer"),
+]
+
+
+@pytest.mark.parametrize("field, value, allowed", EXPERTS_ERRORS,
+                         ids=[f"{f}={v!r}" for f, v, _ in EXPERTS_ERRORS])
+def test_experts_config_refuses_names_field_and_allowed(field, value, allowed):
+    with pytest.raises(ValueError, match=f"^{field}=") as info:
+        ExpertsConfig(**{**SHAPES, field: value})
+    assert allowed in str(info.value)
+
+
+def test_experts_config_accepts_its_documented_values():
+    for dtype in experts_config.PARAM_DTYPES:
+        assert ExpertsConfig(**SHAPES, dtype=dtype).dtype == dtype
+    cfg = ExpertsConfig(**SHAPES, activation_alpha=1, activation_limit=0, expert_bias=True, expert_mlp_chunk_bytes=0)
+    assert cfg.activation_alpha == 1 and cfg.activation_limit == 0
+
+
+class _Bad:
+    def __repr__(self):
+        return "<bad>"
+
+
+@pytest.mark.parametrize("cls, required", [(TokenDispatcherConfig, {}), (ExpertsConfig, SHAPES)])
+def test_every_field_is_checked(cls, required):
+    """An object of no allowed type is refused for each field, naming it."""
+    for field in dataclasses.fields(cls):
+        with pytest.raises(ValueError, match=f"{field.name}=<bad> is invalid"):
+            cls(**{**required, field.name: _Bad()})
+
+
+def test_experts_config_imports_no_compute_module():
+    """Issue 38: experts/config.py holds the constants it needs; mlp.py and fused.py import
+    them from it, never the other way round."""
+    tree = ast.parse(inspect.getsource(experts_config))
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    assert not {m for m in imported if m and m.startswith("megatron_moe_ext.experts")}, imported
+    from megatron_moe_ext.experts import fused, mlp
+
+    assert mlp._EXPERT_MLP_CHUNK_BYTES is experts_config._EXPERT_MLP_CHUNK_BYTES
+    assert mlp.check_expert_mlp_impl is experts_config.check_expert_mlp_impl
+    assert not hasattr(fused, "EXPERT_MLP_IMPLS")
