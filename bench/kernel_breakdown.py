@@ -15,6 +15,9 @@ forward op and on the backward's `autograd::engine::evaluate_function` range, so
 
 On the CPU (tests), `breakdown(..., device="cpu")` counts each op's self CPU time in place of
 kernel time, so the attribution can be checked without a GPU.
+
+`gpu_activity(prof.events())` needs no labels: the time the GPU was busy (the union of the
+kernels' intervals, overlapping kernels counted once) beside the kernels' plain sum.
 """
 
 from __future__ import annotations
@@ -153,3 +156,62 @@ def breakdown(events, steps: int = 1, device: str = "cuda", top: int = 15) -> di
         labels={k: dict(ms=round(v[0], 4), gemm_ms=round(v[1], 4)) for k, v in sorted(per_label.items())},
         total_ms=round(sum(v[0] for v in per_label.values()), 4),
         top_kernels=[[name, label, round(ms, 4), round(n, 2)] for (name, label), (ms, n) in ranked])
+
+
+def union_length(intervals) -> float:
+    """Total length covered by `[(start, end)]` intervals, overlaps counted once."""
+    total, end_of_run, start_of_run = 0.0, None, None
+    for start, end in sorted(intervals):
+        if end_of_run is None or start > end_of_run:
+            if end_of_run is not None:
+                total += end_of_run - start_of_run
+            start_of_run, end_of_run = start, end
+        else:
+            end_of_run = max(end_of_run, end)
+    if end_of_run is not None:
+        total += end_of_run - start_of_run
+    return total
+
+
+_COPY_PREFIXES = ("Memcpy", "Memset")
+
+
+def gpu_activity(events, top: int = 25) -> dict:
+    """How long the GPU was busy in a profiled region: the union of its kernels' intervals
+    (kernels overlapping on several streams counted once), beside their plain sum.
+
+    Arguments:
+        events: `prof.events()` of a torch profiler run with CUDA activity; device events
+            (kernels, memory copies and sets) count, GPU-side annotations (profiler ranges
+            shown on the GPU timeline) do not.
+        top: how many kernels to list by summed time.
+
+    Returns:
+        {"kernel_busy_ms": union of kernel intervals, "kernel_sum_ms", "kernels": launches,
+        "busy_ms_incl_copies": union with memory copies and sets, "copies", "first_to_last_ms":
+        first kernel start to last kernel end, "top_kernels": [[name, ms, launches]]}.
+    """
+    kernels, copies = [], []
+    per_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for event in events:
+        if event.device_type.name != "CUDA" or getattr(event, "is_user_annotation", False):
+            continue
+        if event.name.startswith(PREFIX):
+            continue
+        interval = (event.time_range.start, event.time_range.end)
+        if event.name.startswith(_COPY_PREFIXES):
+            copies.append(interval)
+            continue
+        kernels.append(interval)
+        row = per_name[event.name[:100]]
+        row[0] += (interval[1] - interval[0]) / 1e3
+        row[1] += 1
+    ranked = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:top]
+    return dict(
+        kernel_busy_ms=round(union_length(kernels) / 1e3, 3),
+        kernel_sum_ms=round(sum(end - start for start, end in kernels) / 1e3, 3),
+        kernels=len(kernels),
+        busy_ms_incl_copies=round(union_length(kernels + copies) / 1e3, 3),
+        copies=len(copies),
+        first_to_last_ms=round((max(e for _, e in kernels) - min(s for s, _ in kernels)) / 1e3, 3) if kernels else 0.0,
+        top_kernels=[[name, round(ms, 4), n] for name, (ms, n) in ranked])

@@ -7,6 +7,9 @@
 - `bench/moe_layer_graphs.py`: one panel per shape, per tokens-per-expert the eager and graphed
   step times, the graphed step's kernel time (the floor a graph cannot go below) and, where
   measured (`host_time_run`), the eager step's host time.
+- `bench/gpu/graphed_slice.py` (Megatron-LM with CUDA graphs): one panel per model, per run the
+  median ms/iter and beside it the profiled step's GPU busy time (union of its kernels), with
+  the busy share and TFLOP/s/GPU.
 
     python bench/plot_results.py bench/results/moe_layer_h200.json bench/results/moe_layer_graphs_h200.json
 """
@@ -125,9 +128,59 @@ def plot_moe_layer_graphs(json_path: str) -> str:
     return out
 
 
+def plot_graphed_slice(json_path: str) -> str:
+    """Write `<json_path without .json>.png` and return its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(json_path) as f:
+        data = json.load(f)
+    order = data.get("order") or list(data["runs"])
+    families = {}
+    for name in order:
+        families.setdefault("DeepSeek-V3-like EP16 slice" if name.startswith("dsv3_") else "Qwen3-30B-A3B EP8 slice",
+                            []).append(name)
+    fig, axes = plt.subplots(1, len(families), squeeze=False,
+                             figsize=(7.5 * len(families), 1.6 + 0.6 * max(len(v) for v in families.values())),
+                             gridspec_kw=dict(width_ratios=[len(v) + 2 for v in families.values()]))
+    for ax, (family, names) in zip(axes[0], families.items()):
+        runs = [data["runs"][name] for name in names]
+        ys = range(len(names))
+        ms = [r.get("median_ms_per_iter") or 0.0 for r in runs]
+        busy = [r.get("gpu_busy_ms") or 0.0 for r in runs]
+        ext = ["ext" in name for name in names]
+        step = ax.barh([y - 0.2 for y in ys], ms, height=0.4, label="ms/iter (median)",
+                       color=["tab:green" if e else "tab:gray" for e in ext])
+        kern = ax.barh([y + 0.2 for y in ys], busy, height=0.4, label="GPU busy ms (profiled step)",
+                       color=["#a6d9a6" if e else "#cfcfcf" for e in ext], hatch="//", edgecolor="white")
+        ax.bar_label(step, labels=[(f"{v:.0f}" if v else "no steady iterations")
+                                   + (f" (rc {r.get('rc')})" if r.get("rc") not in (0, None) else "")
+                                   for v, r in zip(ms, runs)], fontsize=7, padding=2)
+        ax.bar_label(kern, labels=[f"{b:.0f} ({100 * r['gpu_busy_share']:.0f}%)" if r.get("gpu_busy_share") else
+                                   (f"{b:.0f}" if b else "") for b, r in zip(busy, runs)], fontsize=7, padding=2)
+        ticks = [f"{name}\n{r['median_tflops_per_gpu']:.0f} TFLOP/s/GPU" if r.get("median_tflops_per_gpu") else name
+                 for name, r in zip(names, runs)]
+        ax.set_yticks(list(ys), ticks, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlim(0, 1.25 * max(ms + busy + [1.0]))
+        ax.set_xlabel("ms per iteration (global batch 8 x 4096 tokens)", fontsize=8)
+        ax.set_title(family, fontsize=10)
+    fig.legend(*axes[0][0].get_legend_handles_labels(), fontsize=7, loc="lower center", ncol=2)
+    fig.suptitle(f"Megatron-LM pretrain_gpt.py, {data.get('device') or '?'}, bf16: eager vs CUDA graphs "
+                 "(green: megatron_moe_ext; grey: native; hatched: GPU busy, share of ms/iter)", fontsize=9)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    out = json_path[:-5] + ".png" if json_path.endswith(".json") else json_path + ".png"
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
 if __name__ == "__main__":
     for path in sys.argv[1:]:
         with open(path) as f:
             data = json.load(f)
-        plot = plot_moe_layer_graphs if "cases" in data else plot_moe_slice if data.get("slice") else plot_moe_layer
+        plot = (plot_graphed_slice if data.get("graphed_slice") else plot_moe_layer_graphs if "cases" in data
+                else plot_moe_slice if data.get("slice") else plot_moe_layer)
         print("wrote", plot(path))

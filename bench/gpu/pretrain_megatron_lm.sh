@@ -25,7 +25,7 @@
 # without --moe-grouped-gemm builds SequentialMLP, as native local does;
 # `det_te_ext_te_grouped_mlp`: TEGroupedMLP, as native TE does).
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-./outputs}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1

@@ -1,6 +1,7 @@
 """Run Megatron-LM's `pretrain_gpt.py` and profile one training step: GPU kernel time by part.
 
-    python bench/gpu/pretrain_profiled.py ITERATION OUT_JSON <path to pretrain_gpt.py> <its flags...>
+    python bench/gpu/pretrain_profiled.py [--busy-only] [--gate PATH] ITERATION OUT_JSON \
+        <path to pretrain_gpt.py> <its flags...>
 
 Runs the script as `python pretrain_gpt.py <flags>` would, with Megatron's `train_step` wrapped:
 its ITERATION-th call (1-based, as Megatron numbers iterations in its log) runs under the torch
@@ -13,6 +14,21 @@ gradient accumulation into Megatron's buffers, the rest), plus the top kernels, 
 time, peak memory and which expert classes (and expert MLP path) the model built. The profiled
 step is slower than the others (the profiler's CPU side); pretrain_megatron_lm_parse.py leaves
 it out of the medians.
+
+Every profile also has `gpu` (`kernel_breakdown.gpu_activity`): the union of the step's kernel
+intervals (the time the GPU was busy, kernels overlapping on several streams counted once), the
+plain kernel sum and the top kernels by name; `gpu_busy_share_of_profiled_step` is that union
+over the profiled step's wall time. The JSON also has each `train_step` call's start time
+(`step_start_times`, seconds since the epoch) and, for the package's sync-free budget-mode
+layers, the (token, expert) pairs they dropped per iteration (`overflow`: their device counters,
+stacked and reset after every step without a host read, read at the profiled step).
+
+--busy-only: profile CUDA activity only, label nothing (no `categories_ms`): the cheap profile
+for runs with CUDA graphs, where Megatron's local graphs refuse modules with forward hooks and a
+replayed graph's kernels belong to no module anyway.
+--gate PATH: at the first `train_step` call write PATH.ready (the time) and wait until PATH.go
+exists, so that a driver can start this process while another run still has the GPU and
+release it when the GPU is free (bench/gpu/graphed_slice.py).
 """
 
 import json
@@ -87,48 +103,141 @@ def categories(table: dict) -> dict:
     return ms
 
 
-def profiled_train_step(original, iteration: int, out_path: str):
+def _budget_layers(model) -> list:
+    """The package's sync-free budget-mode MoE layers of Megatron's model chunks (their
+    `moe_overflow_stats` device counters), or [] (native Megatron, dropless layers)."""
+    try:
+        from megatron_moe_ext.megatron.overflow import _budget_layers as find
+    except ImportError:
+        return []
+    return [layer for _, layer in find(list(model))]
+
+
+class _Overflow:
+    """Per-step dropped pairs of the budget-mode layers without a host read per step: after each
+    step the layers' `[dropped pairs, rows needed]` counters are stacked (one kernel) and reset."""
+
+    def __init__(self):
+        self.layers = None
+        self.snapshots = []
+
+    def after_step(self, model) -> None:
+        if self.layers is None:
+            self.layers = _budget_layers(model)
+        if self.layers:
+            stats = [layer.moe_overflow_stats for layer in self.layers]
+            self.snapshots.append(torch.stack(stats))
+            try:
+                torch._foreach_zero_(stats)
+            except RuntimeError:  # a build without integer foreach kernels
+                for tensor in stats:
+                    tensor.zero_()
+
+    def report(self) -> dict | None:
+        if not self.layers or not self.snapshots:
+            return None
+        values = torch.stack(self.snapshots).tolist()  # [steps][layers][dropped, rows needed]
+        return dict(layers=len(self.layers),
+                    dropped_pairs_per_iteration=[sum(layer[0] for layer in step) for step in values],
+                    max_rows_needed=max(layer[1] for step in values for layer in step),
+                    budget_rows=max(layer.moe_overflow_budget for layer in self.layers))
+
+
+def _wait_at_gate(gate: str, max_wait_s: float = 900.0) -> dict:
+    """Write `gate`.ready, wait for `gate`.go; give up (SystemExit 3) after `max_wait_s` or when
+    `gate`.abort appears, so that no process waits for a driver that is gone."""
+    ready = time.time()
+    with open(gate + ".ready", "w") as f:
+        f.write(f"{ready}\n")
+    while not os.path.exists(gate + ".go"):
+        if os.path.exists(gate + ".abort") or time.time() - ready > max_wait_s:
+            print(f"gate {gate}: not released, exiting", flush=True)
+            raise SystemExit(3)
+        time.sleep(0.2)
+    released = time.time()
+    print(f"gate {gate}: ready at {ready:.1f}, released after {released - ready:.1f} s", flush=True)
+    return dict(ready_at=ready, released_at=released)
+
+
+def profiled_train_step(original, iteration: int, out_path: str, busy_only: bool = False,
+                        gate: str | None = None):
     calls = [0]
+    starts: list[float] = []
+    overflow = _Overflow()
+    gate_times: dict = {}
 
     def train_step(*args, **kwargs):
         calls[0] += 1
+        if calls[0] == 1 and gate:
+            gate_times.update(_wait_at_gate(gate))
+        starts.append(time.time())
+        model, optimizer = args[2], args[3]
         if calls[0] != iteration:
-            return original(*args, **kwargs)
+            result = original(*args, **kwargs)
+            overflow.after_step(model)
+            return result
         from torch.profiler import ProfilerActivity, profile
 
-        model, optimizer = args[2], args[3]
-        labels = label_model(model, optimizer)
+        labels = [] if busy_only else label_model(model, optimizer)
+        activities = [ProfilerActivity.CUDA] if busy_only else [ProfilerActivity.CPU, ProfilerActivity.CUDA]
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         try:
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            with profile(activities=activities) as prof:
                 result = original(*args, **kwargs)
                 torch.cuda.synchronize()
         finally:
             kernel_breakdown.remove_labels(labels)
         wall_ms = (time.perf_counter() - t0) * 1e3
+        overflow.after_step(model)
         try:
-            table = kernel_breakdown.breakdown(prof.events(), steps=1, top=25)
-            report = dict(iteration=iteration, step_wall_ms_profiled=round(wall_ms, 1),
-                          categories_ms=categories(table), experts=describe_experts(model),
-                          peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2), **table)
+            events = prof.events()
+            gpu = kernel_breakdown.gpu_activity(events)
+            report = dict(iteration=iteration, step_wall_ms_profiled=round(wall_ms, 1), busy_only=busy_only, gpu=gpu,
+                          gpu_busy_share_of_profiled_step=round(gpu["kernel_busy_ms"] / wall_ms, 4),
+                          experts=describe_experts(model),
+                          peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
+                          peak_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2))
+            if not busy_only:
+                table = kernel_breakdown.breakdown(events, steps=1, top=25)
+                report.update(categories_ms=categories(table), **table)
         except Exception as error:  # noqa: BLE001 - the training run goes on; the log says why
             report = dict(iteration=iteration, error=f"{type(error).__name__}: {error}",
                           traceback=traceback.format_exc()[-3000:])
+        try:
+            report["overflow"] = overflow.report()
+        except Exception as error:  # noqa: BLE001
+            report["overflow"] = dict(error=f"{type(error).__name__}: {error}")
+        report.update(step_start_times=starts, gate=gate_times or None)
         with open(out_path, "w") as f:
             json.dump(report, f, indent=1)
-        print(f"profiled iteration {iteration}: {json.dumps(report.get('categories_ms') or report['error'])} "
-              f"-> {out_path}", flush=True)
+        summary = report.get("categories_ms") or (report.get("gpu") or {}).get("kernel_busy_ms") or report.get("error")
+        print(f"profiled iteration {iteration}: {json.dumps(summary)} -> {out_path}", flush=True)
         return result
 
     return train_step
 
 
+def parse_options(argv: list[str]) -> tuple[dict, list[str]]:
+    """The wrapper's own leading options (`--busy-only`, `--gate PATH`) and the rest."""
+    options = dict(busy_only=False, gate=None)
+    while argv and argv[0].startswith("--"):
+        flag = argv.pop(0)
+        if flag == "--busy-only":
+            options["busy_only"] = True
+        elif flag == "--gate":
+            options["gate"] = argv.pop(0)
+        else:
+            raise SystemExit(f"pretrain_profiled.py: unknown option {flag}")
+    return options, argv
+
+
 if __name__ == "__main__":
-    iteration, out_path, script = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    options, rest = parse_options(sys.argv[1:])
+    iteration, out_path, script = int(rest[0]), rest[1], rest[2]
     import megatron.training.training as training
 
-    training.train_step = profiled_train_step(training.train_step, iteration, out_path)
-    sys.argv = sys.argv[3:]
+    training.train_step = profiled_train_step(training.train_step, iteration, out_path, **options)
+    sys.argv = rest[2:]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     runpy.run_path(script, run_name="__main__")

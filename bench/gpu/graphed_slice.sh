@@ -1,0 +1,151 @@
+#!/usr/bin/env bash
+# Megatron-LM's pretrain_gpt.py on one H200 with and without CUDA graphs: the Qwen3-30B-A3B EP8
+# rank slice of pretrain_megatron_lm.sh (its SLICE and RECIPE flags, SLICE_LAYERS layers, default
+# 16, TE mode, --cross-entropy-loss-fusion native, no --timing-log-level), native Megatron
+# against this package's --spec, eager and graphed; and a DeepSeek-V3-like EP16 slice (dsv3_*).
+#
+#   cd <repo> && source /tmp/te_env.sh && bash bench/gpu/graphed_slice.sh [--timeout S] [--iters N]
+#   (ext_budget_local_fused also needs `source /tmp/quack_env.sh`)
+#
+# Runs (RUNS="a b ..." picks some, default all, always in this order):
+#   native_eager            native + --moe-permute-fusion
+#   native_attn             + --cuda-graph-impl transformer_engine --cuda-graph-modules attn
+#   native_recipe           + TE graphs of attn moe_router moe_preprocess (Megatron's Qwen3 recipe)
+#   ext_eager               --spec (the package's layer), MOE_EXT_EXPERT_MLP_IMPL=grouped_mm (its
+#                           torch backend refuses --moe-permute-fusion: left off)
+#   ext_attn, ext_recipe    ext + the TE graphs of native_attn, native_recipe
+#   ext_recipe_local        ext + --cuda-graph-impl local, modules attn moe_router moe_preprocess
+#   ext_budget_eager        ext in the sync-free budget mode: MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR=
+#                           $BUDGET_FACTOR (default 1.25)
+#   ext_budget_local        + --cuda-graph-impl local, whole TransformerLayer graphs
+#   ext_budget_te           + --cuda-graph-impl transformer_engine, whole layer
+#   ext_budget_local_fused  ext_budget_local with MOE_EXT_EXPERT_MLP_IMPL=fused (QuACK)
+#   dsv3_native_attn, dsv3_native_recipe, dsv3_ext_budget_local: the same on a DeepSeek-V3-like
+#     EP16 rank slice (hidden 7168, 56 heads of 128, GQA 8 groups, 16 experts top-8, MoE FFN 2048,
+#     vocab DSV3_VOCAB 129280), DSV3_LAYERS layers (default 4: its optimizer state alone is
+#     about 90 GB), timeout DSV3_TIMEOUT (default the same as the others).
+# Each run: ITERS iterations (default 12), the last one profiled (bench/gpu/pretrain_profiled.py
+# --busy-only: CUDA activity only, for the GPU busy time = the union of its kernel intervals;
+# BREAKDOWN=1 profiles the eager runs with CPU activity and labelled parts instead), medians of
+# iterations MEDIAN_FROM (default 4) .. ITERS-1. TE graphs are captured after
+# --cuda-graph-warmup-steps (3) iterations, local graphs at the end of the first iteration.
+#
+# OVERLAP=N (default 1): the next N runs start while the current one runs and wait at their first
+# training step until it has ended (bench/gpu/graphed_slice.py), so Megatron's start-up (~40-60 s;
+# a waiting Qwen3 slice holds ~21 GB, its parameters, gradient buffer and fp32 copy) hides behind
+# the current run; a dsv3 run (~51 GB waiting, ~110 GB running) starts early only right behind a
+# Qwen3 run and nothing starts beside it. The JSON says per run how many seconds of other runs'
+# start-ups fell in its measured iterations. OVERLAP=0 runs strictly one at a time (on an
+# 80 GB H100 use OVERLAP=0).
+# TIMEOUT (or --timeout, default 150 s) per run, from its release; CALL_BUDGET (default 575 s):
+# the script ends in time for a 600 s device call (no run released within ~85 s of it, a running
+# one ended 25 s before it), and a run that fails or is ended keeps its rc and log tail.
+# Writes $OUT/graphed_slice_h200${TAG:+_$TAG}.json, .png and graphed_slice_logs${TAG:+_$TAG}.tar.gz
+# (3 files); a second call with another TAG, then on this machine
+#   python bench/gpu/graphed_slice.py merge A.json B.json --out-json bench/results/graphed_slice_h200.json
+# DRY_RUN=1 prints each selected run's command line (no GPU, no Megatron-LM needed).
+#
+# Time (estimates, OVERLAP=1): a Qwen3 run costs about max(its own ~25-60 s after release, the
+# next run's ~45 s start-up); the first run and each dsv3 run not right behind a Qwen3 run pay
+# their start-up too (~50 s, dsv3 ~65 s); fused adds QuACK's first compile. All 14 runs do not
+# fit one 600 s call; two calls:
+#   TAG=a RUNS="native_eager native_attn native_recipe ext_eager ext_attn ext_recipe ext_recipe_local
+#     ext_budget_eager ext_budget_local"                                          (~500 s)
+#   TAG=b RUNS="ext_budget_te ext_budget_local_fused dsv3_native_attn dsv3_native_recipe
+#     dsv3_ext_budget_local"                                                      (~480 s)
+set -uo pipefail
+T0=$(date +%s)
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+while [ $# -gt 0 ]; do
+  case $1 in
+    --timeout) TIMEOUT=$2; shift 2 ;;
+    --iters) ITERS=$2; shift 2 ;;
+    *) echo "unknown argument $1"; exit 2 ;;
+  esac
+done
+ITERS=${ITERS:-12}
+TIMEOUT=${TIMEOUT:-150}
+DSV3_TIMEOUT=${DSV3_TIMEOUT:-$TIMEOUT}
+DSV3_LAYERS=${DSV3_LAYERS:-4}
+DSV3_VOCAB=${DSV3_VOCAB:-129280}
+BUDGET_FACTOR=${BUDGET_FACTOR:-1.25}
+OVERLAP=${OVERLAP:-1}
+BREAKDOWN=${BREAKDOWN:-0}
+MEDIAN_FROM=${MEDIAN_FROM:-4}
+CALL_BUDGET=${CALL_BUDGET:-575}
+TAG=${TAG:-}
+SELECT=${RUNS:-all}
+DRY=${DRY_RUN:-0}
+
+# The flags of pretrain_megatron_lm.sh (LAUNCH COMMON SLICE TE RECIPE CE_FUSION RECIPE_ENV SPEC
+# FUSION, SLICE_LAYERS), read from it with no run selected; it also exports PYTHONPATH and the
+# NCCL settings.
+RUNS=__flags_only__ DRY_RUN=1
+source bench/gpu/pretrain_megatron_lm.sh
+RUNS=$SELECT DRY_RUN=$DRY
+WORK=${WORK:-/tmp/graphed_slice_work${TAG:+_$TAG}}
+if [ "$DRY" != 1 ]; then
+  source bench/gpu/megatron_lm_env.sh  # PY, MLM, megatron-core and its datasets Makefile
+  $PY -c "import transformer_engine.pytorch" >/dev/null 2>&1 \
+    || { echo "transformer_engine.pytorch does not import: source /tmp/te_env.sh first"; exit 2; }
+  echo "== megatron-core $($PY -c 'import megatron.core as m; print(m.__version__)'); work dir $WORK"
+  mkdir -p "$WORK"
+fi
+
+DSV3="--hidden-size 7168 --num-attention-heads 56 --group-query-attention --num-query-groups 8 \
+--kv-channels 128 --qk-layernorm --normalization RMSNorm --position-embedding-type rope \
+--rotary-base 10000 --untie-embeddings-and-output-weights --seq-length 4096 \
+--max-position-embeddings 4096 --micro-batch-size 1 --global-batch-size 8 --lr 3e-4 \
+--ffn-hidden-size 18432 --num-experts 16 --moe-ffn-hidden-size 2048 --moe-router-topk 8 \
+--moe-aux-loss-coeff 1e-3 --vocab-size $DSV3_VOCAB --use-distributed-optimizer"
+RUN_FLAGS="--train-iters $ITERS $TE $RECIPE $CE_FUSION"
+QWEN3_RUN="$COMMON $SLICE --num-layers $SLICE_LAYERS $RUN_FLAGS"
+DSV3_RUN="$COMMON $DSV3 --num-layers $DSV3_LAYERS $RUN_FLAGS"
+RUN_ENV="$RECIPE_ENV NCCL_GRAPH_REGISTER=0"
+TE_GRAPHS="--cuda-graph-impl transformer_engine"
+LOCAL_GRAPHS="--cuda-graph-impl local"
+ATTN="--cuda-graph-modules attn"
+PARTS="--cuda-graph-modules attn moe_router moe_preprocess"
+EXT="MOE_EXT_EXPERT_MLP_IMPL=grouped_mm"
+BUDGET="MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR=$BUDGET_FACTOR"
+
+TABLE=()
+KNOWN=" "
+add() {  # name heavy timeout env flags: one line of the driver's table
+  local name=$1 heavy=$2 limit=$3 env=$4 flags=$5
+  KNOWN+="$name "
+  case " $SELECT " in *" $name "* | *" all "*) ;; *) return ;; esac
+  local profile="--busy-only"
+  [[ $BREAKDOWN = 1 && $flags != *--cuda-graph-impl* ]] && profile=""
+  local cmd="$RUN_ENV $env $LAUNCH bench/gpu/pretrain_profiled.py $profile --gate $WORK/$name $ITERS \
+$WORK/$name.kernels.json $PRETRAIN $flags"
+  cmd=$(echo $cmd)  # one space between words
+  if [ "$DRY" = 1 ]; then echo "$name $cmd"; return; fi
+  TABLE+=("$name	$heavy	$limit	$cmd")
+}
+add native_eager 0 "$TIMEOUT" "" "$QWEN3_RUN $FUSION"
+add native_attn 0 "$TIMEOUT" "" "$QWEN3_RUN $FUSION $TE_GRAPHS $ATTN"
+add native_recipe 0 "$TIMEOUT" "" "$QWEN3_RUN $FUSION $TE_GRAPHS $PARTS"
+add ext_eager 0 "$TIMEOUT" "$EXT" "$QWEN3_RUN $SPEC"
+add ext_attn 0 "$TIMEOUT" "$EXT" "$QWEN3_RUN $SPEC $TE_GRAPHS $ATTN"
+add ext_recipe 0 "$TIMEOUT" "$EXT" "$QWEN3_RUN $SPEC $TE_GRAPHS $PARTS"
+add ext_recipe_local 0 "$TIMEOUT" "$EXT" "$QWEN3_RUN $SPEC $LOCAL_GRAPHS $PARTS"
+add ext_budget_eager 0 "$TIMEOUT" "$EXT $BUDGET" "$QWEN3_RUN $SPEC"
+add ext_budget_local 0 "$TIMEOUT" "$EXT $BUDGET" "$QWEN3_RUN $SPEC $LOCAL_GRAPHS"
+add ext_budget_te 0 "$TIMEOUT" "$EXT $BUDGET" "$QWEN3_RUN $SPEC $TE_GRAPHS"
+add ext_budget_local_fused 0 "$TIMEOUT" "MOE_EXT_EXPERT_MLP_IMPL=fused $BUDGET" "$QWEN3_RUN $SPEC $LOCAL_GRAPHS"
+add dsv3_native_attn 1 "$DSV3_TIMEOUT" "" "$DSV3_RUN $FUSION $TE_GRAPHS $ATTN"
+add dsv3_native_recipe 1 "$DSV3_TIMEOUT" "" "$DSV3_RUN $FUSION $TE_GRAPHS $PARTS"
+add dsv3_ext_budget_local 1 "$DSV3_TIMEOUT" "$EXT $BUDGET" "$DSV3_RUN $SPEC $LOCAL_GRAPHS"
+for name in $SELECT; do
+  [[ $name = all || $KNOWN = *" $name "* ]] || echo "warning: RUNS names an unknown run: $name" >&2
+done
+[ "$DRY" = 1 ] && exit 0
+[ ${#TABLE[@]} -gt 0 ] || { echo "no run selected (RUNS=$SELECT)"; exit 2; }
+
+printf '%s\n' "${TABLE[@]}" > "$WORK/runs.tsv"
+SETTINGS="{\"iters\": $ITERS, \"slice_layers\": $SLICE_LAYERS, \"dsv3_layers\": $DSV3_LAYERS, \"dsv3_vocab\": $DSV3_VOCAB, \
+\"timeout_s\": $TIMEOUT, \"dsv3_timeout_s\": $DSV3_TIMEOUT, \"budget_factor\": $BUDGET_FACTOR, \"median_from\": $MEDIAN_FROM, \
+\"breakdown\": $BREAKDOWN, \"call_budget_s\": $CALL_BUDGET, \"runs\": \"$SELECT\", \"tag\": \"$TAG\"}"
+$PY bench/gpu/graphed_slice.py run --table "$WORK/runs.tsv" --work "$WORK" --out "$OUT" --tag "$TAG" \
+  --overlap "$OVERLAP" --deadline $((T0 + CALL_BUDGET)) --median-from "$MEDIAN_FROM" --settings "$SETTINGS"

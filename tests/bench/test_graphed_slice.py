@@ -1,0 +1,314 @@
+"""bench/gpu/graphed_slice.sh and its driver/parser, checked on the CPU: the GPU busy time (union
+of kernel intervals), the profiled wrapper's gate and overflow counters, the run list (it parses
+with Megatron's own parser), and the driver end to end on fake pretrain processes (a finished
+run, a failed one, one past its timeout, overlapped start-ups) down to the JSON, tarball and PNG."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+sys.path.insert(0, os.path.join(ROOT, "bench", "gpu"))
+
+import kernel_breakdown  # noqa: E402
+
+
+def _event(device: str, name: str, start: float, end: float, annotation: bool = False):
+    return SimpleNamespace(device_type=SimpleNamespace(name=device), name=name, is_user_annotation=annotation,
+                           time_range=SimpleNamespace(start=start, end=end))
+
+
+def test_gpu_activity_counts_overlapping_kernels_once():
+    events = [
+        _event("CUDA", "gemm_a", 0, 100), _event("CUDA", "gemm_a", 300, 400),
+        _event("CUDA", "a2a_side_stream", 50, 150),  # overlaps gemm_a on another stream
+        _event("CUDA", "small", 120, 130),  # inside the side-stream kernel
+        _event("CUDA", "Memcpy HtoD (Pageable -> Device)", 200, 250),
+        _event("CUDA", "moe_ext/experts", 0, 400, annotation=True),  # GPU-side range: not work
+        _event("CUDA", "moe_ext/router", 0, 400),
+        _event("CPU", "aten::mm", 0, 1000),
+    ]
+    gpu = kernel_breakdown.gpu_activity(events)
+    assert gpu["kernel_busy_ms"] == 0.25  # [0, 150] + [300, 400] us
+    assert gpu["kernel_sum_ms"] == 0.31 and gpu["kernels"] == 4
+    assert gpu["busy_ms_incl_copies"] == 0.3 and gpu["copies"] == 1
+    assert gpu["first_to_last_ms"] == 0.4
+    assert gpu["top_kernels"][0] == ["gemm_a", 0.2, 2]
+    assert kernel_breakdown.union_length([]) == 0.0
+    assert kernel_breakdown.union_length([(5, 7), (0, 1), (1, 2), (6, 9)]) == 6.0
+    assert kernel_breakdown.gpu_activity([])["first_to_last_ms"] == 0.0
+
+
+def test_profiled_wrapper_options_gate_and_overflow(tmp_path):
+    import pretrain_profiled
+
+    argv = ["--busy-only", "--gate", "/tmp/x", "12", "out.json", "p.py", "--bf16"]
+    options, rest = pretrain_profiled.parse_options(argv)
+    assert options == dict(busy_only=True, gate="/tmp/x") and rest == ["12", "out.json", "p.py", "--bf16"]
+    assert pretrain_profiled.parse_options(["5", "o", "p.py"]) == (dict(busy_only=False, gate=None), ["5", "o", "p.py"])
+
+    gate = str(tmp_path / "run")
+    threading.Timer(0.5, lambda: open(gate + ".go", "w").close()).start()
+    times = pretrain_profiled._wait_at_gate(gate)
+    assert float(open(gate + ".ready").read()) == times["ready_at"] and times["released_at"] - times["ready_at"] >= 0.4
+    with pytest.raises(SystemExit):
+        pretrain_profiled._wait_at_gate(str(tmp_path / "never"), max_wait_s=0.3)
+
+    from megatron_moe_ext.megatron.overflow import OverflowCounter
+
+    class Budgeted(torch.nn.Module, OverflowCounter):
+        def __init__(self, number):
+            super().__init__()
+            self.register_buffer("moe_overflow_stats", torch.zeros(2, dtype=torch.int64), persistent=False)
+            self.moe_overflow_budget, self.moe_overflow_policy, self.layer_number = 4096, "drop", number
+
+    layers = torch.nn.ModuleList([Budgeted(1), Budgeted(2)])
+    overflow = pretrain_profiled._Overflow()
+    for dropped in ([0, 0], [3, 4], [0, 1]):
+        for layer, n in zip(layers, dropped):
+            layer.moe_overflow_stats.add_(torch.tensor([n, 4000 + n]))
+        overflow.after_step([layers])
+    assert overflow.report() == dict(layers=2, dropped_pairs_per_iteration=[0, 7, 1], max_rows_needed=4004,
+                                     budget_rows=4096)
+    assert layers[0].moe_overflow_stats.tolist() == [0, 0]  # reset after every step
+    plain = pretrain_profiled._Overflow()
+    plain.after_step([torch.nn.Linear(2, 2)])
+    assert plain.report() is None
+
+
+def test_graphed_slice_run_list_parses_with_megatron_arguments(tmp_path):
+    env = dict(os.environ, DRY_RUN="1", OUT=str(tmp_path), WORK="/w")
+    lines = subprocess.run(["bash", "bench/gpu/graphed_slice.sh"], cwd=ROOT, env=env, check=True,
+                           capture_output=True, text=True).stdout.splitlines()
+    names = [line.split()[0] for line in lines]
+    assert names == ["native_eager", "native_attn", "native_recipe", "ext_eager", "ext_attn", "ext_recipe",
+                     "ext_recipe_local", "ext_budget_eager", "ext_budget_local", "ext_budget_te",
+                     "ext_budget_local_fused", "dsv3_native_attn", "dsv3_native_recipe", "dsv3_ext_budget_local"]
+    picked = subprocess.run(["bash", "bench/gpu/graphed_slice.sh"], cwd=ROOT, capture_output=True, text=True,
+                            env=dict(env, RUNS="ext_budget_te native_eager")).stdout.splitlines()
+    assert [line.split()[0] for line in picked] == ["native_eager", "ext_budget_te"]
+    code = """
+import json, shlex, sys
+from megatron.training.arguments import parse_args
+out = {}
+for line in sys.stdin:
+    words = shlex.split(line)
+    start = next(i for i, w in enumerate(words) if w.endswith("pretrain_gpt.py")) + 1
+    sys.argv = ["pretrain_gpt.py"] + words[start:]
+    a = parse_args()
+    out[words[0]] = dict(layers=a.num_layers, experts=a.num_experts, topk=a.moe_router_topk, ffn=a.moe_ffn_hidden_size,
+                         hidden=a.hidden_size, heads=a.num_attention_heads, groups=a.num_query_groups, kv=a.kv_channels,
+                         spec=a.spec, ce_fusion=a.cross_entropy_loss_fusion, ce_impl=a.cross_entropy_fusion_impl,
+                         permute_fusion=a.moe_permute_fusion, router_fusion=a.moe_router_fusion,
+                         timing=a.timing_log_level, iters=a.train_iters, seq=a.seq_length, gbs=a.global_batch_size,
+                         impl=a.transformer_impl, graphs=a.cuda_graph_impl,
+                         modules=[str(getattr(m, "name", m)) for m in (a.cuda_graph_modules or [])],
+                         force_balance=a.moe_router_force_load_balancing, throughput=a.log_throughput)
+print(json.dumps(out))
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, input="\n".join(lines), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    args = json.loads(done.stdout.splitlines()[-1])
+    graphs = {"eager": ("none", []), "attn": ("transformer_engine", ["attn"]),
+              "recipe": ("transformer_engine", ["attn", "moe_router", "moe_preprocess"]),
+              "recipe_local": ("local", ["attn", "moe_router", "moe_preprocess"]),
+              "budget_eager": ("none", []), "budget_local": ("local", []), "budget_te": ("transformer_engine", []),
+              "budget_local_fused": ("local", [])}
+    for line in lines:
+        name, words = line.split()[0], shlex.split(line)[1:]
+        a = args[name]
+        dsv3 = name.startswith("dsv3_")
+        assert (a["experts"], a["topk"], a["seq"], a["gbs"], a["iters"]) == (16, 8, 4096, 8, 12), name
+        assert (a["hidden"], a["heads"], a["groups"], a["kv"], a["ffn"], a["layers"]) == (
+            (7168, 56, 8, 128, 2048, 4) if dsv3 else (2048, 32, 4, 128, 768, 16)), name
+        assert a["impl"] == "transformer_engine" and a["timing"] == 0 and a["throughput"], name
+        assert a["ce_fusion"] and a["ce_impl"] == "native" and a["router_fusion"] and a["force_balance"], name
+        native = "native" in name
+        assert (a["spec"] is None) == native and a["permute_fusion"] == native, name
+        assert (a["graphs"], a["modules"]) == graphs[name.split("_", 1)[1].removeprefix("native_").removeprefix("ext_")
+                                                     if dsv3 else name.split("_", 1)[1]], name
+        assert {"NCCL_GRAPH_REGISTER=0", "NVTE_FUSED_ATTN=1", "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+                "CUDA_DEVICE_MAX_CONNECTIONS=1"} <= set(words), name
+        assert ("MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR=1.25" in words) == ("budget" in name), name
+        impl = [w for w in words if w.startswith("MOE_EXT_EXPERT_MLP_IMPL=")]
+        assert impl == ([] if native else ["MOE_EXT_EXPERT_MLP_IMPL=fused" if name.endswith("fused")
+                                           else "MOE_EXT_EXPERT_MLP_IMPL=grouped_mm"]), name
+        wrapper = words.index("bench/gpu/pretrain_profiled.py")
+        assert words[wrapper + 1:wrapper + 6] == ["--busy-only", "--gate", f"/w/{name}", "12",
+                                                  f"/w/{name}.kernels.json"]
+
+
+FAKE_PRETRAIN = r'''
+"""A stand-in for `pretrain_profiled.py ... pretrain_gpt.py`: the gate, Megatron's log lines,
+the wrapper's kernels JSON. FAKE=ok|fail|hang, FAKE_MS=ms per iteration."""
+import json, os, sys, time
+args = sys.argv[1:]
+gate = args[args.index("--gate") + 1]
+rest = args[args.index("--gate") + 2:]
+iters, out = int(rest[0]), rest[1]
+mode, ms = os.environ.get("FAKE", "ok"), float(os.environ.get("FAKE_MS", "100"))
+print("building GPT model ...", flush=True)
+time.sleep(float(os.environ.get("FAKE_STARTUP_S", "0.3")))
+ready = time.time()
+open(gate + ".ready", "w").write(f"{ready}\n")
+while not os.path.exists(gate + ".go"):
+    time.sleep(0.05)
+starts = []
+for i in range(1, iters + 1):
+    starts.append(time.time())
+    if mode == "fail" and i == 3:
+        print("Traceback (most recent call last):\nRuntimeError: CUDA error: an illegal memory access", flush=True)
+        sys.exit(1)
+    if mode == "hang" and i == 5:
+        time.sleep(600)
+    time.sleep(0.02)
+    t = ms * (3 if i == 1 else 1) + (50 * i if i == iters else 0)
+    print(f" [2026-12-05 11:00:00] iteration {i:8d}/{iters:8d} | consumed samples: {8 * i:12d} | "
+          f"elapsed time per iteration (ms): {t:.1f} | throughput per GPU (TFLOP/s/GPU): {1e5 / t:.1f} | "
+          f"learning rate: 3.000000E-04 | global batch size:     8 | lm loss: {12.0 - 0.1 * i:.6E} | "
+          "loss scale: 1.0 | grad norm: 1.000 | number of skipped iterations:   0 |", flush=True)
+    if i == 1:
+        print("[Rank 0] (after 1 iterations) memory (MB) | allocated: 30000.0 | max allocated: 46080.0 | "
+              "reserved: 50000.0 | max reserved: 50000.0", flush=True)
+report = dict(iteration=iters, step_wall_ms_profiled=2 * ms, busy_only=True,
+              gpu=dict(kernel_busy_ms=0.8 * ms, kernel_sum_ms=0.9 * ms, kernels=100, busy_ms_incl_copies=0.8 * ms,
+                       copies=0, first_to_last_ms=ms, top_kernels=[["gemm", 0.5 * ms, 10]]),
+              gpu_busy_share_of_profiled_step=0.4, experts={"GroupedGemmExperts [grouped_mm]": 16},
+              peak_mem_gib=45.0, peak_reserved_gib=49.0, step_start_times=starts, gate=None,
+              overflow=dict(layers=16, dropped_pairs_per_iteration=[0] * (iters - 1) + [5],
+                            max_rows_needed=40000, budget_rows=40960) if "budget" in gate else None)
+json.dump(report, open(out, "w"))
+'''
+
+
+def test_driver_runs_fails_times_out_and_writes_the_json(tmp_path):
+    import graphed_slice
+
+    fake = tmp_path / "fake_pretrain.py"
+    fake.write_text(FAKE_PRETRAIN)
+    work, out = tmp_path / "work", tmp_path / "out"
+    work.mkdir()
+
+    def line(name, env, timeout=60):
+        return (f"{name}\t0\t{timeout}\tenv {env} {sys.executable} {fake} --busy-only --gate {work}/{name} 8 "
+                f"{work}/{name}.kernels.json /mlm/pretrain_gpt.py --train-iters 8 --seq-length 4096")
+
+    (work / "runs.tsv").write_text("\n".join([
+        line("native_eager", "FAKE_MS=200"), line("native_recipe", "FAKE_MS=150 FAKE_STARTUP_S=0.5"),
+        line("ext_eager", "FAKE=fail"), line("ext_attn", "FAKE=hang", timeout=4),
+        line("ext_budget_local", "FAKE_MS=100")]) + "\n")
+    t0 = time.time()
+    graphed_slice.main(["run", "--table", str(work / "runs.tsv"), "--work", str(work), "--out", str(out),
+                        "--tag", "a", "--median-from", "4", "--settings", json.dumps({"iters": 8})])
+    assert time.time() - t0 < 40
+    data = json.load(open(out / "graphed_slice_h200_a.json"))
+    assert data["graphed_slice"] and data["order"] == ["native_eager", "native_recipe", "ext_eager", "ext_attn",
+                                                       "ext_budget_local"]
+    assert data["settings"] == {"iters": 8, "overlap": 1}
+    runs = data["runs"]
+    native = runs["native_eager"]
+    assert native["rc"] == 0 and native["median_iterations"] == [4, 5, 6, 7]  # the profiled 8th left out
+    assert native["median_ms_per_iter"] == 200.0 and native["median_tflops_per_gpu"] == 500.0
+    assert native["gpu_busy_ms"] == 160.0 and native["gpu_busy_share"] == 0.8
+    assert native["peak_mem_gib"] == 45.0 and native["megatron_max_allocated_gib"] == 45.0
+    assert native["command"].startswith("env FAKE_MS=200") and len(native["lm_loss"]) == 8
+    assert "log_tail" not in native and native["budget_mode_layers"] == 0
+    assert native["driver"]["started_early"] is False and runs["native_recipe"]["driver"]["started_early"] is True
+    assert "other_startups_overlapping_measured_s" in native
+    assert runs["native_recipe"]["speedup_vs"] == {"native_eager": round(200 / 150, 3)}
+    failed = runs["ext_eager"]
+    assert failed["rc"] == 1 and failed["iteration"] == [1, 2] and failed["median_ms_per_iter"] is None
+    assert failed["log_tail"][-1].endswith("an illegal memory access") and len(failed["log_tail"]) <= 30
+    hung = runs["ext_attn"]
+    assert hung["rc"] == 124 and hung["driver"]["timed_out"] and hung["iteration"] == [1, 2, 3, 4]
+    assert hung["driver"]["wall_s_from_release"] < 30 and hung["log_tail"]
+    budget = runs["ext_budget_local"]
+    assert budget["dropped_pairs_total"] == 5 and budget["budget_mode_layers"] == 16
+    assert budget["speedup_vs"] == {"native_eager": 2.0, "native_recipe": 1.5}
+    assert [row["run"] for row in data["summary"]] == data["order"]
+    with tarfile.open(out / "graphed_slice_logs_a.tar.gz") as tar:
+        assert "graphed_slice_a/ext_attn.log" in tar.getnames() and "graphed_slice_a/native_eager.cmd" in tar.getnames()
+    assert len(os.listdir(out)) <= 3
+    # no process of the runs is left (the hung one was ended with its children)
+    leftover = subprocess.run(["pgrep", "-f", str(fake)], capture_output=True, text=True).stdout.split()
+    assert leftover == []
+
+    # A second call's JSON (another tag) merges with the first; a later file's run wins.
+    (work / "runs.tsv").write_text(line("dsv3_native_recipe", "FAKE_MS=400") + "\n"
+                                   + line("dsv3_ext_budget_local", "FAKE_MS=300") + "\n")
+    graphed_slice.main(["run", "--table", str(work / "runs.tsv"), "--work", str(work), "--out", str(out),
+                        "--tag", "b", "--overlap", "0"])
+    merged = graphed_slice.merge([str(out / "graphed_slice_h200_a.json"), str(out / "graphed_slice_h200_b.json")],
+                                 str(tmp_path / "merged.json"))
+    data = json.load(open(merged))
+    assert data["order"][-2:] == ["dsv3_native_recipe", "dsv3_ext_budget_local"]
+    assert data["runs"]["dsv3_ext_budget_local"]["speedup_vs"] == {"dsv3_native_recipe": round(400 / 300, 3)}
+    assert data["runs"]["dsv3_ext_budget_local"]["driver"]["started_early"] is False
+
+
+def test_driver_deadline_skips_and_ends_runs(tmp_path):
+    import graphed_slice
+
+    fake = tmp_path / "fake_pretrain.py"
+    fake.write_text(FAKE_PRETRAIN)
+    work = tmp_path / "work"
+    work.mkdir()
+    runs = [graphed_slice.Run(name, False, 60, f"env FAKE={mode} {sys.executable} {fake} --busy-only --gate "
+                              f"{work}/{name} 8 {work}/{name}.kernels.json /p/pretrain_gpt.py --train-iters 8")
+            for name, mode in (("a", "hang"), ("b", "ok"))]
+    t0 = time.time()
+    # 29 s before the deadline: `a` runs until 25 s before it (4 s), `b` is not released.
+    graphed_slice.drive(runs, str(work), overlap=1, deadline=t0 + graphed_slice.DEADLINE_MARGIN_S + 4, min_run_s=0)
+    assert time.time() - t0 < 25
+    a = json.load(open(work / "a.driver.json"))
+    b = json.load(open(work / "b.driver.json"))
+    assert a["rc"] == 124 and a["ended_by_deadline"] and b["rc"] == -1 and "skipped" in b
+    assert (work / "b.abort").exists()  # b had started early and was told to go away
+
+
+def test_driver_starts_runs_early_up_to_the_depth_and_heavy_ones_alone(tmp_path):
+    import graphed_slice
+
+    fake = tmp_path / "fake_pretrain.py"
+    fake.write_text(FAKE_PRETRAIN)
+    work = tmp_path / "work"
+    work.mkdir()
+    runs = [graphed_slice.Run(name, name.startswith("h"), 60, f"env FAKE_MS=10 {sys.executable} {fake} --busy-only "
+                              f"--gate {work}/{name} 5 {work}/{name}.kernels.json /p/pretrain_gpt.py --train-iters 5")
+            for name in ("l1", "l2", "h1", "l3", "h2", "l4")]
+    graphed_slice.drive(runs, str(work), overlap=2, deadline=None)
+    early = {run.name: json.load(open(work / f"{run.name}.driver.json"))["started_early"] for run in runs}
+    # l1 releases: l2 starts, h1 (two ahead) does not; l2: h1 right behind it; h1 (heavy): nothing;
+    # l3: h2 right behind it, not l4 beyond it; h2: nothing.
+    assert early == dict(l1=False, l2=True, h1=True, l3=False, h2=True, l4=False)
+    assert all(json.load(open(work / f"{run.name}.driver.json"))["rc"] == 0 for run in runs)
+
+
+def test_plot_graphed_slice(tmp_path):
+    pytest.importorskip("matplotlib")
+    from plot_results import plot_graphed_slice
+
+    def run(ms, busy, tflops):
+        return dict(rc=0 if ms else 1, median_ms_per_iter=ms, gpu_busy_ms=busy,
+                    gpu_busy_share=busy / ms if ms else None, median_tflops_per_gpu=tflops)
+
+    data = dict(graphed_slice=True, device="NVIDIA H200", order=["native_eager", "ext_recipe", "dsv3_native_recipe"],
+                runs={"native_eager": run(2100.0, 900.0, 139.0), "ext_recipe": run(None, None, None),
+                      "dsv3_native_recipe": run(1500.0, 1400.0, 300.0)})
+    path = tmp_path / "g.json"
+    path.write_text(json.dumps(data))
+    png = plot_graphed_slice(str(path))
+    assert png.endswith("g.png") and os.path.getsize(png) > 10_000
