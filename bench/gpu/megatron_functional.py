@@ -1,6 +1,7 @@
 """Megatron-LM's own test tooling on the package, one H200 (bench/gpu/megatron_functional.sh sets up).
 
     python bench/gpu/megatron_functional.py functional [CASE ...]   # tests/functional_tests/test_cases/moe
+    python bench/gpu/megatron_functional.py functional --dry-run [CASE ...]  # list them, run nothing
     python bench/gpu/megatron_functional.py hybrid                  # pretrain_hybrid.py, pattern *E*E
     python bench/gpu/megatron_functional.py unit_tests              # Megatron's MoE unit tests
 
@@ -10,8 +11,15 @@ pretrain_gpt.py` with MODEL_ARGS (TensorBoard into the run's folder, mock data),
 extracted by Megatron's get_test_results_from_tensorboard_logs.py (--is-normal-test
 --step-size 1) into golden_values_dev_dgx_h100.json; then the same command a second time and
 Megatron's test_pretraining_regular_pipeline.py over the second run's values against the first's
-(its exact check: NVTE_ALLOW_NONDETERMINISTIC_ALGO is 0 in every case). The cases' first runs go
-side by side on the GPU, then their second runs.
+(its exact check: NVTE_ALLOW_NONDETERMINISTIC_ALGO is 0 in every case). Where the case stores
+golden values (tests/functional_tests/test_cases/moe/<case>/golden_values_dev_dgx_h100.json),
+Megatron's check also runs over the first run's values against them, as Megatron's CI does (they
+come from one H200: on another GPU model that check is expected to fail bitwise). The cases' first
+runs go side by side on the GPU, then their second runs. A case whose golden values are not
+stored yet gets them from this run: copy $OUT/megatron_functional/<case>/golden_values_dev_dgx_h100.json
+and its .provenance.json into the case's folder. `--dry-run` prints each case, whether its needs
+import here, whether golden values are stored and the training command, and runs nothing (no GPU,
+no Megatron-LM tree needed).
 
 hybrid: Megatron-LM's pretrain_hybrid.py with `--hybrid-layer-pattern '*E*E'` in
 deterministic mode: Megatron's `hybrid_stack_spec` (native MoELayer, TEGroupedMLP), the
@@ -135,13 +143,34 @@ def _extract(tb_dir: str, train_iters: int, path: str, log: str) -> dict:
     return run(cmd, log, _env(), 300)
 
 
+def _cases(names: list[str]) -> dict:
+    """The stored cases (all, or those named; an unknown name is refused)."""
+    stored = {os.path.basename(os.path.dirname(path)): path
+              for path in sorted(glob.glob(os.path.join(CASES_DIR, "*", "model_config.yaml")))}
+    unknown = sorted(set(names) - set(stored))
+    if unknown:
+        raise SystemExit(f"unknown case(s) {unknown}; stored: {sorted(stored)}")
+    return {name: {"path": path, "config": read_flat_yaml(path)}
+            for name, path in stored.items() if not names or name in names}
+
+
+def dry_run(names: list[str]) -> dict:
+    """What `functional` would run, case by case; runs nothing."""
+    res = os.path.join(OUT, "megatron_functional")
+    report = {"dry_run": True, "cases": {}}
+    for name, case in _cases(names).items():
+        stored = os.path.join(os.path.dirname(case["path"]), GOLDEN)
+        cmd, env = _case_command(name, case["config"], f"{res}/{name}/run1/tensorboard")
+        report["cases"][name] = {
+            "would_skip": _case_skip_reason(case["config"]),
+            "stored_golden_values": os.path.relpath(stored, REPO) if os.path.exists(stored) else None,
+            "env": env, "command": shlex.join(cmd)}
+    return report
+
+
 def functional(names: list[str]) -> dict:
     res = os.path.join(OUT, "megatron_functional")
-    cases = {}
-    for path in sorted(glob.glob(os.path.join(CASES_DIR, "*", "model_config.yaml"))):
-        name = os.path.basename(os.path.dirname(path))
-        if not names or name in names:
-            cases[name] = {"path": path, "config": read_flat_yaml(path)}
+    cases = _cases(names)
     report = {"megatron_lm": _mlm_commit(), "device": _device(), "cases": {}}
     for name, case in cases.items():
         entry = report["cases"][name] = {"steps": {}}
@@ -161,7 +190,8 @@ def functional(names: list[str]) -> dict:
             cmd, env = _case_command(name, cases[name]["config"], tb_dir)
             started[name] = start(cmd, f"{res}/{name}/run{attempt}/training.log", _env(env))
         for name, proc in started.items():
-            step = report["cases"][name]["steps"][f"training_run{attempt}"] = finish(proc, 200)
+            # HybridEP JIT-compiles its kernels at the first dispatch and combine (bench/gpu/HYBRIDEP.md).
+            step = report["cases"][name]["steps"][f"training_run{attempt}"] = finish(proc, 300)
             step["tail"] = _tail(step["log"]) if step["rc"] != 0 else []
         save("functional", report)
     for name in runnable:
@@ -184,6 +214,22 @@ def functional(names: list[str]) -> dict:
         step = entry["steps"]["megatron_check_run2_vs_run1"] = run(check, f"{res}/{name}/check.log", _env(), 300)
         step["tail"] = _tail(step["log"], 12)
         entry["passed"] = step["rc"] == 0
+        stored = os.path.join(os.path.dirname(cases[name]["path"]), GOLDEN)
+        if os.path.exists(stored):
+            # Megatron's CI: this run against the case's stored golden values (a copy under $OUT,
+            # for the conftest reason above).
+            stored_copy = shutil.copy(stored, f"{res}/{name}/stored_{GOLDEN}")
+            check_stored = [*check[:check.index("--golden-values-path") + 1], stored_copy,
+                            "--actual-values-path", golden, *check[check.index("--train-iters"):]]
+            step = entry["steps"]["megatron_check_run1_vs_stored"] = run(
+                check_stored, f"{res}/{name}/check_stored.log", _env(), 300)
+            step["tail"] = _tail(step["log"], 12)
+            entry["passed_vs_stored"] = step["rc"] == 0
+            entry["stored_golden_values"] = os.path.relpath(stored, REPO)
+        else:
+            entry["stored_golden_values"] = None
+            entry["to_store"] = (f"no golden values stored: copy {golden} and its .provenance.json into "
+                                 f"{os.path.relpath(os.path.dirname(cases[name]['path']), REPO)}/")
         entry["values"] = _values(golden)
         with open(f"{res}/{name}/{GOLDEN.replace('.json', '.provenance.json')}", "w") as f:
             json.dump({"platform": "one NVIDIA H200 (not a DGX H100): Megatron-LM's file name for the "
@@ -367,11 +413,18 @@ def _device() -> str:
 
 
 if __name__ == "__main__":
-    what, names = sys.argv[1], sys.argv[2:]
-    os.makedirs(OUT, exist_ok=True)
+    what, names = (sys.argv[1] if len(sys.argv) > 1 else ""), sys.argv[2:]
+    if what == "functional" and "--dry-run" in names:
+        result = dry_run([n for n in names if n != "--dry-run"])
+        for name, case in result["cases"].items():
+            print(f"{name}: {'would skip: ' + case['would_skip'] if case['would_skip'] else 'runs'}; golden values "
+                  f"{case['stored_golden_values'] or 'not stored (this run makes them)'}\n  {case['command']}")
+        print(f"{len(result['cases'])} case(s)")
+        raise SystemExit(0)
     commands = {"functional": lambda: functional(names), "hybrid": hybrid, "unit_tests": unit_tests}
     if what not in commands:
-        raise SystemExit(f"usage: {sys.argv[0]} functional [CASE ...] | hybrid | unit_tests")
+        raise SystemExit(f"usage: {sys.argv[0]} functional [--dry-run] [CASE ...] | hybrid | unit_tests")
+    os.makedirs(OUT, exist_ok=True)
     result = commands[what]()
     save(what, result)
     print(json.dumps(result, separators=(",", ":"))[:6000])

@@ -3,7 +3,9 @@
 # (tests/functional_tests/test_cases/moe, judged by Megatron's extractor and
 # test_pretraining_regular_pipeline.py) and HybridModel from pretrain_hybrid.py
 # (bench/gpu/megatron_functional.py says what each does).
-#   bash bench/gpu/megatron_functional.sh functional [CASE ...]   # without Transformer Engine
+#   bash bench/gpu/megatron_functional.sh functional [CASE ...]   # source /tmp/te_env.sh first for
+#                                  # gpt_moe_flex_hybridep_dropless_te (TE + .gpu/hybridep; else it is skipped)
+#   bash bench/gpu/megatron_functional.sh functional --dry-run [CASE ...]  # list the cases; any machine
 #   bash bench/gpu/megatron_functional.sh hybrid                  # after `source /tmp/te_env.sh`
 #   bash bench/gpu/megatron_functional.sh unit_tests              # TE optional (its tests skip without)
 # Needs (repository root as cwd, never committed): .gpu/megatron-lm/ (Megatron-LM core_r0.19.0:
@@ -17,6 +19,8 @@
 # typing-inspection 0.4.2). Writes $OUT/megatron_<what>.json and $OUT/megatron_<what>/.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+# A dry run lists the cases and their commands and runs nothing: no set-up, no GPU.
+for arg in "$@"; do [ "$arg" = --dry-run ] && exec "${PYTHON:-python3}" bench/gpu/megatron_functional.py "$@"; done
 export OUT="${OUT:-./outputs}" PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT"

@@ -98,6 +98,19 @@ def _refuse_unreplayable_recompute(dispatcher_config: TokenDispatcherConfig) -> 
                      "other modules")
 
 
+def layer_dispatcher_config(config, dispatcher_config: TokenDispatcherConfig | None = None
+                            ) -> TokenDispatcherConfig:
+    """The dispatcher config of a `FlexMoELayer` built from Megatron's `config`
+    (`dispatcher_config`, or the one derived from `config`), after the layer's checks of the
+    pair that need no process group, GPU or backend library; raises ValueError naming the
+    setting. The layer's construction starts here, so a command line can be judged on CPU
+    (tests/functional/test_megatron_cases.py does so for every functional-test case)."""
+    if dispatcher_config is None:
+        dispatcher_config = TokenDispatcherConfig.from_transformer_config(config)
+    graphs.check_capturable(config, dispatcher_config)
+    return dispatcher_config
+
+
 class FlexMoELayer(MoELayer, overflow.OverflowCounter):
     """Megatron `MoELayer` whose token dispatcher is `MoEFlexTokenDispatcher`.
 
@@ -118,9 +131,7 @@ class FlexMoELayer(MoELayer, overflow.OverflowCounter):
                 raise ValueError("experts: needs the layer's submodules (MoESubmodules) to replace "
                                  "their experts; build the layer from an MoE spec")
             submodules = dataclasses.replace(submodules, experts=experts)
-        if dispatcher_config is None:
-            dispatcher_config = TokenDispatcherConfig.from_transformer_config(config)
-        graphs.check_capturable(config, dispatcher_config)
+        dispatcher_config = layer_dispatcher_config(config, dispatcher_config)
         factory = functools.partial(MoEFlexTokenDispatcher, dispatcher_config=dispatcher_config)
         with _megatron_builds_dispatcher(factory):
             super().__init__(config, submodules=submodules, layer_number=layer_number,
