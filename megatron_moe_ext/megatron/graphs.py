@@ -1,10 +1,12 @@
 """CUDA-graph settings of `FlexMoELayer`: a captured MoE layer cannot wait for the host, so it
-must dispatch in budget mode (`moe_expert_rank_capacity_factor`); `check_capturable` refuses
-the others at construction instead of deep inside capture.
+must dispatch in budget mode (`moe_expert_rank_capacity_factor`, or from the command line
+`MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR`); `check_capturable` refuses the others at construction,
+naming `cuda_graph_modules`, instead of deep inside capture.
 
-Megatron's `TransformerConfig.__post_init__` allows the "moe" graph module only for
-drop-and-pad layers and the budget only for its own backends, so a config for a sync-free
-`FlexMoELayer` sets these two fields after construction (see bench/gpu/cuda_graph_train.py).
+Which Megatron-Core 0.19 scopes capture the whole MoE layer: `full_iteration`; an empty
+`cuda_graph_modules` or "moe" (local and transformer_engine); and, with `local`, "attn": the GPT
+specs build `TransformerLayer`, whose local manager then graphs the layer's whole forward
+(only `MoETransformerLayer`, which no 0.19 GPT spec builds, splits off the router).
 """
 
 from __future__ import annotations
@@ -12,19 +14,18 @@ from __future__ import annotations
 from megatron_moe_ext.dispatcher import registry
 
 
+def _modules(config) -> list[str]:
+    return [getattr(m, "name", m) for m in getattr(config, "cuda_graph_modules", None) or []]
+
+
 def captures_moe_layer(config) -> bool:
     """Whether Megatron's `config` asks for a CUDA graph over the whole MoE layer."""
-    impl = getattr(config, "cuda_graph_impl", "none")
+    impl, modules = getattr(config, "cuda_graph_impl", "none"), _modules(config)
     if impl == "full_iteration":
         return True
     if impl not in ("local", "transformer_engine"):
         return False
-    modules = getattr(config, "cuda_graph_modules", None) or []
-    return not modules or any(getattr(m, "name", m) == "moe" for m in modules)
-
-
-def _modules(config) -> list[str]:
-    return [getattr(m, "name", m) for m in getattr(config, "cuda_graph_modules", None) or []]
+    return not modules or "moe" in modules or (impl == "local" and "attn" in modules)
 
 
 def check_capturable(config, dispatcher_config) -> None:
@@ -52,11 +53,13 @@ def check_capturable(config, dispatcher_config) -> None:
     if captures_moe_layer(config) and registry.mode_of(dispatcher_config) != "budget":
         raise ValueError(
             f"cuda_graph_impl={config.cuda_graph_impl!r} with cuda_graph_modules="
-            f"{getattr(config, 'cuda_graph_modules', None)!r} captures the MoE layer, but the "
+            f"{_modules(config)!r} captures the MoE layer, but the "
             f"{dispatcher_config.moe_flex_dispatcher_backend!r} dispatcher is not in the sync-free "
             "budget mode and reads token counts on the host; set moe_expert_rank_capacity_factor "
-            f"(backends {registry.backends_with(graph_capture=True)}) or leave the MoE layer "
-            "out of the graph (cuda_graph_modules without 'moe')")
+            f"(from the command line MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR; backends "
+            f"{registry.backends_with(graph_capture=True)}), or graph less: "
+            "cuda_graph_impl='transformer_engine' with cuda_graph_modules attn moe_router "
+            "moe_preprocess (with 'local', 'attn' graphs the whole TransformerLayer)")
 
 
 def cudagraph_attrs(backend: str) -> list[str]:
