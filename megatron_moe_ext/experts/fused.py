@@ -3,7 +3,7 @@ activation in one kernel, the router-score gradient in the backward's epilogue.
 
 Same contract as `mlp.run_grouped_expert_mlp`: rows grouped by local expert
 (`tokens_per_expert` each), output `[P, H]` in permuted order, weighted by the routing prob
-(`(prob * act(x W1 + b1)) W2 + prob * b2`; the down bias by `bias._apply_bias`), 0 on
+(`(prob * act(x W1 + b1)) W2 + prob * b2`; the down bias by `bias.apply_bias`), 0 on
 capacity padding rows.
 
 Forward (QuACK 0.6.5, `quack.gemm_interface`):
@@ -63,7 +63,7 @@ import torch
 
 from megatron_moe_ext.dispatcher.handoff import IndexedRows
 from megatron_moe_ext.dispatcher.permute import gather_sum
-from megatron_moe_ext.experts.bias import TokenCounts, _apply_bias, _counts_on, _host_counts, _reduce_bias_grad
+from megatron_moe_ext.experts.bias import TokenCounts, apply_bias, counts_on, host_counts, reduce_bias_grad
 from megatron_moe_ext.experts.kernels import interleave_triton
 from megatron_moe_ext.experts.rows import zero_padding_rows_
 
@@ -343,7 +343,7 @@ class _FusedExpertMLP(torch.autograd.Function):
                               A_idx=plan.row_of_slot_P, dynamic_scheduler=True,
                               tuned=tuned).to(gate_and_up_projs.dtype)
         if ctx.has_bias and ctx.needs_input_grad[3]:
-            grads[3] = _reduce_bias_grad(dpreact_PN, plan.counts_e, None, gate_up_proj_bias.dtype)
+            grads[3] = reduce_bias_grad(dpreact_PN, plan.counts_e, None, gate_up_proj_bias.dtype)
         if ctx.needs_input_grad[0]:
             dx_PH = _zero_rows_from(q.gemm(dpreact_PN, gate_and_up_projs.to(dtype).mT,
                                            cu_seqlens_m=plan.cu_seqlens_e1,
@@ -371,8 +371,8 @@ def _segment_offsets(tokens_per_expert: TokenCounts, rows: int,
                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`(cu_seqlens int32 [e + 1], counts int64 [e], total_1 or None)` on `device`, without a
     host sync; total_1 (rows in segments, `[1]`) is None when the host counts fill all rows."""
-    host = _host_counts(tokens_per_expert)
-    counts_e = _counts_on(tokens_per_expert if host is None else host, device)
+    host = host_counts(tokens_per_expert)
+    counts_e = counts_on(tokens_per_expert if host is None else host, device)
     cu_e1 = torch.nn.functional.pad(torch.cumsum(counts_e, 0), (1, 0)).to(torch.int32)
     total_1 = None if host is not None and sum(host) == rows else cu_e1[-1:].long()
     return cu_e1, counts_e, total_1
@@ -392,7 +392,7 @@ def fused_expert_mlp(hidden: torch.Tensor | IndexedRows, gate_and_up_projs: torc
             for relu2), any float dtype (cast to the rows' dtype).
         down_projs: `[e, I, H]`. gate_up_proj_bias: optional `[e, 2I]` (unweighted, in the
             up GEMM's epilogue). down_proj_bias: optional `[e, H]` (weighted: `prob * bias`,
-            added by `bias._apply_bias`).
+            added by `bias.apply_bias`).
         tokens_per_expert: `[e]` counts, host or device; positions past their sum are padding.
         permuted_probs_P1: `[P, 1]` fp32 routing probs.
         expert_activation: the package's activation name (`ExpertsConfig.expert_activation`).
@@ -422,7 +422,7 @@ def fused_expert_mlp(hidden: torch.Tensor | IndexedRows, gate_and_up_projs: torc
     out_PH = _FusedExpertMLP.apply(rows_NH.contiguous(), gate_and_up_projs, down_projs,
                                    gate_up_proj_bias, permuted_probs_P1, plan)
     if down_proj_bias is not None:
-        out_PH = _apply_bias(out_PH, down_proj_bias, counts_e, permuted_probs_P1)
+        out_PH = apply_bias(out_PH, down_proj_bias, counts_e, permuted_probs_P1)
     return out_PH
 
 
