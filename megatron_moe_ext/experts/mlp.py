@@ -2,7 +2,7 @@
 
 Rows arrive grouped by local expert (`tokens_per_expert` rows each). Two `torch._grouped_mm`
 calls do the projections, `apply_bias` the biases (`_grouped_mm` has none). Large inputs
-run in checkpointed row chunks; QuACK's fused kernels (`fused.py`) where allowed and supported.
+run in checkpointed row chunks; QuACK's fused kernels (`fused_mlp.py`) where allowed and supported.
 
 Feature padding: `_grouped_mm` needs 16-byte row strides, so other H or I (e.g. H 12 in
 bf16) are zero-padded for the two GEMMs only and sliced back: zero columns meet zero weight
@@ -26,7 +26,8 @@ from torch.utils.checkpoint import checkpoint
 from megatron_moe_ext.dispatcher.handoff import IndexedRows
 from megatron_moe_ext.dispatcher.permute import GatherRows
 from megatron_moe_ext.experts.bias import TokenCounts, apply_bias, chunk_counts, counts_on, host_counts
-from megatron_moe_ext.experts.fused import case_unsupported_reason, check_expert_mlp_impl, fused_expert_mlp
+from megatron_moe_ext.experts.fused import case_unsupported_reason, check_expert_mlp_impl
+from megatron_moe_ext.experts.fused_mlp import fused_expert_mlp
 from megatron_moe_ext.experts.rows import zero_padding_rows_
 
 _EXPERT_MLP_CHUNK_BYTES = 512 * 1024 * 1024
@@ -219,7 +220,7 @@ def run_grouped_expert_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Ten
                            chunk_bytes: int | None = None,
                            activation_checkpoint=None, *, expert_mlp_impl: str = "grouped_mm",
                            experts_config=None) -> torch.Tensor:
-    """The expert MLP the modules call: QuACK's fused kernels (`fused.py`) where
+    """The expert MLP the modules call: QuACK's fused kernels (`fused_mlp.py`) where
     `expert_mlp_impl` allows and the case is supported, else `torch._grouped_mm`: single
     shot, or checkpointed chunks when the `[P, 2I]` intermediate would exceed `chunk_bytes`.
 

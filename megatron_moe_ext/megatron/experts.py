@@ -24,11 +24,8 @@ from megatron_moe_ext.dispatcher.handoff import IndexedRows
 from megatron_moe_ext.experts.activations import get_expert_activation, is_gated_activation
 from megatron_moe_ext.experts.common import stacked_shapes
 from megatron_moe_ext.experts.config import ExpertsConfig
-from megatron_moe_ext.experts.fused import (
-    check_expert_mlp_impl,
-    fused_unsupported_reason,
-    warmup_fused_expert_mlp,
-)
+from megatron_moe_ext.experts.fused import check_expert_mlp_impl, fused_unsupported_reason
+from megatron_moe_ext.experts.fused_mlp import warmup_fused_expert_mlp
 from megatron_moe_ext.experts.mlp import run_grouped_expert_mlp
 from megatron_moe_ext.megatron import checkpoint as _checkpoint
 
