@@ -19,7 +19,7 @@ setup(
         "uccl": ["uccl"],
         # Transformer Engine: pip install transformer_engine[pytorch] on a CUDA machine.
         "te": ["transformer_engine[pytorch]"],
-        # QuACK's fused grouped GEMMs for the expert MLP on Hopper (experts/fused.py), at the
+        # QuACK's fused grouped GEMMs for the expert MLP on Hopper (experts/fused_mlp.py), at the
         # versions the fused path was verified with.
         "quack": ["quack-kernels==0.6.5", "nvidia-cutlass-dsl==4.7.1"],
         "test": ["pytest>=8", "pytest-timeout>=2.3"],

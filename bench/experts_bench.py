@@ -225,7 +225,7 @@ def bench_bias_grad(shape: dict, tokens_per_expert: int, device, iters: int, war
     counts = torch.full((experts,), tokens_per_expert, dtype=torch.int64, device=device)
     expert_ids = bias._row_expert_ids(counts, rows)
     methods = {
-        "triton_deterministic": lambda: bias._reduce_bias_grad(grad, counts, probs, torch.bfloat16),
+        "triton_deterministic": lambda: bias.reduce_bias_grad(grad, counts, probs, torch.bfloat16),
         "fallback_float64": lambda: bias._reduce_bias_grad_chunked_fallback(grad, counts, probs,
                                                                             torch.bfloat16),
         "index_add_atomic": lambda: torch.zeros(experts, hidden, device=device).index_add_(

@@ -1,6 +1,6 @@
 """The fixed-shape permutation's row primitives on one GPU: the Triton kernels
 (`dispatcher/kernels/gather_triton.py`, what `permute.gather_sum` / `gather_rows` run on
-CUDA) vs the torch path they replaced (`permute._gather_sum_torch`, `permute._GatherRows`),
+CUDA) vs the torch path they replaced (`permute._gather_sum_torch`, `permute.GatherRows`),
 in one run on the same inputs, with a bitwise check of every output and gradient.
 
     python bench/permute_bench.py [--iters 20] [--warmup 5] [--dtype bf16]
@@ -96,7 +96,7 @@ def bench_shape(name: str, shape: dict, dtype, args, device) -> list[dict]:
     base = dict(shape=name, dtype=str(dtype).removeprefix("torch."), **shape)
     ops = {
         "gather_sum": (gather_triton.gather_sum, P._gather_sum_torch, c["y_PH"], (c["pos_RJ"],), c["grad_RH"]),
-        "gather_rows": (gather_triton.gather_rows, P._GatherRows.apply, c["x_RH"], (c["src_P"], c["pos_RJ"]),
+        "gather_rows": (gather_triton.gather_rows, P.GatherRows.apply, c["x_RH"], (c["src_P"], c["pos_RJ"]),
                         c["grad_PH"]),
     }
     rows = []

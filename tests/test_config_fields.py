@@ -84,6 +84,6 @@ def test_experts_config_imports_no_compute_module():
     assert not {m for m in imported if m and m.startswith("megatron_moe_ext.experts")}, imported
     from megatron_moe_ext.experts import fused, mlp
 
-    assert mlp._EXPERT_MLP_CHUNK_BYTES is experts_config._EXPERT_MLP_CHUNK_BYTES
+    assert mlp.EXPERT_MLP_CHUNK_BYTES is experts_config.EXPERT_MLP_CHUNK_BYTES
     assert mlp.check_expert_mlp_impl is experts_config.check_expert_mlp_impl
     assert not hasattr(fused, "EXPERT_MLP_IMPLS")

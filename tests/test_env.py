@@ -127,13 +127,13 @@ def test_static_routing_pad_pin_spellings():
 
 
 def test_quack_tuned_spellings(monkeypatch):
-    from megatron_moe_ext.experts import fused
+    from megatron_moe_ext.experts import fused_mlp
 
     monkeypatch.setenv("MOE_EXT_QUACK_TUNED", "true")
-    assert fused._tuned() is True
+    assert fused_mlp._tuned() is True
     monkeypatch.setenv("MOE_EXT_QUACK_TUNED", "2")
     with pytest.raises(ValueError, match="MOE_EXT_QUACK_TUNED='2'"):
-        fused._tuned()
+        fused_mlp._tuned()
 
 
 def test_input_checks_mode(monkeypatch):

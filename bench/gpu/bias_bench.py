@@ -14,7 +14,7 @@ bf16 and fp32 (value, bias and grad_output in that dtype, probs fp32), counts dr
 Two tables, each a median over CUDA events after warmup:
 1. `apply_bias` forward + backward of `value + prob * bias[expert(row)]` (gradients of
    value, bias and probs), the op the expert MLP calls for its down-projection bias:
-   - ext_triton: `experts.bias._apply_bias` as shipped (Triton add / reduce kernels on CUDA),
+   - ext_triton: `experts.bias.apply_bias` as shipped (Triton add / reduce kernels on CUDA),
    - ext_torch: the same with the Triton kernels switched off: torch forward and
      `torch.segment_reduce` (float64, chunked) bias gradient, i.e. the simplification,
    - megatron: `TEGroupedMLP._apply_bias` (split per expert, `t + b * p`, cat; autograd),
@@ -89,7 +89,7 @@ def apply_bias_candidates(meg_apply_bias):
     """name -> fn(value, bias, counts_list, counts_dev, probs, grad_out) -> grads tuple."""
 
     def ext(value, bias, counts, counts_dev, probs, grad_out):
-        out = ext_bias._apply_bias(value, bias, counts_dev, probs)
+        out = ext_bias.apply_bias(value, bias, counts_dev, probs)
         return torch.autograd.grad(out, (value, bias, probs), grad_out)
 
     def ext_torch(*args):

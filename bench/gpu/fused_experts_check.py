@@ -19,7 +19,7 @@
    permuted rows, and the fused path on IndexedRows (gather inside the GEMM, no permuted
    copy); plus the two layout copies alone (gate/up weight interleave in forward, `dpreact`
    de-interleave in backward), and the down projection with the prob as a
-   separate multiply (fused.py) vs in QuACK's `norm_act_mod` epilogue; the profiler's kernel
+   separate multiply (fused_mlp.py) vs in QuACK's `norm_act_mod` epilogue; the profiler's kernel
    table of one forward+backward of each path at the Qwen3 EP8 slice.
 4. Other activations and biases at a small shape (each compiles new kernels), while the time
    budget lasts.
@@ -43,7 +43,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from megatron_moe_ext.dispatcher.handoff import IndexedRows  # noqa: E402
-from megatron_moe_ext.experts import fused  # noqa: E402
+from megatron_moe_ext.experts import fused, fused_mlp  # noqa: E402
 from megatron_moe_ext.experts.activations import get_expert_activation  # noqa: E402
 from megatron_moe_ext.experts.mlp import run_grouped_expert_mlp  # noqa: E402
 from tests.doubles import quack_gemm  # noqa: E402
@@ -162,7 +162,7 @@ def double_agreement(activation: str, bias: bool) -> dict:
 
 
 def down_scale_variants(runner: Runner, shape: str) -> None:
-    """The down projection with the prob: `postact * prob` then `gemm` (what fused.py does) vs
+    """The down projection with the prob: `postact * prob` then `gemm` (what fused_mlp.py does) vs
     QuACK's `norm_act_mod` epilogue (`D = acc * colvec`) in one GEMM: ms and agreement."""
     from quack.epilogue.library import norm_act_mod
 
@@ -228,8 +228,8 @@ def _timed_variants(case):
     return {"grouped_mm_permuted": make(rows_PH, "grouped_mm"),
             "fused_permuted": make(rows_PH, "fused"),
             "fused_indexed": make(indexed, "fused"),
-            "interleave_w1_only": lambda: fused._interleave_gate_up(w1.detach(), torch.bfloat16),
-            "deinterleave_dpreact_only": lambda: fused._deinterleave_gate_up(dpreact_PN)}
+            "interleave_w1_only": lambda: fused_mlp._interleave_gate_up(w1.detach(), torch.bfloat16),
+            "deinterleave_dpreact_only": lambda: fused_mlp._deinterleave_gate_up(dpreact_PN)}
 
 
 def time_shape(runner: Runner, shape: str, skew: str, rounds: int, iters: int) -> None:

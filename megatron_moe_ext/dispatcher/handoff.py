@@ -1,5 +1,5 @@
 """What a dispatcher hands experts that gather their own rows (the fused expert path,
-`experts/fused.py`): `IndexedRows`, the received rows as they arrived plus the index maps,
+`experts/fused_mlp.py`): `IndexedRows`, the received rows as they arrived plus the index maps,
 instead of the `[P, H]` permuted copy. The experts still return `[P, H]` outputs in permuted
 order (prob applied); the combine sums them back along `slot_of_row_RJ` (no atomics).
 

@@ -259,7 +259,9 @@ def _gather_sum_torch(rows_NH: torch.Tensor, pos_RJ: torch.Tensor) -> torch.Tens
     return out_RH
 
 
-class _GatherRows(torch.autograd.Function):
+class GatherRows(torch.autograd.Function):
+    """`gather_rows`' torch path: `apply(x_NH, src_P, pos_NJ)`, backward a `gather_sum`."""
+
     @staticmethod
     def forward(ctx, x_NH, src_P, pos_NJ):
         ctx.save_for_backward(pos_NJ)
@@ -278,7 +280,7 @@ def gather_rows(x_NH: torch.Tensor, src_P: torch.Tensor, pos_NJ: torch.Tensor) -
     several times with atomics. On CUDA, Triton kernels (`kernels/gather_triton.py`)."""
     if _use_kernels(x_NH):
         return gather_triton.gather_rows(x_NH, src_P, pos_NJ)
-    return _GatherRows.apply(x_NH, src_P, pos_NJ)
+    return GatherRows.apply(x_NH, src_P, pos_NJ)
 
 
 def slot_positions(indices_RK: torch.Tensor, routing_map_Re: torch.Tensor,

@@ -1,5 +1,6 @@
 """Grouped expert MLPs: `grouped.py` (all-gather EP), `dispatch.py` (flex dispatcher), `te.py`
-(Transformer Engine), `common.py`, `mlp.py` (the MLP core), `fused.py` (QuACK), `kernels/`."""
+(Transformer Engine), `common.py`, `mlp.py` (the MLP core), `fused_mlp.py` (QuACK; `fused.py`
+chooses it), `kernels/`."""
 
 from megatron_moe_ext.experts.config import ExpertsConfig
 from megatron_moe_ext.experts.dispatch import GroupedExpertsDeepEP

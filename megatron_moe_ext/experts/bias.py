@@ -25,14 +25,14 @@ def _use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda
 
 
-def _counts_on(tokens_per_expert: TokenCounts, device: torch.device) -> torch.Tensor:
+def counts_on(tokens_per_expert: TokenCounts, device: torch.device) -> torch.Tensor:
     """`[e]` int64 counts on `device`; a host tensor is copied without waiting for the copy."""
     if not isinstance(tokens_per_expert, torch.Tensor):
         tokens_per_expert = torch.tensor(list(tokens_per_expert), dtype=torch.int64)
     return tokens_per_expert.to(device=device, dtype=torch.int64, non_blocking=True)
 
 
-def _host_counts(tokens_per_expert: TokenCounts) -> list[int] | None:
+def host_counts(tokens_per_expert: TokenCounts) -> list[int] | None:
     """The counts as ints when they are on the host (reading them costs no sync), else None."""
     if isinstance(tokens_per_expert, torch.Tensor):
         return tokens_per_expert.tolist() if tokens_per_expert.device.type == "cpu" else None
@@ -45,7 +45,7 @@ def _row_expert_ids(counts_e: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.searchsorted(torch.cumsum(counts_e, 0), rows_P, right=True)
 
 
-def _chunk_counts(counts_e: torch.Tensor, first: int, last: int) -> torch.Tensor:
+def chunk_counts(counts_e: torch.Tensor, first: int, last: int) -> torch.Tensor:
     """`[e]` number of each expert's rows that fall in rows `[first, last)` (no host sync)."""
     ends_e = torch.cumsum(counts_e, 0)
     starts_e = ends_e - counts_e
@@ -79,12 +79,12 @@ def _reduce_bias_grad_chunked_fallback(grad_output: torch.Tensor, token_counts: 
         chunk = grad_output[first:last].to(torch.float64)
         if probs is not None:
             chunk = chunk * probs[first:last].to(torch.float64)
-        total += _segment_reduce_bias_grad(chunk, _chunk_counts(token_counts, first, last),
+        total += _segment_reduce_bias_grad(chunk, chunk_counts(token_counts, first, last),
                                            torch.float64)
     return total.to(output_dtype)
 
 
-def _reduce_bias_grad(grad_output: torch.Tensor, token_counts: torch.Tensor,
+def reduce_bias_grad(grad_output: torch.Tensor, token_counts: torch.Tensor,
                       probs: torch.Tensor | None, output_dtype: torch.dtype) -> torch.Tensor:
     if _use_triton(grad_output):
         offsets_e1 = torch.nn.functional.pad(torch.cumsum(token_counts, 0), (1, 0))
@@ -108,7 +108,7 @@ class _DeterministicBiasRepeatInterleave(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         (token_counts,) = ctx.saved_tensors
-        return _reduce_bias_grad(grad_output, token_counts, None, ctx.bias_dtype), None, None
+        return reduce_bias_grad(grad_output, token_counts, None, ctx.bias_dtype), None, None
 
 
 def _expanded_chunks(bias: torch.Tensor, expert_ids_P: torch.Tensor):
@@ -125,7 +125,7 @@ class _ChunkedBiasAdd(torch.autograd.Function):
     @staticmethod
     def forward(ctx, value: torch.Tensor, bias: torch.Tensor, token_counts: torch.Tensor,
                 probs: torch.Tensor | None = None, reuse_input: bool = False) -> torch.Tensor:
-        """`value + prob * bias[expert(row)]` `[P, D]` in fp32 math (arguments as `_apply_bias`)."""
+        """`value + prob * bias[expert(row)]` `[P, D]` in fp32 math (arguments as `apply_bias`)."""
         expert_ids_P = _row_expert_ids(token_counts, value.shape[0])
         if reuse_input and value.is_contiguous():
             ctx.mark_dirty(value)
@@ -145,7 +145,7 @@ class _ChunkedBiasAdd(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         bias, token_counts, probs, expert_ids_P = ctx.saved_tensors
-        grad_bias = _reduce_bias_grad(grad_output, token_counts, probs, bias.dtype)
+        grad_bias = reduce_bias_grad(grad_output, token_counts, probs, bias.dtype)
         grad_probs = None
         if probs is not None and ctx.needs_input_grad[3]:
             if _use_triton(grad_output):
@@ -158,7 +158,7 @@ class _ChunkedBiasAdd(torch.autograd.Function):
         return grad_output, grad_bias, None, grad_probs, None
 
 
-def _apply_bias(value: torch.Tensor, bias: torch.Tensor, tokens_per_expert: TokenCounts,
+def apply_bias(value: torch.Tensor, bias: torch.Tensor, tokens_per_expert: TokenCounts,
                 permuted_probs: torch.Tensor | None = None,
                 reuse_input: bool = False) -> torch.Tensor:
     """Add each expert's bias to its rows of grouped GEMM output: `value + prob * bias`.
@@ -174,14 +174,14 @@ def _apply_bias(value: torch.Tensor, bias: torch.Tensor, tokens_per_expert: Toke
         `[P, D]` in value's dtype; rows past `sum(tokens_per_expert)` are value unchanged.
     """
     if value.dim() != 2 or bias.dim() != 2 or bias.shape[1] != value.shape[1]:
-        raise ValueError(f"_apply_bias: value {tuple(value.shape)} and bias {tuple(bias.shape)} "
+        raise ValueError(f"apply_bias: value {tuple(value.shape)} and bias {tuple(bias.shape)} "
                          "must be [P, D] and [e, D]")
-    counts_e = _counts_on(tokens_per_expert, value.device)
+    counts_e = counts_on(tokens_per_expert, value.device)
     if counts_e.numel() != bias.shape[0]:
-        raise ValueError(f"_apply_bias: tokens_per_expert has {counts_e.numel()} entries, "
+        raise ValueError(f"apply_bias: tokens_per_expert has {counts_e.numel()} entries, "
                          f"bias has {bias.shape[0]} experts")
     if permuted_probs is not None and permuted_probs.shape != (value.shape[0], 1):
-        raise ValueError(f"_apply_bias: permuted_probs {tuple(permuted_probs.shape)} must be "
+        raise ValueError(f"apply_bias: permuted_probs {tuple(permuted_probs.shape)} must be "
                          f"[{value.shape[0]}, 1]")
     if value.shape[0] > _BIAS_CHUNK_THRESHOLD:
         return _ChunkedBiasAdd.apply(value, bias, counts_e, permuted_probs, reuse_input)

@@ -20,7 +20,7 @@ NON_GATED_ACTIVATIONS = ("relu2", "gelu")
 EXPERT_MLP_IMPLS = ("auto", "fused", "grouped_mm")
 #: The weight dtypes the expert MLPs are built in.
 PARAM_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-_EXPERT_MLP_CHUNK_BYTES = 512 * 1024 * 1024
+EXPERT_MLP_CHUNK_BYTES = 512 * 1024 * 1024
 
 
 def _fail(field: str, value, allowed: str) -> None:
@@ -54,7 +54,7 @@ class ExpertsConfig:
     dtype: torch.dtype = torch.bfloat16
     use_torch_mm: bool = True
     #: Above this many bytes of `[P, 2I]` intermediate the MLP runs in checkpointed row chunks; 0: never.
-    expert_mlp_chunk_bytes: int = _EXPERT_MLP_CHUNK_BYTES
+    expert_mlp_chunk_bytes: int = EXPERT_MLP_CHUNK_BYTES
     #: "auto" (QuACK's fused kernels where supported, `experts/fused.py`, else `torch._grouped_mm`),
     #: "fused" (RuntimeError naming the reason where not supported) or "grouped_mm".
     expert_mlp_impl: str = "auto"

@@ -1,8 +1,8 @@
 """The grouped-GEMM expert MLP: `act(x @ W1 + b1) @ W2 + prob * b2` per expert segment.
 
 Rows arrive grouped by local expert (`tokens_per_expert` rows each). Two `torch._grouped_mm`
-calls do the projections, `_apply_bias` the biases (`_grouped_mm` has none). Large inputs
-run in checkpointed row chunks; QuACK's fused kernels (`fused.py`) where allowed and supported.
+calls do the projections, `apply_bias` the biases (`_grouped_mm` has none). Large inputs
+run in checkpointed row chunks; QuACK's fused kernels (`fused_mlp.py`) where allowed and supported.
 
 Feature padding: `_grouped_mm` needs 16-byte row strides, so other H or I (e.g. H 12 in
 bf16) are zero-padded for the two GEMMs only and sliced back: zero columns meet zero weight
@@ -24,10 +24,11 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from megatron_moe_ext.dispatcher.handoff import IndexedRows
-from megatron_moe_ext.dispatcher.permute import _GatherRows
-from megatron_moe_ext.experts.bias import TokenCounts, _apply_bias, _chunk_counts, _counts_on, _host_counts
-from megatron_moe_ext.experts.config import _EXPERT_MLP_CHUNK_BYTES, check_expert_mlp_impl
-from megatron_moe_ext.experts.fused import case_unsupported_reason, fused_expert_mlp
+from megatron_moe_ext.dispatcher.permute import GatherRows
+from megatron_moe_ext.experts.bias import TokenCounts, apply_bias, chunk_counts, counts_on, host_counts
+from megatron_moe_ext.experts.config import EXPERT_MLP_CHUNK_BYTES, check_expert_mlp_impl
+from megatron_moe_ext.experts.fused import case_unsupported_reason
+from megatron_moe_ext.experts.fused_mlp import fused_expert_mlp
 from megatron_moe_ext.experts.rows import zero_padding_rows_
 
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -94,7 +95,7 @@ def _grouped_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor, down_
     """The grouped MLP in one shot (arguments as `run_grouped_expert_mlp`, unchecked;
     `apply_router_weight_after_down`: `prob * (act(x W1 + b1) W2 + b2)`). Returns `[P, H]`."""
     dtype, rows = hidden_PH.dtype, hidden_PH.shape[0]
-    host = _host_counts(tokens_per_expert)
+    host = host_counts(tokens_per_expert)
     if host is not None and sum(host) < rows:
         valid = sum(host)
         out = _grouped_mlp(hidden_PH[:valid], gate_and_up_projs, down_projs, gate_up_proj_bias,
@@ -109,7 +110,7 @@ def _grouped_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor, down_
         offsets_e = torch.tensor(list(accumulate(host)), dtype=torch.int32).to(
             hidden_PH.device, non_blocking=True)
     else:
-        counts_e = _counts_on(tokens_per_expert, hidden_PH.device)
+        counts_e = counts_on(tokens_per_expert, hidden_PH.device)
         offsets_e = torch.cumsum(counts_e, 0, dtype=torch.int32)
         # Device counts: `_grouped_mm` leaves the padding rows' output and input gradient
         # uninitialised: zero those, and their probs (garbage would turn 0 * bias into NaN).
@@ -120,7 +121,7 @@ def _grouped_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor, down_
     act_probs_P1 = torch.ones_like(permuted_probs_P1) if apply_router_weight_after_down else permuted_probs_P1
     up_PI = _grouped_mm_any_width(hidden_PH, gate_and_up_projs.to(dtype), offsets_e, None)
     if gate_up_proj_bias is not None:
-        up_PI = _apply_bias(up_PI, gate_up_proj_bias, counts_e)
+        up_PI = apply_bias(up_PI, gate_up_proj_bias, counts_e)
     if activation_checkpoint is None:
         act_PI = activation_fn(up_PI, act_probs_P1)
     else:
@@ -130,10 +131,10 @@ def _grouped_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor, down_
         activation_checkpoint.discard_output_and_register_recompute(out_PH)
     if apply_router_weight_after_down:
         if down_proj_bias is not None:
-            out_PH = _apply_bias(out_PH, down_proj_bias, counts_e)
+            out_PH = apply_bias(out_PH, down_proj_bias, counts_e)
         out_PH = (out_PH * permuted_probs_P1).to(dtype)
     elif down_proj_bias is not None:
-        out_PH = _apply_bias(out_PH, down_proj_bias, counts_e, permuted_probs_P1)
+        out_PH = apply_bias(out_PH, down_proj_bias, counts_e, permuted_probs_P1)
     return out_PH
 
 
@@ -144,17 +145,17 @@ def _checkpointed_chunked_expert_mlp(hidden_states: torch.Tensor, gate_and_up_pr
                                      apply_router_weight_after_down: bool = False,
                                      chunk_bytes: int | None = None) -> torch.Tensor:
     """The grouped expert MLP in checkpointed row chunks, each about `chunk_bytes` of `[rows, 2I]`
-    intermediate (default `_EXPERT_MLP_CHUNK_BYTES`); chunks may cut through an expert's rows.
+    intermediate (default `EXPERT_MLP_CHUNK_BYTES`); chunks may cut through an expert's rows.
 
     Arguments: as `_grouped_mlp`. Returns: `[P, H]`, equal to the unchunked result.
     """
     rows, hidden = hidden_states.shape
     dtype = hidden_states.dtype
-    chunk_bytes = _EXPERT_MLP_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    chunk_bytes = EXPERT_MLP_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     chunk_rows = max(1, chunk_bytes // (gate_and_up_projs.shape[-1] * hidden_states.element_size()))
     # Host counts stay on the host, so each chunk's are cut there without a sync.
-    on_host = _host_counts(tokens_per_expert) is not None
-    counts_e = _counts_on(tokens_per_expert, torch.device("cpu") if on_host else hidden_states.device)
+    on_host = host_counts(tokens_per_expert) is not None
+    counts_e = counts_on(tokens_per_expert, torch.device("cpu") if on_host else hidden_states.device)
     # Cast fp32 masters once, not once per chunk and again per recompute.
     gate_and_up_projs, down_projs = gate_and_up_projs.to(dtype), down_projs.to(dtype)
     out_PH = hidden_states.new_empty(rows, hidden)
@@ -162,7 +163,7 @@ def _checkpointed_chunked_expert_mlp(hidden_states: torch.Tensor, gate_and_up_pr
         last = min(first + chunk_rows, rows)
         out_PH[first:last] = checkpoint(
             _grouped_mlp, hidden_states[first:last], gate_and_up_projs, down_projs, gate_up_proj_bias,
-            down_proj_bias, _chunk_counts(counts_e, first, last), permuted_probs[first:last], activation_fn,
+            down_proj_bias, chunk_counts(counts_e, first, last), permuted_probs[first:last], activation_fn,
             apply_router_weight_after_down, use_reentrant=False,
             # No random numbers here, and no RNG state to stash: a CUDA graph capture can
             # neither read nor set the CUDA generator's state.
@@ -201,7 +202,7 @@ def _validate(hidden_PH: torch.Tensor | IndexedRows, gate_and_up_projs: torch.Te
     if count_len != experts:
         raise ValueError(f"tokens_per_expert has {count_len} entries; expected one per local "
                          f"expert ({experts})")
-    host = _host_counts(tokens_per_expert)
+    host = host_counts(tokens_per_expert)
     if host is not None and (min(host, default=0) < 0 or sum(host) > rows):
         raise ValueError(f"tokens_per_expert={host} is invalid: counts must be >= 0 and sum to at "
                          f"most the {rows} rows")
@@ -218,7 +219,7 @@ def run_grouped_expert_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Ten
                            chunk_bytes: int | None = None,
                            activation_checkpoint=None, *, expert_mlp_impl: str = "grouped_mm",
                            experts_config=None) -> torch.Tensor:
-    """The expert MLP the modules call: QuACK's fused kernels (`fused.py`) where
+    """The expert MLP the modules call: QuACK's fused kernels (`fused_mlp.py`) where
     `expert_mlp_impl` allows and the case is supported, else `torch._grouped_mm`: single
     shot, or checkpointed chunks when the `[P, 2I]` intermediate would exceed `chunk_bytes`.
 
@@ -232,7 +233,7 @@ def run_grouped_expert_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Ten
         tokens_per_expert: `[e]` counts, host or device; rows past their sum are padding.
         permuted_probs_P1: `[P, 1]` routing probabilities (fp32).
         activation_fn: `fn(x [P, 2I or I], probs [P, 1]) -> [P, I]` (`get_expert_activation`).
-        chunk_bytes: the chunking threshold (None: `_EXPERT_MLP_CHUNK_BYTES`; 0: never chunk).
+        chunk_bytes: the chunking threshold (None: `EXPERT_MLP_CHUNK_BYTES`; 0: never chunk).
         activation_checkpoint: single shot only, e.g. Megatron's `CheckpointWithoutOutput`
             (`moe_act` recompute: the activation output is freed after the down projection).
             The fused path never saves the activation output.
@@ -245,7 +246,7 @@ def run_grouped_expert_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Ten
     """
     _validate(hidden_PH, gate_and_up_projs, down_projs, gate_up_proj_bias, down_proj_bias,
               tokens_per_expert, permuted_probs_P1)
-    chunk_bytes = _EXPERT_MLP_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    chunk_bytes = EXPERT_MLP_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     rows_NH, rows = _rows_of(hidden_PH)
     intermediate_bytes = rows * gate_and_up_projs.shape[-1] * rows_NH.element_size()
     chunked = bool(chunk_bytes) and intermediate_bytes > chunk_bytes
@@ -266,7 +267,7 @@ def run_grouped_expert_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Ten
     if isinstance(hidden_PH, IndexedRows):
         # The permuted copy; its backward sums each received row's positions (no atomics).
         pos_RJ = torch.where(hidden_PH.slot_of_row_RJ < 0, rows, hidden_PH.slot_of_row_RJ).long()
-        hidden_PH = _GatherRows.apply(rows_NH, hidden_PH.row_of_slot_P.long(), pos_RJ)
+        hidden_PH = GatherRows.apply(rows_NH, hidden_PH.row_of_slot_P.long(), pos_RJ)
     if chunked:
         return _checkpointed_chunked_expert_mlp(
             hidden_PH, gate_and_up_projs, down_projs, gate_up_proj_bias, down_proj_bias,

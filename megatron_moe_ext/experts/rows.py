@@ -1,4 +1,4 @@
-"""Row helpers shared by the grouped expert MLPs (`mlp.py`, `fused.py`)."""
+"""Row helpers shared by the grouped expert MLPs (`mlp.py`, `fused_mlp.py`)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from megatron_moe_ext.experts.activations import get_expert_activation
-from megatron_moe_ext.experts.bias import TokenCounts, _counts_on, _host_counts
+from megatron_moe_ext.experts.bias import TokenCounts, counts_on, host_counts
 from megatron_moe_ext.experts.common import local_expert_range, resolve_ep_group, stacked_shapes
 from megatron_moe_ext.experts.config import ExpertsConfig
 from megatron_moe_ext.experts.dispatch import ExpertDispatch, FlexDispatchedExperts, make_dispatcher_config
@@ -196,7 +196,7 @@ class GroupedExpertsTE(FlexDispatchedExperts, nn.Module):
         ).FP8GlobalStateManager.is_fp8_enabled()
         # Static routing (benchmark-only: the same counts every microbatch) reads device counts
         # once and caches the list; Fp8Padding needs host splits.
-        host = self._static_m_splits or _host_counts(tokens_per_expert)
+        host = self._static_m_splits or host_counts(tokens_per_expert)
         if host is None and (pad_groups or self.static_routing):
             host = [int(n) for n in tokens_per_expert.tolist()]
         if self.static_routing:
@@ -214,7 +214,7 @@ class GroupedExpertsTE(FlexDispatchedExperts, nn.Module):
                 out_PH = self._linears(valid_PH, host)
             out_PH = (out_PH.float() * probs_P[:routed, None].float()).to(out_PH.dtype)
             return torch.nn.functional.pad(out_PH, (0, 0, 0, rows - routed))
-        counts_e = _counts_on(tokens_per_expert, rows_PH.device)
+        counts_e = counts_on(tokens_per_expert, rows_PH.device)
         valid_P1 = (torch.arange(rows, device=rows_PH.device) < counts_e.sum())[:, None]
         m_splits_e = counts_e.clone()
         m_splits_e[-1] += rows - counts_e.sum()

@@ -23,7 +23,8 @@ from megatron_moe_ext.dispatcher.handoff import IndexedRows
 from megatron_moe_ext.experts.activations import get_expert_activation, is_gated_activation
 from megatron_moe_ext.experts.common import stacked_shapes
 from megatron_moe_ext.experts.config import EXPERT_MLP_IMPLS, ExpertsConfig, check_expert_mlp_impl
-from megatron_moe_ext.experts.fused import fused_unsupported_reason, warmup_fused_expert_mlp
+from megatron_moe_ext.experts.fused import fused_unsupported_reason
+from megatron_moe_ext.experts.fused_mlp import warmup_fused_expert_mlp
 from megatron_moe_ext.experts.mlp import run_grouped_expert_mlp
 from megatron_moe_ext.megatron import checkpoint as _checkpoint
 from megatron_moe_ext.utils.env import env_choice

@@ -17,7 +17,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import MoETransformerLayer, TransformerLayerSubmodules
 
 from megatron_moe_ext.config import TokenDispatcherConfig
-from megatron_moe_ext.megatron.specs import _use_te, use_flex_moe_layer
+from megatron_moe_ext.megatron.specs import use_flex_moe_layer, use_te
 
 
 def use_flex_moe_in_hybrid_stack(stack_spec: ModuleSpec,
@@ -76,7 +76,7 @@ def get_flex_hybrid_stack_spec(use_transformer_engine: bool | None = None, *,
     Returns:
         `ModuleSpec(module=HybridStack, ...)` for `HybridModel(hybrid_stack_spec=...)`.
     """
-    stack = (hybrid_layer_specs.hybrid_stack_spec if _use_te(use_transformer_engine)
+    stack = (hybrid_layer_specs.hybrid_stack_spec if use_te(use_transformer_engine)
              else local_hybrid_stack_spec(moe_grouped_gemm))
     return use_flex_moe_in_hybrid_stack(stack, dispatcher_config, experts)
 

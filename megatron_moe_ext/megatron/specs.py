@@ -93,7 +93,7 @@ def _transformer_config(config) -> TransformerConfig:
                      f".transformer), got {type(config).__name__}")
 
 
-def _use_te(use_transformer_engine: bool | None, auto: bool = True) -> bool:
+def use_te(use_transformer_engine: bool | None, auto: bool = True) -> bool:
     """`use_transformer_engine`, or with None TE where it imports and `auto` allows it."""
     if use_transformer_engine is None:
         return HAVE_TE and auto
@@ -122,7 +122,7 @@ def get_flex_decoder_block_spec(config, vp_stage: int | None = None, *,
     """
     config = _transformer_config(config)
     block = gpt_layer_specs.get_gpt_decoder_block_spec(
-        config, use_transformer_engine=_use_te(use_transformer_engine,
+        config, use_transformer_engine=use_te(use_transformer_engine,
                                                config.transformer_impl == "transformer_engine"),
         normalization=config.normalization, qk_l2_norm=config.qk_l2_norm,
         vp_stage=vp_stage, pp_rank=pp_rank)
@@ -148,7 +148,7 @@ def get_flex_layer_spec(num_experts: int, moe_grouped_gemm: bool = False, *,
     """
     if not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"num_experts: expected an int >= 1 for an MoE layer, got {num_experts!r}")
-    builder = (gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec if _use_te(use_transformer_engine)
+    builder = (gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec if use_te(use_transformer_engine)
                else gpt_layer_specs.get_gpt_layer_local_spec)
     spec = builder(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm, **layer_kwargs)
     return use_flex_moe_layer(spec, dispatcher_config, experts)

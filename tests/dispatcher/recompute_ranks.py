@@ -250,7 +250,7 @@ def _expert_mlp_probe(experts, calls: collections.Counter, act_outputs: list):
     with mock.patch.object(mlp, "_grouped_mlp", counted("mlp", mlp._grouped_mlp)), \
             mock.patch.object(mlp, "_checkpointed_chunked_expert_mlp",
                               counted("chunked", mlp._checkpointed_chunked_expert_mlp)), \
-            mock.patch.object(mlp, "_EXPERT_MLP_CHUNK_BYTES", 1), \
+            mock.patch.object(mlp, "EXPERT_MLP_CHUNK_BYTES", 1), \
             mock.patch.object(experts, "activation_fn", counted("act", experts.activation_fn)):
         yield
 

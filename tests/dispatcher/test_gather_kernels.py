@@ -1,5 +1,5 @@
 """The Triton row kernels of the fixed-shape permutation (`dispatcher/kernels/gather_triton.py`)
-against the torch path they replace on CUDA (`permute._gather_sum_torch`, `permute._GatherRows`):
+against the torch path they replace on CUDA (`permute._gather_sum_torch`, `permute.GatherRows`):
 bitwise equal, forward and backward, in bf16, fp16, fp32 and fp64.
 
 The kernel tests run on CUDA where there is a GPU and, on a CPU-only machine, on CPU tensors
@@ -116,7 +116,7 @@ def test_gather_rows_kernel_matches_torch_path_bitwise(shape, dtype):
     grad_NH, pos_RJ, x_RH = (t.to(DEVICE) for t in case(shape, dtype, seed=1))
     src_N = inverse_of(pos_RJ.cpu(), shape[0]).to(DEVICE)
     got, got_grad = grads_of(G.gather_rows, (x_RH, src_N, pos_RJ), grad_NH)
-    ref, ref_grad = grads_of(P._GatherRows.apply, (x_RH, src_N, pos_RJ), grad_NH)
+    ref, ref_grad = grads_of(P.GatherRows.apply, (x_RH, src_N, pos_RJ), grad_NH)
     assert_bitwise(got, ref)
     assert_bitwise(got_grad, ref_grad)
 
@@ -139,7 +139,7 @@ def test_kernels_take_strided_and_multidim_inputs(dtype):
     # The torch path takes 2-D rows only: compared on the flattened rows.
     x_RH, grad_NH = random_rows(10, 12, dtype, gen).to(DEVICE), random_rows(24, 12, dtype, gen).to(DEVICE)
     for got, ref in zip(grads_of(G.gather_rows, (x_RH.view(10, 3, 4), src_N, pos_RJ), grad_NH.view(24, 3, 4)),
-                        grads_of(P._GatherRows.apply, (x_RH, src_N, pos_RJ), grad_NH)):
+                        grads_of(P.GatherRows.apply, (x_RH, src_N, pos_RJ), grad_NH)):
         assert_bitwise(got.flatten(1), ref)
     for got, ref in zip(grads_of(G.gather_sum, (grad_NH.view(24, 3, 4), pos_RJ), x_RH.view(10, 3, 4)),
                         grads_of(P._gather_sum_torch, (grad_NH, pos_RJ), x_RH)):
@@ -348,7 +348,7 @@ def test_kernels_replay_in_a_cuda_graph(dtype):
         graph.replay()
         torch.cuda.synchronize()
         ref_sum = grads_of(P._gather_sum_torch, (new_rows_NH, new_pos_RJ), new_y_RH)
-        ref_rows = grads_of(P._GatherRows.apply, (new_y_RH, src_N, new_pos_RJ), new_rows_NH)
+        ref_rows = grads_of(P.GatherRows.apply, (new_y_RH, src_N, new_pos_RJ), new_rows_NH)
         for got, ref in zip(captured, (ref_sum[0], ref_rows[0], ref_sum[1], ref_rows[1])):
             assert_bitwise(got, ref)
 

@@ -1,4 +1,4 @@
-"""`_apply_bias` and its deterministic gradient reductions against float64 per-expert loops.
+"""`apply_bias` and its deterministic gradient reductions against float64 per-expert loops.
 
 CPU runs the bounded-memory fallbacks, CUDA the Triton kernels; `test_triton_kernels_in_
 interpreter` runs test_kernels.py under TRITON_INTERPRET=1 so CI exercises the kernels too.
@@ -41,7 +41,7 @@ def _case(dtype, device, weighted, seed=0):
 
 
 def _run(value, b, probs, grad_out, counts, reuse_input=False):
-    out = bias._apply_bias(value * 1, b, counts, probs, reuse_input=reuse_input)
+    out = bias.apply_bias(value * 1, b, counts, probs, reuse_input=reuse_input)
     out.backward(grad_out)
     return out
 
@@ -97,7 +97,7 @@ def test_cancellation_reduced_to_float64_accuracy(device):
     expected = rows.double().sum(0).float()
     naive = naive_fp32_sum(rows)
     assert not torch.equal(naive, expected), "the case must defeat a naive fp32 sum"
-    reduced = bias._reduce_bias_grad(rows.to(device), counts, None, torch.float32)[0].cpu()
+    reduced = bias.reduce_bias_grad(rows.to(device), counts, None, torch.float32)[0].cpu()
     assert torch.equal(reduced, expected), (reduced, expected, naive)
 
 
@@ -109,7 +109,7 @@ def test_segment_sizes_reduce_to_reference(weighted, device):
     grad = torch.randn(rows, 40, generator=gen)
     probs = torch.rand(rows, 1, generator=gen) if weighted else None
     counts = torch.tensor(SEGMENT_SIZES, device=device)
-    got = bias._reduce_bias_grad(grad.to(device), counts, None if probs is None else probs.to(device),
+    got = bias.reduce_bias_grad(grad.to(device), counts, None if probs is None else probs.to(device),
                                  torch.float32)
     expected = reference_bias_grad(grad, SEGMENT_SIZES, probs)
     torch.testing.assert_close(got.cpu().double(), expected, rtol=1e-6, atol=1e-5)
@@ -123,18 +123,18 @@ def test_reuse_input_writes_into_value_storage(monkeypatch):
     value = torch.randn(40, 8)
     b = torch.randn(2, 8)
     expected = reference_bias_add(value, b, [30, 10], None).float()
-    out = bias._apply_bias(value, b, [30, 10], reuse_input=True)
+    out = bias.apply_bias(value, b, [30, 10], reuse_input=True)
     assert out.data_ptr() == value.data_ptr()
     torch.testing.assert_close(out, expected)
 
 
 def test_bad_shapes_raise_value_error():
     with pytest.raises(ValueError, match="tokens_per_expert"):
-        bias._apply_bias(torch.randn(4, 8), torch.randn(2, 8), [4])
+        bias.apply_bias(torch.randn(4, 8), torch.randn(2, 8), [4])
     with pytest.raises(ValueError, match="bias"):
-        bias._apply_bias(torch.randn(4, 8), torch.randn(2, 6), [2, 2])
+        bias.apply_bias(torch.randn(4, 8), torch.randn(2, 6), [2, 2])
     with pytest.raises(ValueError, match="permuted_probs"):
-        bias._apply_bias(torch.randn(4, 8), torch.randn(2, 8), [2, 2], torch.ones(4))
+        bias.apply_bias(torch.randn(4, 8), torch.randn(2, 8), [2, 2], torch.ones(4))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="test_kernels.py runs natively on CUDA")

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megatron_moe_ext.dispatcher.handoff import IndexedRows
-from megatron_moe_ext.experts import fused
+from megatron_moe_ext.experts import fused, fused_mlp
 from megatron_moe_ext.experts.activations import get_expert_activation
 from megatron_moe_ext.experts.config import ExpertsConfig
 from megatron_moe_ext.experts.mlp import run_grouped_expert_mlp
@@ -180,10 +180,10 @@ def test_invalid_impl_is_refused():
 
 def test_warmup_runs_every_kernel(fused_device):
     # "fused": at these widths real QuACK's "auto" keeps the torch path (AUTO_MIN_HIDDEN_X_FFN).
-    fused.warmup_fused_expert_mlp(_config(dtype=torch.bfloat16, expert_bias=True, expert_mlp_impl="fused"),
+    fused_mlp.warmup_fused_expert_mlp(_config(dtype=torch.bfloat16, expert_bias=True, expert_mlp_impl="fused"),
                                   fused_device)
     with pytest.raises(RuntimeError, match="clamp"):
-        fused.warmup_fused_expert_mlp(
+        fused_mlp.warmup_fused_expert_mlp(
             _config(expert_activation="swiglu_clamped", activation_limit=7.0, expert_mlp_impl="fused"),
             fused_device)
 
@@ -197,9 +197,9 @@ def test_warmup_does_nothing_where_auto_keeps_the_torch_path(monkeypatch):
     original = quack_gemm.gemm_gated
     monkeypatch.setattr(quack_gemm, "gemm_gated", lambda *a, **k: calls.append(1) or original(*a, **k))
     try:
-        fused.warmup_fused_expert_mlp(_config(dtype=torch.bfloat16), "cpu")
+        fused_mlp.warmup_fused_expert_mlp(_config(dtype=torch.bfloat16), "cpu")
         assert calls == []
-        fused.warmup_fused_expert_mlp(_config(dtype=torch.bfloat16, expert_mlp_impl="fused"), "cpu")
+        fused_mlp.warmup_fused_expert_mlp(_config(dtype=torch.bfloat16, expert_mlp_impl="fused"), "cpu")
         assert calls
     finally:
         fused.set_quack_backend(previous)
@@ -247,7 +247,7 @@ def test_cuda_graph_replay_equals_eager(fused_device):
     if fused_device == "cpu":
         pytest.skip("CUDA graphs need CUDA")
     case = make_case(64, 4, 2, 64, 32, pad=8, device="cuda")
-    fused.warmup_fused_expert_mlp(dataclasses.replace(case.config, expert_mlp_impl="fused"), "cuda")
+    fused_mlp.warmup_fused_expert_mlp(dataclasses.replace(case.config, expert_mlp_impl="fused"), "cuda")
     counts = torch.tensor(case.counts, device="cuda")
     leaves = {"rows": case.tokens_RH.detach().clone().requires_grad_(True),
               "probs": case.probs_P1.detach().clone().requires_grad_(True),
@@ -256,7 +256,7 @@ def test_cuda_graph_replay_equals_eager(fused_device):
                           leaves["probs"][:, 0].detach())
 
     def step():
-        out = fused.fused_expert_mlp(indexed, leaves["w1"], leaves["w2"], None, None, counts,
+        out = fused_mlp.fused_expert_mlp(indexed, leaves["w1"], leaves["w2"], None, None, counts,
                                      leaves["probs"], "swiglu")
         out.backward(case.grad_out_PH)
         return out

@@ -107,7 +107,7 @@ def test_apply_bias_through_kernels_matches_fallback(chunked, monkeypatch):
     def run(device, use_triton):
         monkeypatch.setattr(bias, "_use_triton", lambda t: use_triton)
         leaves = [t.to(device).requires_grad_(True) for t in (value, b, probs)]
-        out = bias._apply_bias(leaves[0] * 1, leaves[1], counts, leaves[2])
+        out = bias.apply_bias(leaves[0] * 1, leaves[1], counts, leaves[2])
         out.backward(grad_out.to(device))
         return [out.detach().cpu()] + [leaf.grad.cpu() for leaf in leaves]
 

@@ -109,7 +109,7 @@ def _check(out, grads, ref_out, ref_grads, rows_valid, tol):
 def counts_on(request, monkeypatch):
     """Host counts, or device counts (forced on the CPU by hiding the host values)."""
     if request.param == "device" and not torch.cuda.is_available():
-        monkeypatch.setattr(mlp, "_host_counts", lambda counts: None)
+        monkeypatch.setattr(mlp, "host_counts", lambda counts: None)
     return request.param
 
 
@@ -189,7 +189,7 @@ def test_run_grouped_switches_to_chunks_above_budget(monkeypatch):
     tensors, grad_out = _case("swiglu", True)
     full_out, full_grads = _run(_run_grouped, tensors, grad_out, COUNTS, "cpu", "swiglu")
     assert not calls
-    monkeypatch.setattr(mlp, "_EXPERT_MLP_CHUNK_BYTES", 6 * 2 * INTER * 4)
+    monkeypatch.setattr(mlp, "EXPERT_MLP_CHUNK_BYTES", 6 * 2 * INTER * 4)
     out, grads = _run(_run_grouped, tensors, grad_out, COUNTS, "cpu", "swiglu")
     assert calls
     torch.testing.assert_close(out, full_out, rtol=1e-5, atol=1e-5)
@@ -298,7 +298,7 @@ def test_bf16_forward_with_host_counts_never_waits_for_the_gpu(with_bias):
 def test_chunked_recompute_touches_no_rng_state(monkeypatch):
     """The chunks' checkpoints neither stash nor restore RNG states: the MLP draws no random
     numbers, and a CUDA graph capture cannot read or set the CUDA generator's state (a graphed
-    layer at rows over `_EXPERT_MLP_CHUNK_BYTES`, e.g. Qwen3-30B-A3B at 2048 tokens/expert)."""
+    layer at rows over `EXPERT_MLP_CHUNK_BYTES`, e.g. Qwen3-30B-A3B at 2048 tokens/expert)."""
 
     def refuse(*args, **kwargs):
         raise AssertionError("RNG state stashed or restored")

@@ -62,10 +62,10 @@ def test_permute_local_matches_brute_force():
 
 
 def test_m_splits_are_read_only_from_the_host_or_the_static_cache():
-    assert te._host_counts(torch.tensor([3, 0, 2])) == [3, 0, 2]
-    assert te._host_counts((1, 2)) == [1, 2]
+    assert te.host_counts(torch.tensor([3, 0, 2])) == [3, 0, 2]
+    assert te.host_counts((1, 2)) == [1, 2]
     # Device counts (a meta tensor stands for them: reading it would fail) are never read...
-    assert te._host_counts(torch.empty(2, device="meta")) is None
+    assert te.host_counts(torch.empty(2, device="meta")) is None
     # ... except through the static-routing cache, which needs no read.
     case = dataclasses.replace(CASE, module="te")
     module = build_module(case, static_routing=True)
@@ -144,8 +144,8 @@ def test_capacity_tail_rows_are_tolerated(monkeypatch, module_name, counts):
     host-count shortcut switched off."""
     case = dataclasses.replace(CASE, module=module_name)
     if counts == "device":
-        monkeypatch.setattr(mlp, "_host_counts", lambda _: None)
-        monkeypatch.setattr(te, "_host_counts", lambda _: None)
+        monkeypatch.setattr(mlp, "host_counts", lambda _: None)
+        monkeypatch.setattr(te, "host_counts", lambda _: None)
     x, mask, w, idx, g = make_inputs(case, 0)
     dev = case_device(case)
     params = {k: v.requires_grad_() for k, v in global_weights(case).items()}
@@ -186,7 +186,7 @@ def test_expert_mlp_chunk_bytes_sets_the_modules_chunking(monkeypatch, module_na
         (module(x1, mask, w, idx) * g).sum().backward()
         return {"grad_x": x1.grad, **stacked_grads(module)}
 
-    assert ExpertsConfig.expert_mlp_chunk_bytes == mlp._EXPERT_MLP_CHUNK_BYTES == 512 * 1024 * 1024
+    assert ExpertsConfig.expert_mlp_chunk_bytes == mlp.EXPERT_MLP_CHUNK_BYTES == 512 * 1024 * 1024
     one_shot = step()
     assert entered == []
     three_rows = 3 * 2 * CASE.inter * 4  # of the fp32 [P, 2I] intermediate
@@ -197,7 +197,7 @@ def test_expert_mlp_chunk_bytes_sets_the_modules_chunking(monkeypatch, module_na
               for name, grad in step(expert_mlp_chunk_bytes=three_rows).items()}
     assert all(err <= 1e-5 for err in errors.values()), errors
     assert entered == [three_rows]
-    monkeypatch.setattr(mlp, "_EXPERT_MLP_CHUNK_BYTES", 1)
+    monkeypatch.setattr(mlp, "EXPERT_MLP_CHUNK_BYTES", 1)
     for name, grad in step(expert_mlp_chunk_bytes=0).items():
         assert torch.equal(grad, one_shot[name]), name
     assert entered == [three_rows]
