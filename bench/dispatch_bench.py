@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_moe_ext.config import TokenDispatcherConfig  # noqa: E402
+from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig  # noqa: E402
 from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher  # noqa: E402
 
 SHAPES = {

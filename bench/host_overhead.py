@@ -121,7 +121,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     sys.modules["deep_ep"] = stand_in_library(world, rank)
-    from megatron_moe_ext.config import TokenDispatcherConfig
+    from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
     from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
 
     e = E // world

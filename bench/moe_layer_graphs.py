@@ -73,7 +73,7 @@ def build_layer(shape: dict, gpu: bool):
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_moe_ext.config import TokenDispatcherConfig
+    from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
     from megatron_moe_ext.megatron.experts import GroupedGemmExperts
     from megatron_moe_ext.megatron.moe_layer import FlexMoELayer
 

@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from timing import call_ms  # noqa: E402  (bench/timing.py)
 
-from megatron_moe_ext.dispatcher import permute as P  # noqa: E402
+from megatron_moe_ext.dispatcher.common import permute as P  # noqa: E402
 from megatron_moe_ext.dispatcher.kernels import gather_triton  # noqa: E402
 
 SHAPES = {

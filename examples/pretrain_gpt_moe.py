@@ -148,7 +148,7 @@ def layer_spec(cfg: GPTMoEConfig, layer: str, backend: str, config, dispatcher_o
         return spec
     if layer != "ext":
         raise ValueError(f"layer={layer!r} is invalid: allowed values are {LAYERS}")
-    from megatron_moe_ext.config import TokenDispatcherConfig
+    from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
     from megatron_moe_ext.megatron.specs import use_flex_moe_layer
 
     dispatcher_config = TokenDispatcherConfig.from_transformer_config(
@@ -281,7 +281,7 @@ def train(model, cfg: GPTMoEConfig, steps: int, log=None) -> TrainLog:
     """
     from megatron.core import parallel_state
 
-    from megatron_moe_ext.dispatcher.checks import check_model_input_errors
+    from megatron_moe_ext.dispatcher.common.checks import check_model_input_errors
     from megatron_moe_ext.megatron.overflow import check_overflow
 
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu() else torch.device("cpu")

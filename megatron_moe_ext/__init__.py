@@ -1,6 +1,6 @@
 """megatron_moe_ext: a drop-in Mixture-of-Experts layer for Megatron-Core (the layers: DESIGN.md)."""
 
-from megatron_moe_ext.config import TokenDispatcherConfig
+from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
 
 __all__ = ["TokenDispatcherConfig", "MoEFlexTokenDispatcher"]
 __version__ = "0.1.0"

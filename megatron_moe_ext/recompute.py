@@ -23,7 +23,7 @@ import torch
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
                                     noop_context_fn)
 
-from megatron_moe_ext.dispatcher import checks
+from megatron_moe_ext.dispatcher.common import checks
 from megatron_moe_ext.dispatcher.replay import RecomputeReplay, RoutingChangedError
 
 __all__ = ["RecomputeReplay", "RoutingChangedError", "attach_replay", "check_routing", "checkpoint_moe",

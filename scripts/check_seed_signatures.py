@@ -24,11 +24,11 @@ import sys
 # Where this package defines the seed modules' names, searched in order.
 MODULES = {
     "nemo_automodel.components.moe.megatron.token_dispatcher": (
-        "megatron_moe_ext.config", "megatron_moe_ext.dispatcher.flex",
-        "megatron_moe_ext.dispatcher.topk_manager", "megatron_moe_ext.dispatcher.base",
+        "megatron_moe_ext.dispatcher.config", "megatron_moe_ext.dispatcher.flex",
+        "megatron_moe_ext.dispatcher.topk_manager", "megatron_moe_ext.dispatcher.common.base",
         "megatron_moe_ext.dispatcher.hybridep", "megatron_moe_ext.dispatcher.hybridep.manager",
         "megatron_moe_ext.dispatcher.hybridep.metadata", "megatron_moe_ext.dispatcher.hybridep.runtime",
-        "megatron_moe_ext.dispatcher.permute"),
+        "megatron_moe_ext.dispatcher.common.permute"),
     "nemo_automodel.components.moe.experts": (
         "megatron_moe_ext.experts", "megatron_moe_ext.experts.dispatch", "megatron_moe_ext.experts.grouped",
         "megatron_moe_ext.experts.te", "megatron_moe_ext.experts.activations", "megatron_moe_ext.experts.bias",

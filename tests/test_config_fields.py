@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from megatron_moe_ext.config import TokenDispatcherConfig
+from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
 from megatron_moe_ext.experts import config as experts_config
 from megatron_moe_ext.experts.config import ExpertsConfig
 

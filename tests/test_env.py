@@ -137,7 +137,7 @@ def test_quack_tuned_spellings(monkeypatch):
 
 
 def test_input_checks_mode(monkeypatch):
-    from megatron_moe_ext.dispatcher import checks
+    from megatron_moe_ext.dispatcher.common import checks
 
     monkeypatch.setenv("MOE_EXT_INPUT_CHECKS", "Deferred")
     assert checks.checks_values_now(torch.zeros(1)) is False

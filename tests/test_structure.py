@@ -105,3 +105,25 @@ def test_command_exit_status(tmp_path):
     (tmp_path / "pkg" / "b.py").write_text("from pkg.a import _x\n")
     done = subprocess.run([sys.executable, SCRIPT, clean], capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "underscore import: pkg/b.py:1 pkg.a._x" in done.stdout
+
+
+def test_the_package_itself_is_clean():
+    """Issue 38's structure: no import circle (modules or folders), no imported underscore
+    name, no module over 450 lines, experts/ at most six import levels deep."""
+    lines, summary = check_structure.report(check_structure.measure(os.path.join(ROOT, "megatron_moe_ext")))
+    assert lines == [], "\n".join(lines)
+    assert " 0 module circles, 0 folder circles, 0 underscore imports, 0 modules > 450 lines" in summary, summary
+
+
+def test_one_layer_step_crosses_at_most_nine_files(dist_pools):
+    """bench/trace_layer.py's measure: one FlexMoELayer forward+backward at EP2 (torch backend,
+    GroupedGemmExperts, after a warm-up step) runs code of at most 9 package files."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        import trace_layer
+    finally:
+        sys.path.pop(0)
+    ranks = dist_pools(2).run(trace_layer.trace_rank)
+    for r in ranks:
+        assert r["files"] <= 9, r["file_list"]
+    assert ranks[0]["file_list"] == ranks[1]["file_list"]

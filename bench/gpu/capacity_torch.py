@@ -23,7 +23,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from megatron_moe_ext.config import TokenDispatcherConfig
+from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
 from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
 
 TOKENS, HIDDEN, EXPERTS, TOPK = 4096, 2048, 32, 8

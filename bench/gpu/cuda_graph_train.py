@@ -148,7 +148,7 @@ def main(argv=None) -> None:
 
         cuda_graphs.make_weakref = lambda ten, inplace=True: ten
     if args.torch_gathers:
-        from megatron_moe_ext.dispatcher import permute
+        from megatron_moe_ext.dispatcher.common import permute
 
         permute._use_kernels = lambda t: False
     gpu = torch.cuda.is_available() and not args.smoke

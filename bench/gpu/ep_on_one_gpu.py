@@ -108,7 +108,7 @@ def _refusal(fn):
 
 
 def _budget_refusal(backend: str):
-    from megatron_moe_ext.config import TokenDispatcherConfig
+    from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
 
     return _refusal(lambda: TokenDispatcherConfig(moe_flex_dispatcher_backend=backend, num_moe_experts=8,
                                                   moe_router_topk=2, moe_expert_rank_capacity_factor=1.0))
@@ -126,7 +126,7 @@ def flex_layer_case(backend: str, dtype: str, hidden: int, expert_mlp_impl: str 
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_moe_ext.config import TokenDispatcherConfig
+    from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
     from megatron_moe_ext.megatron.moe_layer import FlexMoELayer
     from tests.megatron.cases_layer import DTYPES, LayerCase, _forward_backward, _rel_err, layer_config
     from tests.shims import megatron_cpu
@@ -194,8 +194,8 @@ def bad_input_outcomes(case, report) -> None:
     import torch
     import torch.distributed as dist
 
-    from megatron_moe_ext.config import TokenDispatcherConfig
-    from megatron_moe_ext.dispatcher.checks import CHECK_MODE_ENV
+    from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
+    from megatron_moe_ext.dispatcher.common.checks import CHECK_MODE_ENV
     from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
     from tests.reference import apply_local_experts, make_routing, toy_expert_params
 

@@ -42,7 +42,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from megatron_moe_ext.dispatcher.handoff import IndexedRows  # noqa: E402
+from megatron_moe_ext.dispatcher.common.handoff import IndexedRows  # noqa: E402
 from megatron_moe_ext.experts import fused, fused_mlp  # noqa: E402
 from megatron_moe_ext.experts.activations import get_expert_activation  # noqa: E402
 from megatron_moe_ext.experts.mlp import run_grouped_expert_mlp  # noqa: E402

@@ -85,8 +85,8 @@ class ExpertsOnly(torch.nn.Module):
 
 # ---- variants ---------------------------------------------------------------------------
 def apply_variants(args) -> None:
-    from megatron_moe_ext.dispatcher import permute
-    from megatron_moe_ext.dispatcher.checks import DeferredRoutingErrors
+    from megatron_moe_ext.dispatcher.common import permute
+    from megatron_moe_ext.dispatcher.common.checks import DeferredRoutingErrors
 
     if args.old_flag or args.pin_flags:
         def _record_old(self, bits):  # the code before the fix

@@ -80,7 +80,7 @@ def step(layer, x, g, timed: int = 0):
 def run_case(backend: str, dtype_name: str, shared_overlap: bool, pg, device, timed: int) -> dict:
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 
-    from megatron_moe_ext.config import TokenDispatcherConfig
+    from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
     from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
     from megatron_moe_ext.megatron.moe_layer import FlexMoELayer
 

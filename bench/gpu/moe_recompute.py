@@ -46,7 +46,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from megatron_moe_ext import recompute  # noqa: E402
-from megatron_moe_ext.config import TokenDispatcherConfig  # noqa: E402
+from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig  # noqa: E402
 from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher  # noqa: E402
 
 SHAPES = {

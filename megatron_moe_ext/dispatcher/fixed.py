@@ -34,10 +34,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_moe_ext.dispatcher import checks
-from megatron_moe_ext.dispatcher import permute as P
-from megatron_moe_ext.dispatcher.handoff import IndexedRows, indexed_rows
-from megatron_moe_ext.dispatcher.record import DispatchRecord
+from megatron_moe_ext.dispatcher.common import checks
+from megatron_moe_ext.dispatcher.common import permute as P
+from megatron_moe_ext.dispatcher.common.handoff import IndexedRows, indexed_rows
+from megatron_moe_ext.dispatcher.common.record import DispatchRecord
 from megatron_moe_ext.dispatcher.topk_manager import TopKManager
 
 # Capacities are rounded to this many rows (or to the expert pad multiple when set).
@@ -207,7 +207,6 @@ class FixedShapeManager(TopKManager):
         # The dispatcher checked the rows against the dispatch (`MoEFlexTokenDispatcher`).
         hidden, _ = self.comm.combine_fixed(hidden_states, self.group, record.handle, async_finish,
                                             allocate_on_comm_stream)
-        record.release()
         return hidden
 
     def _layout(self, record):

@@ -6,7 +6,7 @@ Both faces end in the same steps: `_setup_*` -> `token_dispatch` -> `dispatch_po
 reaches the manager goes through the hook seat `replay` (`hooks.py`) with the dispatch's
 `DispatchRecord` (`record.py`). Each dispatcher serves one layer and holds the record of its
 dispatch between Megatron's calls; layers share only communication buffers
-(`dispatcher/buffers.py`). See docs/DESIGN.md.
+(`dispatcher/common/buffers.py`). See docs/DESIGN.md.
 
 Legend: T local tokens, H hidden, E global experts, e local experts, K top-k, R received
 rows, P permuted rows.
@@ -24,9 +24,10 @@ from megatron.core.transformer.cuda_graphs import is_graph_capturing
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from megatron.core.utils import get_pg_rank
 
-from megatron_moe_ext.config import TokenDispatcherConfig
-from megatron_moe_ext.dispatcher import buffers, checks, hooks, registry
-from megatron_moe_ext.dispatcher.record import DispatchRecord, Step
+from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
+from megatron_moe_ext.dispatcher import hooks, registry
+from megatron_moe_ext.dispatcher.common import buffers, checks
+from megatron_moe_ext.dispatcher.common.record import DispatchRecord, Step
 from megatron_moe_ext.dispatcher.registry import build_manager
 
 
@@ -82,9 +83,9 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         except ValueError as exc:
             error = exc
         checks.agree(self.tp_ep_group, error)
-        #: The hook seat: called at every manager step (`hooks.DispatchHook`; recompute's
+        #: The hook seat, None or a `hooks.DispatchHook` called at every manager step (recompute's
         #: `RecomputeReplay` plugs in here).
-        self.replay: hooks.DispatchHook = hooks.NO_HOOK
+        self.replay: hooks.DispatchHook | None = None
         self._hand_indexed_rows = False
         #: HybridEP's top-k -> dense/compact metadata converter (a graphable nn.Module), else None.
         self.hybridep_metadata_processor = self._comm_manager.metadata_processor
@@ -142,6 +143,14 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         """Allocate the backend's buffer now (`DispatchManager.allocate_buffers`)."""
         self._comm_manager.allocate_buffers(hidden_size, dtype)
 
+    # ---- the hook seat ---------------------------------------------------------------
+    def _step(self, name: str, record: DispatchRecord, run, *args):
+        """`run()`, through the plugged hook's `name` step (`hooks.DispatchHook`) if any."""
+        return run() if self.replay is None else getattr(self.replay, name)(record, run, *args)
+
+    def _routing_handed(self, *routing: torch.Tensor) -> bool:
+        return self.replay is not None and self.replay.routing_handed(*routing)
+
     # ---- the dispatch in flight -------------------------------------------------------
     def _begin(self, hidden_shape: torch.Size) -> DispatchRecord:
         """A new record in place of the one in flight. A record not yet dispatched is replaced
@@ -155,7 +164,7 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
                 f"(its next step is {record.next.call}): a dispatcher holds one dispatch at a "
                 "time; combine it first, or give each layer its own dispatcher")
         self._last_shape = hidden_shape
-        self.record = DispatchRecord(hidden_shape, in_recompute=hooks.in_backward(),
+        self.record = DispatchRecord(hidden_shape, in_recompute=checks.in_backward(),
                                      indexed_rows=self._hand_indexed_rows)
         return self.record
 
@@ -196,7 +205,7 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         record.next = Step(step + 1)
         return record
 
-    # ---- input checks (megatron_moe_ext/dispatcher/checks.py; no device sync) ----------
+    # ---- input checks (megatron_moe_ext/dispatcher/common/checks.py; no device sync) ----------
     def _check_dense(self, name: str, tensor: torch.Tensor, tokens: int):
         checks.check_dense(name, tensor, tokens, self.ep_size, self.num_local_experts)
         if name != "routing_map":
@@ -223,7 +232,7 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
             yield
         except checks.ANNOUNCED as exc:
             # A recompute's next collective is a replayed one, which carries no word.
-            if not checks.announces(exc) or hooks.in_backward() or self.tp_size * self.ep_size == 1:
+            if not checks.announces(exc) or checks.in_backward() or self.tp_size * self.ep_size == 1:
                 raise
             rank = dist.get_rank(self.tp_ep_group)
             rows = isinstance(hidden_states, torch.Tensor) and hidden_states.dim() >= 2
@@ -258,7 +267,7 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         with self._peers_see_input_errors(hidden_states):
             tokens = checks.check_hidden(hidden_states, num_local_tokens)
             self._comm_manager.check_rows(hidden_states)
-            if not self.replay.routing_handed(*(t for t in (probs, routing_map) if t is not None)):
+            if not self._routing_handed(*(t for t in (probs, routing_map) if t is not None)):
                 self._check_dense("probs", probs, tokens)
                 if routing_map is not None:
                     self._check_dense("routing_map", routing_map, tokens)
@@ -266,19 +275,19 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
             if routing_map is not None:
                 routing_map = self._initialize_metadata(tokens, routing_map)
             probs = self._initialize_metadata(tokens, probs)
-            self.replay.setup(record, lambda: self._comm_manager.setup_metadata(record, tokens, probs, routing_map))
+            self._step("setup", record, lambda: self._comm_manager.setup_metadata(record, tokens, probs, routing_map))
         return hidden_states.reshape(tokens, hidden_states.shape[-1])
 
     def _setup_topk(self, hidden_states, num_local_tokens, token_probs, token_indices):
         with self._peers_see_input_errors(hidden_states):
             tokens = checks.check_hidden(hidden_states, num_local_tokens)
             self._comm_manager.check_rows(hidden_states)
-            if not self.replay.routing_handed(token_probs, token_indices):
+            if not self._routing_handed(token_probs, token_indices):
                 token_indices = self._check_topk(token_probs, token_indices, tokens)
             record = self._begin(hidden_states.shape)
             if self.tp_size > 1:
                 token_indices, token_probs = self._expand_topk_for_tp(token_indices, token_probs)
-            self.replay.setup(record, lambda: self._comm_manager.setup_metadata_from_indices(
+            self._step("setup", record, lambda: self._comm_manager.setup_metadata_from_indices(
                 record, token_indices, token_probs))
         if hidden_states.dim() == 2:  # already [T, H]: no view (and no autograd node) to make
             return hidden_states
@@ -302,7 +311,7 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
             self.shared_experts.wait_current_stream()
         record = self._advance(Step.TOKEN_DISPATCH, hidden_states, None, "the output of dispatch_preprocess")
         try:
-            dispatched = self.replay.dispatch(record, lambda: self._comm_manager.dispatch(
+            dispatched = self._step("dispatch", record, lambda: self._comm_manager.dispatch(
                 record, hidden_states, async_finish, allocate_on_comm_stream), hidden_states, async_finish,
                 allocate_on_comm_stream)
         except Exception as exc:
@@ -323,11 +332,11 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         record = self._advance(Step.DISPATCH_POSTPROCESS)
         manager = self._comm_manager
         if record.indexed_rows:
-            rows = self.replay.permute(record, lambda: manager.get_indexed_rows(record, hidden_states))
+            rows = self._step("permute", record, lambda: manager.get_indexed_rows(record, hidden_states))
             record.num_permuted = rows.num_permuted
             return rows, rows.tokens_per_expert, rows.probs_P
-        tokens, permuted_probs = self.replay.permute(
-            record, lambda: manager.get_permuted_hidden_states_by_experts(record, hidden_states))
+        tokens, permuted_probs = self._step(
+            "permute", record, lambda: manager.get_permuted_hidden_states_by_experts(record, hidden_states))
         record.num_permuted = tokens.shape[0]
         return tokens, manager.get_number_of_tokens_per_expert(record), permuted_probs
 
@@ -339,7 +348,7 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         manager = self._comm_manager
         restore = manager.restore_indexed_rows if record.indexed_rows else \
             manager.get_restored_hidden_states_by_experts
-        return self.replay.restore(record, lambda: restore(record, hidden_states), hidden_states)
+        return self._step("restore", record, lambda: restore(record, hidden_states), hidden_states)
 
     def token_combine(self, hidden_states, async_finish=True, allocate_on_comm_stream=True):
         """`[R, H]` restored rows -> `[T, H]` (asynchronous by default, as `token_dispatch`)."""
@@ -347,7 +356,7 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
             self.shared_experts.wait_current_stream()
         record = self._advance(Step.TOKEN_COMBINE, hidden_states, self.record and self.record.num_rows,
                                "one row per row the dispatch delivered")
-        return self.replay.combine(record, lambda: self._comm_manager.combine(
+        return self._step("combine", record, lambda: self._comm_manager.combine(
             record, hidden_states, async_finish, allocate_on_comm_stream), hidden_states)
 
     def combine_postprocess(self, hidden_states):

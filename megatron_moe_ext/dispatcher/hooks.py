@@ -1,6 +1,7 @@
 """The dispatcher's hook seat: one object the dispatcher calls at each manager step.
 
-`MoEFlexTokenDispatcher.replay` holds a `DispatchHook`; the dispatcher hands it every step of
+`MoEFlexTokenDispatcher.replay` holds a `DispatchHook` (or None: every step runs as it is, no
+hook call); the dispatcher hands it every step of
 a dispatch as a callable `run`, with the dispatch's `DispatchRecord`, and the hook runs it
 (the default), runs it inside a context, or replaces it. Activation recompute's
 `RecomputeReplay` sits here, reading a recorded dispatch's record and filling a replayed one. The table of steps, hook calls and manager
@@ -13,12 +14,7 @@ from typing import Callable
 
 import torch
 
-from megatron_moe_ext.dispatcher.record import DispatchRecord
-
-
-def in_backward() -> bool:
-    """True while the autograd engine runs a backward on this thread (a recompute)."""
-    return torch._C._current_graph_task_id() != -1
+from megatron_moe_ext.dispatcher.common.record import DispatchRecord
 
 
 class DispatchHook:
@@ -47,7 +43,3 @@ class DispatchHook:
     def combine(self, record: DispatchRecord, run: Callable[[], torch.Tensor],
                 hidden_states: torch.Tensor) -> torch.Tensor:
         return run()
-
-
-#: The hook of a dispatcher nothing has plugged into (stateless: shared).
-NO_HOOK = DispatchHook()

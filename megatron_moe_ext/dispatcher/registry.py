@@ -3,7 +3,7 @@
 Everything the package knows about a backend by name is in its row here: the config's checks
 (`config.py`), the CUDA-graph settings (`megatron/graphs.py`) and the dispatcher (`flex.py`)
 read the row. A builder returns the manager of one layer (its buffer comes from
-`dispatcher/buffers.py`) and raises ImportError naming the package when the backend is not
+`dispatcher/common/buffers.py`) and raises ImportError naming the package when the backend is not
 installed; nothing falls back silently. See docs/DESIGN.md, "Where a new backend goes".
 
 The modes (`mode_of`): "dropless" (sizes follow the routing, read on the host), "capacity"
@@ -17,7 +17,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable
 
-from megatron_moe_ext.dispatcher.base import DispatchManager
+from megatron_moe_ext.dispatcher.common.base import DispatchManager
 
 MODES = ("dropless", "capacity", "budget")
 #: The config field that chooses each fixed-shape mode.

@@ -18,10 +18,11 @@ from typing import Callable
 import torch
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from megatron_moe_ext.dispatcher.checks import ROUTING_CHANGED, RoutingChangedError
-from megatron_moe_ext.dispatcher.handoff import IndexedRows
-from megatron_moe_ext.dispatcher.hooks import DispatchHook, in_backward
-from megatron_moe_ext.dispatcher.record import DispatchRecord
+from megatron_moe_ext.dispatcher.common import permute as P
+from megatron_moe_ext.dispatcher.common.checks import ROUTING_CHANGED, RoutingChangedError, in_backward
+from megatron_moe_ext.dispatcher.common.handoff import IndexedRows
+from megatron_moe_ext.dispatcher.common.record import DispatchRecord
+from megatron_moe_ext.dispatcher.hooks import DispatchHook
 
 
 def _kept_saved_tensors(enabled: bool = True):
@@ -298,7 +299,7 @@ class RecomputeReplay(DispatchHook):
             if recording:
                 self._current = _Recorded(
                     indices_TK, probs_TK.detach(), state.handle, state.dispatched_indices,
-                    state.dispatched_probs.detach(), list(state.host_counts()), self._keep_outputs,
+                    state.dispatched_probs.detach(), list(P.host_list(state.counts)), self._keep_outputs,
                     tree_map_only(torch.Tensor, _leaf, self._route_out) if self._routing_kept else None)
                 self._records.setdefault(self._call, deque()).append(self._current)
             self._route_out, self._routing_kept = None, False
@@ -332,7 +333,7 @@ class RecomputeReplay(DispatchHook):
         with _kept_saved_tensors(kept is not None):
             out = run()
         if kept is not None and kept.keep_outputs:
-            kept.permutation = record.permutation, record.host_counts()
+            kept.permutation = record.permutation, P.host_list(record.counts)
             kept.expert_inputs = out
         return out
 
@@ -349,7 +350,6 @@ class RecomputeReplay(DispatchHook):
         kept, skipping = self._current, self._skipping
         self._current, self._skipping = None, False
         if skipping and kept.combined is not None:
-            record.release()  # the dispatch ends here: drop what it held
             return _leaf(kept.combined)
         with _kept_saved_tensors(kept is not None):
             out = run()

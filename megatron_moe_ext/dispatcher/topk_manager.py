@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from megatron_moe_ext.dispatcher import permute as P
-from megatron_moe_ext.dispatcher.base import DispatchManager
-from megatron_moe_ext.dispatcher.handoff import IndexedRows, indexed_rows
-from megatron_moe_ext.dispatcher.record import DispatchRecord
+from megatron_moe_ext.dispatcher.common import permute as P
+from megatron_moe_ext.dispatcher.common.base import DispatchManager
+from megatron_moe_ext.dispatcher.common.handoff import IndexedRows, indexed_rows
+from megatron_moe_ext.dispatcher.common.record import DispatchRecord
 
 
 class TopKManager(DispatchManager):
@@ -58,6 +58,9 @@ class TopKManager(DispatchManager):
         self.comm.announce_input_error(self.group, word, like, self.num_experts, self.fixed_send_capacity(),
                                        self.router_topk)
 
+    def check_rows(self, hidden_states) -> None:
+        """Any float rows (the fixed-shape modes narrow it)."""
+
     def fixed_send_capacity(self) -> int | None:
         """The fixed splits of this step's first collective (None: a dropless dispatch)."""
         return None
@@ -99,8 +102,10 @@ class TopKManager(DispatchManager):
     def combine(self, record, hidden_states, async_finish=False, allocate_on_comm_stream=False):
         hidden, _ = self.comm.combine(hidden_states, self.group, record.handle, async_finish,
                                       allocate_on_comm_stream)
-        record.release()
         return hidden
+
+    def get_dispatched_metadata(self, record):
+        return record.dispatched_indices, record.dispatched_probs
 
     def get_number_of_tokens_per_expert(self, record) -> torch.Tensor:
         """`[e]` int64 counts of the dispatch (padded ones once permuted): host counts as a CPU
@@ -117,7 +122,7 @@ class TopKManager(DispatchManager):
         s = record
         routing_map, probs = self._indices_to_multihot(s.dispatched_indices, s.dispatched_probs)
         permuted, permuted_probs, counts, permutation = P.permute_to_experts(
-            hidden_states, routing_map, probs, s.host_counts(), self.pad_multiple)
+            hidden_states, routing_map, probs, P.host_list(s.counts), self.pad_multiple)
         return permuted, self.keep_permutation(record, counts, permutation, permuted_probs)
 
     def keep_permutation(self, record, counts, permutation, permuted_probs):
@@ -137,7 +142,7 @@ class TopKManager(DispatchManager):
         s = record
         routing_map, probs = self._indices_to_multihot(s.dispatched_indices, s.dispatched_probs)
         probs_P, counts, row_of_slot_P, slot_of_row_RK = P.dropless_layout(
-            routing_map, probs, s.dispatched_indices, s.host_counts(), self.pad_multiple)
+            routing_map, probs, s.dispatched_indices, P.host_list(s.counts), self.pad_multiple)
         probs_P = self.keep_permutation(record, counts, slot_of_row_RK, probs_P)
         return indexed_rows(hidden_states, probs_P, row_of_slot_P, slot_of_row_RK,
                             self.get_number_of_tokens_per_expert(record))

@@ -8,35 +8,19 @@ padding: no bias, no gradient. Legend: P permuted rows, D features (H or 2I), e 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
+from megatron_moe_ext.dispatcher.common.permute import TokenCounts, counts_on
 from megatron_moe_ext.experts.kernels import bias_triton
 
 _BIAS_CHUNK_ROWS = 4096
 _BIAS_CHUNK_THRESHOLD = 12288
 
-TokenCounts = torch.Tensor | Sequence[int]
 
 
 def _use_triton(t: torch.Tensor) -> bool:
     """The Triton kernels run on CUDA tensors (tests switch the CPU ones to the interpreter)."""
     return t.is_cuda
-
-
-def counts_on(tokens_per_expert: TokenCounts, device: torch.device) -> torch.Tensor:
-    """`[e]` int64 counts on `device`; a host tensor is copied without waiting for the copy."""
-    if not isinstance(tokens_per_expert, torch.Tensor):
-        tokens_per_expert = torch.tensor(list(tokens_per_expert), dtype=torch.int64)
-    return tokens_per_expert.to(device=device, dtype=torch.int64, non_blocking=True)
-
-
-def host_counts(tokens_per_expert: TokenCounts) -> list[int] | None:
-    """The counts as ints when they are on the host (reading them costs no sync), else None."""
-    if isinstance(tokens_per_expert, torch.Tensor):
-        return tokens_per_expert.tolist() if tokens_per_expert.device.type == "cpu" else None
-    return [int(c) for c in tokens_per_expert]
 
 
 def _row_expert_ids(counts_e: torch.Tensor, rows: int) -> torch.Tensor:

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_moe_ext.dispatcher.checks import checks_values_now
-from megatron_moe_ext.dispatcher.permute import (
+from megatron_moe_ext.dispatcher.common.checks import checks_values_now
+from megatron_moe_ext.dispatcher.common.permute import (
     PermutationState,
     indices_to_multihot,
     permute_to_experts,
@@ -138,7 +138,7 @@ def check_expert_inputs(config: ExpertsConfig, x: torch.Tensor, token_mask: torc
     if weights.shape != indices.shape or not weights.dtype.is_floating_point:
         raise ValueError(f"weights: expected a float tensor of the shape of indices "
                          f"{tuple(indices.shape)}, got {weights.dtype} {tuple(weights.shape)}")
-    if indices.numel() and checks_values_now(indices):  # device values: see dispatcher/checks.py
+    if indices.numel() and checks_values_now(indices):  # device values: see dispatcher/common/checks.py
         lo, hi = int(indices.min()), int(indices.max())
         if lo < -1 or hi >= config.n_routed_experts:
             raise ValueError(f"indices: values must be in [-1, {config.n_routed_experts - 1}] "

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_moe_ext.config import check_positive_int
+from megatron_moe_ext.dispatcher.config import check_positive_int
 
 ACTIVATIONS = ("swiglu", "swiglu_clamped", "swiglu_oai", "quick_geglu", "relu2", "gelu")
 #: The activations without a gate: their gate/up weights are `[e, H, I]`, not `[e, H, 2I]`.

@@ -54,9 +54,10 @@ from types import ModuleType
 
 import torch
 
-from megatron_moe_ext.dispatcher.handoff import IndexedRows
-from megatron_moe_ext.dispatcher.permute import gather_sum
-from megatron_moe_ext.experts.bias import TokenCounts, apply_bias, counts_on, host_counts, reduce_bias_grad
+from megatron_moe_ext.dispatcher.common.handoff import IndexedRows
+from megatron_moe_ext.dispatcher.common.permute import gather_sum
+from megatron_moe_ext.dispatcher.common.permute import TokenCounts, counts_on, host_counts
+from megatron_moe_ext.experts.bias import apply_bias, reduce_bias_grad
 from megatron_moe_ext.experts.fused import (
     QUACK_ACTIVATIONS,
     auto_declined_reason,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_moe_ext.dispatcher.permute import unpermute_from_experts
+from megatron_moe_ext.dispatcher.common.permute import unpermute_from_experts
 from megatron_moe_ext.experts.common import StackedExperts, check_expert_inputs, permute_local
 from megatron_moe_ext.experts.mlp import run_grouped_expert_mlp
 

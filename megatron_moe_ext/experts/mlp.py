@@ -23,9 +23,10 @@ from typing import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from megatron_moe_ext.dispatcher.handoff import IndexedRows
-from megatron_moe_ext.dispatcher.permute import GatherRows
-from megatron_moe_ext.experts.bias import TokenCounts, apply_bias, chunk_counts, counts_on, host_counts
+from megatron_moe_ext.dispatcher.common.handoff import IndexedRows
+from megatron_moe_ext.dispatcher.common.permute import GatherRows
+from megatron_moe_ext.dispatcher.common.permute import TokenCounts, counts_on, host_counts
+from megatron_moe_ext.experts.bias import apply_bias, chunk_counts
 from megatron_moe_ext.experts.config import EXPERT_MLP_CHUNK_BYTES, check_expert_mlp_impl
 from megatron_moe_ext.experts.fused import case_unsupported_reason
 from megatron_moe_ext.experts.fused_mlp import fused_expert_mlp
@@ -250,7 +251,7 @@ def run_grouped_expert_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Ten
     rows_NH, rows = _rows_of(hidden_PH)
     intermediate_bytes = rows * gate_and_up_projs.shape[-1] * rows_NH.element_size()
     chunked = bool(chunk_bytes) and intermediate_bytes > chunk_bytes
-    if check_expert_mlp_impl(expert_mlp_impl) != "grouped_mm":
+    if expert_mlp_impl != "grouped_mm" and check_expert_mlp_impl(expert_mlp_impl):
         if experts_config is None:
             raise ValueError(f"expert_mlp_impl={expert_mlp_impl!r} needs experts_config (the "
                              "ExpertsConfig naming the activation)")

@@ -19,7 +19,7 @@ from megatron.core.tensor_parallel.random import (
 )
 from megatron.core.transformer.module import MegatronModule
 
-from megatron_moe_ext.dispatcher.handoff import IndexedRows
+from megatron_moe_ext.dispatcher.common.handoff import IndexedRows
 from megatron_moe_ext.experts.activations import get_expert_activation, is_gated_activation
 from megatron_moe_ext.experts.common import stacked_shapes
 from megatron_moe_ext.experts.config import EXPERT_MLP_IMPLS, ExpertsConfig, check_expert_mlp_impl
@@ -202,6 +202,23 @@ class GroupedGemmExperts(MegatronModule):
             if reason is not None:
                 raise RuntimeError(f"GroupedGemmExperts: expert_mlp_impl='fused' is not possible: "
                                    f"{reason}")
+        self._decide_expert_mlp_path()
+
+    def _decide_expert_mlp_path(self) -> None:
+        """The path each forward takes ("fused" or "grouped_mm"), decided here and whenever the
+        module moves (`_apply`): whether QuACK's path can run depends on where the weights are
+        (a model built under `use_cpu_initialization` moves to the GPU afterwards). "fused"
+        stays "fused" where it cannot run, so the forward raises naming why."""
+        impl = self.experts_config.expert_mlp_impl
+        if impl == "auto":
+            impl = "fused" if self.expert_mlp_fallback_reason is None else "grouped_mm"
+        self._expert_mlp_path = impl
+
+    def _apply(self, fn, *args, **kwargs):
+        module = super()._apply(fn, *args, **kwargs)
+        if "_expert_mlp_path" in self.__dict__:  # after __init__ decided it once
+            self._decide_expert_mlp_path()
+        return module
 
     @property
     def expert_mlp_fallback_reason(self) -> str | None:
@@ -213,7 +230,7 @@ class GroupedGemmExperts(MegatronModule):
     def accepts_indexed_rows(self) -> bool:
         """Whether the fused path runs, so an `IndexedRows` hand-off skips the permuted copy (the
         torch path takes one too, making the copy)."""
-        return self.expert_mlp_fallback_reason is None
+        return self._expert_mlp_path == "fused" and self.expert_mlp_fallback_reason is None
 
     @torch.no_grad()
     def _init_weights(self) -> None:
@@ -256,7 +273,7 @@ class GroupedGemmExperts(MegatronModule):
             dispatched_input, self.gate_and_up_projs, self.down_projs, self.gate_up_proj_bias,
             self.down_proj_bias, tokens_per_expert, permuted_probs.unsqueeze(-1), self.activation_fn,
             self.experts_config.expert_mlp_chunk_bytes, checkpoint,
-            expert_mlp_impl=self.experts_config.expert_mlp_impl,
+            expert_mlp_impl=self._expert_mlp_path,
             experts_config=self.experts_config), None
 
     def backward_dw(self) -> None:

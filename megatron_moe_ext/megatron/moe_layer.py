@@ -17,7 +17,7 @@ from megatron.core.transformer.moe import moe_layer as _megatron_moe_layer
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
-from megatron_moe_ext.config import TokenDispatcherConfig
+from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
 from megatron_moe_ext.dispatcher import registry
 from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
 from megatron_moe_ext.megatron import graphs, overflow
@@ -170,7 +170,8 @@ class FlexMoELayer(MoELayer, overflow.OverflowCounter):
 
     def routed_experts_compute(self, hidden_states, probs):
         output, mlp_bias = super().routed_experts_compute(hidden_states, probs)
-        self._count_overflow(self.token_dispatcher.record)
+        if self.moe_overflow_stats is not None:  # budget mode
+            self._count_overflow(self.token_dispatcher.record)
         return output, mlp_bias
 
     def route(self, hidden_states, padding_mask=None):

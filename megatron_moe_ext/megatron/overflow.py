@@ -73,13 +73,12 @@ class OverflowCounter:
         self.moe_overflow_budget = 0
 
     def _count_overflow(self, record) -> None:
-        """Add the dispatch `record`'s `overflow_stats` (budget mode only)."""
+        """Add the budget-mode dispatch `record`'s `overflow_stats`."""
         stats_2 = self.moe_overflow_stats
-        if stats_2 is not None:
-            # In place, so a CUDA graph replay updates the same tensor: sum of drops, max of rows.
-            stats_2[0].add_(record.overflow_stats[0])
-            torch.maximum(stats_2[1], record.overflow_stats[1], out=stats_2[1])
-            self.moe_overflow_budget = record.capacity
+        # In place, so a CUDA graph replay updates the same tensor: sum of drops, max of rows.
+        stats_2[0].add_(record.overflow_stats[0])
+        torch.maximum(stats_2[1], record.overflow_stats[1], out=stats_2[1])
+        self.moe_overflow_budget = record.capacity
 
     def overflow(self) -> "OverflowReport | None":
         """This layer's budget overflow since the last read (one host read, then reset; over

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 
-from megatron_moe_ext.config import TokenDispatcherConfig
+from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
 
 from megatron.core.models.gpt import moe_module_specs as _moe_module_specs
 

@@ -293,7 +293,7 @@ def test_fused_slice_variant_on_the_quack_double(dist_pools):
 def test_replayed_inputs_are_leaves_through_indexed_rows():
     import moe_slice_bench
 
-    from megatron_moe_ext.dispatcher.handoff import IndexedRows
+    from megatron_moe_ext.dispatcher.common.handoff import IndexedRows
 
     rows = torch.randn(3, 4, requires_grad=True) * 2  # not a leaf
     probs = torch.rand(5, requires_grad=True) + 0

@@ -23,7 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_moe_ext.config import TokenDispatcherConfig
+from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
 from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
 from tests.doubles import deep_ep_buffer, hybrid_ep_buffer, uccl_ep
 from tests.harness import COLLECTIVE_TIMEOUT_S, bounded_group

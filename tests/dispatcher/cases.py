@@ -15,8 +15,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from megatron_moe_ext.config import TokenDispatcherConfig
-from megatron_moe_ext.dispatcher.checks import CHECK_MODE_ENV
+from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
+from megatron_moe_ext.dispatcher.common.checks import CHECK_MODE_ENV
 from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
 from tests.reference import (
     RoutingCase,

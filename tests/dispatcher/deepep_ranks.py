@@ -118,7 +118,7 @@ def pad_multiple_case(case, dtype: str, multiple: int, backend: str = "deepep", 
 
 def refused_group_size(backend: str, group_ranks: list[int] | None, num_experts: int):
     """Build a dispatcher over the given subgroup (None = WORLD); return the error text."""
-    from megatron_moe_ext.config import TokenDispatcherConfig
+    from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
 
     INSTALLERS[backend]()
     group = dist.group.WORLD if group_ranks is None else dist.new_group(group_ranks)

@@ -13,7 +13,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_moe_ext.dispatcher.buffers import release_all as release_buffers
+from megatron_moe_ext.dispatcher.common.buffers import release_all as release_buffers
 from tests.dispatcher.cases import TOLERANCE, build_dispatcher
 from tests.dispatcher.capacity_ranks import HostReadCounter
 from tests.reference import (
@@ -32,7 +32,7 @@ CASE = RoutingCase("syncfree", tokens_per_rank=(T,), hidden=H, num_experts=E, to
 class LibraryHostReads(HostReadCounter):
     """Host reads made by the package's code: those inside a test double stand for the real
     library's own work (the CPU double exchanges sizes on the host, DeepEP's kernels do not),
-    and the value checks of dispatcher/checks.py read CPU tensors only (on GPU they defer)."""
+    and the value checks of dispatcher/common/checks.py read CPU tensors only (on GPU they defer)."""
 
     _DOUBLES = os.path.join("tests", "doubles")
 
@@ -43,7 +43,7 @@ class LibraryHostReads(HostReadCounter):
             while frame is not None and not in_double:
                 in_double = self._DOUBLES in frame.f_code.co_filename
                 frame = frame.f_back
-            in_checks = caller.f_code.co_filename.endswith(os.path.join("dispatcher", "checks.py"))
+            in_checks = caller.f_code.co_filename.endswith(os.path.join("dispatcher", "common", "checks.py"))
             if not in_double and not in_checks and caller.f_code.co_name != "_check_topk":
                 self.calls.append(f"{name} in {caller.f_code.co_name}")
             return fn(tensor, *args, **kwargs)

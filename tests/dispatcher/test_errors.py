@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_moe_ext.config import TokenDispatcherConfig
+from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
 
 CONFIG_ERRORS = [
     (dict(moe_flex_dispatcher_backend="nccl"), "moe_flex_dispatcher_backend"),
@@ -81,7 +81,7 @@ def test_assignment_revalidates_and_is_undone(field, value):
 
 
 def test_sm_count_bound_is_the_gpus():
-    from megatron_moe_ext.config import max_sm_count
+    from megatron_moe_ext.dispatcher.config import max_sm_count
 
     if torch.cuda.is_available():
         assert max_sm_count() == torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
@@ -237,7 +237,7 @@ def test_plain_state_dict_with_a_wrong_shape_expert_names_the_key():
 def test_device_value_checks_do_not_sync_and_mask_bad_slots():
     """On CUDA tensors the value checks launch kernels only (the sync debug mode raises on any
     host sync); bad slots are masked and reported by `raise_pending`."""
-    from megatron_moe_ext.dispatcher.checks import DeferredRoutingErrors
+    from megatron_moe_ext.dispatcher.common.checks import DeferredRoutingErrors
 
     ids = torch.tensor([[0, 1], [3, 3], [9, -1], [-4, 2], [5, -1]], device="cuda")
     errors = DeferredRoutingErrors()
@@ -260,7 +260,7 @@ def test_deferred_routing_flag_keeps_its_tensor():
     """The device-side flag is one tensor, updated and reset in place: a CUDA graph that
     captured a record writes to its address at every replay (a flag rebuilt by each record
     left graphs reading a freed tensor: issue 15's illegal memory access)."""
-    from megatron_moe_ext.dispatcher.checks import DeferredRoutingErrors
+    from megatron_moe_ext.dispatcher.common.checks import DeferredRoutingErrors
 
     errors = DeferredRoutingErrors()
     errors.mask_topk(torch.tensor([[0, 1], [2, 3]]), 8)  # good ids: records 0

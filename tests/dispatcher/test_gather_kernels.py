@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_moe_ext.dispatcher import permute as P
+from megatron_moe_ext.dispatcher.common import permute as P
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = torch.cuda.is_available()
@@ -219,7 +219,7 @@ def test_budget_step_through_the_kernels_matches_the_torch_path(dtype, factor, m
     dropped pairs): the same bits through the kernels as through the torch path."""
     import torch.distributed as dist
 
-    from megatron_moe_ext.dispatcher.buffers import release_all
+    from megatron_moe_ext.dispatcher.common.buffers import release_all
     from tests.dispatcher.cases import build_dispatcher
     from tests.reference import RoutingCase, make_routing
 

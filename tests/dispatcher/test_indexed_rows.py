@@ -1,4 +1,4 @@
-"""The `IndexedRows` hand-off (`dispatcher/handoff.py`): experts that gather their own rows
+"""The `IndexedRows` hand-off (`dispatcher/common/handoff.py`): experts that gather their own rows
 get the same outputs and gradients as from the dispatcher's permuted rows, at EP1 and EP2
 (gloo), in the dropless, capacity and budget modes (rank bodies: indexed_rows_ranks.py)."""
 

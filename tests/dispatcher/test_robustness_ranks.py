@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_moe_ext.dispatcher.checks import check_model_input_errors
+from megatron_moe_ext.dispatcher.common.checks import check_model_input_errors
 from tests.dispatcher.agreement_ranks import E, K, clean_step_error, dispatcher, megatron_step, outcome, routing, step
 from tests.reference import dense_moe_reference, topk_to_dense, toy_expert_params
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from megatron_moe_ext.dispatcher.handoff import IndexedRows
+from megatron_moe_ext.dispatcher.common.handoff import IndexedRows
 from megatron_moe_ext.experts.activations import get_expert_activation, is_gated_activation
 from megatron_moe_ext.experts.config import ExpertsConfig
 from megatron_moe_ext.experts.mlp import run_grouped_expert_mlp

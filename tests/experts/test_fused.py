@@ -16,7 +16,7 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_moe_ext.dispatcher.handoff import IndexedRows
+from megatron_moe_ext.dispatcher.common.handoff import IndexedRows
 from megatron_moe_ext.experts import fused, fused_mlp
 from megatron_moe_ext.experts.activations import get_expert_activation
 from megatron_moe_ext.experts.config import ExpertsConfig

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_moe_ext.dispatcher.permute import unpermute_from_experts
+from megatron_moe_ext.dispatcher.common.permute import unpermute_from_experts
 from megatron_moe_ext.experts import ExpertsConfig, GroupedExpertsDeepEP, GroupedExpertsTE, mlp, te
 from megatron_moe_ext.experts.common import (
     ExpertParallel,
@@ -225,7 +225,7 @@ def test_bad_inputs_raise_value_error_naming_the_field(monkeypatch, module_name)
         with pytest.raises(ValueError, match=f"^{field}:"):
             module(*args)
     # Value checks of CUDA tensors are deferred to the step-boundary check unless asked for
-    # at once (dispatcher/checks.py); the TE module runs on CUDA against real TE.
+    # at once (dispatcher/common/checks.py); the TE module runs on CUDA against real TE.
     monkeypatch.setenv("MOE_EXT_INPUT_CHECKS", "sync")
     with pytest.raises(ValueError, match=r"^indices: values must be in \[-1, 3\]"):
         module(x, mask, w, idx.masked_fill(idx == 0, 4))

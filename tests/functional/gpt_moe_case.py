@@ -24,6 +24,18 @@ CASE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpt_moe_tin
 MODEL_CONFIG = os.path.join(CASE_DIR, "model_config.yaml")
 GOLDEN_VALUES = os.path.join(CASE_DIR, "golden_values_cpu_fp32.json")
 
+
+def cpu_golden_values(capability: str | None = None) -> str:
+    """The golden values of this CPU's vector ISA, where stored, else GOLDEN_VALUES. Golden values
+    belong to a platform (Megatron keeps one file per GPU kind): torch's fp32 CPU kernels round
+    differently under AVX2 and AVX-512, which num-zeros sees (one zero gradient more at step 19
+    on an AVX2-only AMD EPYC than in GOLDEN_VALUES)."""
+    import torch
+
+    capability = (capability or torch.backends.cpu.get_cpu_capability()).lower()
+    path = os.path.join(CASE_DIR, f"golden_values_cpu_fp32_{capability}.json")
+    return path if os.path.exists(path) else GOLDEN_VALUES
+
 # Megatron's MODEL_ARGS names -> GPTMoEConfig fields (the rest are the run's shape).
 _MODEL_ARG_FIELDS = {
     "num-layers": "num_layers", "hidden-size": "hidden_size",
@@ -67,10 +79,10 @@ def load_case(path: str = MODEL_CONFIG) -> FunctionalCase:
                           metrics=tuple(metrics))
 
 
-def load_golden_values(path: str = GOLDEN_VALUES) -> dict[str, list]:
+def load_golden_values(path: str | None = None) -> dict[str, list]:
     """Per-step values of each metric of a golden_values JSON (Megatron's layout:
     start/end/interval/values)."""
-    with open(path) as f:
+    with open(path or cpu_golden_values()) as f:
         golden = json.load(f)
     out = {}
     for name, metric in golden.items():

@@ -141,7 +141,7 @@ def position_drop_parity() -> dict:
         gen = torch.Generator().manual_seed(5 + rank)
         x, g = torch.randn(8, 2, 16, generator=gen), torch.randn(8, 2, 16, generator=gen)
         # The router already dropped: the dispatcher must not run its own [T, E] capacity pass.
-        from megatron_moe_ext.dispatcher import permute
+        from megatron_moe_ext.dispatcher.common import permute
 
         second_drops = []
         real_drop = permute.drop_tokens_over_capacity

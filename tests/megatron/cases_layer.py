@@ -124,7 +124,7 @@ def run_layer_parity(case: LayerCase) -> dict:
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-    from megatron_moe_ext.config import TokenDispatcherConfig
+    from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
     from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
     from megatron_moe_ext.megatron.checkpoint import grouped_to_sequential_mlp
     from megatron_moe_ext.megatron.experts import GroupedGemmExperts
@@ -291,7 +291,7 @@ def run_patched_layer_with_experts() -> dict:
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     from megatron_moe_ext import patches
-    from megatron_moe_ext.config import TokenDispatcherConfig
+    from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
 
     megatron_cpu.install()
     try:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_moe_ext import recompute
-from megatron_moe_ext.config import TokenDispatcherConfig
+from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
 from tests.dispatcher.agreement_ranks import INSTALLERS, MODES, outcome
 from tests.harness import COLLECTIVE_TIMEOUT_S
 from tests.megatron.cases_layer import LayerCase, layer_config

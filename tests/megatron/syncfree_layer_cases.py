@@ -26,7 +26,7 @@ T = SEQ * BATCH
 def _build(policy: str):
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 
-    from megatron_moe_ext.config import TokenDispatcherConfig
+    from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
     from megatron_moe_ext.megatron.experts import GroupedGemmExperts
     from megatron_moe_ext.megatron.moe_layer import FlexMoELayer
 
@@ -134,7 +134,7 @@ def run_captured_reads_stay_alive() -> dict:
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
-    from megatron_moe_ext.dispatcher.checks import CHECK_MODE_ENV
+    from megatron_moe_ext.dispatcher.common.checks import CHECK_MODE_ENV
 
     class Reads(TorchDispatchMode):
         def __init__(self):

@@ -20,7 +20,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_moe_ext import patches
-from megatron_moe_ext.config import TokenDispatcherConfig
+from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
 from megatron_moe_ext.megatron import expert_choice
 from megatron_moe_ext.megatron import moe_layer as flex_moe_layer
 from megatron_moe_ext.megatron.experts import GroupedGemmExperts

@@ -35,7 +35,7 @@ def _fused_experts_module(mode: str) -> dict:
     import torch
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
-    from megatron_moe_ext.dispatcher.handoff import IndexedRows
+    from megatron_moe_ext.dispatcher.common.handoff import IndexedRows
     from megatron_moe_ext.experts import fused
     from megatron_moe_ext.megatron.experts import GroupedGemmExperts
     from tests.megatron.cases_checkpoint import EXPERTS, _config, init
@@ -64,7 +64,7 @@ def _fused_experts_module(mode: str) -> dict:
         return {"accepts": auto.accepts_indexed_rows, "reason": auto.expert_mlp_fallback_reason,
                 "error": error}
     if mode == "layer":
-        return _layer_asks_at_each_forward(config)
+        return _layer_decides_when_moved(config)
     if mode == "invalid":
         try:
             build(expert_mlp_impl="cutlass")
@@ -110,10 +110,12 @@ def _fused_experts_module(mode: str) -> dict:
             "errors": [err(out_f[:valid], out_t[:valid])] + [err(a, b) for a, b in zip(grads_f, grads_t)]}
 
 
-def _layer_asks_at_each_forward(config) -> list[str]:
+def _layer_decides_when_moved(config) -> list[str]:
     """A FlexMoELayer built while its experts cannot take `IndexedRows` (QuACK unavailable, as
-    for a model built on the CPU before it moves to the GPU) hands them once they can: the
-    type of what its experts received in a forward before and after."""
+    for a model built on the CPU before it moves to the GPU) hands them once it has moved where
+    they can (the path is decided at build and on every move, `_apply`, never per forward): the
+    type of what its experts received in a forward before the move, after QuACK alone became
+    available, and after the move."""
     import functools
 
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
@@ -135,15 +137,17 @@ def _layer_asks_at_each_forward(config) -> list[str]:
     x = torch.randn(6, 1, config.hidden_size, dtype=torch.bfloat16)
     layer(x)
     fused.set_quack_backend(double)
+    layer(x)
+    layer.to("cpu")  # a move: what a model built under use_cpu_initialization goes through
     layer(x)[0].float().sum().backward()
     return seen
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the QuACK double on a CPU-built Megatron; on the "
                     "GPU machine bench/moe_slice_bench.py runs the layer with real QuACK")
-def test_layer_hands_indexed_rows_once_its_experts_can(dist_pools):
+def test_layer_hands_indexed_rows_once_moved_where_its_experts_can(dist_pools):
     (seen,) = dist_pools(1).run(fused_experts_module, "layer")
-    assert seen == ["Tensor", "IndexedRows"], seen
+    assert seen == ["Tensor", "Tensor", "IndexedRows"], seen
 
 
 def test_indexed_rows_through_fused_module_match_torch_path(dist_pools):

@@ -15,7 +15,7 @@ from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from megatron_moe_ext import patches
-from megatron_moe_ext.config import TokenDispatcherConfig
+from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
 from megatron_moe_ext.megatron import specs
 from megatron_moe_ext.megatron.moe_layer import FlexMoELayer
 from tests.megatron.cases_layer import run_gpt_spec_paths, run_patched_layer_with_experts

@@ -1,5 +1,5 @@
 """DeepEP V1 `deep_ep.Buffer` backend: DeepEP-contract `dispatch` / `combine` as autograd
-functions over a buffer from `dispatcher/buffers.py`, written over any module exposing
+functions over a buffer from `dispatcher/common/buffers.py`, written over any module exposing
 DeepEP's Python `Buffer` API (`DeepEPCommunicator(library)`: `deep_ep` here, UCCL-EP's
 DeepEP-compatible buffer in `backends/uccl.py`).
 
@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megatron_moe_ext.dispatcher import buffers, checks
+from megatron_moe_ext.dispatcher.common import buffers, checks
 from megatron_moe_ext.dispatcher.backends.deepep_handle import DeepEPHandle, record_combine, record_dispatch
 from megatron_moe_ext.utils.optional import require
 
@@ -45,7 +45,7 @@ def _pad_columns(x: torch.Tensor, multiple: int) -> torch.Tensor:
 
 class DeepEPCommunicator:
     """Dispatch/combine over one buffer of a DeepEP-compatible library (the owner of that
-    buffer in `dispatcher/buffers.py`; get one with `communicator`).
+    buffer in `dispatcher/common/buffers.py`; get one with `communicator`).
 
     Arguments:
         library: returns the module that provides `Buffer` (and raises ImportError with an

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from megatron_moe_ext.dispatcher import checks
-from megatron_moe_ext.dispatcher import permute as P
+from megatron_moe_ext.dispatcher.common import checks
+from megatron_moe_ext.dispatcher.common import permute as P
 
 # All-to-all only moves bytes, and gloo has no 16-bit types: send half types as raw bytes.
 _BYTE_VIEW_DTYPES = (torch.bfloat16, torch.float16)
@@ -294,7 +294,7 @@ def combine_fixed(x_RH, group, handle: FixedHandle, async_finish: bool = False,
 
 
 class TorchCommunicator:
-    """The torch backend behind the communicator protocol (`dispatcher/base.py`
+    """The torch backend behind the communicator protocol (`dispatcher/common/base.py`
     `Communicator`): the functions above, and no buffer. Stateless: one object serves every
     layer (`COMMUNICATOR`)."""
 

@@ -21,11 +21,11 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from megatron_moe_ext.dispatcher import buffers, checks
-from megatron_moe_ext.dispatcher import permute as P
-from megatron_moe_ext.dispatcher.base import DispatchManager
+from megatron_moe_ext.dispatcher.common import buffers, checks
+from megatron_moe_ext.dispatcher.common import permute as P
+from megatron_moe_ext.dispatcher.common.base import DispatchManager
 from megatron_moe_ext.dispatcher.hybridep.metadata import HybridEPMetadataProcessor
-from megatron_moe_ext.dispatcher.record import DispatchRecord
+from megatron_moe_ext.dispatcher.common.record import DispatchRecord
 from megatron_moe_ext.utils.env import env_flag
 
 #: HybridEP's TMA loads need every rank's token count to be a multiple of this.
@@ -59,7 +59,7 @@ def _assert_no_hybridep_overflow(handle, capacity: int) -> None:
 
 
 class _BufferOwner:
-    """One `HybridEPBuffer` in the shared-buffer registry (dispatcher/buffers.py), built by the
+    """One `HybridEPBuffer` in the shared-buffer registry (dispatcher/common/buffers.py), built by the
     first dispatch that needs it."""
 
     def __init__(self, key: tuple):
@@ -387,8 +387,10 @@ class HybridEPManager(DispatchManager):
         """`[P, H]` expert outputs -> `[T, H]` (padding tokens sliced off)."""
         y_TH = _HybridEPCombine.apply(hidden_states, record.buffer, record.handle, self.pad_multiple,
                                       self.hybridep_permute_fusion)[: record.num_tokens]
-        record.release()
         return y_TH
+
+    def get_dispatched_metadata(self, record):
+        return None, record.dispatched_probs
 
     def get_number_of_tokens_per_expert(self, record) -> torch.Tensor:
         return record.counts

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megatron_moe_ext.dispatcher import permute as P
+from megatron_moe_ext.dispatcher.common import permute as P
 
 
 class _ScatterProbs(torch.autograd.Function):

@@ -12,7 +12,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from megatron_moe_ext.dispatcher.permute import align_up
+from megatron_moe_ext.dispatcher.common.permute import align_up
 from megatron_moe_ext.utils.env import env_int
 
 logger = logging.getLogger(__name__)

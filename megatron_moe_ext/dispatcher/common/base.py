@@ -4,8 +4,8 @@ A manager belongs to one layer; each dispatch is a `DispatchRecord` (`record.py`
 dispatcher hands to every step: `setup_metadata*` -> `dispatch` ->
 `get_permuted_hidden_states_by_experts` -> (experts) -> `get_restored_hidden_states_by_experts`
 -> `combine` (the dispatcher enforces the order). Backward never reads a record (what it needs
-lives in the autograd graph), so a record's tensors are released at combine. Only the
-backend's buffer is shared (`buffers.py`).
+lives in the autograd graph), so the dispatcher drops it after the combine. Only the backend's
+buffer is shared (`buffers.py`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from megatron_moe_ext.dispatcher.record import DispatchRecord
+from megatron_moe_ext.dispatcher.common.record import DispatchRecord
 
 
 class Communicator(Protocol):
@@ -81,6 +81,7 @@ class DispatchManager(ABC):
         """This rank failed before this step's first collective: send the error `word` to the
         peers waiting in it (see `Communicator.announce_input_error`)."""
 
+    @abstractmethod
     def check_rows(self, hidden_states: torch.Tensor) -> None:
         """Refuse rows the backend cannot send (ValueError), before the step's first collective."""
 
@@ -104,9 +105,9 @@ class DispatchManager(ABC):
                 allocate_on_comm_stream: bool = False) -> torch.Tensor:
         """Received rows back to their owners -> `[T, H]`; releases `record`'s tensors."""
 
+    @abstractmethod
     def get_dispatched_metadata(self, record: DispatchRecord):
         """`(received ids [R, K] or None, received weights)`."""
-        return record.dispatched_indices, record.dispatched_probs
 
     @abstractmethod
     def get_permuted_hidden_states_by_experts(self, record: DispatchRecord, hidden_states: torch.Tensor):

@@ -25,6 +25,7 @@ Legend: T tokens, E global experts, e local experts, K top-k, W expert-parallel 
 from __future__ import annotations
 
 import enum
+import os
 
 import torch
 import torch.distributed as dist
@@ -186,9 +187,15 @@ def describe(bits: int, num_experts: int, topk: int) -> str:
     return "; ".join(parts)
 
 
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward on this thread (a recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def checks_values_now(tensor: torch.Tensor) -> bool:
     """Whether value checks on `tensor` run at once, per ``MOE_EXT_INPUT_CHECKS``."""
-    mode = env_choice(CHECK_MODE_ENV, _CHECK_MODES, "auto")
+    # Unset (the common case) costs no parse: this runs on every dispatch.
+    mode = "auto" if CHECK_MODE_ENV not in os.environ else env_choice(CHECK_MODE_ENV, _CHECK_MODES, "auto")
     return mode == "sync" or (mode == "auto" and tensor.is_cpu)
 
 

@@ -92,11 +92,3 @@ class DispatchRecord:
     def fixed(self) -> bool:
         """A fixed-shape dispatch (its sizes came from a sizing policy, not the counts)."""
         return self.capacity is not None
-
-    def host_counts(self) -> list[int]:
-        return self.counts if isinstance(self.counts, list) else self.counts.tolist()
-
-    def release(self) -> None:
-        """Drop every tensor the dispatch held (its autograd nodes keep what backward needs)."""
-        keep = (self.hidden_shape, self.next, self.in_recompute, self.indexed_rows)
-        self.__init__(*keep)

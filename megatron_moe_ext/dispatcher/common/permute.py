@@ -13,6 +13,7 @@ plus padding), H hidden.
 from __future__ import annotations
 
 import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,28 @@ def host_counts_tensor(counts: list[int]) -> torch.Tensor:
     it runs on every dispatch)."""
     return torch.frombuffer(array.array("q", counts), dtype=torch.int64) if counts else \
         torch.zeros(0, dtype=torch.int64)
+
+
+TokenCounts = torch.Tensor | Sequence[int]
+
+
+def counts_on(tokens_per_expert: TokenCounts, device: torch.device) -> torch.Tensor:
+    """`[e]` int64 counts on `device`; a host tensor is copied without waiting for the copy."""
+    if not isinstance(tokens_per_expert, torch.Tensor):
+        tokens_per_expert = torch.tensor(list(tokens_per_expert), dtype=torch.int64)
+    return tokens_per_expert.to(device=device, dtype=torch.int64, non_blocking=True)
+
+
+def host_counts(tokens_per_expert: TokenCounts) -> list[int] | None:
+    """The counts as ints when they are on the host (reading them costs no sync), else None."""
+    if isinstance(tokens_per_expert, torch.Tensor):
+        return tokens_per_expert.tolist() if tokens_per_expert.device.type == "cpu" else None
+    return [int(c) for c in tokens_per_expert]
+
+
+def host_list(counts: list[int] | torch.Tensor) -> list[int]:
+    """A dispatch's counts as a host list (a tensor is read, which syncs on the device)."""
+    return counts if isinstance(counts, list) else counts.tolist()
 
 
 def routing_map_to_topk(
