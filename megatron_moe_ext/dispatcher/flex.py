@@ -136,7 +136,7 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
 
     @property
     def manager(self):
-        """This layer's communication manager (the backend row's build; its `state` is public)."""
+        """This layer's communication manager (the backend row's build)."""
         return self._comm_manager
 
     def allocate_buffers(self, hidden_size: int, dtype: torch.dtype) -> None:

@@ -136,3 +136,29 @@ def run_profiled_labels_on_megatron_gpt() -> dict:
                     experts=pretrain_profiled.describe_experts([chunk]))
     finally:
         megatron_cpu.uninstall()
+
+
+def megatron_args_of_dry_run(lines: list[str], fields: str) -> dict[str, dict]:
+    """Megatron-LM's own `parse_args` over the `pretrain_gpt.py` flags of each DRY_RUN line of a
+    bench script (in a subprocess: it reads sys.argv and sets globals) -> {run name: dict(...)},
+    the dict built by `fields`, keyword arguments over the parsed `a` and the `line`."""
+    import json
+    import subprocess
+
+    code = f"""
+import json, shlex, sys
+from megatron.training.arguments import parse_args
+out = {{}}
+for line in sys.stdin:
+    words = shlex.split(line)
+    start = next(i for i, w in enumerate(words) if w.endswith("pretrain_gpt.py")) + 1
+    sys.argv = ["pretrain_gpt.py"] + words[start:]
+    a = parse_args()
+    out[words[0]] = dict({fields})
+print(json.dumps(out))
+"""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, input="\n".join(lines), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])

@@ -244,27 +244,13 @@ def test_slice_run_lists_parse_with_megatron_arguments(tmp_path):
     lines = subprocess.run(["bash", "bench/gpu/pretrain_megatron_lm.sh"], cwd=ROOT, env=env, check=True,
                            capture_output=True, text=True).stdout.splitlines()
     assert sorted(line.split()[0] for line in lines) == sorted(runs.split())  # det runs go side by side
-    code = """
-import json, shlex, sys
-from megatron.training.arguments import parse_args
-out = {}
-for line in sys.stdin:
-    words = shlex.split(line)
-    start = next(i for i, w in enumerate(words) if w.endswith("pretrain_gpt.py")) + 1
-    sys.argv = ["pretrain_gpt.py"] + words[start:]
-    a = parse_args()
-    out[words[0]] = dict(layers=a.num_layers, experts=a.num_experts, topk=a.moe_router_topk, ffn=a.moe_ffn_hidden_size,
-                         spec=a.spec, det=a.deterministic_mode, ce_fusion=a.cross_entropy_loss_fusion,
-                         permute_fusion=a.moe_permute_fusion, router_fusion=a.moe_router_fusion,
-                         timing=a.timing_log_level, iters=a.train_iters, seq=a.seq_length, gbs=a.global_batch_size,
-                         force_balance=a.moe_router_force_load_balancing, swiglu_fusion=a.bias_swiglu_fusion,
-                         profiled="pretrain_profiled.py" in line)
-print(json.dumps(out))
-"""
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, input="\n".join(lines), capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    args = json.loads(done.stdout.splitlines()[-1])
+    args = cases_bench.megatron_args_of_dry_run(lines, """
+        layers=a.num_layers, experts=a.num_experts, topk=a.moe_router_topk, ffn=a.moe_ffn_hidden_size,
+        spec=a.spec, det=a.deterministic_mode, ce_fusion=a.cross_entropy_loss_fusion,
+        permute_fusion=a.moe_permute_fusion, router_fusion=a.moe_router_fusion,
+        timing=a.timing_log_level, iters=a.train_iters, seq=a.seq_length, gbs=a.global_batch_size,
+        force_balance=a.moe_router_force_load_balancing, swiglu_fusion=a.bias_swiglu_fusion,
+        profiled="pretrain_profiled.py" in line""")
     for name, a in args.items():
         assert (a["experts"], a["topk"], a["ffn"], a["seq"], a["gbs"]) == (16, 8, 768, 4096, 8)
         assert a["layers"] == (8 if a["det"] else 16)

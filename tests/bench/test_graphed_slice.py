@@ -24,6 +24,8 @@ sys.path.insert(0, os.path.join(ROOT, "bench", "gpu"))
 
 import kernel_breakdown  # noqa: E402
 
+from tests.bench import cases_bench  # noqa: E402
+
 
 def _event(device: str, name: str, start: float, end: float, annotation: bool = False):
     return SimpleNamespace(device_type=SimpleNamespace(name=device), name=name, is_user_annotation=annotation,
@@ -99,29 +101,15 @@ def test_graphed_slice_run_list_parses_with_megatron_arguments(tmp_path):
     picked = subprocess.run(["bash", "bench/gpu/graphed_slice.sh"], cwd=ROOT, capture_output=True, text=True,
                             env=dict(env, RUNS="ext_budget_te native_eager")).stdout.splitlines()
     assert [line.split()[0] for line in picked] == ["native_eager", "ext_budget_te"]
-    code = """
-import json, shlex, sys
-from megatron.training.arguments import parse_args
-out = {}
-for line in sys.stdin:
-    words = shlex.split(line)
-    start = next(i for i, w in enumerate(words) if w.endswith("pretrain_gpt.py")) + 1
-    sys.argv = ["pretrain_gpt.py"] + words[start:]
-    a = parse_args()
-    out[words[0]] = dict(layers=a.num_layers, experts=a.num_experts, topk=a.moe_router_topk, ffn=a.moe_ffn_hidden_size,
-                         hidden=a.hidden_size, heads=a.num_attention_heads, groups=a.num_query_groups, kv=a.kv_channels,
-                         spec=a.spec, ce_fusion=a.cross_entropy_loss_fusion, ce_impl=a.cross_entropy_fusion_impl,
-                         permute_fusion=a.moe_permute_fusion, router_fusion=a.moe_router_fusion,
-                         timing=a.timing_log_level, iters=a.train_iters, seq=a.seq_length, gbs=a.global_batch_size,
-                         impl=a.transformer_impl, graphs=a.cuda_graph_impl,
-                         modules=[str(getattr(m, "name", m)) for m in (a.cuda_graph_modules or [])],
-                         force_balance=a.moe_router_force_load_balancing, throughput=a.log_throughput)
-print(json.dumps(out))
-"""
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, input="\n".join(lines), capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    args = json.loads(done.stdout.splitlines()[-1])
+    args = cases_bench.megatron_args_of_dry_run(lines, """
+        layers=a.num_layers, experts=a.num_experts, topk=a.moe_router_topk, ffn=a.moe_ffn_hidden_size,
+        hidden=a.hidden_size, heads=a.num_attention_heads, groups=a.num_query_groups, kv=a.kv_channels,
+        spec=a.spec, ce_fusion=a.cross_entropy_loss_fusion, ce_impl=a.cross_entropy_fusion_impl,
+        permute_fusion=a.moe_permute_fusion, router_fusion=a.moe_router_fusion,
+        timing=a.timing_log_level, iters=a.train_iters, seq=a.seq_length, gbs=a.global_batch_size,
+        impl=a.transformer_impl, graphs=a.cuda_graph_impl,
+        modules=[str(getattr(m, "name", m)) for m in (a.cuda_graph_modules or [])],
+        force_balance=a.moe_router_force_load_balancing, throughput=a.log_throughput""")
     graphs = {"eager": ("none", []), "attn": ("transformer_engine", ["attn"]),
               "recipe": ("transformer_engine", ["attn", "moe_router", "moe_preprocess"]),
               "recipe_local": ("local", ["attn", "moe_router", "moe_preprocess"]),
