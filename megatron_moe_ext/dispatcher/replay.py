@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
@@ -74,6 +75,67 @@ class _Recorded:
     combined: torch.Tensor | None = None
 
 
+class Phase(enum.Enum):
+    """What the hook does now, one printable value (Megatron's router replay names its phases
+    alike: record, replay, off)."""
+
+    OFF = "off"  # every step runs as it is
+    RECORD = "record"  # a forward that will be recomputed: routing and layout recorded
+    RECORD_OUTPUTS = "record_outputs"  # also what the dispatch hands the experts: its recompute skips it
+    REPLAY = "replay"  # a recompute, taking the recording of its forward
+
+
+@dataclass(frozen=True)
+class _Routing:
+    """What `route` returned last, until a routing setup consumes it.
+
+    out: its outputs (kept in a forward, handed back in a recompute).
+    tensors: their tensors, until the setup (`routing_handed` compares against them).
+    handed: the dispatcher was handed exactly them (for the setup).
+    kept: a forward's setup kept them (for the recording of its dispatch).
+    """
+
+    out: object = None
+    tensors: list[torch.Tensor] | None = None
+    handed: bool = False
+    kept: bool = False
+
+
+_NO_ROUTING = _Routing()
+
+
+class _ChangeFlag:
+    """A routing change seen by the recomputes since the last read: a device flag (or'ed over
+    them), its host copy (one pinned buffer, written again by each recompute: stream order
+    makes the last copy cover all) and the event after that copy."""
+
+    def __init__(self):
+        self.changed: torch.Tensor | None = None
+        self.host: torch.Tensor | None = None
+        self.copied: torch.cuda.Event | None = None
+
+    def add(self, changed: torch.Tensor) -> None:
+        """Or `changed` in and copy it to the host without a sync, for the next host sync point."""
+        self.changed = changed if self.changed is None else self.changed.logical_or_(changed)
+        if changed.is_cuda:
+            if self.host is None:  # once per replay: no pinned allocation per recompute
+                self.host = torch.zeros((), dtype=torch.bool, pin_memory=True)
+                self.copied = torch.cuda.Event()
+            self.host.copy_(self.changed, non_blocking=True)
+            self.copied.record()
+
+    def read(self) -> bool:
+        """Whether a change was added since the last read (and forget it); waits only for the
+        host copy made by the last recompute."""
+        changed, self.changed = self.changed, None
+        if changed is None:
+            return False
+        if changed.is_cuda:
+            self.copied.synchronize()
+            changed = self.host
+        return bool(changed)
+
+
 class RecomputeReplay(DispatchHook):
     """The hook of one layer's dispatcher that records and replays routing and layout.
 
@@ -89,26 +151,24 @@ class RecomputeReplay(DispatchHook):
         # other recompute, whose records are taken in the order of their forwards).
         self._records: dict[object, deque[_Recorded]] = {}
         self._call: object = None
-        self._recording = False
-        self._keep_outputs = False
-        self._replaying: _Recorded | None = None  # popped by the routing, for the dispatch
-        # What `route` returned last (kept outputs in a forward, or handed back in a recompute)
-        # and its tensors, until a routing setup consumes them; whether the dispatcher was
-        # handed exactly them (`routing_handed`), for the setup; and, in a forward, whether the
-        # setup kept them, for the recording of its dispatch.
-        self._route_out: object = None
-        self._routed: list[torch.Tensor] | None = None
-        self._handed = False
-        self._routing_kept = False
-        # The recording of the dispatch in flight (recorded or replayed), until its combine.
+        self._phase = Phase.OFF  # the forward's: OFF, RECORD or RECORD_OUTPUTS (`recording`)
+        self._routing = _NO_ROUTING
+        # The recording of the dispatch in flight: taken by a recompute's setup, or made by a
+        # recorded forward's dispatch; until its combine.
         self._current: _Recorded | None = None
-        self._skipping = False  # the dispatch in flight is replayed from kept outputs
-        # A routing change seen by the recomputes since the last `check`: a device flag (or'ed
-        # over them), its host copy (one pinned buffer, written again by each recompute: stream
-        # order makes the last copy cover all) and the event after that copy.
-        self._changed: torch.Tensor | None = None
-        self._changed_host: torch.Tensor | None = None
-        self._changed_copied: torch.cuda.Event | None = None
+        self._changed = _ChangeFlag()
+
+    @property
+    def phase(self) -> Phase:
+        """REPLAY in a recompute with a recording to take, else the forward's phase."""
+        if in_backward():
+            return Phase.REPLAY if self._next() is not None else Phase.OFF
+        return self._phase
+
+    @property
+    def _skipping(self) -> bool:
+        """The dispatch in flight is replayed from kept outputs (nothing moves)."""
+        return self._current is not None and self._current.keep_outputs and in_backward()
 
     @property
     def num_records(self) -> int:
@@ -136,7 +196,8 @@ class RecomputeReplay(DispatchHook):
         """Record the dispatches of this forward (it will be recomputed); `keep_outputs`: also
         keep what they hand the experts, so their recompute skips the dispatch (non-reentrant
         checkpoint only; end the recompute with `end_recompute`)."""
-        return self._setting(_recording=enabled, _keep_outputs=keep_outputs)
+        phase = Phase.OFF if not enabled else Phase.RECORD_OUTPUTS if keep_outputs else Phase.RECORD
+        return self._setting(_phase=phase)
 
     @contextlib.contextmanager
     def _setting(self, **values):
@@ -150,9 +211,9 @@ class RecomputeReplay(DispatchHook):
     def end_recompute(self) -> None:
         """Drop what a recompute left of a dispatch replayed from kept outputs (a checkpoint
         stops its recompute once it has what backward needs: the combine may never come)."""
-        self._route_out = self._routed = None
+        self._routing = _NO_ROUTING
         if self._skipping:
-            self._current, self._skipping = None, False
+            self._current = None
 
     def drop_call(self, key: object) -> None:
         """Drop `key`'s unconsumed records (its forward raised: no recompute will take them)."""
@@ -161,8 +222,7 @@ class RecomputeReplay(DispatchHook):
     def clear(self) -> None:
         """Drop unconsumed records (a checkpointed forward whose backward never ran)."""
         self._records.clear()
-        self._current, self._skipping, self._route_out, self._routed = None, False, None, None
-        self._handed = self._routing_kept = False
+        self._current, self._routing = None, _NO_ROUTING
 
     # ---- routing ---------------------------------------------------------------------------
     def route(self, fn: Callable, *args, **kwargs):
@@ -183,13 +243,12 @@ class RecomputeReplay(DispatchHook):
             if kept is None or kept.routed is None:
                 return fn(*args, **kwargs)  # this forward's router was not kept: run it again
             out = tree_map_only(torch.Tensor, _leaf, kept.routed)
-        elif not (self._recording and self._keep_outputs):
+        elif self._phase is not Phase.RECORD_OUTPUTS:
             return fn(*args, **kwargs)
         else:
             with _kept_saved_tensors():
                 out = fn(*args, **kwargs)
-        self._route_out = out
-        self._routed = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self._routing = _Routing(out, [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)])
         return out
 
     def routing_handed(self, *routing: torch.Tensor) -> bool:
@@ -199,37 +258,34 @@ class RecomputeReplay(DispatchHook):
         ran on exactly these values (so the dispatcher need not check them again)."""
         # Each tensor views the same contiguous bytes as one of `route`'s outputs (a reshape of
         # it), so it holds the same values; a host-side test, no kernel.
-        routed = self._routed
-        self._handed = routed is not None and all(any(
+        routed = self._routing.tensors
+        handed = routed is not None and all(any(
             t.data_ptr() == r.data_ptr() and t.dtype == r.dtype and t.numel() == r.numel()
             and t.is_contiguous() and r.is_contiguous() for r in routed) for t in routing)
-        return self._handed and self._replays_routing()
+        self._routing = dataclasses.replace(self._routing, handed=handed)
+        return handed and self._replays_routing()
 
     def _replays_routing(self) -> bool:
         """The setup to come is a recompute's, of the routing its forward kept."""
         kept = self._next()
-        return self._handed and in_backward() and kept is not None and kept.routed is not None
+        return self._routing.handed and in_backward() and kept is not None and kept.routed is not None
 
     def setup(self, record: DispatchRecord, run: Callable[[], None]) -> None:
         if self._replays_routing():
             # The routing is the forward's (`routing_handed`): its recorded ids and weights are
             # the dispatch's, with no conversion and nothing to compare.
-            kept = self._replaying = self._take()
+            kept = self._current = self._take()
             record.token_indices, record.token_probs = kept.indices_TK, kept.probs_TK
-            kept.routed = self._route_out = self._routed = None
-            self._handed = False
+            kept.routed, self._routing = None, _NO_ROUTING
             return
         # A forward keeping `route`'s outputs keeps the setup's saved tensors out of the
-        # checkpoint too, as its recompute skips the setup.
-        self._routing_kept = self._handed and self._recording and self._keep_outputs and not in_backward()
-        if not self._routing_kept:
-            self._route_out = None
-        self._handed = False
-        with _kept_saved_tensors(self._routing_kept):
+        # checkpoint too, as its recompute skips the setup; they stay for its recording.
+        kept_routing = self._routing.handed and self._phase is Phase.RECORD_OUTPUTS and not in_backward()
+        self._routing = _Routing(self._routing.out, kept=True) if kept_routing else _NO_ROUTING
+        self._current = None
+        with _kept_saved_tensors(kept_routing):
             run()
-        self._routed = None  # `_route_out` stays for the recording of a forward's dispatch
         if not (in_backward() and self._next() is not None):
-            self._replaying = None
             self.check()
             return
         kept = self._take()
@@ -251,31 +307,14 @@ class RecomputeReplay(DispatchHook):
             probs_TK = (match_TKK * probs_TK[:, None, :]).sum(-1) + probs_TK * kept.indices_TK.lt(0)
         changed_TK = match_TKK.any(-1).ne_(recorded_TK).logical_or_(probs_TK.detach().ne(kept.probs_TK))
         changed_T = (indices_TK >= 0).sum(-1).ne(recorded_TK.sum(-1))
-        self._flag(changed_TK.any().logical_or_(changed_T.any()))
+        self._changed.add(changed_TK.any().logical_or_(changed_T.any()))
         record.token_indices, record.token_probs = kept.indices_TK, probs_TK
-        self._replaying = kept
-
-    def _flag(self, changed: torch.Tensor) -> None:
-        """Or a device flag into this step's and copy it to the host without a sync, for the
-        next host sync point."""
-        self._changed = changed if self._changed is None else self._changed.logical_or_(changed)
-        if changed.is_cuda:
-            if self._changed_host is None:  # once per replay: no pinned allocation per recompute
-                self._changed_host = torch.zeros((), dtype=torch.bool, pin_memory=True)
-                self._changed_copied = torch.cuda.Event()
-            self._changed_host.copy_(self._changed, non_blocking=True)
-            self._changed_copied.record()
+        self._current = kept
 
     def changed(self) -> bool:
         """Whether a recompute since the last call routed differently (and forget it); waits
         only for the host copy of the flag made by the last recompute."""
-        changed, self._changed = self._changed, None
-        if changed is None:
-            return False
-        if changed.is_cuda:
-            self._changed_copied.synchronize()
-            changed = self._changed_host
-        return bool(changed)
+        return self._changed.read()
 
     def check(self) -> None:
         """Raise `RoutingChangedError` on this rank if a recompute since the last check routed
@@ -289,20 +328,20 @@ class RecomputeReplay(DispatchHook):
     def dispatch(self, record: DispatchRecord, run: Callable[[], torch.Tensor], hidden_states: torch.Tensor,
                  async_finish: bool = False, allocate_on_comm_stream: bool = False) -> torch.Tensor:
         manager, state = self.manager, record  # the replayed dispatch fills its record
-        kept, self._replaying = self._replaying, None
-        self._current, self._skipping = kept, kept is not None and kept.keep_outputs
+        kept = self._current  # a recompute's, taken by its setup
         if kept is None:
-            recording = self._recording and not in_backward()
+            recording = self._phase is not Phase.OFF and not in_backward()
             indices_TK, probs_TK = state.token_indices, state.token_probs
             with _kept_saved_tensors(recording):
                 out = run()
             if recording:
                 self._current = _Recorded(
                     indices_TK, probs_TK.detach(), state.handle, state.dispatched_indices,
-                    state.dispatched_probs.detach(), list(P.host_list(state.counts)), self._keep_outputs,
-                    tree_map_only(torch.Tensor, _leaf, self._route_out) if self._routing_kept else None)
+                    state.dispatched_probs.detach(), list(P.host_list(state.counts)),
+                    self._phase is Phase.RECORD_OUTPUTS,
+                    tree_map_only(torch.Tensor, _leaf, self._routing.out) if self._routing.kept else None)
                 self._records.setdefault(self._call, deque()).append(self._current)
-            self._route_out, self._routing_kept = None, False
+            self._routing = _NO_ROUTING
             return out
         if self._skipping:  # the permutation hands the experts the kept rows: nothing moves
             hidden, indices, probs = (_stand_in(hidden_states, kept.recv_indices_RK.shape[0]),
@@ -348,7 +387,7 @@ class RecomputeReplay(DispatchHook):
     def combine(self, record: DispatchRecord, run: Callable[[], torch.Tensor],
                 hidden_states: torch.Tensor) -> torch.Tensor:
         kept, skipping = self._current, self._skipping
-        self._current, self._skipping = None, False
+        self._current = None
         if skipping and kept.combined is not None:
             return _leaf(kept.combined)
         with _kept_saved_tensors(kept is not None):
