@@ -118,11 +118,8 @@ def test_the_package_itself_is_clean():
 def test_one_layer_step_crosses_at_most_nine_files(dist_pools):
     """bench/trace_layer.py's measure: one FlexMoELayer forward+backward at EP2 (torch backend,
     GroupedGemmExperts, after a warm-up step) runs code of at most 9 package files."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    try:
-        import trace_layer
-    finally:
-        sys.path.pop(0)
+    from bench import trace_layer  # importable by name in the pool's processes too
+
     ranks = dist_pools(2).run(trace_layer.trace_rank)
     for r in ranks:
         assert r["files"] <= 9, r["file_list"]

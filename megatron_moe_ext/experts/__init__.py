@@ -3,8 +3,8 @@
 chooses it), `kernels/`."""
 
 from megatron_moe_ext.experts.config import ExpertsConfig
-from megatron_moe_ext.experts.dispatch import GroupedExpertsDeepEP
+from megatron_moe_ext.experts.dispatch import GroupedExpertsDeepEP, GroupedExpertsFlex
 from megatron_moe_ext.experts.grouped import GroupedExperts
 from megatron_moe_ext.experts.te import GroupedExpertsTE
 
-__all__ = ["ExpertsConfig", "GroupedExperts", "GroupedExpertsDeepEP", "GroupedExpertsTE"]
+__all__ = ["ExpertsConfig", "GroupedExperts", "GroupedExpertsDeepEP", "GroupedExpertsFlex", "GroupedExpertsTE"]

@@ -1,4 +1,5 @@
-"""`GroupedExpertsDeepEP`: `MoEFlexTokenDispatcher` (any backend) + `run_grouped_expert_mlp`.
+"""`GroupedExpertsFlex` (the seed's `GroupedExpertsDeepEP`): `MoEFlexTokenDispatcher` (any
+backend) + `run_grouped_expert_mlp`.
 `ExpertDispatch` is the dispatch/combine half, shared with `GroupedExpertsTE`.
 
 Legend: T local tokens, H hidden, E experts, e local experts, K top-k, P dispatched rows
@@ -99,7 +100,7 @@ def make_dispatcher_config(config: ExpertsConfig, backend: str, num_sms: int, sh
 
 
 class FlexDispatchedExperts:
-    """What `GroupedExpertsDeepEP` and `GroupedExpertsTE` share: `forward` is dispatch ->
+    """What `GroupedExpertsFlex` and `GroupedExpertsTE` share: `forward` is dispatch ->
     `self._grouped_mlp(rows_PH, probs_P, tokens_per_expert)` -> combine."""
 
     def get_pipeline_runtime_initializers(self) -> tuple:
@@ -115,8 +116,9 @@ class FlexDispatchedExperts:
         return self.token_dispatch.combine(self._grouped_mlp(rows_PH, probs_P, tokens_per_expert).to(x.dtype))
 
 
-class GroupedExpertsDeepEP(FlexDispatchedExperts, StackedExperts):
-    """Sparse MoE experts: flex token dispatch + `torch._grouped_mm`.
+class GroupedExpertsFlex(FlexDispatchedExperts, StackedExperts):
+    """Sparse MoE experts: flex token dispatch (every backend, DeepEP's only by the seed's name
+    `GroupedExpertsDeepEP`, an alias) + `torch._grouped_mm`.
 
     Arguments:
         config: `ExpertsConfig`.
@@ -152,3 +154,7 @@ class GroupedExpertsDeepEP(FlexDispatchedExperts, StackedExperts):
             rows_PH, self.gate_and_up_projs, self.down_projs, self.gate_up_proj_bias, self.down_proj_bias,
             tokens_per_expert, probs_P.reshape(-1, 1), self.expert_activation, self.config.expert_mlp_chunk_bytes,
             expert_mlp_impl=self.config.expert_mlp_impl, experts_config=self.config)
+
+
+#: The seed API's name of `GroupedExpertsFlex`.
+GroupedExpertsDeepEP = GroupedExpertsFlex

@@ -37,7 +37,7 @@ class GroupedExpertsTE(FlexDispatchedExperts, nn.Module):
             the input's dtype, since TE refuses mixed dtypes outside autocast.
         dispatcher_backend / dispatcher_num_sms / dispatcher_share_token_dispatcher /
             dispatcher_async_dispatch / static_routing / **dispatcher_options: as in
-            `GroupedExpertsDeepEP`.
+            `GroupedExpertsFlex`.
         fp8_align_size: pad each expert's rows to this multiple (TE's `Fp8Padding` /
             `Fp8Unpadding`); None pads only under TE's FP8 autocast, to the recipe's multiple.
         device: where to allocate the parameters (default: CUDA when available).
