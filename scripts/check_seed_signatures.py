@@ -40,9 +40,7 @@ KNOWN = {
     "GroupedExperts", "GroupedExpertsDeepEP", "GroupedExpertsTE", "GroupedExpertsTE.set_moe_mesh",
     "GroupedExpertsTE.state_dict",
     "get_expert_activation_for_deepep", "quick_geglu_deepep", "relu2_deepep", "swiglu_clamped_deepep",
-    "swiglu_oai_deepep", "MoEFlexTokenDispatcher.dispatch_preprocess", "_DeepepManager",
-    "_DispatchManager.setup_metadata", "_HybridEPManager._calibrate_hybridep_capacity",
-    "_HybridEPManager.setup_metadata",
+    "swiglu_oai_deepep", "MoEFlexTokenDispatcher.dispatch_preprocess",
 }
 _BLOCK = re.compile(r"```python\n(.*?)```", re.S)
 _HEAD = re.compile(r"^(class\s+)?([\w.]+)\((.*)\)\s*(->.*)?$", re.S)
