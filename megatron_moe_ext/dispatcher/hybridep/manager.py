@@ -24,19 +24,12 @@ import torch.distributed as dist
 from megatron_moe_ext.dispatcher.common import buffers, checks
 from megatron_moe_ext.dispatcher.common import permute as P
 from megatron_moe_ext.dispatcher.common.base import DispatchManager
-from megatron_moe_ext.dispatcher.hybridep.metadata import HybridEPMetadataProcessor
 from megatron_moe_ext.dispatcher.common.record import DispatchRecord
+from megatron_moe_ext.dispatcher.hybridep.metadata import HybridEPMetadataProcessor
 from megatron_moe_ext.utils.env import env_flag
 
 #: HybridEP's TMA loads need every rank's token count to be a multiple of this.
 _HYBRIDEP_TOKEN_ALIGNMENT = 4
-
-
-def _padded_count(num_tokens: int) -> int:
-    """The 4-aligned count a rank sends for `num_tokens`, at least one aligned group: a batch
-    of 0 tokens on every rank sends padding rows (route nowhere) instead of handing HybridEP
-    an empty batch, and a failed rank always has a row to carry its error word."""
-    return P.align_up(max(num_tokens, 1), _HYBRIDEP_TOKEN_ALIGNMENT)
 #: ... and the hidden size a multiple of this (its config check, `hidden_dim % 16`)
 _HYBRIDEP_HIDDEN_ALIGNMENT = 16
 #: ... and at least this: its buffer holds `hidden_dim // 128` FP8 scale columns per token
@@ -46,6 +39,13 @@ _HYBRIDEP_MIN_HIDDEN = 128
 #: Set MOE_EXT_STATIC_ROUTING_PAD_PIN=0 (false, off, no) to keep the per-dispatch all-reduce under
 #: static routing (the seed's name NEMO_STATIC_ROUTING_PAD_PIN is read where the new one is unset).
 _STATIC_ROUTING_PAD_PIN = env_flag("MOE_EXT_STATIC_ROUTING_PAD_PIN", True, fallback="NEMO_STATIC_ROUTING_PAD_PIN")
+
+
+def _padded_count(num_tokens: int) -> int:
+    """The 4-aligned count a rank sends for `num_tokens`, at least one aligned group: a batch
+    of 0 tokens on every rank sends padding rows (route nowhere) instead of handing HybridEP
+    an empty batch, and a failed rank always has a row to carry its error word."""
+    return P.align_up(max(num_tokens, 1), _HYBRIDEP_TOKEN_ALIGNMENT)
 
 
 def _assert_no_hybridep_overflow(handle, capacity: int) -> None:
