@@ -17,8 +17,9 @@ from megatron.core.transformer.moe import moe_layer as _megatron_moe_layer
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
-from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
 from megatron_moe_ext.dispatcher import registry
+from megatron_moe_ext.dispatcher.common import checks
+from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
 from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
 from megatron_moe_ext.megatron import graphs, overflow
 from megatron_moe_ext.megatron.expert_choice import grouped_gemm_experts
@@ -98,6 +99,15 @@ def _refuse_unreplayable_recompute(dispatcher_config: TokenDispatcherConfig) -> 
                      "other modules")
 
 
+def _expert_group(pg_collection):
+    """The group whose all-reduce `MoEFlexTokenDispatcher`'s construction checks agree in."""
+    if pg_collection is None:
+        from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+        pg_collection = get_default_pg_collection()
+    return getattr(pg_collection, "tp_ep", None) or pg_collection.ep
+
+
 def layer_dispatcher_config(config, dispatcher_config: TokenDispatcherConfig | None = None
                             ) -> TokenDispatcherConfig:
     """The dispatcher config of a `FlexMoELayer` built from Megatron's `config`
@@ -131,7 +141,13 @@ class FlexMoELayer(MoELayer, overflow.OverflowCounter):
                 raise ValueError("experts: needs the layer's submodules (MoESubmodules) to replace "
                                  "their experts; build the layer from an MoE spec")
             submodules = dataclasses.replace(submodules, experts=experts)
-        dispatcher_config = layer_dispatcher_config(config, dispatcher_config)
+        try:
+            dispatcher_config = layer_dispatcher_config(config, dispatcher_config)
+        except ValueError as exc:
+            # A setting only this rank has (an environment variable): its all-reduce meets the
+            # one its peers make in their dispatchers' construction checks, so every rank raises.
+            checks.agree(_expert_group(pg_collection), exc)
+            raise
         factory = functools.partial(MoEFlexTokenDispatcher, dispatcher_config=dispatcher_config)
         with _megatron_builds_dispatcher(factory):
             super().__init__(config, submodules=submodules, layer_number=layer_number,

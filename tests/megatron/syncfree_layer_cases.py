@@ -307,3 +307,29 @@ def run_partial_graph_pattern(impl: str) -> dict:
                     names=list(names))
     finally:
         megatron_cpu.uninstall()
+
+
+def run_bad_environment_on_one_rank() -> str:
+    """Rank 1 alone sets `MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR` to a value that is not a number;
+    every rank builds a `FlexMoELayer` (torch backend) and returns the error it raised."""
+    import os
+
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+
+    from megatron_moe_ext.megatron.moe_layer import FlexMoELayer
+
+    megatron_cpu.install()
+    if dist.get_rank() == 1:
+        os.environ["MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR"] = "lots"
+    try:
+        pg = megatron_cpu.init_parallel_state(dist.get_world_size())
+        config = layer_config(LayerCase("env", num_experts=E, topk=K, hidden=H), dist.get_world_size())
+        spec = get_moe_module_spec(use_te=False, num_experts=E)
+        try:
+            FlexMoELayer(config, submodules=spec.keywords["submodules"], pg_collection=pg, layer_number=1)
+        except ValueError as exc:
+            return str(exc)
+        return ""
+    finally:
+        os.environ.pop("MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR", None)
+        megatron_cpu.uninstall()

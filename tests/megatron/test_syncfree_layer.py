@@ -52,3 +52,11 @@ def test_partial_graph_of_router_and_preprocess(dist_pools, world, impl):
     for r in dist_pools(world).run(cases.run_partial_graph_pattern, impl):
         assert r["out"] == 0.0 and r["grad"] == 0.0 and r["replayed"] == 0.0 and r["again"] == 0.0, r
         assert r["names"] == ["preprocessed.token_probs", "preprocessed.token_indices"], r
+
+
+def test_bad_environment_on_one_rank_raises_on_every_rank(dist_pools):
+    """A budget-mode setting from the environment is read by each rank alone: a rank that
+    refuses its value must not leave its peers waiting in their construction checks."""
+    messages = dist_pools(2).run(cases.run_bad_environment_on_one_rank)
+    assert all("rank(s) [1]" in m and "environment variable" in m for m in messages), messages
+    assert "MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR='lots' is invalid" in messages[1], messages

@@ -65,7 +65,7 @@ class CapacityOverflowError(RuntimeError):
 CAUSES = ("input", "hidden_states", "num_local_tokens", "token_indices", "token_probs", "probs",
           "routing_map", "num_local_experts", "local_expert_indices", "num_moe_experts",
           "moe_router_topk", "moe_hybridep_capacity_factor", "moe_expert_rank_capacity_factor",
-          "moe_benchmark_static_routing", "ep_group", "overflow", "routing")
+          "moe_benchmark_static_routing", "ep_group", "overflow", "routing", "environment variable")
 _RANK_BITS = 8  # ranks below 256 per expert-parallel group
 #: A word travels as -(FLAG_BASE + word) in a float column of routing weights (exact in fp32;
 #: no weight a router gives is that negative).
@@ -80,6 +80,8 @@ def cause_of(error: BaseException) -> str:
     if type(error) in _CAUSE_OF:
         return _CAUSE_OF[type(error)]
     field = str(error).split(":", 1)[0].split("=", 1)[0].strip()
+    if field.startswith("environment variable"):  # `utils.env`: "environment variable NAME=..."
+        return "environment variable"
     return field if field in CAUSES else "input"
 
 
