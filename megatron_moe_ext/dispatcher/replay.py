@@ -19,7 +19,6 @@ from typing import Callable
 import torch
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from megatron_moe_ext.dispatcher.common import permute as P
 from megatron_moe_ext.dispatcher.common.checks import ROUTING_CHANGED, RoutingChangedError, in_backward
 from megatron_moe_ext.dispatcher.common.handoff import IndexedRows
 from megatron_moe_ext.dispatcher.common.record import DispatchRecord
@@ -337,7 +336,7 @@ class RecomputeReplay(DispatchHook):
             if recording:
                 self._current = _Recorded(
                     indices_TK, probs_TK.detach(), state.handle, state.dispatched_indices,
-                    state.dispatched_probs.detach(), list(P.host_list(state.counts)),
+                    state.dispatched_probs.detach(), list(state.counts),
                     self._phase is Phase.RECORD_OUTPUTS,
                     tree_map_only(torch.Tensor, _leaf, self._routing.out) if self._routing.kept else None)
                 self._records.setdefault(self._call, deque()).append(self._current)
@@ -372,7 +371,7 @@ class RecomputeReplay(DispatchHook):
         with _kept_saved_tensors(kept is not None):
             out = run()
         if kept is not None and kept.keep_outputs:
-            kept.permutation = record.permutation, P.host_list(record.counts)
+            kept.permutation = record.permutation, list(record.counts)
             kept.expert_inputs = out
         return out
 

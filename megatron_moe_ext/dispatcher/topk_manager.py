@@ -122,7 +122,7 @@ class TopKManager(DispatchManager):
         s = record
         routing_map, probs = self._indices_to_multihot(s.dispatched_indices, s.dispatched_probs)
         permuted, permuted_probs, counts, permutation = P.permute_to_experts(
-            hidden_states, routing_map, probs, P.host_list(s.counts), self.pad_multiple)
+            hidden_states, routing_map, probs, s.counts, self.pad_multiple)
         return permuted, self.keep_permutation(record, counts, permutation, permuted_probs)
 
     def keep_permutation(self, record, counts, permutation, permuted_probs):
@@ -142,7 +142,7 @@ class TopKManager(DispatchManager):
         s = record
         routing_map, probs = self._indices_to_multihot(s.dispatched_indices, s.dispatched_probs)
         probs_P, counts, row_of_slot_P, slot_of_row_RK = P.dropless_layout(
-            routing_map, probs, s.dispatched_indices, P.host_list(s.counts), self.pad_multiple)
+            routing_map, probs, s.dispatched_indices, s.counts, self.pad_multiple)
         probs_P = self.keep_permutation(record, counts, slot_of_row_RK, probs_P)
         return indexed_rows(hidden_states, probs_P, row_of_slot_P, slot_of_row_RK,
                             self.get_number_of_tokens_per_expert(record))

@@ -62,11 +62,6 @@ def host_counts(tokens_per_expert: TokenCounts) -> list[int] | None:
     return [int(c) for c in tokens_per_expert]
 
 
-def host_list(counts: list[int] | torch.Tensor) -> list[int]:
-    """A dispatch's counts as a host list (a tensor is read, which syncs on the device)."""
-    return counts if isinstance(counts, list) else counts.tolist()
-
-
 def routing_map_to_topk(
     routing_map_TE: torch.Tensor, probs_TE: torch.Tensor, topk: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
