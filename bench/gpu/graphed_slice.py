@@ -15,13 +15,13 @@ beside a running heavy one. A run's timeout counts from its release; --deadline 
 whole call in time: a run is not released after it, and a running one is ended 25 s before it.
 A run that fails or is ended keeps its return code (124: ended) and the last 30 lines of its log.
 
-`parse` writes OUT/graphed_slice_h200[_T].json: per run the command line, return code,
+`parse` writes OUT/graphed_slice_<card>[_T].json (card: h100, h200 from nvidia-smi): per run the command line, return code,
 per-iteration lm loss, ms/iter and TFLOP/s/GPU (Megatron's log), the medians of iterations
 --median-from .. train-iters - 1 (the profiled last iteration left out), the profiled step's GPU
 busy time (the union of its kernel intervals, `kernel_breakdown.gpu_activity`) and its share
 of the median step, peak memory, dropped (token, expert) pairs of budget-mode layers, the
 step-time ratios against the native runs of the same model, and how many seconds of other
-runs' start-ups overlapped this run's measured iterations; then OUT/graphed_slice_h200[_T].png
+runs' start-ups overlapped this run's measured iterations; then its .png
 (bench/plot_results.py) and OUT/graphed_slice_logs[_T].tar.gz (every log and command line).
 `merge` puts the runs of several such JSONs (two device calls) into one file and plots it.
 """
@@ -215,7 +215,22 @@ def _flag(command: str, name: str) -> int | None:
 
 
 def _family(name: str) -> str:
-    return name.split("_", 1)[0] + "_" if name.startswith("dsv3_") else ""
+    return name.split("_", 1)[0] + "_" if name.startswith(("dsv3_", "det_")) else ""
+
+
+def _eager_twin(name: str) -> str | None:
+    """The eager run a graphed run's exact values are held against: `det_ext_budget_full` ->
+    `det_ext_budget_eager` (None for eager runs)."""
+    stem, _, graphs = name.rpartition("_")
+    return None if graphs == "eager" or not stem else stem + "_eager"
+
+
+def compare_exact(run: dict, ref: dict) -> dict:
+    """How many steps' reduced losses and gradient norm equal `ref`'s bit for bit, and the
+    first step where they differ (1-based; None: none)."""
+    pairs = list(zip(run["exact"], ref["exact"]))
+    first = next((i + 1 for i, (a, b) in enumerate(pairs) if a != b), None)
+    return dict(steps=len(pairs), bitwise_equal_steps=sum(a == b for a, b in pairs), first_differing_step=first)
 
 
 def _log_tail(text: str) -> list[str]:
@@ -280,8 +295,10 @@ def parse_one(work: str, name: str, median_from: int) -> dict:
         out["timers_ms"] = run["timers_ms"]
     if run["rc"] != 0 or not run["iteration"]:
         out["log_tail"] = _log_tail(text)
+    if profile.get("exact"):
+        out["exact"] = profile["exact"]
     if profile:
-        out["profile"] = {k: v for k, v in profile.items() if k not in ("step_start_times",)}
+        out["profile"] = {k: v for k, v in profile.items() if k not in ("step_start_times", "exact")}
         out["_step_start_times"] = profile.get("step_start_times")
     ready = base + ".ready"
     if os.path.exists(ready):
@@ -309,6 +326,9 @@ def compare(runs: dict) -> None:
     """Step-time ratios (reference ms / run ms: > 1 is faster) and the largest relative lm-loss
     difference against the native eager and native recipe runs of the same model."""
     for name, run in runs.items():
+        twin = runs.get(_eager_twin(name))
+        if twin is not None and run.get("exact") and twin.get("exact"):
+            run["exact_vs_eager"] = dict(run=_eager_twin(name), **compare_exact(run, twin))
         family = _family(name)
         for ref_name in (family + "native_eager", family + "native_recipe", family + "native_attn"):
             ref = runs.get(ref_name)
@@ -354,9 +374,15 @@ def _device() -> str | None:
         return None
 
 
-def _paths(out: str, tag: str) -> tuple[str, str]:
+def _card(device: str | None) -> str:
+    """The file names' card: h100, h200, or gpu when the name says neither."""
+    return next((card for card in ("h100", "h200") if card in (device or "").lower()), "gpu")
+
+
+def _paths(out: str, tag: str, device: str | None = None) -> tuple[str, str]:
     suffix = f"_{tag}" if tag else ""
-    return os.path.join(out, f"{NAME}_h200{suffix}.json"), os.path.join(out, f"{NAME}_logs{suffix}.tar.gz")
+    return (os.path.join(out, f"{NAME}_{_card(device)}{suffix}.json"),
+            os.path.join(out, f"{NAME}_logs{suffix}.tar.gz"))
 
 
 def _plot(json_path: str) -> None:
@@ -383,11 +409,12 @@ def parse(work: str, out: str, tag: str = "", median_from: int = 4, order: list[
         run.pop("_step_start_times", None)
     compare(runs)
     rows = summary_rows(runs)
-    json_path, tar_path = _paths(out, tag)
+    device = _device()
+    json_path, tar_path = _paths(out, tag, device)
     result = dict(
         what="Megatron-LM pretrain_gpt.py (core_r0.19.0), mock data, one GPU: the Qwen3-30B-A3B EP8 rank slice "
              "(and a DeepSeek-V3-like EP16 slice) eager and with CUDA graphs, native vs this package's --spec",
-        script="bench/gpu/graphed_slice.sh", graphed_slice=True, device=_device(),
+        script="bench/gpu/graphed_slice.sh", graphed_slice=True, device=device,
         median_iterations=f"{median_from} .. train-iters - 1, the profiled last iteration left out",
         gpu_busy="union of the profiled (last) step's kernel intervals; busy share = busy / median ms/iter",
         settings=settings or {}, order=names, summary=rows, runs=runs)

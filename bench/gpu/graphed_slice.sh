@@ -23,10 +23,20 @@
 #   ext_budget_local        + --cuda-graph-impl local, whole TransformerLayer graphs
 #   ext_budget_te           + --cuda-graph-impl transformer_engine, whole layer
 #   ext_budget_local_fused  ext_budget_local with MOE_EXT_EXPERT_MLP_IMPL=fused (QuACK)
-#   dsv3_native_attn, dsv3_native_recipe, dsv3_ext_budget_local: the same on a DeepSeek-V3-like
-#     EP16 rank slice (hidden 7168, 56 heads of 128, GQA 8 groups, 16 experts top-8, MoE FFN 2048,
-#     vocab DSV3_VOCAB 129280), DSV3_LAYERS layers (default 4: its optimizer state alone is
-#     about 90 GB), timeout DSV3_TIMEOUT (default the same as the others).
+#   ext_budget_full         ext_budget_eager + --cuda-graph-impl full_iteration (Megatron's graph of
+#                           the whole forward-backward of all microbatches; with
+#                           --no-check-for-nan-in-loss-and-grad, which it requires)
+#   ext_budget_full_fused   ext_budget_full with MOE_EXT_EXPERT_MLP_IMPL=fused (QuACK)
+#   dsv3_native_attn, dsv3_native_recipe, dsv3_ext_budget_local, dsv3_ext_budget_full: the same on
+#     a DeepSeek-V3-like EP16 rank slice (hidden 7168, 56 heads of 128, GQA 8 groups, 16 experts
+#     top-8, MoE FFN 2048, vocab DSV3_VOCAB 129280), DSV3_LAYERS layers (default 4: its optimizer
+#     state alone is about 90 GB; 3 layers and DSV3_VOCAB=32768 fit an 80 GB H100), timeout
+#     DSV3_TIMEOUT (default the same as the others).
+#   det_ext_budget_eager, det_ext_budget_local, det_ext_budget_full: the budget-mode slice under
+#     Megatron's --deterministic-mode (its environment; no --cross-entropy-loss-fusion, which it
+#     refuses; a 10-iteration warm-up), eager and graphed; the wrapper records every step's
+#     losses and gradient norm exactly (--exact), and the JSON says per graphed run how many
+#     steps equal the eager run's bit for bit (`exact_vs_eager`). Run them with --iters 50.
 # Each run: ITERS iterations (default 12), the last one profiled (bench/gpu/pretrain_profiled.py
 # --busy-only: CUDA activity only, for the GPU busy time = the union of its kernel intervals;
 # BREAKDOWN=1 profiles the eager runs with CPU activity and labelled parts instead), medians of
@@ -43,7 +53,7 @@
 # TIMEOUT (or --timeout, default 150 s) per run, from its release; CALL_BUDGET (default 575 s):
 # the script ends in time for a 600 s device call (no run released within ~85 s of it, a running
 # one ended 25 s before it), and a run that fails or is ended keeps its rc and log tail.
-# Writes $OUT/graphed_slice_h200${TAG:+_$TAG}.json, .png and graphed_slice_logs${TAG:+_$TAG}.tar.gz
+# Writes $OUT/graphed_slice_<card>${TAG:+_$TAG}.json (card: h100 or h200, from nvidia-smi), .png and graphed_slice_logs${TAG:+_$TAG}.tar.gz
 # (3 files); a second call with another TAG, then on this machine
 #   python bench/gpu/graphed_slice.py merge A.json B.json --out-json bench/results/graphed_slice_h200.json
 # DRY_RUN=1 prints each selected run's command line (no GPU, no Megatron-LM needed).
@@ -104,7 +114,11 @@ DSV3="--hidden-size 7168 --num-attention-heads 56 --group-query-attention --num-
 RUN_FLAGS="--train-iters $ITERS $TE $RECIPE $CE_FUSION"
 QWEN3_RUN="$COMMON $SLICE --num-layers $SLICE_LAYERS $RUN_FLAGS"
 DSV3_RUN="$COMMON $DSV3 --num-layers $DSV3_LAYERS $RUN_FLAGS"
+DET_RUN="$COMMON $SLICE --num-layers $SLICE_LAYERS --train-iters $ITERS $TE $RECIPE --deterministic-mode \
+--lr-warmup-iters 10"
 RUN_ENV="$RECIPE_ENV NCCL_GRAPH_REGISTER=0"
+DET_ENV="NCCL_ALGO=Ring CUBLAS_WORKSPACE_CONFIG=:4096:8 NVTE_ALLOW_NONDETERMINISTIC_ALGO=0"
+FULL_GRAPH="--cuda-graph-impl full_iteration --no-check-for-nan-in-loss-and-grad"
 TE_GRAPHS="--cuda-graph-impl transformer_engine"
 LOCAL_GRAPHS="--cuda-graph-impl local"
 ATTN="--cuda-graph-modules attn"
@@ -119,6 +133,7 @@ add() {  # name heavy timeout env flags: one line of the driver's table
   KNOWN+="$name "
   case " $SELECT " in *" $name "* | *" all "*) ;; *) return ;; esac
   local profile="--busy-only"
+  [[ $name = det_* ]] && profile="--busy-only --exact"
   [[ $BREAKDOWN = 1 && $flags != *--cuda-graph-impl* ]] && profile=""
   local cmd="$RUN_ENV $env $LAUNCH bench/gpu/pretrain_profiled.py $profile --gate $WORK/$name $ITERS \
 $WORK/$name.kernels.json $PRETRAIN $flags"
@@ -137,9 +152,15 @@ add ext_budget_eager 0 "$TIMEOUT" "$EXT $BUDGET" "$QWEN3_RUN $SPEC"
 add ext_budget_local 0 "$TIMEOUT" "$EXT $BUDGET" "$QWEN3_RUN $SPEC $LOCAL_GRAPHS"
 add ext_budget_te 0 "$TIMEOUT" "$EXT $BUDGET" "$QWEN3_RUN $SPEC $TE_GRAPHS"
 add ext_budget_local_fused 0 "$TIMEOUT" "MOE_EXT_EXPERT_MLP_IMPL=fused $BUDGET" "$QWEN3_RUN $SPEC $LOCAL_GRAPHS"
+add ext_budget_full 0 "$TIMEOUT" "$EXT $BUDGET" "$QWEN3_RUN $SPEC $FULL_GRAPH"
+add ext_budget_full_fused 0 "$TIMEOUT" "MOE_EXT_EXPERT_MLP_IMPL=fused $BUDGET" "$QWEN3_RUN $SPEC $FULL_GRAPH"
 add dsv3_native_attn 1 "$DSV3_TIMEOUT" "" "$DSV3_RUN $FUSION $TE_GRAPHS $ATTN"
 add dsv3_native_recipe 1 "$DSV3_TIMEOUT" "" "$DSV3_RUN $FUSION $TE_GRAPHS $PARTS"
 add dsv3_ext_budget_local 1 "$DSV3_TIMEOUT" "$EXT $BUDGET" "$DSV3_RUN $SPEC $LOCAL_GRAPHS"
+add dsv3_ext_budget_full 1 "$DSV3_TIMEOUT" "$EXT $BUDGET" "$DSV3_RUN $SPEC $FULL_GRAPH"
+add det_ext_budget_eager 0 "$TIMEOUT" "$EXT $BUDGET $DET_ENV" "$DET_RUN $SPEC"
+add det_ext_budget_local 0 "$TIMEOUT" "$EXT $BUDGET $DET_ENV" "$DET_RUN $SPEC $LOCAL_GRAPHS"
+add det_ext_budget_full 0 "$TIMEOUT" "$EXT $BUDGET $DET_ENV" "$DET_RUN $SPEC $FULL_GRAPH"
 for name in $SELECT; do
   [[ $name = all || $KNOWN = *" $name "* ]] || echo "warning: RUNS names an unknown run: $name" >&2
 done

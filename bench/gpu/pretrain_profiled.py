@@ -1,6 +1,6 @@
 """Run Megatron-LM's `pretrain_gpt.py` and profile one training step: GPU kernel time by part.
 
-    python bench/gpu/pretrain_profiled.py [--busy-only] [--gate PATH] ITERATION OUT_JSON \
+    python bench/gpu/pretrain_profiled.py [--busy-only] [--exact] [--gate PATH] ITERATION OUT_JSON \
         <path to pretrain_gpt.py> <its flags...>
 
 Runs the script as `python pretrain_gpt.py <flags>` would, with Megatron's `train_step` wrapped:
@@ -20,8 +20,8 @@ intervals (the time the GPU was busy, kernels overlapping on several streams cou
 plain kernel sum and the top kernels by name; `gpu_busy_share_of_profiled_step` is that union
 over the profiled step's wall time. The JSON also has each `train_step` call's start time
 (`step_start_times`, seconds since the epoch) and, for the package's sync-free budget-mode
-layers, the (token, expert) pairs they dropped per iteration (`overflow`: their device counters,
-stacked and reset after every step without a host read, read at the profiled step).
+layers, the (token, expert) pairs they dropped per iteration and the most rows one layer needed
+(`overflow`: what the training loop's once-per-step overflow check read).
 
 --busy-only: profile CUDA activity only, label nothing (no `categories_ms`): the cheap profile
 for runs with CUDA graphs, where Megatron's local graphs refuse modules with forward hooks and a
@@ -29,6 +29,9 @@ replayed graph's kernels belong to no module anyway.
 --gate PATH: at the first `train_step` call write PATH.ready (the time) and wait until PATH.go
 exists, so that a driver can start this process while another run still has the GPU and
 release it when the GPU is free (bench/gpu/graphed_slice.py).
+--exact: also record every step's reduced losses and gradient norm exactly (`float.hex`, in
+`exact`: one dict per step), for bit-for-bit comparisons of two runs; it reads them on the host
+after each step, as Megatron's log does at `--log-interval 1`.
 """
 
 import json
@@ -103,44 +106,43 @@ def categories(table: dict) -> dict:
     return ms
 
 
-def _budget_layers(model) -> list:
-    """The package's sync-free budget-mode MoE layers of Megatron's model chunks (their
-    `moe_overflow_stats` device counters), or [] (native Megatron, dropless layers)."""
-    try:
-        from megatron_moe_ext.megatron.overflow import _budget_layers as find
-    except ImportError:
-        return []
-    return [layer for _, layer in find(list(model))]
-
-
 class _Overflow:
-    """Per-step dropped pairs of the budget-mode layers without a host read per step: after each
-    step the layers' `[dropped pairs, rows needed]` counters are stacked (one kernel) and reset."""
+    """Per-step overflow of the package's budget-mode layers as the training loop's own check
+    reads it (`megatron_moe_ext.megatron.overflow.check_overflow`, which the layers install after
+    every forward-backward, reading and resetting their device counters once per step): wraps
+    that check and keeps, per step, the dropped pairs summed over layers and the most rows one
+    layer needed."""
 
     def __init__(self):
-        self.layers = None
-        self.snapshots = []
+        self.pending, self.steps, self.layers, self.budget = [], [], 0, 0
 
-    def after_step(self, model) -> None:
-        if self.layers is None:
-            self.layers = _budget_layers(model)
-        if self.layers:
-            stats = [layer.moe_overflow_stats for layer in self.layers]
-            self.snapshots.append(torch.stack(stats))
-            try:
-                torch._foreach_zero_(stats)
-            except RuntimeError:  # a build without integer foreach kernels
-                for tensor in stats:
-                    tensor.zero_()
+    def install(self) -> None:
+        try:
+            from megatron_moe_ext.megatron import overflow
+        except ImportError:  # native Megatron alone
+            return
+        check = overflow.check_overflow
+
+        def recording_check(model, group=None):
+            reports = check(model, group)
+            self.pending.append(reports)
+            return reports
+
+        overflow.check_overflow = recording_check
+
+    def after_step(self) -> None:
+        reports = [r for step in self.pending for r in step]
+        if reports:
+            self.layers = max(self.layers, max(len(step) for step in self.pending))
+            self.budget = max(self.budget, max(r.budget for r in reports))
+            self.steps.append((sum(r.dropped_pairs for r in reports), max(r.rows_needed for r in reports)))
+        self.pending = []
 
     def report(self) -> dict | None:
-        if not self.layers or not self.snapshots:
+        if not self.steps:
             return None
-        values = torch.stack(self.snapshots).tolist()  # [steps][layers][dropped, rows needed]
-        return dict(layers=len(self.layers),
-                    dropped_pairs_per_iteration=[sum(layer[0] for layer in step) for step in values],
-                    max_rows_needed=max(layer[1] for step in values for layer in step),
-                    budget_rows=max(layer.moe_overflow_budget for layer in self.layers))
+        return dict(layers=self.layers, dropped_pairs_per_iteration=[d for d, _ in self.steps],
+                    max_rows_needed=max(n for _, n in self.steps), budget_rows=self.budget)
 
 
 def _wait_at_gate(gate: str, max_wait_s: float = 900.0) -> dict:
@@ -159,11 +161,21 @@ def _wait_at_gate(gate: str, max_wait_s: float = 900.0) -> dict:
     return dict(ready_at=ready, released_at=released)
 
 
+def _exact(result) -> dict:
+    """Megatron's `train_step` result: its reduced losses and gradient norm as hex floats."""
+    losses, grad_norm = result[0], result[5]
+    exact = {key: float(value).hex() for key, value in (losses or {}).items()}
+    exact["grad_norm"] = None if grad_norm is None else float(grad_norm).hex()
+    return exact
+
+
 def profiled_train_step(original, iteration: int, out_path: str, busy_only: bool = False,
-                        gate: str | None = None):
+                        gate: str | None = None, exact: bool = False):
     calls = [0]
+    exact_steps: list[dict] = []
     starts: list[float] = []
     overflow = _Overflow()
+    overflow.install()
     gate_times: dict = {}
 
     def train_step(*args, **kwargs):
@@ -174,7 +186,9 @@ def profiled_train_step(original, iteration: int, out_path: str, busy_only: bool
         model, optimizer = args[2], args[3]
         if calls[0] != iteration:
             result = original(*args, **kwargs)
-            overflow.after_step(model)
+            overflow.after_step()
+            if exact:
+                exact_steps.append(_exact(result))
             return result
         from torch.profiler import ProfilerActivity, profile
 
@@ -189,7 +203,9 @@ def profiled_train_step(original, iteration: int, out_path: str, busy_only: bool
         finally:
             kernel_breakdown.remove_labels(labels)
         wall_ms = (time.perf_counter() - t0) * 1e3
-        overflow.after_step(model)
+        overflow.after_step()
+        if exact:
+            exact_steps.append(_exact(result))
         try:
             events = prof.events()
             gpu = kernel_breakdown.gpu_activity(events)
@@ -209,6 +225,8 @@ def profiled_train_step(original, iteration: int, out_path: str, busy_only: bool
         except Exception as error:  # noqa: BLE001
             report["overflow"] = dict(error=f"{type(error).__name__}: {error}")
         report.update(step_start_times=starts, gate=gate_times or None)
+        if exact:
+            report["exact"] = exact_steps
         with open(out_path, "w") as f:
             json.dump(report, f, indent=1)
         summary = report.get("categories_ms") or (report.get("gpu") or {}).get("kernel_busy_ms") or report.get("error")
@@ -220,11 +238,13 @@ def profiled_train_step(original, iteration: int, out_path: str, busy_only: bool
 
 def parse_options(argv: list[str]) -> tuple[dict, list[str]]:
     """The wrapper's own leading options (`--busy-only`, `--gate PATH`) and the rest."""
-    options = dict(busy_only=False, gate=None)
+    options = dict(busy_only=False, gate=None, exact=False)
     while argv and argv[0].startswith("--"):
         flag = argv.pop(0)
         if flag == "--busy-only":
             options["busy_only"] = True
+        elif flag == "--exact":
+            options["exact"] = True
         elif flag == "--gate":
             options["gate"] = argv.pop(0)
         else:

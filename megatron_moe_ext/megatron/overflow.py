@@ -153,25 +153,41 @@ def check_overflow(model, group=None) -> list[OverflowReport]:
     return reports
 
 
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _checked(schedule):
+    """`schedule` ending each training forward-backward with `check_overflow(model)`, except
+    inside a CUDA graph capture (the host read waits for the graph's replay)."""
+    def forward_backward(*args, **kwargs):
+        losses = schedule(*args, **kwargs)
+        if not kwargs.get("forward_only", False) and not _capturing():
+            check_overflow(kwargs["model"])
+        return losses
+    return forward_backward
+
+
 def check_overflow_after_each_step() -> None:
     """Make Megatron-LM's training loop call `check_overflow(model)` after the forward and
     backward of every step, before its optimizer step (a budget-mode layer built from the
     command line has no other step boundary to report at). Wraps the schedule that
-    `megatron.training.training` asks `get_forward_backward_func` for; once per process."""
+    `megatron.training.training` asks `get_forward_backward_func` for and, with
+    `--cuda-graph-impl full_iteration`, the `FullCudaGraphWrapper` around it (whose replays
+    never call the schedule); once per process."""
     training = sys.modules.get("megatron.training.training")
     if training is None or getattr(training.get_forward_backward_func, "checks_moe_overflow", False):
         return
     get_schedule = training.get_forward_backward_func
 
     def get_checking_schedule(*args, **kwargs):
-        schedule = get_schedule(*args, **kwargs)
-
-        def forward_backward(*f_args, **f_kwargs):
-            losses = schedule(*f_args, **f_kwargs)
-            if not f_kwargs.get("forward_only", False):
-                check_overflow(f_kwargs["model"])
-            return losses
-        return forward_backward
+        return _checked(get_schedule(*args, **kwargs))
 
     get_checking_schedule.checks_moe_overflow = True
     training.get_forward_backward_func = get_checking_schedule
+    full_graph = getattr(training, "FullCudaGraphWrapper", None)
+    if full_graph is not None:
+        class CheckingFullCudaGraphWrapper(full_graph):
+            __call__ = _checked(full_graph.__call__)
+
+        training.FullCudaGraphWrapper = CheckingFullCudaGraphWrapper

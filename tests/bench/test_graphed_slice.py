@@ -58,8 +58,12 @@ def test_profiled_wrapper_options_gate_and_overflow(tmp_path):
 
     argv = ["--busy-only", "--gate", "/tmp/x", "12", "out.json", "p.py", "--bf16"]
     options, rest = pretrain_profiled.parse_options(argv)
-    assert options == dict(busy_only=True, gate="/tmp/x") and rest == ["12", "out.json", "p.py", "--bf16"]
-    assert pretrain_profiled.parse_options(["5", "o", "p.py"]) == (dict(busy_only=False, gate=None), ["5", "o", "p.py"])
+    assert options == dict(busy_only=True, gate="/tmp/x", exact=False) and rest == ["12", "out.json", "p.py", "--bf16"]
+    assert pretrain_profiled.parse_options(["--exact", "5", "o", "p.py"]) == (
+        dict(busy_only=False, gate=None, exact=True), ["5", "o", "p.py"])
+    result = ({"lm loss": torch.tensor(2.5), "load_balancing_loss": torch.tensor(1.0 / 3)}, 0, 0, 0, 0, 0.75, None)
+    assert pretrain_profiled._exact(result) == {"lm loss": (2.5).hex(), "load_balancing_loss": float(
+        torch.tensor(1.0 / 3)).hex(), "grad_norm": (0.75).hex()}
 
     gate = str(tmp_path / "run")
     threading.Timer(0.5, lambda: open(gate + ".go", "w").close()).start()
@@ -68,25 +72,34 @@ def test_profiled_wrapper_options_gate_and_overflow(tmp_path):
     with pytest.raises(SystemExit):
         pretrain_profiled._wait_at_gate(str(tmp_path / "never"), max_wait_s=0.3)
 
-    from megatron_moe_ext.megatron.overflow import OverflowCounter
+    from megatron_moe_ext.megatron import overflow as overflow_module
 
-    class Budgeted(torch.nn.Module, OverflowCounter):
+    class Budgeted(torch.nn.Module, overflow_module.OverflowCounter):
         def __init__(self, number):
             super().__init__()
             self.register_buffer("moe_overflow_stats", torch.zeros(2, dtype=torch.int64), persistent=False)
             self.moe_overflow_budget, self.moe_overflow_policy, self.layer_number = 4096, "drop", number
 
+    # The training loop's check (installed by the layers) reads and resets the counters once per
+    # step; the wrapper records what it read, also on steps where the check ran twice.
     layers = torch.nn.ModuleList([Budgeted(1), Budgeted(2)])
-    overflow = pretrain_profiled._Overflow()
-    for dropped in ([0, 0], [3, 4], [0, 1]):
-        for layer, n in zip(layers, dropped):
-            layer.moe_overflow_stats.add_(torch.tensor([n, 4000 + n]))
-        overflow.after_step([layers])
+    check = overflow_module.check_overflow
+    try:
+        overflow = pretrain_profiled._Overflow()
+        overflow.install()
+        for dropped, checks in (([0, 0], 1), ([3, 4], 2), ([0, 1], 1)):
+            for layer, n in zip(layers, dropped):
+                layer.moe_overflow_stats.add_(torch.tensor([n, 4000 + n]))
+            for _ in range(checks):
+                overflow_module.check_overflow([layers])
+            overflow.after_step()
+        assert layers[0].moe_overflow_stats.tolist() == [0, 0]  # the check reset them
+    finally:
+        overflow_module.check_overflow = check
     assert overflow.report() == dict(layers=2, dropped_pairs_per_iteration=[0, 7, 1], max_rows_needed=4004,
                                      budget_rows=4096)
-    assert layers[0].moe_overflow_stats.tolist() == [0, 0]  # reset after every step
     plain = pretrain_profiled._Overflow()
-    plain.after_step([torch.nn.Linear(2, 2)])
+    plain.after_step()
     assert plain.report() is None
 
 
@@ -97,7 +110,9 @@ def test_graphed_slice_run_list_parses_with_megatron_arguments(tmp_path):
     names = [line.split()[0] for line in lines]
     assert names == ["native_eager", "native_attn", "native_recipe", "ext_eager", "ext_attn", "ext_recipe",
                      "ext_recipe_local", "ext_budget_eager", "ext_budget_local", "ext_budget_te",
-                     "ext_budget_local_fused", "dsv3_native_attn", "dsv3_native_recipe", "dsv3_ext_budget_local"]
+                     "ext_budget_local_fused", "ext_budget_full", "ext_budget_full_fused", "dsv3_native_attn",
+                     "dsv3_native_recipe", "dsv3_ext_budget_local", "dsv3_ext_budget_full", "det_ext_budget_eager",
+                     "det_ext_budget_local", "det_ext_budget_full"]
     picked = subprocess.run(["bash", "bench/gpu/graphed_slice.sh"], cwd=ROOT, capture_output=True, text=True,
                             env=dict(env, RUNS="ext_budget_te native_eager")).stdout.splitlines()
     assert [line.split()[0] for line in picked] == ["native_eager", "ext_budget_te"]
@@ -109,25 +124,29 @@ def test_graphed_slice_run_list_parses_with_megatron_arguments(tmp_path):
         timing=a.timing_log_level, iters=a.train_iters, seq=a.seq_length, gbs=a.global_batch_size,
         impl=a.transformer_impl, graphs=a.cuda_graph_impl,
         modules=[str(getattr(m, "name", m)) for m in (a.cuda_graph_modules or [])],
-        force_balance=a.moe_router_force_load_balancing, throughput=a.log_throughput""")
+        force_balance=a.moe_router_force_load_balancing, throughput=a.log_throughput,
+        deterministic=a.deterministic_mode, nan_check=a.check_for_nan_in_loss_and_grad""")
     graphs = {"eager": ("none", []), "attn": ("transformer_engine", ["attn"]),
               "recipe": ("transformer_engine", ["attn", "moe_router", "moe_preprocess"]),
               "recipe_local": ("local", ["attn", "moe_router", "moe_preprocess"]),
               "budget_eager": ("none", []), "budget_local": ("local", []), "budget_te": ("transformer_engine", []),
-              "budget_local_fused": ("local", [])}
+              "budget_local_fused": ("local", []), "budget_full": ("full_iteration", []),
+              "budget_full_fused": ("full_iteration", [])}
     for line in lines:
         name, words = line.split()[0], shlex.split(line)[1:]
         a = args[name]
-        dsv3 = name.startswith("dsv3_")
+        dsv3, det = name.startswith("dsv3_"), name.startswith("det_")
         assert (a["experts"], a["topk"], a["seq"], a["gbs"], a["iters"]) == (16, 8, 4096, 8, 12), name
         assert (a["hidden"], a["heads"], a["groups"], a["kv"], a["ffn"], a["layers"]) == (
             (7168, 56, 8, 128, 2048, 4) if dsv3 else (2048, 32, 4, 128, 768, 16)), name
         assert a["impl"] == "transformer_engine" and a["timing"] == 0 and a["throughput"], name
-        assert a["ce_fusion"] and a["ce_impl"] == "native" and a["router_fusion"] and a["force_balance"], name
+        # Deterministic mode refuses the loss fusion; full-iteration graphs refuse the NaN check.
+        assert a["ce_fusion"] == (not det) and a["router_fusion"] and a["force_balance"], name
+        assert a["deterministic"] == det and a["nan_check"] == (a["graphs"] != "full_iteration"), name
         native = "native" in name
         assert (a["spec"] is None) == native and a["permute_fusion"] == native, name
         assert (a["graphs"], a["modules"]) == graphs[name.split("_", 1)[1].removeprefix("native_").removeprefix("ext_")
-                                                     if dsv3 else name.split("_", 1)[1]], name
+                                                     if dsv3 or det else name.split("_", 1)[1]], name
         assert {"NCCL_GRAPH_REGISTER=0", "NVTE_FUSED_ATTN=1", "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
                 "CUDA_DEVICE_MAX_CONNECTIONS=1"} <= set(words), name
         assert ("MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR=1.25" in words) == ("budget" in name), name
@@ -135,8 +154,10 @@ def test_graphed_slice_run_list_parses_with_megatron_arguments(tmp_path):
         assert impl == ([] if native else ["MOE_EXT_EXPERT_MLP_IMPL=fused" if name.endswith("fused")
                                            else "MOE_EXT_EXPERT_MLP_IMPL=grouped_mm"]), name
         wrapper = words.index("bench/gpu/pretrain_profiled.py")
-        assert words[wrapper + 1:wrapper + 6] == ["--busy-only", "--gate", f"/w/{name}", "12",
-                                                  f"/w/{name}.kernels.json"]
+        expected = ["--busy-only"] + (["--exact"] if det else []) + [
+            "--gate", f"/w/{name}", "12", f"/w/{name}.kernels.json"]
+        assert words[wrapper + 1:wrapper + 1 + len(expected)] == expected, name
+        assert ("NVTE_ALLOW_NONDETERMINISTIC_ALGO=0" in words) == det, name
 
 
 FAKE_PRETRAIN = r'''
@@ -202,7 +223,7 @@ def test_driver_runs_fails_times_out_and_writes_the_json(tmp_path):
     graphed_slice.main(["run", "--table", str(work / "runs.tsv"), "--work", str(work), "--out", str(out),
                         "--tag", "a", "--median-from", "4", "--settings", json.dumps({"iters": 8})])
     assert time.time() - t0 < 40
-    data = json.load(open(out / "graphed_slice_h200_a.json"))
+    data = json.load(open(out / "graphed_slice_gpu_a.json"))
     assert data["graphed_slice"] and data["order"] == ["native_eager", "native_recipe", "ext_eager", "ext_attn",
                                                        "ext_budget_local"]
     assert data["settings"] == {"iters": 8, "overlap": 1}
@@ -239,7 +260,7 @@ def test_driver_runs_fails_times_out_and_writes_the_json(tmp_path):
                                    + line("dsv3_ext_budget_local", "FAKE_MS=300") + "\n")
     graphed_slice.main(["run", "--table", str(work / "runs.tsv"), "--work", str(work), "--out", str(out),
                         "--tag", "b", "--overlap", "0"])
-    merged = graphed_slice.merge([str(out / "graphed_slice_h200_a.json"), str(out / "graphed_slice_h200_b.json")],
+    merged = graphed_slice.merge([str(out / "graphed_slice_gpu_a.json"), str(out / "graphed_slice_gpu_b.json")],
                                  str(tmp_path / "merged.json"))
     data = json.load(open(merged))
     assert data["order"][-2:] == ["dsv3_native_recipe", "dsv3_ext_budget_local"]
@@ -300,3 +321,19 @@ def test_plot_graphed_slice(tmp_path):
     path.write_text(json.dumps(data))
     png = plot_graphed_slice(str(path))
     assert png.endswith("g.png") and os.path.getsize(png) > 10_000
+
+
+def test_graphed_runs_are_held_bit_for_bit_against_their_eager_twin():
+    import graphed_slice
+
+    def run(exact):
+        return dict(median_ms_per_iter=100.0, lm_loss=[], exact=[{"lm loss": v, "grad_norm": "0x1p+0"} for v in exact])
+
+    runs = {"det_ext_budget_eager": run(["0x1.8p+1", "0x1.4p+1", "0x1.2p+1"]),
+            "det_ext_budget_full": run(["0x1.8p+1", "0x1.4p+1", "0x1.2p+1"]),
+            "det_ext_budget_local": run(["0x1.8p+1", "0x1.4p+1", "0x1.20001p+1"])}
+    graphed_slice.compare(runs)
+    assert runs["det_ext_budget_full"]["exact_vs_eager"] == dict(
+        run="det_ext_budget_eager", steps=3, bitwise_equal_steps=3, first_differing_step=None)
+    assert runs["det_ext_budget_local"]["exact_vs_eager"]["first_differing_step"] == 3
+    assert "exact_vs_eager" not in runs["det_ext_budget_eager"]

@@ -132,3 +132,41 @@ def test_megatron_training_loop_checks_overflow_after_each_step(monkeypatch):
         schedule(model=[layer], forward_only=False)
     assert schedule(model=[layer], forward_only=True) == ["losses"]  # evaluation: not checked here
     assert calls == [False, True] and layer.moe_overflow_stats.tolist() == [3, 48]
+
+
+def test_full_iteration_graph_checks_overflow_after_each_replay(monkeypatch):
+    """With `--cuda-graph-impl full_iteration`, Megatron-LM's `train()` wraps the schedule in
+    `FullCudaGraphWrapper`, which runs it once inside a capture and then replays the graph
+    without calling it. The check must skip the capture (a host read there breaks it) and run
+    after every call of the wrapper, replays included."""
+    stats = torch.tensor([5, 40])
+
+    class FullCudaGraphWrapper:  # a stand-in: step 0 captures, later steps replay
+        def __init__(self, forward_backward_func, cuda_graph_warmup_steps=0):
+            self.forward_backward_func, self.step = forward_backward_func, 0
+
+        def __call__(self, **kwargs):
+            if self.step == 0:
+                monkeypatch.setattr(overflow, "_capturing", lambda: True)
+                self.result = self.forward_backward_func(**kwargs)
+                monkeypatch.setattr(overflow, "_capturing", lambda: False)
+            kwargs["model"][0].moe_overflow_stats.add_(stats)  # what a replay does on the device
+            self.step += 1
+            return self.result
+
+    def schedule(**kwargs):
+        return ["losses"]
+
+    training = types.ModuleType("megatron.training.training")
+    training.get_forward_backward_func = lambda **kwargs: schedule
+    training.FullCudaGraphWrapper = FullCudaGraphWrapper
+    monkeypatch.setitem(sys.modules, "megatron.training.training", training)
+    overflow.check_overflow_after_each_step()
+    wrapped = training.FullCudaGraphWrapper(training.get_forward_backward_func(), cuda_graph_warmup_steps=0)
+    assert isinstance(wrapped, FullCudaGraphWrapper)
+    layer = _Layer("error")
+    for step in range(2):  # the capture step, then a replay: each checked once, after the graph ran
+        with pytest.raises(overflow.MoEOverflowError, match=r"layer 1: needed 40 .* 5 \(token, expert\) pairs"):
+            wrapped(model=[layer], forward_only=False)
+        assert layer.moe_overflow_stats.tolist() == [0, 0]
+    assert wrapped(model=[layer], forward_only=True) == ["losses"]  # evaluation: not checked
