@@ -37,6 +37,8 @@
 #     refuses; a 10-iteration warm-up), eager and graphed; the wrapper records every step's
 #     losses and gradient norm exactly (--exact), and the JSON says per graphed run how many
 #     steps equal the eager run's bit for bit (`exact_vs_eager`). Run them with --iters 50.
+#   det_aux_ext_budget_eager, det_aux_ext_budget_local: the same without
+#     --moe-router-force-load-balancing (the aux loss alone: the router draws no random logits)
 # Each run: ITERS iterations (default 12), the last one profiled (bench/gpu/pretrain_profiled.py
 # --busy-only: CUDA activity only, for the GPU busy time = the union of its kernel intervals;
 # BREAKDOWN=1 profiles the eager runs with CPU activity and labelled parts instead), medians of
@@ -161,6 +163,8 @@ add dsv3_ext_budget_full 1 "$DSV3_TIMEOUT" "$EXT $BUDGET" "$DSV3_RUN $SPEC $FULL
 add det_ext_budget_eager 0 "$TIMEOUT" "$EXT $BUDGET $DET_ENV" "$DET_RUN $SPEC"
 add det_ext_budget_local 0 "$TIMEOUT" "$EXT $BUDGET $DET_ENV" "$DET_RUN $SPEC $LOCAL_GRAPHS"
 add det_ext_budget_full 0 "$TIMEOUT" "$EXT $BUDGET $DET_ENV" "$DET_RUN $SPEC $FULL_GRAPH"
+add det_aux_ext_budget_eager 0 "$TIMEOUT" "$EXT $BUDGET $DET_ENV" "${DET_RUN/ --moe-router-force-load-balancing/} $SPEC"
+add det_aux_ext_budget_local 0 "$TIMEOUT" "$EXT $BUDGET $DET_ENV" "${DET_RUN/ --moe-router-force-load-balancing/} $SPEC $LOCAL_GRAPHS"
 for name in $SELECT; do
   [[ $name = all || $KNOWN = *" $name "* ]] || echo "warning: RUNS names an unknown run: $name" >&2
 done

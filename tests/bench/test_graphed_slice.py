@@ -112,7 +112,8 @@ def test_graphed_slice_run_list_parses_with_megatron_arguments(tmp_path):
                      "ext_recipe_local", "ext_budget_eager", "ext_budget_local", "ext_budget_te",
                      "ext_budget_local_fused", "ext_budget_full", "ext_budget_full_fused", "dsv3_native_attn",
                      "dsv3_native_recipe", "dsv3_ext_budget_local", "dsv3_ext_budget_full", "det_ext_budget_eager",
-                     "det_ext_budget_local", "det_ext_budget_full"]
+                     "det_ext_budget_local", "det_ext_budget_full", "det_aux_ext_budget_eager",
+                     "det_aux_ext_budget_local"]
     picked = subprocess.run(["bash", "bench/gpu/graphed_slice.sh"], cwd=ROOT, capture_output=True, text=True,
                             env=dict(env, RUNS="ext_budget_te native_eager")).stdout.splitlines()
     assert [line.split()[0] for line in picked] == ["native_eager", "ext_budget_te"]
@@ -141,12 +142,13 @@ def test_graphed_slice_run_list_parses_with_megatron_arguments(tmp_path):
             (7168, 56, 8, 128, 2048, 4) if dsv3 else (2048, 32, 4, 128, 768, 16)), name
         assert a["impl"] == "transformer_engine" and a["timing"] == 0 and a["throughput"], name
         # Deterministic mode refuses the loss fusion; full-iteration graphs refuse the NaN check.
-        assert a["ce_fusion"] == (not det) and a["router_fusion"] and a["force_balance"], name
+        assert a["ce_fusion"] == (not det) and a["router_fusion"], name
+        assert a["force_balance"] == (not name.startswith("det_aux_")), name  # det_aux_: the aux loss alone
         assert a["deterministic"] == det and a["nan_check"] == (a["graphs"] != "full_iteration"), name
         native = "native" in name
         assert (a["spec"] is None) == native and a["permute_fusion"] == native, name
-        assert (a["graphs"], a["modules"]) == graphs[name.split("_", 1)[1].removeprefix("native_").removeprefix("ext_")
-                                                     if dsv3 or det else name.split("_", 1)[1]], name
+        assert (a["graphs"], a["modules"]) == graphs[name.removeprefix("det_aux_").split("_", 1)[-1].removeprefix(
+            "native_").removeprefix("ext_") if dsv3 or det else name.split("_", 1)[1]], name
         assert {"NCCL_GRAPH_REGISTER=0", "NVTE_FUSED_ATTN=1", "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
                 "CUDA_DEVICE_MAX_CONNECTIONS=1"} <= set(words), name
         assert ("MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR=1.25" in words) == ("budget" in name), name
