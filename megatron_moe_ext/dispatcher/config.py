@@ -159,6 +159,11 @@ class TokenDispatcherConfig:
                 if getattr(self, other) is not None:
                     _fail(other, getattr(self, other), "cannot be combined with "
                           "moe_expert_rank_capacity_factor (the sync-free budget mode); set it to None")
+            if backend == "hybridep" and not self.moe_hybridep_equal_token_counts:
+                _fail("moe_hybridep_equal_token_counts", False,
+                      "the sync-free budget mode (moe_expert_rank_capacity_factor) on 'hybridep' needs "
+                      "it: otherwise the ranks agree on HybridEP's per-rank token count in an "
+                      "all-reduce read on the host; set it to True (every rank the same batch shape)")
         self._check_backend_options(backend, row)
         if self.moe_benchmark_static_routing and self.moe_expert_capacity_factor is not None:
             _fail("moe_benchmark_static_routing", True,
@@ -228,6 +233,10 @@ class TokenDispatcherConfig:
             moe_expert_rank_capacity_factor=getattr(config, "moe_expert_rank_capacity_factor", None),
         )
         values.update(budget_from_environment(values["moe_expert_rank_capacity_factor"]))
+        if backend == "hybridep" and values["moe_expert_rank_capacity_factor"] is not None:
+            # Megatron's own HybridEP budget mode sends each rank's count as it is (it pads only
+            # under moe_hybridep_pad_uneven_dispatch_inputs, refused below): equal counts.
+            values["moe_hybridep_equal_token_counts"] = True
         num_sms = getattr(config, "moe_flex_dispatcher_num_sms", None)
         if num_sms is not None and row.sms_field is not None:
             check_sm_count("moe_flex_dispatcher_num_sms", num_sms, even=row.sms_field == "moe_deepep_num_sms")

@@ -9,7 +9,7 @@ reads the device (a CUDA graph can capture it):
   rank may receive, after per-expert padding);
 - `Budget` (budget mode, `moe_expert_rank_capacity_factor`, torch and DeepEP): from the local
   token count T alone, `send_capacity = T` (a token goes at most once to each rank) and
-  `capacity = rank_budget(T, K, factor)`. The torch backend's equal splits need the same T on
+  `capacity = permute.rank_budget(T, K, factor)`. The torch backend's equal splits need the same T on
   every EP rank: the first dispatch agrees on it in a count exchange; a rank whose T changes
   later says so in the next dispatch's first collective, and every rank raises ValueError
   (unless every rank changed to the same T).
@@ -40,17 +40,6 @@ from megatron_moe_ext.dispatcher.common.handoff import IndexedRows, indexed_rows
 from megatron_moe_ext.dispatcher.common.record import DispatchRecord
 from megatron_moe_ext.dispatcher.topk_manager import TopKManager
 
-# Capacities are rounded to this many rows (or to the expert pad multiple when set).
-_CAPACITY_ALIGNMENT = 4
-
-
-def rank_budget(num_tokens: int, topk: int, factor: float, pad_multiple: int | None = None) -> int:
-    """The budget P of permuted rows one rank may receive (0 when T is 0): `int(T * K * factor)`
-    for T tokens per rank, K slots per token (times the expert-TP size) and `factor` =
-    `moe_expert_rank_capacity_factor` (1.0: the balanced load, as Megatron's HybridEP manager
-    computes it), rounded up to the expert pad multiple, else to 4."""
-    return P.align_up(int(num_tokens * topk * factor), pad_multiple or _CAPACITY_ALIGNMENT)
-
 
 class CalibratedCapacity:
     """Sizes measured by a first, dropless dispatch, times `factor` (see the module docstring)."""
@@ -73,8 +62,8 @@ class CalibratedCapacity:
         pad = manager.pad_multiple
         rows = sum(P.align_up(n, pad or 1) for n in record.counts)
         pair_rows = max(record.handle.send_splits)
-        local = [P.capacity_rows(pair_rows, self.factor, _CAPACITY_ALIGNMENT),
-                 P.capacity_rows(rows, self.factor, pad or _CAPACITY_ALIGNMENT)]
+        local = [P.capacity_rows(pair_rows, self.factor, P.CAPACITY_ALIGNMENT),
+                 P.capacity_rows(rows, self.factor, pad or P.CAPACITY_ALIGNMENT)]
         if dist.get_world_size(manager.group) > 1:
             local_t = torch.tensor(local, device=device)
             dist.all_reduce(local_t, op=dist.ReduceOp.MAX, group=manager.group)
@@ -83,7 +72,7 @@ class CalibratedCapacity:
 
 
 class Budget:
-    """Sizes from the token count alone: `(T, rank_budget(T, K, factor))`; T agreed across the
+    """Sizes from the token count alone: `(T, P.rank_budget(T, K, factor))`; T agreed across the
     EP group where the communicator's fixed splits need it (see the module docstring)."""
 
     def __init__(self, factor: float):
@@ -93,7 +82,7 @@ class Budget:
     def size(self, manager: "FixedShapeManager", num_tokens: int) -> tuple[int, int]:
         if manager.comm.fixed_equal_splits and num_tokens != self.tokens and dist.get_world_size(manager.group) > 1:
             self._agree(manager, num_tokens)
-        return num_tokens, rank_budget(num_tokens, manager.router_topk, self.factor, manager.pad_multiple)
+        return num_tokens, P.rank_budget(num_tokens, manager.router_topk, self.factor, manager.pad_multiple)
 
     def agreed_send_capacity(self) -> int | None:
         return self.tokens

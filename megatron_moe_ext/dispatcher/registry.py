@@ -118,7 +118,7 @@ _HYBRIDEP_OPTIONS = (
 )
 #: `TokenDispatcherConfig` fields the HybridEP manager takes under the same name.
 _HYBRIDEP_MANAGER_FIELDS = tuple(f for f in _HYBRIDEP_OPTIONS if f != "moe_permute_fusion") + (
-    "moe_hybridep_capacity_factor", "moe_router_expert_pad_multiple")
+    "moe_hybridep_capacity_factor", "moe_expert_rank_capacity_factor", "moe_router_expert_pad_multiple")
 
 
 def _build_hybridep(cfg, group, num_local_experts, tp_size):
@@ -147,7 +147,7 @@ BACKENDS: dict[str, BackendRow] = {
     "deepep": BackendRow(_deepep_family("deepep"), frozenset({"dropless", "budget"}), graph_capture=True,
                          indexed_rows=True, requires="moe_enable_deepep", **_DEEPEP_KERNELS),
     "hybridep": BackendRow(
-        _build_hybridep, frozenset({"dropless", "capacity"}), static_routing=True,
+        _build_hybridep, frozenset(MODES), graph_capture=True, static_routing=True,
         sms_field="moe_hybridep_num_sms", permute_fusion=True, options=_HYBRIDEP_OPTIONS,
         megatron_fields=(("moe_hybridep_num_sms_preprocessing", "moe_hybridep_num_sms_preprocessing"),
                          ("moe_permute_fusion_into_hybridep", "moe_hybridep_permute_fusion")),

@@ -27,6 +27,24 @@ from tests.reference import (
 
 T, E, K, H = 16, 8, 2, 16
 CASE = RoutingCase("syncfree", tokens_per_rank=(T,), hidden=H, num_experts=E, topk=K, seed=5)
+#: HybridEP's rows are 16-bit and at least 128 wide; its budget mode needs equal counts.
+HYBRIDEP_CASE = RoutingCase("syncfree", tokens_per_rank=(T,), hidden=128, num_experts=E, topk=K, seed=5)
+
+
+def _backend_setup(backend: str, dtype: torch.dtype):
+    """`(case, dtype, dispatcher overrides)` of `backend`, its test double installed (the
+    real library where the double's module says so)."""
+    if backend == "deepep":
+        from tests.doubles import deep_ep_buffer
+
+        deep_ep_buffer.install()
+        return CASE, torch.bfloat16, {}
+    if backend == "hybridep":
+        from tests.dispatcher.hybridep_ranks import use_backend
+
+        use_backend()
+        return HYBRIDEP_CASE, torch.bfloat16, dict(moe_hybridep_equal_token_counts=True)
+    return CASE, dtype, {}
 
 
 class LibraryHostReads(HostReadCounter):
@@ -94,16 +112,13 @@ def syncfree_vs_blocking(backend: str = "torch", dtype: str = "fp32"):
     """The same batch through the blocking dropless dispatcher and the budget mode (a budget
     that fits): equal results, no host read, a static row count and a zero overflow count."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    if backend == "deepep":
-        from tests.doubles import deep_ep_buffer
-
-        deep_ep_buffer.install()
+    case, dtype, overrides = _backend_setup(backend, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
     factor = 2.0
-    blocking = build_dispatcher(CASE, backend, moe_share_token_dispatcher=False)
-    budget = build_dispatcher(CASE, backend, moe_share_token_dispatcher=False,
-                              moe_expert_rank_capacity_factor=factor)
-    params = toy_expert_params(E, H)
-    x, indices, probs = make_routing(CASE, rank, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+    blocking = build_dispatcher(case, backend, moe_share_token_dispatcher=False, **overrides)
+    budget = build_dispatcher(case, backend, moe_share_token_dispatcher=False,
+                              moe_expert_rank_capacity_factor=factor, **overrides)
+    params = toy_expert_params(E, case.hidden)
+    x, indices, probs = make_routing(case, rank, dtype)
     ref = _step(blocking, x, indices, probs, params)
     counter = LibraryHostReads()
     got = _step(_agreed(budget, x, indices, probs, params), x, indices, probs, params, counter)
@@ -132,19 +147,14 @@ def syncfree_overflow_then_fit(backend: str = "torch"):
     masks every skewed pair whose position in that order is past the budget.
     """
     world, rank = dist.get_world_size(), dist.get_rank()
-    dtype = torch.float32
-    if backend == "deepep":
-        from tests.doubles import deep_ep_buffer
-
-        deep_ep_buffer.install()
-        dtype = torch.bfloat16
+    case, dtype, overrides = _backend_setup(backend, torch.float32)
     # At EP 1 every pair lands on the one rank: only a factor below 1 can overflow.
     factor = 1.0 if world > 1 else 0.5
     budget_rows = int(T * K * factor)
-    disp = build_dispatcher(CASE, backend, moe_share_token_dispatcher=False,
-                            moe_expert_rank_capacity_factor=factor)
-    params = toy_expert_params(E, H)
-    x, _, _ = make_routing(CASE, rank, dtype)
+    disp = build_dispatcher(case, backend, moe_share_token_dispatcher=False,
+                            moe_expert_rank_capacity_factor=factor, **overrides)
+    params = toy_expert_params(E, case.hidden)
+    x, _, _ = make_routing(case, rank, dtype)
     counter = LibraryHostReads()
 
     indices, probs = _skewed(x)
@@ -159,7 +169,7 @@ def syncfree_overflow_then_fit(backend: str = "torch"):
 
     # Then random routing with one slot per token: at most T*K/2 <= budget pairs on average,
     # and at EP 1 exactly T = budget.
-    _, indices, probs = make_routing(CASE, rank)
+    _, indices, probs = make_routing(case, rank)
     indices, probs = indices.clone(), probs.clone()
     indices[:, 1], probs[:, 1] = -1, 0.0
     got = _step(disp, x, indices, probs, params, counter)

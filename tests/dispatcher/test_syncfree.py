@@ -16,7 +16,6 @@ import torch
 
 from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
 from megatron_moe_ext.dispatcher.common import permute as P
-from megatron_moe_ext.dispatcher.fixed import rank_budget
 from megatron_moe_ext.megatron import graphs
 from tests.dispatcher import syncfree_ranks
 
@@ -28,12 +27,12 @@ def test_rank_budget_is_megatrons_formula(tokens, topk, factor, multiple):
     # Megatron's HybridEPManager.setup_metadata: int(T * K * f), then up to the pad multiple.
     expected = int(tokens * topk * factor)
     expected += -expected % (multiple or 4)
-    assert rank_budget(tokens, topk, factor, multiple) == expected
+    assert P.rank_budget(tokens, topk, factor, multiple) == expected
 
 
 @pytest.mark.parametrize("world,backend,dtype", [
     (1, "torch", "fp32"), (2, "torch", "fp32"), (4, "torch", "fp32"), (2, "torch", "bf16"),
-    (2, "deepep", "bf16"), (4, "deepep", "bf16")])
+    (2, "deepep", "bf16"), (4, "deepep", "bf16"), (2, "hybridep", "bf16"), (4, "hybridep", "bf16")])
 def test_syncfree_equals_blocking_within_budget(dist_pools, world, backend, dtype):
     for r in dist_pools(world).run(syncfree_ranks.syncfree_vs_blocking, backend, dtype):
         assert r["diffs"] == {"y": 0.0, "gx": 0.0, "gp": 0.0}, r
@@ -44,7 +43,7 @@ def test_syncfree_equals_blocking_within_budget(dist_pools, world, backend, dtyp
 
 
 @pytest.mark.parametrize("world,backend", [(1, "torch"), (2, "torch"), (4, "torch"),
-                                           (2, "deepep"), (4, "deepep")])
+                                           (2, "deepep"), (4, "deepep"), (2, "hybridep"), (4, "hybridep")])
 def test_syncfree_overflow_counted_and_dropped_then_fits(dist_pools, world, backend):
     results = dist_pools(world).run(syncfree_ranks.syncfree_overflow_then_fit, backend)
     assert results[0]["skew"]["expected_dropped"] > 0
@@ -58,16 +57,24 @@ def test_syncfree_overflow_counted_and_dropped_then_fits(dist_pools, world, back
         assert r["host_reads"] == [], r
 
 
-@pytest.mark.parametrize("backend", ["uccl_ep", "hybridep"])
-def test_budget_mode_refused_on_backends_without_it(backend):
-    try:
-        TokenDispatcherConfig(moe_flex_dispatcher_backend=backend, moe_expert_rank_capacity_factor=1.5)
-    except ValueError as exc:
-        assert "moe_expert_rank_capacity_factor" in str(exc)
-    else:  # a backend that gained a budget mode must say so in the config's table
-        from megatron_moe_ext.dispatcher import config
+def test_budget_mode_refused_on_backends_without_it():
+    with pytest.raises(ValueError, match=r"moe_expert_rank_capacity_factor.*backends \('deepep', 'hybridep', "
+                                         r"'torch'\), backend is 'uccl_ep'"):
+        TokenDispatcherConfig(moe_flex_dispatcher_backend="uccl_ep", moe_expert_rank_capacity_factor=1.5)
 
-        assert backend in config._BUDGET_MODE_BACKENDS
+
+def test_hybridep_budget_mode_needs_equal_token_counts():
+    """Without equal counts HybridEP's ranks agree on the token count in a host read: the
+    budget mode is refused naming the setting; from Megatron's config it is set (Megatron's own
+    HybridEP budget mode sends the counts as they are)."""
+    with pytest.raises(ValueError, match="moe_hybridep_equal_token_counts=False.*budget mode"):
+        TokenDispatcherConfig(moe_flex_dispatcher_backend="hybridep", moe_expert_rank_capacity_factor=1.5)
+    TokenDispatcherConfig(moe_flex_dispatcher_backend="hybridep", moe_expert_rank_capacity_factor=1.5,
+                          moe_hybridep_equal_token_counts=True)
+    megatron = types.SimpleNamespace(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep",
+                                     moe_router_topk=2, num_moe_experts=8, moe_expert_rank_capacity_factor=1.5)
+    cfg = TokenDispatcherConfig.from_transformer_config(megatron)
+    assert cfg.moe_hybridep_equal_token_counts and cfg.moe_expert_rank_capacity_factor == 1.5
 
 
 @pytest.mark.parametrize("changes,field", [

@@ -38,6 +38,18 @@ def capacity_rows(rows: int, factor: float, multiple: int) -> int:
     return align_up(get_capacity(rows, 1, factor, min_capacity=1), multiple)
 
 
+#: Fixed-shape capacities are rounded to this many rows (or to the expert pad multiple).
+CAPACITY_ALIGNMENT = 4
+
+
+def rank_budget(num_tokens: int, topk: int, factor: float, pad_multiple: int | None = None) -> int:
+    """The budget P of permuted rows one rank may receive (0 when T is 0): `int(T * K * factor)`
+    for T tokens per rank, K slots per token (times the expert-TP size) and `factor` =
+    `moe_expert_rank_capacity_factor` (1.0: the balanced load, as Megatron's HybridEP manager
+    computes it), rounded up to the expert pad multiple, else to `CAPACITY_ALIGNMENT`."""
+    return align_up(int(num_tokens * topk * factor), pad_multiple or CAPACITY_ALIGNMENT)
+
+
 def host_counts_tensor(counts: list[int]) -> torch.Tensor:
     """`[e]` int64 CPU tensor of host counts (a quarter of `torch.as_tensor`'s host time:
     it runs on every dispatch)."""

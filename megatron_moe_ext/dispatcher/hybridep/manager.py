@@ -3,11 +3,14 @@
 HybridEP permutes, sends and groups rows by local expert in one call (`dispatch_with_permute`);
 `combine_with_unpermute` is its inverse; the autograd Functions below are each other's
 backward. Around the buffer the manager adds equal, 4-aligned per-rank token counts (zero
-padding rows, sliced off after combine), the static-routing pins, and capacity mode: one
-blocking calibration dispatch (which also pins the padded per-rank token count, so a larger
-batch later raises ValueError), then non-blocking fixed-size dispatches guarded by a
-device-side overflow assert. Per layer: its capacity and pins; shared: only the
-`HybridEPBuffer`, one per `buffer_key`.
+padding rows, sliced off after combine), the static-routing pins, capacity mode (one
+blocking calibration dispatch, which also pins the padded per-rank token count, so a larger
+batch later raises ValueError, then non-blocking fixed-size dispatches guarded by a
+device-side overflow assert) and budget mode (`moe_expert_rank_capacity_factor`, with
+`moe_hybridep_equal_token_counts`: every dispatch non-blocking at `permute.rank_budget(T', K,
+factor)` rows, no host read; HybridEP drops what does not fit, and the record's
+`overflow_stats` count it from one all-reduce of the per-expert counts). Per layer: its
+capacity and pins; shared: only the `HybridEPBuffer`, one per `buffer_key`.
 
 Legend: T local tokens, T' padded tokens, H hidden, E experts, e local experts, K top-k,
 P permuted rows (grouped by local expert; in non-blocking mode the tail past
@@ -24,7 +27,6 @@ import torch.distributed as dist
 from megatron_moe_ext.dispatcher.common import buffers, checks
 from megatron_moe_ext.dispatcher.common import permute as P
 from megatron_moe_ext.dispatcher.common.base import DispatchManager
-from megatron_moe_ext.dispatcher.common.record import DispatchRecord
 from megatron_moe_ext.dispatcher.hybridep.metadata import HybridEPMetadataProcessor
 from megatron_moe_ext.utils.env import env_flag
 
@@ -133,6 +135,7 @@ class HybridEPManager(DispatchManager):
             given; it builds the same dense map before its all-gather, so nothing is lost.
         benchmark_static_routing: pin the padded and permuted counts (see module docstring).
         moe_hybridep_capacity_factor: capacity mode; None keeps the blocking path.
+        moe_expert_rank_capacity_factor: budget mode (needs moe_hybridep_equal_token_counts).
         moe_hybridep_equal_token_counts: every rank sends the same count: no all-reduce.
         moe_router_expert_pad_multiple: pad each expert's rows (HybridEP's `pad_multiple`).
         router_dtype: "fp64" hands fp64 permuted probs to the experts.
@@ -153,6 +156,7 @@ class HybridEPManager(DispatchManager):
         moe_hybridep_num_blocks_unpermute: int | None = None,
         benchmark_static_routing: bool = False,
         moe_hybridep_capacity_factor: float | None = None,
+        moe_expert_rank_capacity_factor: float | None = None,
         moe_hybridep_equal_token_counts: bool = False,
         moe_router_expert_pad_multiple: int | None = None,
         router_dtype: str | None = None,
@@ -177,6 +181,7 @@ class HybridEPManager(DispatchManager):
         self.num_blocks_unpermute = moe_hybridep_num_blocks_unpermute
         self.benchmark_static_routing = benchmark_static_routing
         self.hybridep_capacity_factor = moe_hybridep_capacity_factor
+        self.budget_factor = moe_expert_rank_capacity_factor
         self.equal_token_counts = moe_hybridep_equal_token_counts
         self.pad_multiple = moe_router_expert_pad_multiple
         self.router_dtype = router_dtype
@@ -262,12 +267,15 @@ class HybridEPManager(DispatchManager):
             self._static_num_permuted_tokens = None
         return padded
 
-    def _resolve_num_permuted_tokens(self, capacity_mode: bool) -> int | None:
-        """The host `num_permuted_tokens` for this dispatch; None is the blocking path.
+    def _resolve_num_permuted_tokens(self, capacity_mode: bool, padded_tokens: int) -> int | None:
+        """The host `num_permuted_tokens` for this dispatch of `padded_tokens` rows per rank;
+        None is the blocking path.
 
         Only the calibrated capacity and the static-routing pin persist across dispatches;
         any other cached count would be reused wrongly under activation-checkpoint recompute.
         """
+        if capacity_mode and self.budget_factor is not None:
+            return P.rank_budget(padded_tokens, self.router_topk, self.budget_factor, self.pad_multiple)
         if capacity_mode and self._hybridep_capacity is not None:
             return self._hybridep_capacity
         return self._static_num_permuted_tokens if self._static_pin() else None
@@ -330,7 +338,7 @@ class HybridEPManager(DispatchManager):
         probs = torch.zeros(routing_map.shape, dtype=torch.float32, device=like.device)
         firsts = torch.arange(world, device=like.device) * self.num_local_experts
         routing_map[0, firsts], probs[0, firsts] = True, -float(checks.FLAG_BASE + word)
-        num_permuted = self._resolve_num_permuted_tokens(self.hybridep_capacity_factor is not None)
+        num_permuted = self._resolve_num_permuted_tokens(self._fixed_shape(), padded)
         with torch.no_grad():
             self._buffer(like.shape[-1], padded).dispatch_with_permute(
                 hidden=like.new_zeros(padded, like.shape[-1]), routing_map=routing_map, probs=probs,
@@ -342,17 +350,19 @@ class HybridEPManager(DispatchManager):
         """Dispatch `[T, H]` rows; returns `[P, H]` rows grouped by local expert.
 
         `async_finish` / `allocate_on_comm_stream` are ignored: HybridEP owns its stream.
-        `capacity_mode=None` follows `moe_hybridep_capacity_factor`; False forces a blocking
-        dispatch that neither uses nor calibrates the capacity (the runtime warmup).
+        `capacity_mode=None` follows the config's fixed-shape mode (capacity or budget); False
+        forces a blocking dispatch that neither uses nor calibrates the capacity (the runtime
+        warmup).
         """
         self.check_rows(hidden_states)
         if capacity_mode is None:
-            capacity_mode = self.hybridep_capacity_factor is not None
+            capacity_mode = self._fixed_shape()
         padded = record.token_probs.shape[0]
         x_TH = hidden_states
         if padded > x_TH.shape[0]:
             x_TH = torch.cat([x_TH, x_TH.new_zeros(padded - x_TH.shape[0], x_TH.shape[1])])
-        num_permuted = self._resolve_num_permuted_tokens(capacity_mode)
+        num_permuted = self._resolve_num_permuted_tokens(capacity_mode, padded)
+        routing_map_TE = record.routing_map
         kwargs = dict(routing_map=record.routing_map, num_of_experts_per_rank=self.num_local_experts,
                       num_permuted_tokens=num_permuted, non_blocking=num_permuted is not None,
                       pad_multiple=self.pad_multiple, fuse_permute_dispatch=self.hybridep_permute_fusion)
@@ -369,7 +379,10 @@ class HybridEPManager(DispatchManager):
         else:
             routed_P = torch.arange(probs_P.shape[0], device=probs_P.device) < counts_e.sum()
             checks.raise_on_flagged(torch.where(routed_P, probs_P, 0.0))
-        if num_permuted is not None:
+        if capacity_mode and self.budget_factor is not None:
+            record.capacity = num_permuted
+            record.overflow_stats = self._budget_overflow(routing_map_TE, num_permuted)
+        elif num_permuted is not None:
             _assert_no_hybridep_overflow(record.handle, num_permuted)
         else:
             if capacity_mode and self._hybridep_capacity is None:
@@ -382,6 +395,22 @@ class HybridEPManager(DispatchManager):
         # The routing inputs are consumed: drop them so recompute cannot keep them alive.
         record.routing_map = record.token_probs = None
         return rows_PH
+
+    def _fixed_shape(self) -> bool:
+        return self.hybridep_capacity_factor is not None or self.budget_factor is not None
+
+    def _budget_overflow(self, routing_map_TE: torch.Tensor, budget: int) -> torch.Tensor:
+        """Budget mode's `[dropped pairs, rows needed]` (device int64) on this rank: the pairs
+        routed to each local expert, summed over the group in one all-reduce (no host read),
+        kept as HybridEP keeps them: experts in order, each group padded, up to `budget`."""
+        needed_E = routing_map_TE.sum(0, dtype=torch.int64)
+        if dist.get_world_size(self.group) > 1:
+            dist.all_reduce(needed_E, group=self.group)
+        first = dist.get_rank(self.group) * self.num_local_experts
+        needed_e = needed_E[first:first + self.num_local_experts]
+        padded_e = P.align_up(needed_e, self.pad_multiple or 1)
+        kept_e = torch.minimum((budget - P.start_offsets(padded_e)).clamp(min=0), needed_e)
+        return torch.stack([(needed_e - kept_e).sum(), padded_e.sum()])
 
     def combine(self, record, hidden_states, async_finish=True, allocate_on_comm_stream=True):
         """`[P, H]` expert outputs -> `[T, H]` (padding tokens sliced off)."""
@@ -409,29 +438,8 @@ class HybridEPManager(DispatchManager):
         return HybridEPPipelineRuntimeInitializer(self, hidden_dim, dtype)
 
     def initialize_runtime(self, num_tokens: int, hidden_dim: int, dtype: torch.dtype, device) -> None:
-        """One synthetic dispatch + combine + backward (grad mode forced on; a deterministic,
-        balanced batch, no RNG) so HybridEP sizes its buffer and compiles its kernels before
-        any pipeline traffic (its own record). Every manager field is restored afterwards, even
-        on failure."""
-        saved = dict(self.__dict__)
-        try:
-            # A plain blocking dispatch: it neither uses nor records this layer's pins.
-            self._pinned_tokens = self._hybridep_capacity = self._static_num_permuted_tokens = None
-            with torch.inference_mode(False), torch.enable_grad():
-                device = torch.device(device)
-                tokens = torch.arange(num_tokens, device=device)
-                slots = torch.arange(self.router_topk, device=device)
-                indices_TK = (tokens[:, None] + slots * max(self.num_experts // self.router_topk, 1)) % self.num_experts
-                probs_TK = torch.full(indices_TK.shape, 1.0 / self.router_topk, device=device, requires_grad=True)
-                x_TH = torch.linspace(-1.0, 1.0, num_tokens * hidden_dim, device=device)
-                x_TH = x_TH.reshape(num_tokens, hidden_dim).to(dtype).requires_grad_()
-                record = DispatchRecord(x_TH.shape)
-                self.setup_metadata_from_indices(record, indices_TK, probs_TK)
-                rows_PH = self.dispatch(record, x_TH, capacity_mode=False)
-                rows_PH, probs_P = self.get_permuted_hidden_states_by_experts(record, rows_PH)
-                out_PH = rows_PH * probs_P[:, None].to(rows_PH.dtype)
-                y_TH = self.combine(record, self.get_restored_hidden_states_by_experts(record, out_PH))
-                y_TH.float().sum().backward()
-        finally:
-            self.__dict__.clear()
-            self.__dict__.update(saved)
+        """One synthetic dispatch + combine + backward, every field restored after
+        (`runtime.warm_up`)."""
+        from megatron_moe_ext.dispatcher.hybridep.runtime import warm_up
+
+        warm_up(self, num_tokens, hidden_dim, dtype, device)
