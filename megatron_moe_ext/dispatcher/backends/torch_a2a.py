@@ -223,11 +223,11 @@ def combine(x_RH: torch.Tensor, group, handle: TorchDispatchHandle, async_finish
 class FixedHandle:
     """State of one fixed-shape dispatch that combine and its backward reuse.
 
-    slot_TW: the sent slot of each token's copy for each rank (S = W*C where none).
+    slot_TW: the sent slot of each token's copy for each rank (S = W*C where none); None: in place.
     send_capacity: C, rows per rank pair.
     """
 
-    slot_TW: torch.Tensor
+    slot_TW: torch.Tensor | None
     send_capacity: int
 
 
@@ -251,6 +251,12 @@ def dispatch_fixed(x_TH, indices_TK, probs_TK, num_experts, group, send_capacity
     e, C = num_experts // world, send_capacity
     num_tokens, topk = indices_TK.shape
     device = x_TH.device
+    if world == 1 and C == num_tokens:  # one rank (budget mode's C = T): the tokens stay in place
+        indices_TK = indices_TK.long()
+        probs_TK = torch.where(indices_TK >= 0, probs_TK.float(), 0.0)
+        if receive_overflow is not None:
+            checks.raise_on_words(receive_overflow(indices_TK, probs_TK).long() * checks.error_word("overflow", 0))
+        return x_TH, indices_TK, probs_TK, FixedHandle(None, C)
     in_rank_TW = token_ranks(indices_TK, e, world)
     # A token's slot is its position among the tokens sent to the same rank.
     pos_TW = torch.cumsum(in_rank_TW.int(), dim=0) - 1
@@ -287,6 +293,8 @@ def dispatch_fixed(x_TH, indices_TK, probs_TK, num_experts, group, send_capacity
 def combine_fixed(x_RH, group, handle: FixedHandle, async_finish: bool = False,
                   allocate_on_comm_stream: bool = False):
     """`combine` of a `dispatch_fixed`: `[W*C, H]` -> `([T, H], None)`."""
+    if handle.slot_TW is None:  # the tokens stayed in place
+        return x_RH, None
     splits = [handle.send_capacity] * dist.get_world_size(group)
     rows_SH = all_to_all_rows(x_RH, splits, splits, group)
     # Each token's copies come back in rank order: gathers, not an accumulate (see gather_sum).

@@ -331,12 +331,11 @@ def slot_positions(indices_RK: torch.Tensor, routing_map_Re: torch.Tensor,
     # The rank is scanned along the inner dim of the `[e, R]` map: a scan along R in `[R, e]`
     # (the outer dim) runs e threads over R rows each, 1.5 ms at R=8192, e=128 on an H200.
     ranks_eR = routing_map_Re.t().contiguous().cumsum(1)
-    dest_Re = (padded_offsets_e[:, None] + ranks_eR - 1).t()
-    expert_RK, _ = torch.sort(torch.where(indices_RK >= 0, indices_RK, e), dim=1)
-    repeat_RK = torch.cat([torch.zeros_like(expert_RK[:, :1], dtype=torch.bool),
-                           expert_RK[:, 1:] == expert_RK[:, :-1]], dim=1)
-    dest_RK = dest_Re.gather(1, expert_RK.clamp(max=e - 1))
-    return torch.where((expert_RK < e) & ~repeat_RK & (dest_RK < capacity), dest_RK, capacity)
+    # Column e, where masked slots look, is past the buffer: so is every position clamped to it.
+    dest_Re = torch.nn.functional.pad((padded_offsets_e[:, None] + ranks_eR - 1).t(), (0, 1), value=capacity)
+    expert_RK, _ = torch.sort(indices_RK.masked_fill(indices_RK < 0, e), dim=1)
+    repeat_RK = torch.nn.functional.pad(expert_RK[:, 1:] == expert_RK[:, :-1], (1, 0))
+    return dest_Re.gather(1, expert_RK).clamp_(max=capacity).masked_fill_(repeat_RK, capacity)
 
 
 def unpermute_from_experts(expert_out_PH: torch.Tensor, state: PermutationState) -> torch.Tensor:
@@ -369,25 +368,30 @@ def fixed_layout(indices_RK: torch.Tensor, probs_RK: torch.Tensor, num_local_exp
     """
     num_rows = indices_RK.shape[0]
     routing_Re, probs_Re = indices_to_multihot(indices_RK, probs_RK, num_local_experts)
+    padded = bool(pad_multiple) and pad_multiple != 1
     counts_e = routing_Re.sum(0)
-    padded_e = align_up(counts_e, pad_multiple or 1)
-    offsets_e, padded_offsets_e = start_offsets(counts_e), start_offsets(padded_e)
+    padded_e = align_up(counts_e, pad_multiple) if padded else counts_e
+    offsets_e = start_offsets(counts_e)
+    padded_offsets_e = start_offsets(padded_e) if padded else offsets_e
     # Expert-major pairs, at most `capacity` of them: a static size, so no host sync.
     pairs_N2 = torch.nonzero_static(routing_Re.t(), size=capacity, fill_value=-1)
     expert_N, row_N = pairs_N2[:, 0], pairs_N2[:, 1]
     safe_expert_N = expert_N.clamp(min=0)
-    dest_N = (torch.arange(capacity, device=indices_RK.device) - offsets_e[safe_expert_N]
-              + padded_offsets_e[safe_expert_N])
-    valid_N = (expert_N >= 0) & (dest_N < capacity)
-    # Invalid pairs land in an extra row `capacity`, sliced off; empty rows pick row R (zero).
-    dest_N = torch.where(valid_N, dest_N, capacity)
-    row_N = torch.where(valid_N, row_N, num_rows)
-    row_of_slot_P = row_N.new_full((capacity + 1,), num_rows).index_copy(0, dest_N, row_N)[:capacity]
+    valid_N, dest_N = expert_N >= 0, None  # unpadded, pair n sits at position n: no scatter
+    if padded:
+        dest_N = (torch.arange(capacity, device=indices_RK.device) - offsets_e[safe_expert_N]
+                  + padded_offsets_e[safe_expert_N])
+        valid_N &= dest_N < capacity
+        dest_N = torch.where(valid_N, dest_N, capacity)  # invalid pairs: an extra row, sliced off
+    row_N = torch.where(valid_N, row_N, num_rows)  # empty rows pick row R (zero)
     slot_of_row_RK = slot_positions(indices_RK, routing_Re, padded_offsets_e, capacity)
     # A flat gather: its backward is a scatter-add, where advanced indexing's would be a
     # CUDA-graph-unsafe accumulate (see gather_sum).
     probs_N = probs_Re.flatten().gather(0, row_N.clamp(max=max(num_rows - 1, 0)) * num_local_experts
                                         + safe_expert_N)
+    if dest_N is None:
+        return torch.where(valid_N, probs_N, 0.0), padded_e, row_N, slot_of_row_RK
+    row_of_slot_P = row_N.new_full((capacity + 1,), num_rows).index_copy(0, dest_N, row_N)[:capacity]
     permuted_probs_P = probs_N.new_zeros(capacity + 1).index_copy(0, dest_N, probs_N)[:capacity]
     return permuted_probs_P, padded_e, row_of_slot_P, slot_of_row_RK
 
