@@ -83,8 +83,9 @@ class TokenDispatcherConfig:
     moe_share_token_dispatcher: bool = True
     moe_deepep_async_dispatch: bool = False
     moe_benchmark_static_routing: bool = False
-    #: Sync-free mode (dispatcher/fixed.py): each rank's permuted rows are a static budget of
-    #: this many times the balanced load (T*K); Megatron's field of the same name.
+    #: Sync-free mode (dispatcher/fixed.py; HybridEP: hybridep/manager.py, with equal token
+    #: counts): each rank's permuted rows are a static budget of this many times the balanced
+    #: load (T*K); Megatron's field of the same name.
     moe_expert_rank_capacity_factor: float | None = None
     #: What a step whose routing exceeds the budget does (`megatron.overflow.check_overflow`):
     #: "error" raises; "drop" gives the pairs past the budget zero output and logs their count.

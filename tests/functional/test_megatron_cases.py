@@ -129,18 +129,18 @@ def test_case_builds_the_package_layer_config(path, monkeypatch, tmp_path):
 
 
 def test_a_case_the_package_refuses_fails_naming_case_and_error(monkeypatch, tmp_path):
-    """The HybridEP case as first stored (sync-free budget mode, which Megatron admits for
-    hybridep with TE's op fuser but TokenDispatcherConfig refuses) fails the build check."""
+    """A HybridEP case with a Megatron setting the package does not honour (expert inputs
+    padded to capacity, which Megatron admits for hybridep) fails the build check."""
     pytest.importorskip("megatron.training.arguments")
     source = os.path.join(ROOT, "tests", "functional_tests", "test_cases", "moe",
                           "gpt_moe_flex_hybridep_dropless_te", "model_config.yaml")
-    case = tmp_path / "gpt_moe_flex_hybridep_budget_te" / "model_config.yaml"
+    case = tmp_path / "gpt_moe_flex_hybridep_padded_te" / "model_config.yaml"
     case.parent.mkdir()
     shutil.copy(source, case)
     with open(case, "a") as f:
-        f.write("  --use-transformer-engine-op-fuser: true\n  --moe-expert-rank-capacity-factor: 2.0\n")
-    with pytest.raises(pytest.fail.Exception, match=r"gpt_moe_flex_hybridep_budget_te cannot build.*"
-                       r"ValueError: moe_expert_rank_capacity_factor=2.0 is invalid"):
+        f.write("  --moe-expert-capacity-factor: 1.0\n  --moe-pad-expert-input-to-capacity: true\n")
+    with pytest.raises(pytest.fail.Exception, match=r"gpt_moe_flex_hybridep_padded_te cannot build.*"
+                       r"ValueError: moe_pad_expert_input_to_capacity=True is invalid"):
         build_case(str(case), monkeypatch, tmp_path)
 
 
