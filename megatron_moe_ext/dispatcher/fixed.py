@@ -7,12 +7,12 @@ reads the device (a CUDA graph can capture it):
   dropless dispatch (one host sync) fixes, as EP-group maxima times the factor,
   `send_capacity` (rows any rank may send to any one rank) and `capacity` (permuted rows any
   rank may receive, after per-expert padding);
-- `Budget` (budget mode, `moe_expert_rank_capacity_factor`, torch and DeepEP): from the local
-  token count T alone, `send_capacity = T` (a token goes at most once to each rank) and
-  `capacity = permute.rank_budget(T, K, factor)`. The torch backend's equal splits need the same T on
-  every EP rank: the first dispatch agrees on it in a count exchange; a rank whose T changes
-  later says so in the next dispatch's first collective, and every rank raises ValueError
-  (unless every rank changed to the same T).
+- `Budget` (budget mode, `moe_expert_rank_capacity_factor`, torch and DeepEP; HybridEP's is
+  its manager's own): from the local token count T alone, `send_capacity = T` (a token goes at
+  most once to each rank) and `capacity = permute.rank_budget(T, K, factor)`. The torch
+  backend's equal splits need the same T on every EP rank: the first dispatch agrees on it in
+  a count exchange; a rank whose T changes later says so in the next dispatch's first
+  collective, and every rank raises ValueError (unless every rank changed to the same T).
 The communicator moves the rows (`dispatch_fixed` / `combine_fixed`), the permutation is
 `permute.fixed_layout`, and `tokens_per_expert` stays on the device; rows past its sum are
 zero padding that experts must not trust and combine never reads.

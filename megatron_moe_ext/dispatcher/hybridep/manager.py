@@ -363,7 +363,7 @@ class HybridEPManager(DispatchManager):
             x_TH = torch.cat([x_TH, x_TH.new_zeros(padded - x_TH.shape[0], x_TH.shape[1])])
         num_permuted = self._resolve_num_permuted_tokens(capacity_mode, padded)
         routing_map_TE = record.routing_map
-        kwargs = dict(routing_map=record.routing_map, num_of_experts_per_rank=self.num_local_experts,
+        kwargs = dict(routing_map=routing_map_TE, num_of_experts_per_rank=self.num_local_experts,
                       num_permuted_tokens=num_permuted, non_blocking=num_permuted is not None,
                       pad_multiple=self.pad_multiple, fuse_permute_dispatch=self.hybridep_permute_fusion)
         outputs = SimpleNamespace()  # the non-tensor outputs of `_HybridEPDispatch.forward`
