@@ -39,6 +39,9 @@
 #     steps equal the eager run's bit for bit (`exact_vs_eager`). Run them with --iters 50.
 #   det_aux_ext_budget_eager, det_aux_ext_budget_local: the same without
 #     --moe-router-force-load-balancing (the aux loss alone: the router draws no random logits)
+#   det_dense_eager, det_dense_local, det_dense_full: Megatron's own dense model of the same
+#     shape (every --num-experts/--moe-* flag dropped: a 6144-wide MLP) under the same modes, the
+#     drift Megatron's graphs have without any MoE layer
 # Each run: ITERS iterations (default 12), the last one profiled (bench/gpu/pretrain_profiled.py
 # --busy-only: CUDA activity only, for the GPU busy time = the union of its kernel intervals;
 # BREAKDOWN=1 profiles the eager runs with CPU activity and labelled parts instead), medians of
@@ -118,6 +121,19 @@ QWEN3_RUN="$COMMON $SLICE --num-layers $SLICE_LAYERS $RUN_FLAGS"
 DSV3_RUN="$COMMON $DSV3 --num-layers $DSV3_LAYERS $RUN_FLAGS"
 DET_RUN="$COMMON $SLICE --num-layers $SLICE_LAYERS --train-iters $ITERS $TE $RECIPE --deterministic-mode \
 --lr-warmup-iters 10"
+without_moe() {  # the flags without --num-experts and --moe-* (each with its value, if any)
+  local out=() skip=0 w
+  for w in "$@"; do
+    if [ $skip = 1 ]; then
+      skip=0
+      [[ $w = --* ]] || continue
+    fi
+    case $w in --num-experts | --moe-*) skip=1; continue ;; esac
+    out+=("$w")
+  done
+  echo "${out[@]}"
+}
+DENSE_DET_RUN=$(without_moe $DET_RUN)
 RUN_ENV="$RECIPE_ENV NCCL_GRAPH_REGISTER=0"
 DET_ENV="NCCL_ALGO=Ring CUBLAS_WORKSPACE_CONFIG=:4096:8 NVTE_ALLOW_NONDETERMINISTIC_ALGO=0"
 FULL_GRAPH="--cuda-graph-impl full_iteration --no-check-for-nan-in-loss-and-grad"
@@ -165,6 +181,9 @@ add det_ext_budget_local 0 "$TIMEOUT" "$EXT $BUDGET $DET_ENV" "$DET_RUN $SPEC $L
 add det_ext_budget_full 0 "$TIMEOUT" "$EXT $BUDGET $DET_ENV" "$DET_RUN $SPEC $FULL_GRAPH"
 add det_aux_ext_budget_eager 0 "$TIMEOUT" "$EXT $BUDGET $DET_ENV" "${DET_RUN/ --moe-router-force-load-balancing/} $SPEC"
 add det_aux_ext_budget_local 0 "$TIMEOUT" "$EXT $BUDGET $DET_ENV" "${DET_RUN/ --moe-router-force-load-balancing/} $SPEC $LOCAL_GRAPHS"
+add det_dense_eager 0 "$TIMEOUT" "$DET_ENV" "$DENSE_DET_RUN"
+add det_dense_local 0 "$TIMEOUT" "$DET_ENV" "$DENSE_DET_RUN $LOCAL_GRAPHS"
+add det_dense_full 0 "$TIMEOUT" "$DET_ENV" "$DENSE_DET_RUN $FULL_GRAPH"
 for name in $SELECT; do
   [[ $name = all || $KNOWN = *" $name "* ]] || echo "warning: RUNS names an unknown run: $name" >&2
 done

@@ -113,7 +113,7 @@ def test_graphed_slice_run_list_parses_with_megatron_arguments(tmp_path):
                      "ext_budget_local_fused", "ext_budget_full", "ext_budget_full_fused", "dsv3_native_attn",
                      "dsv3_native_recipe", "dsv3_ext_budget_local", "dsv3_ext_budget_full", "det_ext_budget_eager",
                      "det_ext_budget_local", "det_ext_budget_full", "det_aux_ext_budget_eager",
-                     "det_aux_ext_budget_local"]
+                     "det_aux_ext_budget_local", "det_dense_eager", "det_dense_local", "det_dense_full"]
     picked = subprocess.run(["bash", "bench/gpu/graphed_slice.sh"], cwd=ROOT, capture_output=True, text=True,
                             env=dict(env, RUNS="ext_budget_te native_eager")).stdout.splitlines()
     assert [line.split()[0] for line in picked] == ["native_eager", "ext_budget_te"]
@@ -132,26 +132,29 @@ def test_graphed_slice_run_list_parses_with_megatron_arguments(tmp_path):
               "recipe_local": ("local", ["attn", "moe_router", "moe_preprocess"]),
               "budget_eager": ("none", []), "budget_local": ("local", []), "budget_te": ("transformer_engine", []),
               "budget_local_fused": ("local", []), "budget_full": ("full_iteration", []),
-              "budget_full_fused": ("full_iteration", [])}
+              "budget_full_fused": ("full_iteration", []), "dense_eager": ("none", []),
+              "dense_local": ("local", []), "dense_full": ("full_iteration", [])}
     for line in lines:
         name, words = line.split()[0], shlex.split(line)[1:]
         a = args[name]
-        dsv3, det = name.startswith("dsv3_"), name.startswith("det_")
-        assert (a["experts"], a["topk"], a["seq"], a["gbs"], a["iters"]) == (16, 8, 4096, 8, 12), name
+        dsv3, det, dense = name.startswith("dsv3_"), name.startswith("det_"), name.startswith("det_dense_")
+        assert (a["experts"], a["topk"], a["seq"], a["gbs"], a["iters"]) == (
+            (None, 2, 4096, 8, 12) if dense else (16, 8, 4096, 8, 12)), name  # 2: Megatron's default
         assert (a["hidden"], a["heads"], a["groups"], a["kv"], a["ffn"], a["layers"]) == (
-            (7168, 56, 8, 128, 2048, 4) if dsv3 else (2048, 32, 4, 128, 768, 16)), name
+            (7168, 56, 8, 128, 2048, 4) if dsv3 else (2048, 32, 4, 128, None if dense else 768, 16)), name
         assert a["impl"] == "transformer_engine" and a["timing"] == 0 and a["throughput"], name
         # Deterministic mode refuses the loss fusion; full-iteration graphs refuse the NaN check.
-        assert a["ce_fusion"] == (not det) and a["router_fusion"], name
-        assert a["force_balance"] == (not name.startswith("det_aux_")), name  # det_aux_: the aux loss alone
+        assert a["ce_fusion"] == (not det) and a["router_fusion"] == (not dense), name
+        assert a["force_balance"] == (not name.startswith(("det_aux_", "det_dense_"))), name  # aux loss alone
         assert a["deterministic"] == det and a["nan_check"] == (a["graphs"] != "full_iteration"), name
-        native = "native" in name
-        assert (a["spec"] is None) == native and a["permute_fusion"] == native, name
+        native = "native" in name or dense
+        assert (a["spec"] is None) == native and a["permute_fusion"] == (native and not dense), name
         assert (a["graphs"], a["modules"]) == graphs[name.removeprefix("det_aux_").split("_", 1)[-1].removeprefix(
             "native_").removeprefix("ext_") if dsv3 or det else name.split("_", 1)[1]], name
         assert {"NCCL_GRAPH_REGISTER=0", "NVTE_FUSED_ATTN=1", "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
                 "CUDA_DEVICE_MAX_CONNECTIONS=1"} <= set(words), name
         assert ("MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR=1.25" in words) == ("budget" in name), name
+        assert dense == all(not w.startswith("--moe-") for w in words), name
         impl = [w for w in words if w.startswith("MOE_EXT_EXPERT_MLP_IMPL=")]
         assert impl == ([] if native else ["MOE_EXT_EXPERT_MLP_IMPL=fused" if name.endswith("fused")
                                            else "MOE_EXT_EXPERT_MLP_IMPL=grouped_mm"]), name
