@@ -78,11 +78,6 @@ class ExpertDispatch:
                                "is combined once)")
         return unpermute_from_experts(rows_PH, local.state)
 
-    def pipeline_runtime_initializers(self) -> tuple:
-        if self.dispatcher is None:
-            return ()
-        return self.dispatcher.get_pipeline_runtime_initializers(self.config.dim, self.config.dtype)
-
 
 def make_dispatcher_config(config: ExpertsConfig, backend: str, num_sms: int, share: bool,
                            async_dispatch: bool, static_routing: bool, **options) -> TokenDispatcherConfig:
@@ -105,7 +100,10 @@ class FlexDispatchedExperts:
 
     def get_pipeline_runtime_initializers(self) -> tuple:
         """Dispatcher resources to prepare before a pipeline-parallel step, else ()."""
-        return self.token_dispatch.pipeline_runtime_initializers()
+        dispatcher = self.token_dispatch.dispatcher
+        if dispatcher is None:
+            return ()
+        return dispatcher.get_pipeline_runtime_initializers(self.config.dim, self.config.dtype)
 
     def forward(self, x: torch.Tensor, token_mask: torch.Tensor, weights: torch.Tensor,
                 indices: torch.Tensor) -> torch.Tensor:

@@ -53,44 +53,30 @@ def env_choice(name: str, choices: tuple[str, ...], default: _Default) -> str | 
     raise _fail(name, raw, f"allowed values are {choices}, case-insensitive")
 
 
-def _bounds(minimum: float | None, above: float | None) -> str:
-    parts = ([f">= {minimum}"] if minimum is not None else []) + ([f"> {above}"] if above is not None else [])
-    return " and ".join(parts)
-
-
-def _check_bounds(name: str, raw: str, value: float, kind: str, minimum, above) -> None:
-    if (minimum is not None and value < minimum) or (above is not None and value <= above):
-        raise _fail(name, raw, f"expected {kind} {_bounds(minimum, above)}")
-
-
-def env_int(name: str, default: _Default, *, minimum: int | None = None,
-            above: int | None = None) -> int | _Default:
-    """A decimal integer, at least `minimum` and greater than `above` where given."""
+def env_int(name: str, default: _Default, *, minimum: int | None = None) -> int | _Default:
+    """A decimal integer, at least `minimum` where given."""
     raw = _raw(name)
     if raw is None:
         return default
-    kind = "an integer"
     try:
         value = int(raw, 10)
     except ValueError:
-        raise _fail(name, raw, f"expected {kind} {_bounds(minimum, above)}".rstrip()) from None
-    _check_bounds(name, raw, value, kind, minimum, above)
+        value = None
+    if value is None or (minimum is not None and value < minimum):
+        raise _fail(name, raw, "expected an integer" + ("" if minimum is None else f" >= {minimum}"))
     return value
 
 
-def env_float(name: str, default: _Default, *, minimum: float | None = None,
-              above: float | None = None) -> float | _Default:
-    """A finite number, at least `minimum` and greater than `above` where given
-    (`above=0`: a factor that must be positive)."""
+def env_float(name: str, default: _Default, *, above: float | None = None) -> float | _Default:
+    """A finite number, greater than `above` where given (`above=0`: a factor that must be
+    positive)."""
     raw = _raw(name)
     if raw is None:
         return default
-    kind = "a finite number"
     try:
         value = float(raw)
     except ValueError:
         value = math.nan
-    if not math.isfinite(value):
-        raise _fail(name, raw, f"expected {kind} {_bounds(minimum, above)}".rstrip())
-    _check_bounds(name, raw, value, kind, minimum, above)
+    if not math.isfinite(value) or (above is not None and value <= above):
+        raise _fail(name, raw, "expected a finite number" + ("" if above is None else f" > {above}"))
     return value
