@@ -17,7 +17,6 @@ _BIAS_CHUNK_ROWS = 4096
 _BIAS_CHUNK_THRESHOLD = 12288
 
 
-
 def _use_triton(t: torch.Tensor) -> bool:
     """The Triton kernels run on CUDA tensors (tests switch the CPU ones to the interpreter)."""
     return t.is_cuda

@@ -53,7 +53,7 @@ def check_capturable(config, dispatcher_config) -> None:
     if captures_moe_layer(config) and registry.mode_of(dispatcher_config) != "budget":
         raise ValueError(
             f"cuda_graph_impl={config.cuda_graph_impl!r} with cuda_graph_modules="
-            f"{_modules(config)!r} captures the MoE layer, but the "
+            f"{modules!r} captures the MoE layer, but the "
             f"{dispatcher_config.moe_flex_dispatcher_backend!r} dispatcher is not in the sync-free "
             "budget mode and reads token counts on the host; set moe_expert_rank_capacity_factor "
             f"(from the command line MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR; backends "
