@@ -157,7 +157,7 @@ def one_rank_rows_pmf(world: int, tokens: int, experts: int, topk: int) -> np.nd
 def summarize(sim: dict, world: int, tokens: int, experts: int, topk: int) -> dict:
     """Distribution of the per-dispatch factor, the factor that held everything, the exact
     tail model checked against the simulation, and overflow probabilities per dispatch and run."""
-    from megatron_moe_ext.dispatcher.fixed import rank_budget
+    from megatron_moe_ext.dispatcher.common.permute import rank_budget
 
     rows, factor = sim["rows"], sim["factor"]
     tk = tokens * topk
