@@ -10,7 +10,8 @@ tokens), and the 16-expert EP8-slice model at W=1 for 200. Source rank r of run 
 `seed + W + 1024 + 100 * r`.)
 
 The budget mode gives each expert-parallel rank a static budget of `rank_budget(T, K, factor)`
-= `int(T * K * factor)` permuted rows, aligned up to 4 (megatron_moe_ext/dispatcher/common/permute.py).
+= `int(T * K * factor)` permuted rows, aligned up to 4
+(megatron_moe_ext/dispatcher/common/permute.py).
 At EP = W with E experts in contiguous blocks of E/W per rank, rank r receives one row per
 (token, expert) pair of all W ranks' T tokens whose expert it holds ("rows needed"); one
 dispatch holds every pair when `factor >= max_r rows_needed[r] / (T * K)`.
