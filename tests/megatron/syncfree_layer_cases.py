@@ -95,24 +95,31 @@ def run_policy(policy: str) -> dict:
         megatron_cpu.uninstall()
 
 
-def run_capture_refused() -> str:
-    """A dropless `FlexMoELayer` under Megatron's whole-layer local CUDA graph: the error."""
+def _construction_error(name: str, graph_impl: str | None = None) -> str:
+    """Build a `FlexMoELayer` (torch backend; with `graph_impl`, Megatron's whole-layer CUDA
+    graph of it) and return the ValueError it raised ("" if none)."""
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 
     from megatron_moe_ext.megatron.moe_layer import FlexMoELayer
 
+    pg = megatron_cpu.init_parallel_state(dist.get_world_size())
+    config = layer_config(LayerCase(name, num_experts=E, topk=K, hidden=H), dist.get_world_size())
+    if graph_impl is not None:
+        config.cuda_graph_impl, config.cuda_graph_modules = graph_impl, []
+    spec = get_moe_module_spec(use_te=False, num_experts=E)
+    try:
+        FlexMoELayer(config, submodules=spec.keywords["submodules"], pg_collection=pg, layer_number=1)
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+def run_capture_refused() -> str:
+    """A dropless `FlexMoELayer` under Megatron's whole-layer local CUDA graph: the error."""
     megatron_cpu.install()
     try:
-        pg = megatron_cpu.init_parallel_state(dist.get_world_size())
-        config = layer_config(LayerCase("capture", num_experts=E, topk=K, hidden=H), dist.get_world_size())
         # Megatron's own validator refuses a captured dropless MoE; FlexMoELayer must too.
-        config.cuda_graph_impl, config.cuda_graph_modules = "local", []
-        spec = get_moe_module_spec(use_te=False, num_experts=E)
-        try:
-            FlexMoELayer(config, submodules=spec.keywords["submodules"], pg_collection=pg, layer_number=1)
-        except ValueError as exc:
-            return str(exc)
-        return ""
+        return _construction_error("capture", graph_impl="local")
     finally:
         megatron_cpu.uninstall()
 
@@ -314,22 +321,11 @@ def run_bad_environment_on_one_rank() -> str:
     every rank builds a `FlexMoELayer` (torch backend) and returns the error it raised."""
     import os
 
-    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-
-    from megatron_moe_ext.megatron.moe_layer import FlexMoELayer
-
     megatron_cpu.install()
     if dist.get_rank() == 1:
         os.environ["MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR"] = "lots"
     try:
-        pg = megatron_cpu.init_parallel_state(dist.get_world_size())
-        config = layer_config(LayerCase("env", num_experts=E, topk=K, hidden=H), dist.get_world_size())
-        spec = get_moe_module_spec(use_te=False, num_experts=E)
-        try:
-            FlexMoELayer(config, submodules=spec.keywords["submodules"], pg_collection=pg, layer_number=1)
-        except ValueError as exc:
-            return str(exc)
-        return ""
+        return _construction_error("env")
     finally:
         os.environ.pop("MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR", None)
         megatron_cpu.uninstall()
