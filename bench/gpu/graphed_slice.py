@@ -233,6 +233,21 @@ def compare_exact(run: dict, ref: dict) -> dict:
     return dict(steps=len(pairs), bitwise_equal_steps=sum(a == b for a, b in pairs), first_differing_step=first)
 
 
+#: (run, reference): the budget mode against the dropless layer, beside Megatron's own
+#: rounding-only variant against itself and the package against native (deterministic mode).
+ROUNDING_PAIRS = (("det_ext_budget_eager", "det_ext_eager"), ("det_native_unfused_eager", "det_native_eager"),
+                  ("det_ext_eager", "det_native_eager"))
+ROUNDING_REL_TOL = 2e-3
+
+
+def rounding_spread(run: dict, ref: dict) -> dict:
+    """The first iteration (1-based) whose lm loss differs from `ref`'s by more than
+    ROUNDING_REL_TOL relative (None: none), and the largest relative difference."""
+    rel = [abs(a - b) / abs(b) for a, b in zip(run["lm_loss"], ref["lm_loss"])]
+    first = next((i + 1 for i, r in enumerate(rel) if r > ROUNDING_REL_TOL), None)
+    return dict(iterations=len(rel), first_iteration_over_tol=first, tol=ROUNDING_REL_TOL, max_rel_lm_loss_diff=max(rel, default=None))
+
+
 def _log_tail(text: str) -> list[str]:
     return text.rstrip("\n").splitlines()[-LOG_TAIL_LINES:]
 
@@ -329,6 +344,9 @@ def compare(runs: dict) -> None:
         twin = runs.get(_eager_twin(name))
         if twin is not None and run.get("exact") and twin.get("exact"):
             run["exact_vs_eager"] = dict(run=_eager_twin(name), **compare_exact(run, twin))
+        for pair_run, pair_ref in ROUNDING_PAIRS:
+            if name == pair_run and runs.get(pair_ref, {}).get("lm_loss") and run["lm_loss"]:
+                run["rounding_spread"] = {**rounding_spread(run, runs[pair_ref]), "reference": pair_ref}
         family = _family(name)
         for ref_name in (family + "native_eager", family + "native_recipe", family + "native_attn"):
             ref = runs.get(ref_name)

@@ -39,6 +39,9 @@
 #     steps equal the eager run's bit for bit (`exact_vs_eager`). Run them with --iters 50.
 #   det_aux_ext_budget_eager, det_aux_ext_budget_local: the same without
 #     --moe-router-force-load-balancing (the aux loss alone: the router draws no random logits)
+#   det_ext_eager, det_native_eager, det_native_unfused_eager: the dropless layer, native, and
+#     native with one rounding-only change (--no-bias-swiglu-fusion) in the same mode: the spread
+#     of Megatron's own rounding variants that the budget mode is held to (`rounding_spread`)
 #   det_dense_eager, det_dense_local, det_dense_full: Megatron's own dense model of the same
 #     shape (every --num-experts/--moe-* flag dropped: a 6144-wide MLP) under the same modes, the
 #     drift Megatron's graphs have without any MoE layer
@@ -181,6 +184,9 @@ add det_ext_budget_local 0 "$TIMEOUT" "$EXT $BUDGET $DET_ENV" "$DET_RUN $SPEC $L
 add det_ext_budget_full 0 "$TIMEOUT" "$EXT $BUDGET $DET_ENV" "$DET_RUN $SPEC $FULL_GRAPH"
 add det_aux_ext_budget_eager 0 "$TIMEOUT" "$EXT $BUDGET $DET_ENV" "${DET_RUN/ --moe-router-force-load-balancing/} $SPEC"
 add det_aux_ext_budget_local 0 "$TIMEOUT" "$EXT $BUDGET $DET_ENV" "${DET_RUN/ --moe-router-force-load-balancing/} $SPEC $LOCAL_GRAPHS"
+add det_ext_eager 0 "$TIMEOUT" "$EXT $DET_ENV" "$DET_RUN $SPEC"
+add det_native_eager 0 "$TIMEOUT" "$DET_ENV" "$DET_RUN $FUSION"
+add det_native_unfused_eager 0 "$TIMEOUT" "$DET_ENV" "$DET_RUN $FUSION --no-bias-swiglu-fusion"
 add det_dense_eager 0 "$TIMEOUT" "$DET_ENV" "$DENSE_DET_RUN"
 add det_dense_local 0 "$TIMEOUT" "$DET_ENV" "$DENSE_DET_RUN $LOCAL_GRAPHS"
 add det_dense_full 0 "$TIMEOUT" "$DET_ENV" "$DENSE_DET_RUN $FULL_GRAPH"

@@ -16,7 +16,7 @@
 # Tasks: ab_cost te_install hybridep_real uccl_real ep_on_one_gpu deepep_v1_build hybridep_build device_checks cuda_graph_train graph_te_diag graph_bisect graph_fault probes experts_te bias permute
 #        layer_bench graphs recompute pretrain_local pretrain_te pretrain_small pretrain_det
 #        pretrain_det32 te_init_check pretrain_qwen3 fused_experts fused_experts_tests slice_bench host_profile pretrain_slice
-#        pretrain_slice_det megatron_tools (QuACK: source /tmp/quack_env.sh first).
+#        pretrain_slice_det megatron_tools det_numerics (QuACK: source /tmp/quack_env.sh first).
 # Transformer Engine comes from ../shared/tools/te-on-device (source /tmp/te_env.sh first); the
 # HybridEP build (.gpu/hybridep, bench/gpu/HYBRIDEP.md), the uccl pieces (.gpu/uccl,
 # .gpu/uccl-wheel), DeepEP V1 intranode (.gpu/deepep-v1; `.gpu/deepep-src/build.sh v1|hybrid`
@@ -93,7 +93,14 @@ run_task() {
         det_slice_ext_grouped_mm det_slice_native det_slice_native_unfused_swiglu}" bash bench/gpu/pretrain_megatron_lm.sh ;;
     megatron_tools) task megatron_tools 570 bash -c "te() { [ -f /tmp/te_env.sh ] && source /tmp/te_env.sh; true; }; \
         (te; bash bench/gpu/megatron_functional.sh unit_tests > \$OUT/megatron_unit_tests.console 2>&1) & u=\$!; \
-        (te; bash bench/gpu/megatron_functional.sh functional); (te; bash bench/gpu/megatron_functional.sh hybrid); wait \$u" ;;
+        for what in ${MEGATRON_TOOLS:-functional hybrid}; do (te; bash bench/gpu/megatron_functional.sh \$what); done; \
+        wait \$u" ;;
+    # Issue 41's numerics: the budget mode beside Megatron's own rounding-only variant, and
+    # Megatron's dense model under the same graph settings (bench/gpu/graphed_slice.sh, det_*).
+    det_numerics) task det_numerics 570 bash -c "source /tmp/te_env.sh && SLICE_LAYERS=4 OVERLAP=1 TIMEOUT=150 \
+        CALL_BUDGET=550 MEDIAN_FROM=5 TAG=det_spread RUNS='${DET_NUMERICS_RUNS:-det_ext_eager det_ext_budget_eager \
+        det_native_eager det_native_unfused_eager det_dense_eager det_dense_local det_dense_full}' \
+        bash bench/gpu/graphed_slice.sh --iters 50" ;;
     *) echo "unknown task $1"; return 2 ;;
   esac
 }

@@ -113,7 +113,8 @@ def test_graphed_slice_run_list_parses_with_megatron_arguments(tmp_path):
                      "ext_budget_local_fused", "ext_budget_full", "ext_budget_full_fused", "dsv3_native_attn",
                      "dsv3_native_recipe", "dsv3_ext_budget_local", "dsv3_ext_budget_full", "det_ext_budget_eager",
                      "det_ext_budget_local", "det_ext_budget_full", "det_aux_ext_budget_eager",
-                     "det_aux_ext_budget_local", "det_dense_eager", "det_dense_local", "det_dense_full"]
+                     "det_aux_ext_budget_local", "det_ext_eager", "det_native_eager",
+                     "det_native_unfused_eager", "det_dense_eager", "det_dense_local", "det_dense_full"]
     picked = subprocess.run(["bash", "bench/gpu/graphed_slice.sh"], cwd=ROOT, capture_output=True, text=True,
                             env=dict(env, RUNS="ext_budget_te native_eager")).stdout.splitlines()
     assert [line.split()[0] for line in picked] == ["native_eager", "ext_budget_te"]
@@ -133,7 +134,7 @@ def test_graphed_slice_run_list_parses_with_megatron_arguments(tmp_path):
               "budget_eager": ("none", []), "budget_local": ("local", []), "budget_te": ("transformer_engine", []),
               "budget_local_fused": ("local", []), "budget_full": ("full_iteration", []),
               "budget_full_fused": ("full_iteration", []), "dense_eager": ("none", []),
-              "dense_local": ("local", []), "dense_full": ("full_iteration", [])}
+              "dense_local": ("local", []), "dense_full": ("full_iteration", []), "unfused_eager": ("none", [])}
     for line in lines:
         name, words = line.split()[0], shlex.split(line)[1:]
         a = args[name]
@@ -342,3 +343,19 @@ def test_graphed_runs_are_held_bit_for_bit_against_their_eager_twin():
         run="det_ext_budget_eager", steps=3, bitwise_equal_steps=3, first_differing_step=None)
     assert runs["det_ext_budget_local"]["exact_vs_eager"]["first_differing_step"] == 3
     assert "exact_vs_eager" not in runs["det_ext_budget_eager"]
+
+
+def test_budget_mode_is_held_to_megatrons_rounding_spread():
+    import graphed_slice
+
+    def run(losses):
+        return dict(median_ms_per_iter=100.0, lm_loss=losses)
+
+    runs = {"det_ext_eager": run([10.0, 9.0, 8.0]), "det_ext_budget_eager": run([10.0, 9.001, 8.1]),
+            "det_native_eager": run([10.0, 9.0, 8.0]), "det_native_unfused_eager": run([10.0, 9.0, 8.0])}
+    graphed_slice.compare(runs)
+    budget = runs["det_ext_budget_eager"]["rounding_spread"]
+    assert budget["reference"] == "det_ext_eager" and budget["first_iteration_over_tol"] == 3
+    assert budget["max_rel_lm_loss_diff"] == pytest.approx(0.1 / 8.0)
+    assert runs["det_native_unfused_eager"]["rounding_spread"]["first_iteration_over_tol"] is None
+    assert "rounding_spread" not in runs["det_native_eager"]
