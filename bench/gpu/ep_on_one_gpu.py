@@ -1,7 +1,7 @@
 """EP4 and EP8 as processes sharing one H200: HybridEP, UCCL-EP and DeepEP V1 on the real libraries.
 
     python3 bench/gpu/ep_on_one_gpu.py [--backends uccl_ep hybridep deepep] [--worlds 4 8]
-        # about 12 minutes at most (the launch limits add up to 725 s); writes $OUT/ep_on_one_gpu_h200.json
+        # about 14 minutes at most (the launch limits add up to 845 s); writes $OUT/ep_on_one_gpu_h200.json
     python3 bench/gpu/ep_on_one_gpu.py --cpu-doubles ...   # the same plans over tests/doubles on CPU
 
 Both libraries' intranode paths share buffers through CUDA IPC, which works between processes
@@ -18,14 +18,28 @@ of cases, agree before each one that time is left, and rank 0 records whether it
   (tests/dispatcher/test_hybridep_dense_reference.py: four cases x six modes (dropless
   blocking, capacity, padded capacity, static pin, compact routing, fused compact capacity)
   x the seed's top-k and Megatron's faces; the seed's dense-probs face in four modes;
-  equal token counts), bf16; fp32 and the budget mode must be refused with ValueError on
-  every rank; `FlexMoELayer` (Megatron's local MoE spec) against Megatron's own MoELayer.
-  At the largest EP size of the run (EP8) also two layers in flight (Megatron's 1F1B A2A
-  overlap order), on the GPU `FlexMoELayer` with the fused (QuACK) experts
-  (`GroupedGemmExperts(expert_mlp_impl="fused")`; source /tmp/quack_env.sh first) and, last,
-  one rank with a bad input (a duplicate expert on rank 0) over a group with a 20 s timeout,
-  in the default and the `sync` input-check modes (`bad_input_outcomes`): every rank's
-  outcome, or that it gave none within 45 s.
+  equal token counts), bf16; fp32 must be refused with ValueError on every rank; the budget
+  mode (`moe_expert_rank_capacity_factor` with equal token counts; tests/dispatcher/
+  test_syncfree.py's rank bodies): within the budget equal to the blocking path bit for bit
+  with no host read, and a skewed step that overflows (the device counts, the dropped pairs'
+  zero output) then one that fits; `FlexMoELayer` (Megatron's local MoE spec) against
+  Megatron's own MoELayer; then 0 tokens on every rank, two steps in each of the four HybridEP
+  modes (tests/dispatcher/test_hybridep_zero_tokens.py), capacity last: its overflow guard is
+  a device-side assert. At the largest EP size of the run (EP8) also two layers in flight
+  (Megatron's 1F1B A2A overlap order), on the GPU `FlexMoELayer` with the fused (QuACK)
+  experts (`GroupedGemmExperts(expert_mlp_impl="fused")`; source /tmp/quack_env.sh first),
+  the graphed budget-mode layer (`graphed_budget_layer_case`: forward and backward captured
+  in one `torch.cuda.graph`, 20 replays on new tokens against an eager twin, outputs and every
+  gradient bitwise or within bf16's tolerance, no pair dropped; whether the layer can be
+  captured at all over this gloo group is part of the result: a capture error is recorded and
+  fails the case; with --cpu-doubles the "graphed" twin runs eagerly, `captured: false`) and,
+  last, one rank with a bad input (a duplicate expert on rank 0) over a group with a 20 s
+  timeout, in the default and the `sync` input-check modes (`bad_input_outcomes`): every
+  rank's outcome, or that it gave none within 45 s. At the other sizes the launch ends
+  instead with the refused input at 0 tokens (equal counts, the last rank's token ids refused
+  at the first step; `zero_tokens_refused_outcome`): every rank's outcome, recorded, not
+  judged: on CUDA the peers hear of it through a device-side assert that ends their CUDA
+  context, so it runs after the memory record.
 - UCCL-EP (`.gpu/uccl`, `.gpu/uccl-wheel`, as bench/gpu/uccl_real.py): the dense-reference
   cases of tests/dispatcher/cases.py x three faces x bf16/fp32, token dropping
   (`moe_expert_capacity_factor`) and the expert pad multiple in both dtypes, the budget
@@ -76,13 +90,22 @@ import uccl_real  # noqa: E402
 
 HYBRIDEP_DIR = os.path.join(ROOT, ".gpu", "hybridep")
 DEEPEP_DIR = os.path.join(ROOT, ".gpu", "deepep-v1")
-#: Wall-clock limit of each launch (seconds): JIT compiles, the cases, teardown.
-LIMITS_S = {("uccl_ep", 4): 50, ("uccl_ep", 8): 70, ("hybridep", 4): 240, ("hybridep", 8): 300,
+#: Wall-clock limit of each launch (seconds): JIT compiles, the cases, teardown. HybridEP's
+#: budget, 0-token and graphed cases add about 60 s of JIT compiles (new shapes: non-blocking
+#: dispatches, one local expert at EP8) and a reserve for the last record at every size.
+LIMITS_S = {("uccl_ep", 4): 50, ("uccl_ep", 8): 70, ("hybridep", 4): 300, ("hybridep", 8): 360,
             ("deepep", 4): 30, ("deepep", 8): 35}
 TEARDOWN_S = 8
 GROUP_TIMEOUT_S = 20  # the bad-input group's timeout: a peer waiting in gloo fails after this
 BAD_INPUT_WAIT_S = 45  # how long the launch waits for every rank's bad-input outcome
-BAD_INPUT_RESERVE_S = 50  # the HybridEP EP8 cases stop this long earlier: warm step + bad step
+BAD_INPUT_RESERVE_S = 50  # the HybridEP cases stop this long earlier: warm step + bad step (or the 0-token record)
+#: The zero-token and graphed-layer cases' groups: their first dispatch of a shape may JIT-compile
+#: HybridEP's kernels in every process, and a peer waits that long in the meantime (a hang fails then).
+JIT_GROUP_TIMEOUT_S = 90
+#: The graphed layer's `moe_expert_rank_capacity_factor`: 96 rows a rank, three times the balanced
+#: load; its 20 steps needed at most 49 on the CPU doubles at EP8 (the JSON says how many here).
+GRAPHED_FACTOR = 3.0
+GRAPHED_STEPS = 20
 FLEX_TOL = {"fp32": 1e-4, "bf16": 2e-2}  # relative; fp32 CPU vs GPU sums differ in order only
 #: Where the dispatchers run: "cuda" (the real libraries), or "cpu" with --cpu-doubles (the
 #: tests/doubles stand-ins over gloo: a smoke test of this script, not of the libraries).
@@ -180,6 +203,160 @@ def flex_layer_case(backend: str, dtype: str, hidden: int, expert_mlp_impl: str 
             "grads": max(grads.values()), "grad_names": sorted(grads), "tol": FLEX_TOL[dtype],
             "fused_ran": bool(getattr(flex.experts, "accepts_indexed_rows", False)),
             "fallback_reason": getattr(flex.experts, "expert_mlp_fallback_reason", None)}
+
+
+def graphed_budget_layer_case(hidden: int = 128) -> dict:
+    """The issue's graphed layer: `FlexMoELayer` with HybridEP in budget mode (equal token
+    counts, factor GRAPHED_FACTOR, this package's grouped-GEMM experts on the torch path, bf16),
+    warmed up eagerly on a side stream, then forward and backward captured in one
+    `torch.cuda.graph` into static input and gradient buffers (torch.cuda.graphs' whole-network
+    recipe, as bench/gpu/graph_probe.py's `whole_graph`). Each of GRAPHED_STEPS steps copies new
+    tokens into the buffers and replays, then runs an eager twin (same weights, same tokens):
+    output, input gradient and every parameter gradient, bitwise or their worst differences;
+    and both layers' overflow counters over the steps. A capture that raises is the result
+    (`capture_error`; the steps are not run). Over this gloo group each dispatch makes two
+    torch.distributed calls on CUDA tensors, which gloo stages through the host: HybridEP's
+    routing-map all-gather (`all_gather_into_tensor` in its executor at 94a9f8f, as the
+    manager leaves `enable_custom_allgather` off) and the budget mode's overflow all-reduce
+    (`HybridEPManager._budget_overflow`); whether a capture holds them here is untried, so the
+    case records what happens rather than assume it. On the CPU (--cpu-doubles) nothing is
+    captured: the "graphed" layer runs eagerly (`captured: False`), which covers all but the
+    capture."""
+    import dataclasses
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
+    from megatron_moe_ext.megatron.experts import GroupedGemmExperts
+    from megatron_moe_ext.megatron.moe_layer import FlexMoELayer
+    from tests.megatron.cases_layer import LayerCase, _rel_err, layer_config
+    from tests.shims import megatron_cpu
+
+    ep, rank = dist.get_world_size(), dist.get_rank()
+    case = LayerCase("graphed_budget", num_experts=2 * ep, hidden=hidden, ffn=32, seq=8, batch=2, dtype="bf16",
+                     grouped_gemm=True)
+    pg = megatron_cpu.init_parallel_state(ep, timeout_s=JIT_GROUP_TIMEOUT_S)  # installs the CPU shims
+    if DEVICE == "cuda":  # the shims replace torch.cuda's streams, which the capture needs
+        megatron_cpu.uninstall()
+        model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
+    try:
+        config = layer_config(case, ep)
+        dcfg = TokenDispatcherConfig.from_transformer_config(
+            config, moe_flex_dispatcher_backend="hybridep", moe_hybridep_equal_token_counts=True,
+            moe_expert_rank_capacity_factor=GRAPHED_FACTOR)
+        submodules = dataclasses.replace(
+            get_moe_module_spec(use_te=False, num_experts=case.num_experts).keywords["submodules"],
+            experts=ModuleSpec(module=GroupedGemmExperts, params={"expert_mlp_impl": "grouped_mm"}))
+        graphed, eager = (FlexMoELayer(config, submodules=submodules, pg_collection=pg, layer_number=1,
+                                       dispatcher_config=dcfg) for _ in range(2))
+        eager.load_state_dict(graphed.state_dict(), strict=True)
+        for layer in (graphed, eager):
+            layer.set_layer_number(1)
+            layer.to(DEVICE)
+        names = [n for n, _ in graphed.named_parameters()]
+
+        def tokens(step):
+            gen = torch.Generator().manual_seed(1000 * step + rank)
+            x = torch.randn(case.seq, case.batch, hidden, generator=gen)
+            return x.to(DEVICE, torch.bfloat16), torch.randn(x.shape, generator=gen).to(DEVICE, torch.bfloat16)
+
+        def fwd_bwd(layer, x, g):
+            """One eager step from fresh gradients: (output, input gradient, parameter gradients)."""
+            for param in layer.parameters():
+                param.grad = None
+            x = x.clone().requires_grad_()
+            out, _ = layer(x)
+            out.backward(g)
+            return out.detach(), x.grad, [param.grad for param in layer.parameters()]
+
+        static_x, static_g = (t.clone() for t in tokens(0))
+        static_x.requires_grad_()
+        result = {"device": DEVICE, "captured": False, "steps": GRAPHED_STEPS}
+        if DEVICE == "cuda":
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    fwd_bwd(graphed, static_x.detach(), static_g)
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+            for param in graphed.parameters():
+                param.grad = None  # the graph allocates the gradients it writes at every replay
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph):
+                    static_out = graphed(static_x)[0]
+                    static_out.backward(static_g)
+            except Exception as exc:  # noqa: BLE001 - whether the layer can be captured is the result
+                cause = exc.__context__
+                return {**result, "capture_error": f"{type(exc).__name__}: {exc}"[:600],
+                        "capture_error_context": None if cause is None else f"{type(cause).__name__}: {cause}"[:600]}
+            result["captured"] = True
+            static_grads = [param.grad for param in graphed.parameters()]
+        else:
+            fwd_bwd(graphed, static_x.detach(), static_g)
+        fwd_bwd(eager, static_x.detach(), static_g)  # the twin's first step too (its buffer, its kernels)
+        graphed.overflow(), eager.overflow()  # read and reset: the counts below are the steps'
+        bitwise, max_abs, max_rel = True, 0.0, 0.0
+        for step in range(1, GRAPHED_STEPS + 1):
+            x, g = tokens(step)
+            if result["captured"]:
+                with torch.no_grad():
+                    static_x.copy_(x)
+                    static_g.copy_(g)
+                graph.replay()
+                got = (static_out.detach(), static_x.grad, static_grads)
+            else:
+                got = fwd_bwd(graphed, x, g)
+            ref = fwd_bwd(eager, x, g)
+            for a, b in zip([got[0], got[1], *got[2]], [ref[0], ref[1], *ref[2]]):
+                if a is None or b is None:
+                    bitwise = bitwise and a is None and b is None
+                    max_abs = max_abs if a is None and b is None else float("inf")
+                    continue
+                bitwise = bitwise and torch.equal(a, b)
+                max_abs = max(max_abs, float((a.float() - b.float()).abs().max()))
+                max_rel = max(max_rel, _rel_err(a.float(), b.float()))
+        reports = {"graphed": graphed.overflow(), "eager": eager.overflow()}
+        return {**result, "bitwise": bitwise, "max_abs_diff": max_abs, "max_rel_diff": max_rel,
+                "tol": FLEX_TOL["bf16"], "compared": ["out", "grad_x", *names],
+                "overflow": {k: {"dropped_pairs": r.dropped_pairs, "rows_needed": r.rows_needed, "budget": r.budget}
+                             for k, r in reports.items()}}
+    finally:
+        megatron_cpu.uninstall()
+
+
+def zero_tokens_refused_outcome(report) -> None:
+    """tests/dispatcher/test_hybridep_zero_tokens.py's issue case on DEVICE: equal token
+    counts, 0 tokens on every rank, the last rank's token ids refused at the first step. Each
+    rank reports how its step ended, asserting nothing: on the double every rank raises the
+    agreed ValueError; on CUDA the peers learn of the error in the dispatch through a
+    device-side assert (`checks.raise_on_flagged`), which ends their CUDA context, or their
+    process if HybridEP's own CUDA check sees it first (then the launch records no outcome for
+    them, and their exit codes); hence after the memory record, at an EP size without the bad
+    input, which needs working peers."""
+    import torch
+    import torch.distributed as dist
+
+    from tests.dispatcher.hybridep_zero_ranks import refused_input_at_tokens
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    start = time.monotonic()
+    try:
+        got = refused_input_at_tokens("equal_token_counts", (None, (0,) * world), device=DEVICE,
+                                      timeout_s=GROUP_TIMEOUT_S)
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()  # a device-side failure shows here, inside this step
+        result = ({"type": None, "message": "completed"} if got["error"] is None else
+                  {"type": "ValueError", "message": got["error"][:300], "agreed": got["agreed"]})
+    except Exception as exc:  # noqa: BLE001 - the outcome is what is recorded
+        result = {"type": type(exc).__name__, "message": str(exc)[:300]}
+    report("result", key="zero_tokens_refused_input",
+           value={**result, "bad_rank": rank == world - 1, "seconds": round(time.monotonic() - start, 2)})
 
 
 def bad_input_outcomes(case, report) -> None:
@@ -322,6 +499,60 @@ def _deepep_nvlink_check() -> dict:
             "NVML_P2P_STATUS_OK": int(pynvml.NVML_P2P_STATUS_OK)}
 
 
+def _budget_fit_check(results):
+    """tests/dispatcher/test_syncfree.py's: within the budget, budget mode equals the blocking
+    path exactly, with a static row count, the counts on the device, no overflow, no host read."""
+    ok = all(r["diffs"] == {"y": 0.0, "gx": 0.0, "gp": 0.0} and r["rows"] == r["budget"] and r["counts_device"]
+             and r["counts_equal"] and r["stats"] == [0, r["pairs"]] and r["host_reads"] == [] for r in results)
+    return ok, {"worst_diffs": {k: max(r["diffs"][k] for r in results) for k in ("y", "gx", "gp")},
+                "rows_rank0": results[0]["rows"], "budget": results[0]["budget"],
+                "host_reads": sorted({c for r in results for c in r["host_reads"]})}
+
+
+def _budget_overflow_check(results):
+    """tests/dispatcher/test_syncfree.py's: the skewed step's device counts say how many pairs
+    each rank dropped and needed, its outputs equal the reference with those pairs masked; the
+    next step fits; no host read."""
+    ok = results[0]["skew"]["expected_dropped"] > 0 and all(
+        r["skew"]["stats"] == [r["skew"]["expected_dropped"], r["skew"]["expected_needed"]]
+        and all(err <= r["tol"] for phase in ("skew", "fit") for err in r[phase]["diffs"].values())
+        and r["fit"]["stats"][0] == 0 and r["fit"]["stats"][1] <= r["budget"] and r["host_reads"] == []
+        for r in results)
+    return ok, {"skew_stats": [r["skew"]["stats"] for r in results], "fit_stats": [r["fit"]["stats"] for r in results],
+                "worst_error": max(e for r in results for ph in ("skew", "fit") for e in r[ph]["diffs"].values()),
+                "tol": results[0]["tol"], "host_reads": sorted({c for r in results for c in r["host_reads"]})}
+
+
+def _empty_check(results):
+    """tests/dispatcher/test_hybridep_zero_tokens.py's: 0 tokens everywhere, two steps, empty
+    bf16 outputs and empty gradients on every rank."""
+    from tests.dispatcher.hybridep_zero_ranks import HIDDEN, TOPK
+
+    expected = {"y": (0, HIDDEN), "dtype": "torch.bfloat16", "x_grad": (0, HIDDEN), "probs_grad": (0, TOPK)}
+    return all(step == expected for r in results for step in r["steps"]), {"rank0": results[0]["steps"]}
+
+
+def _graphed_check(results):
+    """Captured on the GPU (the CPU smoke run captures nothing), graphed equal to eager on every
+    rank: bitwise, or else within bf16's tolerance (then `bitwise` says it was not); no pair
+    dropped by either layer over the steps."""
+    r0 = results[0]
+    if any("capture_error" in r for r in results):
+        return False, {"captured": False, "capture_error_rank0": r0.get("capture_error"),
+                       "capture_error_context_rank0": r0.get("capture_error_context")}
+    captured = all(r["captured"] for r in results)
+    bitwise = all(r["bitwise"] for r in results)
+    close = all(r["max_rel_diff"] <= r["tol"] for r in results)
+    dropped = sum(o["dropped_pairs"] for r in results for o in r["overflow"].values())
+    ok = (captured or r0["device"] == "cpu") and (bitwise or close) and dropped == 0
+    return ok, {"captured": captured, "bitwise": bitwise, "steps": r0["steps"],
+                "max_abs_diff": max(r["max_abs_diff"] for r in results),
+                "max_rel_diff": max(r["max_rel_diff"] for r in results), "tol": r0["tol"],
+                "compared_rank0": len(r0["compared"]), "dropped_pairs": dropped,
+                "rows_needed_max": max(o["rows_needed"] for r in results for o in r["overflow"].values()),
+                "budget": r0["overflow"]["graphed"]["budget"]}
+
+
 def _same_outcome_check(results):
     """A record, not a pass: every rank reached the library's check and gave the same outcome."""
     same = all(r["outcome"] == results[0]["outcome"] for r in results)
@@ -329,8 +560,10 @@ def _same_outcome_check(results):
 
 
 def hybridep_plan(extras: bool) -> list:
-    """(name, thunk, check) for every HybridEP case (`extras`: also two layers in flight)."""
-    from tests.dispatcher import protocol_ranks
+    """(name, thunk, check) for every HybridEP case (`extras`: also two layers in flight, the
+    fused experts and the graphed layer). The 0-token cases come last: capacity mode's
+    overflow guard is a device-side assert, which would end the CUDA context of later cases."""
+    from tests.dispatcher import hybridep_zero_ranks, protocol_ranks, syncfree_ranks
     from tests.dispatcher.cases import run_dense_reference_case
     from tests.dispatcher.hybridep_ranks import hybridep_case
     from tests.dispatcher.test_hybridep_dense_reference import CASES, MODES
@@ -360,8 +593,11 @@ def hybridep_plan(extras: bool) -> list:
                      lambda r: _dense_check(r, dropless=False)))
     plan.append(("refused/fp32_tokens", lambda: _refusal(dense(CASES[0], "topk", "fp32", "blocking")),
                  _refusal_check("16-bit")))
-    plan.append(("refused/budget_mode", lambda: _budget_refusal("hybridep"),
-                 _refusal_check("moe_expert_rank_capacity_factor")))
+    # Budget mode (equal token counts, T=16, hidden 128, E=8; tests/dispatcher/test_syncfree.py).
+    plan.append(("budget/equals_blocking_within_budget/bf16",
+                 lambda: syncfree_ranks.syncfree_vs_blocking("hybridep", "bf16", DEVICE), _budget_fit_check))
+    plan.append(("budget/overflow_then_fit/bf16",
+                 lambda: syncfree_ranks.syncfree_overflow_then_fit("hybridep", DEVICE), _budget_overflow_check))
     if extras:
         layers = tuple(hybridep_case(c) for c in (protocol_ranks.LAYER_A, protocol_ranks.LAYER_B))
         for face in ("topk", "megatron"):
@@ -377,6 +613,12 @@ def hybridep_plan(extras: bool) -> list:
         # permuted rows); its first call compiles QuACK's kernels in every process.
         plan.append(("flex_layer/fused_experts/bf16", lambda: flex_layer_case("hybridep", "bf16", 128, "fused"),
                      _flex_fused_check))
+    if extras:  # the issue's EP8 graphed layer, at the largest EP size of the run
+        plan.append(("graphed_budget_layer/bf16", lambda: graphed_budget_layer_case(128), _graphed_check))
+    for mode in hybridep_zero_ranks.MODES:  # "capacity" last: its guard is a device-side assert
+        plan.append((f"zero_tokens/every_rank_empty/{mode}/bf16",
+                     lambda m=mode: hybridep_zero_ranks.every_rank_empty(m, DEVICE, JIT_GROUP_TIMEOUT_S),
+                     _empty_check))
     return plan
 
 
@@ -424,9 +666,10 @@ def deepep_contract_plan(world: int, backend: str, comm) -> list:
 def _rank(backend: str, world: int, extras: bool, select: list, rank: int, port: int, site: str | None, results,
           deadline: float) -> None:
     """One rank of a launch: reports `stage`, `result`, `case`, then `done` or `error`.
-    `site=None`: the CPU smoke run over the doubles; `extras`: HybridEP's two layers in flight
-    and bad input (at the largest EP size of the run); `select`: run only the cases whose names
-    contain one of these strings (all when empty)."""
+    `site=None`: the CPU smoke run over the doubles; `extras`: HybridEP's two layers in flight,
+    graphed layer and bad input (at the largest EP size of the run; HybridEP's other sizes end
+    with the refused input at 0 tokens); `select`: run only the cases whose names contain one of
+    these strings (all when empty)."""
     global DEVICE
     report = uccl_real.Reporter(results, rank)
     stage = report.stage
@@ -514,6 +757,10 @@ def _rank(backend: str, world: int, extras: bool, select: list, rank: int, port:
 
             stage("bad_input")
             bad_input_outcomes(hybridep_case(RoutingCase("bad_input", tokens_per_rank=(12, 9, 0, 7))), report)
+        elif backend == "hybridep":
+            # Last too, where the bad input is not run: on CUDA it ends the peers' CUDA contexts.
+            stage("zero_tokens_refused_input")
+            zero_tokens_refused_outcome(report)
         stage("teardown")
         dist.destroy_process_group()
         report("done")
@@ -525,15 +772,17 @@ def _rank(backend: str, world: int, extras: bool, select: list, rank: int, port:
 def launch(backend: str, world: int, site: str | None, limit_s: float, extras: bool = False,
            select: tuple = ()) -> dict:
     """Run one launch; collect reports until every rank finishes, one dies, or time runs out.
-    `extras` (HybridEP only): two layers in flight and, last, the bad input."""
+    `extras` (HybridEP only): two layers in flight, the graphed layer and, last, the bad input;
+    HybridEP without `extras` ends with the refused input at 0 tokens instead."""
     extras = extras and backend == "hybridep"
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     begin = time.time()
     end = begin + limit_s
     port = uccl_real._free_port()
-    # The ranks stop starting cases this long before the limit (and leave room for the bad input).
-    reserve = TEARDOWN_S + (BAD_INPUT_RESERVE_S if extras else 0)
+    # The ranks stop starting cases this long before the limit (and leave room for the bad input,
+    # or the refused input at 0 tokens).
+    reserve = TEARDOWN_S + (BAD_INPUT_RESERVE_S if backend == "hybridep" else 0)
     procs = [ctx.Process(target=_rank, args=(backend, world, extras, list(select), r, port, site, results, end - reserve),
                          daemon=True) for r in range(world)]
     for p in procs:
@@ -541,7 +790,8 @@ def launch(backend: str, world: int, site: str | None, limit_s: float, extras: b
     out = {"backend": backend, "world_size": world, "limit_s": limit_s}
 
     def shorten(msg, out):
-        if msg["kind"] == "result" and msg["key"] == "bad_input_sync" and len(out["results"][msg["key"]]) == 1:
+        if (msg["kind"] == "result" and msg["key"] in ("bad_input_sync", "zero_tokens_refused_input")
+                and len(out["results"][msg["key"]]) == 1):
             return time.time() + BAD_INPUT_WAIT_S  # the peers' answers, or a hang
         return None
 
@@ -551,8 +801,8 @@ def launch(backend: str, world: int, site: str | None, limit_s: float, extras: b
     out["summary"] = {"planned": planned, "passed": sum(c["ok"] for c in out["cases"].values()),
                       "failed": sorted(n for n, c in out["cases"].items() if not c["ok"]),
                       "not_run": None if planned is None else planned - len(out["cases"])}
-    if extras:
-        for key in ("bad_input_auto", "bad_input_sync"):
+    if backend == "hybridep":
+        for key in ("bad_input_auto", "bad_input_sync") if extras else ("zero_tokens_refused_input",):
             answered = out["results"].get(key, {})
             out[key] = {str(r): answered.get(r, f"no outcome within the launch (last stage "
                                                 f"{out['last_stage'].get(r)!r}; killed)") for r in range(world)}

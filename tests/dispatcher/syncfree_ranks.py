@@ -3,6 +3,8 @@
 Every rank dispatches the same token count (budget mode needs it). References are
 independent: the blocking dropless dispatcher of the same backend, and the dense
 per-token reference of tests/reference.py with the pairs the budget must drop masked out.
+`device` holds the dispatcher's inputs ("cuda": bench/gpu/ep_on_one_gpu.py runs these on the
+real HybridEP); the references stay on the CPU.
 """
 
 from __future__ import annotations
@@ -68,11 +70,13 @@ class LibraryHostReads(HostReadCounter):
         return counted
 
 
-def _step(disp, x, indices, probs, params, counter=None):
-    """Dispatch -> toy experts -> combine -> backward; the dispatcher's calls run inside
-    `counter` (the toy experts read counts on the host, as a test stand-in may)."""
-    x = x.clone().requires_grad_()
-    probs = probs.clone().requires_grad_()
+def _step(disp, x, indices, probs, params, counter=None, device="cpu"):
+    """Dispatch -> toy experts -> combine -> backward on `device` (results on the CPU); the
+    dispatcher's calls run inside `counter` (the toy experts read counts on the host, as a
+    test stand-in may)."""
+    x = x.to(device, copy=True).requires_grad_()
+    probs = probs.to(device, copy=True).requires_grad_()
+    indices, params = indices.to(device), tuple(p.to(device) for p in params)
     counter = counter or LibraryHostReads()
     with counter:
         rows, tpe, pprobs = disp.token_permutation2(x, x.shape[0], probs, indices)
@@ -81,17 +85,17 @@ def _step(disp, x, indices, probs, params, counter=None):
     out = apply_local_experts(rows, tpe, pprobs, disp.local_expert_indices, params)
     with counter:
         y = disp.token_unpermutation(out)
-        (y.float() * torch.linspace(-1, 1, y.shape[1])).sum().backward()
-    return dict(y=y.detach(), gx=x.grad, gp=probs.grad, rows=rows.shape[0], stats=stats,
-                tpe=torch.as_tensor(tpe))
+        (y.float() * torch.linspace(-1, 1, y.shape[1], device=y.device)).sum().backward()
+    return dict(y=y.detach().cpu(), gx=x.grad.cpu(), gp=probs.grad.cpu(), rows=rows.shape[0],
+                stats=None if stats is None else stats.cpu(), tpe=torch.as_tensor(tpe))
 
 
-def _agreed(disp, x, indices, probs, params):
+def _agreed(disp, x, indices, probs, params, device="cpu"):
     """`disp` after its first budget-mode dispatch, which agrees on the token count across the
     EP group (the torch backend's equal splits need the same T on every rank: one count
     exchange, read on the host once, issue 28 item 5); the host reads counted are the later
     dispatches'."""
-    _step(disp, x, indices, probs, params)
+    _step(disp, x, indices, probs, params, device=device)
     return disp
 
 
@@ -108,7 +112,7 @@ def _err(a, b) -> float:
     return float((a.float() - b.float()).abs().max())
 
 
-def syncfree_vs_blocking(backend: str = "torch", dtype: str = "fp32"):
+def syncfree_vs_blocking(backend: str = "torch", dtype: str = "fp32", device: str = "cpu"):
     """The same batch through the blocking dropless dispatcher and the budget mode (a budget
     that fits): equal results, no host read, a static row count and a zero overflow count."""
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -119,32 +123,34 @@ def syncfree_vs_blocking(backend: str = "torch", dtype: str = "fp32"):
                               moe_expert_rank_capacity_factor=factor, **overrides)
     params = toy_expert_params(E, case.hidden)
     x, indices, probs = make_routing(case, rank, dtype)
-    ref = _step(blocking, x, indices, probs, params)
+    ref = _step(blocking, x, indices, probs, params, device=device)
     counter = LibraryHostReads()
-    got = _step(_agreed(budget, x, indices, probs, params), x, indices, probs, params, counter)
+    got = _step(_agreed(budget, x, indices, probs, params, device), x, indices, probs, params, counter, device)
     release_buffers()
     return dict(
         diffs={k: _err(got[k], ref[k]) for k in ("y", "gx", "gp")},
         rows=got["rows"], budget=int(T * K * factor), world=world,
         stats=got["stats"].tolist(), pairs=int(sum(ref["tpe"].tolist())),
         counts_equal=got["tpe"].tolist() == ref["tpe"].tolist(),
-        counts_device=isinstance(got["tpe"], torch.Tensor),
+        counts_device=got["tpe"].device.type == torch.device(device).type,
         host_reads=counter.calls,
     )
 
 
 def _skewed(x):
-    """Every token of every rank to experts 0 and 1 (rank 0's at EP >= 2)."""
+    """Every token of every rank to experts 0 and 1 (rank 0's at EP 2 and 4, ranks 0 and 1 at
+    EP 8)."""
     indices = torch.tensor([[0, 1]]).expand(x.shape[0], -1).contiguous()
     probs = torch.linspace(0.2, 0.8, x.shape[0])[:, None] * torch.tensor([[1.0, 0.5]])
     return indices, probs.contiguous()
 
 
-def syncfree_overflow_then_fit(backend: str = "torch"):
-    """A skewed step that overflows rank 0's budget only, then a step that fits.
+def syncfree_overflow_then_fit(backend: str = "torch", device: str = "cpu"):
+    """A skewed step that overflows the budget of the ranks holding experts 0 and 1 only (rank
+    0, or ranks 0 and 1 at EP 8), then a step that fits.
 
-    Budget mode keeps pairs in expert-major order (expert, source rank, token): the reference
-    masks every skewed pair whose position in that order is past the budget.
+    Budget mode keeps pairs in expert-major order (expert, source rank, token) on each rank:
+    the reference masks every skewed pair whose position in that order is past the budget.
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     case, dtype, overrides = _backend_setup(backend, torch.float32)
@@ -158,13 +164,15 @@ def syncfree_overflow_then_fit(backend: str = "torch"):
     counter = LibraryHostReads()
 
     indices, probs = _skewed(x)
-    got = _step(_agreed(disp, x, indices, probs, params), x, indices, probs, params, counter)
-    order_TK = torch.arange(K)[None, :] * world * T + rank * T + torch.arange(T)[:, None]
+    got = _step(_agreed(disp, x, indices, probs, params, device), x, indices, probs, params, counter, device)
+    # Slot k's expert is local expert k % e of rank k // e, after the earlier local experts' W*T pairs.
+    e = E // world
+    order_TK = (torch.arange(K) % e)[None, :] * world * T + rank * T + torch.arange(T)[:, None]
     kept = torch.where(order_TK < budget_rows, indices, -1)
     ref = _dense(x, kept, probs, params)
+    needed = sum(k // e == rank for k in range(K)) * world * T
     skew = dict(stats=got["stats"].tolist(), diffs={k: _err(got[k], ref[k]) for k in ("y", "gx", "gp")},
-                expected_dropped=max(world * T * K - budget_rows, 0) if rank == 0 else 0,
-                expected_needed=world * T * K if rank == 0 else 0,
+                expected_dropped=max(needed - budget_rows, 0), expected_needed=needed,
                 kept_pairs=int((kept >= 0).sum()))
 
     # Then random routing with one slot per token: at most T*K/2 <= budget pairs on average,
@@ -172,7 +180,7 @@ def syncfree_overflow_then_fit(backend: str = "torch"):
     _, indices, probs = make_routing(case, rank)
     indices, probs = indices.clone(), probs.clone()
     indices[:, 1], probs[:, 1] = -1, 0.0
-    got = _step(disp, x, indices, probs, params, counter)
+    got = _step(disp, x, indices, probs, params, counter, device)
     ref = _dense(x, indices, probs, params)
     fit = dict(stats=got["stats"].tolist(), diffs={k: _err(got[k], ref[k]) for k in ("y", "gx", "gp")})
     release_buffers()
