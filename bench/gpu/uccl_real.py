@@ -315,13 +315,14 @@ def main() -> None:
     ep2 = record.get("ep2", {})
     cases = ep2.get("cases", {})
     planned = ep2.get("results", {}).get("planned_cases", {}).get(0)
+    second = ep2.get("results", {}).get("second_buffer", {})
     errors = [e for launch in ("ep1", "ep2") for e in record.get(launch, {}).get("errors", {}).values()]
     record["summary"] = {
         "passed": sum(c["ok"] for c in cases.values()), "failed": sum(not c["ok"] for c in cases.values()),
         "not_run": None if planned is None else planned - len(cases),
         "first_error": next((text.strip().splitlines()[-1] for text in
                              [e["text"] for e in errors] + [record.get("setup_error", "")] if text.strip()), None),
-        "second_buffer_ok": all(v["ok"] for v in ep2.get("results", {}).get("second_buffer", {0: {"ok": False}}).values()),
+        "second_buffer_ok": all(v["ok"] for v in second.values()) if second else False,
         "ep2_timed_out": ep2.get("timed_out"), "seconds": round(time.time() - begin, 1)}
     out_dir = os.environ.get("OUT", "./outputs")
     os.makedirs(out_dir, exist_ok=True)

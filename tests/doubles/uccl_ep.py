@@ -162,7 +162,8 @@ def install() -> bool:
         return False
     engine = types.ModuleType("uccl.ep")
     engine.Config, engine.EventHandle, engine.IS_TEST_DOUBLE = Config, EventHandle, True
-    engine.register_proxies, engine.unregister_proxy, engine.has_proxy = register_proxies, unregister_proxy, has_proxy
+    for name in ("register_proxies", "unregister_proxy", "has_proxy"):
+        setattr(engine, name, globals()[name])
     package = types.ModuleType("uccl")
     package.__path__, package.ep, package.IS_TEST_DOUBLE = [], engine, True
     wrapper = types.ModuleType("deep_ep")
