@@ -17,7 +17,10 @@ never waited on):
   backend says about a group of one (its intranode kernels exist for 2, 4 and 8 ranks).
 - EP2: two processes share the one GPU over a gloo group (NCCL refuses two ranks on one
   device; the library itself only exchanges IPC handles through `all_gather_object`).
-  The backend allocates its buffer once, then the dense-reference cases of
+  The backend allocates its buffer once; a second buffer in the same process (an unshared
+  owner, as `moe_share_token_dispatcher=False` gives) must raise ValueError on both ranks,
+  and build once the first is freed (`second_buffer`: UCCL keeps one set of proxies per
+  device and aborts the process on a second). Then the dense-reference cases of
   tests/dispatcher/cases.py run through the `uccl_ep` backend with
   `deepep_suite.dense_case` (every face, bf16 then fp32) until the time limit.
 """
@@ -167,10 +170,12 @@ def _ep2(backend, device, stage, report, deadline: float) -> None:
     stage("construct")
     start = time.time()
     # One buffer for every case: the widest rows (fp32 combine adds index and weight columns).
-    comm.allocate_buffer(group, max(c.hidden + c.topk + 1 for c in CASES), torch.float32)
+    widest = max(c.hidden + c.topk + 1 for c in CASES)
+    comm.allocate_buffer(group, widest, torch.float32)
     report("result", key="construct", value={
         "available": bool(comm.buffer.runtime.is_available()), "num_nvl_bytes": comm.buffer.num_nvl_bytes,
         "seconds": round(time.time() - start, 2)})
+    _second_buffer(backend, comm, group, widest, stage, report)
     report("result", key="planned_cases", value=2 * len(CASES) * len(FACES))
     for dtype in ("bf16", "fp32"):
         for case in CASES:
@@ -192,6 +197,33 @@ def _ep2(backend, device, stage, report, deadline: float) -> None:
                         "sent_pairs": sent, "tol": TOLERANCE[dtype], "seconds": round(time.time() - start, 3)})
     stage("release")
     comm.release_buffers()
+
+
+def _second_buffer(backend, comm, group, hidden: int, stage, report) -> None:
+    """A second live buffer in this process (an unshared owner, as moe_share_token_dispatcher=
+    False gives): ValueError on every rank before UCCL's constructor; once the first is freed,
+    it builds. Then the first is rebuilt (`hidden` fp32 rows) for the cases."""
+    import torch
+
+    import deepep_suite
+
+    stage("second_buffer")
+    second = backend.communicator(group, shared=False)
+    try:
+        second.allocate_buffer(group, 64, torch.bfloat16)
+        raised = "nothing"
+    except ValueError as exc:
+        raised = f"ValueError: {exc}"
+    kinds = deepep_suite.gather(raised.split(":")[0])
+    stage("second_buffer_after_release")
+    comm.release_buffers()
+    second.allocate_buffer(group, 64, torch.bfloat16)
+    after_release = bool(second.buffer.runtime.is_available())
+    second.release_buffers()
+    comm.allocate_buffer(group, hidden, torch.float32)
+    report("result", key="second_buffer", value={
+        "raised": raised, "ranks_raised": kinds, "after_release_available": after_release,
+        "ok": kinds == ["ValueError"] * len(kinds) and after_release})
 
 
 def _launch(mode: str, world: int, site: str, limit_s: float) -> dict:
@@ -283,12 +315,14 @@ def main() -> None:
     ep2 = record.get("ep2", {})
     cases = ep2.get("cases", {})
     planned = ep2.get("results", {}).get("planned_cases", {}).get(0)
+    second = ep2.get("results", {}).get("second_buffer", {})
     errors = [e for launch in ("ep1", "ep2") for e in record.get(launch, {}).get("errors", {}).values()]
     record["summary"] = {
         "passed": sum(c["ok"] for c in cases.values()), "failed": sum(not c["ok"] for c in cases.values()),
         "not_run": None if planned is None else planned - len(cases),
         "first_error": next((text.strip().splitlines()[-1] for text in
                              [e["text"] for e in errors] + [record.get("setup_error", "")] if text.strip()), None),
+        "second_buffer_ok": all(v["ok"] for v in second.values()) if second else False,
         "ep2_timed_out": ep2.get("timed_out"), "seconds": round(time.time() - begin, 1)}
     out_dir = os.environ.get("OUT", "./outputs")
     os.makedirs(out_dir, exist_ok=True)
@@ -296,7 +330,7 @@ def main() -> None:
     with open(path, "w") as f:
         json.dump(record, f, indent=2, default=str)
     print(f"uccl_real: {record['summary']}; wrote {path}", flush=True)
-    sys.exit(0 if planned and record["summary"]["passed"] == planned else 1)
+    sys.exit(0 if planned and record["summary"]["passed"] == planned and record["summary"]["second_buffer_ok"] else 1)
 
 
 if __name__ == "__main__":

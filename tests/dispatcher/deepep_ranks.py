@@ -183,8 +183,11 @@ def topk_over_limit_error(backend: str):
 
 
 def buffer_lifecycle(backend: str):
-    """Reuse, growth, up-front allocation, sharing and release of the registry's buffers."""
+    """Reuse, growth, up-front allocation, sharing and release of the registry's buffers.
+    UCCL-EP holds one live buffer per device and process (`uccl_second_buffer`), so there
+    the owners allocate one at a time."""
     INSTALLERS[backend]()
+    one_at_a_time = backend == "uccl_ep"
     comm = _communicator(backend)
     group = dist.group.WORLD
     comm.release_buffers()
@@ -215,6 +218,8 @@ def buffer_lifecycle(backend: str):
     buffer_cls = comm.library().Buffer
     global_sms = buffer_cls.num_sms
     more_sms = _communicator(backend, 2 * comm.num_sms)
+    if one_at_a_time:
+        comm.release_buffers()
     more_sms.allocate_buffer(group, 32, torch.bfloat16)
     log["more_sms"] = (more_sms is not comm, more_sms.buffer.num_nvl_bytes > log["after_allocate"][1],
                        more_sms._dispatch_config.num_sms, comm._dispatch_config.num_sms,
@@ -241,6 +246,8 @@ def buffer_lifecycle(backend: str):
                      owners[3] is not owners[2])
     for owner in owners:
         owner.allocate_buffer(group, 16, torch.float32)
+        if one_at_a_time:
+            owner.release_buffers()
     MoEFlexTokenDispatcher.release_shared_managers()
     log["all_released"] = [owner.buffer is None for owner in owners]
     log["fresh_owner_after_release"] = _communicator(backend) is not comm
@@ -300,3 +307,52 @@ def matches_torch_backend(backend: str, dtype: str, hidden: int = 16):
     y_want, _ = torch_a2a.combine(want[0], group, want[4])
     same["combined_err"] = _max_err(y_got, y_want)
     return same
+
+
+def uccl_second_buffer(how: str):
+    """A second live UCCL-EP buffer in this process (`how`: "unshared", a layer with
+    moe_share_token_dispatcher=False; "group", another expert-parallel group of the same
+    ranks; "dispatch", the unshared layer's first dispatch allocating it; "library", two of the
+    library's own `Buffer`s). Returns what the second allocation raised, whether the library's
+    constructor ran (its proxies), whether a collective still completes after it, and whether
+    freeing the first buffer lets the second allocate."""
+    from tests.reference import RoutingCase
+
+    uccl_ep.install()
+    group, case = dist.group.WORLD, RoutingCase("x", (4, 3, 5, 2), topk=2)
+    first = build_dispatcher(case, "uccl_ep")
+    first.allocate_buffers(case.hidden, torch.bfloat16)
+    started = uccl_ep.STATS["uccl_proxies_started"]
+    if how == "group":
+        from megatron_moe_ext.dispatcher.backends import uccl
+
+        other = dist.new_group(list(range(dist.get_world_size())), backend="gloo")
+        second = uccl.communicator(other)  # the owner a layer over that group would get
+        allocate = lambda: second.allocate_buffer(other, case.hidden, torch.bfloat16)  # noqa: E731
+    elif how == "library":
+        library = first._comm_manager.comm.library()
+        allocate = lambda: library.Buffer(group, 0, 0, explicitly_destroy=True)  # noqa: E731
+    else:
+        layer = build_dispatcher(case, "uccl_ep", moe_share_token_dispatcher=False)
+        second = layer._comm_manager.comm
+        if how == "unshared":
+            allocate = lambda: layer.allocate_buffers(case.hidden, torch.bfloat16)  # noqa: E731
+        else:
+            x, indices, probs = make_routing(case, dist.get_rank(), DTYPES["bf16"])
+            allocate = lambda: layer.token_permutation2(x, x.shape[0], probs, indices)  # noqa: E731
+    try:
+        allocate()
+        raised = "nothing"
+    except (Exception, uccl_ep.ProcessAbort) as exc:  # noqa: BLE001 - the test reads which
+        raised = f"{type(exc).__name__}: {exc}"
+    out = {"raised": raised, "library_constructor_ran": uccl_ep.STATS["uccl_proxies_started"] > started,
+           "device": uccl_ep._device_index()}
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, raised.split(":")[0])
+    out["peers_raised"] = seen
+    if how != "library":
+        first._comm_manager.comm.release_buffers()
+        allocate()
+        out["after_release"] = second.buffer is not None
+        second.release_buffers()
+    return out

@@ -19,6 +19,7 @@ from tests.dispatcher.deepep_ranks import (
     pad_multiple_case,
     refused_group_size,
     topk_over_limit_error,
+    uccl_second_buffer,
 )
 from tests.dispatcher.test_dense_reference import CASES, check
 from tests.doubles.deep_ep_buffer import _real_library_importable
@@ -176,3 +177,24 @@ def test_async_mode_waits_on_every_event(dist_pools, backend):
             assert r["events_waited"] >= 4 and r["events_recorded"] > r["events_waited"], r
     for r in pool.run(async_mode_events, backend, "topk", False):
         assert r["events_waited"] == 0 and r["events_recorded"] == 0, r
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("how", ["unshared", "group", "dispatch"])
+def test_uccl_second_buffer_in_a_process_is_refused(dist_pools, world, how):
+    """UCCL-EP keeps one set of proxies per device in a process and aborts on a second
+    registration: every rank raises the same ValueError before the library's constructor
+    (no rank waits in its collectives), and freeing the first buffer allows the second."""
+    for rank, r in enumerate(dist_pools(world).run(uccl_second_buffer, how)):
+        assert r["raised"].startswith("ValueError: moe_share_token_dispatcher"), (rank, r)
+        assert "moe_share_token_dispatcher=True" in r["raised"] and "release_shared_managers" in r["raised"], r
+        assert not r["library_constructor_ran"] and r["peers_raised"] == ["ValueError"] * world, (rank, r)
+        assert r["after_release"], (rank, r)
+
+
+def test_uccl_double_aborts_on_a_second_library_buffer(dist_pools):
+    """The double follows UCCL's engine: the second `Buffer` of a process on a device aborts
+    in `register_proxies` (SIGABRT on the real library), on every rank."""
+    for r in dist_pools(2).run(uccl_second_buffer, "library"):
+        assert r["raised"] == ("ProcessAbort: WARNING: overwriting existing proxies for device "
+                               f"{r['device']} (high-throughput mode)"), r

@@ -16,13 +16,21 @@ this double reuses the DeepEP double's semantics and models UCCL's differences:
   one-element placeholder when nothing was received;
 - `get_dispatch_layout` of 0 tokens fails: the runtime asserts a non-null `topk_idx`
   pointer (`Assertion 'topk_idx_ptr != 0'`, the real library on one H200), which an empty
-  tensor lacks; DeepEP accepts it.
+  tensor lacks; DeepEP accepts it;
+- one set of proxies per (device, mode) in a process (`g_proxies_by_dev`): every Buffer
+  registers its own after gathering the ranks' proxy metadata, a second registration for a
+  taken slot prints "WARNING: overwriting existing proxies ..." and calls `std::abort()`
+  (`ProcessAbort` here), and `destroy_uccl` unregisters every proxy of the device.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import types
+
+import torch
+import torch.distributed as dist
 
 from tests.doubles import deep_ep_buffer as _deepep
 from tests.doubles.deep_ep_buffer import STATS, Config, EventHandle, EventOverlap
@@ -30,13 +38,68 @@ from tests.doubles.deep_ep_buffer import STATS, Config, EventHandle, EventOverla
 IS_TEST_DOUBLE = True
 
 
+class ProcessAbort(BaseException):
+    """Stands for the real engine's `std::abort()` (SIGABRT kills every thread of the rank).
+    A BaseException, so no `except Exception` of the code under test can go on past it."""
+
+
+# The engine's per-process proxy registry: (device index, low_latency_mode) -> proxies.
+_PROXIES: dict[tuple[int, bool], list] = {}
+
+
+class _Proxy:
+    def __init__(self, use_normal_mode: bool):
+        self._normal = use_normal_mode
+
+    def use_normal_mode(self) -> bool:
+        return self._normal
+
+    def stop(self) -> None:
+        pass
+
+
+def register_proxies(device_index: int, proxies) -> None:
+    low_latency = not proxies[0].use_normal_mode()
+    if _PROXIES.get((device_index, low_latency)):
+        mode = "low-latency" if low_latency else "high-throughput"
+        message = f"WARNING: overwriting existing proxies for device {device_index} ({mode} mode)"
+        print(message, file=sys.stderr, flush=True)
+        raise ProcessAbort(message)
+    _PROXIES[(device_index, low_latency)] = list(proxies)
+
+
+def unregister_proxy(device_index: int) -> None:
+    """Every mode's proxies of the device, as the engine's."""
+    for key in [k for k in _PROXIES if k[0] == device_index]:
+        del _PROXIES[key]
+
+
+def has_proxy(device_index: int) -> bool:
+    return any(k[0] == device_index and v for k, v in _PROXIES.items())
+
+
+def _device_index() -> int:
+    """LOCAL_RANK, else the current device, as UCCL's Python layer (0 without CUDA)."""
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"])
+    return torch.cuda.current_device() if torch.cuda.is_available() else 0
+
+
 def initialize_uccl(scratch_ptr, scratch_nbytes, rank, num_ranks, group, num_experts=0,
                     is_intranode=None, use_normal_mode=False, rdma_buffer_is_host_allocated=False):
+    proxies = [_Proxy(use_normal_mode)]
+    metadata = [None] * num_ranks  # the real one gathers node tokens and proxy metadata first
+    dist.all_gather_object(metadata, rank, group=group)
+    register_proxies(_device_index(), proxies)
+    dist.barrier(group)
     STATS["uccl_proxies_started"] += 1
-    return [object()], None
+    return proxies, None
 
 
 def destroy_uccl(proxies, workers) -> None:
+    for proxy in proxies:
+        proxy.stop()
+    unregister_proxy(_device_index())
     STATS["uccl_proxies_stopped"] += 1
 
 
@@ -99,6 +162,8 @@ def install() -> bool:
         return False
     engine = types.ModuleType("uccl.ep")
     engine.Config, engine.EventHandle, engine.IS_TEST_DOUBLE = Config, EventHandle, True
+    for name in ("register_proxies", "unregister_proxy", "has_proxy"):
+        setattr(engine, name, globals()[name])
     package = types.ModuleType("uccl")
     package.__path__, package.ep, package.IS_TEST_DOUBLE = [], engine, True
     wrapper = types.ModuleType("deep_ep")
