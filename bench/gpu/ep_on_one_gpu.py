@@ -623,11 +623,14 @@ def hybridep_plan(extras: bool) -> list:
 
 
 def _releasing(comm, thunk):
-    """`thunk` after freeing the suite's buffer: UCCL registers one set of proxies per device and
-    process, and a second Buffer in the process (the layer's own, over Megatron's EP group)
-    overwrote the first's; on the GPU every rank then aborted in the layer case."""
+    """`thunk` after freeing the suite's buffer and the previous layer case's: UCCL holds one
+    buffer per device and process (the package refuses a second, naming
+    moe_share_token_dispatcher), and each layer case builds its own over Megatron's EP group."""
     def run():
+        from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
+
         comm.release_buffers()  # collective; a no-op once freed
+        MoEFlexTokenDispatcher.release_shared_managers()
         return thunk()
     return run
 

@@ -232,8 +232,8 @@ def functional(names: list[str]) -> dict:
                                  f"{os.path.relpath(os.path.dirname(cases[name]['path']), REPO)}/")
         entry["values"] = _values(golden)
         with open(f"{res}/{name}/{GOLDEN.replace('.json', '.provenance.json')}", "w") as f:
-            json.dump({"platform": "one NVIDIA H200 (not a DGX H100): Megatron-LM's file name for the "
-                                   "H100-class golden values", "device": report["device"],
+            json.dump({"platform": f"one {report['device'].split(' 2.')[0]} (not a DGX node): Megatron-LM's "
+                                   "file name for the H100-class golden values", "device": report["device"],
                        "megatron_lm": report["megatron_lm"], "command": entry["steps"]["training_run1"]["cmd"],
                        "extractor": entry["steps"]["extract_run1"]["cmd"],
                        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}, f, indent=2)
