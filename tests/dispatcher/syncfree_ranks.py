@@ -217,3 +217,23 @@ def accumulate_ops_in_budget_step(backend: str = "torch"):
         y.sum().backward()
     release_buffers()
     return dict(ops=recorder.ops, grads=x.grad is not None and probs.grad is not None)
+
+
+def capture_over_gloo_refused(device: str = "cpu") -> str:
+    """HybridEP's budget dispatch while a CUDA graph captures, over this gloo group: the
+    capture state is a stand-in (torch.cuda's two queries say "capturing"), the group real.
+    Returns the ValueError text (each rank decides alone: no collective runs before it)."""
+    case, dtype, overrides = _backend_setup("hybridep", torch.bfloat16)
+    disp = build_dispatcher(case, "hybridep", moe_share_token_dispatcher=False,
+                            moe_expert_rank_capacity_factor=2.0, **overrides)
+    x, indices, probs = (t.to(device) for t in make_routing(case, dist.get_rank(), dtype))
+    saved = torch.cuda.is_available, torch.cuda.is_current_stream_capturing
+    torch.cuda.is_available = torch.cuda.is_current_stream_capturing = lambda: True
+    try:
+        disp.token_permutation2(x, x.shape[0], probs, indices)
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        torch.cuda.is_available, torch.cuda.is_current_stream_capturing = saved
+        release_buffers()
+    return "accepted"

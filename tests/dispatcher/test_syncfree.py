@@ -152,3 +152,11 @@ def test_gather_sum_and_gather_rows_equal_the_accumulate(dtype):
     (gx,) = torch.autograd.grad(picked, x_RH, grad_PH)
     (gx_ref,) = torch.autograd.grad(padded.index_select(0, src_P), x_RH, grad_PH)
     torch.testing.assert_close(gx, gx_ref, rtol=0, atol=1e-6)
+
+
+def test_hybridep_capture_over_gloo_is_refused_naming_the_backend(dist_pools):
+    """On one GPU several ranks share a gloo group, whose collectives copy through the host: a
+    captured HybridEP dispatch failed deep inside the capture (bench/gpu/ep_on_one_gpu.py, EP8);
+    it is refused up front, on every rank, naming the group's backend."""
+    for text in dist_pools(2).run(syncfree_ranks.capture_over_gloo_refused, timeout=120):
+        assert text.startswith("process group backend 'gloo'") and "NCCL" in text, text

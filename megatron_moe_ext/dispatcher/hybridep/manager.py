@@ -355,6 +355,7 @@ class HybridEPManager(DispatchManager):
         warmup).
         """
         self.check_rows(hidden_states)
+        checks.check_capturable_group(self.group, "HybridEP's routing-map all-gather and the budget's overflow count")
         if capacity_mode is None:
             capacity_mode = self._fixed_shape()
         padded = record.token_probs.shape[0]
