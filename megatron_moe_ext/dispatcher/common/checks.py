@@ -201,7 +201,6 @@ def checks_values_now(tensor: torch.Tensor) -> bool:
     return mode == "sync" or (mode == "auto" and tensor.is_cpu)
 
 
-# ---- shapes and dtypes ----------------------------------------------------------------
 def check_capturable_group(group, what: str) -> None:
     """A CUDA-graph capture of a dispatch over a gloo group fails deep in the capture (gloo
     stages CUDA tensors through the host): refuse it here, naming the group's backend."""
@@ -211,6 +210,7 @@ def check_capturable_group(group, what: str) -> None:
                          "rank), or run this layer eagerly")
 
 
+# ---- shapes and dtypes ----------------------------------------------------------------
 def check_hidden(hidden_states: torch.Tensor, num_local_tokens: int | None = None) -> int:
     """`[..., H]` float hidden states -> the token count T (the product of the leading dims)."""
     shape = hidden_states.shape
