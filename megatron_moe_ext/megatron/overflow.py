@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_moe_ext.dispatcher.common.checks import capturing as _capturing  # patched by tests
+
 logger = logging.getLogger(__name__)
 
 
@@ -151,10 +153,6 @@ def check_overflow(model, group=None) -> list[OverflowReport]:
             f"MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR) to at least {math.ceil(needed * 100) / 100:.2f} "
             f"(now {max(factors)}), or the policy to 'drop'.")
     return reports
-
-
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _checked(schedule):

@@ -201,10 +201,15 @@ def checks_values_now(tensor: torch.Tensor) -> bool:
     return mode == "sync" or (mode == "auto" and tensor.is_cpu)
 
 
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def check_capturable_group(group, what: str) -> None:
     """A CUDA-graph capture of a dispatch over a gloo group fails deep in the capture (gloo
     stages CUDA tensors through the host): refuse it here, naming the group's backend."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing() and dist.get_backend(group) == "gloo":
+    if capturing() and dist.get_backend(group) == "gloo":
         raise ValueError(f"process group backend 'gloo': {what} cannot be captured in a CUDA graph over a gloo "
                          "expert-parallel group (its collectives copy through the host); use NCCL (one GPU per "
                          "rank), or run this layer eagerly")
