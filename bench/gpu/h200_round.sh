@@ -13,7 +13,7 @@
 #   NAME       run one task in the foreground (results in /tmp/round/out)
 #   summary    print every result JSON, compact and cut to SUMMARY_CHARS each
 #   pack       tar /tmp/round/out into $OUT/round_<date>.tgz (the tool returns at most 8 files)
-# Tasks: ab_cost te_install hybridep_real uccl_real ep_on_one_gpu ep_uccl deepep_v1_build hybridep_build device_checks cuda_graph_train graph_te_diag graph_bisect graph_fault probes experts_te bias permute
+# Tasks: ab_cost ep_hybridep8 ep_deepep te_install hybridep_real uccl_real ep_on_one_gpu ep_uccl deepep_v1_build hybridep_build device_checks cuda_graph_train graph_te_diag graph_bisect graph_fault probes experts_te bias permute
 #        layer_bench graphs recompute pretrain_local pretrain_te pretrain_small pretrain_det
 #        pretrain_det32 te_init_check pretrain_qwen3 fused_experts fused_experts_tests slice_bench host_profile pretrain_slice
 #        pretrain_slice_det megatron_tools det_numerics (QuACK: source /tmp/quack_env.sh first).
@@ -46,7 +46,10 @@ run_task() {
     uccl_real) task uccl_real 200 $PY bench/gpu/uccl_real.py ;;
     ep_on_one_gpu) task ep_on_one_gpu 800 $PY bench/gpu/ep_on_one_gpu.py ${EP_ARGS:-} ;;
     ep_uccl) task ep_uccl 300 env OUT=$RES/uccl $PY bench/gpu/ep_on_one_gpu.py --backends uccl_ep --worlds 4 8 ;;
-    ab_cost) task ab_cost 480 bash bench/gpu/ab_cost.sh ;;
+    ep_hybridep8) task ep_hybridep8 420 env OUT=$RES/hybridep8 $PY bench/gpu/ep_on_one_gpu.py --backends hybridep --worlds 8 ;;
+    ep_deepep) task ep_deepep 120 env OUT=$RES/deepep $PY bench/gpu/ep_on_one_gpu.py --backends deepep --worlds 4 8 ;;
+    # AB_KINDS="dropless budget recompute graphs" adds issue 38's recompute and graph benchmarks
+    ab_cost) task ab_cost 900 bash bench/gpu/ab_cost.sh ;;
     # Transformer Engine's install from what earlier calls staged: the parts in /tmp/te and the kit
     # copied to /tmp/te_stage/kit (so a list started before the kit arrived can run it).
     te_install) task te_install 420 bash /tmp/te_stage/kit/device.sh install /tmp/te_stage ;;
