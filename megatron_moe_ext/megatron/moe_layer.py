@@ -166,7 +166,7 @@ class FlexMoELayer(MoELayer, overflow.OverflowCounter):
         if recomputed and self.recompute_replay is None:
             _refuse_unreplayable_recompute(dispatcher_config)
         # Budget mode: `[dropped pairs, rows needed]` on the device, see `overflow.py`.
-        self._init_overflow_counter(config, dispatcher_config)
+        self._init_overflow_counter(config, dispatcher_config, self.token_dispatcher.manager)
         if self.moe_overflow_stats is not None:
             overflow.check_overflow_after_each_step()
 

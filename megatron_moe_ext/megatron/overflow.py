@@ -5,6 +5,11 @@ reads the device, so it cannot stop when routing exceeds a rank's budget. Each `
 accumulates `[dropped pairs, rows needed]` on the device, inside any CUDA graph (a sum and a
 max over the step's dispatches; a recomputed forward counts again), and `check_overflow(model)`
 reads them once per step and applies each layer's `moe_expert_rank_overflow_policy`.
+
+Where a dispatch cannot count its overflow alone (HybridEP: what is dropped depends on the
+group's counts), the layer keeps each dispatch's own per-expert counts in a device ring
+instead, one row per dispatch, and the read settles them first with one collective over the
+layer's group (`DispatchManager.settle_overflow`): no collective per dispatch.
 """
 
 from __future__ import annotations
@@ -54,38 +59,95 @@ class OverflowReport:
                 f"{self.dropped_pairs} (token, expert) pairs dropped")
 
 
+#: Dispatches a layer keeps unsettled counts for between two reads, at least (see `_ring_rows`).
+MIN_PENDING_DISPATCHES = 64
+
+
+def _ring_rows() -> int:
+    """Rows of a layer's ring of unsettled counts: every forward and recompute of one step's
+    micro-batches (Megatron's calculator, where it is set up), at least
+    `MIN_PENDING_DISPATCHES`. Fixed at build: a CUDA graph holds the ring's address."""
+    try:
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+        microbatches = get_num_microbatches()
+    except Exception:  # noqa: BLE001 - no calculator outside Megatron-LM's training setup
+        microbatches = 0
+    return max(MIN_PENDING_DISPATCHES, 2 * microbatches + 2)
+
+
 class OverflowCounter:
     """The overflow counter an MoE layer owns (a mixin of `FlexMoELayer`): `[dropped pairs,
-    rows needed]` on the device, its budget and policy; `check_overflow` finds layers by it."""
+    rows needed]` on the device, its budget and policy; `check_overflow` finds layers by it.
+    Where its manager `defers_overflow`, also the ring of unsettled dispatches: `[D, E + 1]`
+    counts and budget per dispatch, and the next row to write."""
 
-    moe_overflow_stats: torch.Tensor | None  # a buffer: no class default (register_buffer)
+    moe_overflow_stats: torch.Tensor | None  # buffers: no class default (register_buffer)
+    moe_overflow_pending: torch.Tensor | None
+    moe_overflow_next: torch.Tensor | None
     moe_overflow_budget: int
     moe_overflow_policy: str
 
-    def _init_overflow_counter(self, config, dispatcher_config) -> None:
-        """A device counter in budget mode (None otherwise), registered as a non-persistent
-        buffer so it follows the layer to its device; call after `nn.Module.__init__`."""
-        stats_2 = None
+    def _init_overflow_counter(self, config, dispatcher_config, manager) -> None:
+        """Device counters in budget mode (None otherwise), registered as non-persistent
+        buffers so they follow the layer to its device; call after `nn.Module.__init__`."""
+        stats_2 = pending = next_row = None
         if dispatcher_config.moe_expert_rank_capacity_factor is not None:
             # On the device the layer's parameters are built on.
             on_gpu = torch.cuda.is_available() and not getattr(config, "use_cpu_initialization", False)
-            stats_2 = torch.zeros(2, dtype=torch.int64, device=torch.cuda.current_device() if on_gpu else "cpu")
+            device = torch.cuda.current_device() if on_gpu else "cpu"
+            stats_2 = torch.zeros(2, dtype=torch.int64, device=device)
+            if manager.defers_overflow:
+                # One row per dispatch: its per-expert counts (the manager's E), then its budget.
+                pending = torch.zeros(_ring_rows(), manager.num_experts + 1, dtype=torch.int64, device=device)
+                next_row = torch.zeros((), dtype=torch.int64, device=device)
         self.register_buffer("moe_overflow_stats", stats_2, persistent=False)
+        self.register_buffer("moe_overflow_pending", pending, persistent=False)
+        self.register_buffer("moe_overflow_next", next_row, persistent=False)
+        self._overflow_manager = manager
         self.moe_overflow_policy = dispatcher_config.moe_expert_rank_overflow_policy
         self.moe_overflow_budget = 0
 
     def _count_overflow(self, record) -> None:
-        """Add the budget-mode dispatch `record`'s `overflow_stats`."""
+        """Add the budget-mode dispatch `record`'s `overflow_stats`, or keep its
+        `overflow_counts` for the read to settle. In place, so a CUDA graph replay updates the
+        same tensors: the sum of drops and the max of rows, or the next ring row."""
+        self.moe_overflow_budget = record.capacity
+        if record.overflow_counts is not None:
+            ring = self.moe_overflow_pending
+            row = torch.cat([record.overflow_counts, record.overflow_counts.new_full((1,), record.capacity)])
+            # A step past the ring's rows writes its last row again; the read refuses that step.
+            ring.index_copy_(0, self.moe_overflow_next.clamp(max=ring.shape[0] - 1).view(1), row[None])
+            self.moe_overflow_next.add_(1)
+            return
         stats_2 = self.moe_overflow_stats
-        # In place, so a CUDA graph replay updates the same tensor: sum of drops, max of rows.
         stats_2[0].add_(record.overflow_stats[0])
         torch.maximum(stats_2[1], record.overflow_stats[1], out=stats_2[1])
-        self.moe_overflow_budget = record.capacity
+
+    def _settle_overflow(self, name: str) -> None:
+        """Fold the ring's dispatches into the counter (a collective over the layer's group:
+        every rank of it must call) and empty the ring."""
+        ring = self.moe_overflow_pending
+        if ring is None:
+            return
+        rows = int(self.moe_overflow_next)
+        if rows > ring.shape[0]:
+            raise RuntimeError(
+                f"{name}: {rows} budget-mode dispatches since its overflow was last read, more than the "
+                f"{ring.shape[0]} it keeps counts for; call check_overflow(model) once per step (Megatron-LM's "
+                "training loop does) or read layer.overflow() at least that often")
+        if rows:
+            stats_2 = self._overflow_manager.settle_overflow(ring[:rows, :-1].clone(), ring[:rows, -1])
+            self.moe_overflow_stats[0].add_(stats_2[0])
+            torch.maximum(self.moe_overflow_stats[1], stats_2[1], out=self.moe_overflow_stats[1])
+        ring.zero_()
+        self.moe_overflow_next.zero_()
 
     def overflow(self) -> "OverflowReport | None":
         """This layer's budget overflow since the last read (one host read, then reset; over
-        this rank only), or None outside budget mode. `check_overflow(model)` reads every
-        layer at once and applies the policy."""
+        this rank only, though settling a ring is a collective over the layer's group), or
+        None outside budget mode. `check_overflow(model)` reads every layer at once and
+        applies the policy."""
         if self.moe_overflow_stats is None:
             return None
         return read_overflow([(f"layer {self.layer_number}", self)], gather=False)[0]
@@ -104,6 +166,8 @@ def read_overflow(layers: list[tuple[str, torch.nn.Module]], group=None,
     (a collective: every rank must call)."""
     if not layers:
         return []
+    for name, layer in layers:
+        layer._settle_overflow(name)
     stats_L2 = torch.stack([layer.moe_overflow_stats for _, layer in layers])
     for _, layer in layers:
         layer.moe_overflow_stats.zero_()

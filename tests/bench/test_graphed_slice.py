@@ -78,6 +78,7 @@ def test_profiled_wrapper_options_gate_and_overflow(tmp_path):
         def __init__(self, number):
             super().__init__()
             self.register_buffer("moe_overflow_stats", torch.zeros(2, dtype=torch.int64), persistent=False)
+            self.register_buffer("moe_overflow_pending", None)  # counts every dispatch alone
             self.moe_overflow_budget, self.moe_overflow_policy, self.layer_number = 4096, "drop", number
 
     # The training loop's check (installed by the layers) reads and resets the counters once per

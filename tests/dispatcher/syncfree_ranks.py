@@ -80,7 +80,11 @@ def _step(disp, x, indices, probs, params, counter=None, device="cpu"):
     counter = counter or LibraryHostReads()
     with counter:
         rows, tpe, pprobs = disp.token_permutation2(x, x.shape[0], probs, indices)
-    stats = disp.record.overflow_stats
+    record = disp.record
+    stats = record.overflow_stats
+    if record.overflow_counts is not None:  # HybridEP: settled as its layer settles them, later
+        budget_D = torch.tensor([record.capacity], device=record.overflow_counts.device)
+        stats = disp.manager.settle_overflow(record.overflow_counts[None].clone(), budget_D)
     stats = None if stats is None else stats.clone()
     out = apply_local_experts(rows, tpe, pprobs, disp.local_expert_indices, params)
     with counter:
@@ -219,21 +223,48 @@ def accumulate_ops_in_budget_step(backend: str = "torch"):
     return dict(ops=recorder.ops, grads=x.grad is not None and probs.grad is not None)
 
 
-def capture_over_gloo_refused(device: str = "cpu") -> str:
-    """HybridEP's budget dispatch while a CUDA graph captures, over this gloo group: the
-    capture state is a stand-in (torch.cuda's two queries say "capturing"), the group real.
-    Returns the ValueError text (each rank decides alone: no collective runs before it)."""
+class LibraryCollectives:
+    """Counts the torch.distributed collectives the package's code calls while entered (those
+    inside a test double stand for the real library's own communication)."""
+
+    NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_to_all", "all_to_all_single",
+             "broadcast", "reduce_scatter_tensor", "barrier", "send", "recv")
+
+    def __init__(self):
+        self.calls: list[str] = []
+        self._originals = {name: getattr(dist, name) for name in self.NAMES}
+
+    def __enter__(self):
+        for name, fn in self._originals.items():
+            setattr(dist, name, self._wrap(name, fn))
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self._originals.items():
+            setattr(dist, name, fn)
+
+    def _wrap(self, name, fn):
+        def counted(*args, **kwargs):
+            frame = sys._getframe(1)
+            if LibraryHostReads._DOUBLES not in frame.f_code.co_filename:
+                self.calls.append(f"{name} in {frame.f_code.co_name}")
+            return fn(*args, **kwargs)
+        return counted
+
+
+def hybridep_budget_collectives(device: str = "cpu") -> dict:
+    """HybridEP's budget-mode step over this gloo group (dispatch, combine, backward): the
+    collectives the package calls itself (a CUDA graph over gloo could hold none: gloo copies
+    through the host) and whether it asked HybridEP for its own all-gather of the routing map."""
     case, dtype, overrides = _backend_setup("hybridep", torch.bfloat16)
     disp = build_dispatcher(case, "hybridep", moe_share_token_dispatcher=False,
                             moe_expert_rank_capacity_factor=2.0, **overrides)
-    x, indices, probs = (t.to(device) for t in make_routing(case, dist.get_rank(), dtype))
-    saved = torch.cuda.is_available, torch.cuda.is_current_stream_capturing
-    torch.cuda.is_available = torch.cuda.is_current_stream_capturing = lambda: True
-    try:
-        disp.token_permutation2(x, x.shape[0], probs, indices)
-    except ValueError as exc:
-        return str(exc)
-    finally:
-        torch.cuda.is_available, torch.cuda.is_current_stream_capturing = saved
-        release_buffers()
-    return "accepted"
+    x, indices, probs = make_routing(case, dist.get_rank(), dtype)
+    params = toy_expert_params(E, case.hidden)
+    collectives = LibraryCollectives()
+    with collectives:
+        _step(disp, x, indices, probs, params, device=device)
+    custom = disp.manager._buffer_owner.buffer.init_kwargs.get("enable_custom_allgather")
+    release_buffers()
+    return dict(calls=[c for c in collectives.calls if not c.endswith("in settle_overflow")],
+                custom_allgather=custom)

@@ -244,6 +244,13 @@ def counting(cls):
     class Counting(cls):
         COUNTS_CALLS = True
 
+        def __init__(self, *args, **kwargs):
+            # What the package asked for (e.g. `enable_custom_allgather`: within one NVLink
+            # domain the real buffer then all-gathers the routing map with its own kernel,
+            # executor.cu, not torch.distributed; the double uses the group either way).
+            self.init_kwargs = kwargs
+            super().__init__(*args, **kwargs)
+
         def dispatch_with_permute(self, **kwargs):
             non_blocking = kwargs.get("non_blocking", False)
             if kwargs.get("use_host_meta") is not None:

@@ -9,6 +9,9 @@ multiple 8, the budget is 32 permuted rows per rank:
 - overflowing step: at EP >= 2 every rank routes to experts 0 and 1 on rank 0, which needs
   32W rows (the other ranks none); at EP 1 the tokens spread over all 8 experts, 4 pairs
   each, padded to 8: 64 rows, and the last four experts' 16 pairs do not fit.
+With backend "hybridep" (its test double, or the real library) the layer is bf16 and 128
+wide, as HybridEP needs, and its budget mode keeps each dispatch's counts in the layer's ring
+until the read settles them (megatron/overflow.py): the same counts come out.
 """
 
 from __future__ import annotations
@@ -19,56 +22,66 @@ import torch.distributed as dist
 from tests.megatron.cases_layer import LayerCase, layer_config
 from tests.shims import megatron_cpu
 
-E, K, SEQ, BATCH, H = 8, 2, 8, 2, 16
+E, K, SEQ, BATCH = 8, 2, 8, 2
 T = SEQ * BATCH
+HIDDEN = {"torch": 16, "hybridep": 128}  # HybridEP's rows: a multiple of 16, at least 128
+H = HIDDEN["torch"]
 
 
-def _build(policy: str):
+def _build(policy: str, backend: str = "torch"):
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 
     from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
     from megatron_moe_ext.megatron.experts import GroupedGemmExperts
     from megatron_moe_ext.megatron.moe_layer import FlexMoELayer
 
-    ep = dist.get_world_size()
+    ep, hidden = dist.get_world_size(), HIDDEN[backend]
     pg = megatron_cpu.init_parallel_state(ep)
-    config = layer_config(LayerCase("syncfree", num_experts=E, topk=K, hidden=H, seq=SEQ, batch=BATCH,
-                                    gated=True), ep)
+    config = layer_config(LayerCase("syncfree", num_experts=E, topk=K, hidden=hidden, seq=SEQ, batch=BATCH,
+                                    gated=True, dtype="fp32" if backend == "torch" else "bf16"), ep)
     config.activation_func = torch.nn.functional.silu  # swiglu, what GroupedGemmExperts computes
+    overrides = {}
+    if backend == "hybridep":
+        from tests.dispatcher.hybridep_ranks import use_backend
+
+        use_backend()
+        overrides = dict(moe_flex_dispatcher_backend="hybridep", moe_hybridep_equal_token_counts=True)
     dcfg = TokenDispatcherConfig.from_transformer_config(
         config, moe_expert_rank_capacity_factor=1.0, moe_expert_rank_overflow_policy=policy,
-        moe_router_expert_pad_multiple=8, moe_share_token_dispatcher=False)
+        moe_router_expert_pad_multiple=8, moe_share_token_dispatcher=False, **overrides)
     spec = get_moe_module_spec(use_te=False, num_experts=E)
     layer = FlexMoELayer(config, submodules=spec.keywords["submodules"], pg_collection=pg,
                          layer_number=3, dispatcher_config=dcfg, experts=GroupedGemmExperts)
     layer.set_layer_number(3)
     with torch.no_grad():
-        weight = torch.zeros(E, H)
+        weight = torch.zeros(E, hidden)
         weight[torch.arange(E), torch.arange(E) // 2] = 10.0
         layer.router.weight.copy_(weight)
     return layer
 
 
-def _tokens(dims_T: torch.Tensor) -> torch.Tensor:
+def _tokens(dims_T: torch.Tensor, hidden: int, dtype: torch.dtype) -> torch.Tensor:
     g = torch.Generator().manual_seed(17 + dist.get_rank())
-    x_TH = torch.nn.functional.one_hot(dims_T, H).float() + 0.01 * torch.rand(T, H, generator=g)
-    return x_TH.view(SEQ, BATCH, H)
+    x_TH = torch.nn.functional.one_hot(dims_T, hidden).float() + 0.01 * torch.rand(T, hidden, generator=g)
+    return x_TH.view(SEQ, BATCH, hidden).to(dtype)
 
 
 def _step(layer, dims_T):
-    out, _ = layer(_tokens(dims_T).requires_grad_())
+    weight = layer.router.weight
+    out, _ = layer(_tokens(dims_T, weight.shape[1], layer.config.params_dtype).requires_grad_())
     out.square().sum().backward()
     return bool(torch.isfinite(out).all())
 
 
-def run_policy(policy: str) -> dict:
+def run_policy(policy: str, backend: str = "torch") -> dict:
     """Overflowing step, `check_overflow`; fitting step, `check_overflow`; `layer.overflow()`."""
+    from megatron_moe_ext.dispatcher.common.buffers import release_all
     from megatron_moe_ext.megatron.overflow import MoEOverflowError, check_overflow
 
     megatron_cpu.install()
     try:
         world, rank = dist.get_world_size(), dist.get_rank()
-        layer = _build(policy)
+        layer = _build(policy, backend)
         model = torch.nn.ModuleDict({"decoder": torch.nn.ModuleDict({"mlp": layer})})
         e_local = E // world
         fit_dims = torch.full((T,), rank * e_local // 2)
@@ -90,8 +103,34 @@ def run_policy(policy: str) -> dict:
             dropped=16 if world == 1 else 2 * T * world - 32,
             needed=64 if world == 1 else 2 * T * world,
             local_dropped=16 if world == 1 else (2 * T * world - 32 if rank == 0 else 0))
+        result["ring"] = None if layer.moe_overflow_pending is None else int(layer.moe_overflow_next)
         return result
     finally:
+        release_all()
+        megatron_cpu.uninstall()
+
+
+def run_unread_steps(steps: int, ring_rows: int) -> dict:
+    """HybridEP's budget layer with a ring of `ring_rows` (`MIN_PENDING_DISPATCHES`; no
+    micro-batch calculator here): `steps` overflowing steps, then one `check_overflow`."""
+    from megatron_moe_ext.dispatcher.common.buffers import release_all
+    from megatron_moe_ext.megatron import overflow
+
+    megatron_cpu.install()
+    saved, overflow.MIN_PENDING_DISPATCHES = overflow.MIN_PENDING_DISPATCHES, ring_rows
+    try:
+        layer = _build("drop", "hybridep")
+        model = torch.nn.ModuleDict({"decoder": torch.nn.ModuleDict({"mlp": layer})})
+        for _ in range(steps):
+            _step(layer, torch.zeros(T, dtype=torch.long))
+        try:
+            (report,) = overflow.check_overflow(model)
+        except RuntimeError as exc:
+            return dict(error=str(exc), ring=int(layer.moe_overflow_next))
+        return dict(dropped=report.dropped_pairs, needed=report.rows_needed, per_step=2 * T * dist.get_world_size() - 32)
+    finally:
+        overflow.MIN_PENDING_DISPATCHES = saved  # the pool's process runs other tests next
+        release_all()
         megatron_cpu.uninstall()
 
 

@@ -104,7 +104,8 @@ class _Layer(overflow.OverflowCounter, torch.nn.Module):
         torch.nn.Module.__init__(self)
         self.layer_number = 1
         self.dispatcher_config = _dcfg(moe_expert_rank_capacity_factor=1.0, moe_expert_rank_overflow_policy=policy)
-        self._init_overflow_counter(SimpleNamespace(use_cpu_initialization=True), self.dispatcher_config)
+        self._init_overflow_counter(SimpleNamespace(use_cpu_initialization=True), self.dispatcher_config,
+                                    SimpleNamespace(defers_overflow=False))  # the torch backend's manager
         self.moe_overflow_budget = 32
 
 

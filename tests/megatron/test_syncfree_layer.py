@@ -8,9 +8,11 @@ import pytest
 from tests.megatron import syncfree_layer_cases as cases
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
-def test_policy_error_raises_on_every_rank_then_fits(dist_pools, world):
-    for r in dist_pools(world).run(cases.run_policy, "error"):
+@pytest.mark.parametrize("world,backend", [(1, "torch"), (2, "torch"), (4, "torch"), (2, "hybridep"),
+                                           (4, "hybridep")])
+def test_policy_error_raises_on_every_rank_then_fits(dist_pools, world, backend):
+    """HybridEP's counts wait in the layer's ring until the read settles them: same reports."""
+    for r in dist_pools(world).run(cases.run_policy, "error", backend):
         exp = r["expected"]
         assert "over" not in r and r["finite"] == [True, True], r
         assert "decoder.mlp" in r["error"], r
@@ -18,15 +20,25 @@ def test_policy_error_raises_on_every_rank_then_fits(dist_pools, world):
         assert f"{exp['dropped']} (token, expert) pairs dropped" in r["error"], r
         assert r["fit"][0][1] == 0 and r["fit"][0][2] <= 32, r
         assert r["local"] == ("layer 3", exp["local_dropped"], r["local"][2], 32), r
+        assert r["ring"] == (0 if backend == "hybridep" else None), r  # settled by each read
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
-def test_policy_drop_counts_and_continues(dist_pools, world):
-    for r in dist_pools(world).run(cases.run_policy, "drop"):
+@pytest.mark.parametrize("world,backend", [(1, "torch"), (2, "torch"), (4, "torch"), (2, "hybridep")])
+def test_policy_drop_counts_and_continues(dist_pools, world, backend):
+    for r in dist_pools(world).run(cases.run_policy, "drop", backend):
         exp = r["expected"]
         assert "error" not in r and r["finite"] == [True, True], r
         assert r["over"] == [("decoder.mlp", exp["dropped"], exp["needed"], 32, "drop")], r
         assert r["fit"][0][1] == 0, r
+
+
+def test_hybridep_ring_keeps_every_unread_step_and_refuses_more_than_it_holds(dist_pools):
+    """Three overflowing steps read once: three steps' drops. One step more than the ring holds:
+    a RuntimeError on every rank naming check_overflow, never counts silently merged."""
+    for r in dist_pools(2).run(cases.run_unread_steps, 3, 4):
+        assert r["dropped"] == 3 * r["per_step"] and r["needed"] == 2 * cases.T * 2, r
+    for r in dist_pools(2).run(cases.run_unread_steps, 3, 2):
+        assert "3 budget-mode dispatches" in r["error"] and "check_overflow(model)" in r["error"], r
 
 
 def test_capture_of_dropless_layer_refused_at_construction(dist_pools):

@@ -69,6 +69,16 @@ class DispatchManager(ABC):
     #: (`RecomputeReplay`) can plug in; a recompute of the others would route anew.
     replayable = False
 
+    #: Its budget-mode records carry `overflow_counts` (settled by `settle_overflow`), not
+    #: `overflow_stats`.
+    defers_overflow = False
+
+    def settle_overflow(self, needed_DE: torch.Tensor, budgets_D: torch.Tensor) -> torch.Tensor:
+        """Budget mode's `[dropped pairs, rows needed]` on this rank over D dispatches, from
+        their `overflow_counts` (`[D, E]`, summed over the group here: a collective) and
+        budgets (`[D]`). Only where `defers_overflow`."""
+        raise NotImplementedError(f"{type(self).__name__} counts its overflow at each dispatch")
+
     def allocate_buffers(self, hidden_size: int, dtype: torch.dtype) -> None:
         """Allocate the backend's buffer now (experts call it at setup, before any activation
         checkpoint, so no collective allocation happens inside a recompute)."""

@@ -206,15 +206,6 @@ def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def check_capturable_group(group, what: str) -> None:
-    """A CUDA-graph capture of a dispatch over a gloo group fails deep in the capture (gloo
-    stages CUDA tensors through the host): refuse it here, naming the group's backend."""
-    if capturing() and dist.get_backend(group) == "gloo":
-        raise ValueError(f"process group backend 'gloo': {what} cannot be captured in a CUDA graph over a gloo "
-                         "expert-parallel group (its collectives copy through the host); use NCCL (one GPU per "
-                         "rank), or run this layer eagerly")
-
-
 # ---- shapes and dtypes ----------------------------------------------------------------
 def check_hidden(hidden_states: torch.Tensor, num_local_tokens: int | None = None) -> int:
     """`[..., H]` float hidden states -> the token count T (the product of the leading dims)."""

@@ -66,6 +66,9 @@ class DispatchRecord:
     permutation: what the restore reads (`permute.PermutationState`, or `[R, K]` slot positions).
     num_permuted: P.
     overflow_stats: budget mode's `[dropped pairs, rows needed]` (device int64) for the layer.
+    overflow_counts: instead, where that needs the group's counts (HybridEP), this rank's
+        `[E]` pairs per expert (device int64); the layer settles them at the step boundary
+        (`DispatchManager.settle_overflow`), so the dispatch makes no collective of its own.
     """
 
     hidden_shape: torch.Size
@@ -87,6 +90,7 @@ class DispatchRecord:
     permutation: object = None
     num_permuted: int | None = None
     overflow_stats: torch.Tensor | None = None
+    overflow_counts: torch.Tensor | None = None
 
     @property
     def fixed(self) -> bool:

@@ -8,9 +8,11 @@ blocking calibration dispatch, which also pins the padded per-rank token count, 
 batch later raises ValueError, then non-blocking fixed-size dispatches guarded by a
 device-side overflow assert) and budget mode (`moe_expert_rank_capacity_factor`, with
 `moe_hybridep_equal_token_counts`: every dispatch non-blocking at `permute.rank_budget(T', K,
-factor)` rows, no host read; HybridEP drops what does not fit, and the record's
-`overflow_stats` count it from one all-reduce of the per-expert counts). Per layer: its
-capacity and pins; shared: only the `HybridEPBuffer`, one per `buffer_key`.
+factor)` rows, no host read, no collective of the package's; HybridEP drops what does not
+fit, and the record's per-expert `overflow_counts` are settled at the step boundary:
+`settle_overflow`). Over gloo HybridEP all-gathers the routing map with its own kernel, so a
+CUDA graph can hold a dispatch there too. Per layer: its capacity and pins; shared: only the
+`HybridEPBuffer`, one per `buffer_key`.
 
 Legend: T local tokens, T' padded tokens, H hidden, E experts, e local experts, K top-k,
 P permuted rows (grouped by local expert; in non-blocking mode the tail past
@@ -306,7 +308,9 @@ class HybridEPManager(DispatchManager):
                 num_blocks_permute=self.num_blocks_permute, num_blocks_unpermute=self.num_blocks_unpermute,
                 # A buffer rebuilt after a release reuses the kernels this process already
                 # compiled (HybridEP's JIT folder is per process) instead of running nvcc again.
-                load_cached_kernels=True)
+                load_cached_kernels=True,
+                # gloo stages the routing map through the host, which no CUDA graph can hold.
+                enable_custom_allgather=dist.get_backend(self.group) == "gloo")
         return owner.buffer
 
     def check_rows(self, hidden_states) -> None:
@@ -355,7 +359,6 @@ class HybridEPManager(DispatchManager):
         warmup).
         """
         self.check_rows(hidden_states)
-        checks.check_capturable_group(self.group, "HybridEP's routing-map all-gather and the budget's overflow count")
         if capacity_mode is None:
             capacity_mode = self._fixed_shape()
         padded = record.token_probs.shape[0]
@@ -382,7 +385,7 @@ class HybridEPManager(DispatchManager):
             checks.raise_on_flagged(torch.where(routed_P, probs_P, 0.0))
         if capacity_mode and self.budget_factor is not None:
             record.capacity = num_permuted
-            record.overflow_stats = self._budget_overflow(routing_map_TE, num_permuted)
+            record.overflow_counts = routing_map_TE.sum(0, dtype=torch.int64)
         elif num_permuted is not None:
             _assert_no_hybridep_overflow(record.handle, num_permuted)
         else:
@@ -400,18 +403,19 @@ class HybridEPManager(DispatchManager):
     def _fixed_shape(self) -> bool:
         return self.hybridep_capacity_factor is not None or self.budget_factor is not None
 
-    def _budget_overflow(self, routing_map_TE: torch.Tensor, budget: int) -> torch.Tensor:
-        """Budget mode's `[dropped pairs, rows needed]` (device int64) on this rank: the pairs
-        routed to each local expert, summed over the group in one all-reduce (no host read),
-        kept as HybridEP keeps them: experts in order, each group padded, up to `budget`."""
-        needed_E = routing_map_TE.sum(0, dtype=torch.int64)
-        if dist.get_world_size(self.group) > 1:
-            dist.all_reduce(needed_E, group=self.group)
+    defers_overflow = property(lambda self: self.budget_factor is not None)
+
+    def settle_overflow(self, needed_DE: torch.Tensor, budgets_D: torch.Tensor) -> torch.Tensor:
+        """Budget mode's `[dropped pairs, rows needed]` on this rank over D dispatches: their
+        counts summed over the group (one all-reduce, in place), this rank's experts kept as
+        HybridEP keeps them: in order, each group padded, up to the dispatch's budget."""
+        dist.all_reduce(needed_DE, group=self.group)
         first = dist.get_rank(self.group) * self.num_local_experts
-        needed_e = needed_E[first:first + self.num_local_experts]
-        padded_e = P.align_up(needed_e, self.pad_multiple or 1)
-        kept_e = torch.minimum((budget - P.start_offsets(padded_e)).clamp(min=0), needed_e)
-        return torch.stack([(needed_e - kept_e).sum(), padded_e.sum()])
+        needed_De = needed_DE[:, first:first + self.num_local_experts]
+        padded_De = P.align_up(needed_De, self.pad_multiple or 1)
+        starts_De = padded_De.cumsum(1) - padded_De
+        kept_De = torch.minimum((budgets_D[:, None] - starts_De).clamp(min=0), needed_De)
+        return torch.stack([(needed_De - kept_De).sum(), padded_De.sum(1).max()])
 
     def combine(self, record, hidden_states, async_finish=True, allocate_on_comm_stream=True):
         """`[P, H]` expert outputs -> `[T, H]` (padding tokens sliced off)."""
