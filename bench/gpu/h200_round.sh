@@ -46,7 +46,9 @@ run_task() {
     uccl_real) task uccl_real 200 $PY bench/gpu/uccl_real.py ;;
     ep_on_one_gpu) task ep_on_one_gpu 800 $PY bench/gpu/ep_on_one_gpu.py ${EP_ARGS:-} ;;
     ep_uccl) task ep_uccl 300 env OUT=$RES/uccl $PY bench/gpu/ep_on_one_gpu.py --backends uccl_ep --worlds 4 8 ;;
-    ep_hybridep8) task ep_hybridep8 420 env OUT=$RES/hybridep8 $PY bench/gpu/ep_on_one_gpu.py --backends hybridep --worlds 8 ;;
+    # its fused-experts case needs QuACK (staged in earlier calls: /tmp/quack_env.sh)
+    ep_hybridep8) task ep_hybridep8 420 bash -c "[ -f /tmp/quack_env.sh ] && source /tmp/quack_env.sh; \
+        OUT=$RES/hybridep8 $PY bench/gpu/ep_on_one_gpu.py --backends hybridep --worlds 8" ;;
     ep_deepep) task ep_deepep 120 env OUT=$RES/deepep $PY bench/gpu/ep_on_one_gpu.py --backends deepep --worlds 4 8 ;;
     # AB_KINDS="dropless budget recompute graphs" adds issue 38's recompute and graph benchmarks
     ab_cost) task ab_cost 900 bash bench/gpu/ab_cost.sh ;;
