@@ -127,21 +127,19 @@ def raise_on_words(words: torch.Tensor) -> None:
     """Raise `agreed_error` for the non-zero error words in `words` (any shape): read on the
     host when they are on the CPU, else a device assert (no host sync; it cannot name the
     rank, whose own error does)."""
-    if words.is_cpu:
-        if bool(words.any()):
-            raise agreed_error(words.unique().tolist())
-        return
-    torch._assert_async(words.eq(0).all(), _DEVICE_MESSAGE)
+    if not words.is_cpu:
+        torch._assert_async(words.eq(0).all(), _DEVICE_MESSAGE)
+    elif bool(words.any()):
+        raise agreed_error(words.unique().tolist())
 
 
 def raise_on_flagged(weights: torch.Tensor) -> None:
     """`raise_on_words` for error words carried as -(FLAG_BASE + word) among float `weights`
     (a peer's `announce_input_error` on the backends whose collectives move only rows)."""
-    if weights.is_cpu:
-        words = torch.where(weights <= -FLAG_BASE, -weights.float() - FLAG_BASE, 0).round().long()
-        raise_on_words(words)
-        return
-    torch._assert_async(weights.gt(-FLAG_BASE).all(), _DEVICE_MESSAGE)
+    if not weights.is_cpu:
+        torch._assert_async(weights.gt(-FLAG_BASE).all(), _DEVICE_MESSAGE)
+    else:
+        raise_on_words(torch.where(weights <= -FLAG_BASE, -weights.float() - FLAG_BASE, 0).round().long())
 
 
 def flag_device(group):
@@ -354,9 +352,9 @@ class DeferredRoutingErrors:
             if local:
                 raise ValueError(describe(local, num_experts, topk))
             return
-        flags = torch.zeros(len(RoutingError), dtype=torch.int32,
-                            device="cpu" if bits is None else bits.device)
-        if bits is not None:
+        if bits is None:
+            flags = torch.zeros(len(RoutingError), dtype=torch.int32)
+        else:
             flags = torch.stack([(bits & int(b)).ne(0).int() for b in RoutingError])
             bits.zero_()  # stream-ordered after the read above
         if dist.get_backend(group) == "nccl" and flags.is_cpu:
