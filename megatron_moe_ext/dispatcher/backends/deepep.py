@@ -105,10 +105,10 @@ class DeepEPCommunicator:
             saved = buffer_cls.num_sms
             buffer_cls.num_sms = self.num_sms
             try:
-                configs = (buffer_cls.get_dispatch_config(world), buffer_cls.get_combine_config(world))
+                configs = self._configs[key] = (buffer_cls.get_dispatch_config(world),
+                                                buffer_cls.get_combine_config(world))
             finally:
                 buffer_cls.num_sms = saved
-            self._configs[key] = configs
         return configs
 
     # ---- row layout -------------------------------------------------------------------
@@ -155,8 +155,7 @@ class DeepEPCommunicator:
             buffer = self.get_buffer(group, self.hidden_bytes_for(hidden, dtype))
             unit, max_bytes = self._dispatch_row_rule()
             row_bytes = hidden * dtype.itemsize
-            plan = (buffer, row_bytes % unit == 0 and (max_bytes is None or row_bytes <= max_bytes))
-            self._plans[key] = plan
+            plan = self._plans[key] = (buffer, row_bytes % unit == 0 and (max_bytes is None or row_bytes <= max_bytes))
         return plan
 
     # ---- the buffer ------------------------------------------------------------------
@@ -174,9 +173,8 @@ class DeepEPCommunicator:
         key = (buffer_cls, world, hidden_bytes)
         hints = self._size_hints.get(key)
         if hints is None:
-            hints = (max(c.get_nvl_buffer_size_hint(hidden_bytes, world) for c in configs),
-                     max(c.get_rdma_buffer_size_hint(hidden_bytes, world) for c in configs))
-            self._size_hints[key] = hints
+            hints = self._size_hints[key] = (max(c.get_nvl_buffer_size_hint(hidden_bytes, world) for c in configs),
+                                             max(c.get_rdma_buffer_size_hint(hidden_bytes, world) for c in configs))
         num_nvl_bytes, num_rdma_bytes = hints
         buffer = self.buffer
         if buffer is not None and self._group is group and type(buffer) is buffer_cls:
@@ -438,12 +436,8 @@ def deep_ep() -> ModuleType:
     return module
 
 
-def communicator(group, num_sms: int = 20, shared: bool = True, *, library=None,
-                 name: str = "DeepEP", pad_empty: bool = False) -> DeepEPCommunicator:
-    """The buffer owner of a DeepEP-contract library for `(group, num_sms)` from the
-    shared-buffer registry (`shared=False`: one of its own, for a layer that does not share
-    its buffer). `library` loads the library's module (DeepEP's by default; UCCL-EP passes
-    its own), `name` labels its keys and messages, `pad_empty` as `DeepEPCommunicator`."""
-    library = library or deep_ep
-    return buffers.acquire((name, group, num_sms),
-                           lambda: DeepEPCommunicator(library, name, num_sms, pad_empty), shared)
+def communicator(group, num_sms: int = 20, shared: bool = True) -> DeepEPCommunicator:
+    """DeepEP's buffer owner for `(group, num_sms)` from the shared-buffer registry
+    (`shared=False`: one of its own, for a layer that does not share its buffer; UCCL-EP's
+    is `uccl.communicator`)."""
+    return buffers.acquire(("DeepEP", group, num_sms), lambda: DeepEPCommunicator(deep_ep, "DeepEP", num_sms), shared)
