@@ -3,7 +3,7 @@
 The dropless modes read the received counts on the host to size the permutation. In a
 fixed-shape mode every shape follows from a sizing policy, so no dispatch after the sizing
 reads the device (a CUDA graph can capture it):
-- `CalibratedCapacity` (capacity mode, `capacity_mode_factor`, torch backend): a first,
+- `CalibratedCapacity` (capacity mode, `moe_hybridep_capacity_factor`, torch backend): a first,
   dropless dispatch (one host sync) fixes, as EP-group maxima times the factor,
   `send_capacity` (rows any rank may send to any one rank) and `capacity` (permuted rows any
   rank may receive, after per-expert padding);
@@ -181,8 +181,10 @@ class FixedShapeManager(TopKManager):
         s.token_indices = s.token_probs = None
         return rows
 
-    def fixed_send_capacity(self) -> int | None:
-        return self.sizing.agreed_send_capacity()
+    def announce_input_error(self, word: int, like=None) -> None:
+        """In the fixed splits every rank agreed on (None before the sizing: dropless)."""
+        self.comm.announce_input_error(self.group, word, like, self.num_experts,
+                                       self.sizing.agreed_send_capacity(), self.router_topk)
 
     def check_rows(self, hidden_states) -> None:
         dtypes = self.comm.fixed_dtypes
@@ -194,9 +196,8 @@ class FixedShapeManager(TopKManager):
         if not record.fixed:
             return super().combine(record, hidden_states, async_finish, allocate_on_comm_stream)
         # The dispatcher checked the rows against the dispatch (`MoEFlexTokenDispatcher`).
-        hidden, _ = self.comm.combine_fixed(hidden_states, self.group, record.handle, async_finish,
-                                            allocate_on_comm_stream)
-        return hidden
+        return self.comm.combine_fixed(hidden_states, self.group, record.handle, async_finish,
+                                       allocate_on_comm_stream)[0]
 
     def _layout(self, record):
         """`(probs [P], row_of_slot [P], slot_of_row [R, K])` of the dispatch, its padded

@@ -55,15 +55,11 @@ class TopKManager(DispatchManager):
         self.comm.allocate_buffer(self.group, hidden_size, dtype)
 
     def announce_input_error(self, word: int, like=None) -> None:
-        self.comm.announce_input_error(self.group, word, like, self.num_experts, self.fixed_send_capacity(),
-                                       self.router_topk)
+        """In the dropless dispatch's first collective (the fixed-shape modes pass their splits)."""
+        self.comm.announce_input_error(self.group, word, like, self.num_experts, None, self.router_topk)
 
     def check_rows(self, hidden_states) -> None:
         """Any float rows (the fixed-shape modes narrow it)."""
-
-    def fixed_send_capacity(self) -> int | None:
-        """The fixed splits of this step's first collective (None: a dropless dispatch)."""
-        return None
 
     # ---- metadata ---------------------------------------------------------------------
     def setup_metadata(self, record: DispatchRecord, num_local_tokens: int, probs: torch.Tensor, routing_map=None):
@@ -100,9 +96,7 @@ class TopKManager(DispatchManager):
         return hidden
 
     def combine(self, record, hidden_states, async_finish=False, allocate_on_comm_stream=False):
-        hidden, _ = self.comm.combine(hidden_states, self.group, record.handle, async_finish,
-                                      allocate_on_comm_stream)
-        return hidden
+        return self.comm.combine(hidden_states, self.group, record.handle, async_finish, allocate_on_comm_stream)[0]
 
     def get_dispatched_metadata(self, record):
         return record.dispatched_indices, record.dispatched_probs
@@ -114,13 +108,9 @@ class TopKManager(DispatchManager):
         return P.host_counts_tensor(counts) if isinstance(counts, list) else counts
 
     # ---- local permutation ------------------------------------------------------------
-    def _indices_to_multihot(self, indices, probs):
-        """`[R, K]` local ids (-1 = masked) and probs -> `([R, e] bool map, [R, e] fp32 probs)`."""
-        return P.indices_to_multihot(indices, probs, self.num_local_experts)
-
     def get_permuted_hidden_states_by_experts(self, record, hidden_states):
         s = record
-        routing_map, probs = self._indices_to_multihot(s.dispatched_indices, s.dispatched_probs)
+        routing_map, probs = P.indices_to_multihot(s.dispatched_indices, s.dispatched_probs, self.num_local_experts)
         permuted, permuted_probs, counts, permutation = P.permute_to_experts(
             hidden_states, routing_map, probs, s.counts, self.pad_multiple)
         return permuted, self.keep_permutation(record, counts, permutation, permuted_probs)
@@ -140,7 +130,7 @@ class TopKManager(DispatchManager):
     def get_indexed_rows(self, record, hidden_states) -> IndexedRows:
         """The received rows as they are, with the maps of the permutation above (no copy)."""
         s = record
-        routing_map, probs = self._indices_to_multihot(s.dispatched_indices, s.dispatched_probs)
+        routing_map, probs = P.indices_to_multihot(s.dispatched_indices, s.dispatched_probs, self.num_local_experts)
         probs_P, counts, row_of_slot_P, slot_of_row_RK = P.dropless_layout(
             routing_map, probs, s.dispatched_indices, s.counts, self.pad_multiple)
         probs_P = self.keep_permutation(record, counts, slot_of_row_RK, probs_P)
