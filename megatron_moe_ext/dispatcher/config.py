@@ -188,12 +188,6 @@ class TokenDispatcherConfig:
                   f"only the {registry.backends_with(sms_field=field)} backends use it, backend is "
                   f"{backend!r}" + (f"; use {row.sms_field}" if row.sms_field else ""))
 
-    @property
-    def capacity_mode_factor(self) -> float | None:
-        """The capacity mode's factor, whichever backend runs it (torch or HybridEP): the seed
-        names the field after HybridEP, `moe_hybridep_capacity_factor`."""
-        return self.moe_hybridep_capacity_factor
-
     def validate_for_group(self, ep_size: int) -> None:
         """Checks that need the expert-parallel group size."""
         if self.num_moe_experts % ep_size:
@@ -269,12 +263,8 @@ def budget_from_environment(megatron_factor: float | None) -> dict[str, Any]:
     if factor is not None and megatron_factor is not None and factor != megatron_factor:
         raise ValueError(f"{BUDGET_FACTOR_ENV}={factor} contradicts Megatron's "
                          f"moe_expert_rank_capacity_factor={megatron_factor}: set one of them")
-    values: dict[str, Any] = {}
-    if factor is not None:
-        values["moe_expert_rank_capacity_factor"] = factor
-    if policy is not None:
-        values["moe_expert_rank_overflow_policy"] = policy
-    return values
+    values = {"moe_expert_rank_capacity_factor": factor, "moe_expert_rank_overflow_policy": policy}
+    return {field: value for field, value in values.items() if value is not None}
 
 
 # Megatron settings the flex layer does not honour, with the value that means "off" and why.

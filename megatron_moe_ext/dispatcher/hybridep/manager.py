@@ -419,9 +419,8 @@ class HybridEPManager(DispatchManager):
 
     def combine(self, record, hidden_states, async_finish=True, allocate_on_comm_stream=True):
         """`[P, H]` expert outputs -> `[T, H]` (padding tokens sliced off)."""
-        y_TH = _HybridEPCombine.apply(hidden_states, record.buffer, record.handle, self.pad_multiple,
+        return _HybridEPCombine.apply(hidden_states, record.buffer, record.handle, self.pad_multiple,
                                       self.hybridep_permute_fusion)[: record.num_tokens]
-        return y_TH
 
     def get_dispatched_metadata(self, record):
         return None, record.dispatched_probs
