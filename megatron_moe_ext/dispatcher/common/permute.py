@@ -406,14 +406,12 @@ def dropless_layout(routing_map_Re: torch.Tensor, probs_Re: torch.Tensor, indice
         the same positions and probs `permute_to_experts` gives.
     """
     state, counts = dropless_permutation(routing_map_Re, tokens_per_expert, pad_multiple)
-    device = indices_RK.device
-    dest_N = state.dest_N if state.dest_N is not None else torch.arange(
-        state.row_ids_N.shape[0], device=device)
-    row_of_slot_P = state.row_ids_N.new_full((state.num_permuted,), state.num_rows).index_copy(
-        0, dest_N, state.row_ids_N)
-    probs_P = probs_Re[state.row_ids_N, state.expert_ids_N]
-    if state.dest_N is not None:
+    # Unpadded, pair n sits at position n (N = P): the pairs' rows and probs are the maps.
+    row_of_slot_P, probs_P, dest_N = state.row_ids_N, probs_Re[state.row_ids_N, state.expert_ids_N], state.dest_N
+    if dest_N is not None:
+        row_of_slot_P = row_of_slot_P.new_full((state.num_permuted,), state.num_rows).index_copy(
+            0, dest_N, row_of_slot_P)
         probs_P = probs_P.new_zeros(state.num_permuted).index_copy(0, dest_N, probs_P)
-    padded_offsets_e = start_offsets(host_counts_tensor(counts)).to(device, non_blocking=True)
+    padded_offsets_e = start_offsets(host_counts_tensor(counts)).to(indices_RK.device, non_blocking=True)
     slot_of_row_RK = slot_positions(indices_RK, routing_map_Re, padded_offsets_e, state.num_permuted)
     return probs_P, counts, row_of_slot_P, slot_of_row_RK
