@@ -138,8 +138,7 @@ class TokenDispatcherConfig:
         if self.moe_router_dtype not in ROUTER_DTYPES:
             _fail("moe_router_dtype", self.moe_router_dtype, f"allowed values are {ROUTER_DTYPES}")
 
-        # Combinations.
-        row = registry.BACKENDS[backend]
+        row = registry.BACKENDS[backend]  # the combinations
         if row.requires is not None and not getattr(self, row.requires):
             _fail(row.requires, False, f"backend {backend!r} needs {row.requires}=True; "
                   "choose moe_flex_dispatcher_backend='torch' to run without DeepEP")

@@ -31,6 +31,7 @@ from megatron_moe_ext.dispatcher.common import permute as P
 from megatron_moe_ext.dispatcher.common.base import DispatchManager
 from megatron_moe_ext.dispatcher.hybridep.metadata import HybridEPMetadataProcessor
 from megatron_moe_ext.utils.env import env_flag
+from megatron_moe_ext.utils.optional import require
 
 #: HybridEP's TMA loads need every rank's token count to be a multiple of this.
 _HYBRIDEP_TOKEN_ALIGNMENT = 4
@@ -164,8 +165,6 @@ class HybridEPManager(DispatchManager):
         router_dtype: str | None = None,
         share_buffer: bool = True,
     ):
-        from megatron_moe_ext.utils.optional import require
-
         deep_ep = require("deep_ep", "moe_flex_dispatcher_backend='hybridep'")
         if not hasattr(deep_ep, "HybridEPBuffer"):
             raise ImportError("moe_flex_dispatcher_backend='hybridep' needs deep_ep.HybridEPBuffer: "

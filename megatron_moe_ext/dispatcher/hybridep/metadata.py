@@ -61,10 +61,9 @@ class HybridEPMetadataProcessor(nn.Module):
             mode `token_indices` itself (aliased, int64); `probs_TE` is `[T, E]` fp32.
         """
         indices_TK = token_indices.long()
-        if self.permute_fusion:
-            probs_TE = _ScatterProbs.apply(token_probs, indices_TK, self.num_experts)
-            if self.compact_routing:
-                return indices_TK, probs_TE
-            return P.indices_to_routing_map(indices_TK, self.num_experts), probs_TE
-        routing_map_TE, probs_TE = P.indices_to_multihot(indices_TK, token_probs, self.num_experts)
-        return (indices_TK if self.compact_routing else routing_map_TE), probs_TE
+        if not self.permute_fusion:
+            routing_map_TE, probs_TE = P.indices_to_multihot(indices_TK, token_probs, self.num_experts)
+            return (indices_TK if self.compact_routing else routing_map_TE), probs_TE
+        probs_TE = _ScatterProbs.apply(token_probs, indices_TK, self.num_experts)
+        routing = indices_TK if self.compact_routing else P.indices_to_routing_map(indices_TK, self.num_experts)
+        return routing, probs_TE
