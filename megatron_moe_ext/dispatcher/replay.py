@@ -28,9 +28,7 @@ from megatron_moe_ext.dispatcher.hooks import DispatchHook
 def _kept_saved_tensors(enabled: bool = True):
     """Autograd nodes built inside keep their saved tensors instead of handing them to an
     activation checkpoint, whose recompute then need not repeat them."""
-    if not enabled:
-        return contextlib.nullcontext()
-    return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t) if enabled else contextlib.nullcontext()
 
 
 def _stand_in(like: torch.Tensor, rows: int) -> torch.Tensor:

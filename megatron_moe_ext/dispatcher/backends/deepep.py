@@ -221,17 +221,13 @@ class DeepEPCommunicator:
         """Record an event on the compute stream for the comm stream to wait on."""
         return self.library().Buffer.capture() if async_finish else None
 
-    @staticmethod
-    def _end(event, async_finish: bool) -> None:
-        if async_finish:
-            event.current_stream_wait()
-
     def _cached(self, buffer, chunk, raw_handle, async_finish, alloc):
         previous = self._begin(async_finish)
         recv, _, _, _, _, event = buffer.dispatch(
             chunk, handle=raw_handle, previous_event=previous, async_finish=async_finish,
             allocate_on_comm_stream=alloc, config=self._dispatch_config)
-        self._end(event, async_finish)
+        if async_finish:
+            event.current_stream_wait()
         return recv
 
     def _layout_and_dispatch(self, buffer, x_NC, routes_NK, num_experts, async_finish, alloc,
@@ -266,7 +262,8 @@ class DeepEPCommunicator:
             topk_idx=None if topk_weights is None else routes_NK, topk_weights=topk_weights,
             previous_event=event, async_finish=async_finish, allocate_on_comm_stream=alloc,
             config=self._dispatch_config, **worst)
-        self._end(event, async_finish)
+        if async_finish:
+            event.current_stream_wait()
         if rest:
             recv = torch.cat([recv] + [self._cached(buffer, c, raw, async_finish, alloc) for c in rest], 1)
         return recv, recv_routes, recv_weights, counts, raw

@@ -128,8 +128,7 @@ def _send_meta(local_SK, probs_SK, recv_splits, send_splits, group, word=None):
 
 def count_per_expert(indices_RK: torch.Tensor, num_local_experts: int) -> list[int]:
     """Host list of rows per local expert (-1 slots are not counted): the one host read."""
-    counts = torch.bincount(indices_RK.flatten() + 1, minlength=num_local_experts + 1)
-    return counts[1:].tolist()
+    return torch.bincount(indices_RK.flatten() + 1, minlength=num_local_experts + 1)[1:].tolist()
 
 
 @dataclass(frozen=True)

@@ -74,9 +74,8 @@ def host_counts(tokens_per_expert: TokenCounts) -> list[int] | None:
     return [int(c) for c in tokens_per_expert]
 
 
-def routing_map_to_topk(
-    routing_map_TE: torch.Tensor, probs_TE: torch.Tensor, topk: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def routing_map_to_topk(routing_map_TE: torch.Tensor, probs_TE: torch.Tensor,
+                        topk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense `[T, E]` routing to top-k form `(indices_TK, probs_TK)`; unused slots get -1 / 0.
 
     The routing map, not the probabilities, decides which experts a token goes to, so an
@@ -108,9 +107,8 @@ def indices_to_routing_map(indices_RK: torch.Tensor, num_experts: int) -> torch.
     return hits_RE.scatter_add_(1, indices_RK.clamp(min=0).long(), (indices_RK >= 0).int()) > 0
 
 
-def indices_to_multihot(
-    indices_RK: torch.Tensor, probs_RK: torch.Tensor, num_local_experts: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def indices_to_multihot(indices_RK: torch.Tensor, probs_RK: torch.Tensor,
+                        num_local_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`[R, K]` local expert ids (-1 = not for this rank) to a `[R, e]` bool map and fp32 probs."""
     probs_Re = torch.zeros(indices_RK.shape[0], num_local_experts, dtype=torch.float32,
                            device=indices_RK.device)
@@ -119,9 +117,8 @@ def indices_to_multihot(
     return indices_to_routing_map(indices_RK, num_local_experts), probs_Re
 
 
-def drop_tokens_over_capacity(
-    indices_TK: torch.Tensor, probs_TK: torch.Tensor, num_experts: int, capacity_factor: float
-) -> torch.Tensor:
+def drop_tokens_over_capacity(indices_TK: torch.Tensor, probs_TK: torch.Tensor, num_experts: int,
+                              capacity_factor: float) -> torch.Tensor:
     """Megatron's dropping policy "probs": each expert keeps its `ceil(T*K/E * factor)`
     highest-probability slots; the others become -1 (they are neither sent nor combined,
     so they contribute nothing and get no gradient)."""
@@ -218,13 +215,9 @@ def permute_rows(hidden_RH: torch.Tensor, probs_Re: torch.Tensor,
                             state.num_permuted)
 
 
-def permute_to_experts(
-    hidden_RH: torch.Tensor,
-    routing_map_Re: torch.Tensor,
-    probs_Re: torch.Tensor,
-    tokens_per_expert: list[int],
-    pad_multiple: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, list[int], PermutationState]:
+def permute_to_experts(hidden_RH: torch.Tensor, routing_map_Re: torch.Tensor, probs_Re: torch.Tensor,
+                       tokens_per_expert: list[int], pad_multiple: int | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, list[int], PermutationState]:
     """Group received rows contiguously by local expert (stable: token order within an expert).
 
     Arguments:

@@ -56,11 +56,9 @@ def _padded_count(num_tokens: int) -> int:
 def _assert_no_hybridep_overflow(handle, capacity: int) -> None:
     """Device-side guard, no host sync: HybridEP truncates silently past `capacity` and sets
     `overflow_flag`, the one-element int32 last item of its `handle`."""
-    torch._assert_async(
-        handle[-1].reshape(()) == 0,
-        f"HybridEP dispatch overflowed its capacity of {capacity} permuted rows: tokens were "
-        "dropped. Raise moe_hybridep_capacity_factor (or the static-routing token count).",
-    )
+    torch._assert_async(handle[-1].reshape(()) == 0,
+                        f"HybridEP dispatch overflowed its capacity of {capacity} permuted rows: tokens were "
+                        "dropped. Raise moe_hybridep_capacity_factor (or the static-routing token count).")
 
 
 class _BufferOwner:

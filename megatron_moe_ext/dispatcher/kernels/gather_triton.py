@@ -130,10 +130,9 @@ def invert_positions(pos_RJ: torch.Tensor, num_rows: int) -> torch.Tensor:
 class _GatherSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows_NH, pos_RJ):
-        rows_2d = _as_rows(rows_NH)
         ctx.save_for_backward(pos_RJ)
         ctx.rows_shape = rows_NH.shape
-        return _launch(rows_2d, pos_RJ, summed=True).view(pos_RJ.shape[0], *rows_NH.shape[1:])
+        return _launch(_as_rows(rows_NH), pos_RJ, summed=True).view(pos_RJ.shape[0], *rows_NH.shape[1:])
 
     @staticmethod
     @once_differentiable
