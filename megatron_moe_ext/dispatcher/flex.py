@@ -78,8 +78,7 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         error = None
         try:
             self._check_construction()
-            self._comm_manager = build_manager(dispatcher_config, self.tp_ep_group, num_local_experts,
-                                               self.tp_size)
+            self._comm_manager = build_manager(dispatcher_config, self.tp_ep_group, num_local_experts, self.tp_size)
         except ValueError as exc:
             error = exc
         checks.agree(self.tp_ep_group, error)
@@ -206,14 +205,12 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         return record
 
     # ---- input checks (megatron_moe_ext/dispatcher/common/checks.py; no device sync) ----------
-    def _check_dense(self, name: str, tensor: torch.Tensor, tokens: int):
-        checks.check_dense(name, tensor, tokens, self.ep_size, self.num_local_experts)
-        if name != "routing_map":
-            return
-        if checks.checks_values_now(tensor):
-            checks.check_routes_per_token(tensor, tokens, self.topk)
+    def _check_routing_map(self, routing_map: torch.Tensor, tokens: int):
+        checks.check_dense("routing_map", routing_map, tokens, self.ep_size, self.num_local_experts)
+        if checks.checks_values_now(routing_map):
+            checks.check_routes_per_token(routing_map, tokens, self.topk)
         else:
-            self._deferred_errors.flag_routes(tensor, tokens, self.topk)
+            self._deferred_errors.flag_routes(routing_map, tokens, self.topk)
 
     def _check_topk(self, token_probs: torch.Tensor, token_indices: torch.Tensor, tokens: int):
         """-> the ids to dispatch (on the device, bad slots masked and recorded)."""
@@ -268,9 +265,9 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
             tokens = checks.check_hidden(hidden_states, num_local_tokens)
             self._comm_manager.check_rows(hidden_states)
             if not self._routing_handed(*(t for t in (probs, routing_map) if t is not None)):
-                self._check_dense("probs", probs, tokens)
+                checks.check_dense("probs", probs, tokens, self.ep_size, self.num_local_experts)
                 if routing_map is not None:
-                    self._check_dense("routing_map", routing_map, tokens)
+                    self._check_routing_map(routing_map, tokens)
             record = self._begin(hidden_states.shape)
             if routing_map is not None:
                 routing_map = self._initialize_metadata(tokens, routing_map)

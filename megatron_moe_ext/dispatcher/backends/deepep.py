@@ -411,8 +411,7 @@ class DeepEPCommunicator:
 
         Backward is a cached-handle dispatch of the gradient.
         """
-        out_TH, _ = self.combine_raw(x_RH.contiguous(), handle, group, async_finish,
-                                     allocate_on_comm_stream)
+        out_TH, _ = self.combine_raw(x_RH.contiguous(), handle, group, async_finish, allocate_on_comm_stream)
         return record_combine(self, handle, group, (async_finish, allocate_on_comm_stream), x_RH, out_TH), None
 
     #: The library's combine reads only the rows the layout says were received.

@@ -77,8 +77,7 @@ class _DispatchGrad(torch.autograd.Function):
             shape, dtype, device = ctx.recv_meta
             grad_x_RH = torch.zeros(shape, dtype=dtype, device=device)
         if grad_probs_RK is None:
-            grad_probs_RK = torch.zeros(recv_indices_RK.shape, dtype=torch.float32,
-                                        device=recv_indices_RK.device)
+            grad_probs_RK = torch.zeros(recv_indices_RK.shape, dtype=torch.float32, device=recv_indices_RK.device)
         # Slots that are not this rank's carry no weight: their gradient must not be summed
         # into the owner's (the combine adds every rank's copy of a slot).
         grad_probs_RK = grad_probs_RK.float().masked_fill(recv_indices_RK < 0, 0.0)
