@@ -55,8 +55,7 @@ from types import ModuleType
 import torch
 
 from megatron_moe_ext.dispatcher.common.handoff import IndexedRows
-from megatron_moe_ext.dispatcher.common.permute import gather_sum
-from megatron_moe_ext.dispatcher.common.permute import TokenCounts, counts_on, host_counts
+from megatron_moe_ext.dispatcher.common.permute import TokenCounts, counts_on, gather_sum, host_counts
 from megatron_moe_ext.experts.bias import apply_bias, reduce_bias_grad
 from megatron_moe_ext.experts.fused import (
     QUACK_ACTIVATIONS,
