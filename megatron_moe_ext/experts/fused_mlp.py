@@ -213,21 +213,14 @@ def fused_expert_mlp(hidden: torch.Tensor | IndexedRows, gate_and_up_projs: torc
     """The expert MLP on QuACK (callers check support first: `fused_unsupported_reason`,
     `device_unsupported_reason`; `mlp.run_grouped_expert_mlp` does).
 
-    Arguments:
-        hidden: `[P, H]` rows grouped by expert, or `IndexedRows` (the rows as received plus
-            the maps; the gather runs inside the up-projection GEMM).
-        gate_and_up_projs: `[e, H, 2I]` (`[gate | up]`; interleaved for quick_geglu; `[e, H, I]`
-            for relu2), any float dtype (cast to the rows' dtype).
-        down_projs: `[e, I, H]`. gate_up_proj_bias: optional `[e, 2I]` (unweighted, in the
-            up GEMM's epilogue). down_proj_bias: optional `[e, H]` (weighted: `prob * bias`,
-            added by `bias.apply_bias`).
-        tokens_per_expert: `[e]` counts, host or device; positions past their sum are padding.
-        permuted_probs_P1: `[P, 1]` fp32 routing probs.
-        expert_activation: the package's activation name (`ExpertsConfig.expert_activation`).
+    Arguments: as `mlp.run_grouped_expert_mlp` (`hidden` is its `hidden_PH`: with
+    `IndexedRows` the gather runs inside the up-projection GEMM; the up bias is added in that
+    GEMM's epilogue, the weighted down bias by `bias.apply_bias`; quick_geglu's gate/up weights
+    are stored interleaved), plus `expert_activation`, the package's activation name
+    (`ExpertsConfig.expert_activation`).
 
     Returns:
-        `[P, H]` in the rows' dtype: `(prob * act(x W1 + b1)) W2 + prob * b2`, 0 on padding
-        rows.
+        `[P, H]` in the rows' dtype: `(prob * act(x W1 + b1)) W2 + prob * b2`, 0 on padding rows.
     """
     name, gated, stored_interleaved = QUACK_ACTIVATIONS[expert_activation]
     indexed = isinstance(hidden, IndexedRows)
