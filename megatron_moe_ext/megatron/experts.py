@@ -248,8 +248,7 @@ class GroupedGemmExperts(MegatronModule):
     def warmup_fused_kernels(self) -> None:
         """Compile QuACK's kernels now (before capturing a CUDA graph); a no-op on the torch path."""
         if self.accepts_indexed_rows:
-            param = self.gate_and_up_projs
-            warmup_fused_expert_mlp(self.experts_config, param.device, self.config.params_dtype)
+            warmup_fused_expert_mlp(self.experts_config, self.gate_and_up_projs.device, self.config.params_dtype)
 
     def forward(self, dispatched_input: torch.Tensor | IndexedRows, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor):
