@@ -61,22 +61,16 @@ def swiglu_clamped(x: torch.Tensor, permuted_probs: torch.Tensor, limit: float) 
     return _swiglu_torch(x, permuted_probs, limit)
 
 
-def swiglu_oai(
-    x: torch.Tensor, permuted_probs: torch.Tensor, alpha: float = 1.702, limit: float = 7.0
-) -> torch.Tensor:
+def swiglu_oai(x: torch.Tensor, permuted_probs: torch.Tensor, alpha: float = 1.702,
+               limit: float = 7.0) -> torch.Tensor:
     """SwiGLU-OAI (GPT-OSS): `g * sigmoid(alpha * g) * (u + 1) * prob` in fp32, `[gate | up]`
     clamped as in `swiglu_clamped`. `x [P, 2I]`, probs `[P, 1]` -> `[P, I]` in x's dtype."""
     gate, up = _split_gate_up(x, "swiglu_oai", limit)
     return (gate * torch.sigmoid(alpha * gate) * (up + 1.0) * permuted_probs).to(x.dtype)
 
 
-def quick_geglu(
-    x: torch.Tensor,
-    permuted_probs: torch.Tensor,
-    alpha: float = 1.702,
-    limit: float = 7.0,
-    linear_offset: float = 1.0,
-) -> torch.Tensor:
+def quick_geglu(x: torch.Tensor, permuted_probs: torch.Tensor, alpha: float = 1.702,
+                limit: float = 7.0, linear_offset: float = 1.0) -> torch.Tensor:
     """Quick-GEGLU: `g * sigmoid(alpha * g) * (u + linear_offset) * prob`, gate = `x[:, ::2]`,
     up = `x[:, 1::2]`, clamped as in `swiglu_oai`; `x [P, 2I]`, probs `[P, 1]` -> `[P, I]`. The
     GLU runs in x's dtype (as the checkpoints using this layout were trained), the prob in fp32.

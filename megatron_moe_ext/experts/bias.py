@@ -55,8 +55,7 @@ def _reduce_bias_grad_chunked_fallback(grad_output: torch.Tensor, token_counts: 
     """`_segment_reduce_bias_grad` of `[P, D]` rows times the optional `[P, 1]` probs, in float64
     over `_BIAS_CHUNK_ROWS` chunks (no full-size intermediates); `[e, D]` in `output_dtype`."""
     rows, hidden = grad_output.shape
-    total = torch.zeros(token_counts.numel(), hidden, dtype=torch.float64,
-                        device=grad_output.device)
+    total = grad_output.new_zeros(token_counts.numel(), hidden, dtype=torch.float64)
     for first in range(0, rows, _BIAS_CHUNK_ROWS):
         last = min(first + _BIAS_CHUNK_ROWS, rows)
         chunk = grad_output[first:last].to(torch.float64)

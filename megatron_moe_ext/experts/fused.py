@@ -39,7 +39,6 @@ _QUACK_OAI_ALPHA = 1.702  # fixed inside QuACK's swiglu_oai epilogue
 AUTO_MIN_HIDDEN_X_FFN = math.inf
 
 
-
 # --- the QuACK module -------------------------------------------------------------------------
 
 @dataclass(frozen=True)

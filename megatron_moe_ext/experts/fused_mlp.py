@@ -55,8 +55,7 @@ from types import ModuleType
 import torch
 
 from megatron_moe_ext.dispatcher.common.handoff import IndexedRows
-from megatron_moe_ext.dispatcher.common.permute import gather_sum
-from megatron_moe_ext.dispatcher.common.permute import TokenCounts, counts_on, host_counts
+from megatron_moe_ext.dispatcher.common.permute import TokenCounts, counts_on, gather_sum, host_counts
 from megatron_moe_ext.experts.bias import apply_bias, reduce_bias_grad
 from megatron_moe_ext.experts.fused import (
     QUACK_ACTIVATIONS,
@@ -99,8 +98,9 @@ class _Plan:
     """What the autograd function needs besides its differentiable inputs.
 
     cu_seqlens_e1: int32 `[e + 1]` segment offsets (device). total_1: int64 `[1]` rows in
-    segments, or None when every row is in one. row_of_slot_P / pos_RJ: the gather and its
-    backward map (`IndexedRows`), or None for permuted rows. counts_e: int64 `[e]` (device).
+    segments (QuACK's varlen GEMMs leave the rest unwritten: zeroed), or None when every row is
+    in one. row_of_slot_P / pos_RJ: the gather and its backward map (`IndexedRows`), or None
+    for permuted rows. counts_e: int64 `[e]` (device).
     """
 
     backend: ModuleType
@@ -113,13 +113,6 @@ class _Plan:
     total_1: torch.Tensor | None
     row_of_slot_P: torch.Tensor | None
     pos_RJ: torch.Tensor | None
-
-
-def _zero_rows_from(x_PD: torch.Tensor, total_1: torch.Tensor | None) -> torch.Tensor:
-    """Zero the rows past the segments (QuACK's varlen GEMMs leave them unwritten)."""
-    if total_1 is None or x_PD.shape[0] == 0:
-        return x_PD
-    return zero_padding_rows_(x_PD, total_1)
 
 
 class _FusedExpertMLP(torch.autograd.Function):
@@ -144,10 +137,9 @@ class _FusedExpertMLP(torch.autograd.Function):
         del w1
         out_PH = _row_scaled_gemm(plan, postact_PI, down_projs.to(dtype), probs_P1)
         ctx.plan = plan
-        ctx.has_bias = gate_up_proj_bias is not None
         ctx.save_for_backward(rows_NH, gate_and_up_projs, down_projs, gate_up_proj_bias,
                               probs_P1, preact_PN)
-        return _zero_rows_from(out_PH, plan.total_1)
+        return zero_padding_rows_(out_PH, plan.total_1)
 
     @staticmethod
     def backward(ctx, dout_PH: torch.Tensor):
@@ -168,7 +160,7 @@ class _FusedExpertMLP(torch.autograd.Function):
                               dynamic_scheduler=True, tuned=tuned).to(down_projs.dtype)
         del scaled_PI
         if ctx.needs_input_grad[4]:
-            grads[4] = _zero_rows_from(dprob_P[:, None].contiguous(), plan.total_1).to(probs_P1.dtype)
+            grads[4] = zero_padding_rows_(dprob_P[:, None].contiguous(), plan.total_1).to(probs_P1.dtype)
         if plan.interleave:
             # Back to `[gate | up]` columns: the two GEMMs below sum over (dx) or keep (dW1)
             # these columns, so with the stored weight and the gradient in its layout they need
@@ -178,12 +170,12 @@ class _FusedExpertMLP(torch.autograd.Function):
             grads[1] = q.gemm(rows_NH.T, dpreact_PN, cu_seqlens_k=plan.cu_seqlens_e1,
                               A_idx=plan.row_of_slot_P, dynamic_scheduler=True,
                               tuned=tuned).to(gate_and_up_projs.dtype)
-        if ctx.has_bias and ctx.needs_input_grad[3]:
+        if ctx.needs_input_grad[3]:  # False where there is no bias
             grads[3] = reduce_bias_grad(dpreact_PN, plan.counts_e, None, gate_up_proj_bias.dtype)
         if ctx.needs_input_grad[0]:
-            dx_PH = _zero_rows_from(q.gemm(dpreact_PN, gate_and_up_projs.to(dtype).mT,
-                                           cu_seqlens_m=plan.cu_seqlens_e1,
-                                           dynamic_scheduler=True, tuned=tuned), plan.total_1)
+            dx_PH = zero_padding_rows_(q.gemm(dpreact_PN, gate_and_up_projs.to(dtype).mT,
+                                              cu_seqlens_m=plan.cu_seqlens_e1,
+                                              dynamic_scheduler=True, tuned=tuned), plan.total_1)
             grads[0] = dx_PH if plan.pos_RJ is None else gather_sum(dx_PH, plan.pos_RJ)
         return tuple(grads)
 
@@ -221,21 +213,14 @@ def fused_expert_mlp(hidden: torch.Tensor | IndexedRows, gate_and_up_projs: torc
     """The expert MLP on QuACK (callers check support first: `fused_unsupported_reason`,
     `device_unsupported_reason`; `mlp.run_grouped_expert_mlp` does).
 
-    Arguments:
-        hidden: `[P, H]` rows grouped by expert, or `IndexedRows` (the rows as received plus
-            the maps; the gather runs inside the up-projection GEMM).
-        gate_and_up_projs: `[e, H, 2I]` (`[gate | up]`; interleaved for quick_geglu; `[e, H, I]`
-            for relu2), any float dtype (cast to the rows' dtype).
-        down_projs: `[e, I, H]`. gate_up_proj_bias: optional `[e, 2I]` (unweighted, in the
-            up GEMM's epilogue). down_proj_bias: optional `[e, H]` (weighted: `prob * bias`,
-            added by `bias.apply_bias`).
-        tokens_per_expert: `[e]` counts, host or device; positions past their sum are padding.
-        permuted_probs_P1: `[P, 1]` fp32 routing probs.
-        expert_activation: the package's activation name (`ExpertsConfig.expert_activation`).
+    Arguments: as `mlp.run_grouped_expert_mlp` (`hidden` is its `hidden_PH`: with
+    `IndexedRows` the gather runs inside the up-projection GEMM; the up bias is added in that
+    GEMM's epilogue, the weighted down bias by `bias.apply_bias`; quick_geglu's gate/up weights
+    are stored interleaved), plus `expert_activation`, the package's activation name
+    (`ExpertsConfig.expert_activation`).
 
     Returns:
-        `[P, H]` in the rows' dtype: `(prob * act(x W1 + b1)) W2 + prob * b2`, 0 on padding
-        rows.
+        `[P, H]` in the rows' dtype: `(prob * act(x W1 + b1)) W2 + prob * b2`, 0 on padding rows.
     """
     name, gated, stored_interleaved = QUACK_ACTIVATIONS[expert_activation]
     indexed = isinstance(hidden, IndexedRows)

@@ -24,8 +24,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from megatron_moe_ext.dispatcher.common.handoff import IndexedRows
-from megatron_moe_ext.dispatcher.common.permute import GatherRows
-from megatron_moe_ext.dispatcher.common.permute import TokenCounts, counts_on, host_counts
+from megatron_moe_ext.dispatcher.common.permute import GatherRows, TokenCounts, counts_on, host_counts
 from megatron_moe_ext.experts.bias import apply_bias, chunk_counts
 from megatron_moe_ext.experts.config import EXPERT_MLP_CHUNK_BYTES, check_expert_mlp_impl
 from megatron_moe_ext.experts.fused import case_unsupported_reason
@@ -123,10 +122,8 @@ def _grouped_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor, down_
     up_PI = _grouped_mm_any_width(hidden_PH, gate_and_up_projs.to(dtype), offsets_e, None)
     if gate_up_proj_bias is not None:
         up_PI = apply_bias(up_PI, gate_up_proj_bias, counts_e)
-    if activation_checkpoint is None:
-        act_PI = activation_fn(up_PI, act_probs_P1)
-    else:
-        act_PI = activation_checkpoint.checkpoint(activation_fn, up_PI, act_probs_P1)
+    act_PI = (activation_fn(up_PI, act_probs_P1) if activation_checkpoint is None
+              else activation_checkpoint.checkpoint(activation_fn, up_PI, act_probs_P1))
     out_PH = _grouped_mm_any_width(act_PI, down_projs.to(dtype), offsets_e, total_1)
     if activation_checkpoint is not None:  # act_PI is freed now, recomputed in backward
         activation_checkpoint.discard_output_and_register_recompute(out_PH)
@@ -150,8 +147,7 @@ def _checkpointed_chunked_expert_mlp(hidden_states: torch.Tensor, gate_and_up_pr
 
     Arguments: as `_grouped_mlp`. Returns: `[P, H]`, equal to the unchunked result.
     """
-    rows, hidden = hidden_states.shape
-    dtype = hidden_states.dtype
+    rows, dtype = hidden_states.shape[0], hidden_states.dtype
     chunk_bytes = EXPERT_MLP_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     chunk_rows = max(1, chunk_bytes // (gate_and_up_projs.shape[-1] * hidden_states.element_size()))
     # Host counts stay on the host, so each chunk's are cut there without a sync.
@@ -159,7 +155,7 @@ def _checkpointed_chunked_expert_mlp(hidden_states: torch.Tensor, gate_and_up_pr
     counts_e = counts_on(tokens_per_expert, torch.device("cpu") if on_host else hidden_states.device)
     # Cast fp32 masters once, not once per chunk and again per recompute.
     gate_and_up_projs, down_projs = gate_and_up_projs.to(dtype), down_projs.to(dtype)
-    out_PH = hidden_states.new_empty(rows, hidden)
+    out_PH = hidden_states.new_empty(hidden_states.shape)
     for first in range(0, rows, chunk_rows):
         last = min(first + chunk_rows, rows)
         out_PH[first:last] = checkpoint(

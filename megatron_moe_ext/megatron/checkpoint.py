@@ -97,19 +97,13 @@ def grouped_experts_sharded_state_dict(experts, prefix: str = "", sharded_offset
                 axis = len(offsets)
                 # Contiguous copies: the checkpoint reads into them, `merge` stacks them back.
                 t = _to_megatron(data_eX[i].detach(), spec).contiguous()
+                parts = [(base, t, ())]  # (key, tensor, the offset of a gate or up half)
                 if spec.glu_split:
                     gate, up = torch.chunk(t, 2, dim=0)
-                    if singleton:
-                        halves = ((f"{base}_w", gate, (axis, 0, 1)),
-                                  (f"{base}_v", up, (axis, 0, 1)))
-                    else:
-                        halves = ((base, gate, (axis, 0, 2)), (base, up, (axis, 1, 2)))
-                    for k, half, offset in halves:
-                        shards.append(ShardedTensor.from_rank_offsets(
-                            k, half, *offsets, offset, replica_id=replica, prepend_axis_num=axis))
-                else:
-                    shards.append(ShardedTensor.from_rank_offsets(
-                        base, t, *offsets, replica_id=replica, prepend_axis_num=axis))
+                    parts = ([(f"{base}_w", gate, ((axis, 0, 1),)), (f"{base}_v", up, ((axis, 0, 1),))]
+                             if singleton else [(base, gate, ((axis, 0, 2),)), (base, up, ((axis, 1, 2),))])
+                shards += [ShardedTensor.from_rank_offsets(k, part, *offsets, *half, replica_id=replica,
+                                                           prepend_axis_num=axis) for k, part, half in parts]
             return shards
 
         def merge(loaded, spec=spec):
