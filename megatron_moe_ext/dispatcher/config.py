@@ -187,6 +187,12 @@ class TokenDispatcherConfig:
                   f"only the {registry.backends_with(sms_field=field)} backends use it, backend is "
                   f"{backend!r}" + (f"; use {row.sms_field}" if row.sms_field else ""))
 
+    @property
+    def capacity_mode_factor(self) -> float | None:
+        """The capacity mode's factor, whichever backend runs it (torch or HybridEP): the seed
+        names the field after HybridEP, `moe_hybridep_capacity_factor`."""
+        return self.moe_hybridep_capacity_factor
+
     def validate_for_group(self, ep_size: int) -> None:
         """Checks that need the expert-parallel group size."""
         if self.num_moe_experts % ep_size:

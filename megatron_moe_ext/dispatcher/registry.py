@@ -91,7 +91,7 @@ def _build_topk(comm, cfg, group, num_local_experts, tp_size):
         return fixed.FixedShapeManager(fixed.Budget(cfg.moe_expert_rank_capacity_factor),
                                         fixed.CountOverflow(), comm=comm, **kwargs)
     if mode == "capacity":  # calibrated sizes, overflow raises
-        return fixed.FixedShapeManager(fixed.CalibratedCapacity(cfg.moe_hybridep_capacity_factor),
+        return fixed.FixedShapeManager(fixed.CalibratedCapacity(cfg.capacity_mode_factor),
                                         fixed.RaiseOnOverflow(), comm=comm, **kwargs)
     return TopKManager(comm, **kwargs)
 
