@@ -126,11 +126,16 @@ def _build_hybridep(cfg, group, num_local_experts, tp_size):
     from megatron_moe_ext.dispatcher.hybridep import HybridEPManager
 
     return HybridEPManager(
-        group=group, num_local_experts=num_local_experts, num_experts=tp_size * cfg.num_moe_experts,
-        router_topk=tp_size * cfg.moe_router_topk, permute_fusion=cfg.moe_permute_fusion,
-        benchmark_static_routing=cfg.moe_benchmark_static_routing, router_dtype=cfg.moe_router_dtype,
+        group=group,
+        num_local_experts=num_local_experts,
+        num_experts=tp_size * cfg.num_moe_experts,
+        router_topk=tp_size * cfg.moe_router_topk,
+        permute_fusion=cfg.moe_permute_fusion,
+        benchmark_static_routing=cfg.moe_benchmark_static_routing,
+        router_dtype=cfg.moe_router_dtype,
         share_buffer=cfg.moe_share_token_dispatcher,
-        **{field: getattr(cfg, field) for field in _HYBRIDEP_MANAGER_FIELDS})
+        **{field: getattr(cfg, field) for field in _HYBRIDEP_MANAGER_FIELDS},
+    )
 
 
 _DEEPEP_KERNELS = dict(sms_field="moe_deepep_num_sms", async_dispatch=True,

@@ -104,7 +104,6 @@ class OverflowCounter:
         self.register_buffer("moe_overflow_stats", stats_2, persistent=False)
         self.register_buffer("moe_overflow_pending", pending, persistent=False)
         self.register_buffer("moe_overflow_next", next_row, persistent=False)
-        self._overflow_manager = manager
         self.moe_overflow_policy = dispatcher_config.moe_expert_rank_overflow_policy
         self.moe_overflow_budget = 0
 
@@ -137,7 +136,8 @@ class OverflowCounter:
                 f"{ring.shape[0]} it keeps counts for; call check_overflow(model) once per step (Megatron-LM's "
                 "training loop does) or read layer.overflow() at least that often")
         if rows:
-            stats_2 = self._overflow_manager.settle_overflow(ring[:rows, :-1].clone(), ring[:rows, -1])
+            manager = self.token_dispatcher.manager
+            stats_2 = manager.settle_overflow(ring[:rows, :-1].clone(), ring[:rows, -1])
             self.moe_overflow_stats[0].add_(stats_2[0])
             torch.maximum(self.moe_overflow_stats[1], stats_2[1], out=self.moe_overflow_stats[1])
         ring.zero_()

@@ -400,7 +400,9 @@ class HybridEPManager(DispatchManager):
     def _fixed_shape(self) -> bool:
         return self.hybridep_capacity_factor is not None or self.budget_factor is not None
 
-    defers_overflow = property(lambda self: self.budget_factor is not None)
+    @property
+    def defers_overflow(self) -> bool:
+        return self.budget_factor is not None
 
     def settle_overflow(self, needed_DE: torch.Tensor, budgets_D: torch.Tensor) -> torch.Tensor:
         """Budget mode's `[dropped pairs, rows needed]` on this rank over D dispatches: their
