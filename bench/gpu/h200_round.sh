@@ -13,7 +13,7 @@
 #   NAME       run one task in the foreground (results in /tmp/round/out)
 #   summary    print every result JSON, compact and cut to SUMMARY_CHARS each
 #   pack       tar /tmp/round/out into $OUT/round_<date>.tgz (the tool returns at most 8 files)
-# Tasks: ab_cost ep_hybridep8 ep_deepep slice_table te_install hybridep_real uccl_real ep_on_one_gpu ep_uccl deepep_v1_build hybridep_build device_checks cuda_graph_train graph_te_diag graph_bisect graph_fault probes experts_te bias permute
+# Tasks: smoke ab_cost ep_hybridep8 ep_deepep slice_table te_install hybridep_real uccl_real ep_on_one_gpu ep_uccl deepep_v1_build hybridep_build device_checks cuda_graph_train graph_te_diag graph_bisect graph_fault probes experts_te bias permute
 #        layer_bench graphs recompute pretrain_local pretrain_te pretrain_small pretrain_det
 #        pretrain_det32 te_init_check pretrain_qwen3 fused_experts fused_experts_tests slice_bench host_profile pretrain_slice
 #        pretrain_slice_det megatron_tools det_numerics (QuACK: source /tmp/quack_env.sh first).
@@ -72,6 +72,8 @@ run_task() {
     bias) task bias 120 $PY bench/gpu/bias_bench.py --quick ;;
     permute) task permute 300 bash -c "$PY -m pytest tests/dispatcher/test_gather_kernels.py -q -rs \
         -p no:cacheprovider; tests=\$?; $PY bench/permute_bench.py --dtype bf16 fp32; exit \$((tests | \$?))" ;;
+    smoke) task smoke 300 $PY -m pytest tests/experts/test_mlp.py tests/dispatcher/test_indexed_rows.py -q -rs \
+        -p no:cacheprovider ;;  # the layer's expert paths on CUDA (after a change no GPU has seen)
     layer_bench) task layer_bench 330 $PY bench/moe_layer_bench.py ${LAYER_ARGS:-} ;;
     graphs) task graphs 360 $PY bench/moe_layer_graphs.py ${GRAPHS_ARGS:---tokens-per-expert 128 512 1024 --steps 50} ;;
     recompute) task recompute 200 $PY bench/gpu/moe_recompute.py --layers 4 --iters 30 --warmup 5 --profile ;;
