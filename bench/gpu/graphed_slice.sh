@@ -39,6 +39,10 @@
 #     steps equal the eager run's bit for bit (`exact_vs_eager`). Run them with --iters 50.
 #   det_aux_ext_budget_eager, det_aux_ext_budget_local: the same without
 #     --moe-router-force-load-balancing (the aux loss alone: the router draws no random logits)
+#   loads_ext_budget_eager, aux_loads_ext_budget_eager: ext_budget_eager with and without
+#     --moe-router-force-load-balancing, recording every router call's per-expert loads
+#     (pretrain_profiled.py --expert-loads): the budget factor EP 2/4/8 would have needed for the
+#     slice's routing (`profile.expert_loads`). Run them with --iters 40 or more.
 #   det_ext_eager, det_native_eager, det_native_unfused_eager: the dropless layer, native, and
 #     native with one rounding-only change (--no-bias-swiglu-fusion) in the same mode: the spread
 #     of Megatron's own rounding variants that the budget mode is held to (`rounding_spread`)
@@ -155,6 +159,7 @@ add() {  # name heavy timeout env flags: one line of the driver's table
   case " $SELECT " in *" $name "* | *" all "*) ;; *) return ;; esac
   local profile="--busy-only"
   [[ $name = det_* ]] && profile="--busy-only --exact"
+  [[ $name = *loads_* ]] && profile="--busy-only --expert-loads"
   [[ $BREAKDOWN = 1 && $flags != *--cuda-graph-impl* ]] && profile=""
   local cmd="$RUN_ENV $env $LAUNCH bench/gpu/pretrain_profiled.py $profile --gate $WORK/$name $ITERS \
 $WORK/$name.kernels.json $PRETRAIN $flags"
@@ -184,6 +189,8 @@ add det_ext_budget_local 0 "$TIMEOUT" "$EXT $BUDGET $DET_ENV" "$DET_RUN $SPEC $L
 add det_ext_budget_full 0 "$TIMEOUT" "$EXT $BUDGET $DET_ENV" "$DET_RUN $SPEC $FULL_GRAPH"
 add det_aux_ext_budget_eager 0 "$TIMEOUT" "$EXT $BUDGET $DET_ENV" "${DET_RUN/ --moe-router-force-load-balancing/} $SPEC"
 add det_aux_ext_budget_local 0 "$TIMEOUT" "$EXT $BUDGET $DET_ENV" "${DET_RUN/ --moe-router-force-load-balancing/} $SPEC $LOCAL_GRAPHS"
+add loads_ext_budget_eager 0 "$TIMEOUT" "$EXT $BUDGET" "$QWEN3_RUN $SPEC"
+add aux_loads_ext_budget_eager 0 "$TIMEOUT" "$EXT $BUDGET" "${QWEN3_RUN/ --moe-router-force-load-balancing/} $SPEC"
 add det_ext_eager 0 "$TIMEOUT" "$EXT $DET_ENV" "$DET_RUN $SPEC"
 add det_native_eager 0 "$TIMEOUT" "$DET_ENV" "$DET_RUN $FUSION"
 add det_native_unfused_eager 0 "$TIMEOUT" "$DET_ENV" "$DET_RUN $FUSION --no-bias-swiglu-fusion"

@@ -13,7 +13,7 @@
 #   NAME       run one task in the foreground (results in /tmp/round/out)
 #   summary    print every result JSON, compact and cut to SUMMARY_CHARS each
 #   pack       tar /tmp/round/out into $OUT/round_<date>.tgz (the tool returns at most 8 files)
-# Tasks: smoke ab_cost ep_hybridep8 ep_deepep slice_table te_install hybridep_real uccl_real ep_on_one_gpu ep_uccl deepep_v1_build hybridep_build device_checks cuda_graph_train graph_te_diag graph_bisect graph_fault probes experts_te bias permute
+# Tasks: smoke budget_loads ab_cost ep_hybridep8 ep_deepep slice_table te_install hybridep_real uccl_real ep_on_one_gpu ep_uccl deepep_v1_build hybridep_build device_checks cuda_graph_train graph_te_diag graph_bisect graph_fault probes experts_te bias permute
 #        layer_bench graphs recompute pretrain_local pretrain_te pretrain_small pretrain_det
 #        pretrain_det32 te_init_check pretrain_qwen3 fused_experts fused_experts_tests slice_bench host_profile pretrain_slice
 #        pretrain_slice_det megatron_tools det_numerics (QuACK: source /tmp/quack_env.sh first).
@@ -110,6 +110,10 @@ run_task() {
     slice_table) task slice_table 600 bash -c "source /tmp/te_env.sh && OVERLAP=\${OVERLAP:-1} TIMEOUT=150 \
         CALL_BUDGET=560 MEDIAN_FROM=5 TAG=table RUNS='${TABLE_RUNS:-native_recipe ext_budget_full native_eager \
         ext_eager ext_recipe ext_budget_local native_attn ext_budget_eager}' bash bench/gpu/graphed_slice.sh" ;;
+    # The budget factor the slice's routing needs at EP 2/4/8, forced balance and aux loss alone.
+    budget_loads) task budget_loads 420 bash -c "source /tmp/te_env.sh && OVERLAP=1 TIMEOUT=200 CALL_BUDGET=400 \
+        MEDIAN_FROM=5 TAG=loads RUNS='loads_ext_budget_eager aux_loads_ext_budget_eager' \
+        bash bench/gpu/graphed_slice.sh --iters ${LOADS_ITERS:-40}" ;;
     det_numerics) task det_numerics 570 bash -c "source /tmp/te_env.sh && SLICE_LAYERS=4 OVERLAP=1 TIMEOUT=150 \
         CALL_BUDGET=550 MEDIAN_FROM=5 TAG=det_spread RUNS='${DET_NUMERICS_RUNS:-det_ext_eager det_ext_budget_eager \
         det_native_eager det_native_unfused_eager det_dense_eager det_dense_local det_dense_full}' \

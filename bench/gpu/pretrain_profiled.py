@@ -29,6 +29,9 @@ replayed graph's kernels belong to no module anyway.
 --gate PATH: at the first `train_step` call write PATH.ready (the time) and wait until PATH.go
 exists, so that a driver can start this process while another run still has the GPU and
 release it when the GPU is free (bench/gpu/graphed_slice.py).
+--expert-loads: record every router call's per-expert loads and report, per step, the budget
+factor (`moe_expert_rank_capacity_factor`) that EP 2, 4 and 8 would have needed for the same
+routing (`expert_loads`; eager runs only, one host copy per step).
 --exact: also record every step's reduced losses and gradient norm exactly (`float.hex`, in
 `exact`: one dict per step), for bit-for-bit comparisons of two runs; it reads them on the host
 after each step, as Megatron's log does at `--log-interval 1`.
@@ -145,6 +148,48 @@ class _Overflow:
                     max_rows_needed=max(n for _, n in self.steps), budget_rows=self.budget)
 
 
+class _ExpertLoads:
+    """Per-expert loads of every router call (forward hooks on Megatron's routers: eager runs
+    only, local graphs refuse hooked modules), turned after each step into the budget factor
+    each expert-parallel size would have needed had the layer's E experts been split over `ep`
+    ranks in order: max over ranks of the rank's (token, expert) pairs / (pairs / ep). One
+    device-to-host copy per step (a measurement run, not a throughput run)."""
+
+    SIZES = (2, 4, 8)
+
+    def __init__(self):
+        self.loads, self.steps, self.hooks = [], [], None
+
+    def install(self, model) -> None:
+        def hook(module, inputs, outputs):
+            self.loads.append(outputs[1].sum(dim=0, dtype=torch.int64))  # routing_map [T, E] -> [E]
+
+        self.hooks = [m.register_forward_hook(hook) for chunk in model for name, m in chunk.named_modules()
+                      if name.endswith(".mlp.router")]
+
+    def after_step(self) -> None:
+        if not self.loads:
+            return
+        loads_DE = torch.stack(self.loads).cpu().double()  # D router calls this step
+        self.loads = []
+        pairs_D = loads_DE.sum(dim=1).clamp(min=1)
+        step = {}
+        for ep in self.SIZES:
+            if loads_DE.shape[1] % ep == 0:
+                ranks_DR = loads_DE.view(loads_DE.shape[0], ep, -1).sum(dim=2)
+                step[ep] = (ranks_DR.max(dim=1).values / (pairs_D / ep)).max().item()
+        self.steps.append(step)
+
+    def report(self) -> dict | None:
+        if not self.steps:
+            return None
+        sizes = self.steps[0].keys()
+        return dict(method="E experts split over ep ranks in order; per router call the most loaded "
+                           "rank's pairs over the mean; the most of a step's calls",
+                    max_needed_factor={ep: round(max(s[ep] for s in self.steps), 4) for ep in sizes},
+                    needed_factor_per_step={ep: [round(s[ep], 4) for s in self.steps] for ep in sizes})
+
+
 def _wait_at_gate(gate: str, max_wait_s: float = 900.0) -> dict:
     """Write `gate`.ready, wait for `gate`.go; give up (SystemExit 3) after `max_wait_s` or when
     `gate`.abort appears, so that no process waits for a driver that is gone."""
@@ -170,8 +215,9 @@ def _exact(result) -> dict:
 
 
 def profiled_train_step(original, iteration: int, out_path: str, busy_only: bool = False,
-                        gate: str | None = None, exact: bool = False):
+                        gate: str | None = None, exact: bool = False, expert_loads: bool = False):
     calls = [0]
+    loads = _ExpertLoads() if expert_loads else None
     exact_steps: list[dict] = []
     starts: list[float] = []
     overflow = _Overflow()
@@ -184,9 +230,13 @@ def profiled_train_step(original, iteration: int, out_path: str, busy_only: bool
             gate_times.update(_wait_at_gate(gate))
         starts.append(time.time())
         model, optimizer = args[2], args[3]
+        if loads is not None and loads.hooks is None:
+            loads.install(model)
         if calls[0] != iteration:
             result = original(*args, **kwargs)
             overflow.after_step()
+            if loads is not None:
+                loads.after_step()
             if exact:
                 exact_steps.append(_exact(result))
             return result
@@ -204,6 +254,8 @@ def profiled_train_step(original, iteration: int, out_path: str, busy_only: bool
             kernel_breakdown.remove_labels(labels)
         wall_ms = (time.perf_counter() - t0) * 1e3
         overflow.after_step()
+        if loads is not None:
+            loads.after_step()
         if exact:
             exact_steps.append(_exact(result))
         try:
@@ -225,6 +277,8 @@ def profiled_train_step(original, iteration: int, out_path: str, busy_only: bool
         except Exception as error:  # noqa: BLE001
             report["overflow"] = dict(error=f"{type(error).__name__}: {error}")
         report.update(step_start_times=starts, gate=gate_times or None)
+        if loads is not None:
+            report["expert_loads"] = loads.report()
         if exact:
             report["exact"] = exact_steps
         with open(out_path, "w") as f:
@@ -238,13 +292,15 @@ def profiled_train_step(original, iteration: int, out_path: str, busy_only: bool
 
 def parse_options(argv: list[str]) -> tuple[dict, list[str]]:
     """The wrapper's own leading options (`--busy-only`, `--gate PATH`) and the rest."""
-    options = dict(busy_only=False, gate=None, exact=False)
+    options = dict(busy_only=False, gate=None, exact=False, expert_loads=False)
     while argv and argv[0].startswith("--"):
         flag = argv.pop(0)
         if flag == "--busy-only":
             options["busy_only"] = True
         elif flag == "--exact":
             options["exact"] = True
+        elif flag == "--expert-loads":
+            options["expert_loads"] = True
         elif flag == "--gate":
             options["gate"] = argv.pop(0)
         else:
