@@ -160,12 +160,12 @@ class _ExpertLoads:
     def __init__(self):
         self.loads, self.steps, self.hooks = [], [], None
 
-    def install(self, model) -> None:
-        def hook(module, inputs, outputs):
-            self.loads.append(outputs[1].sum(dim=0, dtype=torch.int64))  # routing_map [T, E] -> [E]
+    def hook(self, module, inputs, outputs) -> None:
+        self.loads.append(outputs[1].sum(dim=0, dtype=torch.int64))  # routing_map [T, E] -> [E]
 
-        self.hooks = [m.register_forward_hook(hook) for chunk in model for name, m in chunk.named_modules()
-                      if name.endswith(".mlp.router")]
+    def install(self, model) -> None:
+        self.hooks = [m.register_forward_hook(self.hook) for chunk in model
+                      for name, m in chunk.named_modules() if name.endswith(".mlp.router")]
 
     def after_step(self) -> None:
         if not self.loads:

@@ -58,9 +58,10 @@ def test_profiled_wrapper_options_gate_and_overflow(tmp_path):
 
     argv = ["--busy-only", "--gate", "/tmp/x", "12", "out.json", "p.py", "--bf16"]
     options, rest = pretrain_profiled.parse_options(argv)
-    assert options == dict(busy_only=True, gate="/tmp/x", exact=False) and rest == ["12", "out.json", "p.py", "--bf16"]
-    assert pretrain_profiled.parse_options(["--exact", "5", "o", "p.py"]) == (
-        dict(busy_only=False, gate=None, exact=True), ["5", "o", "p.py"])
+    assert options == dict(busy_only=True, gate="/tmp/x", exact=False, expert_loads=False)
+    assert rest == ["12", "out.json", "p.py", "--bf16"]
+    assert pretrain_profiled.parse_options(["--exact", "--expert-loads", "5", "o", "p.py"]) == (
+        dict(busy_only=False, gate=None, exact=True, expert_loads=True), ["5", "o", "p.py"])
     result = ({"lm loss": torch.tensor(2.5), "load_balancing_loss": torch.tensor(1.0 / 3)}, 0, 0, 0, 0, 0.75, None)
     assert pretrain_profiled._exact(result) == {"lm loss": (2.5).hex(), "load_balancing_loss": float(
         torch.tensor(1.0 / 3)).hex(), "grad_norm": (0.75).hex()}
@@ -104,6 +105,28 @@ def test_profiled_wrapper_options_gate_and_overflow(tmp_path):
     assert plain.report() is None
 
 
+def test_expert_loads_give_the_budget_factor_each_ep_size_needs():
+    """Two router calls in one step over 16 experts split over EP ranks in order: the step needs
+    the most loaded rank's pairs over the mean, at each EP size (a dense count by hand)."""
+    import pretrain_profiled
+
+    loads = pretrain_profiled._ExpertLoads()
+    first = torch.zeros(10, 16, dtype=torch.bool)
+    first[:, :8] = True  # every pair on experts 0-7: EP2 rank 0 holds all 80 (mean 40)
+    second = torch.zeros(10, 16, dtype=torch.bool)
+    second[:, ::2] = True  # alternate experts: EP2 balanced, EP 4 and 8 too
+    second[0, 1] = True  # one more pair on expert 1: EP8 rank 0 (experts 0-1) holds 11 of 81 pairs
+    for routing_map in (first, second):
+        loads.hook(None, (), (None, routing_map))
+    loads.after_step()
+    report = loads.report()
+    assert report["max_needed_factor"] == {2: 2.0, 4: 2.0, 8: 2.0}
+    assert report["needed_factor_per_step"][8] == [2.0]
+    loads.hook(None, (), (None, second))
+    loads.after_step()
+    assert report != loads.report() and loads.report()["needed_factor_per_step"][8][1] == round(11 / (81 / 8), 4)
+
+
 def test_graphed_slice_run_list_parses_with_megatron_arguments(tmp_path):
     env = dict(os.environ, DRY_RUN="1", OUT=str(tmp_path), WORK="/w")
     lines = subprocess.run(["bash", "bench/gpu/graphed_slice.sh"], cwd=ROOT, env=env, check=True,
@@ -114,7 +137,8 @@ def test_graphed_slice_run_list_parses_with_megatron_arguments(tmp_path):
                      "ext_budget_local_fused", "ext_budget_full", "ext_budget_full_fused", "dsv3_native_attn",
                      "dsv3_native_recipe", "dsv3_ext_budget_local", "dsv3_ext_budget_full", "det_ext_budget_eager",
                      "det_ext_budget_local", "det_ext_budget_full", "det_aux_ext_budget_eager",
-                     "det_aux_ext_budget_local", "det_ext_eager", "det_native_eager",
+                     "det_aux_ext_budget_local", "loads_ext_budget_eager",
+                     "aux_loads_ext_budget_eager", "det_ext_eager", "det_native_eager",
                      "det_native_unfused_eager", "det_dense_eager", "det_dense_local", "det_dense_full"]
     picked = subprocess.run(["bash", "bench/gpu/graphed_slice.sh"], cwd=ROOT, capture_output=True, text=True,
                             env=dict(env, RUNS="ext_budget_te native_eager")).stdout.splitlines()
@@ -147,12 +171,13 @@ def test_graphed_slice_run_list_parses_with_megatron_arguments(tmp_path):
         assert a["impl"] == "transformer_engine" and a["timing"] == 0 and a["throughput"], name
         # Deterministic mode refuses the loss fusion; full-iteration graphs refuse the NaN check.
         assert a["ce_fusion"] == (not det) and a["router_fusion"] == (not dense), name
-        assert a["force_balance"] == (not name.startswith(("det_aux_", "det_dense_"))), name  # aux loss alone
+        aux = name.startswith(("det_aux_", "det_dense_", "aux_"))  # the aux loss alone
+        assert a["force_balance"] == (not aux), name
         assert a["deterministic"] == det and a["nan_check"] == (a["graphs"] != "full_iteration"), name
         native = "native" in name or dense
         assert (a["spec"] is None) == native and a["permute_fusion"] == (native and not dense), name
         assert (a["graphs"], a["modules"]) == graphs[name.removeprefix("det_aux_").split("_", 1)[-1].removeprefix(
-            "native_").removeprefix("ext_") if dsv3 or det else name.split("_", 1)[1]], name
+            "native_").removeprefix("ext_") if dsv3 or det else name.removeprefix("aux_").removeprefix("loads_").split("_", 1)[1]], name
         assert {"NCCL_GRAPH_REGISTER=0", "NVTE_FUSED_ATTN=1", "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
                 "CUDA_DEVICE_MAX_CONNECTIONS=1"} <= set(words), name
         assert ("MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR=1.25" in words) == ("budget" in name), name
@@ -161,7 +186,7 @@ def test_graphed_slice_run_list_parses_with_megatron_arguments(tmp_path):
         assert impl == ([] if native else ["MOE_EXT_EXPERT_MLP_IMPL=fused" if name.endswith("fused")
                                            else "MOE_EXT_EXPERT_MLP_IMPL=grouped_mm"]), name
         wrapper = words.index("bench/gpu/pretrain_profiled.py")
-        expected = ["--busy-only"] + (["--exact"] if det else []) + [
+        expected = ["--busy-only"] + (["--exact"] if det else []) + (["--expert-loads"] if "loads_" in name else []) + [
             "--gate", f"/w/{name}", "12", f"/w/{name}.kernels.json"]
         assert words[wrapper + 1:wrapper + 1 + len(expected)] == expected, name
         assert ("NVTE_ALLOW_NONDETERMINISTIC_ALGO=0" in words) == det, name
