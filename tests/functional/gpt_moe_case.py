@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import glob
 import json
 import os
 from dataclasses import dataclass
@@ -35,6 +36,15 @@ def cpu_golden_values(capability: str | None = None) -> str:
     capability = (capability or torch.backends.cpu.get_cpu_capability()).lower()
     path = os.path.join(CASE_DIR, f"golden_values_cpu_fp32_{capability}.json")
     return path if os.path.exists(path) else GOLDEN_VALUES
+
+
+def stored_golden_values() -> list[str]:
+    """Every stored platform's golden values, this CPU's first. The ISA alone does not decide the
+    rounding: an AVX-512 Intel Xeon (2026-12-06) gives the AVX2 file's 576 zeros at step 19, the
+    machine that wrote GOLDEN_VALUES 577; each file is one machine's exact run."""
+    first = cpu_golden_values()
+    return [first] + sorted(p for p in glob.glob(os.path.join(CASE_DIR, "golden_values_cpu_fp32*.json"))
+                            if p != first)
 
 # Megatron's MODEL_ARGS names -> GPTMoEConfig fields (the rest are the run's shape).
 _MODEL_ARG_FIELDS = {
