@@ -28,7 +28,6 @@ from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
 from megatron_moe_ext.dispatcher import hooks, registry
 from megatron_moe_ext.dispatcher.common import buffers, checks
 from megatron_moe_ext.dispatcher.common.record import DispatchRecord, Step
-from megatron_moe_ext.dispatcher.registry import build_manager
 
 
 class MoEFlexTokenDispatcher(MoETokenDispatcher):
@@ -78,7 +77,8 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         error = None
         try:
             self._check_construction()
-            self._comm_manager = build_manager(dispatcher_config, self.tp_ep_group, num_local_experts, self.tp_size)
+            row = registry.BACKENDS[dispatcher_config.moe_flex_dispatcher_backend]
+            self._comm_manager = row.build(dispatcher_config, self.tp_ep_group, num_local_experts, self.tp_size)
         except ValueError as exc:
             error = exc
         checks.agree(self.tp_ep_group, error)
