@@ -229,7 +229,7 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
             yield
         except checks.ANNOUNCED as exc:
             # A recompute's next collective is a replayed one, which carries no word.
-            if not checks.announces(exc) or checks.in_backward() or self.tp_size * self.ep_size == 1:
+            if getattr(exc, "agreed", False) or checks.in_backward() or self.tp_size * self.ep_size == 1:
                 raise
             rank = dist.get_rank(self.tp_ep_group)
             rows = isinstance(hidden_states, torch.Tensor) and hidden_states.dim() >= 2
