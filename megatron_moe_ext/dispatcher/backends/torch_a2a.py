@@ -98,11 +98,7 @@ def announce_input_error(group, word: int, like=None, num_experts: int = 0,
 
 def token_ranks(indices_TK: torch.Tensor, num_local_experts: int, world: int) -> torch.Tensor:
     """`[T, W]` bool: whether token t goes to rank w (it hosts one of t's experts)."""
-    dest_TK = torch.where(indices_TK >= 0, indices_TK // num_local_experts, world).long()
-    # One extra column swallows masked slots; it is sliced off.
-    hits_TW = torch.zeros(indices_TK.shape[0], world + 1, dtype=torch.int32, device=indices_TK.device)
-    hits_TW = hits_TW.scatter_add_(1, dest_TK, torch.ones_like(dest_TK, dtype=torch.int32))
-    return hits_TW[:, :world] > 0
+    return P.indices_to_routing_map(torch.where(indices_TK >= 0, indices_TK // num_local_experts, -1), world)
 
 
 def _local_routing(sent_indices_SK: torch.Tensor, send_rank_S: torch.Tensor, num_local_experts: int):
