@@ -198,11 +198,6 @@ class HybridEPManager(DispatchManager):
         self._pinned_tokens: int | None = None
         self._static_num_permuted_tokens: int | None = None
 
-    def release_buffers(self) -> None:
-        """Drop this layer's HybridEP buffer and its published capacity (collective teardown:
-        call on every rank before destroying the process group)."""
-        self._buffer_owner.release_buffers()
-
     # ---- metadata ---------------------------------------------------------------------
     def setup_metadata(self, record, num_local_tokens: int, probs: torch.Tensor, routing_map=None):
         """Dense `[T, E]` (or `[T, tp*ep, e]`) probs, optionally with the routing map."""
