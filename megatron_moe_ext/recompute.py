@@ -150,11 +150,7 @@ def clear_records(module_or_dispatchers) -> None:
 
 def _ending_recompute(replays: list[RecomputeReplay]):
     """`checkpoint`'s context_fn: leaving the recompute, `replays` drop what they kept for it."""
-    @contextlib.contextmanager
-    def recompute():
-        try:
-            yield
-        finally:
-            for replay in replays:
-                replay.end_recompute()
-    return contextlib.nullcontext(), recompute()
+    recompute = contextlib.ExitStack()
+    for replay in replays:
+        recompute.callback(replay.end_recompute)
+    return contextlib.nullcontext(), recompute
