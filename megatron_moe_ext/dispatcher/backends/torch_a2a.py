@@ -312,9 +312,7 @@ class TorchCommunicator:
     combine_fixed = staticmethod(combine_fixed)
     announce_input_error = staticmethod(announce_input_error)
     exchange_counts = staticmethod(_exchange_counts)
-    #: `dispatch_fixed` exchanges equal splits: every rank must send the same capacity.
     fixed_equal_splits = True
-    #: `dispatch_fixed` takes any float rows.
     fixed_dtypes = None
 
     def check_group(self, group) -> None:
