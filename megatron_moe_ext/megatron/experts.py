@@ -62,11 +62,7 @@ def _check_gelu_settings(config) -> None:
 def experts_config_from_transformer_config(config, expert_mlp_impl: str = "auto") -> ExpertsConfig:
     """Megatron's `TransformerConfig` -> `ExpertsConfig` (with `expert_mlp_impl`), refusing what
     the math cannot match. Megatron's gated expert MLP is `act(x W1_gate) * (x W1_up + offset)`
-    with an optional clamp: gated silu, offset 0 -> "swiglu" ("swiglu_clamped" with a clamp);
-    gated quick_gelu, offset 1 -> "swiglu_oai"; non-gated squared_relu -> "relu2"; non-gated
-    gelu -> "gelu" (exact erf GELU, what Megatron's experts compute unless TE's tanh-approximated
-    activation op is selected; with `bias_activation_fusion` they have no gelu kernel and raise
-    at their first forward, so both are refused here)."""
+    with an optional clamp; its non-gated gelu is exact erf GELU (`_check_gelu_settings`)."""
     gated = bool(config.gated_linear_unit)
     act = config.activation_func
     clamp = config.activation_func_clamp_value
