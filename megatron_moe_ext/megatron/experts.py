@@ -22,7 +22,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron_moe_ext.dispatcher.common.handoff import IndexedRows
 from megatron_moe_ext.experts.activations import get_expert_activation, is_gated_activation
 from megatron_moe_ext.experts.common import stacked_shapes
-from megatron_moe_ext.experts.config import EXPERT_MLP_IMPLS, ExpertsConfig, check_expert_mlp_impl
+from megatron_moe_ext.experts.config import EXPERT_MLP_IMPLS, ExpertsConfig
 from megatron_moe_ext.experts.fused import fused_unsupported_reason
 from megatron_moe_ext.experts.fused_mlp import warmup_fused_expert_mlp
 from megatron_moe_ext.experts.mlp import run_grouped_expert_mlp
@@ -163,8 +163,7 @@ class GroupedGemmExperts(MegatronModule):
         _check_megatron_features(config)
         if expert_mlp_impl is None:
             expert_mlp_impl = env_choice(EXPERT_MLP_IMPL_ENV, EXPERT_MLP_IMPLS, "auto")
-        self.experts_config = experts_config_from_transformer_config(
-            config, check_expert_mlp_impl(expert_mlp_impl))
+        self.experts_config = experts_config_from_transformer_config(config, expert_mlp_impl)
         self.num_local_experts = num_local_experts
         self.name = name
         self.ep_group = pg_collection.ep
