@@ -78,10 +78,9 @@ def _exchange_counts(send_counts_W: torch.Tensor, group, word: int = 0) -> tuple
 
 def announce_input_error(group, word: int, like=None, num_experts: int = 0,
                          send_capacity: int | None = None, topk: int = 0) -> list[int]:
-    """This rank failed before its step's first collective: send `word` in place of its data,
-    in the collective its peers wait in (`send_capacity` None: the counts of `_exchange_counts`,
-    else the routing rows of a `dispatch_fixed` of that capacity and `topk`). Returns the word
-    each rank sent (0 from a rank that did not fail)."""
+    """`base.Communicator.announce_input_error` in the counts of `_exchange_counts`
+    (`send_capacity` None), else in the routing rows of a `dispatch_fixed` of that capacity and
+    `topk`. Returns the word each rank sent (0 from a rank that did not fail)."""
     world = dist.get_world_size(group)
     if world == 1:
         return [word]
@@ -302,8 +301,7 @@ class TorchCommunicator:
     layer (`COMMUNICATOR`)."""
 
     name = "torch"
-    #: `dispatch_cached` builds the same autograd graph as `dispatch` (one all-to-all op), so
-    #: non-reentrant checkpointing can recompute it.
+    #: `dispatch` and `dispatch_cached` run the same all-to-all op: the same autograd graph.
     replays_in_one_graph = True
     dispatch = staticmethod(dispatch)
     dispatch_cached = staticmethod(dispatch_cached)
