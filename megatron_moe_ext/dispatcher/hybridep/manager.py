@@ -91,7 +91,7 @@ class _HybridEPDispatch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_PH, grad_probs_P):
         grad_TH, grad_probs_TE = ctx.buffer.combine_with_unpermute(
-            hidden=grad_PH.contiguous(), probs=None if grad_probs_P is None else grad_probs_P.float().contiguous(),
+            hidden=grad_PH.contiguous(), probs=grad_probs_P.float().contiguous(),
             handle=ctx.handle, pad_multiple=ctx.pad_multiple, fuse_unpermute_combine=ctx.fused)
         return grad_TH, grad_probs_TE, None, None, None
 
