@@ -1,16 +1,12 @@
 """Activation recompute of the MoE layer that neither re-communicates the layout nor changes
 the routing (docs/DESIGN.md, "Recompute", tells the whole story and its policy table).
 
-`RecomputeReplay` (`dispatcher/replay.py`) sits in one layer's dispatcher hook seat: a
-forward that will be recomputed records its routing and layout (and, when asked, what the
-dispatch handed the experts); the recompute (a forward running inside backward) replays them,
-with no layout collective and no host sync, and compares the recomputed routing on the device.
-This module is the user-facing side: `checkpoint_moe` (non-reentrant `torch.utils.checkpoint`
-with the records keyed by the call) and its policies `save_dispatch_outputs` (keep the rows and
-probs handed to the experts, the router's outputs and the combined tokens: the recompute runs
-no dispatcher step) and `recompute_all` (the rows move again along the recorded layout);
-`attach_replay` / `replays_in` for Megatron's own recompute; `check_routing` at the step boundary;
-`clear_records` after a step abandoned by an error.
+`RecomputeReplay` (`dispatcher/replay.py`: what it records and replays) sits in one layer's
+dispatcher hook seat. This module is the user-facing side: `checkpoint_moe` (non-reentrant
+`torch.utils.checkpoint` with the records keyed by the call) and its policies
+`save_dispatch_outputs` and `recompute_all`; `attach_replay` / `replays_in` for Megatron's own
+recompute; `check_routing` at the step boundary; `clear_records` after a step abandoned by an
+error.
 """
 
 from __future__ import annotations
@@ -150,11 +146,7 @@ def clear_records(module_or_dispatchers) -> None:
 
 def _ending_recompute(replays: list[RecomputeReplay]):
     """`checkpoint`'s context_fn: leaving the recompute, `replays` drop what they kept for it."""
-    @contextlib.contextmanager
-    def recompute():
-        try:
-            yield
-        finally:
-            for replay in replays:
-                replay.end_recompute()
-    return contextlib.nullcontext(), recompute()
+    recompute = contextlib.ExitStack()
+    for replay in replays:
+        recompute.callback(replay.end_recompute)
+    return contextlib.nullcontext(), recompute

@@ -107,7 +107,6 @@ def main() -> None:
                              "first_two_wrapper_calls_s": round(first_s, 2)}
         print(mode, json.dumps(results[mode]), flush=True)
         MoEFlexTokenDispatcher.release_shared_managers()
-        disp._comm_manager.release_buffers()
 
     out = os.environ.get("OUT", "./outputs")
     os.makedirs(out, exist_ok=True)

@@ -26,7 +26,7 @@ OVERFLOW_POLICIES = ("error", "drop")
 _MAX_SMS_WITHOUT_CUDA = 1024
 
 
-def _fail(field: str, value: Any, allowed: str) -> None:
+def fail(field: str, value: Any, allowed: str) -> None:
     raise ValueError(f"{field}={value!r} is invalid: {allowed}")
 
 
@@ -34,9 +34,9 @@ def check_positive_int(field: str, value: Any, *, optional: bool = False, even: 
     if value is None and optional:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        _fail(field, value, "expected a positive integer" + (" or None" if optional else ""))
+        fail(field, value, "expected a positive integer" + (" or None" if optional else ""))
     if even and value % 2:
-        _fail(field, value, "expected an even number of SMs (DeepEP splits SMs into send/recv pairs)")
+        fail(field, value, "expected an even number of SMs (DeepEP splits SMs into send/recv pairs)")
 
 
 @functools.lru_cache(maxsize=None)
@@ -56,7 +56,7 @@ def check_sm_count(field: str, value: Any, *, optional: bool = False, even: bool
     check_positive_int(field, value, optional=optional, even=even)
     if value is not None and value > max_sm_count():
         where = "the current GPU's SM count" if torch.cuda.is_available() else "no GPU visible: a sanity bound"
-        _fail(field, value, f"expected at most {max_sm_count()} SMs ({where})")
+        fail(field, value, f"expected at most {max_sm_count()} SMs ({where})")
 
 
 @dataclass
@@ -111,14 +111,14 @@ class TokenDispatcherConfig:
         """Check every field and every combination; raise ValueError naming the field."""
         backend = self.moe_flex_dispatcher_backend
         if not isinstance(backend, str) or backend not in BACKENDS:
-            _fail("moe_flex_dispatcher_backend", backend, f"allowed backends are {BACKENDS}")
+            fail("moe_flex_dispatcher_backend", backend, f"allowed backends are {BACKENDS}")
         for field in dataclasses.fields(self):
             if field.type == "bool" and not isinstance(getattr(self, field.name), bool):
-                _fail(field.name, getattr(self, field.name), "expected a bool (True or False)")
+                fail(field.name, getattr(self, field.name), "expected a bool (True or False)")
         check_positive_int("num_moe_experts", self.num_moe_experts)
         topk = self.moe_router_topk
         if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= self.num_moe_experts:
-            _fail("moe_router_topk", topk, f"expected 1 <= topk <= num_moe_experts ({self.num_moe_experts})")
+            fail("moe_router_topk", topk, f"expected 1 <= topk <= num_moe_experts ({self.num_moe_experts})")
         check_sm_count("moe_deepep_num_sms", self.moe_deepep_num_sms, even=True)
         check_sm_count("moe_hybridep_num_sms", self.moe_hybridep_num_sms)
         check_sm_count("moe_hybridep_num_sms_preprocessing", self.moe_hybridep_num_sms_preprocessing,
@@ -131,47 +131,47 @@ class TokenDispatcherConfig:
             value = getattr(self, field)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not 0 < value < math.inf):
-                _fail(field, value, "expected a finite capacity factor > 0, or None for dropless")
+                fail(field, value, "expected a finite capacity factor > 0, or None for dropless")
         if self.moe_expert_rank_overflow_policy not in OVERFLOW_POLICIES:
-            _fail("moe_expert_rank_overflow_policy", self.moe_expert_rank_overflow_policy,
-                  f"allowed values are {OVERFLOW_POLICIES}")
+            fail("moe_expert_rank_overflow_policy", self.moe_expert_rank_overflow_policy,
+                 f"allowed values are {OVERFLOW_POLICIES}")
         if self.moe_router_dtype not in ROUTER_DTYPES:
-            _fail("moe_router_dtype", self.moe_router_dtype, f"allowed values are {ROUTER_DTYPES}")
+            fail("moe_router_dtype", self.moe_router_dtype, f"allowed values are {ROUTER_DTYPES}")
 
         row = registry.BACKENDS[backend]  # the combinations
         if row.requires is not None and not getattr(self, row.requires):
-            _fail(row.requires, False, f"backend {backend!r} needs {row.requires}=True; "
-                  "choose moe_flex_dispatcher_backend='torch' to run without DeepEP")
+            fail(row.requires, False, f"backend {backend!r} needs {row.requires}=True; "
+                 "choose moe_flex_dispatcher_backend='torch' to run without DeepEP")
         if self.moe_hybridep_capacity_factor is not None and "capacity" not in row.modes:
-            _fail("moe_hybridep_capacity_factor", self.moe_hybridep_capacity_factor,
-                  f"capacity mode needs moe_flex_dispatcher_backend in "
-                  f"{registry.backends_running('capacity')}, got {backend!r}")
+            fail("moe_hybridep_capacity_factor", self.moe_hybridep_capacity_factor,
+                 f"capacity mode needs moe_flex_dispatcher_backend in "
+                 f"{registry.backends_running('capacity')}, got {backend!r}")
         if self.moe_hybridep_capacity_factor is not None and self.moe_expert_capacity_factor is not None:
-            _fail("moe_expert_capacity_factor", self.moe_expert_capacity_factor,
-                  "token dropping cannot be combined with moe_hybridep_capacity_factor "
-                  "(capacity mode never drops: it raises on overflow); set one of them to None")
+            fail("moe_expert_capacity_factor", self.moe_expert_capacity_factor,
+                 "token dropping cannot be combined with moe_hybridep_capacity_factor "
+                 "(capacity mode never drops: it raises on overflow); set one of them to None")
         if self.moe_expert_rank_capacity_factor is not None:
             if "budget" not in row.modes:
-                _fail("moe_expert_rank_capacity_factor", self.moe_expert_rank_capacity_factor,
-                      f"the sync-free budget mode exists for backends "
-                      f"{registry.backends_running('budget')}, backend is {backend!r}")
+                fail("moe_expert_rank_capacity_factor", self.moe_expert_rank_capacity_factor,
+                     f"the sync-free budget mode exists for backends "
+                     f"{registry.backends_running('budget')}, backend is {backend!r}")
             for other in ("moe_expert_capacity_factor", "moe_hybridep_capacity_factor"):
                 if getattr(self, other) is not None:
-                    _fail(other, getattr(self, other), "cannot be combined with "
-                          "moe_expert_rank_capacity_factor (the sync-free budget mode); set it to None")
+                    fail(other, getattr(self, other), "cannot be combined with "
+                         "moe_expert_rank_capacity_factor (the sync-free budget mode); set it to None")
             if backend == "hybridep" and not self.moe_hybridep_equal_token_counts:
-                _fail("moe_hybridep_equal_token_counts", False,
-                      "the sync-free budget mode (moe_expert_rank_capacity_factor) on 'hybridep' needs "
-                      "it: otherwise the ranks agree on HybridEP's per-rank token count in an "
-                      "all-reduce read on the host; set it to True (every rank the same batch shape)")
+                fail("moe_hybridep_equal_token_counts", False,
+                     "the sync-free budget mode (moe_expert_rank_capacity_factor) on 'hybridep' needs "
+                     "it: otherwise the ranks agree on HybridEP's per-rank token count in an "
+                     "all-reduce read on the host; set it to True (every rank the same batch shape)")
         self._check_backend_options(backend, row)
         if self.moe_benchmark_static_routing and self.moe_expert_capacity_factor is not None:
-            _fail("moe_benchmark_static_routing", True,
-                  "static routing pins a fixed token count, which token dropping "
-                  "(moe_expert_capacity_factor) changes from step to step; set it to None")
+            fail("moe_benchmark_static_routing", True,
+                 "static routing pins a fixed token count, which token dropping "
+                 "(moe_expert_capacity_factor) changes from step to step; set it to None")
         if self.moe_deepep_async_dispatch and not row.async_dispatch:
-            _fail("moe_deepep_async_dispatch", True, f"async dispatch exists for "
-                  f"{registry.backends_with(async_dispatch=True)} only, backend is {backend!r}")
+            fail("moe_deepep_async_dispatch", True, f"async dispatch exists for "
+                 f"{registry.backends_with(async_dispatch=True)} only, backend is {backend!r}")
 
     def _check_backend_options(self, backend: str, row: registry.BackendRow) -> None:
         """Options that mean nothing on `backend` are refused rather than ignored."""
@@ -179,13 +179,13 @@ class TokenDispatcherConfig:
         for other, other_row in registry.BACKENDS.items():
             for field in other_row.options:
                 if field not in row.options and getattr(self, field) != defaults[field]:
-                    _fail(field, getattr(self, field),
-                          f"only the {other!r} backend has this option, backend is {backend!r}")
+                    fail(field, getattr(self, field),
+                         f"only the {other!r} backend has this option, backend is {backend!r}")
         field = "moe_deepep_num_sms"
         if row.sms_field != field and self.moe_deepep_num_sms != defaults[field]:
-            _fail(field, self.moe_deepep_num_sms,
-                  f"only the {registry.backends_with(sms_field=field)} backends use it, backend is "
-                  f"{backend!r}" + (f"; use {row.sms_field}" if row.sms_field else ""))
+            fail(field, self.moe_deepep_num_sms,
+                 f"only the {registry.backends_with(sms_field=field)} backends use it, backend is "
+                 f"{backend!r}" + (f"; use {row.sms_field}" if row.sms_field else ""))
 
     @property
     def capacity_mode_factor(self) -> float | None:
@@ -196,8 +196,8 @@ class TokenDispatcherConfig:
     def validate_for_group(self, ep_size: int) -> None:
         """Checks that need the expert-parallel group size."""
         if self.num_moe_experts % ep_size:
-            _fail("num_moe_experts", self.num_moe_experts,
-                  f"must be divisible by the expert-parallel size ({ep_size})")
+            fail("num_moe_experts", self.num_moe_experts,
+                 f"must be divisible by the expert-parallel size ({ep_size})")
 
     def replace(self, **changes: Any) -> "TokenDispatcherConfig":
         return dataclasses.replace(self, **changes)
@@ -213,8 +213,8 @@ class TokenDispatcherConfig:
         flex = getattr(config, "moe_token_dispatcher_type", "alltoall") == "flex"
         backend = getattr(config, "moe_flex_dispatcher_backend", "deepep") if flex else "torch"
         if backend not in BACKENDS:
-            _fail("moe_flex_dispatcher_backend", backend,
-                  f"megatron_moe_ext supports {BACKENDS}; Megatron's {backend!r} is not wrapped")
+            fail("moe_flex_dispatcher_backend", backend,
+                 f"megatron_moe_ext supports {BACKENDS}; Megatron's {backend!r} is not wrapped")
         row = registry.BACKENDS[backend]
         _refuse_unhonoured_megatron_settings(config, backend, row)
         pad_multiple = None
@@ -292,12 +292,12 @@ def _refuse_unhonoured_megatron_settings(config: Any, backend: str, row: registr
     for field, (off, why) in _UNHONOURED_MEGATRON_SETTINGS.items():
         value = getattr(config, field, off)
         if value != off:
-            _fail(field, value, f"not supported by megatron_moe_ext's MoE layer ({why}); set it to {off!r}")
+            fail(field, value, f"not supported by megatron_moe_ext's MoE layer ({why}); set it to {off!r}")
     if getattr(config, "moe_permute_fusion", False) and not row.permute_fusion:
-        _fail("moe_permute_fusion", True,
-              f"the {backend!r} backend has no fused permutation kernel, so the flag would be "
-              f"ignored; drop --moe-permute-fusion (fused on: {registry.backends_with(permute_fusion=True)})")
+        fail("moe_permute_fusion", True,
+             f"the {backend!r} backend has no fused permutation kernel, so the flag would be "
+             f"ignored; drop --moe-permute-fusion (fused on: {registry.backends_with(permute_fusion=True)})")
     field = "moe_permute_fusion_into_hybridep"
     if getattr(config, field, False) and field not in dict(row.megatron_fields):
-        _fail(field, True, f"only the 'hybridep' backend fuses the permutation into dispatch, "
-              f"backend is {backend!r}")
+        fail(field, True, f"only the 'hybridep' backend fuses the permutation into dispatch, "
+             f"backend is {backend!r}")

@@ -1,12 +1,12 @@
 """`MoEFlexTokenDispatcher`: one dispatcher, two faces (Megatron's six `MoETokenDispatcher`
 methods and the seed's `token_permutation*` / split steps), one implementation.
 
-Both faces end in the same steps: `_setup_*` -> `token_dispatch` -> `dispatch_postprocess`
--> (experts) -> `combine_preprocess` -> `token_combine` -> `combine_postprocess`. Each step that
-reaches the manager goes through the hook seat `replay` (`hooks.py`) with the dispatch's
-`DispatchRecord` (`record.py`). Each dispatcher serves one layer and holds the record of its
-dispatch between Megatron's calls; layers share only communication buffers
-(`dispatcher/common/buffers.py`). See docs/DESIGN.md.
+Both faces end in the same steps: `dispatch_preprocess*` -> `token_dispatch` ->
+`dispatch_postprocess` -> (experts) -> `combine_preprocess` -> `token_combine` ->
+`combine_postprocess`. Each step that reaches the manager goes through the hook seat `replay`
+(`hooks.py`) with the dispatch's `DispatchRecord` (`record.py`). Each dispatcher serves one
+layer and holds the record of its dispatch between Megatron's calls; layers share only
+communication buffers (`dispatcher/common/buffers.py`). See docs/DESIGN.md.
 
 Legend: T local tokens, H hidden, E global experts, e local experts, K top-k, R received
 rows, P permuted rows.
@@ -28,7 +28,6 @@ from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
 from megatron_moe_ext.dispatcher import hooks, registry
 from megatron_moe_ext.dispatcher.common import buffers, checks
 from megatron_moe_ext.dispatcher.common.record import DispatchRecord, Step
-from megatron_moe_ext.dispatcher.registry import build_manager
 
 
 class MoEFlexTokenDispatcher(MoETokenDispatcher):
@@ -78,7 +77,8 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         error = None
         try:
             self._check_construction()
-            self._comm_manager = build_manager(dispatcher_config, self.tp_ep_group, num_local_experts, self.tp_size)
+            row = registry.BACKENDS[dispatcher_config.moe_flex_dispatcher_backend]
+            self._comm_manager = row.build(dispatcher_config, self.tp_ep_group, num_local_experts, self.tp_size)
         except ValueError as exc:
             error = exc
         checks.agree(self.tp_ep_group, error)
@@ -229,7 +229,7 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
             yield
         except checks.ANNOUNCED as exc:
             # A recompute's next collective is a replayed one, which carries no word.
-            if not checks.announces(exc) or checks.in_backward() or self.tp_size * self.ep_size == 1:
+            if getattr(exc, "agreed", False) or checks.in_backward() or self.tp_size * self.ep_size == 1:
                 raise
             rank = dist.get_rank(self.tp_ep_group)
             rows = isinstance(hidden_states, torch.Tensor) and hidden_states.dim() >= 2
@@ -260,7 +260,13 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         probs = token_probs[..., None].expand(-1, -1, tp)
         return expanded.flatten(1), probs.flatten(1)
 
-    def _setup_dense(self, hidden_states, probs, routing_map=None, num_local_tokens=None):
+    # ---- Megatron's six methods -------------------------------------------------------
+    def dispatch_preprocess(self, hidden_states, routing_map_or_num_tokens, probs):
+        """Megatron: `(tokens, routing_map[T, E], probs[T, E])`; seed: `(hidden, num_local_tokens,
+        probs[T, E])`. Returns `(hidden [T, H], token_probs [T, K])`."""
+        routing_map, num_local_tokens = routing_map_or_num_tokens, None
+        if not isinstance(routing_map, torch.Tensor):
+            routing_map, num_local_tokens = None, routing_map_or_num_tokens
         with self._peers_see_input_errors(hidden_states):
             tokens = checks.check_hidden(hidden_states, num_local_tokens)
             self._comm_manager.check_rows(hidden_states)
@@ -273,32 +279,7 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
                 routing_map = self._initialize_metadata(tokens, routing_map)
             probs = self._initialize_metadata(tokens, probs)
             self._step("setup", record, lambda: self._comm_manager.setup_metadata(record, tokens, probs, routing_map))
-        return hidden_states.reshape(tokens, hidden_states.shape[-1])
-
-    def _setup_topk(self, hidden_states, num_local_tokens, token_probs, token_indices):
-        with self._peers_see_input_errors(hidden_states):
-            tokens = checks.check_hidden(hidden_states, num_local_tokens)
-            self._comm_manager.check_rows(hidden_states)
-            if not self._routing_handed(token_probs, token_indices):
-                token_indices = self._check_topk(token_probs, token_indices, tokens)
-            record = self._begin(hidden_states.shape)
-            if self.tp_size > 1:
-                token_indices, token_probs = self._expand_topk_for_tp(token_indices, token_probs)
-            self._step("setup", record, lambda: self._comm_manager.setup_metadata_from_indices(
-                record, token_indices, token_probs))
-        if hidden_states.dim() == 2:  # already [T, H]: no view (and no autograd node) to make
-            return hidden_states
-        return hidden_states.reshape(tokens, hidden_states.shape[-1])
-
-    # ---- Megatron's six methods -------------------------------------------------------
-    def dispatch_preprocess(self, hidden_states, routing_map_or_num_tokens, probs):
-        """Megatron: `(tokens, routing_map[T, E], probs[T, E])`; seed: `(hidden, num_local_tokens,
-        probs[T, E])`. Returns `(hidden [T, H], token_probs [T, K])`."""
-        if isinstance(routing_map_or_num_tokens, torch.Tensor):
-            hidden = self._setup_dense(hidden_states, probs, routing_map=routing_map_or_num_tokens)
-        else:
-            hidden = self._setup_dense(hidden_states, probs, num_local_tokens=routing_map_or_num_tokens)
-        return hidden, self.record.token_probs
+        return hidden_states.reshape(tokens, hidden_states.shape[-1]), record.token_probs
 
     def token_dispatch(self, hidden_states, probs=None, async_finish=True, allocate_on_comm_stream=True):
         """`[T, H]` -> `(rows [R, H], dispatched probs)`. Asynchronous by default, as
@@ -374,8 +355,19 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
     # ---- the seed's methods -----------------------------------------------------------
     def dispatch_preprocess2(self, hidden_states, num_local_tokens, token_probs, token_indices):
         """Top-k `[T, K]` routing -> `(hidden [T, H], token_probs [T, K] fp32)`."""
-        hidden = self._setup_topk(hidden_states, num_local_tokens, token_probs, token_indices)
-        return hidden, self.record.token_probs
+        with self._peers_see_input_errors(hidden_states):
+            tokens = checks.check_hidden(hidden_states, num_local_tokens)
+            self._comm_manager.check_rows(hidden_states)
+            if not self._routing_handed(token_probs, token_indices):
+                token_indices = self._check_topk(token_probs, token_indices, tokens)
+            record = self._begin(hidden_states.shape)
+            if self.tp_size > 1:
+                token_indices, token_probs = self._expand_topk_for_tp(token_indices, token_probs)
+            self._step("setup", record, lambda: self._comm_manager.setup_metadata_from_indices(
+                record, token_indices, token_probs))
+        if hidden_states.dim() != 2:  # [T, H] as it is: no view (and no autograd node) to make
+            hidden_states = hidden_states.reshape(tokens, hidden_states.shape[-1])
+        return hidden_states, record.token_probs
 
     dispatch_all_to_all = token_dispatch
     combine_all_to_all = token_combine

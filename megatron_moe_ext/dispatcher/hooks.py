@@ -1,11 +1,10 @@
 """The dispatcher's hook seat: one object the dispatcher calls at each manager step.
 
 `MoEFlexTokenDispatcher.replay` holds a `DispatchHook` (or None: every step runs as it is, no
-hook call); the dispatcher hands it every step of
-a dispatch as a callable `run`, with the dispatch's `DispatchRecord`, and the hook runs it
-(the default), runs it inside a context, or replaces it. Activation recompute's
-`RecomputeReplay` sits here, reading a recorded dispatch's record and filling a replayed one. The table of steps, hook calls and manager
-calls is in docs/DESIGN.md, "The hook seat and the backend table".
+hook call); the dispatcher hands it every step of a dispatch as a callable `run`, with the
+dispatch's `DispatchRecord`, and the hook runs it (the default), runs it inside a context, or
+replaces it (recompute's `RecomputeReplay`). The table of steps, hook calls and manager calls
+is in docs/DESIGN.md, "The hook seat and the backend table".
 """
 
 from __future__ import annotations

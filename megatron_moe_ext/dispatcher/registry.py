@@ -169,8 +169,3 @@ def backends_with(**capabilities) -> tuple[str, ...]:
 
 def backends_running(mode: str) -> tuple[str, ...]:
     return tuple(name for name, row in BACKENDS.items() if mode in row.modes)
-
-
-def build_manager(cfg, group, num_local_experts: int, tp_size: int = 1):
-    """The manager of one layer for `cfg.moe_flex_dispatcher_backend` in `cfg`'s mode."""
-    return BACKENDS[cfg.moe_flex_dispatcher_backend].build(cfg, group, num_local_experts, tp_size)

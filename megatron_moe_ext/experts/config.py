@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_moe_ext.dispatcher.config import check_positive_int
+from megatron_moe_ext.dispatcher.config import check_positive_int, fail
 
 ACTIVATIONS = ("swiglu", "swiglu_clamped", "swiglu_oai", "quick_geglu", "relu2", "gelu")
 #: The activations without a gate: their gate/up weights are `[e, H, I]`, not `[e, H, 2I]`.
@@ -23,14 +23,10 @@ PARAM_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 EXPERT_MLP_CHUNK_BYTES = 512 * 1024 * 1024
 
 
-def _fail(field: str, value, allowed: str) -> None:
-    raise ValueError(f"{field}={value!r} is invalid: {allowed}")
-
-
 def check_expert_mlp_impl(value) -> str:
     """`value` if it names an implementation, else ValueError naming the field."""
     if not isinstance(value, str) or value not in EXPERT_MLP_IMPLS:
-        _fail("expert_mlp_impl", value, f"allowed values are {EXPERT_MLP_IMPLS}")
+        fail("expert_mlp_impl", value, f"allowed values are {EXPERT_MLP_IMPLS}")
     return value
 
 
@@ -63,21 +59,21 @@ class ExpertsConfig:
         for field in ("n_routed_experts", "n_activated_experts", "dim", "moe_inter_dim"):
             check_positive_int(field, getattr(self, field))
         if self.n_activated_experts > self.n_routed_experts:
-            _fail("n_activated_experts", self.n_activated_experts,
-                  f"expected <= n_routed_experts ({self.n_routed_experts})")
+            fail("n_activated_experts", self.n_activated_experts,
+                 f"expected <= n_routed_experts ({self.n_routed_experts})")
         if not isinstance(self.expert_activation, str) or self.expert_activation not in ACTIVATIONS:
-            _fail("expert_activation", self.expert_activation, f"allowed values are {ACTIVATIONS}")
+            fail("expert_activation", self.expert_activation, f"allowed values are {ACTIVATIONS}")
         for field in ("expert_bias", "use_torch_mm"):
             if not isinstance(getattr(self, field), bool):
-                _fail(field, getattr(self, field), "expected a bool (True or False)")
+                fail(field, getattr(self, field), "expected a bool (True or False)")
         if not _is_real(self.activation_alpha) or not 0 < self.activation_alpha < math.inf:
-            _fail("activation_alpha", self.activation_alpha, "expected a finite number > 0")
+            fail("activation_alpha", self.activation_alpha, "expected a finite number > 0")
         if not _is_real(self.activation_limit) or not 0 <= self.activation_limit < math.inf:
-            _fail("activation_limit", self.activation_limit, "expected a finite number >= 0 "
-                  "(0 disables clamping)")
+            fail("activation_limit", self.activation_limit, "expected a finite number >= 0 "
+                 "(0 disables clamping)")
         if not isinstance(self.dtype, torch.dtype) or self.dtype not in PARAM_DTYPES:
-            _fail("dtype", self.dtype, f"expected a torch.dtype, one of {PARAM_DTYPES}")
+            fail("dtype", self.dtype, f"expected a torch.dtype, one of {PARAM_DTYPES}")
         if type(self.expert_mlp_chunk_bytes) is not int or self.expert_mlp_chunk_bytes < 0:
-            _fail("expert_mlp_chunk_bytes", self.expert_mlp_chunk_bytes,
-                  "expected an int >= 0 (0 turns chunking off)")
+            fail("expert_mlp_chunk_bytes", self.expert_mlp_chunk_bytes,
+                 "expected an int >= 0 (0 turns chunking off)")
         check_expert_mlp_impl(self.expert_mlp_impl)

@@ -3,9 +3,8 @@
 
 Selection (`ExpertsConfig.expert_mlp_impl`): "auto" runs the fused path where QuACK imports, the
 tensors are CUDA on sm90+, the case is supported and hidden * FFN reaches
-`AUTO_MIN_HIDDEN_X_FFN` (no width yet: it measured slower than the torch path everywhere;
-`fused_unsupported_reason` says why not), else the `torch._grouped_mm` path; "fused" requires
-it (RuntimeError naming the reason); "grouped_mm" never uses it.
+`AUTO_MIN_HIDDEN_X_FFN` (`fused_unsupported_reason` says why not), else the `torch._grouped_mm`
+path; "fused" requires it (RuntimeError naming the reason); "grouped_mm" never uses it.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron_moe_ext.dispatcher.common.handoff import IndexedRows
 from megatron_moe_ext.experts.activations import get_expert_activation, is_gated_activation
 from megatron_moe_ext.experts.common import stacked_shapes
-from megatron_moe_ext.experts.config import EXPERT_MLP_IMPLS, ExpertsConfig, check_expert_mlp_impl
+from megatron_moe_ext.experts.config import EXPERT_MLP_IMPLS, ExpertsConfig
 from megatron_moe_ext.experts.fused import fused_unsupported_reason
 from megatron_moe_ext.experts.fused_mlp import warmup_fused_expert_mlp
 from megatron_moe_ext.experts.mlp import run_grouped_expert_mlp
@@ -62,11 +62,7 @@ def _check_gelu_settings(config) -> None:
 def experts_config_from_transformer_config(config, expert_mlp_impl: str = "auto") -> ExpertsConfig:
     """Megatron's `TransformerConfig` -> `ExpertsConfig` (with `expert_mlp_impl`), refusing what
     the math cannot match. Megatron's gated expert MLP is `act(x W1_gate) * (x W1_up + offset)`
-    with an optional clamp: gated silu, offset 0 -> "swiglu" ("swiglu_clamped" with a clamp);
-    gated quick_gelu, offset 1 -> "swiglu_oai"; non-gated squared_relu -> "relu2"; non-gated
-    gelu -> "gelu" (exact erf GELU, what Megatron's experts compute unless TE's tanh-approximated
-    activation op is selected; with `bias_activation_fusion` they have no gelu kernel and raise
-    at their first forward, so both are refused here)."""
+    with an optional clamp; its non-gated gelu is exact erf GELU (`_check_gelu_settings`)."""
     gated = bool(config.gated_linear_unit)
     act = config.activation_func
     clamp = config.activation_func_clamp_value
@@ -167,8 +163,7 @@ class GroupedGemmExperts(MegatronModule):
         _check_megatron_features(config)
         if expert_mlp_impl is None:
             expert_mlp_impl = env_choice(EXPERT_MLP_IMPL_ENV, EXPERT_MLP_IMPLS, "auto")
-        self.experts_config = experts_config_from_transformer_config(
-            config, check_expert_mlp_impl(expert_mlp_impl))
+        self.experts_config = experts_config_from_transformer_config(config, expert_mlp_impl)
         self.num_local_experts = num_local_experts
         self.name = name
         self.ep_group = pg_collection.ep

@@ -153,13 +153,6 @@ class OverflowCounter:
         return read_overflow([(f"layer {self.layer_number}", self)], gather=False)[0]
 
 
-def _budget_layers(model) -> list[tuple[str, torch.nn.Module]]:
-    modules = model if isinstance(model, (list, tuple)) else [model]
-    return [(name or f"layer {layer.layer_number}", layer)
-            for module in modules for name, layer in module.named_modules()
-            if isinstance(layer, OverflowCounter) and layer.moe_overflow_stats is not None]
-
-
 def read_overflow(layers: list[tuple[str, torch.nn.Module]], group=None,
                   gather: bool = True) -> list[OverflowReport]:
     """Read the layers' counters once and reset them; with `gather`, combined over `group`
@@ -198,7 +191,10 @@ def check_overflow(model, group=None) -> list[OverflowReport]:
     Raises:
         MoEOverflowError: a layer with policy "error" dropped pairs in this step.
     """
-    layers = _budget_layers(model)
+    modules = model if isinstance(model, (list, tuple)) else [model]
+    layers = [(name or f"layer {layer.layer_number}", layer)
+              for module in modules for name, layer in module.named_modules()
+              if isinstance(layer, OverflowCounter) and layer.moe_overflow_stats is not None]
     reports = read_overflow(layers, group)
     over = [r for r in reports if r.overflowed]
     errors = [r for r in over if r.policy == "error"]

@@ -67,20 +67,13 @@ class _DispatchGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TH, probs_TK, state):
         ctx.comm, ctx.handle, ctx.group, ctx.flags, recv_x_RH, recv_probs_RK, ctx.recv_indices_RK = state
-        ctx.recv_meta = (recv_x_RH.shape, recv_x_RH.dtype, recv_x_RH.device)
         return recv_x_RH, recv_probs_RK
 
     @staticmethod
     def backward(ctx, grad_x_RH, grad_probs_RK):
-        recv_indices_RK = ctx.recv_indices_RK
-        if grad_x_RH is None:
-            shape, dtype, device = ctx.recv_meta
-            grad_x_RH = torch.zeros(shape, dtype=dtype, device=device)
-        if grad_probs_RK is None:
-            grad_probs_RK = torch.zeros(recv_indices_RK.shape, dtype=torch.float32, device=recv_indices_RK.device)
         # Slots that are not this rank's carry no weight: their gradient must not be summed
         # into the owner's (the combine adds every rank's copy of a slot).
-        grad_probs_RK = grad_probs_RK.float().masked_fill(recv_indices_RK < 0, 0.0)
+        grad_probs_RK = grad_probs_RK.float().masked_fill(ctx.recv_indices_RK < 0, 0.0)
         grad_x_TH, grad_probs_TK = ctx.comm.combine_raw(
             grad_x_RH.contiguous(), ctx.handle, ctx.group, *ctx.flags, weights_RK=grad_probs_RK)
         return grad_x_TH, grad_probs_TK, None

@@ -78,10 +78,9 @@ def _exchange_counts(send_counts_W: torch.Tensor, group, word: int = 0) -> tuple
 
 def announce_input_error(group, word: int, like=None, num_experts: int = 0,
                          send_capacity: int | None = None, topk: int = 0) -> list[int]:
-    """This rank failed before its step's first collective: send `word` in place of its data,
-    in the collective its peers wait in (`send_capacity` None: the counts of `_exchange_counts`,
-    else the routing rows of a `dispatch_fixed` of that capacity and `topk`). Returns the word
-    each rank sent (0 from a rank that did not fail)."""
+    """`base.Communicator.announce_input_error` in the counts of `_exchange_counts`
+    (`send_capacity` None), else in the routing rows of a `dispatch_fixed` of that capacity and
+    `topk`. Returns the word each rank sent (0 from a rank that did not fail)."""
     world = dist.get_world_size(group)
     if world == 1:
         return [word]
@@ -98,11 +97,7 @@ def announce_input_error(group, word: int, like=None, num_experts: int = 0,
 
 def token_ranks(indices_TK: torch.Tensor, num_local_experts: int, world: int) -> torch.Tensor:
     """`[T, W]` bool: whether token t goes to rank w (it hosts one of t's experts)."""
-    dest_TK = torch.where(indices_TK >= 0, indices_TK // num_local_experts, world).long()
-    # One extra column swallows masked slots; it is sliced off.
-    hits_TW = torch.zeros(indices_TK.shape[0], world + 1, dtype=torch.int32, device=indices_TK.device)
-    hits_TW = hits_TW.scatter_add_(1, dest_TK, torch.ones_like(dest_TK, dtype=torch.int32))
-    return hits_TW[:, :world] > 0
+    return P.indices_to_routing_map(torch.where(indices_TK >= 0, indices_TK // num_local_experts, -1), world)
 
 
 def _local_routing(sent_indices_SK: torch.Tensor, send_rank_S: torch.Tensor, num_local_experts: int):
@@ -306,8 +301,7 @@ class TorchCommunicator:
     layer (`COMMUNICATOR`)."""
 
     name = "torch"
-    #: `dispatch_cached` builds the same autograd graph as `dispatch` (one all-to-all op), so
-    #: non-reentrant checkpointing can recompute it.
+    #: `dispatch` and `dispatch_cached` run the same all-to-all op: the same autograd graph.
     replays_in_one_graph = True
     dispatch = staticmethod(dispatch)
     dispatch_cached = staticmethod(dispatch_cached)
@@ -316,9 +310,7 @@ class TorchCommunicator:
     combine_fixed = staticmethod(combine_fixed)
     announce_input_error = staticmethod(announce_input_error)
     exchange_counts = staticmethod(_exchange_counts)
-    #: `dispatch_fixed` exchanges equal splits: every rank must send the same capacity.
     fixed_equal_splits = True
-    #: `dispatch_fixed` takes any float rows.
     fixed_dtypes = None
 
     def check_group(self, group) -> None:

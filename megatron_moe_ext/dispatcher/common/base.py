@@ -59,9 +59,7 @@ class Communicator(Protocol):
 
 
 class DispatchManager(ABC):
-    """The communication manager of one layer: its buffers and calibrated sizes, nothing of a
-    dispatch. Each step takes the dispatch's `DispatchRecord` (`record.py`) and writes into it
-    what the later steps read."""
+    """The communication manager of one layer: its buffers and calibrated sizes, nothing of a dispatch."""
 
     #: A graphable top-k -> backend metadata converter (HybridEP's), else None.
     metadata_processor = None

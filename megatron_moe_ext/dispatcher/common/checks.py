@@ -114,11 +114,6 @@ def agreed_error(words, own: BaseException | None = None, rank: int | None = Non
     return error
 
 
-def announces(error: BaseException) -> bool:
-    """Whether a rank that raised `error` must tell its peers (not yet agreed)."""
-    return isinstance(error, ANNOUNCED) and not getattr(error, "agreed", False)
-
-
 _DEVICE_MESSAGE = ("a rank of the expert-parallel group failed this step (its own error names the "
                    "cause): every rank stops")
 

@@ -10,11 +10,10 @@ Legend: R received rows, H hidden, P permuted rows (positions), J slots per rece
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
 
 import torch
 
-TokenCounts = Union[torch.Tensor, list]
+from megatron_moe_ext.dispatcher.common.permute import TokenCounts
 
 
 @dataclass(frozen=True)

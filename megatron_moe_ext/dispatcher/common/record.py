@@ -3,11 +3,8 @@
 `dispatch_preprocess` makes a record, every later step of the same dispatch reads and writes
 it, and `combine_postprocess` ends it; managers keep only what outlives a dispatch (buffers,
 calibrated sizes), and recompute replays through a record (torchtitan's shape: dispatch
-returns its metadata, combine takes it back). Megatron's six-method face holds one record
-per dispatcher between its calls. A preprocess that runs again before its dispatch (the
-warm-up and capture of a CUDA graph of Megatron's router and preprocess) makes a new record
-in place of the old one, and a graph replay that skips the preprocess hands its outputs back
-into a new record (`MoEFlexTokenDispatcher.preprocessed`).
+returns its metadata, combine takes it back). When the dispatcher replaces a record:
+`MoEFlexTokenDispatcher._begin` and `.preprocessed`.
 
 Legend: T local tokens, H hidden, E experts, K top-k, R received rows, P permuted rows.
 """

@@ -91,7 +91,7 @@ class _HybridEPDispatch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_PH, grad_probs_P):
         grad_TH, grad_probs_TE = ctx.buffer.combine_with_unpermute(
-            hidden=grad_PH.contiguous(), probs=None if grad_probs_P is None else grad_probs_P.float().contiguous(),
+            hidden=grad_PH.contiguous(), probs=grad_probs_P.float().contiguous(),
             handle=ctx.handle, pad_multiple=ctx.pad_multiple, fuse_unpermute_combine=ctx.fused)
         return grad_TH, grad_probs_TE, None, None, None
 
@@ -197,11 +197,6 @@ class HybridEPManager(DispatchManager):
         self._hybridep_capacity: int | None = None
         self._pinned_tokens: int | None = None
         self._static_num_permuted_tokens: int | None = None
-
-    def release_buffers(self) -> None:
-        """Drop this layer's HybridEP buffer and its published capacity (collective teardown:
-        call on every rank before destroying the process group)."""
-        self._buffer_owner.release_buffers()
 
     # ---- metadata ---------------------------------------------------------------------
     def setup_metadata(self, record, num_local_tokens: int, probs: torch.Tensor, routing_map=None):
