@@ -108,10 +108,11 @@ run_task() {
     # Issue 41's table on one card (graphed_slice_<card>_table.json): the baseline and the
     # budget mode's whole-iteration graphs first, then the rest of the table as time allows.
     slice_table) task slice_table 600 bash -c "source /tmp/te_env.sh && OVERLAP=\${OVERLAP:-1} TIMEOUT=150 \
-        CALL_BUDGET=560 MEDIAN_FROM=5 TAG=table RUNS='${TABLE_RUNS:-native_recipe ext_budget_full native_eager \
+        CALL_BUDGET=\${TABLE_CALL_BUDGET:-560} MEDIAN_FROM=5 TAG=table RUNS='${TABLE_RUNS:-native_recipe ext_budget_full native_eager \
         ext_eager ext_recipe ext_budget_local native_attn ext_budget_eager}' bash bench/gpu/graphed_slice.sh" ;;
     # The budget factor the slice's routing needs at EP 2/4/8, forced balance and aux loss alone.
-    budget_loads) task budget_loads 420 bash -c "source /tmp/te_env.sh && OVERLAP=1 TIMEOUT=200 CALL_BUDGET=400 \
+    budget_loads) task budget_loads 420 bash -c "source /tmp/te_env.sh && OVERLAP=\${OVERLAP:-1} TIMEOUT=200 \
+        CALL_BUDGET=\${LOADS_CALL_BUDGET:-400} \
         MEDIAN_FROM=5 TAG=loads RUNS='loads_ext_budget_eager aux_loads_ext_budget_eager' \
         bash bench/gpu/graphed_slice.sh --iters ${LOADS_ITERS:-40}" ;;
     det_numerics) task det_numerics 570 bash -c "source /tmp/te_env.sh && SLICE_LAYERS=4 OVERLAP=1 TIMEOUT=150 \
