@@ -166,19 +166,18 @@ class FixedShapeManager(TopKManager):
             rows = super().dispatch(record, hidden_states, async_finish, allocate_on_comm_stream)
             self.sizing.calibrate(self, record, hidden_states.device)
             return rows
-        s = record
-        s.send_capacity, s.capacity = sizes
-        receive_overflow = self.overflow.receive_overflow(self, s.capacity)
+        record.send_capacity, record.capacity = sizes
+        receive_overflow = self.overflow.receive_overflow(self, record.capacity)
         extra = {} if receive_overflow is None else {"receive_overflow": receive_overflow}
         try:
-            rows, s.dispatched_indices, s.dispatched_probs, s.handle = self.comm.dispatch_fixed(
-                hidden_states, s.token_indices, s.token_probs, self.num_experts, self.group,
-                s.send_capacity, async_finish, allocate_on_comm_stream, **extra)
+            rows, record.dispatched_indices, record.dispatched_probs, record.handle = self.comm.dispatch_fixed(
+                hidden_states, record.token_indices, record.token_probs, self.num_experts, self.group,
+                record.send_capacity, async_finish, allocate_on_comm_stream, **extra)
         except checks.CapacityOverflowError as exc:  # every rank's sizes are the same: name them
-            exc.args = (f"{exc} (send capacity {s.send_capacity} rows per rank pair, capacity "
-                        f"{s.capacity} permuted rows per rank)",)
+            exc.args = (f"{exc} (send capacity {record.send_capacity} rows per rank pair, capacity "
+                        f"{record.capacity} permuted rows per rank)",)
             raise
-        s.token_indices = s.token_probs = None
+        record.token_indices = record.token_probs = None
         return rows
 
     def announce_input_error(self, word: int, like=None) -> None:

@@ -324,17 +324,16 @@ class RecomputeReplay(DispatchHook):
     # ---- communication and permutation ---------------------------------------------------
     def dispatch(self, record: DispatchRecord, run: Callable[[], torch.Tensor], hidden_states: torch.Tensor,
                  async_finish: bool = False, allocate_on_comm_stream: bool = False) -> torch.Tensor:
-        manager, state = self.manager, record  # the replayed dispatch fills its record
         kept = self._current  # a recompute's, taken by its setup
         if kept is None:
             recording = self._phase is not Phase.OFF and not in_backward()
-            indices_TK, probs_TK = state.token_indices, state.token_probs
+            indices_TK, probs_TK = record.token_indices, record.token_probs
             with _kept_saved_tensors(recording):
                 out = run()
             if recording:
                 self._current = _Recorded(
-                    indices_TK, probs_TK.detach(), state.handle, state.dispatched_indices,
-                    state.dispatched_probs.detach(), list(state.counts),
+                    indices_TK, probs_TK.detach(), record.handle, record.dispatched_indices,
+                    record.dispatched_probs.detach(), list(record.counts),
                     self._phase is Phase.RECORD_OUTPUTS,
                     tree_map_only(torch.Tensor, _leaf, self._routing.out) if self._routing.kept else None)
                 self._records.setdefault(self._call, deque()).append(self._current)
@@ -346,14 +345,14 @@ class RecomputeReplay(DispatchHook):
             handle, counts = kept.handle, kept.tokens_per_expert
         else:
             with _kept_saved_tensors():
-                hidden, indices, probs, counts, handle = manager.comm.dispatch_cached(
-                    hidden_states, state.token_probs, kept.handle, kept.recv_indices_RK,
-                    kept.recv_probs_RK, kept.tokens_per_expert, manager.group, async_finish,
+                hidden, indices, probs, counts, handle = self.manager.comm.dispatch_cached(
+                    hidden_states, record.token_probs, kept.handle, kept.recv_indices_RK,
+                    kept.recv_probs_RK, kept.tokens_per_expert, self.manager.group, async_finish,
                     allocate_on_comm_stream)
-        # What the manager's own dispatch leaves for permute and combine.
-        state.handle, state.counts = handle, list(counts)
-        state.dispatched_indices, state.dispatched_probs = indices, probs
-        state.token_indices = state.token_probs = None
+        # The replayed dispatch fills its record as the manager's own dispatch does.
+        record.handle, record.counts = handle, list(counts)
+        record.dispatched_indices, record.dispatched_probs = indices, probs
+        record.token_indices = record.token_probs = None
         return hidden
 
     def permute(self, record: DispatchRecord, run: Callable[[], tuple]) -> tuple:

@@ -87,12 +87,11 @@ class TopKManager(DispatchManager):
 
     # ---- communication ----------------------------------------------------------------
     def dispatch(self, record, hidden_states, async_finish=False, allocate_on_comm_stream=False):
-        s = record
-        hidden, s.dispatched_indices, s.dispatched_probs, s.counts, s.handle = self.comm.dispatch(
-            hidden_states, s.token_indices, s.token_probs, self.num_experts, self.group, async_finish,
+        hidden, record.dispatched_indices, record.dispatched_probs, record.counts, record.handle = self.comm.dispatch(
+            hidden_states, record.token_indices, record.token_probs, self.num_experts, self.group, async_finish,
             allocate_on_comm_stream)
         # The routing inputs are consumed: drop them so recompute cannot keep them alive.
-        s.token_indices = s.token_probs = None
+        record.token_indices = record.token_probs = None
         return hidden
 
     def combine(self, record, hidden_states, async_finish=False, allocate_on_comm_stream=False):
@@ -118,9 +117,8 @@ class TopKManager(DispatchManager):
     def keep_permutation(self, record, counts, permutation, permuted_probs):
         """Keep what the experts and the restore need, drop the received routing, and return
         the permuted probs in the router's dtype (a replayed permutation hands its own)."""
-        s = record
-        s.counts, s.permutation = counts, permutation
-        s.dispatched_indices = s.dispatched_probs = None
+        record.counts, record.permutation = counts, permutation
+        record.dispatched_indices = record.dispatched_probs = None
         return permuted_probs.double() if self.router_dtype == "fp64" else permuted_probs
 
     def get_restored_hidden_states_by_experts(self, record, hidden_states):
