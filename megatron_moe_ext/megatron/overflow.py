@@ -123,13 +123,10 @@ class OverflowCounter:
         stats_2[0].add_(record.overflow_stats[0])
         torch.maximum(stats_2[1], record.overflow_stats[1], out=stats_2[1])
 
-    def _settle_overflow(self, name: str) -> None:
-        """Fold the ring's dispatches into the counter (a collective over the layer's group:
-        every rank of it must call) and empty the ring."""
+    def _settle_overflow(self, name: str, rows: int) -> None:
+        """Fold the ring's `rows` dispatches into the counter (a collective over the layer's
+        group: every rank of it must call) and empty the ring."""
         ring = self.moe_overflow_pending
-        if ring is None:
-            return
-        rows = int(self.moe_overflow_next)
         if rows > ring.shape[0]:
             raise RuntimeError(
                 f"{name}: {rows} budget-mode dispatches since its overflow was last read, more than the "
@@ -159,8 +156,11 @@ def read_overflow(layers: list[tuple[str, torch.nn.Module]], group=None,
     (a collective: every rank must call)."""
     if not layers:
         return []
-    for name, layer in layers:
-        layer._settle_overflow(name)
+    rings = [(name, layer) for name, layer in layers if layer.moe_overflow_pending is not None]
+    if rings:  # every ring's dispatch count in one host read
+        rows_R = torch.stack([layer.moe_overflow_next for _, layer in rings]).tolist()
+        for (name, layer), rows in zip(rings, rows_R):
+            layer._settle_overflow(name, rows)
     stats_L2 = torch.stack([layer.moe_overflow_stats for _, layer in layers])
     for _, layer in layers:
         layer.moe_overflow_stats.zero_()
