@@ -28,8 +28,8 @@ def align_up(count, multiple: int):
 
 
 def start_offsets(counts_e: torch.Tensor) -> torch.Tensor:
-    """`[e]` first row of each expert's group: the exclusive prefix sum of `[e]` counts."""
-    return torch.cumsum(counts_e, 0) - counts_e
+    """`[..., e]` first row of each expert's group: the exclusive prefix sum of `[..., e]` counts."""
+    return torch.cumsum(counts_e, -1) - counts_e
 
 
 def capacity_rows(rows: int, factor: float, multiple: int) -> int:

@@ -407,8 +407,7 @@ class HybridEPManager(DispatchManager):
         first = dist.get_rank(self.group) * self.num_local_experts
         needed_De = needed_DE[:, first:first + self.num_local_experts]
         padded_De = P.align_up(needed_De, self.pad_multiple or 1)
-        starts_De = padded_De.cumsum(1) - padded_De
-        kept_De = torch.minimum((budgets_D[:, None] - starts_De).clamp(min=0), needed_De)
+        kept_De = torch.minimum((budgets_D[:, None] - P.start_offsets(padded_De)).clamp(min=0), needed_De)
         return torch.stack([(needed_De - kept_De).sum(), padded_De.sum(1).max()])
 
     def combine(self, record, hidden_states, async_finish=True, allocate_on_comm_stream=True):
