@@ -238,8 +238,8 @@ def fused_expert_mlp(hidden: torch.Tensor | IndexedRows, gate_and_up_projs: torc
         permuted_probs_P1 = torch.where(
             (torch.arange(rows, device=rows_NH.device) < total_1)[:, None], permuted_probs_P1, 0)
     backend = quack_backend()
-    plan = _Plan(backend.module, backend.epilogues or backend.module, name, gated, gated and not stored_interleaved, cu_e1,
-                 counts_e, total_1, row_of_slot_P, pos_RJ)
+    plan = _Plan(backend.module, backend.epilogues or backend.module, name, gated,
+                 gated and not stored_interleaved, cu_e1, counts_e, total_1, row_of_slot_P, pos_RJ)
     out_PH = _FusedExpertMLP.apply(rows_NH.contiguous(), gate_and_up_projs, down_projs,
                                    gate_up_proj_bias, permuted_probs_P1, plan)
     if down_proj_bias is not None:

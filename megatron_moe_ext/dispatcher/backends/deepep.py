@@ -155,7 +155,8 @@ class DeepEPCommunicator:
             buffer = self.get_buffer(group, self.hidden_bytes_for(hidden, dtype))
             unit, max_bytes = self._dispatch_row_rule()
             row_bytes = hidden * dtype.itemsize
-            plan = self._plans[key] = (buffer, row_bytes % unit == 0 and (max_bytes is None or row_bytes <= max_bytes))
+            fits = row_bytes % unit == 0 and (max_bytes is None or row_bytes <= max_bytes)
+            plan = self._plans[key] = (buffer, fits)
         return plan
 
     # ---- the buffer ------------------------------------------------------------------
