@@ -114,7 +114,10 @@ def reference_wgrads(w1, w2, batches) -> list[torch.Tensor]:
 
 
 def build(shape: dict, fusion: bool, impl: str, dtype=torch.bfloat16):
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+    )
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
     from megatron.core.transformer.transformer_config import TransformerConfig
 

@@ -197,7 +197,7 @@ def quack_weight_grad(q: ModuleType, a_KN: torch.Tensor, b_NM: torch.Tensor, cu_
             `[N, K]` transposed). b_NM: `[N, M]` row-major. cu_seqlens_e1: int32 `[e + 1]`
             (device). A_idx: int32 `[N]` gathering a's columns, or None.
     """
-    kwargs = dict(cu_seqlens_k=cu_seqlens_e1, A_idx=A_idx, dynamic_scheduler=True, tuned=_tuned())
+    kwargs = {"cu_seqlens_k": cu_seqlens_e1, "A_idx": A_idx, "dynamic_scheduler": True, "tuned": _tuned()}
     if target is None:
         return q.gemm(a_KN, b_NM, **kwargs).to(dtype)
     q.gemm_add_inplace(a_KN, b_NM, target.main_grad, **kwargs)

@@ -10,15 +10,20 @@ parameter without `grad_added_to_main_grad` (no Megatron DDP) gets no gradient a
 without `main_grad` (a model not wrapped in DDP) takes ordinary gradients.
 
 Where the gradient is computed by a GEMM that adds into its output (QuACK's
-`gemm_add_inplace`: `mlp.py`, `fused_mlp.py`), nothing else touches `main_grad`; elsewhere
-`IntoMainGrad` adds the computed gradient inside the backward (the same semantics, one add).
+`gemm_add_inplace`: `mlp.py`, `fused_mlp.py`; TE's `general_grouped_gemm(accumulate=True)` with
+host counts: `mlp.py`), nothing else touches `main_grad`; elsewhere `IntoMainGrad` adds the
+computed gradient inside the backward (the same semantics, one add).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
+
+#: Transformer Engine versions the grouped weight-gradient GEMM was read at.
+VERIFIED_TE = "2.20"
 
 
 @dataclass(frozen=True)
@@ -65,3 +70,58 @@ class IntoMainGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return ctx.target.accumulate(grad), None
+
+
+@dataclass(frozen=True)
+class TEGroupedGemm:
+    """TE's `general_grouped_gemm` (`transformer_engine.pytorch.cpp_extensions`), or why it is
+    unavailable (`reason`); `any_device`: it runs on any device (a test double)."""
+
+    gemm: Callable | None
+    reason: str | None
+    any_device: bool = False
+
+
+_te: TEGroupedGemm | None = None
+
+
+def _load_te() -> TEGroupedGemm:
+    try:
+        import transformer_engine
+        from transformer_engine.pytorch.cpp_extensions import general_grouped_gemm
+    except Exception as exc:  # ImportError, or the RuntimeError TE raises without CUDA
+        return TEGroupedGemm(None, f"Transformer Engine is not importable ({type(exc).__name__})")
+    version = getattr(transformer_engine, "__version__", "unknown")
+    if version.split(".")[:2] != VERIFIED_TE.split("."):
+        return TEGroupedGemm(None, f"transformer-engine {version} is installed; its grouped weight-gradient "
+                                   f"GEMM was read at {VERIFIED_TE}")
+    return TEGroupedGemm(general_grouped_gemm, None)
+
+
+def te_grouped_gemm() -> TEGroupedGemm:
+    """TE's grouped GEMM (imported once), or the reason it is unavailable."""
+    global _te
+    if _te is None:
+        _te = _load_te()
+    return _te
+
+
+def set_te_grouped_gemm(te: TEGroupedGemm | None) -> TEGroupedGemm | None:
+    """Use `te` (e.g. tests/doubles/te_grouped_gemm.py) in place of TE's; None imports TE again
+    at the next call. Returns the previous one."""
+    global _te
+    previous, _te = _te, te
+    return previous
+
+
+def te_unsupported_reason(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why TE's grouped GEMM cannot add weight gradients computed from rows of `dtype` on
+    `device` into `main_grad`, or None."""
+    te = te_grouped_gemm()
+    if te.gemm is None:
+        return te.reason
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"the rows are {dtype}; the accumulating GEMMs take bf16 or fp16"
+    if not te.any_device and device.type != "cuda":
+        return f"the tensors are on {device.type}, not CUDA"
+    return None

@@ -24,9 +24,9 @@ from megatron_moe_ext.dispatcher.common.handoff import IndexedRows
 from megatron_moe_ext.experts.activations import get_expert_activation, is_gated_activation
 from megatron_moe_ext.experts.common import stacked_shapes
 from megatron_moe_ext.experts.config import EXPERT_MLP_IMPLS, ExpertsConfig
-from megatron_moe_ext.experts.fused import fused_unsupported_reason, wgrad_unsupported_reason
+from megatron_moe_ext.experts.fused import fused_unsupported_reason
 from megatron_moe_ext.experts.fused_mlp import warmup_fused_expert_mlp
-from megatron_moe_ext.experts.mlp import run_grouped_expert_mlp
+from megatron_moe_ext.experts.mlp import run_grouped_expert_mlp, wgrad_kernel
 from megatron_moe_ext.experts.wgrad import wgrad_targets
 from megatron_moe_ext.megatron import checkpoint as _checkpoint
 from megatron_moe_ext.utils.env import env_choice
@@ -216,7 +216,7 @@ class GroupedGemmExperts(MegatronModule):
         line = self.wgrad_accumulation
         if line is not None and line not in _LOGGED:
             _LOGGED.add(line)
-            logger.info(line)
+            (logger.info if "adds them into main_grad" in line else logger.warning)(line)
 
     @property
     def wgrad_accumulation(self) -> str | None:
@@ -224,14 +224,9 @@ class GroupedGemmExperts(MegatronModule):
         is off): which kernel adds the weight gradients into `main_grad`."""
         if not self.config.gradient_accumulation_fusion:
             return None
-        weights = self.gate_and_up_projs
-        reason = wgrad_unsupported_reason(weights.device, self.config.params_dtype,
-                                          self.experts_config.dim, self.experts_config.moe_inter_dim)
-        if reason is None:
-            return ("GroupedGemmExperts: gradient_accumulation_fusion: QuACK's varlen-K GEMM adds the "
-                    "expert weight gradients into main_grad (gemm_add_inplace)")
-        return ("GroupedGemmExperts: gradient_accumulation_fusion: no fused kernel here (" + reason +
-                "); each expert weight gradient is computed, then added into main_grad in backward")
+        _, line = wgrad_kernel(self.gate_and_up_projs.device, self.config.params_dtype,
+                               self.experts_config.dim, self.experts_config.moe_inter_dim, True)
+        return f"GroupedGemmExperts: gradient_accumulation_fusion: expert weight gradients: {line}"
 
     def _apply(self, fn, *args, **kwargs):
         module = super()._apply(fn, *args, **kwargs)

@@ -13,7 +13,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from tests.megatron.cases_checkpoint import EXPERTS, FFN, HIDDEN, _config, init
+from tests.megatron.cases_checkpoint import EXPERTS, HIDDEN, _config, init
 
 # Rows per expert of each micro-batch; the device-count form adds 3 padding rows of garbage.
 COUNTS = ([3, 0, 5, 2], [1, 4, 2, 3])
@@ -59,31 +59,49 @@ def accumulate(fusion: bool, kernel: str, device_counts: bool, wrap: str = "ddp"
 
     Arguments:
         fusion: `gradient_accumulation_fusion`.
-        kernel: "torch" (the torch path, QuACK unavailable), "torch+quack" (the torch path, the
-            QuACK double adding the weight gradients) or "fused" (the fused path on the double).
-        device_counts: counts as a device tensor with padding rows (budget mode), else a list.
+        kernel: "torch" (the torch path, QuACK and TE unavailable), "torch+quack" (the torch
+            path, the QuACK double adding the weight gradients), "torch+te" (the torch path, the
+            TE double adding them) or "fused" (the fused path on the QuACK double).
+        device_counts: counts as a tensor with padding rows, taken as device counts (budget mode:
+            the host-count shortcut that reads a CPU tensor is switched off, as
+            tests/experts/test_modules_units.py does), else a list.
         wrap: "ddp" (Megatron's DDP; `zero_out` also sets `zero_out_wgrad`) or "none".
     """
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+    )
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
-    from megatron_moe_ext.experts import fused
+    from megatron_moe_ext.experts import fused, fused_mlp, mlp, wgrad
     from megatron_moe_ext.megatron.experts import GroupedGemmExperts
-    from tests.doubles import quack_gemm
+    from tests.doubles import quack_gemm, te_grouped_gemm
 
     init(1)
-    calls = {"gemm_add_inplace": 0}
+    calls = {"accumulating GEMMs": 0}
 
     def counted(*args, **kwargs):
-        calls["gemm_add_inplace"] += 1
+        calls["accumulating GEMMs"] += 1
         return quack_gemm.gemm_add_inplace(*args, **kwargs)
+
+    def counted_te(*args, **kwargs):
+        assert kwargs["accumulate"]
+        calls["accumulating GEMMs"] += 1
+        return te_grouped_gemm.general_grouped_gemm(*args, **kwargs)
 
     double = type("QuackDouble", (), {})()
     double.__dict__.update({k: getattr(quack_gemm, k) for k in dir(quack_gemm) if not k.startswith("_")})
     double.gemm_add_inplace = counted
-    backend = (fused.QuackBackend(None, "QuACK is not importable (test)") if kernel == "torch"
+    backend = (fused.QuackBackend(None, "QuACK is not importable (test)") if kernel in ("torch", "torch+te")
                else fused.QuackBackend(double, None, any_device=True, epilogues=double))
+    shortcuts = [(module, module.host_counts) for module in (mlp, fused_mlp)]
+    if device_counts:
+        for module, _ in shortcuts:
+            module.host_counts = lambda counts: None
     previous = fused.set_quack_backend(backend)
+    previous_te = wgrad.set_te_grouped_gemm(
+        wgrad.TEGroupedGemm(counted_te, None, any_device=True) if kernel == "torch+te"
+        else wgrad.TEGroupedGemm(None, "Transformer Engine is not importable (test)"))
     try:
         config = dataclasses.replace(_config("swiglu"), params_dtype=torch.bfloat16,
                                      gradient_accumulation_fusion=fusion)
@@ -115,8 +133,11 @@ def accumulate(fusion: bool, kernel: str, device_counts: bool, wrap: str = "ddp"
         ref = reference_wgrads(w1, w2, [(r, c, p, d) for r, c, p, d in batches])
         return {"errors": [((g.double() - r).norm() / r.norm()).item() for g, r in zip(got, ref)],
                 "dtypes": [str(g.dtype) for g in got],
-                "added": added, "calls": calls["gemm_add_inplace"],
+                "added": added, "calls": calls["accumulating GEMMs"],
                 "grads_left": [p.grad is not None for p in experts.parameters()],
                 "wgrad_accumulation": experts.wgrad_accumulation}
     finally:
         fused.set_quack_backend(previous)
+        wgrad.set_te_grouped_gemm(previous_te)
+        for module, original in shortcuts:
+            module.host_counts = original

@@ -1,11 +1,11 @@
 """`GroupedGemmExperts` honours Megatron's `gradient_accumulation_fusion` (issue 48 item 5): under
 Megatron's own DDP (fp32 grad buffers) two micro-batches leave in `main_grad` the per-token
 float64 reference's weight gradients summed, whether the fusion is on or off, on every path
-(torch without QuACK, torch with QuACK adding the weight gradients, the fused path; host counts
-and device counts with padding rows), and with the fusion on the gradient is in `main_grad`
+(torch without QuACK or TE, torch with QuACK or TE adding the weight gradients, the fused path;
+host counts and device counts with padding rows), and with the fusion on the gradient is in `main_grad`
 before DDP's hook runs (`grad_added_to_main_grad`), so DDP adds nothing more; without DDP the
-weights take ordinary gradients. QuACK is its test double here (bench/gpu/wgrad_fusion_check.py
-runs the real one)."""
+weights take ordinary gradients. QuACK and TE are test doubles here (bench/gpu/wgrad_fusion_check.py
+runs the real ones)."""
 
 import pytest
 
@@ -13,7 +13,8 @@ from tests.megatron.cases_wgrad import accumulate
 
 # bf16 operands and activations against a float64 reference.
 TOLERANCE = 2e-2
-PATHS = [(kernel, device_counts) for kernel in ("torch", "torch+quack", "fused") for device_counts in (False, True)]
+KERNELS = ("torch", "torch+quack", "torch+te", "fused")
+PATHS = [(kernel, device_counts) for kernel in KERNELS for device_counts in (False, True)]
 
 
 @pytest.mark.parametrize("kernel,device_counts", PATHS)
@@ -24,11 +25,13 @@ def test_main_grad_matches_reference_once(dist_pools, fusion, kernel, device_cou
     assert r["dtypes"] == ["torch.float32"] * 2, r
     assert r["added"] == [[fusion] * 2] * 2, r  # DDP adds param.grad only where this is False
     assert r["grads_left"] == [False, False], r  # DDP's hook consumed param.grad
-    # The weight gradients go into main_grad inside QuACK's GEMM, with no gradient tensor of their own.
-    assert r["calls"] == (4 if fusion and kernel != "torch" else 0), r
+    # The weight gradients go into main_grad inside QuACK's or TE's GEMM, with no gradient tensor
+    # of their own (TE's with host counts only).
+    accumulating = fusion and kernel != "torch" and not (kernel == "torch+te" and device_counts)
+    assert r["calls"] == (4 if accumulating else 0), r
     assert (r["wgrad_accumulation"] is None) == (not fusion), r
     if fusion:
-        fused_kernel = "QuACK's varlen-K GEMM" in r["wgrad_accumulation"]
+        fused_kernel = "adds them into main_grad" in r["wgrad_accumulation"]
         assert fused_kernel == (kernel != "torch"), r
 
 
@@ -40,7 +43,7 @@ def test_zero_out_wgrad_dummy_adds_nothing(dist_pools, kernel):
     assert max(r["errors"]) < TOLERANCE, r
 
 
-@pytest.mark.parametrize("kernel", ["torch", "torch+quack"])
+@pytest.mark.parametrize("kernel", ["torch", "torch+quack", "torch+te"])
 def test_without_ddp_weights_take_ordinary_gradients(dist_pools, kernel):
     (r,) = dist_pools(1).run(accumulate, True, kernel, False, "none")
     assert max(r["errors"]) < TOLERANCE, r
