@@ -2,13 +2,16 @@
 
     python3 bench/gpu/wgrad_fusion_check.py [--iters 20] [--shapes qwen3,dsv3]
     (QuACK: `source /tmp/quack_env.sh` first; it is used when importable)
-    python3 bench/gpu/wgrad_fusion_check.py --device cpu --shapes tiny --iters 2  (plumbing only)
+    python3 bench/gpu/wgrad_fusion_check.py --device cpu --shapes tiny --iters 2 [--doubles]
+    (plumbing only; `--doubles`: tests/doubles' QuACK and TE in place of the libraries)
 
 Needs torch and megatron-core only (one process, one GPU; it starts its own world of one).
 
-1. The double: tests/doubles/quack_gemm.py's `gemm_add_inplace` against QuACK's own (fp32 out,
+1. The doubles: tests/doubles/quack_gemm.py's `gemm_add_inplace` against QuACK's own (fp32 out,
    bf16 operands, varlen K with an empty segment and rows past the segments, with and without
-   the `A_idx` gather), when QuACK imports.
+   the `A_idx` gather), when QuACK imports; tests/doubles/te_grouped_gemm.py's
+   `general_grouped_gemm` (layout "NT", accumulate into fp32, an empty group) against TE's, when
+   TE imports.
 2. Per shape, routing form and expert path: one `GroupedGemmExperts` layer (bf16) under
    Megatron's DDP (fp32 grad buffers), 4 micro-batches, with `gradient_accumulation_fusion`
    on and off. `main_grad` of both against an fp32 copy of the layer (norm-relative error),
@@ -16,7 +19,8 @@ Needs torch and megatron-core only (one process, one GPU; it starts its own worl
    Shapes: Qwen3-30B-A3B EP8 slice (H 2048, 16 local experts, FFN 768, 8192 tokens x top-8
    rows) and DeepSeek-V3-like (H 7168, 16 experts, FFN 2048, 4096 tokens x top-8). Routing:
    dropless (host counts) and budget (device counts, 10% capacity padding rows). Paths:
-   "grouped_mm" and, with QuACK, "fused".
+   "grouped_mm" (its weight gradients by QuACK, else TE with host counts), "grouped_mm/te"
+   (QuACK switched off, where both import) and, with QuACK, "fused".
 3. Timing: the 4 backwards of a step (CUDA events around each `backward`, summed, DDP's hook
    and its `main_grad.add_` included), median of `--iters` steps, fusion on vs off.
 
@@ -67,6 +71,31 @@ def init_megatron() -> None:
     model_parallel_cuda_manual_seed(1234)
 
 
+def check_te_double() -> dict:
+    """TE's `general_grouped_gemm` (layout "NT", accumulate, fp32 out) against the double's."""
+    from megatron_moe_ext.experts.wgrad import te_grouped_gemm
+    from tests.doubles import te_grouped_gemm as double
+
+    te = te_grouped_gemm()
+    if te.gemm is None:
+        return {"skipped": te.reason}
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    splits = [200, 0, 300, 150]
+    x = torch.randn(sum(splits), 256, device=DEVICE, generator=gen).bfloat16()
+    dy = torch.randn(sum(splits), 384, device=DEVICE, generator=gen).bfloat16()
+    out = torch.randn(len(splits), 256, 384, device=DEVICE, generator=gen)
+    expected = out.cpu().clone()
+    args = ([None] * len(splits), torch.float32)
+    kwargs = {"layout": "NT", "m_splits": splits, "grad": True, "accumulate": True, "use_split_accumulator": True}
+    double.general_grouped_gemm(list(dy.cpu().split(splits)), list(x.cpu().split(splits)),
+                                list(expected.unbind(0)), *args, **kwargs)
+    te.gemm(list(dy.split(splits)), list(x.split(splits)), list(out.unbind(0)), *args, **kwargs)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    err = ((out.cpu() - expected).norm() / expected.norm()).item()
+    return {"te_nt_accumulate": {"rel_error": err, "ok": err < 1e-5}}
+
+
 def check_double() -> dict:
     """QuACK's `gemm_add_inplace` (varlen K, fp32 out) against tests/doubles/quack_gemm.py's."""
     from megatron_moe_ext.experts.fused import quack_backend
@@ -80,7 +109,7 @@ def check_double() -> dict:
     for gather in (False, True):
         k, n, total = 256, 384, 700
         counts = [200, 0, 300, 150]  # 50 rows past the segments, never read
-        cu = torch.tensor([0, 200, 200, 500, 650], dtype=torch.int32, device="cuda")
+        cu = torch.tensor([0, 200, 200, 500, 650], dtype=torch.int32, device=DEVICE)
         x = torch.randn(total, k, device=DEVICE, generator=gen).bfloat16()
         dy = torch.randn(total, n, device=DEVICE, generator=gen).bfloat16()
         idx = torch.randperm(total, device=DEVICE, generator=gen)[:sum(counts)].to(torch.int32) if gather else None
@@ -91,7 +120,8 @@ def check_double() -> dict:
         quack_gemm.gemm_add_inplace(x.T.cpu(), dy.cpu(), expected, cu_seqlens_k=cu.cpu(),
                                     A_idx=None if idx is None else idx.cpu())
         q.gemm_add_inplace(x.T, dy, out, cu_seqlens_k=cu, A_idx=idx, dynamic_scheduler=True, tuned=False)
-        torch.cuda.synchronize()
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
         err = ((out.cpu() - expected).norm() / expected.norm()).item()
         results["gather" if gather else "plain"] = {"rel_error": err, "ok": err < 1e-5}
     return results
@@ -180,6 +210,15 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def case(shape_name: str, budget: bool, impl: str, iters: int) -> dict:
+    """One shape, routing and path ("grouped_mm/te": the torch path with QuACK switched off)."""
+    from megatron_moe_ext.experts import fused
+
+    if impl == "grouped_mm/te":
+        previous = fused.set_quack_backend(fused.QuackBackend(None, "QuACK switched off by the check"))
+        try:
+            return case(shape_name, budget, "grouped_mm", iters) | {"impl": impl}
+        finally:
+            fused.set_quack_backend(previous)
     shape = SHAPES[shape_name]
     batches = make_batches(shape, budget)
     weights = None
@@ -224,22 +263,38 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--shapes", default="qwen3,dsv3")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--doubles", action="store_true")
     args = parser.parse_args()
     global DEVICE
     DEVICE = args.device
     init_megatron()
+    from megatron_moe_ext.experts import fused, wgrad
     from megatron_moe_ext.experts.fused import quack_backend
+
+    if args.doubles:
+        from tests.doubles import quack_gemm, te_grouped_gemm
+
+        fused.set_quack_backend(fused.QuackBackend(quack_gemm, None, any_device=True))
+        wgrad.set_te_grouped_gemm(wgrad.TEGroupedGemm(te_grouped_gemm.general_grouped_gemm, None, any_device=True))
 
     result = {"command": "python3 bench/gpu/wgrad_fusion_check.py " + " ".join(sys.argv[1:]),
               "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__,
               "quack": quack_backend().reason or "importable", "cases": []}
-    try:
-        result["double"] = check_double()
-    except Exception:
-        result["double"] = {"error": traceback.format_exc()}
-    print("double:", result["double"], flush=True)
-    impls = ["grouped_mm"] + (["fused"] if quack_backend().module is not None else [])
-    failed = any(not r.get("ok", True) for r in result["double"].values() if isinstance(r, dict))
+    from megatron_moe_ext.experts.wgrad import te_grouped_gemm
+
+    result["te"] = te_grouped_gemm().reason or "importable"
+    failed = False
+    for name, check in (("double", check_double), ("te_double", check_te_double)):
+        try:
+            result[name] = check()
+        except Exception:
+            result[name] = {"error": traceback.format_exc()}
+        print(f"{name}:", result[name], flush=True)
+        failed |= any(not r.get("ok", True) for r in result[name].values() if isinstance(r, dict))
+        failed |= "error" in result[name]
+    both = quack_backend().module is not None and te_grouped_gemm().gemm is not None
+    impls = (["grouped_mm"] + (["grouped_mm/te"] if both else [])
+             + (["fused"] if quack_backend().module is not None else []))
     for shape_name in args.shapes.split(","):
         for budget in (False, True):
             for impl in impls:
