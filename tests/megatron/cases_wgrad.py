@@ -1,6 +1,7 @@
 """Rank-side bodies for tests/megatron/test_wgrad_fusion.py: `GroupedGemmExperts` (bf16) under
 Megatron's own `DistributedDataParallel` (fp32 grad buffers, gloo, the CPU shims), two
-micro-batches accumulated, against a per-token float64 reference of the weight gradients.
+micro-batches accumulated on each rank, against a per-token float64 reference of the weight
+gradients (averaged over the ranks, as DDP averages them).
 
 Legend: P permuted rows, H hidden, I intermediate, e local experts.
 """
@@ -11,6 +12,7 @@ import contextlib
 import dataclasses
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.megatron.cases_checkpoint import EXPERTS, HIDDEN, _config, init
@@ -39,8 +41,8 @@ def reference_wgrads(w1, w2, batches) -> tuple[torch.Tensor, torch.Tensor]:
     return d1, d2
 
 
-def _batches(device_counts: bool):
-    torch.manual_seed(7)
+def _batches(device_counts: bool, rank: int):
+    torch.manual_seed(7 + rank)
     batches = []
     for counts in COUNTS:
         rows = sum(counts) + (PADDING if device_counts else 0)
@@ -77,7 +79,8 @@ def accumulate(fusion: bool, kernel: str, device_counts: bool, wrap: str = "ddp"
     from megatron_moe_ext.megatron.experts import GroupedGemmExperts
     from tests.doubles import quack_gemm, te_grouped_gemm
 
-    init(1)
+    init(1)  # every rank holds every expert: on several ranks DDP averages over expert DP
+    rank, world = dist.get_rank(), dist.get_world_size()
     calls = {"accumulating GEMMs": 0}
 
     def counted(*args, **kwargs):
@@ -116,7 +119,7 @@ def accumulate(fusion: bool, kernel: str, device_counts: bool, wrap: str = "ddp"
             if wrap == "zero_out":
                 for p in experts.parameters():
                     p.zero_out_wgrad = True
-        batches = _batches(device_counts)
+        batches = _batches(device_counts, rank)
         added = []
         for i, (rows, counts, probs, dout) in enumerate(batches):
             tokens_per_expert = torch.tensor(counts) if device_counts else counts
@@ -130,7 +133,9 @@ def accumulate(fusion: bool, kernel: str, device_counts: bool, wrap: str = "ddp"
             got = [experts.gate_and_up_projs.main_grad, experts.down_projs.main_grad]
         else:
             got = [experts.gate_and_up_projs.grad, experts.down_projs.grad]
-        ref = reference_wgrads(w1, w2, [(r, c, p, d) for r, c, p, d in batches])
+        # DDP's gradient is the mean over the ranks; each rank's data is known from its seed.
+        refs = [reference_wgrads(w1, w2, _batches(device_counts, r)) for r in range(world)]
+        ref = [sum(parts) / world for parts in zip(*refs)]
         return {"errors": [((g.double() - r).norm() / r.norm()).item() for g, r in zip(got, ref)],
                 "dtypes": [str(g.dtype) for g in got],
                 "added": added, "calls": calls["accumulating GEMMs"],

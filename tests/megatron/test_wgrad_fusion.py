@@ -51,3 +51,14 @@ def test_without_ddp_weights_take_ordinary_gradients(dist_pools, kernel):
 
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+@pytest.mark.parametrize("kernel", ["torch", "fused"])
+@pytest.mark.parametrize("fusion", [False, True])
+def test_two_ranks_average_what_each_accumulated(dist_pools, fusion, kernel):
+    """Two data-parallel ranks (gloo): DDP's all-reduce averages the main_grads each rank filled,
+    fused or not, and each rank's gradient is counted once."""
+    results = dist_pools(2).run(accumulate, fusion, kernel, True)
+    for r in results:
+        assert max(r["errors"]) < TOLERANCE, r
+        assert r["added"] == [[fusion] * 2] * 2, r
