@@ -321,7 +321,7 @@ def run_grouped_expert_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Ten
         experts_config: the `ExpertsConfig` naming the activation (needed unless "grouped_mm").
         wgrad: Megatron's gradient-accumulation fusion (`wgrad.wgrad_targets`): the targets of
             `(gate_and_up_projs, down_projs)`, whose gradients go into their `main_grad`s
-            (QuACK's GEMM adds them where it runs, else one add in backward), or None.
+            (by a GEMM that adds, `wgrad_kernel`, else one add in backward), or None.
 
     Returns:
         `[P, H]` in the rows' dtype.
