@@ -38,13 +38,29 @@ class WgradTarget:
         if not hasattr(self.param, "grad_added_to_main_grad"):
             return None
         self.param.grad_added_to_main_grad = True
-        make = torch.zeros if getattr(self.param, "zero_out_wgrad", False) else torch.empty
-        return make(self.main_grad.shape, dtype=self.param.dtype, device=self.main_grad.device)
+        return _dummy_grad(self.main_grad.shape, self.param.dtype, self.main_grad.device,
+                           getattr(self.param, "zero_out_wgrad", False))
 
     def accumulate(self, grad: torch.Tensor) -> torch.Tensor | None:
         """Add a computed gradient into `main_grad`; returns `finish()`."""
         self.main_grad.add_(grad)
         return self.finish()
+
+
+_DUMMY_GRADS: dict[tuple, torch.Tensor] = {}
+
+
+def _dummy_grad(shape: torch.Size, dtype: torch.dtype, device: torch.device, zero: bool) -> torch.Tensor:
+    """One buffer per shape, dtype and device for every layer and micro-batch, as TE's
+    `get_dummy_wgrad`: DDP's hook drops it (adding it only under `zero_out_wgrad`, hence zeros
+    then), and a weight-sized buffer per layer would stay alive as an output of each CUDA graph.
+    A fresh `detach()` each time, so autograd stores it as `.grad` without a copy."""
+    key = (tuple(shape), dtype, device)
+    if key not in _DUMMY_GRADS:
+        _DUMMY_GRADS[key] = torch.empty(shape, dtype=dtype, device=device)
+    if zero:
+        _DUMMY_GRADS[key].zero_()
+    return _DUMMY_GRADS[key].detach()
 
 
 def wgrad_targets(enabled: bool, *params: torch.nn.Parameter) -> tuple[WgradTarget, ...] | None:
