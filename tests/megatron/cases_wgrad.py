@@ -56,7 +56,8 @@ def _batches(device_counts: bool, rank: int):
     return batches
 
 
-def accumulate(fusion: bool, kernel: str, device_counts: bool, wrap: str = "ddp") -> dict:
+def accumulate(fusion: bool, kernel: str, device_counts: bool, wrap: str = "ddp",
+               overlap_grad_reduce: bool = False) -> dict:
     """Two micro-batches through GroupedGemmExperts, then what the gradients became.
 
     Arguments:
@@ -68,6 +69,7 @@ def accumulate(fusion: bool, kernel: str, device_counts: bool, wrap: str = "ddp"
             the host-count shortcut that reads a CPU tensor is switched off, as
             tests/experts/test_modules_units.py does), else a list.
         wrap: "ddp" (Megatron's DDP; `zero_out` also sets `zero_out_wgrad`) or "none".
+        overlap_grad_reduce: DDP's setting (its hook then asserts every weight got a `.grad`).
     """
     from megatron.core.distributed import (
         DistributedDataParallel,
@@ -114,7 +116,8 @@ def accumulate(fusion: bool, kernel: str, device_counts: bool, wrap: str = "ddp"
         model = experts
         if wrap != "none":
             model = DistributedDataParallel(
-                config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), experts)
+                config, DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                      overlap_grad_reduce=overlap_grad_reduce), experts)
             model.zero_grad_buffer()
             if wrap == "zero_out":
                 for p in experts.parameters():

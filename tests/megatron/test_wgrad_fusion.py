@@ -53,12 +53,14 @@ def test_without_ddp_weights_take_ordinary_gradients(dist_pools, kernel):
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap_grad_reduce"])
 @pytest.mark.parametrize("kernel", ["torch", "fused"])
 @pytest.mark.parametrize("fusion", [False, True])
-def test_two_ranks_average_what_each_accumulated(dist_pools, fusion, kernel):
+def test_two_ranks_average_what_each_accumulated(dist_pools, fusion, kernel, overlap):
     """Two data-parallel ranks (gloo): DDP's all-reduce averages the main_grads each rank filled,
-    fused or not, and each rank's gradient is counted once."""
-    results = dist_pools(2).run(accumulate, fusion, kernel, True)
+    fused or not, and each rank's gradient is counted once; with `overlap_grad_reduce` DDP's hook
+    asserts every weight handed it a `.grad` (the dummy gradient)."""
+    results = dist_pools(2).run(accumulate, fusion, kernel, True, "ddp", overlap)
     for r in results:
         assert max(r["errors"]) < TOLERANCE, r
         assert r["added"] == [[fusion] * 2] * 2, r
