@@ -119,7 +119,7 @@ def check_double() -> dict:
             dy = dy[:sum(counts)].contiguous()
         out = torch.randn(len(counts), k, n, device=DEVICE, generator=gen)
         expected = out.cpu().clone()
-        quack_gemm.gemm_add_inplace(x.T.cpu(), dy.cpu(), expected, cu_seqlens_k=cu.cpu(),
+        quack_gemm.gemm_add_inplace(x.cpu().T, dy.cpu(), expected, cu_seqlens_k=cu.cpu(),
                                     A_idx=None if idx is None else idx.cpu())
         q.gemm_add_inplace(x.T, dy, out, cu_seqlens_k=cu, A_idx=idx, dynamic_scheduler=True, tuned=False)
         if DEVICE == "cuda":
