@@ -63,11 +63,9 @@ def _dummy_grad(shape: torch.Size, dtype: torch.dtype, device: torch.device, zer
     return _DUMMY_GRADS[key].detach()
 
 
-def wgrad_targets(enabled: bool, *params: torch.nn.Parameter) -> tuple[WgradTarget, ...] | None:
-    """One `WgradTarget` per parameter when `enabled` (Megatron's `gradient_accumulation_fusion`)
-    and every parameter takes a gradient and has a `main_grad`, else None (ordinary gradients)."""
-    if not enabled:
-        return None
+def wgrad_targets(*params: torch.nn.Parameter) -> tuple[WgradTarget, ...] | None:
+    """Under Megatron's `gradient_accumulation_fusion`: one `WgradTarget` per parameter when every
+    parameter takes a gradient and has a `main_grad`, else None (ordinary gradients)."""
     main_grads = [getattr(p, "main_grad", None) for p in params]
     if any(m is None for m in main_grads) or not all(p.requires_grad for p in params):
         return None

@@ -287,8 +287,8 @@ class GroupedGemmExperts(MegatronModule):
             self.down_proj_bias, tokens_per_expert, permuted_probs.unsqueeze(-1), self.activation_fn,
             self.experts_config.expert_mlp_chunk_bytes, checkpoint,
             expert_mlp_impl=self._expert_mlp_path, experts_config=self.experts_config,
-            wgrad=wgrad_targets(self.config.gradient_accumulation_fusion, self.gate_and_up_projs,
-                                self.down_projs)), None
+            wgrad=(wgrad_targets(self.gate_and_up_projs, self.down_projs)
+                   if self.config.gradient_accumulation_fusion else None)), None
 
     def backward_dw(self) -> None:
         """Nothing is deferred: weight gradients come with the ordinary backward
