@@ -19,7 +19,8 @@ Backward:
    returns `dpreact` (prob folded in), `prob * postact` (the down GEMM's input, so it is
    never saved) and `dprob[p] = sum_n postact * (dout W2^T)` (the router-score gradient).
 4. Weight gradients as varlen-K grouped GEMMs (`cu_seqlens_k`): `dW2 = (prob postact)^T dout`
-   and `dW1 = x[A_idx]^T dpreact` (the gather fused again); `dx = dpreact W1^T` with
+   and `dW1 = x[A_idx]^T dpreact` (the gather fused again); under Megatron's gradient-accumulation
+   fusion `gemm_add_inplace` adds them straight into `main_grad` (`wgrad.py`); `dx = dpreact W1^T` with
    `cu_seqlens_m`; the up bias's gradient is a deterministic segment sum of `dpreact`.
    `IndexedRows` sum each received row's positions back with `permute.gather_sum` over
    `slot_of_row_RJ` (fixed order, no atomics).
@@ -65,6 +66,7 @@ from megatron_moe_ext.experts.fused import (
 )
 from megatron_moe_ext.experts.kernels import interleave_triton
 from megatron_moe_ext.experts.rows import zero_padding_rows_
+from megatron_moe_ext.experts.wgrad import WgradTarget
 from megatron_moe_ext.utils.env import env_flag
 
 
@@ -100,7 +102,8 @@ class _Plan:
     cu_seqlens_e1: int32 `[e + 1]` segment offsets (device). total_1: int64 `[1]` rows in
     segments (QuACK's varlen GEMMs leave the rest unwritten: zeroed), or None when every row is
     in one. row_of_slot_P / pos_RJ: the gather and its backward map (`IndexedRows`), or None
-    for permuted rows. counts_e: int64 `[e]` (device).
+    for permuted rows. counts_e: int64 `[e]` (device). wgrad: the `main_grad` targets of
+    `(gate_and_up_projs, down_projs)` (`wgrad.py`), or None for ordinary weight gradients.
     """
 
     backend: ModuleType
@@ -113,6 +116,7 @@ class _Plan:
     total_1: torch.Tensor | None
     row_of_slot_P: torch.Tensor | None
     pos_RJ: torch.Tensor | None
+    wgrad: tuple[WgradTarget, WgradTarget] | None = None
 
 
 class _FusedExpertMLP(torch.autograd.Function):
@@ -156,8 +160,8 @@ class _FusedExpertMLP(torch.autograd.Function):
             cu_seqlens_m=plan.cu_seqlens_e1, tuned=tuned)
         grads = [None] * 6
         if ctx.needs_input_grad[2]:
-            grads[2] = q.gemm(scaled_PI.T, dout_PH, cu_seqlens_k=plan.cu_seqlens_e1,
-                              dynamic_scheduler=True, tuned=tuned).to(down_projs.dtype)
+            grads[2] = quack_weight_grad(q, scaled_PI.T, dout_PH, plan.cu_seqlens_e1, down_projs.dtype,
+                                         plan.wgrad and plan.wgrad[1])
         del scaled_PI
         if ctx.needs_input_grad[4]:
             grads[4] = zero_padding_rows_(dprob_P[:, None].contiguous(), plan.total_1).to(probs_P1.dtype)
@@ -167,9 +171,9 @@ class _FusedExpertMLP(torch.autograd.Function):
             # no weight-sized copy.
             dpreact_PN = _deinterleave_gate_up(dpreact_PN)
         if ctx.needs_input_grad[1]:
-            grads[1] = q.gemm(rows_NH.T, dpreact_PN, cu_seqlens_k=plan.cu_seqlens_e1,
-                              A_idx=plan.row_of_slot_P, dynamic_scheduler=True,
-                              tuned=tuned).to(gate_and_up_projs.dtype)
+            grads[1] = quack_weight_grad(q, rows_NH.T, dpreact_PN, plan.cu_seqlens_e1,
+                                         gate_and_up_projs.dtype, plan.wgrad and plan.wgrad[0],
+                                         plan.row_of_slot_P)
         if ctx.needs_input_grad[3]:  # False where there is no bias
             grads[3] = reduce_bias_grad(dpreact_PN, plan.counts_e, None, gate_up_proj_bias.dtype)
         if ctx.needs_input_grad[0]:
@@ -178,6 +182,26 @@ class _FusedExpertMLP(torch.autograd.Function):
                                               dynamic_scheduler=True, tuned=tuned), plan.total_1)
             grads[0] = dx_PH if plan.pos_RJ is None else gather_sum(dx_PH, plan.pos_RJ)
         return tuple(grads)
+
+
+def quack_weight_grad(q: ModuleType, a_KN: torch.Tensor, b_NM: torch.Tensor, cu_seqlens_e1: torch.Tensor,
+                      dtype: torch.dtype, target: WgradTarget | None = None,
+                      A_idx: torch.Tensor | None = None) -> torch.Tensor | None:
+    """A weight gradient `a[:, seg_e] @ b[seg_e]` per expert segment (QuACK's varlen-K GEMM, rows
+    past the segments unread), `[e, K, M]` in `dtype`; with `target`, `gemm_add_inplace` adds it
+    into `target.main_grad` in that buffer's dtype (fp32 accumulator, no other pass over it) and
+    this returns `target.finish()`.
+
+    Arguments:
+        q: `quack.gemm_interface` (or its test double). a_KN: `[K, N]` m-major (a row-major
+            `[N, K]` transposed). b_NM: `[N, M]` row-major. cu_seqlens_e1: int32 `[e + 1]`
+            (device). A_idx: int32 `[N]` gathering a's columns, or None.
+    """
+    kwargs = {"cu_seqlens_k": cu_seqlens_e1, "A_idx": A_idx, "dynamic_scheduler": True, "tuned": _tuned()}
+    if target is None:
+        return q.gemm(a_KN, b_NM, **kwargs).to(dtype)
+    q.gemm_add_inplace(a_KN, b_NM, target.main_grad, **kwargs)
+    return target.finish()
 
 
 def _row_scaled_gemm(plan: _Plan, a_PI: torch.Tensor, w_eIH: torch.Tensor,
@@ -209,7 +233,8 @@ def _segment_offsets(tokens_per_expert: TokenCounts, rows: int,
 def fused_expert_mlp(hidden: torch.Tensor | IndexedRows, gate_and_up_projs: torch.Tensor,
                      down_projs: torch.Tensor, gate_up_proj_bias: torch.Tensor | None,
                      down_proj_bias: torch.Tensor | None, tokens_per_expert: TokenCounts,
-                     permuted_probs_P1: torch.Tensor, expert_activation: str) -> torch.Tensor:
+                     permuted_probs_P1: torch.Tensor, expert_activation: str,
+                     wgrad: tuple[WgradTarget, WgradTarget] | None = None) -> torch.Tensor:
     """The expert MLP on QuACK (callers check support first: `fused_unsupported_reason`,
     `device_unsupported_reason`; `mlp.run_grouped_expert_mlp` does).
 
@@ -217,7 +242,8 @@ def fused_expert_mlp(hidden: torch.Tensor | IndexedRows, gate_and_up_projs: torc
     `IndexedRows` the gather runs inside the up-projection GEMM; the up bias is added in that
     GEMM's epilogue, the weighted down bias by `bias.apply_bias`; quick_geglu's gate/up weights
     are stored interleaved), plus `expert_activation`, the package's activation name
-    (`ExpertsConfig.expert_activation`).
+    (`ExpertsConfig.expert_activation`), and `wgrad` (`run_grouped_expert_mlp`'s: the weight
+    gradients go into these `main_grad`s).
 
     Returns:
         `[P, H]` in the rows' dtype: `(prob * act(x W1 + b1)) W2 + prob * b2`, 0 on padding rows.
@@ -239,7 +265,7 @@ def fused_expert_mlp(hidden: torch.Tensor | IndexedRows, gate_and_up_projs: torc
             (torch.arange(rows, device=rows_NH.device) < total_1)[:, None], permuted_probs_P1, 0)
     backend = quack_backend()
     plan = _Plan(backend.module, backend.epilogues or backend.module, name, gated,
-                 gated and not stored_interleaved, cu_e1, counts_e, total_1, row_of_slot_P, pos_RJ)
+                 gated and not stored_interleaved, cu_e1, counts_e, total_1, row_of_slot_P, pos_RJ, wgrad)
     out_PH = _FusedExpertMLP.apply(rows_NH.contiguous(), gate_and_up_projs, down_projs,
                                    gate_up_proj_bias, permuted_probs_P1, plan)
     if down_proj_bias is not None:

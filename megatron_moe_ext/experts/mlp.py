@@ -12,6 +12,11 @@ Capacity padding: rows past `sum(tokens_per_expert)` output 0, add nothing to an
 bias gradient, and get 0 input and prob gradients: sliced off with host counts, masked on
 the device (sync-free) with device counts.
 
+Gradient-accumulation fusion (`wgrad.py`): `_GroupedMmIntoMainGrad` leaves each projection's
+weight gradient to a GEMM that adds it into `main_grad` (`wgrad_kernel`: QuACK's varlen-K GEMM,
+`fused_mlp.quack_weight_grad`; else with host counts TE's grouped GEMM); `torch._grouped_mm`
+cannot (it writes only the operands' dtype), so elsewhere `IntoMainGrad` adds it in backward.
+
 Legend: P permuted rows, H hidden, I intermediate, e local experts.
 """
 
@@ -27,9 +32,15 @@ from megatron_moe_ext.dispatcher.common.handoff import IndexedRows
 from megatron_moe_ext.dispatcher.common.permute import GatherRows, TokenCounts, counts_on, host_counts
 from megatron_moe_ext.experts.bias import apply_bias, chunk_counts
 from megatron_moe_ext.experts.config import EXPERT_MLP_CHUNK_BYTES, check_expert_mlp_impl
-from megatron_moe_ext.experts.fused import case_unsupported_reason
-from megatron_moe_ext.experts.fused_mlp import fused_expert_mlp
+from megatron_moe_ext.experts.fused import (
+    case_unsupported_reason,
+    quack_backend,
+    shape_unsupported_reason,
+    wgrad_unsupported_reason,
+)
+from megatron_moe_ext.experts.fused_mlp import fused_expert_mlp, quack_weight_grad
 from megatron_moe_ext.experts.rows import zero_padding_rows_
+from megatron_moe_ext.experts.wgrad import IntoMainGrad, WgradTarget, te_grouped_gemm, te_unsupported_reason
 
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -68,6 +79,65 @@ class _ZeroGradOnPadding(torch.autograd.Function):
         return zero_padding_rows_(grad.contiguous(), total_1), None
 
 
+WgradKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "list[int] | None", WgradTarget], None]
+
+
+def _quack_add_wgrad(x_PK: torch.Tensor, dy_PN: torch.Tensor, offsets_e: torch.Tensor,
+                     host: list[int] | None, target: WgradTarget) -> None:
+    """`main_grad[e] += x_e^T dy_e` by QuACK's varlen-K GEMM (device offsets: sync-free)."""
+    quack_weight_grad(quack_backend().module, x_PK.T, dy_PN, torch.nn.functional.pad(offsets_e, (1, 0)),
+                      x_PK.dtype, target)
+
+
+def _te_add_wgrad(x_PK: torch.Tensor, dy_PN: torch.Tensor, offsets_e: torch.Tensor,
+                  host: list[int] | None, target: WgradTarget) -> None:
+    """`main_grad[e] += x_e^T dy_e` by TE's grouped GEMM (cuBLAS, `beta = 1`) over the host
+    counts, as TE's `GroupedLinear` accumulates its own (layout "NT": `D = B^T A`)."""
+    experts = len(host)
+    te_grouped_gemm().gemm(list(dy_PN.split(host)), list(x_PK.split(host)), list(target.main_grad.unbind(0)),
+                           [None] * experts, target.main_grad.dtype, layout="NT", m_splits=host, grad=True,
+                           accumulate=True, use_split_accumulator=True)
+
+
+class _GroupedMmIntoMainGrad(torch.autograd.Function):
+    """`torch._grouped_mm(x, W)` per expert segment whose backward gives `_grouped_mm`'s input
+    gradient and has `add_wgrad` add the weight gradient into `target.main_grad` (no `[e, K, N]`
+    gradient in the rows' dtype, no separate add)."""
+
+    @staticmethod
+    def forward(ctx, x_PK: torch.Tensor, weight_eKN: torch.Tensor, offsets_e: torch.Tensor,
+                target: WgradTarget, add_wgrad: WgradKernel, host: list[int] | None) -> torch.Tensor:
+        x_PK = x_PK.contiguous()
+        ctx.save_for_backward(x_PK, weight_eKN, offsets_e)
+        ctx.target, ctx.add_wgrad, ctx.host = target, add_wgrad, host
+        return torch._grouped_mm(x_PK, weight_eKN.to(x_PK.dtype), offs=offsets_e)
+
+    @staticmethod
+    def backward(ctx, dy_PN: torch.Tensor):
+        x_PK, weight_eKN, offsets_e = ctx.saved_tensors
+        dy_PN = dy_PN.contiguous()
+        dx_PK = None
+        if ctx.needs_input_grad[0]:
+            dx_PK = torch._grouped_mm(dy_PN, weight_eKN.to(dy_PN.dtype).mT, offs=offsets_e)
+        ctx.add_wgrad(x_PK, dy_PN, offsets_e, ctx.host, ctx.target)
+        return dx_PK, ctx.target.finish(), None, None, None, None
+
+
+def wgrad_kernel(device: torch.device, dtype: torch.dtype, hidden: int, inter: int,
+                 host_counts_known: bool) -> tuple[WgradKernel | None, str]:
+    """The GEMM that adds the torch path's weight gradients into `main_grad` (QuACK's with any
+    counts, else TE's with host counts), or None, and a line saying which or why none."""
+    quack = wgrad_unsupported_reason(device, dtype, hidden, inter)
+    if quack is None:
+        return _quack_add_wgrad, "QuACK's varlen-K GEMM adds them into main_grad (gemm_add_inplace)"
+    te = shape_unsupported_reason(hidden, inter) or te_unsupported_reason(device, dtype)
+    if te is None and host_counts_known:
+        return _te_add_wgrad, ("TE's grouped GEMM adds them into main_grad (general_grouped_gemm, accumulate) "
+                               "with host counts; with device counts (budget mode) each is added in backward")
+    return None, (f"no GEMM here adds into main_grad ({quack}; {te or 'TE needs host counts'}): each "
+                  "expert weight gradient is computed, then added into main_grad in backward")
+
+
 def _pad_dims(t: torch.Tensor, multiple: int, dims: tuple[int, ...]) -> torch.Tensor:
     """Zero-pad the trailing `dims` (negative indices) of `t` to multiples of `multiple`."""
     pad = [0] * (2 * -min(dims))
@@ -76,9 +146,13 @@ def _pad_dims(t: torch.Tensor, multiple: int, dims: tuple[int, ...]) -> torch.Te
     return torch.nn.functional.pad(t, pad) if any(pad) else t
 
 
-def _grouped_mm_any_width(x_PK: torch.Tensor, w_eKN: torch.Tensor,
-                          offsets_e: torch.Tensor, total_1: torch.Tensor | None) -> torch.Tensor:
-    """`torch._grouped_mm(x, w, offs)` for any K and N (see "Feature padding")."""
+def _grouped_mm_any_width(x_PK: torch.Tensor, w_eKN: torch.Tensor, offsets_e: torch.Tensor,
+                          total_1: torch.Tensor | None, into: tuple | None = None) -> torch.Tensor:
+    """`torch._grouped_mm(x, w, offs)` for any K and N (see "Feature padding"); with `into`
+    (`(target, add_wgrad, host)`, at 16-byte widths: no padding) the weight gradient goes into
+    `target.main_grad`."""
+    if into is not None:
+        return _GroupedMmOutput.apply(_GroupedMmIntoMainGrad.apply(x_PK, w_eKN, offsets_e, *into), total_1)
     multiple = max(1, 16 // x_PK.element_size())  # elements per 16 bytes
     width = w_eKN.shape[2]
     out = _GroupedMmOutput.apply(
@@ -91,16 +165,18 @@ def _grouped_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor, down_
                  gate_up_proj_bias: torch.Tensor | None, down_proj_bias: torch.Tensor | None,
                  tokens_per_expert: TokenCounts, permuted_probs_P1: torch.Tensor,
                  activation_fn: Activation, apply_router_weight_after_down: bool,
-                 activation_checkpoint=None) -> torch.Tensor:
+                 activation_checkpoint=None, wgrad: tuple[WgradTarget, WgradTarget] | None = None,
+                 add_wgrad: WgradKernel | None = None) -> torch.Tensor:
     """The grouped MLP in one shot (arguments as `run_grouped_expert_mlp`, unchecked;
-    `apply_router_weight_after_down`: `prob * (act(x W1 + b1) W2 + b2)`). Returns `[P, H]`."""
+    `apply_router_weight_after_down`: `prob * (act(x W1 + b1) W2 + b2)`; `wgrad`: the weight
+    gradients go into these `main_grad`s by `add_wgrad`). Returns `[P, H]`."""
     dtype, rows = hidden_PH.dtype, hidden_PH.shape[0]
     host = host_counts(tokens_per_expert)
     if host is not None and sum(host) < rows:
         valid = sum(host)
         out = _grouped_mlp(hidden_PH[:valid], gate_and_up_projs, down_projs, gate_up_proj_bias,
                            down_proj_bias, host, permuted_probs_P1[:valid], activation_fn,
-                           apply_router_weight_after_down, activation_checkpoint)
+                           apply_router_weight_after_down, activation_checkpoint, wgrad, add_wgrad)
         return torch.nn.functional.pad(out, (0, 0, 0, rows - valid))
     total_1 = None
     if host is not None:
@@ -119,12 +195,17 @@ def _grouped_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor, down_
         permuted_probs_P1 = torch.where(
             (torch.arange(rows, device=hidden_PH.device) < total_1)[:, None], permuted_probs_P1, 0)
     act_probs_P1 = torch.ones_like(permuted_probs_P1) if apply_router_weight_after_down else permuted_probs_P1
-    up_PI = _grouped_mm_any_width(hidden_PH, gate_and_up_projs.to(dtype), offsets_e, None)
+    up_into = down_into = None
+    if wgrad is None:  # cast fp32 masters here; `_GroupedMmIntoMainGrad` casts inside
+        gate_and_up_projs, down_projs = gate_and_up_projs.to(dtype), down_projs.to(dtype)
+    else:
+        up_into, down_into = ((target, add_wgrad, host) for target in wgrad)
+    up_PI = _grouped_mm_any_width(hidden_PH, gate_and_up_projs, offsets_e, None, up_into)
     if gate_up_proj_bias is not None:
         up_PI = apply_bias(up_PI, gate_up_proj_bias, counts_e)
     act_PI = (activation_fn(up_PI, act_probs_P1) if activation_checkpoint is None
               else activation_checkpoint.checkpoint(activation_fn, up_PI, act_probs_P1))
-    out_PH = _grouped_mm_any_width(act_PI, down_projs.to(dtype), offsets_e, total_1)
+    out_PH = _grouped_mm_any_width(act_PI, down_projs, offsets_e, total_1, down_into)
     if activation_checkpoint is not None:  # act_PI is freed now, recomputed in backward
         activation_checkpoint.discard_output_and_register_recompute(out_PH)
     if apply_router_weight_after_down:
@@ -215,7 +296,8 @@ def run_grouped_expert_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Ten
                            permuted_probs_P1: torch.Tensor, activation_fn: Activation,
                            chunk_bytes: int | None = None,
                            activation_checkpoint=None, *, expert_mlp_impl: str = "grouped_mm",
-                           experts_config=None) -> torch.Tensor:
+                           experts_config=None,
+                           wgrad: tuple[WgradTarget, WgradTarget] | None = None) -> torch.Tensor:
     """The expert MLP the modules call: QuACK's fused kernels (`fused_mlp.py`) where
     `expert_mlp_impl` allows and the case is supported, else `torch._grouped_mm`: single
     shot, or checkpointed chunks when the `[P, 2I]` intermediate would exceed `chunk_bytes`.
@@ -237,6 +319,9 @@ def run_grouped_expert_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Ten
         expert_mlp_impl: "grouped_mm" (default), "auto" (fused where supported and measured
             faster: `fused.auto_declined_reason`) or "fused" (RuntimeError naming why not).
         experts_config: the `ExpertsConfig` naming the activation (needed unless "grouped_mm").
+        wgrad: Megatron's gradient-accumulation fusion (`wgrad.wgrad_targets`): the targets of
+            `(gate_and_up_projs, down_projs)`, whose gradients go into their `main_grad`s
+            (by a GEMM that adds, `wgrad_kernel`, else one add in backward), or None.
 
     Returns:
         `[P, H]` in the rows' dtype.
@@ -258,9 +343,17 @@ def run_grouped_expert_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Ten
         if reason is None:
             return fused_expert_mlp(hidden_PH, gate_and_up_projs, down_projs, gate_up_proj_bias,
                                     down_proj_bias, tokens_per_expert, permuted_probs_P1,
-                                    experts_config.expert_activation)
+                                    experts_config.expert_activation, wgrad)
         if expert_mlp_impl == "fused":
             raise RuntimeError(f"expert_mlp_impl='fused' is not possible here: {reason}")
+    add_wgrad = None
+    if wgrad is not None and not chunked:
+        add_wgrad, _ = wgrad_kernel(rows_NH.device, rows_NH.dtype, rows_NH.shape[1], down_projs.shape[1],
+                                    host_counts(tokens_per_expert) is not None)
+    if wgrad is not None and add_wgrad is None:
+        gate_and_up_projs, down_projs = (IntoMainGrad.apply(w, t) for w, t in
+                                         zip((gate_and_up_projs, down_projs), wgrad))
+        wgrad = None
     if isinstance(hidden_PH, IndexedRows):
         # The permuted copy; its backward sums each received row's positions (no atomics).
         pos_RJ = torch.where(hidden_PH.slot_of_row_RJ < 0, rows, hidden_PH.slot_of_row_RJ).long()
@@ -270,4 +363,5 @@ def run_grouped_expert_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Ten
             hidden_PH, gate_and_up_projs, down_projs, gate_up_proj_bias, down_proj_bias,
             tokens_per_expert, permuted_probs_P1, activation_fn, chunk_bytes=chunk_bytes)
     return _grouped_mlp(hidden_PH, gate_and_up_projs, down_projs, gate_up_proj_bias, down_proj_bias,
-                        tokens_per_expert, permuted_probs_P1, activation_fn, False, activation_checkpoint)
+                        tokens_per_expert, permuted_probs_P1, activation_fn, False, activation_checkpoint,
+                        wgrad, add_wgrad)

@@ -8,6 +8,7 @@ Legend: P dispatched rows, H hidden, I expert intermediate size, e local experts
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +26,8 @@ from megatron_moe_ext.experts.common import stacked_shapes
 from megatron_moe_ext.experts.config import EXPERT_MLP_IMPLS, ExpertsConfig
 from megatron_moe_ext.experts.fused import fused_unsupported_reason
 from megatron_moe_ext.experts.fused_mlp import warmup_fused_expert_mlp
-from megatron_moe_ext.experts.mlp import run_grouped_expert_mlp
+from megatron_moe_ext.experts.mlp import run_grouped_expert_mlp, wgrad_kernel
+from megatron_moe_ext.experts.wgrad import wgrad_targets
 from megatron_moe_ext.megatron import checkpoint as _checkpoint
 from megatron_moe_ext.utils.env import env_choice
 
@@ -35,6 +37,9 @@ _INIT_ORDERS = {
     "sequential_mlp": lambda fc1, fc2: [w for pair in zip(fc1, fc2) for w in pair],
     "te_grouped_mlp": lambda fc1, fc2: fc1 + fc2,  # two GroupedLinears, fc1's weights first
 }
+
+logger = logging.getLogger(__name__)
+_LOGGED: set[str] = set()  # each distinct line once per process, not once per layer
 
 #: Picks `expert_mlp_impl` for command-line users of `--spec` (who cannot pass the keyword).
 EXPERT_MLP_IMPL_ENV = "MOE_EXT_EXPERT_MLP_IMPL"
@@ -208,6 +213,20 @@ class GroupedGemmExperts(MegatronModule):
         if impl == "auto":
             impl = "fused" if self.expert_mlp_fallback_reason is None else "grouped_mm"
         self._expert_mlp_path = impl
+        line = self.wgrad_accumulation
+        if line is not None and line not in _LOGGED:
+            _LOGGED.add(line)
+            (logger.info if "adds them into main_grad" in line else logger.warning)(line)
+
+    @property
+    def wgrad_accumulation(self) -> str | None:
+        """How `gradient_accumulation_fusion` is honoured where the weights are now (None when it
+        is off): which kernel adds the weight gradients into `main_grad`."""
+        if not self.config.gradient_accumulation_fusion:
+            return None
+        _, line = wgrad_kernel(self.gate_and_up_projs.device, self.config.params_dtype,
+                               self.experts_config.dim, self.experts_config.moe_inter_dim, True)
+        return f"GroupedGemmExperts: gradient_accumulation_fusion: expert weight gradients: {line}"
 
     def _apply(self, fn, *args, **kwargs):
         module = super()._apply(fn, *args, **kwargs)
@@ -267,8 +286,9 @@ class GroupedGemmExperts(MegatronModule):
             dispatched_input, self.gate_and_up_projs, self.down_projs, self.gate_up_proj_bias,
             self.down_proj_bias, tokens_per_expert, permuted_probs.unsqueeze(-1), self.activation_fn,
             self.experts_config.expert_mlp_chunk_bytes, checkpoint,
-            expert_mlp_impl=self._expert_mlp_path,
-            experts_config=self.experts_config), None
+            expert_mlp_impl=self._expert_mlp_path, experts_config=self.experts_config,
+            wgrad=(wgrad_targets(self.gate_and_up_projs, self.down_projs)
+                   if self.config.gradient_accumulation_fusion else None)), None
 
     def backward_dw(self) -> None:
         """Nothing is deferred: weight gradients come with the ordinary backward

@@ -21,6 +21,11 @@ epilogue/library.py's `linear_act_mod` and `dact_mod` / `dgated_mod`):
   calls it: a mod whose call `mod(A, B, None, out={"mAuxOut": D}, store_d=False,
   cu_seqlens_m=..., mColVecBroadcast=v)` writes `D = (A @ B) * v[:, None]` from the fp32
   accumulator into the given buffer (rows past the segments untouched).
+- `gemm_add_inplace(A, B, out, cu_seqlens_k=...)` (gemm_interface.py, beta 1: its add-to-output
+  form, `_gemm_add_inplace_parts` -> `gemm_add_inplace_op` with `add_to_output=True`): the
+  epilogue converts `alpha * acc` to out's dtype and the store reduce-adds it into `out`, any
+  float dtype (an fp32 out beside bf16 operands included); `_gemm_execute`'s out-shape assert;
+  with `A.numel() == 0` nothing is launched and `out` stays as it was.
 - The empty-input fast paths of gemm_interface.py (zeros, no launch, before any operand check).
 """
 
@@ -165,6 +170,21 @@ def gemm_dact(A, B, PreAct, activation=None, dx_out=None, postact_out=None, out_
 
 
 gemm_dgated = gemm_dact
+
+
+def gemm_add_inplace(A, B, out, bias=None, alpha=1.0, beta=1.0, cu_seqlens_m=None, cu_seqlens_k=None,
+                     A_idx=None, batch_idx_permute=None, dynamic_scheduler=False, tuned=True,
+                     concat_layout=None, split_k=1, split_k_mode=0):
+    """`out += alpha * A @ B` in place, the form the weight-gradient fusion uses (varlen K)."""
+    assert bias is None and beta == 1.0 and batch_idx_permute is None and concat_layout is None
+    assert cu_seqlens_k is not None and cu_seqlens_m is None and split_k == 1, "the fused path's form"
+    if out.numel() == 0 or A.numel() == 0:  # _gemm_add_inplace_parts' fast path (beta 1: no-op)
+        return
+    _check_operands(A, B, None, cu_seqlens_k, A_idx)
+    expected = (cu_seqlens_k.shape[0] - 1, A.shape[0], B.shape[-1])
+    assert out.shape == expected, f"out shape mismatch: {out.shape} vs {expected}"
+    acc = gemm(A, B, cu_seqlens_k=cu_seqlens_k, A_idx=A_idx, out_dtype=torch.float32)
+    out.add_((alpha * acc).to(out.dtype))
 
 
 def norm_act_mod(activation, *, gated, has_c, has_rowvec, has_colvec, sr=False, has_alpha=False):
