@@ -10,11 +10,16 @@ The claims are listed in bench/results/claims.toml, one `[[claim]]` each:
     file = "graphed_slice_h100_qwen3.json"     # its evidence, under bench/results/
     values = ["{a.b} / {a.c}"]                 # one expression per measured number in `text`
 
+A claim that compares two files names them: `file = { a = "x.json", b = "y.json" }`, and its
+expressions read `{a:path}`, `{b:path}`.
+
 A measured number is a number with a unit (x, %, ms, us, s, MiB, GiB, GB/s, TFLOP/s) or a test
 count (N passed / failed / skipped, N/N, N of N); a range `a-b` or a pair `a / b` is one number
 each. Each expression reads the JSON: `{path}` is the value at a dotted path (list indices are
-numbers; `*` takes every key or item: a list of values), with `min`, `max`, `abs`, `sum`, `len`
-and arithmetic. The written number must equal its value rounded to the decimals written.
+numbers, a key with dots is quoted: `'a.py'`, `run=x` is the list item whose `run` is x; `*` takes
+every key or item: a list of values, on which arithmetic applies to each), with `min`, `max`,
+`abs`, `sum`, `len` and arithmetic. The written number must equal its value rounded to the
+decimals written.
 
 Every measured number in the two documents must be inside some claim's text, or inside a
 `[[not_measured]]` entry's text (a default, a limit or a setting, not a measurement). Exit status
@@ -39,7 +44,7 @@ _NUM = r"\d+(?:\.\d+)?"
 _SEP = r"\s?(?:-|/|vs|against)\s?"
 _UNIT = r"(?:x\b|\s?%|\s?ms\b|\s?us\b|\s[sS]\b|\s?MiB\b|\s?GiB\b|\s?GB/s|\s?TFLOP/s|\s(?:passed|failed|skipped)\b)"
 #: A measured number: numbers joined by range or pair separators, then a unit; or N/N, N of N counts.
-MEASURED = re.compile(rf"(?<![\w.]){_NUM}(?:{_SEP}{_NUM})*{_UNIT}|(?<![\w.])\d+(?:/| of )\d+(?![\w.])")
+MEASURED = re.compile(rf"(?<![\w.]){_NUM}(?:{_SEP}{_NUM})*{_UNIT}|(?<![\w./])\d+(?:/| of )\d+(?![\w./])")
 _FIELD = re.compile(r"\{([^{}]+)\}")
 
 
@@ -47,7 +52,7 @@ _FIELD = re.compile(r"\{([^{}]+)\}")
 class Claim:
     doc: str
     text: str
-    file: str
+    file: str | dict[str, str]
     values: tuple[str, ...]
 
 
@@ -89,7 +94,8 @@ def _lookup(data, path: str):
     `field=value` (the list item whose field is value)."""
     values = [data]
     fanned = False
-    for part in path.split("."):
+    for part in re.findall(r"'[^']*'|[^.]+", path):
+        part = part.strip("'")
         nxt = []
         for v in values:
             if part == "*":
@@ -110,11 +116,13 @@ def _lookup(data, path: str):
 
 
 def evaluate(expression: str, data) -> float:
-    """An expression of `{path}` fields over the JSON `data`."""
+    """An expression of `{path}` fields over the JSON `data` (`{name:path}` where `data` is a
+    dict of named files)."""
     names = {}
 
     def field(m):
-        names[f"_v{len(names)}"] = _lookup(data, m.group(1).strip())
+        name, _, path = m.group(1).strip().rpartition(":")
+        names[f"_v{len(names)}"] = _lookup(data[name] if name else data, path)
         return f"_v{len(names) - 1}"
 
     code = _FIELD.sub(field, expression)
@@ -139,6 +147,13 @@ def load(root: str):
     return claims, exempt
 
 
+def _read(root: str, file: str | dict[str, str]):
+    if isinstance(file, dict):
+        return {name: _read(root, one) for name, one in file.items()}
+    with open(os.path.join(root, "bench", "results", file), encoding="utf-8") as f:
+        return json.load(f)
+
+
 def check(root: str) -> tuple[list[str], str]:
     """(problems, summary) of the claims under `root`."""
     claims, exempt = load(root)
@@ -160,11 +175,9 @@ def check(root: str) -> tuple[list[str], str]:
         if len(written) != len(claim.values):
             problems.append(f"{where}: {len(written)} measured numbers {written}, {len(claim.values)} values")
             continue
-        path = os.path.join(root, "bench", "results", claim.file)
         try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-        except OSError as exc:
+            data = _read(root, claim.file)
+        except (OSError, ValueError) as exc:
             problems.append(f"{where}: {exc}")
             continue
         for number, expression in zip(written, claim.values):
@@ -174,7 +187,7 @@ def check(root: str) -> tuple[list[str], str]:
                 problems.append(f"{where}: {expression}: {type(exc).__name__}: {exc}")
                 continue
             if not matches(number, value):
-                problems.append(f"{where}: written {number}, {claim.file} gives {value:.6g} ({expression})")
+                problems.append(f"{where}: written {number}, the file gives {value:.6g} ({expression})")
     for doc, text in exempt:
         start = docs[doc].find(_squash(text))
         if start < 0:
