@@ -14,13 +14,14 @@ The claims are listed in bench/results/claims.toml, one `[[claim]]` each:
 A claim that compares two files names them: `file = { a = "x.json", b = "y.json" }`, and its
 expressions read `{a:path}`, `{b:path}`.
 
-A measured number is a number with a unit (x, %, ms, us, s, MiB, GiB, GB/s, TFLOP/s) or a test
-count (N passed / failed / skipped, N/N, N of N); a range `a-b` or a pair `a / b` is one number
-each. Each expression reads the JSON: `{path}` is the value at a dotted path (list indices are
-numbers, a key with dots is quoted: `'a.py'`, `run=x` is the list item whose `run` is x; `*` takes
-every key or item: a list of values, on which arithmetic applies to each), with `min`, `max`,
-`abs`, `sum`, `len` and arithmetic. The written number must equal its value rounded to the
-decimals written.
+A measured number is a number with a unit (x, %, ms, us, s, MiB, GiB, GB/s, TFLOP/s), a test
+count (N passed / failed / skipped, N/N, N of N) or any other decimal (1.5, 2.3e-2; not a version
+such as 0.6.5); a range `a-b` or a pair `a / b` is one number each. Each expression reads the
+JSON: `{path}` is the value at a dotted path (list indices are numbers, a key with dots is
+quoted: `'a.py'`, `run=x` is the list item whose `run` is x; `*` takes every key or item: a list
+of values, on which arithmetic applies to each, which can be sliced), with `min`, `max`, `abs`,
+`sum`, `len` and arithmetic. The written number must equal its value rounded to the decimals
+written (to the significant digits written, in scientific notation).
 
 Every measured number in the two documents must be inside some claim's text, or inside a
 `[[not_measured]]` entry's text (a default, a limit or a setting, not a measurement). Exit status
@@ -44,8 +45,11 @@ CLAIMS = "bench/results/claims.toml"
 _NUM = r"\d+(?:\.\d+)?"
 _SEP = r"\s?(?:-|/|vs|against)\s?"
 _UNIT = r"(?:x\b|\s?%|\s?ms\b|\s?us\b|\s[sS]\b|\s?MiB\b|\s?GiB\b|\s?GB/s|\s?TFLOP/s|\s(?:passed|failed|skipped)\b)"
-#: A measured number: numbers joined by range or pair separators, then a unit; or N/N, N of N counts.
-MEASURED = re.compile(rf"(?<![\w.]){_NUM}(?:{_SEP}{_NUM})*{_UNIT}|(?<![\w./])\d+(?:/| of )\d+(?![\w./])")
+_DECIMAL = r"\d+\.\d+(?:e-\d+)?"
+#: A measured number: numbers joined by range or pair separators, then a unit; N/N, N of N counts;
+#: any other decimal (a version has two dots and is not one).
+MEASURED = re.compile(rf"(?<![\w.]){_NUM}(?:{_SEP}{_NUM})*{_UNIT}|(?<![\w./])\d+(?:/| of )\d+(?![\w./])"
+                      rf"|(?<![\w./-]){_DECIMAL}(?:{_SEP}{_DECIMAL})*(?![\w.])")
 _FIELD = re.compile(r"\{([^{}]+)\}")
 
 
@@ -59,7 +63,7 @@ class Claim:
 
 def numbers_in(text: str) -> list[str]:
     """The measured numbers of `text`, each as written, in order."""
-    return [n for m in MEASURED.finditer(text) for n in re.findall(_NUM, m.group(0))]
+    return [n for m in MEASURED.finditer(text) for n in re.findall(rf"{_DECIMAL}|{_NUM}", m.group(0))]
 
 
 class Values(list):
@@ -132,6 +136,9 @@ def evaluate(expression: str, data) -> float:
 
 
 def matches(written: str, value: float) -> bool:
+    if "e-" in written:  # as many significant digits as written
+        mantissa, _, exponent = written.partition("e-")
+        return matches(mantissa, value * 10 ** int(exponent))
     decimals = len(written.partition(".")[2])
     return math.isclose(round(value, decimals), float(written), abs_tol=10 ** -(decimals + 6))
 
@@ -200,12 +207,11 @@ def check(root: str) -> tuple[list[str], str]:
                 continue
             if not matches(number, value):
                 problems.append(f"{where}: written {number}, the file gives {value:.6g} ({expression})")
-    for doc, text in exempt:
-        start = docs[doc].find(_squash(text))
-        if start < 0:
+    for doc, text in exempt:  # every occurrence
+        spans = [m.span() for m in re.finditer(re.escape(_squash(text)), docs[doc])]
+        if not spans:
             problems.append(f"{doc}: not_measured passage not found: {text[:60]!r}")
-        else:
-            covered[doc].append((start, start + len(_squash(text))))
+        covered[doc].extend(spans)
     uncovered = 0
     for doc, text in docs.items():
         for m in MEASURED.finditer(text):

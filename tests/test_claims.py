@@ -80,6 +80,9 @@ def test_measured_numbers_and_expressions():
         "0.80", "0.99", "2.0", "2.8", "1.2", "1.5", "42", "42", "8", "8"]
     assert check_claims.numbers_in("4098 MiB, 97 % busy, 191 passed, 11 skipped, 341 GB/s, 103 s") == [
         "4098", "97", "191", "11", "341", "103"]
+    # Unitless decimals count too; versions and plain integers do not.
+    assert check_claims.numbers_in("max 2.3e-2, needed 1.75 / 2.0 / 2.0, QuACK 0.6.5, EP 8, 2e-3") == [
+        "2.3e-2", "1.75", "2.0", "2.0"]
     data = {"a": {"x": {"t": 2.0, "u": 4.0}, "y": {"t": 3.0, "u": 9.0}},
             "runs": [{"run": "p", "ms": 5.0}, {"run": "q", "ms": 10.0}], "f.py": {"n": 7}}
     assert check_claims.evaluate("min({a.*.t} / {a.*.u})", data) == 1 / 3
@@ -88,3 +91,4 @@ def test_measured_numbers_and_expressions():
     assert check_claims.evaluate("{one:a.x.t} * {two:a.y.u}", {"one": data, "two": data}) == 18.0
     assert check_claims.matches("1.31", 1.3149) and not check_claims.matches("1.31", 1.3151)
     assert check_claims.matches("334", 333.9) and not check_claims.matches("2.8", 2.74)
+    assert check_claims.matches("1.3e-5", 1.3098e-05) and not check_claims.matches("1.3e-5", 1.36e-05)
