@@ -112,8 +112,7 @@ def simulate(world: int, tokens: int, experts: int, topk: int, dispatches: int, 
     Returns `rows` (int64 numpy [dispatches, world]: rows needed on each rank), `factor`
     (float numpy [dispatches]: max rows / (T * K)) and `slots_per_token` (the set of routed
     slots per token seen: {topk} when no slot was masked or dropped)."""
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, \
-        get_expert_parallel_rng_tracker_name
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
 
     if experts % world:
         raise ValueError(f"experts={experts} must be a multiple of world={world}")
@@ -223,7 +222,8 @@ def main(argv=None):
                    sys.argv[1:] if argv is None else argv),
                megatron_functions=MEGATRON_FUNCTIONS, megatron_core=_megatron_version(),
                torch=torch.__version__, router_settings=dict(QWEN3_ROUTER, hidden_size=args.hidden),
-               seed=args.seed, rank_seeds="seed + W + 1024 + 100 * rank (Megatron's EP-rank seed, run W's base seed + W)",
+               seed=args.seed,
+               rank_seeds="seed + W + 1024 + 100 * rank (Megatron's EP-rank seed, run W's base seed + W)",
                budget="megatron_moe_ext.dispatcher.fixed.rank_budget(T, K, factor)",
                run_draws=dict(layers=LAYERS, micro_batches=MICRO_BATCHES, steps=RUN_STEPS,
                               draws=LAYERS * MICRO_BATCHES * RUN_STEPS),

@@ -342,11 +342,12 @@ def main():
         os.makedirs(out_dir, exist_ok=True)
         device_name = torch.cuda.get_device_name(device)
         tag = "h200" if "H200" in device_name else device_name.lower().replace(" ", "_")
-        suffix = ("_timeline" if args.timeline else "") + (f"_prelude{args.prelude_us:g}us" if args.prelude_us else "")
+        suffix = (("_timeline" if args.timeline else "")
+                  + (f"_prelude{args.prelude_us:g}us" if args.prelude_us else ""))
         path = os.path.join(out_dir, f"dispatch_{args.backend}_ep{world}_{tag}{suffix}.json")
         record = {
             "command": " ".join(["torchrun", f"--nproc-per-node {world}"] + sys.argv),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "date": datetime.datetime.now(datetime.UTC).isoformat(),
             "device": f"{world}x {device_name}",
             "num_sms": args.num_sms[0], "iters": args.iters, "warmup": args.warmup, "rounds": args.rounds,
             "ext_backend": args.backend, "timeline": args.timeline,

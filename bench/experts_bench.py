@@ -253,7 +253,7 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     result = {
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(device),
         "torch": torch.__version__,
         "flops_per_step": "18 * P * H * I (six GEMMs, forward + backward)",
@@ -311,7 +311,8 @@ def main() -> None:
                             row[f"{name}{prefix}_tflops"] / row[f"dense_bf16{prefix}_tflops"], 3)
             entry["tokens_per_expert"][str(tpe)] = row
             print(shape_name, tpe, row, flush=True)
-            del steps, x, probs, w1, w2, grad
+            # Drop this size's tensors (and the closures over them) before the next allocates.
+            steps = x = probs = w1 = w2 = grad = None
             torch.cuda.empty_cache()
         result["shapes"][shape_name] = entry
     result["bias_grad_reduction"] = bench_bias_grad(SHAPES["deepseek_v3"], max(args.tokens_per_expert),

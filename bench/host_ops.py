@@ -48,7 +48,7 @@ class _CountedKernel:
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            from torch.utils._python_dispatch import _get_current_dispatch_mode, _disable_current_modes
+            from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
 
             mode = _get_current_dispatch_mode()
             if isinstance(mode, OpCounter):

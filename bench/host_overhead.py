@@ -154,7 +154,7 @@ def main() -> None:
         print(json.dumps(result), flush=True)
         host = "gpu" if torch.cuda.is_available() else "cpu"
         record = {"command": f"torchrun --nproc-per-node {world} bench/host_overhead.py",
-                  "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                   "host": f"{host} machine, {os.cpu_count()} CPUs, {cpu_model()}",
                   "python": sys.version.split()[0], "torch": torch.__version__,
                   "shape": {"tokens": T, "hidden": H, "topk": K, "experts": E}, **result}

@@ -213,5 +213,6 @@ def gpu_activity(events, top: int = 25) -> dict:
         kernels=len(kernels),
         busy_ms_incl_copies=round(union_length(kernels + copies) / 1e3, 3),
         copies=len(copies),
-        first_to_last_ms=round((max(e for _, e in kernels) - min(s for s, _ in kernels)) / 1e3, 3) if kernels else 0.0,
+        first_to_last_ms=(round((max(e for _, e in kernels) - min(s for s, _ in kernels)) / 1e3, 3)
+                          if kernels else 0.0),
         top_kernels=[[name, round(ms, 4), n] for name, (ms, n) in ranked])

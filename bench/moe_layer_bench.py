@@ -254,7 +254,6 @@ def top_kernels(layer, x_SBH, grad_SBH, iters: int = 5, top: int = 12) -> dict:
     """`{kernel name (cut to 90 chars): [ms per step, launches per step]}` of the `top` kernels of
     a forward + backward step, from the profiler (where a variant's time goes)."""
     from megatron.core.transformer.moe.moe_utils import get_moe_metrics_tracker
-
     from moe_layer_graphs import kernel_ms
 
     def step():

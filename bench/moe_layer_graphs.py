@@ -252,7 +252,7 @@ def layer_case(name: str, shape: dict, tpe: int, args, gpu: bool, device, dtype)
     check_overflow(module)
 
     result["expert_mlp"] = expert_mlp_case(layer, num_tokens * shape["topk"], shape, iters, device, dtype)
-    del graphed, module, layer
+    graphed = module = layer = None  # free the graphs' memory before the next shape
     torch.cuda.empty_cache()
     return result
 
@@ -268,7 +268,8 @@ def expert_mlp_case(layer, rows: int, shape: dict, iters: int, device, dtype) ->
     offsets_e = torch.cumsum(counts_e, 0).to(torch.int32)
     w1, w2 = experts.gate_and_up_projs.detach(), experts.down_projs.detach()
     h_PI = torch.randn(rows, inter, device=device, dtype=dtype)
-    d1, d2 = torch.randn(hidden, 2 * inter, device=device, dtype=dtype), torch.randn(inter, hidden, device=device, dtype=dtype)
+    d1 = torch.randn(hidden, 2 * inter, device=device, dtype=dtype)
+    d2 = torch.randn(inter, hidden, device=device, dtype=dtype)
     flops = 2 * rows * hidden * 2 * inter + 2 * rows * inter * hidden
 
     def mlp():
@@ -309,7 +310,7 @@ def expert_mlp_case(layer, rows: int, shape: dict, iters: int, device, dtype) ->
 
 def write_summary(args, gpu: bool, cases: list, wall_s: float) -> None:
     summary = dict(
-        command=" ".join(["python"] + sys.argv), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        command=" ".join(["python"] + sys.argv), date=datetime.datetime.now(datetime.UTC).isoformat(),
         device=torch.cuda.get_device_name() if gpu else "cpu", torch=torch.__version__,
         smoke=args.smoke, wall_s=wall_s, cases=cases)
     out = args.out or os.path.join(os.environ.get("OUT", "."),

@@ -128,7 +128,7 @@ def main(argv=None):
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args(argv)
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # as tests/conftest.py: no Inductor builds
-    from tests.harness import shutdown_pools, get_pool
+    from tests.harness import get_pool, shutdown_pools
 
     try:
         ranks = get_pool(2).run(trace_rank)

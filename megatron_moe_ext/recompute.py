@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
-from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
-                                    noop_context_fn)
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
 from megatron_moe_ext.dispatcher.common import checks
 from megatron_moe_ext.dispatcher.replay import RecomputeReplay, RoutingChangedError

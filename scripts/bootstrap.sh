@@ -18,7 +18,7 @@ find_python312() {
 }
 
 stamp=.venv/.megatron_moe_ext_stamp
-want=$(cat setup.py requirements/*.txt scripts/bootstrap.sh | sha256sum | cut -d' ' -f1)
+want=$(cat pyproject.toml requirements/*.txt scripts/bootstrap.sh | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x .venv/bin/python ]; then
   exit 0
 fi

@@ -12,11 +12,13 @@ or inside a function. Four measures:
   with the import that makes each of its steps.
 - underscore imports: another module's underscore name used inside the package, imported
   (`from x import _name`) or read off an imported module (`x._name`).
-- long modules: modules above MAX_LINES lines.
+- long modules: modules above MAX_LINES lines (a warning).
 - experts depth: the longest chain of imports among the modules of experts/ (its subfolders
-  included), counted in imports; above MAX_EXPERTS_DEPTH is a violation.
+  included), counted in imports; above MAX_EXPERTS_DEPTH is a warning.
 
-Exit status 1 with a list of the violations, 0 with a one-line summary otherwise. What
+Circles and underscore imports are violations: exit status 1, with the list. Sizes and depths
+are caps to watch, not rules: a module past them is printed as a warning, exit status 0. A
+one-line summary ends every report. What
 counts as an edge: `from a.b import c` is an import of module a.b.c where that is a module of
 the package, else of a.b; the parent packages' `__init__` that Python also runs are not
 counted (every module would be in a circle with its package's `__init__`), nor are
@@ -242,7 +244,7 @@ def _witness(circle, by_edge):
 
 
 def report(m):
-    """(violation lines, one-line summary) of `measure`'s result."""
+    """(violation lines, warning lines, one-line summary) of `measure`'s result."""
     depth = max(len(m["experts_chain"]) - 1, 0)
     lines = []
     for kind in ("module", "folder"):
@@ -250,15 +252,15 @@ def report(m):
             lines.append(f"{kind} circle: " + " -> ".join(_short(c[0]) for c in circle + circle[:1]))
             lines += [f"    {_short(a)} -> {_short(b)}: " + _places(imps) for a, b, imps in circle]
     lines += [f"underscore import: {u.path}:{u.line} {u.target}.{u.name}" for u in m["underscore"]]
-    lines += [f"long module: {p} ({n} lines > {MAX_LINES})" for p, n in m["long_modules"]]
+    warnings = [f"warning: long module: {p} ({n} lines > {MAX_LINES})" for p, n in m["long_modules"]]
     chain = " -> ".join(map(_short, m["experts_chain"])) or "no imports"
     if depth > MAX_EXPERTS_DEPTH:
-        lines.append(f"experts depth {depth} > {MAX_EXPERTS_DEPTH}: {chain}")
+        warnings.append(f"warning: experts depth {depth} > {MAX_EXPERTS_DEPTH}: {chain}")
     summary = (f"{m['modules']} modules: {len(m['module_circles'])} module circles, "
                f"{len(m['folder_circles'])} folder circles, {len(m['underscore'])} underscore imports, "
                f"{len(m['long_modules'])} modules > {MAX_LINES} lines, experts depth {depth} "
                f"(limit {MAX_EXPERTS_DEPTH}: {chain})")
-    return lines, summary
+    return lines, warnings, summary
 
 
 def _short(module):
@@ -275,8 +277,8 @@ def _places(imports, most=3):
 def main(argv):
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     root = argv[0] if argv else os.path.join(here, "megatron_moe_ext")
-    lines, summary = report(measure(root))
-    print("\n".join(lines + [summary]))
+    lines, warnings, summary = report(measure(root))
+    print("\n".join(lines + warnings + [summary]))
     return 1 if lines else 0
 
 

@@ -26,8 +26,8 @@ import signal
 import socket
 import tempfile
 import time
-from datetime import timedelta
 import traceback
+from datetime import timedelta
 
 import torch.multiprocessing as mp
 
@@ -53,9 +53,9 @@ def _reset_worker_state() -> None:
 
     MoEFlexTokenDispatcher.release_shared_managers()
     try:
-        import megatron_moe_ext.patches as patches
         from megatron.core import parallel_state
 
+        import megatron_moe_ext.patches as patches
         from tests.shims import megatron_cpu
 
         patches.revert()
@@ -174,7 +174,7 @@ class DistPool:
                     break
                 raise TimeoutError(f"{fn.__name__} did not finish on all {self.world_size} ranks "
                                    f"within {timeout}s (finished: {sorted(out)}); pool killed\n"
-                                   f"{stuck_report}")
+                                   f"{stuck_report}") from None
             (out if ok else errors)[rank] = value
         if errors:
             if not self.broken and not all(p.is_alive() for p in self._procs):

@@ -1,4 +1,5 @@
-"""scripts/check_structure.py finds what is planted in small synthetic packages."""
+"""scripts/check_structure.py finds what is planted in small synthetic packages: circles and
+underscore imports fail it, module sizes and the experts' import depth are warnings."""
 
 import importlib.util
 import os
@@ -28,8 +29,8 @@ def _circles(found):
 
 def test_clean_tree_passes(tmp_path):
     root = _tree(tmp_path, {"__init__.py": "", "a.py": "from pkg import b\n", "b.py": "X = 1\n"})
-    lines, summary = check_structure.report(check_structure.measure(root))
-    assert lines == []
+    lines, warnings, summary = check_structure.report(check_structure.measure(root))
+    assert lines == warnings == []
     assert summary.startswith("3 modules: 0 module circles, 0 folder circles, 0 underscore imports")
 
 
@@ -61,7 +62,7 @@ def test_folder_circle_without_module_circle(tmp_path):
     m = check_structure.measure(root)
     assert m["module_circles"] == []
     assert _circles(m["folder_circles"]) == [["pkg", "pkg.disp"]]
-    lines, _ = check_structure.report(m)
+    lines, _, _ = check_structure.report(m)
     assert lines[0] == "folder circle: pkg -> disp -> pkg"
 
 
@@ -81,21 +82,25 @@ def test_underscore_imports_and_attribute_reads(tmp_path):
     })
     uses = [(u.path, u.line, u.target, u.name) for u in check_structure.read_package(root).underscore]
     assert uses == [("pkg/b.py", 1, "pkg.a", "_hidden")] + [("pkg/b.py", 7, "pkg.a", "_hidden")] * 3
-    lines, _ = check_structure.report(check_structure.measure(root))
+    lines, _, _ = check_structure.report(check_structure.measure(root))
     assert "underscore import: pkg/b.py:1 pkg.a._hidden" in lines
 
 
-def test_long_module_and_experts_depth(tmp_path):
+def test_long_module_and_experts_depth_are_warnings(tmp_path):
     chain = {f"experts/m{i}.py": f"from pkg.experts import m{i + 1}\n" for i in range(7)}
     root = _tree(tmp_path, {"__init__.py": "", "experts/__init__.py": "", "experts/m7.py": "",
                             "long.py": "x = 1\n" * 451, **chain})
     m = check_structure.measure(root)
     assert m["long_modules"] == [("pkg/long.py", 451)]
     assert m["experts_chain"] == [f"pkg.experts.m{i}" for i in range(8)]
-    lines, summary = check_structure.report(m)
-    assert "long module: pkg/long.py (451 lines > 450)" in lines
-    assert lines[-1].startswith("experts depth 7 > 6: experts.m0 -> experts.m1")
+    lines, warnings, summary = check_structure.report(m)
+    assert lines == []
+    assert warnings[0] == "warning: long module: pkg/long.py (451 lines > 450)"
+    assert warnings[1].startswith("warning: experts depth 7 > 6: experts.m0 -> experts.m1")
     assert "experts depth 7" in summary
+    done = subprocess.run([sys.executable, SCRIPT, root], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.splitlines()[:2] == warnings
 
 
 def test_command_exit_status(tmp_path):
@@ -109,10 +114,10 @@ def test_command_exit_status(tmp_path):
 
 def test_the_package_itself_is_clean():
     """Issue 38's structure: no import circle (modules or folders), no imported underscore
-    name, no module over 450 lines, experts/ at most six import levels deep."""
-    lines, summary = check_structure.report(check_structure.measure(os.path.join(ROOT, "megatron_moe_ext")))
+    name. Module sizes and the experts' depth are reported, not required (issue 51)."""
+    lines, _, summary = check_structure.report(check_structure.measure(os.path.join(ROOT, "megatron_moe_ext")))
     assert lines == [], "\n".join(lines)
-    assert " 0 module circles, 0 folder circles, 0 underscore imports, 0 modules > 450 lines" in summary, summary
+    assert " 0 module circles, 0 folder circles, 0 underscore imports, " in summary, summary
 
 
 def test_one_layer_step_crosses_at_most_nine_files(dist_pools):

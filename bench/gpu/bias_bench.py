@@ -40,7 +40,6 @@ import datetime
 import glob
 import json
 import os
-import statistics
 import subprocess
 import sys
 import traceback
@@ -198,7 +197,7 @@ def main() -> int:
                          if "ms" in r else "ERROR " + r["error"].splitlines()[-1]), flush=True)
             torch.cuda.empty_cache()
     result = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(),
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "megatron_apply_bias_error": meg_error,

@@ -96,7 +96,7 @@ def main() -> None:
 
     result = {
         "command": "torchrun --nproc-per-node 2 " + " ".join(sys.argv),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(),
         "device": torch.cuda.get_device_name(device),
         "world_size": dist.get_world_size(),
         "shape": {"tokens_per_rank": TOKENS, "hidden": HIDDEN, "experts": EXPERTS, "topk": TOPK,

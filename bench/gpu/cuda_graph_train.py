@@ -177,7 +177,7 @@ def main(argv=None) -> None:
             comparison[name] = dict(equal=run["losses"] == eager, max_abs_diff=max(diffs),
                                     steps=len(run["losses"]))
     summary = dict(command=" ".join(["python"] + sys.argv), megatron_have_te_graphs=cuda_graphs_have_te(),
-                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                   date=datetime.datetime.now(datetime.UTC).isoformat(),
                    device=torch.cuda.get_device_name() if gpu else "cpu", config=dataclasses.asdict(cfg),
                    runs=runs, comparison_to_eager=comparison)
     out = args.out or os.path.join(os.environ.get("OUT", "."),

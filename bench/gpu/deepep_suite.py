@@ -98,7 +98,7 @@ def dense_case(case: RoutingCase, face: str, dtype: str, backend: str, overrides
 def raw_parity(dtype: str, tokens: int, hidden: int, num_experts: int, topk: int):
     from megatron_moe_ext.dispatcher.backends import deepep, torch_a2a
 
-    rank, world, group = dist.get_rank(), dist.get_world_size(), dist.group.WORLD
+    rank, group = dist.get_rank(), dist.group.WORLD
     device = DEVICE
     g = torch.Generator(device=device).manual_seed(5 + rank)
     x = torch.randn(tokens + 37 * rank, hidden, generator=g, device=device).to(DTYPES[dtype])
@@ -279,8 +279,9 @@ def main():
         path = os.path.join(out_dir, f"deepep_suite_ep{world}.json")
         with open(path, "w") as f:
             json.dump({"command": f"torchrun --nproc-per-node {world} bench/gpu/deepep_suite.py",
-                       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                       "device": "cpu (test double)" if args.cpu_double else f"{world}x {torch.cuda.get_device_name()}",
+                       "date": datetime.datetime.now(datetime.UTC).isoformat(),
+                       "device": ("cpu (test double)" if args.cpu_double
+                                  else f"{world}x {torch.cuda.get_device_name()}"),
                        "passed": total - len(failed), "total": total, "failed": failed,
                        "checks": suite.records}, f, indent=2, default=str)
         print(f"wrote {path}", flush=True)

@@ -213,8 +213,8 @@ def graphed_budget_layer_case(hidden: int = 128) -> dict:
     counts, factor GRAPHED_FACTOR, this package's grouped-GEMM experts on the torch path, bf16),
     warmed up eagerly on a side stream, then forward and backward captured in one
     `torch.cuda.graph` into static input and gradient buffers (torch.cuda.graphs' whole-network
-    recipe, as bench/gpu/graph_probe.py's `whole_graph`). Each of GRAPHED_STEPS steps copies new
-    tokens into the buffers and replays, then runs an eager twin (same weights, same tokens):
+    recipe). Each of GRAPHED_STEPS steps copies new tokens into the buffers and replays, then
+    runs an eager twin (same weights, same tokens):
     output, input gradient and every parameter gradient, bitwise or their worst differences;
     and both layers' overflow counters over the steps. A capture that raises is the result
     (`capture_error`; the steps are not run). Over this gloo group a budget-mode step calls no
@@ -372,8 +372,8 @@ def bad_input_outcomes(case, report) -> None:
     import torch
     import torch.distributed as dist
 
-    from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
     from megatron_moe_ext.dispatcher.common.checks import CHECK_MODE_ENV
+    from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
     from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
     from tests.reference import apply_local_experts, make_routing, toy_expert_params
 
@@ -519,7 +519,8 @@ def _budget_overflow_check(results):
         and all(err <= r["tol"] for phase in ("skew", "fit") for err in r[phase]["diffs"].values())
         and r["fit"]["stats"][0] == 0 and r["fit"]["stats"][1] <= r["budget"] and r["host_reads"] == []
         for r in results)
-    return ok, {"skew_stats": [r["skew"]["stats"] for r in results], "fit_stats": [r["fit"]["stats"] for r in results],
+    return ok, {"skew_stats": [r["skew"]["stats"] for r in results],
+                "fit_stats": [r["fit"]["stats"] for r in results],
                 "worst_error": max(e for r in results for ph in ("skew", "fit") for e in r[ph]["diffs"].values()),
                 "tol": results[0]["tol"], "host_reads": sorted({c for r in results for c in r["host_reads"]})}
 
@@ -603,7 +604,8 @@ def hybridep_plan(extras: bool) -> list:
         layers = tuple(hybridep_case(c) for c in (protocol_ranks.LAYER_A, protocol_ranks.LAYER_B))
         for face in ("topk", "megatron"):
             plan.append((f"two_layers_in_flight/{face}/bf16",
-                         lambda f=face: protocol_ranks.two_layers_in_flight("hybridep", use, f, "bf16", layers, DEVICE),
+                         lambda f=face: protocol_ranks.two_layers_in_flight("hybridep", use, f, "bf16", layers,
+                                                                           DEVICE),
                          _layers_check))
     # Last: the layer dispatches over Megatron's EP group, a second buffer in each process.
     plan.append(("flex_layer/bf16", lambda: flex_layer_case("hybridep", "bf16", 128), _flex_check))
@@ -787,7 +789,8 @@ def launch(backend: str, world: int, site: str | None, limit_s: float, extras: b
     # The ranks stop starting cases this long before the limit (and leave room for the bad input,
     # or the refused input at 0 tokens).
     reserve = TEARDOWN_S + (BAD_INPUT_RESERVE_S if backend == "hybridep" else 0)
-    procs = [ctx.Process(target=_rank, args=(backend, world, extras, list(select), r, port, site, results, end - reserve),
+    procs = [ctx.Process(target=_rank,
+                         args=(backend, world, extras, list(select), r, port, site, results, end - reserve),
                          daemon=True) for r in range(world)]
     for p in procs:
         p.start()
@@ -826,7 +829,7 @@ def main() -> None:
     args = parser.parse_args()
     begin = time.time()
     record = {"command": "python3 bench/gpu/ep_on_one_gpu.py " + " ".join(sys.argv[1:]),
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "gpu": uccl_real._gpu_mode(),
+              "date": datetime.datetime.now(datetime.UTC).isoformat(), "gpu": uccl_real._gpu_mode(),
               "launches": {}}
     for name, path in (("hybridep", os.path.join(HYBRIDEP_DIR, "DEEPEP_COMMIT")),
                        ("uccl", os.path.join(uccl_real.LAYER, "SOURCE.json")),
@@ -842,7 +845,8 @@ def main() -> None:
                 # Not a pass/fail launch: the library's own first check, run at each size.
                 record["deepep_library_check"] = {
                     "deep_ep_cpp": f"not built in {DEEPEP_DIR} (.gpu/deepep-src/build.sh builds it)",
-                    **{f"ep{world}": launch(backend, world, site, LIMITS_S[(backend, world)]) for world in args.worlds}}
+                    **{f"ep{world}": launch(backend, world, site, LIMITS_S[(backend, world)])
+                       for world in args.worlds}}
                 continue
             for world in args.worlds:
                 limit = LIMITS_S.get((backend, world), 60) * args.limit_scale

@@ -144,7 +144,8 @@ def run_timing(world: int, device: str) -> list[dict]:
             ("GroupedExpertsDeepEP torch capacity mode",
              ModuleCase("t", "deepep", "swiglu", dispatcher_options=CAPACITY, **shape))]
     if _real_deepep() and world > 1:
-        runs.append(("GroupedExpertsDeepEP real DeepEP", ModuleCase("t", "deepep", "swiglu", backend="deepep", **shape)))
+        runs.append(("GroupedExpertsDeepEP real DeepEP",
+                     ModuleCase("t", "deepep", "swiglu", backend="deepep", **shape)))
         runs.append(("GroupedExpertsTE real DeepEP", ModuleCase("t", "te", "swiglu", backend="deepep", **shape)))
     out = []
     for name, case in runs:
@@ -169,7 +170,7 @@ def main() -> int:
     device = "cuda" if use_cuda else "cpu"
     report = {
         "command": " ".join(sys.argv),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(),
         "device": torch.cuda.get_device_name() if use_cuda else "cpu",
         "world": world,
         "real_deepep": _real_deepep(),

@@ -25,9 +25,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from megatron_moe_ext.dispatcher.common.permute import indices_to_routing_map  # noqa: E402
 from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig  # noqa: E402
 from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher  # noqa: E402
-from megatron_moe_ext.dispatcher.common.permute import indices_to_routing_map  # noqa: E402
 
 
 def timed(fn, iters: int) -> dict:

@@ -55,9 +55,12 @@ def gpu_environment(hybridep_dir: str) -> dict:
         # A toolkit with nvcc and headers: /usr/local/cuda, else the one `nvcc` on PATH is in
         # (which may be a wrapper script outside the toolkit, hence the header check).
         nvcc = shutil.which("nvcc")
-        candidates = ["/usr/local/cuda"] + ([os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))] if nvcc else [])
+        candidates = ["/usr/local/cuda"]
+        if nvcc:
+            candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
         for home in candidates:
-            if os.path.exists(os.path.join(home, "bin", "nvcc")) and os.path.exists(os.path.join(home, "include", "cuda.h")):
+            if (os.path.exists(os.path.join(home, "bin", "nvcc"))
+                    and os.path.exists(os.path.join(home, "include", "cuda.h"))):
                 env["CUDA_HOME"] = home
                 break
     env.setdefault("HYBRID_EP_CACHE_DIR", "/tmp/hybridep_jit")
@@ -73,7 +76,8 @@ def run_pytest(name: str, args: list[str], env: dict, out_dir: str, timeout: int
     env = dict(env, PYTEST_STREAM_REPORT=junit[:-4] + ".jsonl",
                PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "bench", "gpu"), env["PYTHONPATH"]]))
     # -s: the rank workers' own stderr (a CUDA error, an abort) goes straight to the log.
-    cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-rfEs", "-p", "no:cacheprovider", "-p", "pytest_stream_report",
+    cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-rfEs", "-p", "no:cacheprovider",
+           "-p", "pytest_stream_report",
            f"--junitxml={junit}", *args]
     proc = subprocess.Popen(["timeout", str(timeout), *cmd], cwd=ROOT, env=env,
                             stdout=open(log, "w"), stderr=subprocess.STDOUT)
@@ -162,7 +166,8 @@ def library_probe(env: dict) -> dict:
         " num_of_experts_per_rank=8)",
         "y, _ = b.combine_with_unpermute(hidden=rows, handle=h)",
         "torch.cuda.synchronize()",
-        "print('dispatch+combine ok', tuple(rows.shape), tpe.tolist(), float((y.float() - 2 * x.float()).abs().max()))",
+        "print('dispatch+combine ok', tuple(rows.shape), tpe.tolist(), "
+        "float((y.float() - 2 * x.float()).abs().max()))",
     ])
     try:
         proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,

@@ -55,6 +55,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "bench", "gpu"))
 import hybridep_real  # noqa: E402
+
 from tests.functional.megatron_yaml import model_args_argv, read_flat_yaml  # noqa: E402
 
 MLM = os.path.join(REPO, ".gpu", "megatron-lm")
@@ -137,7 +138,8 @@ def _case_command(name: str, config: dict, tb_dir: str) -> tuple[list[str], dict
 
 
 def _extract(tb_dir: str, train_iters: int, path: str, log: str) -> dict:
-    cmd = [PY, os.path.join(MLM, "tests/functional_tests/python_test_utils/get_test_results_from_tensorboard_logs.py"),
+    cmd = [PY,
+           os.path.join(MLM, "tests/functional_tests/python_test_utils/get_test_results_from_tensorboard_logs.py"),
            "--logs-dir", tb_dir, "--train-iters", str(train_iters), "--output-path", path,
            "--is-normal-test", "--step-size", "1"]
     return run(cmd, log, _env(), 300)

@@ -17,8 +17,6 @@ import json
 import os
 import sys
 
-import torch
-
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path[:0] = [_ROOT, os.path.join(_ROOT, "bench")]
 

@@ -158,10 +158,10 @@ def _ep1(backend, deep_ep, stage, report) -> None:
 
 
 def _ep2(backend, device, stage, report, deadline: float) -> None:
+    import deepep_suite
     import torch
     import torch.distributed as dist
 
-    import deepep_suite
     from tests.dispatcher.cases import CASES, FACES, TOLERANCE
 
     deepep_suite.DEVICE = device
@@ -203,9 +203,8 @@ def _second_buffer(backend, comm, group, hidden: int, stage, report) -> None:
     """A second live buffer in this process (an unshared owner, as moe_share_token_dispatcher=
     False gives): ValueError on every rank before UCCL's constructor; once the first is freed,
     it builds. Then the first is rebuilt (`hidden` fp32 rows) for the cases."""
-    import torch
-
     import deepep_suite
+    import torch
 
     stage("second_buffer")
     second = backend.communicator(group, shared=False)
@@ -296,7 +295,7 @@ def _gpu_mode() -> str:
 
 def main() -> None:
     begin = time.time()
-    record = {"command": COMMAND, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+    record = {"command": COMMAND, "date": datetime.datetime.now(datetime.UTC).isoformat(),
               "gpu": _gpu_mode()}
     try:
         with open(os.path.join(LAYER, "SOURCE.json")) as f:

@@ -9,10 +9,11 @@ is in docs/DESIGN.md, "The hook seat and the backend table".
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
+from megatron_moe_ext.dispatcher.common.handoff import IndexedRows
 from megatron_moe_ext.dispatcher.common.record import DispatchRecord
 
 
@@ -32,7 +33,7 @@ class DispatchHook:
         """`run` dispatches `hidden_states` with the flags (a replay may move them itself)."""
         return run()
 
-    def permute(self, record: DispatchRecord, run: Callable[[], tuple]) -> tuple:
+    def permute(self, record: DispatchRecord, run: Callable[[], tuple | IndexedRows]) -> tuple | IndexedRows:
         return run()
 
     def restore(self, record: DispatchRecord, run: Callable[[], torch.Tensor],

@@ -14,10 +14,21 @@ The modes (`mode_of`): "dropless" (sizes follow the routing, read on the host), 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Any
 
-from megatron_moe_ext.dispatcher.common.base import DispatchManager
+from megatron_moe_ext.dispatcher.common.base import Communicator, DispatchManager, EqualSplitsCommunicator
+
+if TYPE_CHECKING:
+    from megatron_moe_ext.dispatcher.backends import deepep, torch_a2a, uccl
+
+    # The type check (`make typecheck`) holds each backend's communicator to the contract the
+    # managers call (`base.Communicator`): a changed signature fails it, naming the member, before
+    # any run on a GPU. Never executed (TYPE_CHECKING), so no group is needed.
+    _TORCH: EqualSplitsCommunicator = torch_a2a.COMMUNICATOR
+    _DEEPEP: Communicator = deepep.communicator(None)
+    _UCCL: Communicator = uccl.communicator(None)
 
 MODES = ("dropless", "capacity", "budget")
 #: The config field that chooses each fixed-shape mode.
@@ -138,7 +149,7 @@ def _build_hybridep(cfg, group, num_local_experts, tp_size):
     )
 
 
-_DEEPEP_KERNELS = dict(sms_field="moe_deepep_num_sms", async_dispatch=True,
+_DEEPEP_KERNELS: dict[str, Any] = dict(sms_field="moe_deepep_num_sms", async_dispatch=True,
                        error_flag="the dispatch: a failed rank sends one token per rank whose weight "
                                   "is its word (DeepEPCommunicator.announce_input_error)")
 

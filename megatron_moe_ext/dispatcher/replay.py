@@ -13,8 +13,8 @@ import contextlib
 import dataclasses
 import enum
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch.utils._pytree import tree_leaves, tree_map_only
@@ -355,7 +355,7 @@ class RecomputeReplay(DispatchHook):
         record.token_indices = record.token_probs = None
         return hidden
 
-    def permute(self, record: DispatchRecord, run: Callable[[], tuple]) -> tuple:
+    def permute(self, record: DispatchRecord, run: Callable[[], tuple | IndexedRows]) -> tuple | IndexedRows:
         kept = self._current
         if self._skipping:
             (permutation, counts), handed = kept.permutation, kept.expert_inputs

@@ -10,7 +10,7 @@ Legend: P permuted rows, I intermediate size.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

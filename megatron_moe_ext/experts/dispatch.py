@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
 from megatron_moe_ext.dispatcher.common.permute import unpermute_from_experts
+from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
 from megatron_moe_ext.experts.common import (
     ExpertParallel,
     LocalPermutation,

@@ -15,7 +15,6 @@ from types import ModuleType
 
 import torch
 
-
 #: QuACK versions this path was verified against (`quack-kernels`, the `quack` extra).
 VERIFIED_QUACK = "0.6.5"
 

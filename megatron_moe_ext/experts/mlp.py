@@ -22,8 +22,8 @@ Legend: P permuted rows, H hidden, I intermediate, e local experts.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import accumulate
-from typing import Callable
 
 import torch
 from torch.utils.checkpoint import checkpoint

@@ -15,8 +15,8 @@ import contextlib
 import torch
 from torch import nn
 
-from megatron_moe_ext.experts.activations import get_expert_activation
 from megatron_moe_ext.dispatcher.common.permute import TokenCounts, counts_on, host_counts
+from megatron_moe_ext.experts.activations import get_expert_activation
 from megatron_moe_ext.experts.common import local_expert_range, resolve_ep_group, stacked_shapes
 from megatron_moe_ext.experts.config import ExpertsConfig
 from megatron_moe_ext.experts.dispatch import ExpertDispatch, FlexDispatchedExperts, make_dispatcher_config

@@ -12,8 +12,8 @@ Legend: e local experts, E global experts, H hidden, I expert intermediate size.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory

@@ -140,7 +140,7 @@ class OverflowCounter:
         ring.zero_()
         self.moe_overflow_next.zero_()
 
-    def overflow(self) -> "OverflowReport | None":
+    def overflow(self) -> OverflowReport | None:
         """This layer's budget overflow since the last read (one host read, then reset; over
         this rank only, though settling a ring is a collective over the layer's group), or
         None outside budget mode. `check_overflow(model)` reads every layer at once and

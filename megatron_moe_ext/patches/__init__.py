@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import threading
 
-from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
-
 from megatron.core.models.gpt import moe_module_specs as _moe_module_specs
+
+from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
 
 EXPECTED_MEGATRON_CORE = "megatron-core 0.19.x"
 # The spec functions that read the module global `MoELayer` at call time.

@@ -27,7 +27,7 @@ from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
 from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
 from tests.doubles import deep_ep_buffer, hybrid_ep_buffer, uccl_ep
 from tests.harness import COLLECTIVE_TIMEOUT_S, bounded_group
-from tests.reference import apply_local_experts, dense_moe_reference, toy_expert_params, topk_to_dense
+from tests.reference import apply_local_experts, dense_moe_reference, topk_to_dense, toy_expert_params
 
 E, K, T = 8, 2, 12
 INSTALLERS = {"deepep": deep_ep_buffer.install, "uccl_ep": uccl_ep.install,
@@ -335,7 +335,8 @@ def assert_agreed_error(results: list[dict], error_type: str, bad_rank: int, cau
     waiting fails here), and each message names `bad_rank` and every word of `causes`."""
     for rank, r in enumerate(results):
         assert r["type"] == error_type, f"rank {rank} ended with {r['type']}, not {error_type}: {r['message']}"
-        assert names_rank(r["message"], bad_rank), f"rank {rank}'s error does not name rank {bad_rank}: {r['message']}"
+        assert names_rank(r["message"], bad_rank), (
+            f"rank {rank}'s error does not name rank {bad_rank}: {r['message']}")
         for cause in causes:
             assert cause in r["message"], f"rank {rank}'s error does not name {cause!r}: {r['message']}"
 
@@ -344,4 +345,5 @@ def assert_refused(outcomes: list[dict], names: tuple[str, ...]) -> None:
     """Every rank raised ValueError naming one of `names` (the setting refused)."""
     for rank, r in enumerate(outcomes):
         assert r["type"] == "ValueError", f"rank {rank} ended with {r['type']}, not ValueError: {r['message']}"
-        assert any(name in r["message"] for name in names), f"rank {rank}'s error names none of {names}: {r['message']}"
+        assert any(name in r["message"] for name in names), (
+            f"rank {rank}'s error names none of {names}: {r['message']}")

@@ -15,16 +15,16 @@ import os
 import torch
 import torch.distributed as dist
 
-from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
 from megatron_moe_ext.dispatcher.common.checks import CHECK_MODE_ENV
+from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
 from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
 from tests.reference import (
     RoutingCase,
     apply_local_experts,
     dense_moe_reference,
     make_routing,
-    toy_expert_params,
     topk_to_dense,
+    toy_expert_params,
 )
 
 FACES = ("topk", "dense", "megatron")

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_moe_ext.dispatcher.common.handoff import IndexedRows
 from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
 from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
-from megatron_moe_ext.dispatcher.common.handoff import IndexedRows
 from megatron_moe_ext.experts.activations import swiglu
 from megatron_moe_ext.experts.mlp import run_grouped_expert_mlp
 

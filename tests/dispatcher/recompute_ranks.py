@@ -21,10 +21,10 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_moe_ext import recompute
-from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
 from megatron_moe_ext.dispatcher.backends import torch_a2a
-from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
 from megatron_moe_ext.dispatcher.common.checks import in_backward
+from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
+from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
 
 NUM_EXPERTS, TOPK, HIDDEN, TOKENS = 8, 2, 16, 12
 

@@ -16,15 +16,15 @@ import torch
 import torch.distributed as dist
 
 from megatron_moe_ext.dispatcher.common.buffers import release_all as release_buffers
-from tests.dispatcher.cases import TOLERANCE, build_dispatcher
 from tests.dispatcher.capacity_ranks import HostReadCounter
+from tests.dispatcher.cases import TOLERANCE, build_dispatcher
 from tests.reference import (
     RoutingCase,
     apply_local_experts,
     dense_moe_reference,
     make_routing,
-    toy_expert_params,
     topk_to_dense,
+    toy_expert_params,
 )
 
 T, E, K, H = 16, 8, 2, 16

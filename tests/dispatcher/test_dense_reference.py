@@ -7,7 +7,6 @@ import pytest
 from tests.dispatcher.cases import CASES, FACES, run_dense_reference_case
 
 
-
 def check(results, world):
     for rank, r in enumerate(results):
         for key in ("y", "grad_x", "grad_probs"):

@@ -14,8 +14,8 @@ import types
 import pytest
 import torch
 
-from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
 from megatron_moe_ext.dispatcher.common import permute as P
+from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
 from megatron_moe_ext.megatron import graphs
 from tests.dispatcher import syncfree_ranks
 

@@ -33,7 +33,6 @@ import importlib
 import math
 import sys
 from collections import Counter
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -63,7 +62,7 @@ class EventHandle:
 
 
 class EventOverlap:
-    def __init__(self, event: Optional[EventHandle] = None, extra_tensors=None):
+    def __init__(self, event: EventHandle | None = None, extra_tensors=None):
         self.event = event
         self.extra_tensors = extra_tensors
 
@@ -128,7 +127,8 @@ def _unpack(packed: torch.Tensor, like: list[tuple[torch.dtype, tuple]]) -> list
     out, start, n = [], 0, packed.shape[0]
     for dtype, row_shape in like:
         width = torch.empty(row_shape, dtype=dtype).numel() * torch.empty((), dtype=dtype).element_size()
-        out.append(packed[:, start:start + width].clone(memory_format=torch.contiguous_format).view(dtype).reshape((n,) + tuple(row_shape)))
+        column = packed[:, start:start + width].clone(memory_format=torch.contiguous_format)
+        out.append(column.view(dtype).reshape((n,) + tuple(row_shape)))
         start += width
     return out
 
@@ -261,7 +261,7 @@ class Buffer:
 
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
-                 expert_alignment: int = 1, num_worst_tokens: int = 0, config: Optional[Config] = None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0, config: Config | None = None,
                  previous_event=None, async_finish: bool = False, allocate_on_comm_stream: bool = False):
         if isinstance(x, tuple):
             raise NotImplementedError("the DeepEP test double does not model FP8/NVFP4 inputs")
@@ -373,7 +373,7 @@ class Buffer:
                                    recv_src, is_token_in_rank, send_head)
         return recv_x, recv_topk_idx, recv_topk_weights, per_expert_list, handle, event
 
-    def combine(self, x, handle, topk_weights=None, bias=None, config: Optional[Config] = None,
+    def combine(self, x, handle, topk_weights=None, bias=None, config: Config | None = None,
                 previous_event=None, async_finish: bool = False, allocate_on_comm_stream: bool = False):
         config = self.get_combine_config(self.group_size) if config is None else config
         event = self._begin(previous_event, async_finish, allocate_on_comm_stream)

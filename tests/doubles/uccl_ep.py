@@ -169,6 +169,7 @@ def install() -> bool:
     wrapper = types.ModuleType("deep_ep")
     for name in ("Buffer", "initialize_uccl", "destroy_uccl", "IS_TEST_DOUBLE"):
         setattr(wrapper, name, globals()[name])
-    wrapper.Config, wrapper.EventHandle, wrapper.EventOverlap, wrapper.utils = Config, EventHandle, EventOverlap, wrapper
+    wrapper.Config, wrapper.EventHandle, wrapper.EventOverlap = Config, EventHandle, EventOverlap
+    wrapper.utils = wrapper
     sys.modules.update({"uccl": package, "uccl.ep": engine, "deep_ep": wrapper, "deep_ep.utils": wrapper})
     return True

@@ -10,7 +10,6 @@ and bias setting appears at least once, with zero-token ranks and empty experts 
 import pytest
 
 from megatron_moe_ext.utils.optional import try_import
-from tests.experts.devices import TE_MULTI_RANK_SKIP
 from tests.experts.cases_modules import (
     ModuleCase,
     run_all_gather_varlen,
@@ -20,6 +19,7 @@ from tests.experts.cases_modules import (
     run_pipeline_initializers,
     run_state_dict_interop,
 )
+from tests.experts.devices import TE_MULTI_RANK_SKIP
 
 CASES = [
     ModuleCase("loop_swiglu_fp32_bias_ep2_empty_rank", "grouped_loop", "swiglu", "fp32", True, 2,

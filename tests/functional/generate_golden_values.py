@@ -8,7 +8,8 @@ CPU capability, e.g. avx2), where its fp32 kernels give other bits than the defa
 Trains the case of gpt_moe_tiny/model_config.yaml with `FlexMoELayer` on CPU (fp32, gloo
 ranks of tests/harness.py) and stores each of its METRICS per step, rounded to 5 decimals,
 in Megatron's golden-values layout: what Megatron's extractor
-(get_test_results_from_tensorboard_logs.py --step-size 1) would store. Golden values belong to a platform: these are CPU fp32; a GPU run needs its own.
+(get_test_results_from_tensorboard_logs.py --step-size 1) would store. Golden values belong to a platform:
+these are CPU fp32; a GPU run needs its own.
 Regenerate only for an intended change of the model, data or training loop, and say why.
 """
 
@@ -17,8 +18,13 @@ from __future__ import annotations
 import json
 import sys
 
-from tests.functional.gpt_moe_case import (GOLDEN_VALUES, case_fields, golden_values_json, load_case,
-                                           train_native_and_ext)
+from tests.functional.gpt_moe_case import (
+    GOLDEN_VALUES,
+    case_fields,
+    golden_values_json,
+    load_case,
+    train_native_and_ext,
+)
 from tests.harness import get_pool, shutdown_pools
 
 

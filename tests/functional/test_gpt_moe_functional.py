@@ -13,8 +13,14 @@ import os
 
 import pytest
 
-from tests.functional.gpt_moe_case import (case_fields, golden_values_json, load_case, load_golden_values,
-                                           stored_golden_values, train_native_and_ext)
+from tests.functional.gpt_moe_case import (
+    case_fields,
+    golden_values_json,
+    load_case,
+    load_golden_values,
+    stored_golden_values,
+    train_native_and_ext,
+)
 
 pytestmark = pytest.mark.slow  # trains GPT models on real ranks
 

@@ -10,9 +10,9 @@ plain (picklable) values.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-import contextlib
 import os
 import queue
 
@@ -505,12 +505,12 @@ def sharded_layout(kind: str, ep: int, singleton_local_shards: bool = False,
     """(sharded key, global shape, global offset, axis fragmentations, replica id, local
     values) of every expert ShardedTensor and ShardedObject this rank would save, with factories
     applied: the on-disk layout, compared between native and ext."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import (
         ShardedObject,
         ShardedTensor,
         apply_factories,
     )
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
 
     init(ep)
     model = build_gpt(kind, activation, bias, seed=1234)

@@ -287,8 +287,8 @@ def run_patched_layer_with_experts() -> dict:
     """`patches.apply(dispatcher_config=..., experts=...)`, then Megatron's unmodified
     `get_moe_module_spec` builds a layer with exactly that dispatcher config and experts."""
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-    from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
 
     from megatron_moe_ext import patches
     from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig

@@ -127,7 +127,8 @@ def run_unread_steps(steps: int, ring_rows: int) -> dict:
             (report,) = overflow.check_overflow(model)
         except RuntimeError as exc:
             return dict(error=str(exc), ring=int(layer.moe_overflow_next))
-        return dict(dropped=report.dropped_pairs, needed=report.rows_needed, per_step=2 * T * dist.get_world_size() - 32)
+        return dict(dropped=report.dropped_pairs, needed=report.rows_needed,
+                    per_step=2 * T * dist.get_world_size() - 32)
     finally:
         overflow.MIN_PENDING_DISPATCHES = saved  # the pool's process runs other tests next
         release_all()
@@ -253,9 +254,9 @@ def run_partial_graph_pattern(impl: str) -> dict:
       and preprocess;
     - "local": `MoETransformerLayer`'s three stages (`fwd_execution_map` "route" run three
       times, then "expert_compute" after the attributes are restored, then "postprocess")."""
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.transformer import cuda_graphs
     from megatron.core.transformer.enums import CudaGraphModule
-    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 
     from megatron_moe_ext.megatron.moe_layer import FlexMoELayer
 

@@ -74,7 +74,8 @@ def test_budget_mode_from_the_environment(monkeypatch):
     cfg = TokenDispatcherConfig.from_transformer_config(_megatron_config())
     assert (cfg.moe_expert_rank_capacity_factor, cfg.moe_expert_rank_overflow_policy) == (1.25, "drop")
     monkeypatch.delenv("MOE_EXT_EXPERT_RANK_OVERFLOW_POLICY")
-    assert TokenDispatcherConfig.from_transformer_config(_megatron_config()).moe_expert_rank_overflow_policy == "error"
+    config = TokenDispatcherConfig.from_transformer_config(_megatron_config())
+    assert config.moe_expert_rank_overflow_policy == "error"
     monkeypatch.delenv("MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR")
     assert TokenDispatcherConfig.from_transformer_config(_megatron_config()).moe_expert_rank_capacity_factor is None
 
@@ -166,7 +167,7 @@ def test_full_iteration_graph_checks_overflow_after_each_replay(monkeypatch):
     wrapped = training.FullCudaGraphWrapper(training.get_forward_backward_func(), cuda_graph_warmup_steps=0)
     assert isinstance(wrapped, FullCudaGraphWrapper)
     layer = _Layer("error")
-    for step in range(2):  # the capture step, then a replay: each checked once, after the graph ran
+    for _ in range(2):  # the capture step, then a replay: each checked once, after the graph ran
         with pytest.raises(overflow.MoEOverflowError, match=r"layer 1: needed 40 .* 5 \(token, expert\) pairs"):
             wrapped(model=[layer], forward_only=False)
         assert layer.moe_overflow_stats.tolist() == [0, 0]

@@ -42,7 +42,7 @@ def test_gpt_checkpoint_loads_into_hybrid(dist_pools, tmp_path, save_ep, load_ep
     pool = dist_pools(WORLD)
     saved = pool.run(cases_hybrid.save_gpt_ext, save_ep, str(tmp_path / "gpt"))
     loaded = pool.run(cases_hybrid.load_into_hybrid_ext, load_ep, str(tmp_path / "gpt"))
-    for rank, (s, l) in enumerate(zip(saved, loaded)):
+    for s, l in zip(saved, loaded):
         flex = ("FlexMoELayer", "MoEFlexTokenDispatcher", "SequentialMLP")
         assert s["layers"] == l["layers"] == [flex] * 2
         assert l["missing"] == l["unexpected"] == []

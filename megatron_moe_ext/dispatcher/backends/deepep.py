@@ -16,14 +16,15 @@ C transported fp32 columns.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
-from typing import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from megatron_moe_ext.dispatcher.common import buffers, checks
 from megatron_moe_ext.dispatcher.backends.deepep_handle import DeepEPHandle, record_combine, record_dispatch
+from megatron_moe_ext.dispatcher.common import buffers, checks
 from megatron_moe_ext.utils.optional import require
 
 SUPPORTED_EP_SIZES = (2, 4, 8)
@@ -63,7 +64,7 @@ class DeepEPCommunicator:
     #: `dispatch_fixed` sizes its output per rank (`num_worst_tokens`): ranks may differ in T.
     fixed_equal_splits = False
     #: `dispatch_fixed` takes bf16 rows only: its combine kernel is bf16 only.
-    fixed_dtypes = (torch.bfloat16,)
+    fixed_dtypes: tuple[torch.dtype, ...] | None = (torch.bfloat16,)
 
     def __init__(self, library: Callable[[], ModuleType], name: str, num_sms: int,
                  pad_empty: bool = False):
@@ -71,15 +72,18 @@ class DeepEPCommunicator:
         self.name = name
         self.num_sms = num_sms
         self.pad_empty = pad_empty
-        self.buffer = self._group = None  # the live buffer, or None
-        self._dispatch_config = self._combine_config = None
+        # The library's objects (untyped): the live buffer or None, its kernel configs.
+        self.buffer: Any = None
+        self._group = None
+        self._dispatch_config: Any = None
+        self._combine_config: Any = None
         # Host-side answers that never change for a given buffer class / group / row size,
         # cached because everything before DeepEP's host sync is exposed GPU idle time.
         self._row_rules: dict[type, tuple[int, int | None]] = {}
-        self._configs: dict[tuple, tuple[object, object]] = {}
+        self._configs: dict[tuple, tuple[Any, Any]] = {}
         self._size_hints: dict[tuple, tuple[int, int]] = {}
         # (group, H, dtype) -> (buffer, rows go as they are): valid while that buffer lives.
-        self._plans: dict[tuple, tuple[object, bool]] = {}
+        self._plans: dict[tuple, tuple[Any, bool]] = {}
 
     # ---- configuration ----------------------------------------------------------------
     def check_group(self, group) -> None:
@@ -92,7 +96,7 @@ class DeepEPCommunicator:
                 f"kernels: allowed sizes are {SUPPORTED_EP_SIZES}; use "
                 "moe_flex_dispatcher_backend='torch' for EP=1 or other sizes")
 
-    def _kernel_configs(self, buffer_cls, world: int) -> tuple[object, object]:
+    def _kernel_configs(self, buffer_cls, world: int) -> tuple[Any, Any]:
         """`(dispatch, combine)` Configs: the library's tuned table at this owner's SM count.
 
         The library builds them from its class-global `Buffer.num_sms`; it is set only for
@@ -145,7 +149,7 @@ class DeepEPCommunicator:
         max_cols = max_bytes // elem // unit_cols * unit_cols
         return [chunk.contiguous() for chunk in x.split(max_cols, dim=1)]
 
-    def _plan(self, group, hidden: int, dtype: torch.dtype) -> tuple[object, bool]:
+    def _plan(self, group, hidden: int, dtype: torch.dtype) -> tuple[Any, bool]:
         """`(buffer, direct)` for `[T, H]` rows of `dtype`: `direct` when a row needs no column
         padding or chunking. Cached until the buffer is released or replaced (both go through
         `release_buffers`): this runs before every dispatch."""

@@ -34,7 +34,8 @@ def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gr
 @torch.library.custom_op("moe_ext::all_to_all_rows", mutates_args=())
 def _all_to_all_rows_op(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
                         group_name: str) -> torch.Tensor:
-    return _all_to_all(x, out_splits, in_splits, _resolve_process_group(group_name))
+    # A custom op takes the group by its registered name (a str; torch types it GroupName).
+    return _all_to_all(x, out_splits, in_splits, _resolve_process_group(group_name))  # type: ignore[arg-type]
 
 
 @_all_to_all_rows_op.register_fake
@@ -311,7 +312,7 @@ class TorchCommunicator:
     announce_input_error = staticmethod(announce_input_error)
     exchange_counts = staticmethod(_exchange_counts)
     fixed_equal_splits = True
-    fixed_dtypes = None
+    fixed_dtypes: tuple[torch.dtype, ...] | None = None
 
     def check_group(self, group) -> None:
         """Any group size: all-to-all has no compiled sizes."""

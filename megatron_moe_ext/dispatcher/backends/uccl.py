@@ -60,7 +60,7 @@ def device_index() -> int:
 # The owner holding the live UCCL-EP buffer of each device in this process. Module-level on
 # purpose: it mirrors the engine's own per-process proxy registry (`g_proxies_by_dev` in
 # ep/src/uccl_ep.cc, one slot per device and mode), which is what allows only one buffer.
-_LIVE: dict[int, "UCCLCommunicator"] = {}
+_LIVE: dict[int, UCCLCommunicator] = {}
 
 
 class UCCLCommunicator(deepep.DeepEPCommunicator):

@@ -11,7 +11,7 @@ buffer is shared (`buffers.py`).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -20,42 +20,70 @@ from megatron_moe_ext.dispatcher.common.record import DispatchRecord
 
 class Communicator(Protocol):
     """A backend's communication with DeepEP's dispatch/combine contract (`backends/`; the
-    signatures are in docs/DESIGN.md, "Where a new backend goes"). `dispatch`'s counts are
-    always a host list of `e` ints (empty where the sync-free path returns none);
-    `dispatch_cached` repeats a dispatch along its handle (recompute)."""
+    signatures are in docs/DESIGN.md, "Where a new backend goes"). The managers call only what is
+    declared here, and the type check (`make typecheck`) holds every backend to it (the table in
+    `registry.py`). `group` is the expert-parallel process group; a handle is the backend's own
+    record of one dispatch, which its combine and `dispatch_cached` take back."""
 
     name: str
     #: `dispatch_cached` builds the autograd graph `dispatch` built (non-reentrant recompute).
     replays_in_one_graph: bool
+    #: Its `dispatch_fixed` exchanges equal splits, so every rank needs the same send capacity
+    #: (then it is an `EqualSplitsCommunicator`).
+    fixed_equal_splits: bool
+    #: The row dtypes its `dispatch_fixed` takes (None: any float).
+    fixed_dtypes: tuple[torch.dtype, ...] | None
 
-    def dispatch(self, *args, **kwargs): ...
+    def dispatch(self, x_TH: torch.Tensor, indices_TK: torch.Tensor, probs_TK: torch.Tensor,
+                 num_experts: int, group: Any, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False) -> tuple[Any, ...]:
+        """Send each token to the ranks of its experts: `(recv_x [R, H], recv_indices [R, K]
+        int64 local ids or -1, recv_probs [R, K] fp32, tokens_per_expert, handle)`, the counts a
+        host list of `e` ints (empty where the sync-free path returns none)."""
 
-    def dispatch_cached(self, *args, **kwargs): ...
+    def dispatch_cached(self, x_TH: torch.Tensor, probs_TK: torch.Tensor, handle: Any,
+                        recv_indices_RK: torch.Tensor, recv_probs_RK: torch.Tensor, tokens_per_expert: Any,
+                        group: Any, async_finish: bool = False,
+                        allocate_on_comm_stream: bool = False) -> tuple[Any, ...]:
+        """Repeat a dispatch along its handle (activation recompute): `dispatch`'s 5-tuple."""
 
-    def combine(self, *args, **kwargs): ...
+    def combine(self, x_RH: torch.Tensor, group: Any, handle: Any, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False) -> tuple[Any, ...]:
+        """Received rows back to their owners, each token's copies summed: `([T, H], None)`."""
 
-    def check_group(self, group) -> None:
+    def dispatch_fixed(self, x_TH: torch.Tensor, indices_TK: torch.Tensor, probs_TK: torch.Tensor,
+                       num_experts: int, group: Any, send_capacity: int, async_finish: bool = False,
+                       allocate_on_comm_stream: bool = False) -> tuple[Any, ...]:
+        """A dispatch of fixed shape without a host read, `send_capacity` rows per rank pair:
+        `(recv_x, recv_indices, recv_probs, handle)`."""
+
+    def combine_fixed(self, x_RH: torch.Tensor, group: Any, handle: Any, async_finish: bool = False,
+                      allocate_on_comm_stream: bool = False) -> tuple[Any, ...]:
+        """`combine` of a `dispatch_fixed`: `([T, H], None)`."""
+
+    def check_group(self, group: Any) -> None:
         """Refuse a group the backend cannot serve (ValueError), at construction."""
 
-    def allocate_buffer(self, group, hidden: int, dtype: torch.dtype) -> None:
+    def allocate_buffer(self, group: Any, hidden: int, dtype: torch.dtype) -> Any:
         """Allocate the communication buffer now (outside any recompute)."""
 
-    #: Its `dispatch_fixed` exchanges equal splits, so every rank needs the same send capacity.
-    fixed_equal_splits: bool
-
-    def exchange_counts(self, send_counts_W: torch.Tensor, group, word: int = 0) -> tuple[list[int], list[int]]:
-        """Every rank's `[W]` counts to every rank, read on the host: `(sent, received)` (the
-        budget mode agrees on its token count through it where `fixed_equal_splits`)."""
-    #: The row dtypes its `dispatch_fixed` takes (None: any float).
-    fixed_dtypes: tuple | None
-
-    def announce_input_error(self, group, word: int, like=None, num_experts: int = 0,
-                             send_capacity: int | None = None, topk: int = 0) -> list[int]:
+    def announce_input_error(self, group: Any, word: int, like: torch.Tensor | None = None,
+                             num_experts: int = 0, send_capacity: int | None = None,
+                             topk: int = 0) -> list[int]:
         """This rank failed before this step's first collective: send the error `word`
         (`checks.error_word`) in place of its data, in the collective its peers wait in (the
         backend table's `error_flag`). `like`: a `[T, H]` tensor of the rows the step would
         have sent, or None; `send_capacity`: the fixed splits of a sync-free dispatch (None:
         dropless). Returns the words received, where the backend sees them (else [])."""
+
+
+class EqualSplitsCommunicator(Communicator, Protocol):
+    """A communicator whose `dispatch_fixed` sends equal splits (`fixed_equal_splits`): the budget
+    mode agrees on one token count through its counts exchange first."""
+
+    def exchange_counts(self, send_counts_W: torch.Tensor, group: Any,
+                        word: int = 0) -> tuple[list[int], list[int]]:
+        """Every rank's `[W]` counts to every rank, read on the host: `(sent, received)`."""
 
 
 class DispatchManager(ABC):

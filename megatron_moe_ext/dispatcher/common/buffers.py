@@ -7,7 +7,8 @@ sizes or configures it. See docs/DESIGN.md.
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Protocol, TypeVar
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 
 class BufferOwner(Protocol):
@@ -17,7 +18,7 @@ class BufferOwner(Protocol):
 
 OwnerT = TypeVar("OwnerT", bound=BufferOwner)
 
-_OWNERS: dict[tuple, BufferOwner] = {}
+_OWNERS: dict[tuple, Any] = {}  # each a `BufferOwner` of the type its `make` built
 _PRIVATE = itertools.count()
 
 

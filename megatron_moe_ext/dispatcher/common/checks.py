@@ -70,7 +70,7 @@ _RANK_BITS = 8  # ranks below 256 per expert-parallel group
 #: A word travels as -(FLAG_BASE + word) in a float column of routing weights (exact in fp32;
 #: no weight a router gives is that negative).
 FLAG_BASE = 2**20
-_CAUSE_OF = {RoutingChangedError: "routing", CapacityOverflowError: "overflow"}
+_CAUSE_OF: dict[type[BaseException], str] = {RoutingChangedError: "routing", CapacityOverflowError: "overflow"}
 #: What a rank announces to its peers before raising (an agreed error is not announced again).
 ANNOUNCED = (ValueError, RoutingChangedError)
 
@@ -98,6 +98,7 @@ def agreed_error(words, own: BaseException | None = None, rank: int | None = Non
         by_rank[rank] = cause_of(own)
     ranks = sorted(by_rank)
     cause = by_rank[ranks[0]]
+    error: Exception
     detail = f"; rank {rank}: {own}" if own is not None else "; their own error says more"
     if cause == "overflow":
         error = CapacityOverflowError(

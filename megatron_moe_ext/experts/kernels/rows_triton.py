@@ -10,7 +10,6 @@ import torch
 import triton
 import triton.language as tl
 
-
 _MAX_PROGRAMS = 1024
 
 
