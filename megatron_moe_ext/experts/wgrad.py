@@ -17,8 +17,8 @@ computed gradient inside the backward (the same semantics, one add).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
