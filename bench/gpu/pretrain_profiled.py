@@ -35,6 +35,10 @@ routing (`expert_loads`; eager runs only, one host copy per step).
 --exact: also record every step's reduced losses and gradient norm exactly (`float.hex`, in
 `exact`: one dict per step), for bit-for-bit comparisons of two runs; it reads them on the host
 after each step, as Megatron's log does at `--log-interval 1`.
+
+After every step the wrapper prints the step's peak memory (`MEMORY_LINE`: torch's allocator
+peaks since the previous step, which it then resets; no device synchronisation), so that a run
+ended early still has them in its log; `peak_mem_gib` / `peak_reserved_gib` are the largest.
 """
 
 import json
@@ -58,6 +62,23 @@ MODULE_LABELS = ((".self_attention.core_attention", "attention_core"),
                  (".mlp", "moe_other"),
                  ("output_layer", "lm_head_loss"),
                  ("embedding", "embedding"))
+MEMORY_LINE = ("pretrain_profiled: iteration {iteration} max allocated {allocated:.3f} GiB "
+               "max reserved {reserved:.3f} GiB")
+
+
+class _StepMemory:
+    """Each step's allocator peaks (GiB), printed as MEMORY_LINE; the peaks are reset after each."""
+
+    def __init__(self):
+        self.allocated, self.reserved = 0.0, 0.0
+
+    def after_step(self, iteration: int) -> None:
+        allocated, reserved = torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30
+        self.allocated, self.reserved = max(self.allocated, allocated), max(self.reserved, reserved)
+        print(MEMORY_LINE.format(iteration=iteration, allocated=allocated, reserved=reserved), flush=True)
+        torch.cuda.reset_peak_memory_stats()
+
+
 # The categories of the report, from the labels (experts are split into GEMM and other kernels).
 CATEGORIES = {"attention": ("attention_core", "attention_other"), "router": ("router",),
               "permutation_gather": ("permutation_gather",), "lm_head_loss": ("lm_head_loss",),
@@ -222,6 +243,7 @@ def profiled_train_step(original, iteration: int, out_path: str, busy_only: bool
     starts: list[float] = []
     overflow = _Overflow()
     overflow.install()
+    memory = _StepMemory()
     gate_times: dict = {}
 
     def train_step(*args, **kwargs):
@@ -234,6 +256,7 @@ def profiled_train_step(original, iteration: int, out_path: str, busy_only: bool
             loads.install(model)
         if calls[0] != iteration:
             result = original(*args, **kwargs)
+            memory.after_step(calls[0])
             overflow.after_step()
             if loads is not None:
                 loads.after_step()
@@ -253,6 +276,7 @@ def profiled_train_step(original, iteration: int, out_path: str, busy_only: bool
         finally:
             kernel_breakdown.remove_labels(labels)
         wall_ms = (time.perf_counter() - t0) * 1e3
+        memory.after_step(calls[0])
         overflow.after_step()
         if loads is not None:
             loads.after_step()
@@ -264,8 +288,7 @@ def profiled_train_step(original, iteration: int, out_path: str, busy_only: bool
             report = dict(iteration=iteration, step_wall_ms_profiled=round(wall_ms, 1), busy_only=busy_only, gpu=gpu,
                           gpu_busy_share_of_profiled_step=round(gpu["kernel_busy_ms"] / wall_ms, 4),
                           experts=describe_experts(model),
-                          peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
-                          peak_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2))
+                          peak_mem_gib=round(memory.allocated, 2), peak_reserved_gib=round(memory.reserved, 2))
             if not busy_only:
                 table = kernel_breakdown.breakdown(events, steps=1, top=25)
                 report.update(categories_ms=categories(table), **table)
