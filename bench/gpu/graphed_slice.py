@@ -18,8 +18,8 @@ A run that fails or is ended keeps its return code (124: ended) and the last 30 
 `parse` writes OUT/graphed_slice_<card>[_T].json (card: h100, h200 from nvidia-smi): per run the command line, return code,
 per-iteration lm loss, gradient norm, load-balancing loss, ms/iter and TFLOP/s/GPU (Megatron's log), the
 budget mode's reruns (the package's `MoE budget rerun:` lines, counted against the iteration whose log
-line follows them), the factor `auto` chose (`MoE budget factor auto:`), the step's peak memory
-(pretrain_profiled.py's MEMORY_LINE), the medians of iterations
+line follows them), the factor `auto` chose (`MoE budget factor auto:`), the allocator's peak
+so far after each step (pretrain_profiled.py's MEMORY_LINE), the medians of iterations
 --median-from .. train-iters - 1 (the profiled last iteration left out), the profiled step's GPU
 busy time (the union of its kernel intervals, `kernel_breakdown.gpu_activity`) and its share
 of the median step, peak memory, dropped (token, expert) pairs of budget-mode layers, the
@@ -262,7 +262,7 @@ def rounding_spread(run: dict, ref: dict) -> dict:
 def per_iteration(text: str, iterations: list[int]) -> dict:
     """From a run's log, per iteration of `iterations`: the gradient norm and load-balancing loss
     of Megatron's iteration line, the budget mode's reruns logged before it (since the previous
-    iteration line), and the step's peak allocated memory (GiB); plus the reruns after the last
+    iteration line), and the allocator's peak so far after the step (GiB); plus the reruns after the last
     iteration line and what the `auto` factor line said (None: no such line)."""
     grad, aux, reruns, memory = {}, {}, {}, {}
     pending, auto = 0, None

@@ -130,10 +130,12 @@ run_task() {
     # carried dataset (.gpu/data/pydoc.*, bench/data/build_text_dataset.py) in $ROUND/data while the
     # machine is warm. real_text: the Qwen3 slice on that text with the aux loss alone, REAL_ITERS
     # (200) iterations: the baseline, native's graphed drop-and-pad at 1.25, the budget mode's
-    # whole-iteration graphs with factor auto (~4-6 min each: run it in the background).
-    # real_force: forced balance on mock data, 12 iterations (continuity with earlier tables).
+    # whole-iteration graphs with factor auto (~4-6 min each). real_force: forced balance on mock
+    # data, 12 iterations (continuity with earlier tables; 6 runs, ~9 min with OVERLAP=0).
     # real_dsv3: the DeepSeek-V3-like slice (3 layers, vocab 32768: fits an 80 GB H100), 12 iterations,
-    # DSV3_DATA (text) and DSV3_BALANCE (aux). OVERLAP=auto: start-ups overlap on an H200 only.
+    # DSV3_DATA (text) and DSV3_BALANCE (aux). OVERLAP=auto: start-ups overlap on an H200 only. The
+    # first two outlast a 600 s device call: run the three as one background list, e.g.
+    # bg "wait real_text real_force real_dsv3", and `wait` in the calls after it.
     apex_build) task apex_build 300 bash -c "[ -e /tmp/apexbuild/fused_weight_gradient_mlp_cuda.so ] \
         || bash .gpu/apex/build.sh" ;;
     text_data) task text_data 60 bash -c "mkdir -p $ROUND/data && cp .gpu/data/pydoc.* $ROUND/data/ \
@@ -142,11 +144,12 @@ run_task() {
         TIMEOUT=\${REAL_TIMEOUT:-480} CALL_BUDGET=\$((${REAL_TASK_S:-1800} - 60)) \
         RUNS='${REAL_TEXT_RUNS:-native_recipe native_dnp125 ext_budget_full_auto}' \
         bash bench/gpu/graphed_slice.sh --iters ${REAL_ITERS:-200}" ;;
-    real_force) task real_force 600 bash -c "$REAL_ENV TAG=real_force DATA=mock BALANCE=force TIMEOUT=150 \
-        CALL_BUDGET=\${FORCE_CALL_BUDGET:-570} RUNS='${REAL_FORCE_RUNS:-native_recipe native_dnp100 native_dnp125 \
+    real_force) task real_force 960 bash -c "$REAL_ENV TAG=real_force DATA=mock BALANCE=force TIMEOUT=150 \
+        CALL_BUDGET=\${FORCE_CALL_BUDGET:-900} RUNS='${REAL_FORCE_RUNS:-native_recipe native_dnp100 native_dnp125 \
         ext_recipe ext_budget_full ext_budget_full_auto}' bash bench/gpu/graphed_slice.sh --iters 12" ;;
     real_dsv3) task real_dsv3 600 bash -c "$REAL_ENV TAG=real_dsv3 DATA=${DSV3_DATA:-text} \
-        BALANCE=${DSV3_BALANCE:-aux} DSV3_LAYERS=3 DSV3_VOCAB=32768 TIMEOUT=200 CALL_BUDGET=\${DSV3_CALL_BUDGET:-570} \
+        BALANCE=${DSV3_BALANCE:-aux} DSV3_LAYERS=3 DSV3_VOCAB=32768 TIMEOUT=200 \
+        CALL_BUDGET=\${DSV3_CALL_BUDGET:-570} \
         RUNS='${REAL_DSV3_RUNS:-dsv3_native_recipe dsv3_native_dnp125 dsv3_ext_budget_full_auto}' \
         bash bench/gpu/graphed_slice.sh --iters 12" ;;
     *) echo "unknown task $1"; return 2 ;;

@@ -36,9 +36,9 @@ routing (`expert_loads`; eager runs only, one host copy per step).
 `exact`: one dict per step), for bit-for-bit comparisons of two runs; it reads them on the host
 after each step, as Megatron's log does at `--log-interval 1`.
 
-After every step the wrapper prints the step's peak memory (`MEMORY_LINE`: torch's allocator
-peaks since the previous step, which it then resets; no device synchronisation), so that a run
-ended early still has them in its log; `peak_mem_gib` / `peak_reserved_gib` are the largest.
+After every step the wrapper prints torch's allocator peaks so far (`MEMORY_LINE`; a host read,
+no device synchronisation, and no reset, which would change Megatron's own memory report), so
+that a run ended before its profiled step still has them in its log.
 """
 
 import json
@@ -66,17 +66,9 @@ MEMORY_LINE = ("pretrain_profiled: iteration {iteration} max allocated {allocate
                "max reserved {reserved:.3f} GiB")
 
 
-class _StepMemory:
-    """Each step's allocator peaks (GiB), printed as MEMORY_LINE; the peaks are reset after each."""
-
-    def __init__(self):
-        self.allocated, self.reserved = 0.0, 0.0
-
-    def after_step(self, iteration: int) -> None:
-        allocated, reserved = torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30
-        self.allocated, self.reserved = max(self.allocated, allocated), max(self.reserved, reserved)
-        print(MEMORY_LINE.format(iteration=iteration, allocated=allocated, reserved=reserved), flush=True)
-        torch.cuda.reset_peak_memory_stats()
+def _print_memory(iteration: int) -> None:
+    print(MEMORY_LINE.format(iteration=iteration, allocated=torch.cuda.max_memory_allocated() / 2**30,
+                             reserved=torch.cuda.max_memory_reserved() / 2**30), flush=True)
 
 
 # The categories of the report, from the labels (experts are split into GEMM and other kernels).
@@ -243,7 +235,6 @@ def profiled_train_step(original, iteration: int, out_path: str, busy_only: bool
     starts: list[float] = []
     overflow = _Overflow()
     overflow.install()
-    memory = _StepMemory()
     gate_times: dict = {}
 
     def train_step(*args, **kwargs):
@@ -256,7 +247,7 @@ def profiled_train_step(original, iteration: int, out_path: str, busy_only: bool
             loads.install(model)
         if calls[0] != iteration:
             result = original(*args, **kwargs)
-            memory.after_step(calls[0])
+            _print_memory(calls[0])
             overflow.after_step()
             if loads is not None:
                 loads.after_step()
@@ -276,7 +267,7 @@ def profiled_train_step(original, iteration: int, out_path: str, busy_only: bool
         finally:
             kernel_breakdown.remove_labels(labels)
         wall_ms = (time.perf_counter() - t0) * 1e3
-        memory.after_step(calls[0])
+        _print_memory(calls[0])
         overflow.after_step()
         if loads is not None:
             loads.after_step()
@@ -288,7 +279,8 @@ def profiled_train_step(original, iteration: int, out_path: str, busy_only: bool
             report = dict(iteration=iteration, step_wall_ms_profiled=round(wall_ms, 1), busy_only=busy_only, gpu=gpu,
                           gpu_busy_share_of_profiled_step=round(gpu["kernel_busy_ms"] / wall_ms, 4),
                           experts=describe_experts(model),
-                          peak_mem_gib=round(memory.allocated, 2), peak_reserved_gib=round(memory.reserved, 2))
+                          peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
+                          peak_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2))
             if not busy_only:
                 table = kernel_breakdown.breakdown(events, steps=1, top=25)
                 report.update(categories_ms=categories(table), **table)

@@ -66,6 +66,10 @@ def test_profiled_wrapper_options_gate_and_overflow(tmp_path):
     assert pretrain_profiled._exact(result) == {"lm loss": (2.5).hex(), "load_balancing_loss": float(
         torch.tensor(1.0 / 3)).hex(), "grad_norm": (0.75).hex()}
 
+    import graphed_slice
+
+    line = pretrain_profiled.MEMORY_LINE.format(iteration=7, allocated=41.25, reserved=50.0)
+    assert graphed_slice.per_iteration(line, [7])["max_allocated_gib"] == [41.25]  # the parser reads the wrapper
     gate = str(tmp_path / "run")
     threading.Timer(0.5, lambda: open(gate + ".go", "w").close()).start()
     times = pretrain_profiled._wait_at_gate(gate)
