@@ -529,8 +529,8 @@ def merge(paths: list[str], out_json: str) -> str:
             if name not in order:
                 order.append(name)
     for run in merged.values():
-        run.pop("speedup_vs", None)
-        run.pop("max_rel_lm_loss_diff_vs", None)
+        for key in ("speedup_vs", "max_rel_lm_loss_diff_vs", "native_dnp_best"):
+            run.pop(key, None)
     compare(merged)
     rows = summary_rows(merged)
     first = json.load(open(paths[0]))
