@@ -32,7 +32,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export CUDA_DEVICE_MAX_CONNECTIONS=1 OMP_NUM_THREADS=8
 if [ "${DRY_RUN:-0}" = 1 ]; then
-  PY="${PYTHON:-python3}" MLM="$PWD/.gpu/megatron-lm" HAVE_TE=1
+  PY="${PYTHON:-python3}" MLM="${MLM:-$PWD/.gpu/megatron-lm}" HAVE_TE=1
 else
   source bench/gpu/megatron_lm_env.sh  # PY, MLM, megatron-core and its datasets Makefile
   HAVE_TE=0

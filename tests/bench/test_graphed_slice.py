@@ -461,6 +461,80 @@ def test_round_tasks_of_the_real_settings_table(tmp_path):
             assert all(" --vocab-size 32768 " in line and " --num-layers 3 " in line for line in lines)
 
 
+FAKE_PYTHON = r"""#!/usr/bin/env bash
+# The GPU machine's python3 as graphed_slice.sh sees it: TE, megatron-core and apex import
+# (FAKE_APEX_RC=1: apex does not), megatron-core's datasets folder is DATASETS, and torchrun runs
+# FAKE_PRETRAIN.
+case "$*" in
+  *"import transformer_engine.pytorch"*) exit 0 ;;
+  *fused_weight_gradient_mlp_cuda*) exit "${FAKE_APEX_RC:-0}" ;;
+  *"megatron.core.datasets as d"*) echo "$DATASETS"; exit 0 ;;
+  *"import megatron.core"*) echo "0.19.2 (stand-in)"; exit 0 ;;
+esac
+if [ "$1 $2" = "-m torch.distributed.run" ]; then
+  shift 6  # -m torch.distributed.run --standalone --nproc-per-node 1 bench/gpu/pretrain_profiled.py
+  exec "$REAL_PYTHON" "$FAKE_PRETRAIN" "$@"
+fi
+exec "$REAL_PYTHON" "$@"
+"""
+
+
+def test_real_settings_end_to_end_on_a_stand_in_gpu_machine(tmp_path):
+    """graphed_slice.sh past its DRY_RUN part, as the lead's hold runs it (DATA=text FUSION_WGRAD=1
+    OVERLAP=auto), with a stand-in python3 and pretrain: its checks pass, the driver runs, and the
+    JSON has the switches in its settings; without apex, or without the dataset, it stops at once
+    with rc 2 and says what to carry."""
+    mlm = tmp_path / "megatron-lm"
+    (mlm / "megatron" / "core" / "datasets").mkdir(parents=True)
+    (mlm / "pretrain_gpt.py").write_text("")
+    (mlm / "megatron" / "core" / "datasets" / "Makefile").write_text("all:\n")
+    (tmp_path / "datasets").mkdir()
+    (tmp_path / "fake_pretrain.py").write_text(FAKE_PRETRAIN)
+    python = tmp_path / "python3"
+    python.write_text(FAKE_PYTHON)
+    (tmp_path / "bin").mkdir()
+    smi = tmp_path / "bin" / "nvidia-smi"  # an 80 GB H100
+    smi.write_text('#!/usr/bin/env bash\n'
+                   'case "$*" in *memory.total*) echo 81559 ;; *) echo "NVIDIA H100 80GB HBM3" ;; esac\n')
+    for tool in (python, smi):
+        tool.chmod(0o755)
+    data = tmp_path / "data" / "pydoc"
+    data.parent.mkdir()
+    for suffix, text in ((".bin", ""), (".idx", ""), (".json", json.dumps(dict(vocab_size=32000)))):
+        (tmp_path / "data" / f"pydoc{suffix}").write_text(text)
+    env = dict(os.environ, PYTHON=str(python), REAL_PYTHON=sys.executable, DATASETS=str(tmp_path / "datasets"),
+               FAKE_PRETRAIN=str(tmp_path / "fake_pretrain.py"), MLM=str(mlm), OUT=str(tmp_path / "out"),
+               WORK=str(tmp_path / "work"), FUSION_WGRAD="1", DATA="text", BALANCE="aux", TEXT_DATA=str(data),
+               OVERLAP="auto", TAG="real_text", RUNS="native_dnp125 ext_budget_full_auto",
+               PATH=f"{tmp_path}/bin:{os.environ['PATH']}")
+    env.pop("DRY_RUN", None)
+
+    def run(**extra):
+        return subprocess.run(["bash", "bench/gpu/graphed_slice.sh", "--iters", "6"], cwd=ROOT,
+                              env=dict(env, **extra), capture_output=True, text=True, timeout=120)
+
+    done = run()
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "OVERLAP=auto: 0 (81559 MiB card)" in done.stdout  # an 80 GB card: one run at a time
+    result = json.load(open(tmp_path / "out" / "graphed_slice_h100_real_text.json"))
+    assert result["card"] == "h100"
+    assert {k: result["settings"][k] for k in ("data", "text_data", "balance", "fusion_wgrad", "budget_policy",
+                                               "overlap", "iters")} == dict(
+        data="text", text_data=str(data), balance="aux", fusion_wgrad="1", budget_policy="rerun", overlap=0, iters=6)
+    assert [row["run"] for row in result["summary"]] == ["native_dnp125", "ext_budget_full_auto"]
+    assert all(row["rc"] == 0 for row in result["summary"]) and result["summary"][1]["reruns"] == 1
+    assert f"--data-path {data} --split 100,0,0" in result["runs"]["native_dnp125"]["command"]
+
+    no_apex = run(FAKE_APEX_RC="1")
+    assert no_apex.returncode == 2 and "fused_weight_gradient_mlp_cuda does not import" in no_apex.stdout
+    assert "carry .gpu/apex" in no_apex.stdout and "released" not in no_apex.stdout
+    no_data = run(TEXT_DATA=str(tmp_path / "nowhere" / "pydoc"))
+    assert no_data.returncode == 2 and "nowhere/pydoc.bin/.idx" in no_data.stdout
+    (tmp_path / "data" / "pydoc.json").write_text(json.dumps(dict(vocab_size=200000)))
+    too_big = run()
+    assert too_big.returncode == 2 and "the dataset's vocab 200000 exceeds" in too_big.stdout + too_big.stderr
+
+
 def test_the_fastest_native_drop_and_pad_run_is_a_reference():
     import graphed_slice
 
