@@ -9,7 +9,8 @@
   measured (`host_time_run`), the eager step's host time.
 - `bench/gpu/graphed_slice.py` (Megatron-LM with CUDA graphs): one panel per model, per run the
   median ms/iter and beside it the profiled step's GPU busy time (union of its kernels), with
-  the busy share and TFLOP/s/GPU.
+  the busy share and TFLOP/s/GPU; where a run logged at least CURVE_MIN_ITERATIONS iterations,
+  a second row with every such run's lm loss and gradient norm per iteration.
 
     python bench/plot_results.py bench/results/moe_layer_h200.json bench/results/moe_layer_graphs_h200.json
 """
@@ -20,6 +21,7 @@ import json
 import sys
 
 PACKAGE_PREFIXES = ("flex_", "seed_")
+CURVE_MIN_ITERATIONS = 20
 
 
 def plot_moe_layer(json_path: str) -> str:
@@ -142,9 +144,14 @@ def plot_graphed_slice(json_path: str) -> str:
     for name in order:
         families.setdefault("DeepSeek-V3-like EP16 slice" if name.startswith("dsv3_") else "Qwen3-30B-A3B EP8 slice",
                             []).append(name)
-    fig, axes = plt.subplots(1, len(families), squeeze=False,
-                             figsize=(7.5 * len(families), 1.6 + 0.6 * max(len(v) for v in families.values())),
-                             gridspec_kw=dict(width_ratios=[len(v) + 2 for v in families.values()]))
+    curves = [name for name in order if len(data["runs"][name].get("lm_loss") or []) >= CURVE_MIN_ITERATIONS]
+    bars_height = 1.6 + 0.6 * max(len(v) for v in families.values())
+    fig = plt.figure(figsize=(max(7.5 * len(families), 13), bars_height + (4.5 if curves else 0)))
+    grid = fig.add_gridspec(2 if curves else 1, 1, height_ratios=[bars_height, 4.5] if curves else [1])
+    axes = grid[0].subgridspec(1, len(families), width_ratios=[len(v) + 2 for v in families.values()]).subplots(
+        squeeze=False)
+    if curves:
+        _plot_curves(data, curves, grid[1].subgridspec(1, 2).subplots())
     for ax, (family, names) in zip(axes[0], families.items()):
         runs = [data["runs"][name] for name in names]
         ys = range(len(names))
@@ -167,14 +174,33 @@ def plot_graphed_slice(json_path: str) -> str:
         ax.set_xlim(0, 1.25 * max(ms + busy + [1.0]))
         ax.set_xlabel("ms per iteration (global batch 8 x 4096 tokens)", fontsize=8)
         ax.set_title(family, fontsize=10)
-    fig.legend(*axes[0][0].get_legend_handles_labels(), fontsize=7, loc="lower center", ncol=2)
-    fig.suptitle(f"Megatron-LM pretrain_gpt.py, {data.get('device') or '?'}, bf16: eager vs CUDA graphs "
-                 "(green: megatron_moe_ext; grey: native; hatched: GPU busy, share of ms/iter)", fontsize=9)
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    axes[0][0].legend(fontsize=7, loc="lower right")
+    settings = data.get("settings") or {}
+    said = ", ".join(f"{k} {settings[k]}" for k in ("data", "balance", "fusion_wgrad") if settings.get(k))
+    fig.suptitle(f"Megatron-LM pretrain_gpt.py, {data.get('device') or '?'}, bf16{', ' + said if said else ''}: "
+                 "eager vs CUDA graphs\n(green: megatron_moe_ext; grey: native; hatched: GPU busy, share of "
+                 "ms/iter)", fontsize=9)
+    fig.tight_layout()
     out = json_path[:-5] + ".png" if json_path.endswith(".json") else json_path + ".png"
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return out
+
+
+def _plot_curves(data: dict, names: list[str], axes) -> None:
+    """lm loss and gradient norm per iteration, one line per run (graphed_slice.py's JSON)."""
+    for ax, key, label in zip(axes, ("lm_loss", "grad_norm"), ("lm loss", "gradient norm")):
+        for name in names:
+            run = data["runs"][name]
+            points = [(i, v) for i, v in zip(run["iteration"], run.get(key) or []) if v is not None]
+            if points:
+                ax.plot(*zip(*points), label=name, linewidth=1, linestyle="-" if "ext" in name else "--")
+        ax.set_xlabel("iteration", fontsize=8)
+        ax.set_ylabel(label, fontsize=8)
+        ax.set_yscale("log" if key == "grad_norm" else "linear")
+        ax.tick_params(labelsize=7)
+        ax.set_title(f"{label} per iteration", fontsize=9)
+        ax.legend(fontsize=7)
 
 
 if __name__ == "__main__":

@@ -16,11 +16,15 @@ whole call in time: a run is not released after it, and a running one is ended 2
 A run that fails or is ended keeps its return code (124: ended) and the last 30 lines of its log.
 
 `parse` writes OUT/graphed_slice_<card>[_T].json (card: h100, h200 from nvidia-smi): per run the command line, return code,
-per-iteration lm loss, ms/iter and TFLOP/s/GPU (Megatron's log), the medians of iterations
+per-iteration lm loss, gradient norm, load-balancing loss, ms/iter and TFLOP/s/GPU (Megatron's log), the
+budget mode's reruns (the package's `MoE budget rerun:` lines, counted against the iteration whose log
+line follows them), the factor `auto` chose (`MoE budget factor auto:`), the allocator's peak
+so far after each step (pretrain_profiled.py's MEMORY_LINE), the medians of iterations
 --median-from .. train-iters - 1 (the profiled last iteration left out), the profiled step's GPU
 busy time (the union of its kernel intervals, `kernel_breakdown.gpu_activity`) and its share
 of the median step, peak memory, dropped (token, expert) pairs of budget-mode layers, the
-step-time ratios against the native runs of the same model, and how many seconds of other
+step-time ratios against the native runs of the same model (eager, attn, recipe, and the fastest
+native drop-and-pad run, `native_dnp*`), and how many seconds of other
 runs' start-ups overlapped this run's measured iterations; then its .png
 (bench/plot_results.py) and OUT/graphed_slice_logs[_T].tar.gz (every log and command line).
 `merge` puts the runs of several such JSONs (two device calls) into one file and plots it.
@@ -51,6 +55,13 @@ LOG_TAIL_LINES = 30
 DEADLINE_MARGIN_S = 25.0  # left for parsing, plotting and the tarball after the last run
 _DROPPED_LOGGED = re.compile(r"(\d+) \(token, expert\) pairs dropped")
 _MEGATRON_MEMORY = re.compile(r"max allocated: ([0-9.]+)")
+_ITERATION_LINE = re.compile(r" iteration\s+(\d+)/\s*\d+ \|")
+_GRAD_NORM = re.compile(r"\| grad norm: ([0-9.Ee+-]+|nan|inf) \|")
+_AUX_LOSS = re.compile(r"load_balancing_loss: ([0-9.Ee+-]+)")
+_STEP_MEMORY = re.compile(r"pretrain_profiled: iteration (\d+) max allocated ([0-9.]+) GiB")
+RERUN_LINE = "MoE budget rerun:"
+_AUTO_FACTOR = re.compile(r"MoE budget factor auto:(.*)")
+_NUMBER = re.compile(r"[0-9]+(?:\.[0-9]+)?")
 
 
 # --------------------------------------------------------------------------------------- driver
@@ -248,6 +259,39 @@ def rounding_spread(run: dict, ref: dict) -> dict:
     return dict(iterations=len(rel), first_iteration_over_tol=first, tol=ROUNDING_REL_TOL, max_rel_lm_loss_diff=max(rel, default=None))
 
 
+def per_iteration(text: str, iterations: list[int]) -> dict:
+    """From a run's log, per iteration of `iterations`: the gradient norm and load-balancing loss
+    of Megatron's iteration line, the budget mode's reruns logged before it (since the previous
+    iteration line), and the allocator's peak so far after the step (GiB); plus the reruns after the last
+    iteration line and what the `auto` factor line said (None: no such line)."""
+    grad, aux, reruns, memory = {}, {}, {}, {}
+    pending, auto = 0, None
+    for line in text.splitlines():
+        if RERUN_LINE in line:
+            pending += 1
+            continue
+        match = _AUTO_FACTOR.search(line)
+        if match and auto is None:
+            number = _NUMBER.search(match.group(1))
+            auto = dict(line=match.group(1).strip(), factor=float(number.group(0)) if number else None)
+            continue
+        match = _STEP_MEMORY.search(line)
+        if match:
+            memory[int(match.group(1))] = float(match.group(2))
+            continue
+        match = _ITERATION_LINE.search(line)
+        if match and "lm loss" in line:
+            i = int(match.group(1))
+            norm, lb = _GRAD_NORM.search(line), _AUX_LOSS.search(line)
+            grad[i] = float(norm.group(1)) if norm else None
+            aux[i] = float(lb.group(1)) if lb else None
+            reruns[i], pending = pending, 0
+    return dict(grad_norm=[grad.get(i) for i in iterations], load_balancing_loss=[aux.get(i) for i in iterations],
+                reruns_per_iteration=[reruns.get(i, 0) for i in iterations],
+                max_allocated_gib=[memory.get(i) for i in iterations],
+                reruns_after_last_iteration=pending, budget_factor_auto=auto)
+
+
 def _log_tail(text: str) -> list[str]:
     return text.rstrip("\n").splitlines()[-LOG_TAIL_LINES:]
 
@@ -259,7 +303,7 @@ def parse_one(work: str, name: str, median_from: int) -> dict:
     if not os.path.exists(base + ".log"):  # not released (the call's deadline)
         return dict(command=None, rc=driver.get("rc"), driver=driver, median_iterations=[], median_ms_per_iter=None,
                     median_tflops_per_gpu=None, gpu_busy_ms=None, gpu_busy_share=None, peak_mem_gib=None,
-                    iteration=[], lm_loss=[], elapsed_ms=[], tflops_per_gpu=[])
+                    iteration=[], lm_loss=[], elapsed_ms=[], tflops_per_gpu=[], grad_norm=[], reruns=None)
     run = megatron_parse.parse_run(base + ".log")
     text = open(base + ".log", errors="replace").read()
     for key in [k for k in run if k.startswith("median_") or k == "error_tail"]:
@@ -294,6 +338,12 @@ def parse_one(work: str, name: str, median_from: int) -> dict:
     memory = _MEGATRON_MEMORY.findall(text)
     if memory:
         out["megatron_max_allocated_gib"] = round(max(float(m) for m in memory) / 1024, 2)
+    steps = per_iteration(text, run["iteration"])
+    step_peaks = [m for m in steps["max_allocated_gib"] if m is not None]
+    if out["peak_mem_gib"] is None and step_peaks:  # ended before its profiled step
+        out["peak_mem_gib"] = round(max(step_peaks), 2)
+    out["reruns"] = sum(steps["reruns_per_iteration"]) + steps["reruns_after_last_iteration"]
+    out["budget_factor_auto"] = steps.pop("budget_factor_auto")
     overflow = profile.get("overflow")
     if profile:  # how many budget-mode layers the wrapper found (0: the package ran dropless)
         out["budget_mode_layers"] = (overflow or {}).get("layers", 0)
@@ -305,7 +355,7 @@ def parse_one(work: str, name: str, median_from: int) -> dict:
     if logged:
         out["dropped_pairs_logged"] = sum(logged)
     out.update(iteration=run["iteration"], lm_loss=run["lm_loss"], elapsed_ms=run["elapsed_ms"],
-               tflops_per_gpu=run["tflops_per_gpu"])
+               tflops_per_gpu=run["tflops_per_gpu"], **steps)
     if "timers_ms" in run:
         out["timers_ms"] = run["timers_ms"]
     if run["rc"] != 0 or not run["iteration"]:
@@ -337,9 +387,17 @@ def _startup_overlap(run: dict, others: list[dict], median_from: int) -> float |
     return round(total, 1)
 
 
+def _fastest_dnp(runs: dict, family: str) -> str | None:
+    """The family's native drop-and-pad run with the lowest median ms/iter (None: none ran)."""
+    timed = [(run["median_ms_per_iter"], name) for name, run in runs.items()
+             if name.startswith(family + "native_dnp") and run.get("median_ms_per_iter")]
+    return min(timed)[1] if timed else None
+
+
 def compare(runs: dict) -> None:
     """Step-time ratios (reference ms / run ms: > 1 is faster) and the largest relative lm-loss
-    difference against the native eager and native recipe runs of the same model."""
+    difference against the native eager, attn and recipe runs of the same model and its fastest
+    native drop-and-pad run (named in `native_dnp_best`)."""
     for name, run in runs.items():
         twin = runs.get(_eager_twin(name))
         if twin is not None and run.get("exact") and twin.get("exact"):
@@ -348,7 +406,10 @@ def compare(runs: dict) -> None:
             if name == pair_run and runs.get(pair_ref, {}).get("lm_loss") and run["lm_loss"]:
                 run["rounding_spread"] = {**rounding_spread(run, runs[pair_ref]), "reference": pair_ref}
         family = _family(name)
-        for ref_name in (family + "native_eager", family + "native_recipe", family + "native_attn"):
+        best_dnp = _fastest_dnp(runs, family)
+        if best_dnp is not None:
+            run["native_dnp_best"] = best_dnp
+        for ref_name in (family + "native_eager", family + "native_recipe", family + "native_attn", best_dnp):
             ref = runs.get(ref_name)
             if ref is None or ref_name == name:
                 continue
@@ -363,10 +424,13 @@ def compare(runs: dict) -> None:
 def summary_rows(runs: dict) -> list[dict]:
     rows = []
     for name, run in runs.items():
+        auto = run.get("budget_factor_auto") or {}
         rows.append(dict(run=name, rc=run["rc"], ms_per_iter=run["median_ms_per_iter"],
                          tflops_per_gpu=run["median_tflops_per_gpu"], gpu_busy_ms=run["gpu_busy_ms"],
                          gpu_busy_share=run["gpu_busy_share"], peak_mem_gib=run["peak_mem_gib"],
-                         dropped_pairs=run.get("dropped_pairs_total"), speedup_vs=run.get("speedup_vs", {})))
+                         dropped_pairs=run.get("dropped_pairs_total"), reruns=run.get("reruns"),
+                         budget_factor_auto=auto.get("factor"), lm_loss_last=(run.get("lm_loss") or [None])[-1],
+                         speedup_vs=run.get("speedup_vs", {})))
     return rows
 
 
@@ -375,13 +439,14 @@ def print_summary(rows: list[dict]) -> None:
         return format(value, spec) if value is not None else "-"
 
     print(f"{'run':26s} {'rc':>4s} {'ms/iter':>8s} {'TFLOP/s':>8s} {'busy ms':>8s} {'busy':>6s} {'peak GiB':>8s}"
-          f" {'dropped':>7s}  speedup")
+          f" {'dropped':>7s} {'reruns':>6s} {'loss':>7s}  speedup")
     for r in rows:
         share = f"{100 * r['gpu_busy_share']:.0f}%" if r["gpu_busy_share"] is not None else "-"
         speed = " ".join(f"{k}:{v:.2f}x" for k, v in r["speedup_vs"].items())
         print(f"{r['run']:26s} {str(r['rc']):>4s} {fmt(r['ms_per_iter'], '8.1f')} {fmt(r['tflops_per_gpu'], '8.1f')}"
               f" {fmt(r['gpu_busy_ms'], '8.1f')} {share:>6s} {fmt(r['peak_mem_gib'], '8.1f')}"
-              f" {fmt(r['dropped_pairs'], '7d')}  {speed}", flush=True)
+              f" {fmt(r['dropped_pairs'], '7d')} {fmt(r['reruns'], '6d')} {fmt(r['lm_loss_last'], '7.3f')}  {speed}",
+              flush=True)
 
 
 def _device() -> str | None:
@@ -430,9 +495,10 @@ def parse(work: str, out: str, tag: str = "", median_from: int = 4, order: list[
     device = _device()
     json_path, tar_path = _paths(out, tag, device)
     result = dict(
-        what="Megatron-LM pretrain_gpt.py (core_r0.19.0), mock data, one GPU: the Qwen3-30B-A3B EP8 rank slice "
-             "(and a DeepSeek-V3-like EP16 slice) eager and with CUDA graphs, native vs this package's --spec",
-        script="bench/gpu/graphed_slice.sh", graphed_slice=True, device=device,
+        what="Megatron-LM pretrain_gpt.py (core_r0.19.0), one GPU: the Qwen3-30B-A3B EP8 rank slice "
+             "(and a DeepSeek-V3-like EP16 slice) eager and with CUDA graphs, native vs this package's --spec; "
+             "data, routing balance and gradient-accumulation fusion as in settings",
+        script="bench/gpu/graphed_slice.sh", graphed_slice=True, device=device, card=_card(device),
         median_iterations=f"{median_from} .. train-iters - 1, the profiled last iteration left out",
         gpu_busy="union of the profiled (last) step's kernel intervals; busy share = busy / median ms/iter",
         settings=settings or {}, order=names, summary=rows, runs=runs)
@@ -463,8 +529,8 @@ def merge(paths: list[str], out_json: str) -> str:
             if name not in order:
                 order.append(name)
     for run in merged.values():
-        run.pop("speedup_vs", None)
-        run.pop("max_rel_lm_loss_diff_vs", None)
+        for key in ("speedup_vs", "max_rel_lm_loss_diff_vs", "native_dnp_best"):
+            run.pop(key, None)
     compare(merged)
     rows = summary_rows(merged)
     first = json.load(open(paths[0]))

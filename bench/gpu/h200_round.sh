@@ -16,7 +16,8 @@
 # Tasks: smoke budget_loads ab_cost ep_hybridep8 ep_deepep slice_table te_install hybridep_real uccl_real ep_on_one_gpu ep_uccl deepep_v1_build hybridep_build device_checks cuda_graph_train graph_te_diag graph_bisect graph_fault probes experts_te bias permute
 #        layer_bench graphs recompute pretrain_local pretrain_te pretrain_small pretrain_det
 #        pretrain_det32 te_init_check pretrain_qwen3 fused_experts fused_experts_tests slice_bench host_profile pretrain_slice
-#        pretrain_slice_det megatron_tools det_numerics (QuACK: source /tmp/quack_env.sh first).
+#        pretrain_slice_det megatron_tools det_numerics (QuACK: source /tmp/quack_env.sh first)
+#        apex_build text_data real_text real_force real_dsv3 (the real-settings table, below).
 # Transformer Engine comes from ../shared/tools/te-on-device (source /tmp/te_env.sh first); the
 # HybridEP build (.gpu/hybridep, bench/gpu/HYBRIDEP.md), the uccl pieces (.gpu/uccl,
 # .gpu/uccl-wheel), DeepEP V1 intranode (.gpu/deepep-v1; `.gpu/deepep-src/build.sh v1|hybrid`
@@ -24,7 +25,7 @@
 # (.gpu/megatron-lm) are carried, never committed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-ROUND=/tmp/round
+ROUND=${ROUND:-/tmp/round}
 RES=$ROUND/out
 mkdir -p "$RES"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -39,6 +40,10 @@ task() {  # name timeout_s command...: one task, its log and exit code recorded;
   printf '%s\trc=%s\t%ss\t%s\n' "$name" "$rc" "$((SECONDS - t0))" "$*" | tee -a "$RES/tasks.tsv"
   tail -5 "$RES/$name.log"
 }
+
+# The real-settings tasks' common environment (TE when staged; graphed_slice.sh says when it is not).
+REAL_ENV="{ [ ! -f /tmp/te_env.sh ] || source /tmp/te_env.sh; } && export FUSION_WGRAD=1 BUDGET_POLICY=rerun \
+MEDIAN_FROM=5 TEXT_DATA=\${TEXT_DATA:-$ROUND/data/pydoc} OVERLAP=\${OVERLAP:-auto} &&"
 
 run_task() {
   case $1 in
@@ -119,6 +124,34 @@ run_task() {
         CALL_BUDGET=550 MEDIAN_FROM=5 TAG=det_spread RUNS='${DET_NUMERICS_RUNS:-det_ext_eager det_ext_budget_eager \
         det_native_eager det_native_unfused_eager det_dense_eager det_dense_local det_dense_full}' \
         bash bench/gpu/graphed_slice.sh --iters 50" ;;
+    # The real-settings table (issue 48), most evidence first; every run with Megatron's gradient-
+    # accumulation fusion (apex_build: apex's fused_weight_gradient_mlp_cuda into /tmp/apexbuild from
+    # the carried .gpu/apex, ~1 min) and the budget runs with the rerun policy. text_data keeps the
+    # carried dataset (.gpu/data/pydoc.*, bench/data/build_text_dataset.py) in $ROUND/data while the
+    # machine is warm. real_text: the Qwen3 slice on that text with the aux loss alone, REAL_ITERS
+    # (200) iterations: the baseline, native's graphed drop-and-pad at 1.25, the budget mode's
+    # whole-iteration graphs with factor auto (~4-6 min each). real_force: forced balance on mock
+    # data, 12 iterations (continuity with earlier tables; 6 runs, ~9 min with OVERLAP=0).
+    # real_dsv3: the DeepSeek-V3-like slice (3 layers, vocab 32768: fits an 80 GB H100), 12 iterations,
+    # DSV3_DATA (text) and DSV3_BALANCE (aux). OVERLAP=auto: start-ups overlap on an H200 only. The
+    # first two outlast a 600 s device call: run the three as one background list, e.g.
+    # bg "wait real_text real_force real_dsv3", and `wait` in the calls after it.
+    apex_build) task apex_build 300 bash -c "[ -e /tmp/apexbuild/fused_weight_gradient_mlp_cuda.so ] \
+        || bash .gpu/apex/build.sh" ;;
+    text_data) task text_data 60 bash -c "mkdir -p $ROUND/data && cp .gpu/data/pydoc.* $ROUND/data/ \
+        && ls -l $ROUND/data" ;;
+    real_text) task real_text "${REAL_TASK_S:-1800}" bash -c "$REAL_ENV TAG=real_text DATA=text BALANCE=aux \
+        TIMEOUT=\${REAL_TIMEOUT:-480} CALL_BUDGET=\$((${REAL_TASK_S:-1800} - 60)) \
+        RUNS='${REAL_TEXT_RUNS:-native_recipe native_dnp125 ext_budget_full_auto}' \
+        bash bench/gpu/graphed_slice.sh --iters ${REAL_ITERS:-200}" ;;
+    real_force) task real_force 960 bash -c "$REAL_ENV TAG=real_force DATA=mock BALANCE=force TIMEOUT=150 \
+        CALL_BUDGET=\${FORCE_CALL_BUDGET:-900} RUNS='${REAL_FORCE_RUNS:-native_recipe native_dnp100 native_dnp125 \
+        ext_recipe ext_budget_full ext_budget_full_auto}' bash bench/gpu/graphed_slice.sh --iters 12" ;;
+    real_dsv3) task real_dsv3 600 bash -c "$REAL_ENV TAG=real_dsv3 DATA=${DSV3_DATA:-text} \
+        BALANCE=${DSV3_BALANCE:-aux} DSV3_LAYERS=3 DSV3_VOCAB=32768 TIMEOUT=200 \
+        CALL_BUDGET=\${DSV3_CALL_BUDGET:-570} \
+        RUNS='${REAL_DSV3_RUNS:-dsv3_native_recipe dsv3_native_dnp125 dsv3_ext_budget_full_auto}' \
+        bash bench/gpu/graphed_slice.sh --iters 12" ;;
     *) echo "unknown task $1"; return 2 ;;
   esac
 }

@@ -32,7 +32,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export CUDA_DEVICE_MAX_CONNECTIONS=1 OMP_NUM_THREADS=8
 if [ "${DRY_RUN:-0}" = 1 ]; then
-  PY="${PYTHON:-python3}" MLM="$PWD/.gpu/megatron-lm" HAVE_TE=1
+  PY="${PYTHON:-python3}" MLM="${MLM:-$PWD/.gpu/megatron-lm}" HAVE_TE=1
 else
   source bench/gpu/megatron_lm_env.sh  # PY, MLM, megatron-core and its datasets Makefile
   HAVE_TE=0
@@ -55,9 +55,12 @@ QWEN3="--num-layers 4 --hidden-size 2048 --num-attention-heads 32 --group-query-
 --train-iters 25 --lr 3e-4 --ffn-hidden-size 6144 --num-experts 128 --moe-ffn-hidden-size 768 \
 --moe-router-topk 8 --moe-aux-loss-coeff 1e-3 --vocab-size 151936 --use-distributed-optimizer"
 # Without apex: local mode has no fused masked softmax, persistent layer norm or fused weight
-# gradient accumulation; TE mode still lacks the last one.
-LOCAL="--transformer-impl local --no-masked-softmax-fusion --no-persist-layer-norm --no-gradient-accumulation-fusion"
-TE="--transformer-impl transformer_engine --no-gradient-accumulation-fusion"
+# gradient accumulation; TE mode still lacks the last one. FUSION_WGRAD=1 turns the gradient-
+# accumulation fusion on (apex's fused_weight_gradient_mlp_cuda: megatron_lm_env.sh).
+NO_WGRAD_FUSION="--no-gradient-accumulation-fusion"
+[ "${FUSION_WGRAD:-0}" = 1 ] && NO_WGRAD_FUSION=""
+LOCAL="--transformer-impl local --no-masked-softmax-fusion --no-persist-layer-norm $NO_WGRAD_FUSION"
+TE="--transformer-impl transformer_engine $NO_WGRAD_FUSION"
 SPEC="--spec megatron_moe_ext.megatron.specs get_flex_decoder_block_spec"
 # Megatron's fused permutation (native runs); the package's torch backend has no fused
 # permutation and refuses the flag rather than ignore it.

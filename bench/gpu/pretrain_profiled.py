@@ -35,6 +35,10 @@ routing (`expert_loads`; eager runs only, one host copy per step).
 --exact: also record every step's reduced losses and gradient norm exactly (`float.hex`, in
 `exact`: one dict per step), for bit-for-bit comparisons of two runs; it reads them on the host
 after each step, as Megatron's log does at `--log-interval 1`.
+
+After every step the wrapper prints torch's allocator peaks so far (`MEMORY_LINE`; a host read,
+no device synchronisation, and no reset, which would change Megatron's own memory report), so
+that a run ended before its profiled step still has them in its log.
 """
 
 import json
@@ -58,6 +62,15 @@ MODULE_LABELS = ((".self_attention.core_attention", "attention_core"),
                  (".mlp", "moe_other"),
                  ("output_layer", "lm_head_loss"),
                  ("embedding", "embedding"))
+MEMORY_LINE = ("pretrain_profiled: iteration {iteration} max allocated {allocated:.3f} GiB "
+               "max reserved {reserved:.3f} GiB")
+
+
+def _print_memory(iteration: int) -> None:
+    print(MEMORY_LINE.format(iteration=iteration, allocated=torch.cuda.max_memory_allocated() / 2**30,
+                             reserved=torch.cuda.max_memory_reserved() / 2**30), flush=True)
+
+
 # The categories of the report, from the labels (experts are split into GEMM and other kernels).
 CATEGORIES = {"attention": ("attention_core", "attention_other"), "router": ("router",),
               "permutation_gather": ("permutation_gather",), "lm_head_loss": ("lm_head_loss",),
@@ -234,6 +247,7 @@ def profiled_train_step(original, iteration: int, out_path: str, busy_only: bool
             loads.install(model)
         if calls[0] != iteration:
             result = original(*args, **kwargs)
+            _print_memory(calls[0])
             overflow.after_step()
             if loads is not None:
                 loads.after_step()
@@ -253,6 +267,7 @@ def profiled_train_step(original, iteration: int, out_path: str, busy_only: bool
         finally:
             kernel_breakdown.remove_labels(labels)
         wall_ms = (time.perf_counter() - t0) * 1e3
+        _print_memory(calls[0])
         overflow.after_step()
         if loads is not None:
             loads.after_step()

@@ -162,3 +162,45 @@ print(json.dumps(out))
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.splitlines()[-1])
+
+
+def megatron_config_of_dry_run(lines: list[str], fields: str) -> dict[str, dict | str]:
+    """Megatron-LM's `validate_args` and the TransformerConfig it builds
+    (`core_transformer_config_from_args`) over each DRY_RUN line, with the line's environment
+    variables set -> {run name: dict(...) built by `fields` over the parsed `a` and the config `c`,
+    or "<error type>: <message>" where Megatron refuses the settings}. On the CPU the device reads
+    as a Hopper GPU and the TE-only fusions (rope, permutation, router) are off before the config
+    is built: their checks ask whether TE is installed, not whether the settings fit together."""
+    import json
+    import subprocess
+
+    code = f"""
+import json, os, shlex, sys
+import torch
+torch.cuda.get_device_capability = lambda *args: (9, 0)
+from megatron.training.arguments import parse_args, validate_args
+from megatron.training.arguments import core_transformer_config_from_args
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+base = dict(os.environ)
+out = {{}}
+for line in sys.stdin:
+    words = shlex.split(line)
+    start = next(i for i, w in enumerate(words) if w.endswith("pretrain_gpt.py")) + 1
+    os.environ.clear()
+    os.environ.update(base, **dict(w.split("=", 1) for w in words[1:start] if "=" in w and not w.startswith("-")))
+    sys.argv = ["pretrain_gpt.py"] + words[start:]
+    a = parse_args()
+    try:
+        validate_args(a, {{}})
+        a.apply_rope_fusion = a.moe_permute_fusion = a.moe_router_fusion = False
+        c = core_transformer_config_from_args(a)
+        out[words[0]] = dict({fields})
+    except (AssertionError, ValueError) as error:
+        out[words[0]] = f"{{type(error).__name__}}: {{error}}"
+print(json.dumps(out))
+"""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, input="\n".join(lines), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
