@@ -15,7 +15,8 @@ beside a running heavy one. A run's timeout counts from its release; --deadline 
 whole call in time: a run is not released after it, and a running one is ended 25 s before it.
 A run that fails or is ended keeps its return code (124: ended) and the last 30 lines of its log.
 
-`parse` writes OUT/graphed_slice_<card>[_T].json (card: h100, h200 from nvidia-smi): per run the command line, return code,
+`parse` writes OUT/graphed_slice_<card>[_T].json (card: h100, h200 from nvidia-smi): per run the command line,
+return code,
 per-iteration lm loss, gradient norm, load-balancing loss, ms/iter and TFLOP/s/GPU (Megatron's log), the
 budget mode's reruns (the package's `MoE budget rerun:` lines, counted against the iteration whose log
 line follows them), the factor `auto` chose (`MoE budget factor auto:`), the allocator's peak
@@ -256,7 +257,8 @@ def rounding_spread(run: dict, ref: dict) -> dict:
     ROUNDING_REL_TOL relative (None: none), and the largest relative difference."""
     rel = [abs(a - b) / abs(b) for a, b in zip(run["lm_loss"], ref["lm_loss"])]
     first = next((i + 1 for i, r in enumerate(rel) if r > ROUNDING_REL_TOL), None)
-    return dict(iterations=len(rel), first_iteration_over_tol=first, tol=ROUNDING_REL_TOL, max_rel_lm_loss_diff=max(rel, default=None))
+    return dict(iterations=len(rel), first_iteration_over_tol=first, tol=ROUNDING_REL_TOL,
+                max_rel_lm_loss_diff=max(rel, default=None))
 
 
 def per_iteration(text: str, iterations: list[int]) -> dict:

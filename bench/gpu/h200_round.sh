@@ -13,7 +13,7 @@
 #   NAME       run one task in the foreground (results in /tmp/round/out)
 #   summary    print every result JSON, compact and cut to SUMMARY_CHARS each
 #   pack       tar /tmp/round/out into $OUT/round_<date>.tgz (the tool returns at most 8 files)
-# Tasks: smoke budget_loads ab_cost ep_hybridep8 ep_deepep slice_table te_install hybridep_real uccl_real ep_on_one_gpu ep_uccl deepep_v1_build hybridep_build device_checks cuda_graph_train graph_te_diag graph_bisect graph_fault probes experts_te bias permute
+# Tasks: smoke budget_loads ab_cost ep_hybridep8 ep_deepep slice_table te_install hybridep_real uccl_real ep_on_one_gpu ep_uccl deepep_v1_build hybridep_build device_checks cuda_graph_train graph_te_diag experts_te bias permute
 #        layer_bench graphs recompute pretrain_local pretrain_te pretrain_small pretrain_det
 #        pretrain_det32 te_init_check pretrain_qwen3 fused_experts fused_experts_tests slice_bench host_profile pretrain_slice
 #        pretrain_slice_det megatron_tools det_numerics (QuACK: source /tmp/quack_env.sh first)
@@ -69,10 +69,6 @@ run_task() {
     graph_te_diag) task graph_te_diag 420 bash -c 'for v in default no-weakref dense dense,no-weakref; do \
         flags=$(echo ,$v | sed "s/,default//; s/,/ --/g"); '"$PY"' bench/gpu/cuda_graph_train.py --steps 20 \
         --modes local_whole_layer $flags --out $OUT/cuda_graph_train_te_diag_${v/,/_}.json | tail -2; done' ;;
-    graph_bisect) task graph_bisect 300 bash bench/gpu/graph_train_bisect.sh ;;
-    graph_fault) task graph_fault 420 bash bench/gpu/graph_fault.sh ;;
-    probes) task probes 200 env PROBES="${PROBES:-layer:qwen3_30b_a3b:512 layer:deepseek_v3_like:512 layer:small:32}" \
-        TASKS="" OUT=$RES bash bench/gpu/probe_round.sh ;;
     experts_te) task experts_te 300 $PY bench/gpu/experts_te_tests.py ;;
     bias) task bias 120 $PY bench/gpu/bias_bench.py --quick ;;
     permute) task permute 300 bash -c "$PY -m pytest tests/dispatcher/test_gather_kernels.py -q -rs \

@@ -298,7 +298,8 @@ def profiled_train_step(original, iteration: int, out_path: str, busy_only: bool
             report["exact"] = exact_steps
         with open(out_path, "w") as f:
             json.dump(report, f, indent=1)
-        summary = report.get("categories_ms") or (report.get("gpu") or {}).get("kernel_busy_ms") or report.get("error")
+        summary = (report.get("categories_ms") or (report.get("gpu") or {}).get("kernel_busy_ms")
+                   or report.get("error"))
         print(f"profiled iteration {iteration}: {json.dumps(summary)} -> {out_path}", flush=True)
         return result
 

@@ -9,14 +9,15 @@ import torch
 
 from tests.shims import megatron_cpu
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench"))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 
 def _flex_grouped_layer(shape: dict, pg):
     """FlexMoELayer + GroupedGemmExperts at `shape`, routed by its input (moe_slice_bench's trick)."""
+    import moe_slice_bench
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 
-    import moe_slice_bench
     from megatron_moe_ext.megatron.experts import GroupedGemmExperts
     from megatron_moe_ext.megatron.moe_layer import FlexMoELayer
 
@@ -105,10 +106,10 @@ def run_profiled_labels_on_megatron_gpt() -> dict:
     module names pretrain_gpt.py builds), wrapped as Megatron wraps chunks (`module.` prefix),
     one forward + backward + a stand-in optimizer step under the CPU profiler: the labels that
     received time and the expert classes found."""
-    from torch.profiler import ProfilerActivity, profile
-
     import kernel_breakdown
     import pretrain_profiled
+    from torch.profiler import ProfilerActivity, profile
+
     from megatron_moe_ext.megatron import specs
     from tests.megatron.cases_layer import _gpt, _gpt_loss_and_grads, gpt_config
 

@@ -73,7 +73,8 @@ def test_profiled_wrapper_options_gate_and_overflow(tmp_path):
     gate = str(tmp_path / "run")
     threading.Timer(0.5, lambda: open(gate + ".go", "w").close()).start()
     times = pretrain_profiled._wait_at_gate(gate)
-    assert float(open(gate + ".ready").read()) == times["ready_at"] and times["released_at"] - times["ready_at"] >= 0.4
+    assert float(open(gate + ".ready").read()) == times["ready_at"]
+    assert times["released_at"] - times["ready_at"] >= 0.4
     with pytest.raises(SystemExit):
         pretrain_profiled._wait_at_gate(str(tmp_path / "never"), max_wait_s=0.3)
 
@@ -187,8 +188,11 @@ def test_graphed_slice_run_list_parses_with_megatron_arguments(tmp_path):
         assert a["deterministic"] == det and a["nan_check"] == (a["graphs"] != "full_iteration"), name
         native = "native" in name or dense
         assert (a["spec"] is None) == native and a["permute_fusion"] == (native and not dense), name
-        assert (a["graphs"], a["modules"]) == graphs[name.removeprefix("det_aux_").split("_", 1)[-1].removeprefix(
-            "native_").removeprefix("ext_") if dsv3 or det else name.removeprefix("aux_").removeprefix("loads_").split("_", 1)[1]], name
+        if dsv3 or det:
+            key = name.removeprefix("det_aux_").split("_", 1)[-1].removeprefix("native_").removeprefix("ext_")
+        else:
+            key = name.removeprefix("aux_").removeprefix("loads_").split("_", 1)[1]
+        assert (a["graphs"], a["modules"]) == graphs[key], name
         assert {"NCCL_GRAPH_REGISTER=0", "NVTE_FUSED_ATTN=1", "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
                 "CUDA_DEVICE_MAX_CONNECTIONS=1"} <= set(words), name
         auto = name.endswith("_auto")  # the factor the package picks; every budget run reruns an over-budget step
@@ -206,8 +210,8 @@ def test_graphed_slice_run_list_parses_with_megatron_arguments(tmp_path):
         assert impl == ([] if native else ["MOE_EXT_EXPERT_MLP_IMPL=fused" if name.endswith("fused")
                                            else "MOE_EXT_EXPERT_MLP_IMPL=grouped_mm"]), name
         wrapper = words.index("bench/gpu/pretrain_profiled.py")
-        expected = ["--busy-only"] + (["--exact"] if det else []) + (["--expert-loads"] if "loads_" in name else []) + [
-            "--gate", f"/w/{name}", "12", f"/w/{name}.kernels.json"]
+        expected = (["--busy-only"] + (["--exact"] if det else []) + (["--expert-loads"] if "loads_" in name else [])
+                    + ["--gate", f"/w/{name}", "12", f"/w/{name}.kernels.json"])
         assert words[wrapper + 1:wrapper + 1 + len(expected)] == expected, name
         assert ("NVTE_ALLOW_NONDETERMINISTIC_ALGO=0" in words) == det, name
 
@@ -320,7 +324,8 @@ def test_driver_runs_fails_times_out_and_writes_the_json(tmp_path):
     assert budget["speedup_vs"] == {"native_eager": 2.0, "native_recipe": 1.5}
     assert [row["run"] for row in data["summary"]] == data["order"]
     with tarfile.open(out / "graphed_slice_logs_a.tar.gz") as tar:
-        assert "graphed_slice_a/ext_attn.log" in tar.getnames() and "graphed_slice_a/native_eager.cmd" in tar.getnames()
+        names = tar.getnames()
+        assert "graphed_slice_a/ext_attn.log" in names and "graphed_slice_a/native_eager.cmd" in names
     assert len(os.listdir(out)) <= 3
     # no process of the runs is left (the hung one was ended with its children)
     leftover = subprocess.run(["pgrep", "-f", str(fake)], capture_output=True, text=True).stdout.split()
@@ -581,7 +586,8 @@ def test_graphed_runs_are_held_bit_for_bit_against_their_eager_twin():
     import graphed_slice
 
     def run(exact):
-        return dict(median_ms_per_iter=100.0, lm_loss=[], exact=[{"lm loss": v, "grad_norm": "0x1p+0"} for v in exact])
+        return dict(median_ms_per_iter=100.0, lm_loss=[],
+                    exact=[{"lm loss": v, "grad_norm": "0x1p+0"} for v in exact])
 
     runs = {"det_ext_budget_eager": run(["0x1.8p+1", "0x1.4p+1", "0x1.2p+1"]),
             "det_ext_budget_full": run(["0x1.8p+1", "0x1.4p+1", "0x1.2p+1"]),
