@@ -10,13 +10,23 @@ honours the flag in both modes:
 | `TEGroupedMLP` (TE spec) | True | `TE_GROUPED_EXPERTS` (below); `TEGroupedMLP` under FP8/FP4 |
 | anything | False | the spec's, unchanged (None) |
 | any other class (a custom spec) | True | the spec's, unchanged |
+
+Under FP8/FP4 `TEGroupedMLP` stays, and the build says so in a warning: behind the flex
+dispatcher it ran at 0.78x Megatron's native FP8 layer on one H200 (issue 49). It splits its rows
+on the host by the counts, so the fixed-shape modes refuse it (`check_fixed_rows_experts`).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 
 from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
+from megatron.core.utils import log_single_rank
+
+from megatron_moe_ext.dispatcher import registry
+
+logger = logging.getLogger(__name__)
 
 # Experts `--moe-grouped-gemm` builds under Transformer Engine in bf16/fp16/fp32.
 # "grouped_gemm_experts": this package's GroupedGemmExperts (torch._grouped_mm), as without TE;
@@ -46,12 +56,71 @@ def grouped_gemm_experts(config, spec_experts, te_choice: str | None = None):
     if not config.moe_grouped_gemm:
         return None
     cls = spec_experts.func if isinstance(spec_experts, functools.partial) else spec_experts
-    low_precision = getattr(config, "fp8", None) or getattr(config, "fp4", None)
     from megatron_moe_ext.megatron.experts import GroupedGemmExperts
 
     if cls is SequentialMLP:
         return GroupedGemmExperts
-    if cls is TEGroupedMLP and te_choice == "grouped_gemm_experts" and not low_precision:
+    if cls is TEGroupedMLP and low_precision_setting(config):
+        _note_slower_than_native(low_precision_setting(config))
+        return None
+    if cls is TEGroupedMLP and te_choice == "grouped_gemm_experts":
         # TEGroupedMLP's initial weights, so a run starts where native TE's does.
         return functools.partial(GroupedGemmExperts, init_like="te_grouped_mlp")
     return None
+
+
+def low_precision_setting(config) -> str | None:
+    """`config`'s FP8/FP4 setting in Megatron's field names (e.g. "fp8='e4m3', fp8_recipe=
+    'blockwise'"), or None in BF16/FP16/FP32."""
+    for field in ("fp8", "fp4"):
+        value = getattr(config, field, None)
+        if value:
+            recipe = getattr(config, f"{field}_recipe", None)
+            return f"{field}={value!r}, {field}_recipe={getattr(recipe, 'value', recipe)!r}"
+    return None
+
+
+@functools.cache
+def _note_slower_than_native(setting: str) -> None:
+    """Say once per process and setting that the layer keeps experts slower than native's."""
+    log_single_rank(
+        logger, logging.WARNING,
+        f"megatron_moe_ext: under {setting} FlexMoELayer keeps Megatron's TEGroupedMLP behind this "
+        "package's dispatcher, which ran at 0.78x Megatron's native FP8 MoE layer on one H200 "
+        "(issue 49). Faster: Megatron's native MoE layer for this run (leave out the package's "
+        "--spec / patches.apply()), or BF16 with this package's GroupedGemmExperts.")
+
+
+def check_fixed_rows_experts(config, dispatcher_config, experts) -> None:
+    """Refuse experts that cannot take a fixed-shape mode's rows, at build.
+
+    The capacity and budget modes hand the experts P rows (more than the counts sum to) with
+    device counts. Megatron's SequentialMLP and TEGroupedMLP split the rows on the host by the
+    counts; under FP8/FP4 TEGroupedMLP pads each expert's rows for TE's GEMM and unpads them
+    again, returning only the counted rows, which the combine refuses (issue 49).
+
+    Arguments:
+        config: Megatron `TransformerConfig` (`fp8`, `fp4` and their recipes are read).
+        dispatcher_config: the layer's `TokenDispatcherConfig`.
+        experts: the built experts module.
+
+    Raises:
+        ValueError naming the setting and what works.
+    """
+    mode = registry.mode_of(dispatcher_config)
+    if mode == "dropless" or not isinstance(experts, (SequentialMLP, TEGroupedMLP)):
+        return
+    field = registry.MODE_FIELDS[mode]
+    setting = f"{field}={getattr(dispatcher_config, field)!r}"
+    precision = low_precision_setting(config)
+    if isinstance(experts, TEGroupedMLP) and precision is not None:
+        raise ValueError(
+            f"{precision} is invalid with {setting}: Megatron's TEGroupedMLP, the only experts "
+            "that compute in it, reads token counts on the host and returns only the counted rows "
+            f"of the {mode} mode's fixed rows; allowed: BF16 (no fp8/fp4) with moe_grouped_gemm=True "
+            f"(this package's GroupedGemmExperts take the fixed rows), or leave {field} unset (dropless)")
+    name = type(experts).__name__
+    raise ValueError(f"{setting} is invalid with Megatron's {name} experts, which need as many rows as "
+                     "the counts sum to: set moe_grouped_gemm=True with BF16 or the local spec (this "
+                     f"package's GroupedGemmExperts take {mode} mode's fixed rows) or leave {field} "
+                     "unset (dropless)")
