@@ -27,6 +27,7 @@ from megatron_moe_ext.dispatcher.common.handoff import IndexedRows
 from megatron_moe_ext.dispatcher.common.permute import GatherRows, TokenCounts, counts_on, host_counts
 from megatron_moe_ext.experts.bias import apply_bias, chunk_counts
 from megatron_moe_ext.experts.config import EXPERT_MLP_CHUNK_BYTES, check_expert_mlp_impl
+from megatron_moe_ext.experts.fp8 import FP8_GROUP_ALIGN, Fp8Recipe, fp8_grouped_mm
 from megatron_moe_ext.experts.fused import case_unsupported_reason
 from megatron_moe_ext.experts.fused_mlp import fused_expert_mlp
 from megatron_moe_ext.experts.rows import zero_padding_rows_
@@ -76,9 +77,12 @@ def _pad_dims(t: torch.Tensor, multiple: int, dims: tuple[int, ...]) -> torch.Te
     return torch.nn.functional.pad(t, pad) if any(pad) else t
 
 
-def _grouped_mm_any_width(x_PK: torch.Tensor, w_eKN: torch.Tensor,
-                          offsets_e: torch.Tensor, total_1: torch.Tensor | None) -> torch.Tensor:
-    """`torch._grouped_mm(x, w, offs)` for any K and N (see "Feature padding")."""
+def _grouped_mm_any_width(x_PK: torch.Tensor, w_eKN: torch.Tensor, offsets_e: torch.Tensor,
+                          total_1: torch.Tensor | None, fp8: Fp8Recipe | None = None) -> torch.Tensor:
+    """`torch._grouped_mm(x, w, offs)` for any K and N (see "Feature padding"), or its FP8
+    counterpart under `fp8` (`experts/fp8.py`: widths multiples of 16)."""
+    if fp8 is not None:
+        return _GroupedMmOutput.apply(fp8_grouped_mm(x_PK, w_eKN, offsets_e, fp8), total_1)
     multiple = max(1, 16 // x_PK.element_size())  # elements per 16 bytes
     width = w_eKN.shape[2]
     out = _GroupedMmOutput.apply(
@@ -91,7 +95,7 @@ def _grouped_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor, down_
                  gate_up_proj_bias: torch.Tensor | None, down_proj_bias: torch.Tensor | None,
                  tokens_per_expert: TokenCounts, permuted_probs_P1: torch.Tensor,
                  activation_fn: Activation, apply_router_weight_after_down: bool,
-                 activation_checkpoint=None) -> torch.Tensor:
+                 activation_checkpoint=None, fp8: Fp8Recipe | None = None) -> torch.Tensor:
     """The grouped MLP in one shot (arguments as `run_grouped_expert_mlp`, unchecked;
     `apply_router_weight_after_down`: `prob * (act(x W1 + b1) W2 + b2)`). Returns `[P, H]`."""
     dtype, rows = hidden_PH.dtype, hidden_PH.shape[0]
@@ -100,7 +104,7 @@ def _grouped_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor, down_
         valid = sum(host)
         out = _grouped_mlp(hidden_PH[:valid], gate_and_up_projs, down_projs, gate_up_proj_bias,
                            down_proj_bias, host, permuted_probs_P1[:valid], activation_fn,
-                           apply_router_weight_after_down, activation_checkpoint)
+                           apply_router_weight_after_down, activation_checkpoint, fp8)
         return torch.nn.functional.pad(out, (0, 0, 0, rows - valid))
     total_1 = None
     if host is not None:
@@ -119,12 +123,12 @@ def _grouped_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor, down_
         permuted_probs_P1 = torch.where(
             (torch.arange(rows, device=hidden_PH.device) < total_1)[:, None], permuted_probs_P1, 0)
     act_probs_P1 = torch.ones_like(permuted_probs_P1) if apply_router_weight_after_down else permuted_probs_P1
-    up_PI = _grouped_mm_any_width(hidden_PH, gate_and_up_projs.to(dtype), offsets_e, None)
+    up_PI = _grouped_mm_any_width(hidden_PH, gate_and_up_projs.to(dtype), offsets_e, None, fp8)
     if gate_up_proj_bias is not None:
         up_PI = apply_bias(up_PI, gate_up_proj_bias, counts_e)
     act_PI = (activation_fn(up_PI, act_probs_P1) if activation_checkpoint is None
               else activation_checkpoint.checkpoint(activation_fn, up_PI, act_probs_P1))
-    out_PH = _grouped_mm_any_width(act_PI, down_projs.to(dtype), offsets_e, total_1)
+    out_PH = _grouped_mm_any_width(act_PI, down_projs.to(dtype), offsets_e, total_1, fp8)
     if activation_checkpoint is not None:  # act_PI is freed now, recomputed in backward
         activation_checkpoint.discard_output_and_register_recompute(out_PH)
     if apply_router_weight_after_down:
@@ -215,7 +219,7 @@ def run_grouped_expert_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Ten
                            permuted_probs_P1: torch.Tensor, activation_fn: Activation,
                            chunk_bytes: int | None = None,
                            activation_checkpoint=None, *, expert_mlp_impl: str = "grouped_mm",
-                           experts_config=None) -> torch.Tensor:
+                           experts_config=None, fp8: Fp8Recipe | None = None) -> torch.Tensor:
     """The expert MLP the modules call: QuACK's fused kernels (`fused_mlp.py`) where
     `expert_mlp_impl` allows and the case is supported, else `torch._grouped_mm`: single
     shot, or checkpointed chunks when the `[P, 2I]` intermediate would exceed `chunk_bytes`.
@@ -237,6 +241,8 @@ def run_grouped_expert_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Ten
         expert_mlp_impl: "grouped_mm" (default), "auto" (fused where supported and measured
             faster: `fused.auto_declined_reason`) or "fused" (RuntimeError naming why not).
         experts_config: the `ExpertsConfig` naming the activation (needed unless "grouped_mm").
+        fp8: both projections in FP8 per this recipe (`experts/fp8.py`; "grouped_mm", single shot,
+            each expert's rows a multiple of 16).
 
     Returns:
         `[P, H]` in the rows' dtype.
@@ -247,6 +253,13 @@ def run_grouped_expert_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Ten
     rows_NH, rows = _rows_of(hidden_PH)
     intermediate_bytes = rows * gate_and_up_projs.shape[-1] * rows_NH.element_size()
     chunked = bool(chunk_bytes) and intermediate_bytes > chunk_bytes
+    if fp8 is not None and (chunked or expert_mlp_impl != "grouped_mm"):
+        raise ValueError(f"fp8: the FP8 expert MLP runs single shot on torch._scaled_grouped_mm; got "
+                         f"expert_mlp_impl={expert_mlp_impl!r}, chunk_bytes={chunk_bytes}")
+    host = host_counts(tokens_per_expert)
+    if fp8 is not None and host is not None and any(n % FP8_GROUP_ALIGN for n in host):
+        raise ValueError(f"tokens_per_expert={host} is invalid with fp8: each expert's rows must be a multiple "
+                         f"of {FP8_GROUP_ALIGN} (the dispatcher's moe_router_expert_pad_multiple pads them)")
     if expert_mlp_impl != "grouped_mm" and check_expert_mlp_impl(expert_mlp_impl):
         if experts_config is None:
             raise ValueError(f"expert_mlp_impl={expert_mlp_impl!r} needs experts_config (the "
@@ -270,4 +283,4 @@ def run_grouped_expert_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Ten
             hidden_PH, gate_and_up_projs, down_projs, gate_up_proj_bias, down_proj_bias,
             tokens_per_expert, permuted_probs_P1, activation_fn, chunk_bytes=chunk_bytes)
     return _grouped_mlp(hidden_PH, gate_and_up_projs, down_projs, gate_up_proj_bias, down_proj_bias,
-                        tokens_per_expert, permuted_probs_P1, activation_fn, False, activation_checkpoint)
+                        tokens_per_expert, permuted_probs_P1, activation_fn, False, activation_checkpoint, fp8)
