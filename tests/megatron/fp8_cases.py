@@ -16,6 +16,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
+from tests.doubles import scaled_grouped_mm
 from tests.doubles import te_grouped_linear as te
 from tests.megatron.cases_layer import LayerCase, layer_config
 from tests.shims import megatron_cpu
@@ -37,6 +38,22 @@ class _TEGroupedLinear(te.GroupedLinear):
         return super().forward(x, m_splits), None
 
 
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _step(layer, step: int) -> list[torch.Tensor]:
+    """One forward and backward on this rank's step-`step` tokens: [out, input grad, fc1 grad]."""
+    g = torch.Generator().manual_seed(3 + 100 * step + dist.get_rank())
+    x = torch.randn(SEQ, BATCH, H, generator=g).to(torch.bfloat16).requires_grad_()
+    for param in layer.parameters():
+        param.grad = None
+    out, _ = layer(x)
+    out.float().square().sum().backward()
+    fc1 = next(p for name, p in layer.experts.named_parameters() if "fc1" in name or "gate_and_up" in name)
+    return [out.detach(), x.grad, fc1.grad]
+
+
 def _spec():
     """Megatron's MoE spec with the experts its TE spec builds (`TEGroupedMLP`), over the double."""
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
@@ -48,16 +65,20 @@ def _spec():
     return dataclasses.replace(submodules, experts=experts)
 
 
-def te_grouped_mlp_layer(fp8_recipe: str | None, budget_factor: float | None) -> dict:
+def te_grouped_mlp_layer(fp8_recipe: str | None, budget_factor: float | None, steps: int = 1) -> dict:
     """Build a `FlexMoELayer` whose spec's experts are `TEGroupedMLP` (fp8 'e4m3' with
     `fp8_recipe`, or BF16 for None, where `FlexMoELayer` is asked for them: the default choice
-    keeps them only under FP8), in budget mode with `budget_factor` (None: dropless); run one
-    forward and backward if it builds. Returns the build's error (if any), the experts'
-    class, the forward's outcome and the warnings logged."""
+    keeps them only under FP8), in budget mode with `budget_factor` (None: dropless); run
+    `steps` forwards and backwards if it builds (FP8 GEMMs through the CPU double of
+    `torch._scaled_grouped_mm`). Returns the build's error (if any), the experts' class, the
+    dispatcher's pad multiple, the forward's outcome and the warnings logged; where the experts
+    compute in FP8, also the relative error of the output and of the input and fc1 weight
+    gradients against the same layer with FP8 switched off (BF16 GEMMs on the same weights)."""
     from megatron.core.transformer.moe import experts as megatron_experts
 
     from megatron_moe_ext.dispatcher.common.buffers import release_all
     from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
+    from megatron_moe_ext.experts import fp8
     from megatron_moe_ext.megatron import expert_choice
     from megatron_moe_ext.megatron.moe_layer import FlexMoELayer
 
@@ -80,7 +101,8 @@ def te_grouped_mlp_layer(fp8_recipe: str | None, budget_factor: float | None) ->
             config, moe_expert_rank_capacity_factor=budget_factor, moe_share_token_dispatcher=False)
         result: dict = {}
         with mock.patch.multiple(megatron_experts, HAVE_TE=True, Fp8Padding=te.Fp8Padding,
-                                 Fp8Unpadding=te.Fp8Unpadding):
+                                 Fp8Unpadding=te.Fp8Unpadding), \
+                mock.patch.object(fp8, "scaled_grouped_mm", scaled_grouped_mm.scaled_grouped_mm):
             try:
                 submodules = _spec()
                 layer = FlexMoELayer(config, submodules=submodules, pg_collection=pg, layer_number=1,
@@ -88,15 +110,18 @@ def te_grouped_mlp_layer(fp8_recipe: str | None, budget_factor: float | None) ->
                                      experts=None if fp8_recipe else submodules.experts)
             except ValueError as exc:
                 return dict(build=str(exc), logged=logged)
-            result.update(experts=type(layer.experts).__name__, logged=logged)
-            g = torch.Generator().manual_seed(3 + dist.get_rank())
-            x = torch.randn(SEQ, BATCH, H, generator=g).to(torch.bfloat16).requires_grad_()
+            result.update(experts=type(layer.experts).__name__, logged=logged,
+                          pad_multiple=dcfg.moe_router_expert_pad_multiple)
             try:
-                out, _ = layer(x)
-                out.float().square().sum().backward()
-                result["forward"] = tuple(out.shape)
+                runs = [_step(layer, step) for step in range(steps)]
+                result["forward"] = tuple(runs[-1][0].shape)
             except ValueError as exc:
                 result["forward"] = str(exc)
+                return result
+            if getattr(layer.experts, "fp8_recipe", None) is not None:
+                layer.experts.fp8_recipe = None
+                bf16 = _step(layer, steps - 1)
+                result["rel_err"] = [_rel(a, b) for a, b in zip(runs[-1], bf16)]
         return result
     finally:
         expert_choice.logger.removeHandler(handler)

@@ -1,10 +1,18 @@
 """`FlexMoELayer` under Megatron's FP8 settings (issue 49): the budget mode never crashes at the
-first step (a build-time ValueError naming `fp8` / `fp8_recipe` and what works), and where the
-layer keeps Megatron's `TEGroupedMLP`, slower than native, the build says so. TEGroupedMLP runs
-over the Transformer Engine test double (see tests/megatron/fp8_cases.py)."""
+first step (a build-time ValueError naming `fp8` / `fp8_recipe` and what works); where the layer
+keeps Megatron's `TEGroupedMLP`, slower than native, the build says so; under the tensorwise recipe
+it builds this package's FP8 GroupedGemmExperts. TEGroupedMLP runs over the Transformer Engine test
+double, the FP8 GEMMs over the `torch._scaled_grouped_mm` double (see tests/megatron/fp8_cases.py)."""
+
+import functools
+import types
 
 import pytest
+from megatron.core.transformer.moe.experts import TEGroupedMLP
 
+from megatron_moe_ext.experts import fp8
+from megatron_moe_ext.megatron import expert_choice
+from megatron_moe_ext.megatron.experts import GroupedGemmExperts
 from tests.megatron import fp8_cases as cases
 
 
@@ -31,3 +39,36 @@ def test_dropless_te_grouped_mlp_under_fp8_builds_runs_and_says_it_is_slower(dis
     (note,) = r["logged"]
     for words in ("fp8='e4m3', fp8_recipe='blockwise'", "0.78x", "native"):
         assert words in note, note
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("budget", [1.25, None], ids=["budget", "dropless"])
+def test_tensorwise_builds_fp8_grouped_gemm_experts_that_run_budget_and_dropless(dist_pools, world, budget):
+    """fp8='e4m3' fp8_recipe='tensorwise' with the TE spec: this package's GroupedGemmExperts in FP8
+    (no slower-than-native warning), each expert's rows padded to 16 by the dispatcher, P rows out in
+    budget mode; output and gradients within FP8's error of the same layer in BF16."""
+    for r in dist_pools(world).run(cases.te_grouped_mlp_layer, "tensorwise", budget, 2):
+        assert r["experts"] == "GroupedGemmExperts" and r["logged"] == [] and r["pad_multiple"] == 16, r
+        assert r["forward"] == (cases.SEQ, cases.BATCH, cases.H), r
+        assert all(0 < err < 0.1 for err in r["rel_err"]), r
+
+
+@pytest.mark.parametrize("field,value", [("fp8_recipe", "blockwise"), ("fp8_recipe", "delayed"),
+                                         ("fp8", "hybrid"), ("fp8_param", True),
+                                         ("first_last_layers_bf16", True)])
+def test_fp8_settings_the_experts_cannot_follow_are_refused_naming_them(field, value):
+    config = types.SimpleNamespace(fp8="e4m3", fp8_recipe="tensorwise", fp8_param=False,
+                                   first_last_layers_bf16=False)
+    setattr(config, field, value)
+    with pytest.raises(ValueError, match=f"{field}={value!r}.*allowed"):
+        fp8.fp8_recipe_of(config)
+
+
+def test_expert_choice_under_fp8():
+    te_spec = functools.partial(TEGroupedMLP, submodules=None)
+    tensorwise = types.SimpleNamespace(moe_grouped_gemm=True, fp8="e4m3", fp8_recipe="tensorwise")
+    built = expert_choice.grouped_gemm_experts(tensorwise, te_spec)
+    assert built.func is GroupedGemmExperts and built.keywords == {"init_like": "te_grouped_mlp"}
+    assert expert_choice.grouped_gemm_experts(tensorwise, te_spec, "te_grouped_mlp") is None
+    blockwise = types.SimpleNamespace(moe_grouped_gemm=True, fp8="e4m3", fp8_recipe="blockwise")
+    assert expert_choice.grouped_gemm_experts(blockwise, te_spec) is None
