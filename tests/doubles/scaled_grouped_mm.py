@@ -53,7 +53,7 @@ def scaled_grouped_mm(mat_a, mat_b, scale_a, scale_b, offs=None, bias=None, scal
         _check(tuple(scale_a.shape) == (mat_a.shape[0],), f"scale_a must be [{mat_a.shape[0]}]")
         _check(tuple(scale_b.shape) == (mat_b.shape[0], mat_b.shape[2]), "scale_b must be [G, N]")
         _check(len(ends) == mat_b.shape[0] and ends[-1] <= mat_a.shape[0], "offs do not fit mat_a / mat_b")
-        out = torch.full((mat_a.shape[0], mat_b.shape[2]), float("nan"), dtype=out_dtype)
+        out = torch.full((mat_a.shape[0], mat_b.shape[2]), float("nan"), dtype=out_dtype, device=mat_a.device)
         for g, (s, e) in enumerate(zip(starts, ends)):
             rows = a[s:e] * scale_a[s:e, None]
             out[s:e] = (rows @ (mat_b[g].float() * scale_b[g][None, :])).to(out_dtype)
@@ -66,7 +66,7 @@ def scaled_grouped_mm(mat_a, mat_b, scale_a, scale_b, offs=None, bias=None, scal
     _check(ends[-1] <= mat_a.shape[1], "offs do not fit the contraction")
     _check(all(v % _ALIGN == 0 for v in ends), f"2d x 2d: every offset must be a multiple of {_ALIGN}, got {ends}")
     b = mat_b.float()
-    out = torch.empty(groups, m, n, dtype=out_dtype)
+    out = torch.empty(groups, m, n, dtype=out_dtype, device=mat_a.device)
     for g, (s, e) in enumerate(zip(starts, ends)):
         sa, sb = scale_a[g * m:(g + 1) * m, None], scale_b[g * n:(g + 1) * n][None, :]
         out[g] = ((a[:, s:e] * sa) @ (b[s:e] * sb)).to(out_dtype)
