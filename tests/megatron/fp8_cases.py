@@ -65,7 +65,8 @@ def _spec():
     return dataclasses.replace(submodules, experts=experts)
 
 
-def te_grouped_mlp_layer(fp8_recipe: str | None, budget_factor: float | None, steps: int = 1) -> dict:
+def te_grouped_mlp_layer(fp8_recipe: str | None, budget_factor: float | None, steps: int = 1,
+                         **dispatcher_overrides) -> dict:
     """Build a `FlexMoELayer` whose spec's experts are `TEGroupedMLP` (fp8 'e4m3' with
     `fp8_recipe`, or BF16 for None, where `FlexMoELayer` is asked for them: the default choice
     keeps them only under FP8), in budget mode with `budget_factor` (None: dropless); run
@@ -73,7 +74,8 @@ def te_grouped_mlp_layer(fp8_recipe: str | None, budget_factor: float | None, st
     `torch._scaled_grouped_mm`). Returns the build's error (if any), the experts' class, the
     dispatcher's pad multiple, the forward's outcome and the warnings logged; where the experts
     compute in FP8, also the relative error of the output and of the input and fc1 weight
-    gradients against the same layer with FP8 switched off (BF16 GEMMs on the same weights)."""
+    gradients against the same layer with FP8 switched off (BF16 GEMMs on the same weights).
+    `dispatcher_overrides` go to `TokenDispatcherConfig.from_transformer_config`."""
     from megatron.core.transformer.moe import experts as megatron_experts
 
     from megatron_moe_ext.dispatcher.common.buffers import release_all
@@ -98,7 +100,8 @@ def te_grouped_mlp_layer(fp8_recipe: str | None, budget_factor: float | None, st
         if fp8_recipe is not None:
             config.fp8, config.fp8_recipe = "e4m3", fp8_recipe
         dcfg = TokenDispatcherConfig.from_transformer_config(
-            config, moe_expert_rank_capacity_factor=budget_factor, moe_share_token_dispatcher=False)
+            config, moe_expert_rank_capacity_factor=budget_factor, moe_share_token_dispatcher=False,
+            **dispatcher_overrides)
         result: dict = {}
         with mock.patch.multiple(megatron_experts, HAVE_TE=True, Fp8Padding=te.Fp8Padding,
                                  Fp8Unpadding=te.Fp8Unpadding), \

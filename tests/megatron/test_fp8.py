@@ -72,3 +72,8 @@ def test_expert_choice_under_fp8():
     assert expert_choice.grouped_gemm_experts(tensorwise, te_spec, "te_grouped_mlp") is None
     blockwise = types.SimpleNamespace(moe_grouped_gemm=True, fp8="e4m3", fp8_recipe="blockwise")
     assert expert_choice.grouped_gemm_experts(blockwise, te_spec) is None
+
+
+def test_fp8_experts_refuse_a_dispatcher_that_does_not_pad_their_groups(dist_pools):
+    (r,) = dist_pools(1).run(cases.te_grouped_mlp_layer, "tensorwise", None, moe_router_expert_pad_multiple=None)
+    assert "moe_router_expert_pad_multiple=None" in r["build"] and "multiple of 16" in r["build"], r
