@@ -161,16 +161,17 @@ class GroupedGemmExperts(MegatronModule):
             raise ValueError("GroupedGemmExperts: pg_collection is required (it names the ep and "
                              "expt_dp groups)")
         _check_megatron_features(config)
+        if expert_mlp_impl is None:
+            expert_mlp_impl = env_choice(EXPERT_MLP_IMPL_ENV, EXPERT_MLP_IMPLS, "auto")
         # Megatron's FP8 (tensorwise only, see experts/fp8.py): both projections on
         # torch._scaled_grouped_mm; QuACK's fused path computes BF16 only.
         self.fp8_recipe = fp8_recipe_of(config)
         if self.fp8_recipe is not None:
             check_fp8_widths(config.hidden_size, config.moe_ffn_hidden_size)
-            if expert_mlp_impl not in (None, "grouped_mm"):
-                raise _unsupported("expert_mlp_impl", expert_mlp_impl, "allowed under fp8: 'grouped_mm'")
+            if expert_mlp_impl == "fused":
+                raise _unsupported("expert_mlp_impl", expert_mlp_impl, "allowed under fp8: 'auto' or "
+                                   "'grouped_mm' (QuACK's fused path computes in BF16 only)")
             expert_mlp_impl = "grouped_mm"
-        if expert_mlp_impl is None:
-            expert_mlp_impl = env_choice(EXPERT_MLP_IMPL_ENV, EXPERT_MLP_IMPLS, "auto")
         self.experts_config = experts_config_from_transformer_config(config, expert_mlp_impl)
         self.num_local_experts = num_local_experts
         self.name = name
