@@ -14,6 +14,7 @@ from megatron_moe_ext.experts import fp8
 from megatron_moe_ext.megatron import expert_choice
 from megatron_moe_ext.megatron.experts import GroupedGemmExperts
 from tests.megatron import fp8_cases as cases
+from tests.megatron.cases_checkpoint import unsupported_config_error
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -77,3 +78,13 @@ def test_expert_choice_under_fp8():
 def test_fp8_experts_refuse_a_dispatcher_that_does_not_pad_their_groups(dist_pools):
     (r,) = dist_pools(1).run(cases.te_grouped_mlp_layer, "tensorwise", None, moe_router_expert_pad_multiple=None)
     assert "moe_router_expert_pad_multiple=None" in r["build"] and "multiple of 16" in r["build"], r
+
+
+@pytest.mark.parametrize("also,named", [
+    (dict(fp8_recipe="blockwise"), "fp8_recipe='blockwise'"),
+    (dict(fp8_recipe="tensorwise"), "moe_ffn_hidden_size=8"),  # FP8 rows need 16-byte widths
+    (dict(fp8_recipe="tensorwise", moe_ffn_hidden_size=16), None),
+])
+def test_grouped_gemm_experts_under_fp8_build_or_name_the_setting(dist_pools, also, named):
+    (error,) = dist_pools(1).run(unsupported_config_error, "fp8", "e4m3", **also)
+    assert (error is None) if named is None else (named in error and "allowed" in error), error
