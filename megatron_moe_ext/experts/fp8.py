@@ -146,17 +146,23 @@ class _Fp8GroupedMm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_PK, w_eKN, offsets_e, group_P, recipe):
         experts, _, width = w_eKN.shape
+        ctx.recipe, ctx.dtypes, ctx.empty = recipe, (x_PK.dtype, w_eKN.dtype), x_PK.shape[0] == 0
+        if ctx.empty:  # a rank no token was routed to: the kernel takes no empty operand
+            ctx.shape = w_eKN.shape
+            return x_PK.new_zeros(0, width)
         xq_PK, sx_G = quantize_groups(x_PK, group_P, experts + 1, recipe)
         wq_eKN, sw_e = quantize_experts(w_eKN, recipe)
         out_PN = scaled_grouped_mm(xq_PK, _column_major(wq_eKN), sx_G[group_P],
                                    sw_e[:, None].expand(experts, width).contiguous(), offs=offsets_e,
                                    out_dtype=x_PK.dtype, use_fast_accum=True)
         ctx.save_for_backward(xq_PK, sx_G, wq_eKN, sw_e, offsets_e, group_P)
-        ctx.recipe, ctx.dtypes = recipe, (x_PK.dtype, w_eKN.dtype)
         return out_PN
 
     @staticmethod
     def backward(ctx, grad_PN):
+        if ctx.empty:
+            grad_w = grad_PN.new_zeros(ctx.shape, dtype=ctx.dtypes[1])
+            return grad_PN.new_zeros(0, ctx.shape[1], dtype=ctx.dtypes[0]), grad_w, None, None, None
         xq_PK, sx_G, wq_eKN, sw_e, offsets_e, group_P = ctx.saved_tensors
         experts, depth, width = wq_eKN.shape
         gq_PN, sg_G = quantize_groups(grad_PN.contiguous(), group_P, experts + 1, ctx.recipe)
