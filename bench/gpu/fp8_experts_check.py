@@ -188,6 +188,10 @@ def time_shape(name, rows, experts, hidden, ffn, iters) -> dict:
     for label, recipe in (("package_fp8", fp8.Fp8Recipe()), ("package_bf16", None)):
         ms = _time(lambda: _mlp_step(x, probs, w1, w2, counts, grad, recipe), iters)
         result[label] = {"ms": ms, "tflops": flops / ms / 1e9}
+    # The FP8 path's own overhead: one quantization of the fc1 input (4 per step: x, act, 2 grads).
+    group = torch.arange(rows, device="cuda") // (rows // experts)
+    result["quantize_fc1_input_ms"] = _time(lambda: fp8.quantize_groups(x, group, experts + 1, fp8.Fp8Recipe()),
+                                            iters)
     try:
         import transformer_engine.pytorch as te
         from transformer_engine.common import recipe as te_recipe

@@ -6,8 +6,8 @@ tensorwise` (Transformer Engine's `Float8CurrentScaling`) as TE's `GroupedLinear
   the output gradients (TE's `split_quantize` gives each group its own quantizer);
 - scale = 448 / amax in fp32 (1 where amax is 0, inf or NaN; float32's max where the quotient
   overflows), rounded down to a power of two under `NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES=1`;
-  values are scaled in fp32, saturated to +-448 and rounded to nearest (TE's `compute_scale_from_amax`
-  and its saturating cast);
+  values are scaled in fp32 and rounded to nearest (TE's `compute_scale_from_amax` and its
+  saturating cast; see `_cast` for the one difference, groups holding inf or NaN);
 - fprop accumulates without split accumulation (`use_fast_accum=True`), dgrad and wgrad with it
   (the recipe's `fp8_gemm_*` `use_split_accumulator`).
 
@@ -106,8 +106,11 @@ def _scales(amax: torch.Tensor, recipe: Fp8Recipe) -> torch.Tensor:
 
 
 def _cast(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    # `scale` is fp32, so the product is computed and kept in fp32 (one pass, no fp32 copy of x).
-    return (x * scale).clamp_(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn)
+    """`x * scale` (fp32: `scale` is) rounded to E4M3. No clamp pass: with a scale from a finite
+    amax, |x * scale| <= 448 up to fp32 rounding, which the cast rounds to 448, as TE's saturating
+    cast gives. Only a group holding inf or NaN (amax not finite, scale 1) differs: NaN here where
+    TE saturates its finite values past 448."""
+    return (x * scale).to(torch.float8_e4m3fn)
 
 
 def quantize_groups(x_PK: torch.Tensor, group_P: torch.Tensor, groups: int, recipe: Fp8Recipe):
