@@ -15,7 +15,7 @@ Under FP8 with `fp8_recipe='tensorwise'` (and fp8='e4m3') the TE spec's `TEGroup
 `GroupedGemmExperts` computing in FP8 (`experts/fp8.py`: no host sync, capturable). Under any
 other FP8/FP4 setting `TEGroupedMLP` stays, and the build says so in a warning: behind the flex
 dispatcher it ran at 0.78x Megatron's native FP8 layer on one H200 (issue 49). It splits its rows
-on the host by the counts, so the fixed-shape modes refuse it (`check_fixed_rows_experts`).
+on the host by the counts, so the fixed-shape modes refuse it (`check_experts_take_rows`).
 """
 
 from __future__ import annotations
@@ -97,12 +97,12 @@ def _note_slower_than_native(setting: str) -> None:
         logger, logging.WARNING,
         f"megatron_moe_ext: under {setting} FlexMoELayer keeps Megatron's TEGroupedMLP behind this "
         "package's dispatcher, which ran at 0.78x Megatron's native FP8 MoE layer on one H200 "
-        "(issue 49). Faster: fp8='e4m3' with fp8_recipe='tensorwise' (this package's FP8 "
+        "(issue 49). Alternatives: fp8='e4m3' with fp8_recipe='tensorwise' (this package's FP8 "
         "GroupedGemmExperts), Megatron's native MoE layer for this run (leave out the package's "
         "--spec / patches.apply()), or BF16 with this package's GroupedGemmExperts.")
 
 
-def check_fixed_rows_experts(config, dispatcher_config, experts) -> None:
+def check_experts_take_rows(config, dispatcher_config, experts) -> None:
     """Refuse experts that cannot take the dispatcher's rows, at build.
 
     The capacity and budget modes hand the experts P rows (more than the counts sum to) with
@@ -121,9 +121,10 @@ def check_fixed_rows_experts(config, dispatcher_config, experts) -> None:
     """
     pad = dispatcher_config.moe_router_expert_pad_multiple
     if getattr(experts, "fp8_recipe", None) is not None and (pad or 1) % FP8_GROUP_ALIGN:
-        raise ValueError(f"moe_router_expert_pad_multiple={pad!r} is invalid with {low_precision_setting(config)}: "
-                         f"the FP8 grouped GEMMs need each expert's rows padded to a multiple of {FP8_GROUP_ALIGN} "
-                         "(TokenDispatcherConfig.from_transformer_config pads them under fp8)")
+        raise ValueError(f"moe_router_expert_pad_multiple={pad!r} is invalid with "
+                         f"{low_precision_setting(config)}: the FP8 grouped GEMMs need each expert's rows padded "
+                         f"to a multiple of {FP8_GROUP_ALIGN} (TokenDispatcherConfig.from_transformer_config "
+                         "pads them under fp8)")
     mode = registry.mode_of(dispatcher_config)
     if mode == "dropless" or not isinstance(experts, (SequentialMLP, TEGroupedMLP)):
         return
@@ -139,6 +140,5 @@ def check_fixed_rows_experts(config, dispatcher_config, experts) -> None:
             f"{field} unset (dropless)")
     name = type(experts).__name__
     raise ValueError(f"{setting} is invalid with Megatron's {name} experts, which need as many rows as "
-                     "the counts sum to: set moe_grouped_gemm=True with BF16 or the local spec (this "
-                     f"package's GroupedGemmExperts take {mode} mode's fixed rows) or leave {field} "
-                     "unset (dropless)")
+                     "the counts sum to: set moe_grouped_gemm=True (this package's GroupedGemmExperts "
+                     f"take {mode} mode's fixed rows) or leave {field} unset (dropless)")

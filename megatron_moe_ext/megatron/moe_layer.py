@@ -21,7 +21,7 @@ from megatron_moe_ext.dispatcher.common import checks
 from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
 from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
 from megatron_moe_ext.megatron import graphs, overflow
-from megatron_moe_ext.megatron.expert_choice import check_fixed_rows_experts, grouped_gemm_experts
+from megatron_moe_ext.megatron.expert_choice import check_experts_take_rows, grouped_gemm_experts
 from megatron_moe_ext.recompute import RecomputeReplay, attach_replay
 
 # The names under which Megatron's MoELayer.__init__ looks up its dispatcher classes.
@@ -145,7 +145,7 @@ class FlexMoELayer(MoELayer, overflow.OverflowCounter):
         self._backend_hands_indexed_rows = registry.BACKENDS[
             dispatcher_config.moe_flex_dispatcher_backend].indexed_rows
         self._decide_expert_path()
-        check_fixed_rows_experts(config, dispatcher_config, self.experts)
+        check_experts_take_rows(config, dispatcher_config, self.experts)
         # Megatron recomputes this layer (selective "moe", or the whole transformer layer):
         # the recompute replays the original routing and layout (megatron_moe_ext.recompute).
         recomputed = self.moe_layer_recompute or config.recompute_granularity == "full"
