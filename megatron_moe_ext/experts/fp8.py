@@ -22,7 +22,8 @@ Why no other recipe (read at the GPU machine's versions, torch 2.11.0+cu130, TE 
   takes fp32 rowwise or (SM100) MXFP8 scales only; TE's graph-safe grouped GEMM
   (`general_grouped_gemm_for_grouped_tensor`, m_splits on the device) needs cuBLASLt >= 13.6 for
   block scaling on Hopper (`is_module_grouped_tensor_path_supported`), and below that TE's
-  `GroupedLinear` reads `m_splits.tolist()` on the host; QuACK 0.6.5's SM90 FP8 is per-tensor.
+  `GroupedLinear` reads `m_splits.tolist()` on the host; QuACK's block-scaled GEMMs (MXFP8/NVFP4)
+  need SM100+, and on SM90 it has no per-block or per-group scales.
 - delayed: scales from an amax history shared through TE's global state; not followed here.
 - fp8='hybrid': its E5M2 gradients cannot enter `torch._scaled_grouped_mm` (e4m3 operands only).
 
