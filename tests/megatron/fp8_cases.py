@@ -22,6 +22,7 @@ from tests.megatron.cases_layer import LayerCase, layer_config
 from tests.shims import megatron_cpu
 
 E, K, SEQ, BATCH, H, FFN = 4, 2, 8, 2, 16, 32
+HIDDEN = {"torch": H, "hybridep": 128}  # HybridEP's rows: a multiple of 16, at least 128
 
 
 class _TEGroupedLinear(te.GroupedLinear):
@@ -45,7 +46,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _step(layer, step: int) -> list[torch.Tensor]:
     """One forward and backward on this rank's step-`step` tokens: [out, input grad, fc1 grad]."""
     g = torch.Generator().manual_seed(3 + 100 * step + dist.get_rank())
-    x = torch.randn(SEQ, BATCH, H, generator=g).to(torch.bfloat16).requires_grad_()
+    x = torch.randn(SEQ, BATCH, layer.config.hidden_size, generator=g).to(torch.bfloat16).requires_grad_()
     for param in layer.parameters():
         param.grad = None
     out, _ = layer(x)
@@ -66,7 +67,7 @@ def _spec():
 
 
 def te_grouped_mlp_layer(fp8_recipe: str | None, budget_factor: float | None, steps: int = 1,
-                         **dispatcher_overrides) -> dict:
+                         backend: str = "torch", **dispatcher_overrides) -> dict:
     """Build a `FlexMoELayer` whose spec's experts are `TEGroupedMLP` (fp8 'e4m3' with
     `fp8_recipe`, or BF16 for None, where `FlexMoELayer` is asked for them: the default choice
     keeps them only under FP8), in budget mode with `budget_factor` (None: dropless); run
@@ -75,7 +76,8 @@ def te_grouped_mlp_layer(fp8_recipe: str | None, budget_factor: float | None, st
     dispatcher's pad multiple, the forward's outcome and the warnings logged; where the experts
     compute in FP8, also the relative error of the output and of the input and fc1 weight
     gradients against the same layer with FP8 switched off (BF16 GEMMs on the same weights).
-    `dispatcher_overrides` go to `TokenDispatcherConfig.from_transformer_config`."""
+    `backend` "hybridep" runs HybridEP's test double (hidden 128, as it needs), with equal token
+    counts; `dispatcher_overrides` go to `TokenDispatcherConfig.from_transformer_config`."""
     from megatron.core.transformer.moe import experts as megatron_experts
 
     from megatron_moe_ext.dispatcher.common.buffers import release_all
@@ -92,8 +94,15 @@ def te_grouped_mlp_layer(fp8_recipe: str | None, budget_factor: float | None, st
     expert_choice._note_slower_than_native.cache_clear()
     try:
         pg = megatron_cpu.init_parallel_state(dist.get_world_size())
-        config = layer_config(LayerCase("fp8", num_experts=E, topk=K, hidden=H, ffn=FFN, seq=SEQ, batch=BATCH,
-                                        gated=True, dtype="bf16"), dist.get_world_size())
+        hidden = HIDDEN[backend]
+        config = layer_config(LayerCase("fp8", num_experts=E, topk=K, hidden=hidden, ffn=FFN, seq=SEQ,
+                                        batch=BATCH, gated=True, dtype="bf16"), dist.get_world_size())
+        if backend == "hybridep":
+            from tests.dispatcher.hybridep_ranks import use_backend
+
+            use_backend()
+            dispatcher_overrides.update(moe_flex_dispatcher_backend="hybridep",
+                                        moe_hybridep_equal_token_counts=True)
         config.moe_grouped_gemm = True
         config.activation_func = torch.nn.functional.silu  # swiglu
         config.bias_activation_fusion = False  # Megatron's fused weighted SwiGLU is a CUDA kernel

@@ -54,6 +54,15 @@ def test_tensorwise_builds_fp8_grouped_gemm_experts_that_run_budget_and_dropless
         assert all(0 < err < 0.1 for err in r["rel_err"]), r
 
 
+@pytest.mark.parametrize("budget", [1.25, None], ids=["budget", "dropless"])
+def test_tensorwise_fp8_experts_behind_hybridep(dist_pools, budget):
+    """The same behind HybridEP (its test double), the backend of Megatron's own sync-free mode."""
+    for r in dist_pools(2).run(cases.te_grouped_mlp_layer, "tensorwise", budget, 2, "hybridep"):
+        assert r["experts"] == "GroupedGemmExperts" and r["pad_multiple"] == 16, r
+        assert r["forward"] == (cases.SEQ, cases.BATCH, cases.HIDDEN["hybridep"]), r
+        assert all(0 < err < 0.1 for err in r["rel_err"]), r
+
+
 @pytest.mark.parametrize("field,value", [("fp8_recipe", "blockwise"), ("fp8_recipe", "delayed"),
                                          ("fp8", "hybrid"), ("fp8_param", True),
                                          ("first_last_layers_bf16", True)])
