@@ -3,6 +3,10 @@
 
     [source /tmp/te_env.sh &&] python3 bench/gpu/fp8_experts_check.py [--iters 10] [--skip-timing]
 
+Needs megatron-core (the package imports it): carry `.whl` and install it first where it does not
+import (`python3 -m pip install --no-index --no-deps .whl/megatron_core-*.whl`); TE only for its
+baselines and the environment probe (../shared/tools/te-on-device).
+
 1. Environment: torch, the device, TE's version and cuBLASLt version where TE imports, and whether
    TE's graph-safe grouped GEMM (`is_module_grouped_tensor_path_supported`, m_splits on the
    device) takes Float8CurrentScaling / Float8BlockScaling here (research of issue 49).
