@@ -218,7 +218,10 @@ class TokenDispatcherConfig:
         row = registry.BACKENDS[backend]
         _refuse_unhonoured_megatron_settings(config, backend, row)
         pad_multiple = None
-        if getattr(config, "moe_router_padding_for_quantization", False):
+        # Under FP8/FP4 each expert's rows are padded for the quantized GEMMs, as Megatron's HybridEP
+        # dispatcher pads them (TEGroupedMLP then skips its own padding for that backend).
+        if (getattr(config, "moe_router_padding_for_quantization", False) or getattr(config, "fp8", None)
+                or getattr(config, "fp4", None)):
             from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
 
             pad_multiple = get_align_size_for_quantization(config)

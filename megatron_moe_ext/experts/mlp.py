@@ -32,6 +32,7 @@ from megatron_moe_ext.dispatcher.common.handoff import IndexedRows
 from megatron_moe_ext.dispatcher.common.permute import GatherRows, TokenCounts, counts_on, host_counts
 from megatron_moe_ext.experts.bias import apply_bias, chunk_counts
 from megatron_moe_ext.experts.config import EXPERT_MLP_CHUNK_BYTES, check_expert_mlp_impl
+from megatron_moe_ext.experts.fp8 import FP8_GROUP_ALIGN, Fp8Recipe, fp8_grouped_mm
 from megatron_moe_ext.experts.fused import (
     case_unsupported_reason,
     quack_backend,
@@ -147,10 +148,14 @@ def _pad_dims(t: torch.Tensor, multiple: int, dims: tuple[int, ...]) -> torch.Te
 
 
 def _grouped_mm_any_width(x_PK: torch.Tensor, w_eKN: torch.Tensor, offsets_e: torch.Tensor,
-                          total_1: torch.Tensor | None, into: tuple | None = None) -> torch.Tensor:
+                          total_1: torch.Tensor | None, into: tuple | None = None,
+                          fp8: Fp8Recipe | None = None) -> torch.Tensor:
     """`torch._grouped_mm(x, w, offs)` for any K and N (see "Feature padding"); with `into`
     (`(target, add_wgrad, host)`, at 16-byte widths: no padding) the weight gradient goes into
-    `target.main_grad`."""
+    `target.main_grad`. Under `fp8` (never with `into`), its FP8 counterpart (`experts/fp8.py`:
+    widths multiples of 16)."""
+    if fp8 is not None:
+        return _GroupedMmOutput.apply(fp8_grouped_mm(x_PK, w_eKN.to(x_PK.dtype), offsets_e, fp8), total_1)
     if into is not None:
         return _GroupedMmOutput.apply(_GroupedMmIntoMainGrad.apply(x_PK, w_eKN, offsets_e, *into), total_1)
     multiple = max(1, 16 // x_PK.element_size())  # elements per 16 bytes
@@ -166,7 +171,7 @@ def _grouped_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor, down_
                  tokens_per_expert: TokenCounts, permuted_probs_P1: torch.Tensor,
                  activation_fn: Activation, apply_router_weight_after_down: bool,
                  activation_checkpoint=None, wgrad: tuple[WgradTarget, WgradTarget] | None = None,
-                 add_wgrad: WgradKernel | None = None) -> torch.Tensor:
+                 add_wgrad: WgradKernel | None = None, fp8: Fp8Recipe | None = None) -> torch.Tensor:
     """The grouped MLP in one shot (arguments as `run_grouped_expert_mlp`, unchecked;
     `apply_router_weight_after_down`: `prob * (act(x W1 + b1) W2 + b2)`; `wgrad`: the weight
     gradients go into these `main_grad`s by `add_wgrad`). Returns `[P, H]`."""
@@ -176,7 +181,7 @@ def _grouped_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor, down_
         valid = sum(host)
         out = _grouped_mlp(hidden_PH[:valid], gate_and_up_projs, down_projs, gate_up_proj_bias,
                            down_proj_bias, host, permuted_probs_P1[:valid], activation_fn,
-                           apply_router_weight_after_down, activation_checkpoint, wgrad, add_wgrad)
+                           apply_router_weight_after_down, activation_checkpoint, wgrad, add_wgrad, fp8)
         return torch.nn.functional.pad(out, (0, 0, 0, rows - valid))
     total_1 = None
     if host is not None:
@@ -200,12 +205,12 @@ def _grouped_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor, down_
         gate_and_up_projs, down_projs = gate_and_up_projs.to(dtype), down_projs.to(dtype)
     else:
         up_into, down_into = ((target, add_wgrad, host) for target in wgrad)
-    up_PI = _grouped_mm_any_width(hidden_PH, gate_and_up_projs, offsets_e, None, up_into)
+    up_PI = _grouped_mm_any_width(hidden_PH, gate_and_up_projs, offsets_e, None, up_into, fp8)
     if gate_up_proj_bias is not None:
         up_PI = apply_bias(up_PI, gate_up_proj_bias, counts_e)
     act_PI = (activation_fn(up_PI, act_probs_P1) if activation_checkpoint is None
               else activation_checkpoint.checkpoint(activation_fn, up_PI, act_probs_P1))
-    out_PH = _grouped_mm_any_width(act_PI, down_projs, offsets_e, total_1, down_into)
+    out_PH = _grouped_mm_any_width(act_PI, down_projs, offsets_e, total_1, down_into, fp8)
     if activation_checkpoint is not None:  # act_PI is freed now, recomputed in backward
         activation_checkpoint.discard_output_and_register_recompute(out_PH)
     if apply_router_weight_after_down:
@@ -297,7 +302,8 @@ def run_grouped_expert_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Ten
                            chunk_bytes: int | None = None,
                            activation_checkpoint=None, *, expert_mlp_impl: str = "grouped_mm",
                            experts_config=None,
-                           wgrad: tuple[WgradTarget, WgradTarget] | None = None) -> torch.Tensor:
+                           wgrad: tuple[WgradTarget, WgradTarget] | None = None,
+                           fp8: Fp8Recipe | None = None) -> torch.Tensor:
     """The expert MLP the modules call: QuACK's fused kernels (`fused_mlp.py`) where
     `expert_mlp_impl` allows and the case is supported, else `torch._grouped_mm`: single
     shot, or checkpointed chunks when the `[P, 2I]` intermediate would exceed `chunk_bytes`.
@@ -322,6 +328,8 @@ def run_grouped_expert_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Ten
         wgrad: Megatron's gradient-accumulation fusion (`wgrad.wgrad_targets`): the targets of
             `(gate_and_up_projs, down_projs)`, whose gradients go into their `main_grad`s
             (by a GEMM that adds, `wgrad_kernel`, else one add in backward), or None.
+        fp8: both projections in FP8 per this recipe (`experts/fp8.py`; "grouped_mm", single shot,
+            each expert's rows a multiple of 16).
 
     Returns:
         `[P, H]` in the rows' dtype.
@@ -332,6 +340,13 @@ def run_grouped_expert_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Ten
     rows_NH, rows = _rows_of(hidden_PH)
     intermediate_bytes = rows * gate_and_up_projs.shape[-1] * rows_NH.element_size()
     chunked = bool(chunk_bytes) and intermediate_bytes > chunk_bytes
+    if fp8 is not None and (chunked or expert_mlp_impl != "grouped_mm"):
+        raise ValueError(f"fp8: the FP8 expert MLP runs single shot on torch._scaled_grouped_mm; got "
+                         f"expert_mlp_impl={expert_mlp_impl!r}, chunk_bytes={chunk_bytes}")
+    host = host_counts(tokens_per_expert)
+    if fp8 is not None and host is not None and any(n % FP8_GROUP_ALIGN for n in host):
+        raise ValueError(f"tokens_per_expert={host} is invalid with fp8: each expert's rows must be a multiple "
+                         f"of {FP8_GROUP_ALIGN} (the dispatcher's moe_router_expert_pad_multiple pads them)")
     if expert_mlp_impl != "grouped_mm" and check_expert_mlp_impl(expert_mlp_impl):
         if experts_config is None:
             raise ValueError(f"expert_mlp_impl={expert_mlp_impl!r} needs experts_config (the "
@@ -347,7 +362,7 @@ def run_grouped_expert_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Ten
         if expert_mlp_impl == "fused":
             raise RuntimeError(f"expert_mlp_impl='fused' is not possible here: {reason}")
     add_wgrad = None
-    if wgrad is not None and not chunked:
+    if wgrad is not None and not chunked and fp8 is None:  # no FP8 GEMM adds into fp32: one add
         add_wgrad, _ = wgrad_kernel(rows_NH.device, rows_NH.dtype, rows_NH.shape[1], down_projs.shape[1],
                                     host_counts(tokens_per_expert) is not None)
     if wgrad is not None and add_wgrad is None:
@@ -364,4 +379,4 @@ def run_grouped_expert_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Ten
             tokens_per_expert, permuted_probs_P1, activation_fn, chunk_bytes=chunk_bytes)
     return _grouped_mlp(hidden_PH, gate_and_up_projs, down_projs, gate_up_proj_bias, down_proj_bias,
                         tokens_per_expert, permuted_probs_P1, activation_fn, False, activation_checkpoint,
-                        wgrad, add_wgrad)
+                        wgrad, add_wgrad, fp8)

@@ -24,6 +24,7 @@ from megatron_moe_ext.dispatcher.common.handoff import IndexedRows
 from megatron_moe_ext.experts.activations import get_expert_activation, is_gated_activation
 from megatron_moe_ext.experts.common import stacked_shapes
 from megatron_moe_ext.experts.config import EXPERT_MLP_IMPLS, ExpertsConfig
+from megatron_moe_ext.experts.fp8 import check_fp8_widths, fp8_recipe_of
 from megatron_moe_ext.experts.fused import fused_unsupported_reason
 from megatron_moe_ext.experts.fused_mlp import warmup_fused_expert_mlp
 from megatron_moe_ext.experts.mlp import run_grouped_expert_mlp, wgrad_kernel
@@ -115,7 +116,6 @@ def _check_megatron_features(config) -> None:
         "moe_apply_probs_on_input": (bool(config.moe_apply_probs_on_input), False,
                                      "the routing prob is applied inside the activation"),
         "moe_latent_size": (config.moe_latent_size, None, "latent experts are not implemented"),
-        "fp8": (config.fp8, None, "use the TE experts for FP8"),
         "fp4": (config.fp4, None, "use the TE experts for FP4"),
         "delay_wgrad_compute": (bool(config.delay_wgrad_compute), False,
                                 "weight gradients are computed in the ordinary backward"),
@@ -168,6 +168,15 @@ class GroupedGemmExperts(MegatronModule):
         _check_megatron_features(config)
         if expert_mlp_impl is None:
             expert_mlp_impl = env_choice(EXPERT_MLP_IMPL_ENV, EXPERT_MLP_IMPLS, "auto")
+        # Megatron's FP8 (tensorwise only, see experts/fp8.py): both projections on
+        # torch._scaled_grouped_mm; QuACK's fused path computes BF16 only.
+        self.fp8_recipe = fp8_recipe_of(config)
+        if self.fp8_recipe is not None:
+            check_fp8_widths(config.hidden_size, config.moe_ffn_hidden_size)
+            if expert_mlp_impl == "fused":
+                raise _unsupported("expert_mlp_impl", expert_mlp_impl, "allowed under fp8: 'auto' or "
+                                   "'grouped_mm' (QuACK's fused path computes in BF16 only)")
+            expert_mlp_impl = "grouped_mm"
         self.experts_config = experts_config_from_transformer_config(config, expert_mlp_impl)
         self.num_local_experts = num_local_experts
         self.name = name
@@ -280,7 +289,7 @@ class GroupedGemmExperts(MegatronModule):
         Returns:
             (out [P, H], None): Megatron's (output, bias) pair, the weighted down bias added.
         """
-        # "moe_act" as Megatron's TEGroupedMLP does it (fp8=None: no TE quantization, refused above).
+        # "moe_act" as Megatron's TEGroupedMLP does it (fp8=None: the activation is never TE's).
         checkpoint = CheckpointWithoutOutput(fp8=None) if self.activation_recompute else None
         return run_grouped_expert_mlp(
             dispatched_input, self.gate_and_up_projs, self.down_projs, self.gate_up_proj_bias,
@@ -288,7 +297,8 @@ class GroupedGemmExperts(MegatronModule):
             self.experts_config.expert_mlp_chunk_bytes, checkpoint,
             expert_mlp_impl=self._expert_mlp_path, experts_config=self.experts_config,
             wgrad=(wgrad_targets(self.gate_and_up_projs, self.down_projs)
-                   if self.config.gradient_accumulation_fusion else None)), None
+                   if self.config.gradient_accumulation_fusion else None),
+            fp8=self.fp8_recipe), None
 
     def backward_dw(self) -> None:
         """Nothing is deferred: weight gradients come with the ordinary backward

@@ -14,7 +14,6 @@ import threading
 
 import torch
 from megatron.core.transformer.moe import moe_layer as _megatron_moe_layer
-from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from megatron_moe_ext.dispatcher import registry
@@ -22,7 +21,7 @@ from megatron_moe_ext.dispatcher.common import checks
 from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
 from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
 from megatron_moe_ext.megatron import graphs, overflow
-from megatron_moe_ext.megatron.expert_choice import grouped_gemm_experts
+from megatron_moe_ext.megatron.expert_choice import check_experts_take_rows, grouped_gemm_experts
 from megatron_moe_ext.recompute import RecomputeReplay, attach_replay
 
 # The names under which Megatron's MoELayer.__init__ looks up its dispatcher classes.
@@ -66,18 +65,6 @@ def _megatron_builds_dispatcher(factory):
         finally:
             for n, cls in saved.items():
                 setattr(_megatron_moe_layer, n, cls)
-
-
-def _check_sequential_mlp(dispatcher_config: TokenDispatcherConfig, experts) -> None:
-    """The fixed-shape modes (capacity, budget) hand the experts a fixed number of rows with
-    device counts, which Megatron's SequentialMLP splits on the host by the counts: refused."""
-    mode = registry.mode_of(dispatcher_config)
-    if mode != "dropless" and isinstance(experts, SequentialMLP):
-        field = registry.MODE_FIELDS[mode]
-        raise ValueError(f"{field}={getattr(dispatcher_config, field)!r} is invalid with Megatron's "
-                         "SequentialMLP experts, which need as many rows as the counts sum to: set "
-                         f"moe_grouped_gemm=True (grouped-GEMM experts take {mode} mode's fixed rows) "
-                         f"or leave {field} unset (dropless)")
 
 
 def _refuse_unreplayable_recompute(dispatcher_config: TokenDispatcherConfig) -> None:
@@ -158,7 +145,7 @@ class FlexMoELayer(MoELayer, overflow.OverflowCounter):
         self._backend_hands_indexed_rows = registry.BACKENDS[
             dispatcher_config.moe_flex_dispatcher_backend].indexed_rows
         self._decide_expert_path()
-        _check_sequential_mlp(dispatcher_config, self.experts)
+        check_experts_take_rows(config, dispatcher_config, self.experts)
         # Megatron recomputes this layer (selective "moe", or the whole transformer layer):
         # the recompute replays the original routing and layout (megatron_moe_ext.recompute).
         recomputed = self.moe_layer_recompute or config.recompute_granularity == "full"
