@@ -13,6 +13,7 @@ import functools
 import threading
 
 import torch
+from megatron.core.models.common.utils import should_free_input
 from megatron.core.transformer.moe import moe_layer as _megatron_moe_layer
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -155,8 +156,13 @@ class FlexMoELayer(MoELayer, overflow.OverflowCounter):
         self.dispatcher_config = dispatcher_config
         self.token_dispatcher.cudagraph_attrs = graphs.cudagraph_attrs(
             dispatcher_config.moe_flex_dispatcher_backend)
+        # Megatron's 1F1B A2A overlap frees what its schedule nodes were given once their
+        # forward is done: the dispatch's input where it expects the alltoall dispatcher's
+        # permuted copy, the experts' input where it expects a permuted copy of the received rows.
+        self._overlap_frees = {node: config.overlap_moe_expert_parallel_comm and should_free_input(
+            node, True, config, self.num_local_experts) for node in ("moe_dispatch", "mlp")}
         self._backend_hands_indexed_rows = registry.BACKENDS[
-            dispatcher_config.moe_flex_dispatcher_backend].indexed_rows
+            dispatcher_config.moe_flex_dispatcher_backend].indexed_rows and not self._overlap_frees["mlp"]
         self._decide_expert_path()
         _check_sequential_mlp(dispatcher_config, self.experts)
         # Megatron recomputes this layer (selective "moe", or the whole transformer layer):
@@ -183,6 +189,14 @@ class FlexMoELayer(MoELayer, overflow.OverflowCounter):
         if "_backend_hands_indexed_rows" in self.__dict__:  # not while Megatron's __init__ runs
             self._decide_expert_path()
         return module
+
+    def preprocess(self, hidden_states, probs, routing_map):
+        local_tokens, probs = super().preprocess(hidden_states, probs, routing_map)
+        if self._overlap_frees["moe_dispatch"]:
+            # The dispatcher hands back a view of the router's input, which the router's
+            # backward still reads after the overlap schedule freed the dispatch node's input.
+            local_tokens = local_tokens.clone()
+        return local_tokens, probs
 
     def routed_experts_compute(self, hidden_states, probs):
         output, mlp_bias = super().routed_experts_compute(hidden_states, probs)

@@ -1,0 +1,25 @@
+"""Megatron's 1F1B A2A overlap (`--overlap-moe-expert-parallel-comm`: its own
+`TransformerLayerSchedulePlan.run` driving the layer's split callables) with `FlexMoELayer` gives
+the outputs, input gradients and parameter gradients of the same layer run the ordinary way, on
+every backend (the GPU-only ones over their tests/doubles), EP 2 on gloo ranks, bf16."""
+
+import pytest
+
+from tests.megatron.overlap_ranks import run_overlap_parity
+
+CASES = [("torch", False), ("torch", True), ("deepep", False), ("uccl_ep", False), ("hybridep", False),
+         ("deepep", True)]
+
+
+@pytest.mark.parametrize("backend, grouped_gemm", CASES, ids=[f"{b}{'_grouped' * g}" for b, g in CASES])
+def test_overlap_schedule_matches_plain_forward_backward(dist_pools, backend, grouped_gemm):
+    for rank, r in enumerate(dist_pools(2).run(run_overlap_parity, backend, grouped_gemm)):
+        where = f"{backend} rank {rank} ({r['experts']})"
+        assert r["experts"] == ("GroupedGemmExperts" if grouped_gemm else "SequentialMLP"), where
+        assert r["grad_names"][0] == r["grad_names"][1], where
+        assert r["router_grad"] > 0, f"{where}: the router got no gradient"
+        # Same operations on the same numbers in the same order per microbatch: bit-equal.
+        assert r["out"] == 0.0, f"{where}: output differs by {r['out']:.3g} (relative)"
+        assert r["grad_x"] == 0.0, f"{where}: input gradient differs by {r['grad_x']:.3g}"
+        for name, err in r["grads"].items():
+            assert err == 0.0, f"{where}: gradient of {name} differs by {err:.3g}"
