@@ -21,6 +21,7 @@ P permuted rows (grouped by local expert; in non-blocking mode the tail past
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import torch
@@ -219,7 +220,6 @@ class HybridEPManager(DispatchManager):
         num_tokens = probs_TE.shape[0]
         padded = self._resolve_padded_tokens(num_tokens, probs_TE.device)
         pad = padded - num_tokens
-        record.num_tokens = num_tokens
         # Padding rows route nowhere with prob 0; they are constants, so they get no gradient.
         record.routing_map = torch.cat([routing_map_TE, routing_map_TE.new_zeros(pad, self.num_experts)])
         record.token_probs = torch.cat([probs_TE.float(), probs_TE.new_zeros(pad, self.num_experts).float()])
@@ -411,9 +411,11 @@ class HybridEPManager(DispatchManager):
         return torch.stack([(needed_De - kept_De).sum(), padded_De.sum(1).max()])
 
     def combine(self, record, hidden_states, async_finish=True, allocate_on_comm_stream=True):
-        """`[P, H]` expert outputs -> `[T, H]` (padding tokens sliced off)."""
+        """`[P, H]` expert outputs -> `[T, H]` (padding tokens sliced off; T from the record's
+        input shape, which a CUDA-graph replay of the preprocess sets too)."""
+        num_tokens = math.prod(record.hidden_shape[:-1])
         return _HybridEPCombine.apply(hidden_states, record.buffer, record.handle, self.pad_multiple,
-                                      self.hybridep_permute_fusion)[: record.num_tokens]
+                                      self.hybridep_permute_fusion)[:num_tokens]
 
     def get_dispatched_metadata(self, record):
         return None, record.dispatched_probs
