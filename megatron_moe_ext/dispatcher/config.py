@@ -193,11 +193,26 @@ class TokenDispatcherConfig:
         names the field after HybridEP, `moe_hybridep_capacity_factor`."""
         return self.moe_hybridep_capacity_factor
 
-    def validate_for_group(self, ep_size: int) -> None:
-        """Checks that need the expert-parallel group size."""
+    def validate_for_group(self, ep_size: int, hidden_size: int | None = None) -> None:
+        """Checks that need the expert-parallel group size (and the dispatched hidden size,
+        where known: a layer's build)."""
         if self.num_moe_experts % ep_size:
             fail("num_moe_experts", self.num_moe_experts,
-                 f"must be divisible by the expert-parallel size ({ep_size})")
+                 f"must be divisible by the expert-parallel size ({ep_size}): set it to a multiple "
+                 f"of {ep_size}, or an expert-parallel size that divides it")
+        check_hidden = registry.BACKENDS[self.moe_flex_dispatcher_backend].check_hidden
+        if hidden_size is not None and check_hidden is not None:
+            check_hidden(hidden_size)
+
+    def settings(self) -> dict[str, str]:
+        """What every rank of a layer's group must agree on (`checks.agree_at_build`), as it
+        reads in a message: each environment variable the package reads (raises ValueError
+        naming one it refuses) and each field."""
+        from megatron_moe_ext.utils.env import read_every_variable
+
+        variables = {f"environment variable {name}": "unset" if value is None else repr(value)
+                     for name, value in read_every_variable().items()}
+        return {**variables, **{name: repr(value) for name, value in dataclasses.asdict(self).items()}}
 
     def replace(self, **changes: Any) -> "TokenDispatcherConfig":
         return dataclasses.replace(self, **changes)

@@ -108,16 +108,18 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         self._deferred_errors = checks.DeferredRoutingErrors()
         self.num_experts = dispatcher_config.num_moe_experts
         self.topk = dispatcher_config.moe_router_topk
-        # A rank's checks may fail where its peers' pass (its own arguments): the group agrees
-        # here, in one all-reduce, so every rank raises before any dispatch.
-        error = None
+        # A rank's checks may fail where its peers' pass (its own arguments or environment), or
+        # its settings differ from theirs: the group agrees here, in one all-gather, so every
+        # rank raises the same error before any dispatch.
+        error, settings = None, {}
         try:
+            settings = dispatcher_config.settings()
             self._check_construction()
             row = registry.BACKENDS[dispatcher_config.moe_flex_dispatcher_backend]
             self._manager = row.build(dispatcher_config, self.tp_ep_group, num_local_experts, self.tp_size)
         except ValueError as exc:
             error = exc
-        checks.agree(self.tp_ep_group, error)
+        checks.agree_at_build(self.tp_ep_group, settings, error)
         #: The hook seat, None or a `hooks.DispatchHook` called at every manager step (recompute's
         #: `RecomputeReplay` plugs in here).
         self.replay: hooks.DispatchHook | None = None

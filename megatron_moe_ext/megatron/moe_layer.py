@@ -17,6 +17,7 @@ from megatron.core.models.common.utils import should_free_input
 from megatron.core.transformer.moe import moe_layer as _megatron_moe_layer
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.utils import get_pg_size
 
 from megatron_moe_ext.dispatcher import registry
 from megatron_moe_ext.dispatcher.common import checks
@@ -100,13 +101,26 @@ def _refuse_unreplayable_recompute(dispatcher_config: TokenDispatcherConfig) -> 
                      "other modules")
 
 
-def _expert_group(pg_collection):
-    """The group whose all-reduce `MoEFlexTokenDispatcher`'s construction checks agree in."""
+def _agree_on_settings(config, dispatcher_config: TokenDispatcherConfig | None, pg_collection
+                       ) -> TokenDispatcherConfig:
+    """The layer's dispatcher config (`layer_dispatcher_config`) after every check of its
+    settings that Megatron's constructor would otherwise meet first (experts divisible by the
+    expert-parallel size, the hidden size the backend moves), agreed over the group like the
+    dispatcher's own (`checks.agree_at_build`): every rank raises the same ValueError."""
     if pg_collection is None:
         from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
         pg_collection = get_default_pg_collection()
-    return getattr(pg_collection, "tp_ep", None) or pg_collection.ep
+    error, settings = None, {}
+    try:
+        dispatcher_config = layer_dispatcher_config(config, dispatcher_config)
+        settings = dispatcher_config.settings()
+        dispatcher_config.validate_for_group(get_pg_size(pg_collection.ep),
+                                             config.moe_latent_size or config.hidden_size)
+    except ValueError as exc:
+        error = exc
+    checks.agree_at_build(getattr(pg_collection, "tp_ep", None) or pg_collection.ep, settings, error)
+    return dispatcher_config
 
 
 def layer_dispatcher_config(config, dispatcher_config: TokenDispatcherConfig | None = None
@@ -142,13 +156,7 @@ class FlexMoELayer(MoELayer, overflow.OverflowCounter):
                 raise ValueError("experts: needs the layer's submodules (MoESubmodules) to replace "
                                  "their experts; build the layer from an MoE spec")
             submodules = dataclasses.replace(submodules, experts=experts)
-        try:
-            dispatcher_config = layer_dispatcher_config(config, dispatcher_config)
-        except ValueError as exc:
-            # A setting only this rank has (an environment variable): its all-reduce meets the
-            # one its peers make in their dispatchers' construction checks, so every rank raises.
-            checks.agree(_expert_group(pg_collection), exc)
-            raise
+        dispatcher_config = _agree_on_settings(config, dispatcher_config, pg_collection)
         factory = functools.partial(MoEFlexTokenDispatcher, dispatcher_config=dispatcher_config)
         with _megatron_builds_dispatcher(factory):
             super().__init__(config, submodules=submodules, layer_number=layer_number,

@@ -8,9 +8,10 @@ unset the variable to get its default. The README lists the variables the packag
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
-from typing import TypeVar
+from typing import Callable, TypeVar
 
 #: The spellings of a flag, case-insensitive.
 TRUE_SPELLINGS = ("1", "true", "on", "yes")
@@ -80,3 +81,41 @@ def env_float(name: str, default: _Default, *, above: float | None = None) -> fl
     if not math.isfinite(value) or (above is not None and value <= above):
         raise _fail(name, raw, "expected a finite number" + ("" if above is None else f" > {above}"))
     return value
+
+
+
+def _read(module: str, attribute: str, *args) -> Callable[[], object]:
+    """A reader that calls `megatron_moe_ext.<module>.<attribute>(*args)`, imported when it runs."""
+    return lambda: getattr(importlib.import_module(f"megatron_moe_ext.{module}"), attribute)(*args)
+
+
+def _expert_mlp_impl():
+    from megatron_moe_ext.megatron import experts
+
+    return env_choice(experts.EXPERT_MLP_IMPL_ENV, experts.EXPERT_MLP_IMPLS, "auto")
+
+
+_budget = _read("dispatcher.config", "budget_from_environment", None)
+_pad_pin = _read("dispatcher.hybridep.manager", "static_routing_pad_pin")
+
+#: Every variable the package reads -> the function that reads it as the package does. A layer's
+#: build runs all of them (`read_every_variable`), so a bad value fails there, whatever code the
+#: layer's settings import later (HybridEP's variables with another backend, say).
+VARIABLES: dict[str, Callable[[], object]] = {
+    "MOE_EXT_INPUT_CHECKS": _read("dispatcher.common.checks", "check_mode"),
+    "MOE_EXT_STATIC_ROUTING_PAD_PIN": _pad_pin,
+    "NEMO_STATIC_ROUTING_PAD_PIN": _pad_pin,
+    "NUM_OF_TOKENS_PER_CHUNK_COMBINE_API": _read("dispatcher.hybridep.runtime", "combine_chunk"),
+    "MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR": _budget,
+    "MOE_EXT_EXPERT_RANK_OVERFLOW_POLICY": _budget,
+    "MOE_EXT_EXPERT_MLP_IMPL": _expert_mlp_impl,
+    "MOE_EXT_QUACK_TUNED": lambda: env_flag("MOE_EXT_QUACK_TUNED", False),
+}
+
+
+def read_every_variable() -> dict[str, str | None]:
+    """Read every variable in `VARIABLES` as the package does (ValueError naming the first one
+    it refuses); returns each one's value as set (None: unset), for comparing ranks."""
+    for read in dict.fromkeys(VARIABLES.values()):
+        read()
+    return {name: _raw(name) for name in VARIABLES}

@@ -42,9 +42,25 @@ _HYBRIDEP_HIDDEN_ALIGNMENT = 16
 #: (csrc/hybrid_ep/buffer/intranode.cu), and a 0-byte allocation makes its IPC allocator exit
 #: the process (`cuMemGetAddressRange ... named symbol not found`).
 _HYBRIDEP_MIN_HIDDEN = 128
-#: Set MOE_EXT_STATIC_ROUTING_PAD_PIN=0 (false, off, no) to keep the per-dispatch all-reduce under
-#: static routing (the seed's name NEMO_STATIC_ROUTING_PAD_PIN is read where the new one is unset).
-_STATIC_ROUTING_PAD_PIN = env_flag("MOE_EXT_STATIC_ROUTING_PAD_PIN", True, fallback="NEMO_STATIC_ROUTING_PAD_PIN")
+
+
+def static_routing_pad_pin() -> bool:
+    """Set MOE_EXT_STATIC_ROUTING_PAD_PIN=0 (false, off, no) to keep the per-dispatch all-reduce
+    under static routing (the seed's name NEMO_STATIC_ROUTING_PAD_PIN is read where the new one
+    is unset)."""
+    return env_flag("MOE_EXT_STATIC_ROUTING_PAD_PIN", True, fallback="NEMO_STATIC_ROUTING_PAD_PIN")
+
+
+_STATIC_ROUTING_PAD_PIN = static_routing_pad_pin()
+
+
+def check_hidden_size(hidden: int, field: str) -> None:
+    """Refuse (ValueError naming `field`) a hidden size HybridEP cannot take: its config check
+    (`hidden_dim % 16`), or a buffer whose `hidden_dim // 128` scale columns are 0 bytes."""
+    if hidden % _HYBRIDEP_HIDDEN_ALIGNMENT or hidden < _HYBRIDEP_MIN_HIDDEN:
+        raise ValueError(f"{field}: HybridEP needs a hidden size that is a multiple of {_HYBRIDEP_HIDDEN_ALIGNMENT} "
+                         f"and at least {_HYBRIDEP_MIN_HIDDEN}, got {hidden}; set the hidden size to one "
+                         "(e.g. 128, 256, 1024) or choose another moe_flex_dispatcher_backend")
 
 
 def _padded_count(num_tokens: int) -> int:
@@ -309,10 +325,7 @@ class HybridEPManager(DispatchManager):
         if hidden_states.element_size() != 2:
             raise ValueError(f"hidden_states: HybridEP dispatches 16-bit tokens (bf16/fp16), got "
                              f"{hidden_states.dtype}; cast the activations or use another backend")
-        hidden = hidden_states.shape[-1]
-        if hidden % _HYBRIDEP_HIDDEN_ALIGNMENT or hidden < _HYBRIDEP_MIN_HIDDEN:
-            raise ValueError(f"hidden_states: HybridEP needs a hidden size that is a multiple of "
-                             f"{_HYBRIDEP_HIDDEN_ALIGNMENT} and at least {_HYBRIDEP_MIN_HIDDEN}, got {hidden}")
+        check_hidden_size(hidden_states.shape[-1], "hidden_states")
 
     def announce_input_error(self, word: int, like=None) -> None:
         """Send `word` in this step's first collective: the token-count all-reduce, else (a
@@ -326,6 +339,10 @@ class HybridEPManager(DispatchManager):
             return
         if like is None or like.dim() < 2:
             return
+        try:
+            check_hidden_size(like.shape[-1], "hidden_states")
+        except ValueError:  # HybridEP would fail (or end the process) on it: every rank's own
+            return          # check_rows refuses the same model's hidden size
         if like.element_size() != 2:
             like = like.new_zeros((), dtype=torch.bfloat16).expand(like.shape)
         padded = _padded_count(tokens) if self.equal_token_counts else self._pinned_tokens

@@ -23,6 +23,11 @@ _MIN_TOKEN_CAPACITY = 512
 _DEFAULT_COMBINE_CHUNK = 64
 _TEMPLATE_ALIGNMENT = 16
 
+def combine_chunk() -> int:
+    """HybridEP's combine chunk, from the variable HybridEP itself reads."""
+    return env_int("NUM_OF_TOKENS_PER_CHUNK_COMBINE_API", _DEFAULT_COMBINE_CHUNK, minimum=1)
+
+
 #: resource_key (one per shared buffer) -> (signature, published capacity).
 _PUBLISHED: dict[tuple, tuple[tuple, int]] = {}
 
@@ -96,7 +101,7 @@ class HybridEPPipelineRuntimeInitializer:
     @staticmethod
     def required_capacity(num_tokens: int) -> int:
         """HybridEP's token-capacity floor and rounding for its JIT key."""
-        chunk = env_int("NUM_OF_TOKENS_PER_CHUNK_COMBINE_API", _DEFAULT_COMBINE_CHUNK, minimum=1)
+        chunk = combine_chunk()
         aligned = align_up(num_tokens, _TEMPLATE_ALIGNMENT)
         return align_up(max(aligned, _MIN_TOKEN_CAPACITY), chunk)
 
