@@ -12,6 +12,10 @@ setup(
         "torch>=2.6",
         "megatron-core>=0.19,<0.20",
         "triton",
+        # Megatron's distributed checkpoint save (torch_dist, what Megatron-LM writes; the layer's
+        # sharded_state_dict is in it) reads the process memory with psutil, which megatron-core
+        # does not require.
+        "psutil",
     ],
     extras_require={
         # DeepEP (deep_ep) and HybridEP are not on PyPI in usable form: build DeepEP's
