@@ -192,6 +192,7 @@ def test_every_variable_the_package_reads_is_in_the_build_check_and_the_readme()
     every variable named in the package's source must be in it, and the README lists them."""
     import re
 
+    import megatron_moe_ext.megatron.experts  # noqa: F401 - adds its variable on import
     from megatron_moe_ext.utils.env import VARIABLES
 
     named = set()
@@ -212,6 +213,7 @@ def test_every_variable_the_package_reads_is_in_the_build_check_and_the_readme()
                                          ("MOE_EXT_EXPERT_RANK_OVERFLOW_POLICY", "maybe"),
                                          ("MOE_EXT_EXPERT_MLP_IMPL", "fast"), ("MOE_EXT_QUACK_TUNED", "2")])
 def test_read_every_variable_refuses_each_bad_value(monkeypatch, name, value):
+    import megatron_moe_ext.megatron.experts  # noqa: F401 - adds its variable on import
     from megatron_moe_ext.utils.env import VARIABLES, read_every_variable
 
     for other in VARIABLES:

@@ -8,7 +8,6 @@ unset the variable to get its default. The README lists the variables the packag
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 from typing import Callable, TypeVar
@@ -84,33 +83,44 @@ def env_float(name: str, default: _Default, *, above: float | None = None) -> fl
 
 
 
-def _read(module: str, attribute: str, *args) -> Callable[[], object]:
-    """A reader that calls `megatron_moe_ext.<module>.<attribute>(*args)`, imported when it runs."""
-    return lambda: getattr(importlib.import_module(f"megatron_moe_ext.{module}"), attribute)(*args)
+
+#: How the dispatcher checks routing values (dispatcher/common/checks.py), and the values.
+INPUT_CHECKS_ENV = "MOE_EXT_INPUT_CHECKS"
+INPUT_CHECK_MODES = ("auto", "sync", "deferred")
 
 
-def _expert_mlp_impl():
-    from megatron_moe_ext.megatron import experts
+def input_check_mode() -> str:
+    """`INPUT_CHECKS_ENV`: one of `INPUT_CHECK_MODES`."""
+    return env_choice(INPUT_CHECKS_ENV, INPUT_CHECK_MODES, "auto")
 
-    return env_choice(experts.EXPERT_MLP_IMPL_ENV, experts.EXPERT_MLP_IMPLS, "auto")
+
+def static_routing_pad_pin() -> bool:
+    """HybridEP's static-routing pin: MOE_EXT_STATIC_ROUTING_PAD_PIN=0 (false, off, no) keeps the
+    per-dispatch all-reduce under static routing (the seed's NEMO_STATIC_ROUTING_PAD_PIN is read
+    where the new one is unset)."""
+    return env_flag("MOE_EXT_STATIC_ROUTING_PAD_PIN", True, fallback="NEMO_STATIC_ROUTING_PAD_PIN")
 
 
-_budget = _read("dispatcher.config", "budget_from_environment", None)
-_pad_pin = _read("dispatcher.hybridep.manager", "static_routing_pad_pin")
+def hybridep_combine_chunk() -> int:
+    """HybridEP's combine chunk, from the variable HybridEP itself reads (64 where unset)."""
+    return env_int("NUM_OF_TOKENS_PER_CHUNK_COMBINE_API", 64, minimum=1)
+
 
 #: Every variable the package reads -> the function that reads it as the package does. A layer's
-#: build runs all of them (`read_every_variable`), so a bad value fails there, whatever code the
-#: layer's settings import later (HybridEP's variables with another backend, say).
+#: build runs them all (`read_every_variable`), the dispatcher's whatever its backend imports;
+#: a module that reads a variable of its own adds its reader on import (`register`).
 VARIABLES: dict[str, Callable[[], object]] = {
-    "MOE_EXT_INPUT_CHECKS": _read("dispatcher.common.checks", "check_mode"),
-    "MOE_EXT_STATIC_ROUTING_PAD_PIN": _pad_pin,
-    "NEMO_STATIC_ROUTING_PAD_PIN": _pad_pin,
-    "NUM_OF_TOKENS_PER_CHUNK_COMBINE_API": _read("dispatcher.hybridep.runtime", "combine_chunk"),
-    "MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR": _budget,
-    "MOE_EXT_EXPERT_RANK_OVERFLOW_POLICY": _budget,
-    "MOE_EXT_EXPERT_MLP_IMPL": _expert_mlp_impl,
+    INPUT_CHECKS_ENV: input_check_mode,
+    "MOE_EXT_STATIC_ROUTING_PAD_PIN": static_routing_pad_pin,
+    "NEMO_STATIC_ROUTING_PAD_PIN": static_routing_pad_pin,
+    "NUM_OF_TOKENS_PER_CHUNK_COMBINE_API": hybridep_combine_chunk,
     "MOE_EXT_QUACK_TUNED": lambda: env_flag("MOE_EXT_QUACK_TUNED", False),
 }
+
+
+def register(names: tuple[str, ...], read: Callable[[], object]) -> None:
+    """Add `read`, which reads the variables `names`, to `VARIABLES`."""
+    VARIABLES.update(dict.fromkeys(names, read))
 
 
 def read_every_variable() -> dict[str, str | None]:

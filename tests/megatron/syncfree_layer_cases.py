@@ -180,7 +180,7 @@ def run_captured_reads_stay_alive() -> dict:
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
-    from megatron_moe_ext.dispatcher.common.checks import CHECK_MODE_ENV
+    from megatron_moe_ext.utils.env import INPUT_CHECKS_ENV as CHECK_MODE_ENV
 
     class Reads(TorchDispatchMode):
         def __init__(self):

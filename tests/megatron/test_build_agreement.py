@@ -77,3 +77,10 @@ def test_hybridep_hidden_size_it_cannot_take_refused_at_build(dist_pools, hidden
                       f"got {hidden}", "moe_flex_dispatcher_backend")
     assert dist_pools(2).run(build_error, LayerCase("ok", hidden=144, dtype="bf16", backend="hybridep"), {},
                              HYBRIDEP_EQUAL) == ["", ""]
+
+
+def test_experts_variable_refused_at_build_on_every_rank(dist_pools):
+    """A variable of the grouped-GEMM experts (read in their constructor, on each rank alone)."""
+    case = LayerCase("grouped", grouped_gemm=True)
+    messages = dist_pools(2).run(build_error, case, {1: {"MOE_EXT_EXPERT_MLP_IMPL": "fast"}})
+    _agreed(messages, "environment variable MOE_EXT_EXPERT_MLP_IMPL='fast' is invalid", "rank(s) [1]")

@@ -30,10 +30,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from megatron_moe_ext.utils.env import env_choice
-
-CHECK_MODE_ENV = "MOE_EXT_INPUT_CHECKS"
-_CHECK_MODES = ("auto", "sync", "deferred")
+from megatron_moe_ext.utils.env import INPUT_CHECKS_ENV, input_check_mode
 
 # Routing dtypes that pass without a closer look.
 _USUAL_INDEX_DTYPES = (torch.int64, torch.int32)
@@ -212,15 +209,10 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def check_mode() -> str:
-    """``MOE_EXT_INPUT_CHECKS``: "auto", "sync" or "deferred"."""
-    # Unset (the common case) costs no parse: this runs on every dispatch.
-    return "auto" if CHECK_MODE_ENV not in os.environ else env_choice(CHECK_MODE_ENV, _CHECK_MODES, "auto")
-
-
 def checks_values_now(tensor: torch.Tensor) -> bool:
     """Whether value checks on `tensor` run at once, per ``MOE_EXT_INPUT_CHECKS``."""
-    mode = check_mode()
+    # Unset (the common case) costs no call: this runs on every dispatch.
+    mode = "auto" if INPUT_CHECKS_ENV not in os.environ else input_check_mode()
     return mode == "sync" or (mode == "auto" and tensor.is_cpu)
 
 

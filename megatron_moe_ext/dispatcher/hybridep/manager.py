@@ -21,7 +21,6 @@ P permuted rows (grouped by local expert; in non-blocking mode the tail past
 
 from __future__ import annotations
 
-import math
 from types import SimpleNamespace
 
 import torch
@@ -31,7 +30,7 @@ from megatron_moe_ext.dispatcher.common import buffers, checks
 from megatron_moe_ext.dispatcher.common import permute as P
 from megatron_moe_ext.dispatcher.common.base import DispatchManager
 from megatron_moe_ext.dispatcher.hybridep.metadata import HybridEPMetadataProcessor
-from megatron_moe_ext.utils.env import env_flag
+from megatron_moe_ext.utils.env import static_routing_pad_pin
 from megatron_moe_ext.utils.optional import require
 
 #: HybridEP's TMA loads need every rank's token count to be a multiple of this.
@@ -42,16 +41,7 @@ _HYBRIDEP_HIDDEN_ALIGNMENT = 16
 #: (csrc/hybrid_ep/buffer/intranode.cu), and a 0-byte allocation makes its IPC allocator exit
 #: the process (`cuMemGetAddressRange ... named symbol not found`).
 _HYBRIDEP_MIN_HIDDEN = 128
-
-
-def static_routing_pad_pin() -> bool:
-    """Set MOE_EXT_STATIC_ROUTING_PAD_PIN=0 (false, off, no) to keep the per-dispatch all-reduce
-    under static routing (the seed's name NEMO_STATIC_ROUTING_PAD_PIN is read where the new one
-    is unset)."""
-    return env_flag("MOE_EXT_STATIC_ROUTING_PAD_PIN", True, fallback="NEMO_STATIC_ROUTING_PAD_PIN")
-
-
-_STATIC_ROUTING_PAD_PIN = static_routing_pad_pin()
+_STATIC_ROUTING_PAD_PIN = static_routing_pad_pin()  # read at import
 
 
 def check_hidden_size(hidden: int, field: str) -> None:
@@ -339,10 +329,10 @@ class HybridEPManager(DispatchManager):
             return
         if like is None or like.dim() < 2:
             return
-        try:
+        try:  # HybridEP would fail (or end the process) on a hidden size every rank refuses
             check_hidden_size(like.shape[-1], "hidden_states")
-        except ValueError:  # HybridEP would fail (or end the process) on it: every rank's own
-            return          # check_rows refuses the same model's hidden size
+        except ValueError:
+            return
         if like.element_size() != 2:
             like = like.new_zeros((), dtype=torch.bfloat16).expand(like.shape)
         padded = _padded_count(tokens) if self.equal_token_counts else self._pinned_tokens
@@ -428,11 +418,10 @@ class HybridEPManager(DispatchManager):
         return torch.stack([(needed_De - kept_De).sum(), padded_De.sum(1).max()])
 
     def combine(self, record, hidden_states, async_finish=True, allocate_on_comm_stream=True):
-        """`[P, H]` expert outputs -> `[T, H]` (padding tokens sliced off; T from the record's
-        input shape, which a CUDA-graph replay of the preprocess sets too)."""
-        num_tokens = math.prod(record.hidden_shape[:-1])
+        """`[P, H]` expert outputs -> `[T, H]`, padding sliced off (T from the input's shape, which
+        a CUDA-graph replay of the preprocess, running no setup, sets too)."""
         return _HybridEPCombine.apply(hidden_states, record.buffer, record.handle, self.pad_multiple,
-                                      self.hybridep_permute_fusion)[:num_tokens]
+                                      self.hybridep_permute_fusion)[: record.hidden_shape[:-1].numel()]
 
     def get_dispatched_metadata(self, record):
         return None, record.dispatched_probs

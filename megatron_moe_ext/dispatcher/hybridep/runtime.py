@@ -14,19 +14,13 @@ import torch.distributed as dist
 
 from megatron_moe_ext.dispatcher.common.permute import align_up
 from megatron_moe_ext.dispatcher.common.record import DispatchRecord
-from megatron_moe_ext.utils.env import env_int
+from megatron_moe_ext.utils.env import hybridep_combine_chunk
 
 logger = logging.getLogger(__name__)
 
 # HybridEP's Configurer: at least 512 tokens, then a multiple of the combine chunk.
 _MIN_TOKEN_CAPACITY = 512
-_DEFAULT_COMBINE_CHUNK = 64
 _TEMPLATE_ALIGNMENT = 16
-
-def combine_chunk() -> int:
-    """HybridEP's combine chunk, from the variable HybridEP itself reads."""
-    return env_int("NUM_OF_TOKENS_PER_CHUNK_COMBINE_API", _DEFAULT_COMBINE_CHUNK, minimum=1)
-
 
 #: resource_key (one per shared buffer) -> (signature, published capacity).
 _PUBLISHED: dict[tuple, tuple[tuple, int]] = {}
@@ -101,7 +95,7 @@ class HybridEPPipelineRuntimeInitializer:
     @staticmethod
     def required_capacity(num_tokens: int) -> int:
         """HybridEP's token-capacity floor and rounding for its JIT key."""
-        chunk = combine_chunk()
+        chunk = hybridep_combine_chunk()
         aligned = align_up(num_tokens, _TEMPLATE_ALIGNMENT)
         return align_up(max(aligned, _MIN_TOKEN_CAPACITY), chunk)
 
