@@ -6,7 +6,7 @@ Megatron's a2a_overlap unit tests call it: the first microbatch's forward alone,
 next forward interleaved with the previous microbatch's backward, then the last backward.
 On CPU the CUDA streams and events are the shim's synchronous stand-ins
 (tests/shims/megatron_cpu.py), so the order of the calls is the driver's and the numbers are
-exact. The reference runs `layer(x)` and its backward microbatch by microbatch with the same
+exact; on a GPU (tests/megatron/gpu_check_ep_overlap.py) they are Megatron's own streams. The reference runs `layer(x)` and its backward microbatch by microbatch with the same
 weights, inputs and output gradients; both compare outputs, input and parameter gradients.
 """
 
@@ -50,7 +50,8 @@ def _layer(config, pg):
 
 def _causal_mask(seq: int) -> torch.Tensor:
     # Explicit (True = masked): Megatron's default one is built on "cuda".
-    return torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), diagonal=1)[None, None]
 
 
 def _reference(layer, inputs, grads):
@@ -74,34 +75,55 @@ def _overlapped(layer, inputs, grads):
 
     set_streams()
     state = State()
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     state.is_mtp, state.attention_mask = False, _causal_mask(inputs[0].shape[0])
     state.model = types.SimpleNamespace(decoder=types.SimpleNamespace(final_layernorm=None))
     plans = [TransformerLayerSchedulePlan(layer, torch.cuda.Event(), state, get_comp_stream, get_comm_stream)
              for _ in inputs]
     inputs = [x.clone().requires_grad_() for x in inputs]
     outputs, input_grads = [TransformerLayerSchedulePlan.run(plans[0], None, f_input=inputs[0])[0]], []
+    sync()
     for i in range(1, len(inputs)):
         out, grad = TransformerLayerSchedulePlan.run(plans[i], plans[i - 1], f_input=inputs[i], b_grad=grads[i - 1])
+        sync()
         outputs.append(out)
         input_grads.append(grad)
     input_grads.append(TransformerLayerSchedulePlan.run(None, plans[-1], b_grad=grads[-1])[1])
+    sync()
     return [o.detach() for o in outputs], input_grads
 
 
+def _init_gpu(ep: int):
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)
+    model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
+    return get_default_pg_collection()
+
+
 def run_overlap_parity(backend: str, grouped_gemm: bool = False) -> dict:
-    """Build the layer on this rank, run both schedules, return the largest differences."""
-    if backend != "torch":
+    """Build the layer on this rank, run both schedules, return the largest differences (on
+    the GPU where CUDA is there, with the real libraries; else on CPU over the test doubles)."""
+    gpu = torch.cuda.is_available()
+    if backend != "torch" and not gpu:
         from tests.doubles import deep_ep_buffer, hybrid_ep_buffer, uccl_ep
 
         {"deepep": deep_ep_buffer, "uccl_ep": uccl_ep, "hybridep": hybrid_ep_buffer}[backend].install()
-    megatron_cpu.install()
+    if not gpu:
+        megatron_cpu.install()
     try:
         ep, rank = dist.get_world_size(), dist.get_rank()
-        pg = megatron_cpu.init_parallel_state(ep)
+        pg = _init_gpu(ep) if gpu else megatron_cpu.init_parallel_state(ep)
         layer = _layer(_config(ep, backend, grouped_gemm), pg)
+        device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+        layer.to(device)
         gen = torch.Generator().manual_seed(5 + rank)
-        inputs = [torch.randn(8, 2, 128, generator=gen).bfloat16() for _ in range(MICROBATCHES)]
-        grads = [torch.randn(8, 2, 128, generator=gen).bfloat16() for _ in range(MICROBATCHES)]
+        inputs = [torch.randn(8, 2, 128, generator=gen).bfloat16().to(device) for _ in range(MICROBATCHES)]
+        grads = [torch.randn(8, 2, 128, generator=gen).bfloat16().to(device) for _ in range(MICROBATCHES)]
         out_ref, grad_x_ref = _reference(layer, inputs, grads)
         grads_ref = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
         layer.zero_grad(set_to_none=True)
@@ -115,4 +137,5 @@ def run_overlap_parity(backend: str, grouped_gemm: bool = False) -> dict:
                     grads={n: err(grads_ovl[n], grads_ref[n]) for n in grads_ref if n in grads_ovl},
                     router_grad=float(grads_ref["mlp.router.weight"].float().norm()))
     finally:
-        megatron_cpu.uninstall()
+        if not gpu:
+            megatron_cpu.uninstall()
