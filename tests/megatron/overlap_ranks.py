@@ -6,8 +6,9 @@ Megatron's a2a_overlap unit tests call it: the first microbatch's forward alone,
 next forward interleaved with the previous microbatch's backward, then the last backward.
 On CPU the CUDA streams and events are the shim's synchronous stand-ins
 (tests/shims/megatron_cpu.py), so the order of the calls is the driver's and the numbers are
-exact; on a GPU (tests/megatron/gpu_check_ep_overlap.py) they are Megatron's own streams. The reference runs `layer(x)` and its backward microbatch by microbatch with the same
-weights, inputs and output gradients; both compare outputs, input and parameter gradients.
+exact; on a GPU (tests/megatron/gpu_check_ep_overlap.py) they are Megatron's own streams. The
+reference runs `layer(x)` and its backward microbatch by microbatch with the same weights,
+inputs and output gradients; both compare outputs, input and parameter gradients.
 """
 
 from __future__ import annotations
