@@ -23,7 +23,7 @@ from tests.shims import megatron_cpu
 MICROBATCHES = 3
 
 
-def _config(ep: int, backend: str, grouped_gemm: bool):
+def _config(ep: int, backend: str, grouped_gemm: bool, shared: bool):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     # The torch backend is what Megatron's command line gets with the alltoall dispatcher type
@@ -33,7 +33,7 @@ def _config(ep: int, backend: str, grouped_gemm: bool):
     return TransformerConfig(
         num_layers=1, hidden_size=128, num_attention_heads=2, ffn_hidden_size=32, num_moe_experts=4,
         moe_router_topk=2, moe_ffn_hidden_size=32, expert_model_parallel_size=ep,
-        moe_grouped_gemm=grouped_gemm, **flags,
+        moe_grouped_gemm=grouped_gemm, moe_shared_expert_intermediate_size=32 if shared else None, **flags,
         moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01, add_bias_linear=False,
         use_cpu_initialization=True, params_dtype=torch.bfloat16, bf16=True, hidden_dropout=0.0,
         attention_dropout=0.0, overlap_moe_expert_parallel_comm=True)
@@ -106,7 +106,7 @@ def _init_gpu(ep: int):
     return get_default_pg_collection()
 
 
-def run_overlap_parity(backend: str, grouped_gemm: bool = False) -> dict:
+def run_overlap_parity(backend: str, grouped_gemm: bool = False, shared: bool = False) -> dict:
     """Build the layer on this rank, run both schedules, return the largest differences (on
     the GPU where CUDA is there, with the real libraries; else on CPU over the test doubles)."""
     gpu = torch.cuda.is_available()
@@ -119,7 +119,7 @@ def run_overlap_parity(backend: str, grouped_gemm: bool = False) -> dict:
     try:
         ep, rank = dist.get_world_size(), dist.get_rank()
         pg = _init_gpu(ep) if gpu else megatron_cpu.init_parallel_state(ep)
-        layer = _layer(_config(ep, backend, grouped_gemm), pg)
+        layer = _layer(_config(ep, backend, grouped_gemm, shared), pg)
         device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
         layer.to(device)
         gen = torch.Generator().manual_seed(5 + rank)

@@ -7,16 +7,19 @@ import pytest
 
 from tests.megatron.overlap_ranks import run_overlap_parity
 
-CASES = [("torch", False), ("torch", True), ("deepep", False), ("uccl_ep", False), ("hybridep", False),
-         ("deepep", True)]
+# (backend, grouped-GEMM experts, a shared expert)
+CASES = [("torch", False, False), ("torch", True, False), ("deepep", False, False), ("uccl_ep", False, False),
+         ("hybridep", False, False), ("deepep", True, False), ("torch", False, True), ("hybridep", True, True)]
 
 
-@pytest.mark.parametrize("backend, grouped_gemm", CASES, ids=[f"{b}{'_grouped' * g}" for b, g in CASES])
-def test_overlap_schedule_matches_plain_forward_backward(dist_pools, backend, grouped_gemm):
-    for rank, r in enumerate(dist_pools(2).run(run_overlap_parity, backend, grouped_gemm)):
+@pytest.mark.parametrize("backend, grouped_gemm, shared", CASES,
+                         ids=[f"{b}{'_grouped' * g}{'_shared' * s}" for b, g, s in CASES])
+def test_overlap_schedule_matches_plain_forward_backward(dist_pools, backend, grouped_gemm, shared):
+    for rank, r in enumerate(dist_pools(2).run(run_overlap_parity, backend, grouped_gemm, shared)):
         where = f"{backend} rank {rank} ({r['experts']})"
         assert r["experts"] == ("GroupedGemmExperts" if grouped_gemm else "SequentialMLP"), where
         assert r["grad_names"][0] == r["grad_names"][1], where
+        assert any(n.startswith("mlp.shared_experts.") for n in r["grad_names"][1]) == shared, where
         assert r["router_grad"] > 0, f"{where}: the router got no gradient"
         # Same operations on the same numbers in the same order per microbatch: bit-equal.
         assert r["out"] == 0.0, f"{where}: output differs by {r['out']:.3g} (relative)"
