@@ -13,6 +13,7 @@ inputs and output gradients; both compare outputs, input and parameter gradients
 
 from __future__ import annotations
 
+import os
 import types
 
 import torch
@@ -106,9 +107,20 @@ def _init_gpu(ep: int):
     return get_default_pg_collection()
 
 
-def run_overlap_parity(backend: str, grouped_gemm: bool = False, shared: bool = False) -> dict:
+def run_overlap_parity(backend: str, grouped_gemm: bool = False, shared: bool = False,
+                       budget_factor: str | None = None) -> dict:
     """Build the layer on this rank, run both schedules, return the largest differences (on
-    the GPU where CUDA is there, with the real libraries; else on CPU over the test doubles)."""
+    the GPU where CUDA is there, with the real libraries; else on CPU over the test doubles).
+    `budget_factor`: the sync-free budget mode, as the command line sets it (its variable)."""
+    if budget_factor is not None:
+        os.environ["MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR"] = budget_factor
+    try:
+        return _overlap_parity(backend, grouped_gemm, shared)
+    finally:
+        os.environ.pop("MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR", None)
+
+
+def _overlap_parity(backend: str, grouped_gemm: bool, shared: bool) -> dict:
     gpu = torch.cuda.is_available()
     if backend != "torch" and not gpu:
         from tests.doubles import deep_ep_buffer, hybrid_ep_buffer, uccl_ep
@@ -134,6 +146,7 @@ def run_overlap_parity(backend: str, grouped_gemm: bool = False, shared: bool = 
         return dict(out=max(err(a, b) for a, b in zip(out_ovl, out_ref)),
                     grad_x=max(err(a, b) for a, b in zip(grad_x_ovl, grad_x_ref)),
                     experts=type(layer.mlp.experts).__name__,
+                    budget=layer.mlp.dispatcher_config.moe_expert_rank_capacity_factor,
                     grad_names=(sorted(grads_ovl), sorted(grads_ref)),
                     grads={n: err(grads_ovl[n], grads_ref[n]) for n in grads_ref if n in grads_ovl},
                     router_grad=float(grads_ref["mlp.router.weight"].float().norm()))
