@@ -9,7 +9,8 @@ hybrid-ep branch for deepep / hybridep; uccl for uccl_ep):
 
 Each backend's result goes to $OUT/ep_overlap_gpu.json (rank 0): the largest relative
 difference of the overlapped schedule's outputs, input gradients and parameter gradients from
-the same layer run microbatch by microbatch, bf16, EP 2, three microbatches. The streams make
+the same layer run microbatch by microbatch, bf16, EP 2, three microbatches, with Megatron's
+SequentialMLP and with grouped-GEMM experts (dropless, and in the budget mode). The streams make
 the order of floating-point sums in the backward differ from the plain run, so the check
 passes at a relative 2e-2 (bf16), not bit-equality as on CPU; the exit status is 0 only when
 every backend passed. A backend whose library is missing is reported, not passed.
@@ -38,10 +39,10 @@ def main() -> int:
     dist.init_process_group("nccl")
     results, ok = {}, True
     for backend in sys.argv[1:] or ["torch", "deepep", "hybridep"]:
-        for grouped_gemm in (False, True):
-            name = f"{backend}{'_grouped' * grouped_gemm}"
+        for grouped_gemm, budget in ((False, None), (True, None), (True, "4")):
+            name = f"{backend}{'_grouped' * grouped_gemm}{'_budget' * bool(budget)}"
             try:
-                r = run_overlap_parity(backend, grouped_gemm)
+                r = run_overlap_parity(backend, grouped_gemm, False, budget)
                 passed = (r["out"] <= TOL and r["grad_x"] <= TOL and r["router_grad"] > 0
                           and r["grad_names"][0] == r["grad_names"][1]
                           and all(err <= TOL for err in r["grads"].values()))
