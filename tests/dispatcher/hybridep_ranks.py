@@ -310,12 +310,14 @@ def indices_to_map_behaviour(with_weights: bool, masked: bool):
     return {"error": None, "probs_none": out[1] is None, "rows": int(out[0].shape[0])}
 
 
-def small_hidden_refused(hidden: int) -> dict:
-    """The layer refuses a hidden size below HybridEP's 128 before any buffer exists; the
-    double's constructor fails there as the real library's IPC allocator does."""
+def small_hidden_refused(hidden: int, equal_token_counts: bool = False) -> dict:
+    """The layer refuses a hidden size below HybridEP's 128 (or not a multiple of 16) before any
+    buffer exists; the double's constructor fails there as the real library's IPC allocator
+    does. With equal token counts a rank that fails announces its error in a dispatch, which
+    must not hand HybridEP that hidden size either."""
     use_backend()
     case = dataclasses.replace(CASE, hidden=hidden)
-    disp = _setup(case)
+    disp = _setup(case, moe_hybridep_equal_token_counts=equal_token_counts)
     x, indices, probs = _routing(case)
     out = {}
     try:
