@@ -373,7 +373,7 @@ def bad_input_outcomes(case, report) -> None:
     import torch.distributed as dist
 
     from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
-    from megatron_moe_ext.dispatcher.common.checks import CHECK_MODE_ENV
+    from megatron_moe_ext.utils.env import INPUT_CHECKS_ENV as CHECK_MODE_ENV
     from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
     from tests.reference import apply_local_experts, make_routing, toy_expert_params
 
