@@ -185,3 +185,41 @@ def test_expert_mlp_impl_env_names_the_variable(dist_pools):
     error = pool.run(expert_mlp_impl_from_env, "bogus", timeout=120)[0]
     assert error.startswith("environment variable MOE_EXT_EXPERT_MLP_IMPL='bogus' is invalid"), error
     assert "('auto', 'fused', 'grouped_mm')" in error
+
+
+def test_every_variable_the_package_reads_is_in_the_build_check_and_the_readme():
+    """`env.VARIABLES` is what a layer's build checks on every rank (`read_every_variable`):
+    every variable named in the package's source must be in it, and the README lists them."""
+    import re
+
+    import megatron_moe_ext.megatron.experts  # noqa: F401 - adds its variable on import
+    from megatron_moe_ext.utils.env import VARIABLES
+
+    named = set()
+    for folder, _, files in os.walk(os.path.join(ROOT, "megatron_moe_ext")):
+        for name in files:
+            if name.endswith(".py"):
+                text = open(os.path.join(folder, name)).read()
+                named |= set(re.findall(r"[\"'](MOE_EXT_[A-Z_]+|NEMO_[A-Z_]+|NUM_OF_[A-Z_]+)[\"']", text))
+    assert named <= set(VARIABLES), sorted(named - set(VARIABLES))
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    listed = set(re.findall(r"\| `([A-Z_]+)` \|", readme))
+    assert {v for v in VARIABLES if v != "NEMO_STATIC_ROUTING_PAD_PIN"} <= listed
+
+
+@pytest.mark.parametrize("name, value", [("MOE_EXT_INPUT_CHECKS", "bogus"), ("MOE_EXT_STATIC_ROUTING_PAD_PIN", "2"),
+                                         ("NEMO_STATIC_ROUTING_PAD_PIN", "2"),
+                                         ("NUM_OF_TOKENS_PER_CHUNK_COMBINE_API", "-1"),
+                                         ("MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR", "0"),
+                                         ("MOE_EXT_EXPERT_RANK_OVERFLOW_POLICY", "maybe"),
+                                         ("MOE_EXT_EXPERT_MLP_IMPL", "fast"), ("MOE_EXT_QUACK_TUNED", "2")])
+def test_read_every_variable_refuses_each_bad_value(monkeypatch, name, value):
+    import megatron_moe_ext.megatron.experts  # noqa: F401 - adds its variable on import
+    from megatron_moe_ext.utils.env import VARIABLES, read_every_variable
+
+    for other in VARIABLES:
+        monkeypatch.delenv(other, raising=False)
+    assert set(read_every_variable().values()) == {None}
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=f"^environment variable {name}={value!r} is invalid"):
+        read_every_variable()

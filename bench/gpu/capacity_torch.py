@@ -102,8 +102,8 @@ def main() -> None:
         "shape": {"tokens_per_rank": TOKENS, "hidden": HIDDEN, "experts": EXPERTS, "topk": TOPK,
                   "dtype": str(DTYPE)},
         "capacity_factor": 1.1,
-        "capacity": capped._comm_manager.sizing.sizes[1],
-        "send_capacity": capped._comm_manager.sizing.sizes[0],
+        "capacity": capped.manager.sizing.sizes[1],
+        "send_capacity": capped.manager.sizing.sizes[0],
         "sync_debug_error": error,
         "host_syncs_per_step": 0 if not int(failed) else None,
     }

@@ -372,9 +372,9 @@ def bad_input_outcomes(case, report) -> None:
     import torch
     import torch.distributed as dist
 
-    from megatron_moe_ext.dispatcher.common.checks import CHECK_MODE_ENV
     from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
     from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
+    from megatron_moe_ext.utils.env import INPUT_CHECKS_ENV as CHECK_MODE_ENV
     from tests.reference import apply_local_experts, make_routing, toy_expert_params
 
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))

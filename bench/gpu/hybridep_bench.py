@@ -79,7 +79,7 @@ def main() -> None:
             rows, _, _ = disp.token_permutation2(x, args.tokens, probs, indices)
             return disp.token_unpermutation(rows)
 
-        buffer = disp._comm_manager._buffer(args.hidden, args.tokens)  # the wrapper's own buffer
+        buffer = disp.manager._buffer(args.hidden, args.tokens)  # the wrapper's own buffer
         state = {}
 
         def raw():
@@ -98,7 +98,7 @@ def main() -> None:
             y_wrapper = wrapper()
             torch.cuda.synchronize()
             first_s = time.perf_counter() - t0
-            state["capacity"] = disp._comm_manager._hybridep_capacity
+            state["capacity"] = disp.manager._hybridep_capacity
             y_raw = raw()
             torch.cuda.synchronize()
             diff = float((y_wrapper.float() - y_raw.float()).abs().max())

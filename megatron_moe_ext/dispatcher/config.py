@@ -18,6 +18,7 @@ from typing import Any, Literal
 import torch
 
 from megatron_moe_ext.dispatcher import registry
+from megatron_moe_ext.utils import env
 
 BACKENDS = tuple(registry.BACKENDS)
 ROUTER_DTYPES = ("fp32", "fp64", None)
@@ -193,11 +194,24 @@ class TokenDispatcherConfig:
         names the field after HybridEP, `moe_hybridep_capacity_factor`."""
         return self.moe_hybridep_capacity_factor
 
-    def validate_for_group(self, ep_size: int) -> None:
-        """Checks that need the expert-parallel group size."""
+    def validate_for_group(self, ep_size: int, hidden_size: int | None = None) -> None:
+        """Checks that need the expert-parallel group size (and the dispatched hidden size,
+        where known: a layer's build)."""
         if self.num_moe_experts % ep_size:
             fail("num_moe_experts", self.num_moe_experts,
-                 f"must be divisible by the expert-parallel size ({ep_size})")
+                 f"must be divisible by the expert-parallel size ({ep_size}): set it to a multiple "
+                 f"of {ep_size}, or an expert-parallel size that divides it")
+        check_hidden = registry.BACKENDS[self.moe_flex_dispatcher_backend].check_hidden
+        if hidden_size is not None and check_hidden is not None:
+            check_hidden(hidden_size)
+
+    def settings(self) -> dict[str, str]:
+        """What every rank of a layer's group must agree on (`checks.agree_at_build`), as it
+        reads in a message: each environment variable the package reads (raises ValueError
+        naming one it refuses) and each field."""
+        variables = {f"environment variable {name}": "unset" if value is None else repr(value)
+                     for name, value in env.read_every_variable().items()}
+        return {**variables, **{name: repr(value) for name, value in dataclasses.asdict(self).items()}}
 
     def replace(self, **changes: Any) -> "TokenDispatcherConfig":
         return dataclasses.replace(self, **changes)
@@ -264,8 +278,6 @@ def budget_from_environment(megatron_factor: float | None) -> dict[str, Any]:
     """`moe_expert_rank_capacity_factor` / `moe_expert_rank_overflow_policy` from
     `MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR` (a float > 0; unset: Megatron's field, else dropless)
     and `MOE_EXT_EXPERT_RANK_OVERFLOW_POLICY` (error | drop; unset: error)."""
-    from megatron_moe_ext.utils import env
-
     factor = env.env_float(BUDGET_FACTOR_ENV, None, above=0)
     policy = env.env_choice(OVERFLOW_POLICY_ENV, OVERFLOW_POLICIES, None)
     if factor is not None and megatron_factor is not None and factor != megatron_factor:
@@ -274,6 +286,8 @@ def budget_from_environment(megatron_factor: float | None) -> dict[str, Any]:
     values = {"moe_expert_rank_capacity_factor": factor, "moe_expert_rank_overflow_policy": policy}
     return {field: value for field, value in values.items() if value is not None}
 
+
+env.register((BUDGET_FACTOR_ENV, OVERFLOW_POLICY_ENV), lambda: budget_from_environment(None))
 
 # Megatron settings the flex layer does not honour, with the value that means "off" and why.
 # (Token dropping is the router's: with `moe_expert_capacity_factor` Megatron's router drops by

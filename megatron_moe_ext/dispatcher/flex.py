@@ -30,6 +30,42 @@ from megatron_moe_ext.dispatcher.common import buffers, checks
 from megatron_moe_ext.dispatcher.common.record import DispatchRecord, Step
 
 
+def _same_probs(call: str, held: torch.Tensor | None, given: torch.Tensor | None) -> torch.Tensor | None:
+    """The probs a step dispatches: `given` (the previous step's output handed back, or Megatron's
+    1F1B overlap schedule's detached copy of it, whose gradient that schedule carries between its
+    nodes: the dispatch must not reach back into the router's graph), else the record's."""
+    if given is None or given is held:
+        return held
+    if held is None or given.shape != held.shape:
+        raise checks.bad_input("probs", f"{call} expects the probs the previous step returned "
+                               f"({None if held is None else tuple(held.shape)}), got {tuple(given.shape)}")
+    return given
+
+
+class _OverlapFace:
+    """The manager as Megatron's 1F1B A2A overlap callables (`--overlap-moe-expert-parallel-comm`,
+    models/gpt/fine_grained_callables.py) use it through `token_dispatcher._comm_manager` under
+    the deepep / hybridep flags: they hand it the schedule node's detached routing probs
+    (`token_probs`, `dispatched_probs`, which then arrive again as the `probs` arguments of
+    `token_dispatch` / `dispatch_postprocess`) and read `get_number_of_tokens_per_expert()` of
+    the dispatch in flight. Everything else is the manager's."""
+
+    def __init__(self, dispatcher: MoEFlexTokenDispatcher):
+        object.__setattr__(self, "_dispatcher", dispatcher)
+
+    def __getattr__(self, name: str):
+        return getattr(self._dispatcher.manager, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name not in ("token_probs", "dispatched_probs") or self._dispatcher.record is None:
+            raise AttributeError(f"{name}: Megatron's overlap callables set only token_probs and "
+                                 "dispatched_probs, of a dispatch in flight")
+        setattr(self._dispatcher.record, name, value)
+
+    def get_number_of_tokens_per_expert(self, record: DispatchRecord | None = None) -> torch.Tensor:
+        return self._dispatcher.manager.get_number_of_tokens_per_expert(record or self._dispatcher.record)
+
+
 class MoEFlexTokenDispatcher(MoETokenDispatcher):
     """Flex token dispatcher supporting DeepEP, HybridEP, UCCL-EP and torch backends.
 
@@ -72,22 +108,24 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         self._deferred_errors = checks.DeferredRoutingErrors()
         self.num_experts = dispatcher_config.num_moe_experts
         self.topk = dispatcher_config.moe_router_topk
-        # A rank's checks may fail where its peers' pass (its own arguments): the group agrees
-        # here, in one all-reduce, so every rank raises before any dispatch.
-        error = None
+        # A rank's checks may fail where its peers' pass (its own arguments or environment), or
+        # its settings differ from theirs: the group agrees here, in one all-gather, so every
+        # rank raises the same error before any dispatch.
+        error, settings = None, dict[str, str]()
         try:
+            settings = dispatcher_config.settings()
             self._check_construction()
             row = registry.BACKENDS[dispatcher_config.moe_flex_dispatcher_backend]
-            self._comm_manager = row.build(dispatcher_config, self.tp_ep_group, num_local_experts, self.tp_size)
+            self._manager = row.build(dispatcher_config, self.tp_ep_group, num_local_experts, self.tp_size)
         except ValueError as exc:
             error = exc
-        checks.agree(self.tp_ep_group, error)
+        checks.agree_at_build(self.tp_ep_group, settings, error)
         #: The hook seat, None or a `hooks.DispatchHook` called at every manager step (recompute's
         #: `RecomputeReplay` plugs in here).
         self.replay: hooks.DispatchHook | None = None
         self._hand_indexed_rows = False
         #: HybridEP's top-k -> dense/compact metadata converter (a graphable nn.Module), else None.
-        self.hybridep_metadata_processor = self._comm_manager.metadata_processor
+        self.hybridep_metadata_processor = self._manager.metadata_processor
         #: The record of the dispatch in flight (Megatron's face holds it between its calls).
         self.record: DispatchRecord | None = None
         self._last_shape: torch.Size | None = None  # the input shape of the last preprocess
@@ -136,11 +174,16 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
     @property
     def manager(self):
         """This layer's communication manager (the backend row's build)."""
-        return self._comm_manager
+        return self._manager
+
+    @property
+    def _comm_manager(self) -> _OverlapFace:
+        """The manager as Megatron's 1F1B A2A overlap callables reach it (`_OverlapFace`)."""
+        return _OverlapFace(self)
 
     def allocate_buffers(self, hidden_size: int, dtype: torch.dtype) -> None:
         """Allocate the backend's buffer now (`DispatchManager.allocate_buffers`)."""
-        self._comm_manager.allocate_buffers(hidden_size, dtype)
+        self._manager.allocate_buffers(hidden_size, dtype)
 
     # ---- the hook seat ---------------------------------------------------------------
     def _step(self, name: str, record: DispatchRecord, run, *args):
@@ -234,7 +277,7 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
             rank = dist.get_rank(self.tp_ep_group)
             rows = isinstance(hidden_states, torch.Tensor) and hidden_states.dim() >= 2
             like = hidden_states.reshape(-1, hidden_states.shape[-1]) if rows else None
-            self._comm_manager.announce_input_error(checks.error_word(checks.cause_of(exc), rank), like)
+            self._manager.announce_input_error(checks.error_word(checks.cause_of(exc), rank), like)
             raise checks.agreed_error((), exc, rank) from exc
 
     def check_input_errors(self) -> None:
@@ -269,7 +312,7 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
             routing_map, num_local_tokens = None, routing_map_or_num_tokens
         with self._peers_see_input_errors(hidden_states):
             tokens = checks.check_hidden(hidden_states, num_local_tokens)
-            self._comm_manager.check_rows(hidden_states)
+            self._manager.check_rows(hidden_states)
             if not self._routing_handed(*(t for t in (probs, routing_map) if t is not None)):
                 checks.check_dense("probs", probs, tokens, self.ep_size, self.num_local_experts)
                 if routing_map is not None:
@@ -278,7 +321,7 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
             if routing_map is not None:
                 routing_map = self._initialize_metadata(tokens, routing_map)
             probs = self._initialize_metadata(tokens, probs)
-            self._step("setup", record, lambda: self._comm_manager.setup_metadata(record, tokens, probs, routing_map))
+            self._step("setup", record, lambda: self._manager.setup_metadata(record, tokens, probs, routing_map))
         return hidden_states.reshape(tokens, hidden_states.shape[-1]), record.token_probs
 
     def token_dispatch(self, hidden_states, probs=None, async_finish=True, allocate_on_comm_stream=True):
@@ -288,8 +331,9 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         if self.shared_experts is not None:
             self.shared_experts.wait_current_stream()
         record = self._advance(Step.TOKEN_DISPATCH, hidden_states, None, "the output of dispatch_preprocess")
+        record.token_probs = _same_probs("token_dispatch", record.token_probs, probs)
         try:
-            dispatched = self._step("dispatch", record, lambda: self._comm_manager.dispatch(
+            dispatched = self._step("dispatch", record, lambda: self._manager.dispatch(
                 record, hidden_states, async_finish, allocate_on_comm_stream), hidden_states, async_finish,
                 allocate_on_comm_stream)
         except Exception as exc:
@@ -302,13 +346,14 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         if self.shared_experts is not None:
             self.shared_experts.pre_forward_comm(hidden_states, wait_current_stream=False)
             self.shared_experts.linear_fc1_forward_and_act(dispatched)
-        return dispatched, self._comm_manager.get_dispatched_metadata(record)[1]
+        return dispatched, self._manager.get_dispatched_metadata(record)[1]
 
     def dispatch_postprocess(self, hidden_states, probs=None):
         """-> `(tokens [P, H], tokens_per_expert [e], permuted_probs [P])`; with
         `hand_indexed_rows`, `(IndexedRows, tokens_per_expert, permuted_probs)` and no copy."""
         record = self._advance(Step.DISPATCH_POSTPROCESS)
-        manager = self._comm_manager
+        record.dispatched_probs = _same_probs("dispatch_postprocess", record.dispatched_probs, probs)
+        manager = self._manager
         if record.indexed_rows:
             rows = self._step("permute", record, lambda: manager.get_indexed_rows(record, hidden_states))
             record.num_permuted = rows.num_permuted
@@ -323,7 +368,7 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         checks.check_expert_output_dtype(hidden_states)
         record = self._advance(Step.COMBINE_PREPROCESS, hidden_states, self.record and self.record.num_permuted,
                                "one row per permuted row handed to the experts")
-        manager = self._comm_manager
+        manager = self._manager
         restore = manager.restore_indexed_rows if record.indexed_rows else \
             manager.get_restored_hidden_states_by_experts
         return self._step("restore", record, lambda: restore(record, hidden_states), hidden_states)
@@ -334,7 +379,7 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
             self.shared_experts.wait_current_stream()
         record = self._advance(Step.TOKEN_COMBINE, hidden_states, self.record and self.record.num_rows,
                                "one row per row the dispatch delivered")
-        return self._step("combine", record, lambda: self._comm_manager.combine(
+        return self._step("combine", record, lambda: self._manager.combine(
             record, hidden_states, async_finish, allocate_on_comm_stream), hidden_states)
 
     def combine_postprocess(self, hidden_states):
@@ -357,13 +402,13 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         """Top-k `[T, K]` routing -> `(hidden [T, H], token_probs [T, K] fp32)`."""
         with self._peers_see_input_errors(hidden_states):
             tokens = checks.check_hidden(hidden_states, num_local_tokens)
-            self._comm_manager.check_rows(hidden_states)
+            self._manager.check_rows(hidden_states)
             if not self._routing_handed(token_probs, token_indices):
                 token_indices = self._check_topk(token_probs, token_indices, tokens)
             record = self._begin(hidden_states.shape)
             if self.tp_size > 1:
                 token_indices, token_probs = self._expand_topk_for_tp(token_indices, token_probs)
-            self._step("setup", record, lambda: self._comm_manager.setup_metadata_from_indices(
+            self._step("setup", record, lambda: self._manager.setup_metadata_from_indices(
                 record, token_indices, token_probs))
         if hidden_states.dim() != 2:  # [T, H] as it is: no view (and no autograd node) to make
             hidden_states = hidden_states.reshape(tokens, hidden_states.shape[-1])
@@ -394,5 +439,5 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
 
     def get_pipeline_runtime_initializers(self, hidden_dim: int, dtype: torch.dtype) -> tuple:
         """Initializers to run before a pipeline step (HybridEP's buffer), else ()."""
-        initializer = self._comm_manager.pipeline_runtime_initializer(hidden_dim, dtype)
+        initializer = self._manager.pipeline_runtime_initializer(hidden_dim, dtype)
         return () if initializer is None else (initializer,)

@@ -68,6 +68,7 @@ class BackendRow:
         becomes (`TokenDispatcherConfig.from_transformer_config`).
     preprocess_outputs: `DispatchRecord` fields the routing's preprocess leaves for dispatch
         (what a CUDA graph of the router and preprocess returns).
+    check_hidden: refuses (ValueError) a hidden size its library cannot take, or None.
     """
 
     build: ManagerBuilder
@@ -83,6 +84,7 @@ class BackendRow:
     options: tuple[str, ...] = ()
     megatron_fields: tuple[tuple[str, str], ...] = ()
     preprocess_outputs: tuple[str, ...] = ("token_probs", "token_indices")
+    check_hidden: Callable[[int], None] | None = None
 
 
 def _build_topk(comm, cfg, group, num_local_experts, tp_size):
@@ -149,6 +151,12 @@ def _build_hybridep(cfg, group, num_local_experts, tp_size):
     )
 
 
+def _check_hybridep_hidden(hidden_size: int) -> None:
+    from megatron_moe_ext.dispatcher.hybridep.manager import check_hidden_size
+
+    check_hidden_size(hidden_size, "hidden_size")
+
+
 _DEEPEP_KERNELS: dict[str, Any] = dict(sms_field="moe_deepep_num_sms", async_dispatch=True,
                        error_flag="the dispatch: a failed rank sends one token per rank whose weight "
                                   "is its word (DeepEPCommunicator.announce_input_error)")
@@ -162,7 +170,7 @@ BACKENDS: dict[str, BackendRow] = {
         sms_field="moe_hybridep_num_sms", permute_fusion=True, options=_HYBRIDEP_OPTIONS,
         megatron_fields=(("moe_hybridep_num_sms_preprocessing", "moe_hybridep_num_sms_preprocessing"),
                          ("moe_permute_fusion_into_hybridep", "moe_hybridep_permute_fusion")),
-        preprocess_outputs=("token_probs", "routing_map"),
+        preprocess_outputs=("token_probs", "routing_map"), check_hidden=_check_hybridep_hidden,
         error_flag="the token-count all-reduce (one word per rank); with a pinned count, the "
                    "dispatch, as DeepEP's (HybridEPManager.announce_input_error)"),
     "uccl_ep": BackendRow(_deepep_family("uccl"), frozenset({"dropless"}), indexed_rows=True, **_DEEPEP_KERNELS),

@@ -30,7 +30,7 @@ from megatron_moe_ext.experts.fused_mlp import warmup_fused_expert_mlp
 from megatron_moe_ext.experts.mlp import run_grouped_expert_mlp, wgrad_kernel
 from megatron_moe_ext.experts.wgrad import wgrad_targets
 from megatron_moe_ext.megatron import checkpoint as _checkpoint
-from megatron_moe_ext.utils.env import env_choice
+from megatron_moe_ext.utils.env import env_choice, register
 
 # The order in which Megatron's expert classes draw their initial weights from one RNG stream,
 # over `[(weight, init_method)]` of fc1 and of fc2 (one entry per expert).
@@ -44,6 +44,7 @@ _LOGGED: set[str] = set()  # each distinct line once per process, not once per l
 
 #: Picks `expert_mlp_impl` for command-line users of `--spec` (who cannot pass the keyword).
 EXPERT_MLP_IMPL_ENV = "MOE_EXT_EXPERT_MLP_IMPL"
+register((EXPERT_MLP_IMPL_ENV,), lambda: env_choice(EXPERT_MLP_IMPL_ENV, EXPERT_MLP_IMPLS, "auto"))
 
 
 def _unsupported(field: str, value, allowed: str) -> ValueError:

@@ -13,8 +13,10 @@ import functools
 import threading
 
 import torch
+from megatron.core.models.common.utils import should_free_input
 from megatron.core.transformer.moe import moe_layer as _megatron_moe_layer
 from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.utils import get_pg_size
 
 from megatron_moe_ext.dispatcher import registry
 from megatron_moe_ext.dispatcher.common import checks
@@ -86,13 +88,26 @@ def _refuse_unreplayable_recompute(dispatcher_config: TokenDispatcherConfig) -> 
                      "other modules")
 
 
-def _expert_group(pg_collection):
-    """The group whose all-reduce `MoEFlexTokenDispatcher`'s construction checks agree in."""
+def _agree_on_settings(config, dispatcher_config: TokenDispatcherConfig | None, pg_collection
+                       ) -> TokenDispatcherConfig:
+    """The layer's dispatcher config (`layer_dispatcher_config`) after every check of its
+    settings that Megatron's constructor would otherwise meet first (experts divisible by the
+    expert-parallel size, the hidden size the backend moves), agreed over the group like the
+    dispatcher's own (`checks.agree_at_build`): every rank raises the same ValueError."""
     if pg_collection is None:
         from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
         pg_collection = get_default_pg_collection()
-    return getattr(pg_collection, "tp_ep", None) or pg_collection.ep
+    error, settings = None, {}
+    try:
+        dispatcher_config = layer_dispatcher_config(config, dispatcher_config)
+        settings = dispatcher_config.settings()
+        dispatcher_config.validate_for_group(get_pg_size(pg_collection.ep),
+                                             config.moe_latent_size or config.hidden_size)
+    except ValueError as exc:
+        error = exc
+    checks.agree_at_build(getattr(pg_collection, "tp_ep", None) or pg_collection.ep, settings, error)
+    return dispatcher_config
 
 
 def layer_dispatcher_config(config, dispatcher_config: TokenDispatcherConfig | None = None
@@ -128,13 +143,7 @@ class FlexMoELayer(MoELayer, overflow.OverflowCounter):
                 raise ValueError("experts: needs the layer's submodules (MoESubmodules) to replace "
                                  "their experts; build the layer from an MoE spec")
             submodules = dataclasses.replace(submodules, experts=experts)
-        try:
-            dispatcher_config = layer_dispatcher_config(config, dispatcher_config)
-        except ValueError as exc:
-            # A setting only this rank has (an environment variable): its all-reduce meets the
-            # one its peers make in their dispatchers' construction checks, so every rank raises.
-            checks.agree(_expert_group(pg_collection), exc)
-            raise
+        dispatcher_config = _agree_on_settings(config, dispatcher_config, pg_collection)
         factory = functools.partial(MoEFlexTokenDispatcher, dispatcher_config=dispatcher_config)
         with _megatron_builds_dispatcher(factory):
             super().__init__(config, submodules=submodules, layer_number=layer_number,
@@ -142,8 +151,13 @@ class FlexMoELayer(MoELayer, overflow.OverflowCounter):
         self.dispatcher_config = dispatcher_config
         self.token_dispatcher.cudagraph_attrs = graphs.cudagraph_attrs(
             dispatcher_config.moe_flex_dispatcher_backend)
+        # Megatron's 1F1B A2A overlap frees what its schedule nodes were given once their
+        # forward is done: the dispatch's input where it expects the alltoall dispatcher's
+        # permuted copy, the experts' input where it expects a permuted copy of the received rows.
+        self._overlap_frees = {node: config.overlap_moe_expert_parallel_comm and should_free_input(
+            node, True, config, self.num_local_experts) for node in ("moe_dispatch", "mlp")}
         self._backend_hands_indexed_rows = registry.BACKENDS[
-            dispatcher_config.moe_flex_dispatcher_backend].indexed_rows
+            dispatcher_config.moe_flex_dispatcher_backend].indexed_rows and not self._overlap_frees["mlp"]
         self._decide_expert_path()
         check_experts_take_rows(config, dispatcher_config, self.experts)
         # Megatron recomputes this layer (selective "moe", or the whole transformer layer):
@@ -170,6 +184,14 @@ class FlexMoELayer(MoELayer, overflow.OverflowCounter):
         if "_backend_hands_indexed_rows" in self.__dict__:  # not while Megatron's __init__ runs
             self._decide_expert_path()
         return module
+
+    def preprocess(self, hidden_states, probs, routing_map):
+        local_tokens, probs = super().preprocess(hidden_states, probs, routing_map)
+        if self._overlap_frees["moe_dispatch"]:
+            # The dispatcher hands back a view of the router's input, which the router's
+            # backward still reads after the overlap schedule freed the dispatch node's input.
+            local_tokens = local_tokens.clone()
+        return local_tokens, probs
 
     def routed_experts_compute(self, hidden_states, probs):
         output, mlp_bias = super().routed_experts_compute(hidden_states, probs)

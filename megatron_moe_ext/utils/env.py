@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from typing import TypeVar
 
 #: The spellings of a flag, case-insensitive.
@@ -80,3 +81,52 @@ def env_float(name: str, default: _Default, *, above: float | None = None) -> fl
     if not math.isfinite(value) or (above is not None and value <= above):
         raise _fail(name, raw, "expected a finite number" + ("" if above is None else f" > {above}"))
     return value
+
+
+
+
+#: How the dispatcher checks routing values (dispatcher/common/checks.py), and the values.
+INPUT_CHECKS_ENV = "MOE_EXT_INPUT_CHECKS"
+INPUT_CHECK_MODES = ("auto", "sync", "deferred")
+
+
+def input_check_mode() -> str:
+    """`INPUT_CHECKS_ENV`: one of `INPUT_CHECK_MODES`."""
+    return env_choice(INPUT_CHECKS_ENV, INPUT_CHECK_MODES, "auto")
+
+
+def static_routing_pad_pin() -> bool:
+    """HybridEP's static-routing pin: MOE_EXT_STATIC_ROUTING_PAD_PIN=0 (false, off, no) keeps the
+    per-dispatch all-reduce under static routing (the seed's NEMO_STATIC_ROUTING_PAD_PIN is read
+    where the new one is unset)."""
+    return env_flag("MOE_EXT_STATIC_ROUTING_PAD_PIN", True, fallback="NEMO_STATIC_ROUTING_PAD_PIN")
+
+
+def hybridep_combine_chunk() -> int:
+    """HybridEP's combine chunk, from the variable HybridEP itself reads (64 where unset)."""
+    return env_int("NUM_OF_TOKENS_PER_CHUNK_COMBINE_API", 64, minimum=1)
+
+
+#: Every variable the package reads -> the function that reads it as the package does. A layer's
+#: build runs them all (`read_every_variable`), the dispatcher's whatever its backend imports;
+#: a module that reads a variable of its own adds its reader on import (`register`).
+VARIABLES: dict[str, Callable[[], object]] = {
+    INPUT_CHECKS_ENV: input_check_mode,
+    "MOE_EXT_STATIC_ROUTING_PAD_PIN": static_routing_pad_pin,
+    "NEMO_STATIC_ROUTING_PAD_PIN": static_routing_pad_pin,
+    "NUM_OF_TOKENS_PER_CHUNK_COMBINE_API": hybridep_combine_chunk,
+    "MOE_EXT_QUACK_TUNED": lambda: env_flag("MOE_EXT_QUACK_TUNED", False),
+}
+
+
+def register(names: tuple[str, ...], read: Callable[[], object]) -> None:
+    """Add `read`, which reads the variables `names`, to `VARIABLES`."""
+    VARIABLES.update(dict.fromkeys(names, read))
+
+
+def read_every_variable() -> dict[str, str | None]:
+    """Read every variable in `VARIABLES` as the package does (ValueError naming the first one
+    it refuses); returns each one's value as set (None: unset), for comparing ranks."""
+    for read in dict.fromkeys(VARIABLES.values()):
+        read()
+    return {name: _raw(name) for name in VARIABLES}

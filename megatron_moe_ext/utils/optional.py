@@ -10,16 +10,23 @@ import importlib
 import sys
 from types import ModuleType
 
+#: How to get the portable torch backend instead, in Python and on Megatron's command line
+#: (whose --moe-flex-dispatcher-backend cannot name it).
+_USE_TORCH = ("or use the portable torch backend: TokenDispatcherConfig(moe_flex_dispatcher_backend='torch') "
+              "in Python, --moe-token-dispatcher-type alltoall on Megatron's command line")
+
 INSTALL_HINTS = {
     "deep_ep": (
         "DeepEP is not on PyPI in usable form: build the V1 Buffer from source "
         "(git clone -b hybrid-ep https://github.com/deepseek-ai/DeepEP && cd DeepEP && "
         "NVSHMEM_DIR=... python setup.py install; with CUDA 13 add CUDA's include/cccl to "
-        "the include path), or choose moe_flex_dispatcher_backend='torch'"
+        f"the include path), {_USE_TORCH}"
     ),
     "uccl.ep": (
         "install uccl with EP support (pip install uccl; the PyPI wheel links CUDA 12's runtime), "
-        "or choose moe_flex_dispatcher_backend='torch'"
+        f"{_USE_TORCH}. UCCL-EP itself is chosen in Python only (Megatron's "
+        "--moe-flex-dispatcher-backend cannot name it): TokenDispatcherConfig(moe_flex_dispatcher_backend="
+        "'uccl_ep') passed to patches.apply(dispatcher_config=...) or FlexMoELayer(dispatcher_config=...)"
     ),
     "transformer_engine.pytorch": (
         "install Transformer Engine on a CUDA machine: pip install transformer_engine[pytorch]"

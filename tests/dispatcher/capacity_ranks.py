@@ -73,7 +73,7 @@ def torch_capacity_vs_dropless():
         "max_abs_diff": float((y - y_ref).abs().max()),
         "grad_diff": max(float((gx - gx_ref).abs().max()), float((gp - gp_ref).abs().max())),
         "fixed_rows": rows,
-        "capacity": capped._comm_manager.sizing.sizes[1],
+        "capacity": capped.manager.sizing.sizes[1],
         "tokens_per_expert_device": tpe.device.type,
         "host_list": isinstance(tpe, list),
         "host_reads_after_calibration": counter.calls,
@@ -86,7 +86,7 @@ def torch_capacity_overflow():
     params = toy_expert_params(CASE.num_experts, CASE.hidden)
     x, indices, probs = make_routing(CASE, dist.get_rank())
     _run(disp, x, indices, probs, params)
-    manager = disp._comm_manager
+    manager = disp.manager
     error = skewed_routing_error(disp, x, probs)
     send_capacity, capacity = manager.sizing.sizes
     return {"error": error, "capacity": capacity, "send_capacity": send_capacity}

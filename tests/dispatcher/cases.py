@@ -15,9 +15,9 @@ import os
 import torch
 import torch.distributed as dist
 
-from megatron_moe_ext.dispatcher.common.checks import CHECK_MODE_ENV
 from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
 from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
+from megatron_moe_ext.utils.env import INPUT_CHECKS_ENV as CHECK_MODE_ENV
 from tests.reference import (
     RoutingCase,
     apply_local_experts,

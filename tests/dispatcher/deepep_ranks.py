@@ -240,7 +240,7 @@ def buffer_lifecycle(backend: str):
     from tests.reference import RoutingCase
 
     case = RoutingCase("x", (4,))
-    owners = [build_dispatcher(case, backend, **kw)._comm_manager.comm for kw in
+    owners = [build_dispatcher(case, backend, **kw).manager.comm for kw in
               ({}, {}, {"moe_share_token_dispatcher": False}, {"moe_deepep_num_sms": 40})]
     log["owners"] = (owners[0] is owners[1] is comm, owners[2] is not comm, owners[3] is not comm,
                      owners[3] is not owners[2])
@@ -330,11 +330,11 @@ def uccl_second_buffer(how: str):
         second = uccl.communicator(other)  # the owner a layer over that group would get
         allocate = lambda: second.allocate_buffer(other, case.hidden, torch.bfloat16)  # noqa: E731
     elif how == "library":
-        library = first._comm_manager.comm.library()
+        library = first.manager.comm.library()
         allocate = lambda: library.Buffer(group, 0, 0, explicitly_destroy=True)  # noqa: E731
     else:
         layer = build_dispatcher(case, "uccl_ep", moe_share_token_dispatcher=False)
-        second = layer._comm_manager.comm
+        second = layer.manager.comm
         if how == "unshared":
             allocate = lambda: layer.allocate_buffers(case.hidden, torch.bfloat16)  # noqa: E731
         else:
@@ -351,7 +351,7 @@ def uccl_second_buffer(how: str):
     dist.all_gather_object(seen, raised.split(":")[0])
     out["peers_raised"] = seen
     if how != "library":
-        first._comm_manager.comm.release_buffers()
+        first.manager.comm.release_buffers()
         allocate()
         out["after_release"] = second.buffer is not None
         second.release_buffers()

@@ -89,7 +89,7 @@ def overflow_all_to_one_rank():
     params = _params()
     x, indices, probs = _routing(CASE)
     _step(disp, x, indices.index_fill(1, torch.tensor([1], device=DEVICE), -1), probs, params)
-    capacity = disp._comm_manager._hybridep_capacity
+    capacity = disp.manager._hybridep_capacity
     error = skewed_routing_error(disp, x, probs)
     if REAL and error is None:
         # On CUDA the guard is a device-side assert: it surfaces at the next synchronisation
@@ -105,7 +105,7 @@ def static_pin_sequence(pin: bool):
     """Dispatch 6, 6, 10, 10 tokens under static routing; record the collectives and modes."""
     hybridep_manager._STATIC_ROUTING_PAD_PIN = pin
     disp = _setup(moe_benchmark_static_routing=True)
-    manager = disp._comm_manager
+    manager = disp.manager
     params = _params()
     steps = []
     for tokens in (6, 6, 10, 10):
@@ -174,7 +174,7 @@ def double_refuses_bad_counts(tokens_by_rank):
 def prepare_grows_only():
     """prepare: grows only, refuses a conflicting signature, publishes nothing on failure."""
     disp = _setup()
-    manager = disp._comm_manager
+    manager = disp.manager
     init = disp.get_pipeline_runtime_initializers(CASE.hidden, torch.bfloat16)[0]
     key = init.resource_key
     out = {}
@@ -222,7 +222,7 @@ def prepare_grows_only():
 def initialize_runtime_restores_state():
     """A calibrated capacity-mode manager warms up under inference mode and is left untouched."""
     disp = _setup(moe_hybridep_capacity_factor=1.5, moe_benchmark_static_routing=True)
-    manager = disp._comm_manager
+    manager = disp.manager
     params = _params()
     x, indices, probs = _routing(CASE)
     _step(disp, x, indices, probs, params)
@@ -283,7 +283,7 @@ def capacity_per_layer():
     for disp, idx in zip(layers, (indices, indices.index_fill(1, torch.tensor([1], device=DEVICE), -1))):
         for _ in range(2):
             _step(disp, x, idx, probs, params)
-    managers = [d._comm_manager for d in layers]
+    managers = [d.manager for d in layers]
     return {"capacities": [m._hybridep_capacity for m in managers],
             "same_buffer": managers[0]._buffer(CASE.hidden, 16) is managers[1]._buffer(CASE.hidden, 16)}
 
@@ -310,12 +310,14 @@ def indices_to_map_behaviour(with_weights: bool, masked: bool):
     return {"error": None, "probs_none": out[1] is None, "rows": int(out[0].shape[0])}
 
 
-def small_hidden_refused(hidden: int) -> dict:
-    """The layer refuses a hidden size below HybridEP's 128 before any buffer exists; the
-    double's constructor fails there as the real library's IPC allocator does."""
+def small_hidden_refused(hidden: int, equal_token_counts: bool = False) -> dict:
+    """The layer refuses a hidden size below HybridEP's 128 (or not a multiple of 16) before any
+    buffer exists; the double's constructor fails there as the real library's IPC allocator
+    does. With equal token counts a rank that fails announces its error in a dispatch, which
+    must not hand HybridEP that hidden size either."""
     use_backend()
     case = dataclasses.replace(CASE, hidden=hidden)
-    disp = _setup(case)
+    disp = _setup(case, moe_hybridep_equal_token_counts=equal_token_counts)
     x, indices, probs = _routing(case)
     out = {}
     try:

@@ -159,6 +159,15 @@ def test_hidden_below_128_refused_before_any_buffer(dist_pools):
         assert "cuMemGetAddressRange" in r["double"], r
 
 
+@double_only  # the real library ends the process on these
+@pytest.mark.parametrize("hidden", [64, 136])
+def test_hidden_it_cannot_take_refused_on_every_rank_with_equal_token_counts(dist_pools, hidden):
+    """The seed's dispatcher does not know the hidden size before its first dispatch (a layer
+    refuses it at build: tests/megatron/test_build_agreement.py)."""
+    for r in dist_pools(2).run(hybridep_ranks.small_hidden_refused, hidden, True):
+        assert r["layer"].startswith("hidden_states:") and "multiple of 16 and at least 128" in r["layer"], r
+
+
 @pytest.mark.parametrize("env, pinned", [
     ({}, True),
     ({"MOE_EXT_STATIC_ROUTING_PAD_PIN": "0"}, False),

@@ -72,7 +72,9 @@ def _build(recompute_granularity: str | None = None, mode: str = "dropless", gro
     """`(layer, case)`: `build_flex_layer` under Megatron's recompute flag ("moe": selective
     recompute of the MoE layer, "full": the whole layer), with collectives that wait at most
     `COLLECTIVE_TIMEOUT_S`, its dispatcher on `backend` (its double installed) in `mode`."""
-    case = LayerCase("recompute_safety", num_experts=E, topk=2, grouped_gemm=grouped_gemm)
+    # HybridEP moves rows at least 128 wide (refused at build otherwise).
+    case = LayerCase("recompute_safety", num_experts=E, topk=2, grouped_gemm=grouped_gemm,
+                     hidden=128 if backend == "hybridep" else LayerCase.hidden)
     if backend in INSTALLERS:
         INSTALLERS[backend]()
     layer = build_flex_layer(

@@ -181,7 +181,7 @@ def run_captured_reads_stay_alive() -> dict:
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
-    from megatron_moe_ext.dispatcher.common.checks import CHECK_MODE_ENV
+    from megatron_moe_ext.utils.env import INPUT_CHECKS_ENV as CHECK_MODE_ENV
 
     class Reads(TorchDispatchMode):
         def __init__(self):
@@ -243,10 +243,12 @@ def _set_attr_path(root, path: str, value) -> None:
     setattr(root, leaf, value)
 
 
-def run_partial_graph_pattern(impl: str) -> dict:
+def run_partial_graph_pattern(impl: str, backend: str = "torch") -> dict:
     """The call pattern of Megatron's partial CUDA graphs of the router and preprocess
     (`--cuda-graph-modules moe_router moe_preprocess`), driven as Megatron 0.19 drives it, on a
-    dropless `FlexMoELayer` (torch backend), against the same layer's plain forward:
+    dropless `FlexMoELayer`, against the same layer's plain forward. HybridEP (bf16, 128 wide,
+    equal token counts, as a captured preprocess needs) gets 5 x 3 tokens: not a multiple of
+    its 4-row alignment, so every dispatch pads and its combine slices the padding off:
     - "transformer_engine": the captured callable runs three times (TE's warm-up and capture,
       each with its backward) and returns early after the preprocess (the capture signal); the
       replay hands the graph's outputs back: the dispatcher attributes named by
@@ -264,12 +266,22 @@ def run_partial_graph_pattern(impl: str) -> dict:
     try:
         world, rank = dist.get_world_size(), dist.get_rank()
         pg = megatron_cpu.init_parallel_state(world)
-        config = layer_config(LayerCase("partial", num_experts=E, topk=K, hidden=H, seq=SEQ, batch=BATCH),
-                              world)
+        hidden, (seq, batch) = HIDDEN[backend], ((SEQ, BATCH) if backend == "torch" else (5, 3))
+        config = layer_config(LayerCase("partial", num_experts=E, topk=K, hidden=hidden, seq=seq, batch=batch,
+                                        dtype="fp32" if backend == "torch" else "bf16"), world)
+        dcfg = None
+        if backend == "hybridep":
+            from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
+            from tests.dispatcher.hybridep_ranks import use_backend
+
+            use_backend()
+            dcfg = TokenDispatcherConfig.from_transformer_config(
+                config, moe_flex_dispatcher_backend="hybridep", moe_hybridep_equal_token_counts=True)
         spec = get_moe_module_spec(use_te=False, num_experts=E)
-        layer = FlexMoELayer(config, submodules=spec.keywords["submodules"], pg_collection=pg, layer_number=1)
+        layer = FlexMoELayer(config, submodules=spec.keywords["submodules"], pg_collection=pg, layer_number=1,
+                             dispatcher_config=dcfg)
         g = torch.Generator().manual_seed(5 + rank)
-        x = torch.randn(SEQ, BATCH, H, generator=g)
+        x = torch.randn(seq, batch, hidden, generator=g).to(config.params_dtype)
 
         def eager():
             x_in = x.clone().requires_grad_()
@@ -320,7 +332,7 @@ def run_partial_graph_pattern(impl: str) -> dict:
                         if stage == "route":
                             layer(x.clone().requires_grad_(), intermediate_tensors=())
                         else:
-                            layer(None, intermediate_tensors=(torch.zeros(T, H), None))
+                            layer(None, intermediate_tensors=(x.new_zeros(seq * batch, hidden), None))
             finally:
                 cuda_graphs._set_capture_end()
             layer.fwd_execution_map = "route"  # the step's replay of the router graph

@@ -54,16 +54,22 @@ def test_captured_step_reads_no_tensor_the_next_step_frees(dist_pools):
     assert r["pre_existing"] > 0 and r["freed"] == [], r
 
 
+PARTIAL_GRAPH_NAMES = {"torch": ["preprocessed.token_probs", "preprocessed.token_indices"],
+                       "hybridep": ["preprocessed.token_probs", "preprocessed.routing_map"]}
+
+
 @pytest.mark.parametrize("impl", ["transformer_engine", "local"])
-@pytest.mark.parametrize("world", [1, 2])
-def test_partial_graph_of_router_and_preprocess(dist_pools, world, impl):
+@pytest.mark.parametrize("world,backend", [(1, "torch"), (2, "torch"), (2, "hybridep")])
+def test_partial_graph_of_router_and_preprocess(dist_pools, world, backend, impl):
     """Megatron's `--cuda-graph-modules moe_router moe_preprocess` runs the router and the
     preprocess several times (warm-up, capture) before the rest of the layer, whose replay
     runs no preprocess: each run replaces the record awaiting dispatch, and the replayed
-    outputs start the dispatch (today's state machine raised "still in flight")."""
-    for r in dist_pools(world).run(cases.run_partial_graph_pattern, impl):
+    outputs start the dispatch (today's state machine raised "still in flight"). HybridEP's
+    token count is not a multiple of 4: a later replay, which runs no preprocess, still slices
+    the padding off (it once kept the padded rows and failed to restore the input's shape)."""
+    for r in dist_pools(world).run(cases.run_partial_graph_pattern, impl, backend):
         assert r["out"] == 0.0 and r["grad"] == 0.0 and r["replayed"] == 0.0 and r["again"] == 0.0, r
-        assert r["names"] == ["preprocessed.token_probs", "preprocessed.token_indices"], r
+        assert r["names"] == PARTIAL_GRAPH_NAMES[backend], r
 
 
 def test_bad_environment_on_one_rank_raises_on_every_rank(dist_pools):

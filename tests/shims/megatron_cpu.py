@@ -9,7 +9,7 @@ Megatron assumes CUDA in a few places that have nothing to do with the math unde
 2. `torch.cuda.Stream` / `Event` / `stream()` / `current_stream()`: the alltoall
    dispatcher creates a side stream for its device-to-host copies (and the shared-expert
    overlap creates one too). On CPU every op is synchronous, so a stream that records
-   and waits on nothing is exact.
+   and waits on nothing is exact; `Tensor.record_stream` on such a stream does nothing.
 3. The CUDA RNG tracker (`model_parallel_cuda_manual_seed`, `get_cuda_rng_tracker().fork()`,
    the RNG save/restore of `tensor_parallel.checkpoint`): it reads and writes the CUDA
    generator's state, which does not exist. The shim maps the "CUDA" generator onto the
@@ -90,6 +90,13 @@ def _stream(stream=None):
     return contextlib.nullcontext()
 
 
+def _record_stream(original):
+    def record_stream(tensor, stream):
+        return None if isinstance(stream, _HostStream) else original(tensor, stream)
+
+    return record_stream
+
+
 def _host_rng_state(device="cuda", clone=False, graph_safe=False):
     return torch.get_rng_state()
 
@@ -143,6 +150,8 @@ def install() -> None:
     _replace(torch.cuda, "Event", _HostEvent)
     _replace(torch.cuda, "stream", _stream)
     _replace(torch.cuda, "current_stream", _current_stream)
+    # Megatron's 1F1B overlap schedule records its tensors on the stand-in streams.
+    _replace(torch.Tensor, "record_stream", _record_stream(torch.Tensor.record_stream))
     # `CudaRNGStatesTracker.add` and `model_parallel_cuda_manual_seed` call these through
     # `torch.cuda`; the fork and checkpoint paths call the two module-level helpers.
     _replace(torch.cuda, "get_rng_state", _host_rng_state)

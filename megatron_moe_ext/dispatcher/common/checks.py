@@ -30,10 +30,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from megatron_moe_ext.utils.env import env_choice
-
-CHECK_MODE_ENV = "MOE_EXT_INPUT_CHECKS"
-_CHECK_MODES = ("auto", "sync", "deferred")
+from megatron_moe_ext.utils.env import INPUT_CHECKS_ENV, input_check_mode
 
 # Routing dtypes that pass without a closer look.
 _USUAL_INDEX_DTYPES = (torch.int64, torch.int32)
@@ -162,6 +159,31 @@ def agree(group, error: BaseException | None) -> None:
         raise agreed_error(words_W.tolist())
 
 
+def agree_at_build(group, settings: dict[str, str], error: BaseException | None) -> None:
+    """The build's check across `group` (collective: every rank of it, before any dispatch):
+    one all-gather of each rank's `settings` (name -> value as a message shows it: every
+    environment variable the package reads and every dispatcher setting) and of its own checks'
+    error. Every rank raises the same ValueError: the lowest failing rank's error, else the
+    first setting whose value differs between ranks, with its value on each rank."""
+    world = 1 if group is None else dist.get_world_size(group)
+    if world == 1:
+        if error is not None:
+            raise error
+        return
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, (settings, None if error is None else str(error)), group=group)
+    failed = [rank for rank, (_, message) in enumerate(gathered) if message]
+    if failed:
+        raise ValueError(f"{gathered[failed[0]][1]} (refused at the layer's build on expert-parallel "
+                         f"rank(s) {failed}; every rank of the group raises this)") from error
+    for name in settings:
+        values = [rank_settings.get(name) for rank_settings, _ in gathered]
+        if any(value != values[0] for value in values):
+            per_rank = ", ".join(f"rank {rank}: {value}" for rank, value in enumerate(values))
+            raise ValueError(f"{name} differs across the expert-parallel group ({per_rank}): the ranks "
+                             "of a group must build the same layer; set it to the same value on every rank")
+
+
 class RoutingError(enum.IntFlag):
     """Bits of the device-side error flag, one per value check."""
 
@@ -190,8 +212,8 @@ def in_backward() -> bool:
 
 def checks_values_now(tensor: torch.Tensor) -> bool:
     """Whether value checks on `tensor` run at once, per ``MOE_EXT_INPUT_CHECKS``."""
-    # Unset (the common case) costs no parse: this runs on every dispatch.
-    mode = "auto" if CHECK_MODE_ENV not in os.environ else env_choice(CHECK_MODE_ENV, _CHECK_MODES, "auto")
+    # Unset (the common case) costs no call: this runs on every dispatch.
+    mode = "auto" if INPUT_CHECKS_ENV not in os.environ else input_check_mode()
     return mode == "sync" or (mode == "auto" and tensor.is_cpu)
 
 

@@ -46,7 +46,6 @@ class DispatchRecord:
     token_indices / token_probs: top-k `[T, K]` ids (-1 = masked, after token dropping) and
         fp32 weights; HybridEP: `token_probs` is its dense `[T', E]` fp32 probs (T' >= T, padded).
     routing_map: HybridEP's dense `[T', E]` bool routing.
-    num_tokens: T (HybridEP: the rows before its padding).
 
     The dispatch:
     handle: the backend's layout (what combine and both backwards reuse).
@@ -75,7 +74,6 @@ class DispatchRecord:
     token_indices: torch.Tensor | None = None
     token_probs: torch.Tensor | None = None
     routing_map: torch.Tensor | None = None
-    num_tokens: int | None = None
     handle: object = None
     dispatched_indices: torch.Tensor | None = None
     dispatched_probs: torch.Tensor | None = None

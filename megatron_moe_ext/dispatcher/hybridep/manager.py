@@ -30,7 +30,7 @@ from megatron_moe_ext.dispatcher.common import buffers, checks
 from megatron_moe_ext.dispatcher.common import permute as P
 from megatron_moe_ext.dispatcher.common.base import DispatchManager
 from megatron_moe_ext.dispatcher.hybridep.metadata import HybridEPMetadataProcessor
-from megatron_moe_ext.utils.env import env_flag
+from megatron_moe_ext.utils.env import static_routing_pad_pin
 from megatron_moe_ext.utils.optional import require
 
 #: HybridEP's TMA loads need every rank's token count to be a multiple of this.
@@ -41,9 +41,16 @@ _HYBRIDEP_HIDDEN_ALIGNMENT = 16
 #: (csrc/hybrid_ep/buffer/intranode.cu), and a 0-byte allocation makes its IPC allocator exit
 #: the process (`cuMemGetAddressRange ... named symbol not found`).
 _HYBRIDEP_MIN_HIDDEN = 128
-#: Set MOE_EXT_STATIC_ROUTING_PAD_PIN=0 (false, off, no) to keep the per-dispatch all-reduce under
-#: static routing (the seed's name NEMO_STATIC_ROUTING_PAD_PIN is read where the new one is unset).
-_STATIC_ROUTING_PAD_PIN = env_flag("MOE_EXT_STATIC_ROUTING_PAD_PIN", True, fallback="NEMO_STATIC_ROUTING_PAD_PIN")
+_STATIC_ROUTING_PAD_PIN = static_routing_pad_pin()  # read at import
+
+
+def check_hidden_size(hidden: int, field: str) -> None:
+    """Refuse (ValueError naming `field`) a hidden size HybridEP cannot take: its config check
+    (`hidden_dim % 16`), or a buffer whose `hidden_dim // 128` scale columns are 0 bytes."""
+    if hidden % _HYBRIDEP_HIDDEN_ALIGNMENT or hidden < _HYBRIDEP_MIN_HIDDEN:
+        raise ValueError(f"{field}: HybridEP needs a hidden size that is a multiple of {_HYBRIDEP_HIDDEN_ALIGNMENT} "
+                         f"and at least {_HYBRIDEP_MIN_HIDDEN}, got {hidden}; set the hidden size to one "
+                         "(e.g. 128, 256, 1024) or choose another moe_flex_dispatcher_backend")
 
 
 def _padded_count(num_tokens: int) -> int:
@@ -219,7 +226,6 @@ class HybridEPManager(DispatchManager):
         num_tokens = probs_TE.shape[0]
         padded = self._resolve_padded_tokens(num_tokens, probs_TE.device)
         pad = padded - num_tokens
-        record.num_tokens = num_tokens
         # Padding rows route nowhere with prob 0; they are constants, so they get no gradient.
         record.routing_map = torch.cat([routing_map_TE, routing_map_TE.new_zeros(pad, self.num_experts)])
         record.token_probs = torch.cat([probs_TE.float(), probs_TE.new_zeros(pad, self.num_experts).float()])
@@ -309,10 +315,7 @@ class HybridEPManager(DispatchManager):
         if hidden_states.element_size() != 2:
             raise ValueError(f"hidden_states: HybridEP dispatches 16-bit tokens (bf16/fp16), got "
                              f"{hidden_states.dtype}; cast the activations or use another backend")
-        hidden = hidden_states.shape[-1]
-        if hidden % _HYBRIDEP_HIDDEN_ALIGNMENT or hidden < _HYBRIDEP_MIN_HIDDEN:
-            raise ValueError(f"hidden_states: HybridEP needs a hidden size that is a multiple of "
-                             f"{_HYBRIDEP_HIDDEN_ALIGNMENT} and at least {_HYBRIDEP_MIN_HIDDEN}, got {hidden}")
+        check_hidden_size(hidden_states.shape[-1], "hidden_states")
 
     def announce_input_error(self, word: int, like=None) -> None:
         """Send `word` in this step's first collective: the token-count all-reduce, else (a
@@ -325,6 +328,10 @@ class HybridEPManager(DispatchManager):
             self._resolve_padded_tokens(tokens, checks.flag_device(self.group), word)
             return
         if like is None or like.dim() < 2:
+            return
+        try:  # HybridEP would fail (or end the process) on a hidden size every rank refuses
+            check_hidden_size(like.shape[-1], "hidden_states")
+        except ValueError:
             return
         if like.element_size() != 2:
             like = like.new_zeros((), dtype=torch.bfloat16).expand(like.shape)
@@ -411,9 +418,10 @@ class HybridEPManager(DispatchManager):
         return torch.stack([(needed_De - kept_De).sum(), padded_De.sum(1).max()])
 
     def combine(self, record, hidden_states, async_finish=True, allocate_on_comm_stream=True):
-        """`[P, H]` expert outputs -> `[T, H]` (padding tokens sliced off)."""
+        """`[P, H]` expert outputs -> `[T, H]`, padding sliced off (T from the input's shape, which
+        a CUDA-graph replay of the preprocess, running no setup, sets too)."""
         return _HybridEPCombine.apply(hidden_states, record.buffer, record.handle, self.pad_multiple,
-                                      self.hybridep_permute_fusion)[: record.num_tokens]
+                                      self.hybridep_permute_fusion)[: record.hidden_shape[:-1].numel()]
 
     def get_dispatched_metadata(self, record):
         return None, record.dispatched_probs

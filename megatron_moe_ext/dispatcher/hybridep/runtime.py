@@ -14,13 +14,12 @@ import torch.distributed as dist
 
 from megatron_moe_ext.dispatcher.common.permute import align_up
 from megatron_moe_ext.dispatcher.common.record import DispatchRecord
-from megatron_moe_ext.utils.env import env_int
+from megatron_moe_ext.utils.env import hybridep_combine_chunk
 
 logger = logging.getLogger(__name__)
 
 # HybridEP's Configurer: at least 512 tokens, then a multiple of the combine chunk.
 _MIN_TOKEN_CAPACITY = 512
-_DEFAULT_COMBINE_CHUNK = 64
 _TEMPLATE_ALIGNMENT = 16
 
 #: resource_key (one per shared buffer) -> (signature, published capacity).
@@ -96,7 +95,7 @@ class HybridEPPipelineRuntimeInitializer:
     @staticmethod
     def required_capacity(num_tokens: int) -> int:
         """HybridEP's token-capacity floor and rounding for its JIT key."""
-        chunk = env_int("NUM_OF_TOKENS_PER_CHUNK_COMBINE_API", _DEFAULT_COMBINE_CHUNK, minimum=1)
+        chunk = hybridep_combine_chunk()
         aligned = align_up(num_tokens, _TEMPLATE_ALIGNMENT)
         return align_up(max(aligned, _MIN_TOKEN_CAPACITY), chunk)
 
