@@ -7,9 +7,9 @@ reads the device (a CUDA graph can capture it):
   dropless dispatch (one host sync) fixes, as EP-group maxima times the factor,
   `send_capacity` (rows any rank may send to any one rank) and `capacity` (permuted rows any
   rank may receive, after per-expert padding);
-- `Budget` (budget mode, `moe_expert_rank_capacity_factor`, torch and DeepEP; HybridEP's is
-  its manager's own): from the local token count T alone, `send_capacity = T` (a token goes at
-  most once to each rank) and `capacity = permute.rank_budget(T, K, factor)`. The torch
+- `Budget` (budget mode, `moe_expert_rank_capacity_factor`, every backend: HybridEP's manager
+  sizes its budget with it too): from the local token count T alone, `send_capacity = T` (a
+  token goes at most once to each rank) and `capacity = permute.rank_budget(T, K, factor)`. The torch
   backend's equal splits need the same T on every EP rank: the first dispatch agrees on it in
   a count exchange; a rank whose T changes later says so in the next dispatch's first
   collective, and every rank raises ValueError (unless every rank changed to the same T).
@@ -22,8 +22,14 @@ A dispatch that does not fit is the overflow policy's:
   the ranks that overflowed, before the experts run (a device assert on the GPU);
 - `CountOverflow` (budget mode): the (token, expert) pairs that do not fit (the last local
   experts lose first) get no row, and the dispatch's record carries `overflow_stats =
-  [dropped pairs, rows needed]` (device int64) for its layer (`megatron/overflow.py` applies
-  the policy).
+  [dropped pairs, rows needed, factor needed in hundredths]` (device int64, the factor from
+  this dispatch's own T: `needed_factor_hundredths`) for its layer (`megatron/overflow.py`
+  applies the policy).
+
+`FixedShapeEngine` is what every fixed-shape manager (this one, HybridEP's) shares: its sizing
+policy and the one switch that makes a layer's dispatches dropless (`dropless`: the rerun of an
+overflowed step, the warm-up of factor "auto"), so one place decides, per dispatch, "fixed
+shape or dropless".
 
 Legend: T local tokens, K top-k (TP-expanded), W ranks, e local experts, R received rows,
 P permuted rows.
@@ -73,16 +79,21 @@ class CalibratedCapacity:
 
 class Budget:
     """Sizes from the token count alone: `(T, P.rank_budget(T, K, factor))`; T agreed across the
-    EP group where the communicator's fixed splits need it (see the module docstring)."""
+    EP group where the communicator's fixed splits need it (see the module docstring).
+    `factor` None: not known yet (factor "auto" before its warm-up ends; dispatch dropless)."""
 
-    def __init__(self, factor: float):
-        self.factor = factor
+    def __init__(self, factor: float | str | None):
+        self.factor = None if factor == "auto" else factor
         self.tokens: int | None = None  # the T every rank agreed on (equal splits only)
+
+    def rows(self, num_tokens: int, topk: int, pad_multiple: int | None) -> int:
+        """The budget of permuted rows of a dispatch of `num_tokens` tokens (`P.rank_budget`)."""
+        return P.rank_budget(num_tokens, topk, self.factor, pad_multiple)
 
     def size(self, manager: "FixedShapeManager", num_tokens: int) -> tuple[int, int]:
         if manager.comm.fixed_equal_splits and num_tokens != self.tokens and dist.get_world_size(manager.group) > 1:
             self._agree(manager, num_tokens)
-        return num_tokens, P.rank_budget(num_tokens, manager.router_topk, self.factor, manager.pad_multiple)
+        return num_tokens, self.rows(num_tokens, manager.router_topk, manager.pad_multiple)
 
     def agreed_send_capacity(self) -> int | None:
         return self.tokens
@@ -124,7 +135,7 @@ class RaiseOnOverflow:
             return P.align_up(routing_Re.sum(0), manager.pad_multiple or 1).sum() > capacity
         return needs_more
 
-    def permuted(self, counts_e: torch.Tensor, capacity: int, pairs: torch.Tensor, slot_of_row_RK):
+    def permuted(self, counts_e: torch.Tensor, capacity: int, pairs: torch.Tensor, slot_of_row_RK, slots: int):
         """`(counts_e, None)`: nothing past the dispatch's assert."""
         return counts_e, None
 
@@ -136,16 +147,42 @@ class CountOverflow:
         """None: counted in the permutation instead."""
         return None
 
-    def permuted(self, needed_e: torch.Tensor, capacity: int, pairs: torch.Tensor, slot_of_row_RK):
-        """`(counts_e that fit, [dropped pairs, rows needed])`."""
+    def permuted(self, needed_e: torch.Tensor, capacity: int, pairs: torch.Tensor, slot_of_row_RK, slots: int):
+        """`(counts_e that fit, [dropped pairs, rows needed, factor needed in hundredths])` of a
+        dispatch of `slots` = T*K routing slots."""
         placed = (slot_of_row_RK < capacity).sum()
         # Past the budget an expert keeps only the rows that fit, so the grouped GEMM's
         # offsets never run past the P rows it is given.
         ends_e = torch.cumsum(needed_e, 0).clamp(max=capacity)
-        return torch.diff(ends_e, prepend=ends_e.new_zeros(1)), torch.stack([pairs - placed, needed_e.sum()])
+        rows = needed_e.sum()
+        stats_3 = torch.stack([pairs - placed, rows, needed_factor_hundredths(rows, slots)])
+        return torch.diff(ends_e, prepend=ends_e.new_zeros(1)), stats_3
 
 
-class FixedShapeManager(TopKManager):
+def needed_factor_hundredths(rows_needed, tokens_times_topk: int):
+    """The smallest factor in hundredths whose `P.rank_budget` holds `rows_needed` permuted rows
+    of a dispatch of T*K = `tokens_times_topk` slots (a tensor or int; 0 where T is 0). One
+    hundredth above the exact ratio, so the float product inside `rank_budget` never floors
+    below the rows; its alignment only rounds up."""
+    slots = tokens_times_topk.clamp(min=1) if torch.is_tensor(tokens_times_topk) else max(tokens_times_topk, 1)
+    return (rows_needed * 100 + tokens_times_topk) // slots
+
+
+class FixedShapeEngine:
+    """What every fixed-shape manager shares (see the module docstring): `sizing`, a
+    `CalibratedCapacity` or `Budget` (None: dropless only), and the switch `dropless`."""
+
+    sizing: "CalibratedCapacity | Budget | None" = None
+    #: Every dispatch of the layer is dropless while set, whatever the sizing.
+    dropless: bool = False
+
+    @property
+    def fixed_shape(self) -> bool:
+        """Whether the next dispatch takes a fixed shape (else it is dropless)."""
+        return self.sizing is not None and self.sizing.factor is not None and not self.dropless
+
+
+class FixedShapeManager(FixedShapeEngine, TopKManager):
     """The top-k manager in a fixed-shape mode (see the module docstring).
 
     Arguments:
@@ -161,6 +198,8 @@ class FixedShapeManager(TopKManager):
         self.sizing, self.overflow = sizing, overflow
 
     def dispatch(self, record, hidden_states, async_finish=False, allocate_on_comm_stream=False):
+        if not self.fixed_shape:  # the engine's switch, or factor "auto" before its warm-up ended
+            return super().dispatch(record, hidden_states, async_finish, allocate_on_comm_stream)
         sizes = self.sizing.size(self, hidden_states.shape[0])
         if sizes is None:  # the calibration: dropless, sized from here on
             rows = super().dispatch(record, hidden_states, async_finish, allocate_on_comm_stream)
@@ -181,9 +220,9 @@ class FixedShapeManager(TopKManager):
         return rows
 
     def announce_input_error(self, word: int, like=None) -> None:
-        """In the fixed splits every rank agreed on (None before the sizing: dropless)."""
-        self.comm.announce_input_error(self.group, word, like, self.num_experts,
-                                       self.sizing.agreed_send_capacity(), self.router_topk)
+        """In the fixed splits every rank agreed on (None before the sizing, or dropless)."""
+        send_capacity = self.sizing.agreed_send_capacity() if self.fixed_shape else None
+        self.comm.announce_input_error(self.group, word, like, self.num_experts, send_capacity, self.router_topk)
 
     def check_rows(self, hidden_states) -> None:
         dtypes = self.comm.fixed_dtypes
@@ -206,7 +245,8 @@ class FixedShapeManager(TopKManager):
         probs_P, padded_e, row_of_slot_P, slot_of_row_RK = P.fixed_layout(
             s.dispatched_indices, s.dispatched_probs, self.num_local_experts, s.capacity, self.pad_multiple)
         probs_P = self.keep_permutation(record, padded_e, slot_of_row_RK, probs_P)
-        s.counts, s.overflow_stats = self.overflow.permuted(s.counts, s.capacity, pairs, slot_of_row_RK)
+        s.counts, s.overflow_stats = self.overflow.permuted(s.counts, s.capacity, pairs, slot_of_row_RK,
+                                                            s.send_capacity * self.router_topk)
         return probs_P, row_of_slot_P, slot_of_row_RK
 
     def get_permuted_hidden_states_by_experts(self, record, hidden_states):

@@ -9,6 +9,7 @@ installed; nothing falls back silently. See docs/DESIGN.md, "Where a new backend
 The modes (`mode_of`): "dropless" (sizes follow the routing, read on the host), "capacity"
 (`moe_hybridep_capacity_factor`: a calibrated fixed size, overflow raises) and "budget"
 (`moe_expert_rank_capacity_factor`: a size from the token count alone, overflow counted).
+Every fixed-shape manager is a `fixed.FixedShapeEngine`: one switch makes it dropless.
 """
 
 from __future__ import annotations

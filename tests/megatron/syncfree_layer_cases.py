@@ -121,9 +121,9 @@ def run_unread_steps(steps: int, ring_rows: int) -> dict:
     try:
         layer = _build("drop", "hybridep")
         model = torch.nn.ModuleDict({"decoder": torch.nn.ModuleDict({"mlp": layer})})
-        for _ in range(steps):
-            _step(layer, torch.zeros(T, dtype=torch.long))
         try:
+            for _ in range(steps):
+                _step(layer, torch.zeros(T, dtype=torch.long))
             (report,) = overflow.check_overflow(model)
         except RuntimeError as exc:
             return dict(error=str(exc), ring=int(layer.moe_overflow_next))

@@ -8,9 +8,10 @@ blocking calibration dispatch, which also pins the padded per-rank token count, 
 batch later raises ValueError, then non-blocking fixed-size dispatches guarded by a
 device-side overflow assert) and budget mode (`moe_expert_rank_capacity_factor`, with
 `moe_hybridep_equal_token_counts`: every dispatch non-blocking at `permute.rank_budget(T', K,
-factor)` rows, no host read, no collective of the package's; HybridEP drops what does not
-fit, and the record's per-expert `overflow_counts` are settled at the step boundary:
-`settle_overflow`). Over gloo HybridEP all-gathers the routing map with its own kernel, so a
+factor)` rows, sized by `fixed.Budget`, no host read, no collective of the package's; HybridEP
+drops what does not fit, and the record's per-expert `overflow_counts` are settled at the step
+boundary: `settle_overflow`). As every fixed-shape manager it is a `fixed.FixedShapeEngine`:
+while its `dropless` switch is set, every dispatch takes the blocking, dropless path. Over gloo HybridEP all-gathers the routing map with its own kernel, so a
 CUDA graph can hold a dispatch there too. Per layer: its capacity and pins; shared: only the
 `HybridEPBuffer`, one per `buffer_key`.
 
@@ -29,6 +30,7 @@ import torch.distributed as dist
 from megatron_moe_ext.dispatcher.common import buffers, checks
 from megatron_moe_ext.dispatcher.common import permute as P
 from megatron_moe_ext.dispatcher.common.base import DispatchManager
+from megatron_moe_ext.dispatcher.fixed import Budget, FixedShapeEngine, needed_factor_hundredths
 from megatron_moe_ext.dispatcher.hybridep.metadata import HybridEPMetadataProcessor
 from megatron_moe_ext.utils.env import env_flag
 from megatron_moe_ext.utils.optional import require
@@ -118,7 +120,7 @@ class _HybridEPCombine(torch.autograd.Function):
         return grad_PH, None, None, None, None
 
 
-class HybridEPManager(DispatchManager):
+class HybridEPManager(FixedShapeEngine, DispatchManager):
     """Fused permute + all-to-all + permute with HybridEP.
 
     Arguments:
@@ -157,7 +159,7 @@ class HybridEPManager(DispatchManager):
         moe_hybridep_num_blocks_unpermute: int | None = None,
         benchmark_static_routing: bool = False,
         moe_hybridep_capacity_factor: float | None = None,
-        moe_expert_rank_capacity_factor: float | None = None,
+        moe_expert_rank_capacity_factor: float | str | None = None,
         moe_hybridep_equal_token_counts: bool = False,
         moe_router_expert_pad_multiple: int | None = None,
         router_dtype: str | None = None,
@@ -180,7 +182,7 @@ class HybridEPManager(DispatchManager):
         self.num_blocks_unpermute = moe_hybridep_num_blocks_unpermute
         self.benchmark_static_routing = benchmark_static_routing
         self.hybridep_capacity_factor = moe_hybridep_capacity_factor
-        self.budget_factor = moe_expert_rank_capacity_factor
+        self.sizing = None if moe_expert_rank_capacity_factor is None else Budget(moe_expert_rank_capacity_factor)
         self.equal_token_counts = moe_hybridep_equal_token_counts
         self.pad_multiple = moe_router_expert_pad_multiple
         self.router_dtype = router_dtype
@@ -268,8 +270,8 @@ class HybridEPManager(DispatchManager):
         Only the calibrated capacity and the static-routing pin persist across dispatches;
         any other cached count would be reused wrongly under activation-checkpoint recompute.
         """
-        if capacity_mode and self.budget_factor is not None:
-            return P.rank_budget(padded_tokens, self.router_topk, self.budget_factor, self.pad_multiple)
+        if capacity_mode and self.sizing is not None:
+            return self.sizing.rows(padded_tokens, self.router_topk, self.pad_multiple)
         if capacity_mode and self._hybridep_capacity is not None:
             return self._hybridep_capacity
         return self._static_num_permuted_tokens if self._static_pin() else None
@@ -375,9 +377,12 @@ class HybridEPManager(DispatchManager):
         else:
             routed_P = torch.arange(probs_P.shape[0], device=probs_P.device) < counts_e.sum()
             checks.raise_on_flagged(torch.where(routed_P, probs_P, 0.0))
-        if capacity_mode and self.budget_factor is not None:
+        if capacity_mode and self.sizing is not None:
             record.capacity = num_permuted
-            record.overflow_counts = routing_map_TE.sum(0, dtype=torch.int64)
+            # Per expert, then the dispatch's T'*K slots (the factor it needed is rows / slots).
+            record.overflow_counts = torch.cat([routing_map_TE.sum(0, dtype=torch.int64),
+                                                routing_map_TE.new_full((1,), padded * self.router_topk,
+                                                                        dtype=torch.int64)])
         elif num_permuted is not None:
             _assert_no_hybridep_overflow(record.handle, num_permuted)
         else:
@@ -393,22 +398,27 @@ class HybridEPManager(DispatchManager):
         return rows_PH
 
     def _fixed_shape(self) -> bool:
-        return self.hybridep_capacity_factor is not None or self.budget_factor is not None
+        """Capacity mode, or budget mode with a known factor; never while `dropless` is set."""
+        return self.fixed_shape or (self.hybridep_capacity_factor is not None and not self.dropless)
 
     @property
     def defers_overflow(self) -> bool:
-        return self.budget_factor is not None
+        return self.sizing is not None
 
     def settle_overflow(self, needed_DE: torch.Tensor, budgets_D: torch.Tensor) -> torch.Tensor:
-        """Budget mode's `[dropped pairs, rows needed]` on this rank over D dispatches: their
-        counts summed over the group (one all-reduce, in place), this rank's experts kept as
-        HybridEP keeps them: in order, each group padded, up to the dispatch's budget."""
+        """Budget mode's `[dropped pairs, rows needed, factor needed in hundredths]` on this rank
+        over D dispatches, from their `overflow_counts` (`[D, E + 1]`: per expert, then T'*K):
+        the counts summed over the group (one all-reduce, in place), this rank's experts kept
+        as HybridEP keeps them: in order, each group padded, up to the dispatch's budget."""
+        slots_D = needed_DE[:, -1].clone()
         dist.all_reduce(needed_DE, group=self.group)
         first = dist.get_rank(self.group) * self.num_local_experts
         needed_De = needed_DE[:, first:first + self.num_local_experts]
         padded_De = P.align_up(needed_De, self.pad_multiple or 1)
         kept_De = torch.minimum((budgets_D[:, None] - P.start_offsets(padded_De)).clamp(min=0), needed_De)
-        return torch.stack([(needed_De - kept_De).sum(), padded_De.sum(1).max()])
+        rows_D = padded_De.sum(1)
+        return torch.stack([(needed_De - kept_De).sum(), rows_D.max(),
+                            needed_factor_hundredths(rows_D, slots_D).max()])
 
     def combine(self, record, hidden_states, async_finish=True, allocate_on_comm_stream=True):
         """`[P, H]` expert outputs -> `[T, H]` (padding tokens sliced off)."""
