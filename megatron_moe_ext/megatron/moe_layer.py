@@ -170,7 +170,9 @@ class FlexMoELayer(MoELayer, overflow.OverflowCounter):
         # the `--spec` functions (`megatron/rerun.py`), never here.
         self._init_overflow_counter(config, dispatcher_config, self.token_dispatcher.manager)
         if dispatcher_config.moe_expert_rank_capacity_factor == "auto":
-            overflow.AutoFactor.start(self, getattr(config, "cuda_graph_warmup_steps", 0) or 0)
+            # The warm-up ends before Megatron captures any graph.
+            graphed = getattr(config, "cuda_graph_impl", "none") not in (None, "none")
+            overflow.AutoFactor.start(self, (getattr(config, "cuda_graph_warmup_steps", 0) or 0) if graphed else 1)
 
     def _decide_expert_path(self) -> None:
         """Experts that gather their own rows take `IndexedRows` where the backend can hand

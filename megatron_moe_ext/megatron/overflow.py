@@ -28,11 +28,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_moe_ext.dispatcher.common import permute as P
-from megatron_moe_ext.dispatcher.common.checks import capturing as _capturing  # patched by tests
-from megatron_moe_ext.dispatcher.fixed import needed_factor_hundredths
+from megatron_moe_ext.dispatcher.common.checks import capturing
+from megatron_moe_ext.dispatcher.common.sizing import needed_factor_hundredths
 
 logger = logging.getLogger(__name__)
 
+#: The policies by their code in the overflow read's message.
+_POLICIES = ("drop", "error", "rerun")
 #: Factor "auto": the measured factor times this margin, rounded up to `AUTO_FACTOR_STEP`.
 AUTO_FACTOR_MARGIN = 1.1
 AUTO_FACTOR_STEP = 0.05
@@ -53,8 +55,9 @@ class OverflowReport:
     budget: the per-rank budget of permuted rows.
     policy: the layer's `moe_expert_rank_overflow_policy`.
     factor_needed: the smallest factor (hundredths) whose budget holds every dispatch of this
-        layer, each sized from its own token count (`fixed.needed_factor_hundredths`).
+        layer, each sized from its own token count (`sizing.needed_factor_hundredths`).
     dropless_factor: the same of the layer's dropless dispatches (factor "auto"'s warm-up).
+    number: the layer's global number (Megatron's `layer_number`).
     """
 
     layer: str
@@ -64,6 +67,7 @@ class OverflowReport:
     policy: str
     factor_needed: float = 0.0
     dropless_factor: float = 0.0
+    number: int = 0
 
     @property
     def overflowed(self) -> bool:
@@ -71,7 +75,8 @@ class OverflowReport:
 
     def describe(self) -> str:
         ratio = self.rows_needed / self.budget if self.budget else float("inf")
-        return (f"{self.layer}: needed {self.rows_needed} permuted rows on one rank, budget "
+        name = self.layer if self.layer == f"layer {self.number}" else f"{self.layer} (layer {self.number})"
+        return (f"{name}: needed {self.rows_needed} permuted rows on one rank, budget "
                 f"{self.budget} ({ratio:.2f}x, {self.rows_needed - self.budget:+d} rows); "
                 f"{self.dropped_pairs} (token, expert) pairs dropped; factor "
                 f"{self.factor_needed:.2f} holds it")
@@ -143,7 +148,7 @@ class OverflowCounter:
             slots = math.prod(record.hidden_shape[:-1]) * manager.router_topk
             self.moe_dropless_factor = max(self.moe_dropless_factor, needed_factor_hundredths(rows, slots))
             return
-        if not _capturing():  # a host count: a replayed graph runs no Python
+        if not capturing():  # a host count: a replayed graph runs no Python
             self.moe_unread_dispatches += 1
             if self.moe_unread_dispatches > _ring_rows():
                 raise RuntimeError(
@@ -215,11 +220,12 @@ def read_overflow(layers: list[tuple[str, torch.nn.Module]], group=None, gather:
     """Read the layers' counters once and reset them; with `gather`, combined over `group`
     (a collective: every rank must call, also one holding no layer).
 
-    The message is `[num_layers, 5]` by global layer number (`layer_number`, 1-based):
-    dropped pairs (summed), then the maxima of rows needed, factor needed, budget and the
-    factor the layer's dropless dispatches needed. Its length, the larger of `num_layers` and
+    The message is `[2, N]` (summed: layer present, dropped pairs) and `[N, 5]` (maxima: rows
+    needed, factor needed, budget, the factor of the layer's dropless dispatches, its policy)
+    by global layer number (`layer_number`, 1-based). Its length, the larger of `num_layers` and
     the largest layer number here, must be the same on every rank: Megatron's
-    `config.num_layers` (+ MTP layers) is, on every pipeline stage.
+    `config.num_layers` (+ MTP layers) is, on every pipeline stage; without it (None) the
+    ranks agree on the length in one more all-reduce.
     Returns one report per layer any rank holds (named here where this rank holds it).
     """
     gather = gather and dist.is_initialized() and dist.get_world_size(group) > 1
@@ -229,36 +235,39 @@ def read_overflow(layers: list[tuple[str, torch.nn.Module]], group=None, gather:
     dropless_L = _take_dropless_factors(layers)
     if not gather:
         return [OverflowReport(name, dropped, needed, layer.moe_overflow_budget, layer.moe_overflow_policy,
-                               factor / 100, dropless / 100)
+                               factor / 100, dropless / 100, int(layer.layer_number))
                 for (name, layer), (dropped, needed, factor), dropless
                 in zip(layers, local_L3.tolist(), dropless_L)]
     numbers = [int(layer.layer_number) for _, layer in layers]
-    size = max([num_layers or 0, *numbers])
     device = local_L3.device if layers else _group_device(group)
+    size = max([num_layers or 0, *numbers])
+    if num_layers is None:  # no Megatron config to size the message: agree on its length first
+        size_1 = torch.tensor([size], device=device)
+        dist.all_reduce(size_1, op=dist.ReduceOp.MAX, group=group)
+        size = int(size_1)
     present_N = torch.zeros(size, dtype=torch.int64, device=device)
     dropped_N = torch.zeros(size, dtype=torch.int64, device=device)
-    max_N4 = torch.zeros(size, 4, dtype=torch.int64, device=device)
+    max_N5 = torch.zeros(size, 5, dtype=torch.int64, device=device)
     if layers:
         index_L = torch.tensor([n - 1 for n in numbers], device=device)
         present_N[index_L] = 1
         dropped_N[index_L] = local_L3[:, 0]
-        extra_L2 = torch.tensor([[layer.moe_overflow_budget, dropless] for (_, layer), dropless
-                                 in zip(layers, dropless_L)], dtype=torch.int64, device=device)
-        max_N4[index_L] = torch.cat([local_L3[:, 1:], extra_L2], dim=1)
+        extra_L3 = torch.tensor([[layer.moe_overflow_budget, dropless, _POLICIES.index(layer.moe_overflow_policy)]
+                                 for (_, layer), dropless in zip(layers, dropless_L)],
+                                dtype=torch.int64, device=device)
+        max_N5[index_L] = torch.cat([local_L3[:, 1:], extra_L3], dim=1)
     # One fixed shape on every rank: SUM of [present, dropped] and MAX of the rest.
     summed_2N = torch.stack([present_N, dropped_N])
     dist.all_reduce(summed_2N, group=group)
-    dist.all_reduce(max_N4, op=dist.ReduceOp.MAX, group=group)
-    (present, dropped), maxima = summed_2N.tolist(), max_N4.tolist()
-    here = {n: (name, layer) for n, (name, layer) in zip(numbers, layers)}
-    policy = layers[0][1].moe_overflow_policy if layers else None
+    dist.all_reduce(max_N5, op=dist.ReduceOp.MAX, group=group)
+    (present, dropped), maxima = summed_2N.tolist(), max_N5.tolist()
+    here = {n: name for n, (name, _) in zip(numbers, layers)}
     reports = []
     for i in range(size):
         if present[i]:
-            name, layer = here.get(i + 1, (f"layer {i + 1}", None))
-            layer_policy = policy if layer is None else layer.moe_overflow_policy
-            reports.append(OverflowReport(name, dropped[i], maxima[i][0], maxima[i][2], layer_policy or "rerun",
-                                          maxima[i][1] / 100, maxima[i][3] / 100))
+            rows, factor, budget, dropless, policy = maxima[i]
+            reports.append(OverflowReport(here.get(i + 1, f"layer {i + 1}"), dropped[i], rows, budget,
+                                          _POLICIES[policy], factor / 100, dropless / 100, i + 1))
     return reports
 
 
@@ -358,7 +367,7 @@ class AutoFactor:
         for layer in done:
             layer.token_dispatcher.manager.sizing.factor = factor
             layer.token_dispatcher.manager.dropless = False
-        _log_rank0(f"MoE budget factor auto: the dropless warm-up needed {measured:.2f}x the balanced "
+        log_rank0(f"MoE budget factor auto: the dropless warm-up needed {measured:.2f}x the balanced "
                    f"load; moe_expert_rank_capacity_factor = {factor:.2f} from now on")
 
 
@@ -368,7 +377,7 @@ def auto_factor(measured: float) -> float:
     return round(max(1, steps) * AUTO_FACTOR_STEP, 2)
 
 
-def _log_rank0(message: str) -> None:
+def log_rank0(message: str) -> None:
     """One line on rank 0 of Megatron's log."""
     if not dist.is_initialized() or dist.get_rank() == 0:
         logger.warning(message)

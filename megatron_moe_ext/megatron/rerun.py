@@ -5,7 +5,7 @@ evaluation's forward), reads the overflow once (`overflow.check_overflow`, combi
 group, so every rank decides the same) and, where a layer under policy "rerun" dropped pairs,
 discards the step's gradients, restores the RNG states taken before the first attempt and runs
 `step` again with every budget-mode layer dropless (the engine's switch,
-`fixed.FixedShapeEngine.dropless`) and every graphed layer eager; the next step is back on the
+`sizing.FixedShapeEngine.dropless`) and every graphed layer eager; the next step is back on the
 budget path and its graphs. The step's result is the rerun's. A custom loop calls it with a
 `step` that reads the same micro-batches when called twice.
 
@@ -137,14 +137,14 @@ def run_step_with_rerun(step: Callable[[], Any], model, optimizer=None, group=No
     """
     saved = _rng_states()
     result = step()
-    if overflow._capturing():
+    if overflow.capturing():
         return result
     reports = overflow.check_overflow(model, group, rerun=True)
     over = [r for r in reports if r.overflowed and r.policy == "rerun"]
     if not over:
         return result
     worst = max(over, key=lambda r: r.factor_needed)
-    overflow._log_rank0(f"MoE budget overflow: rerunning the {'evaluation' if forward_only else 'training'} "
+    overflow.log_rank0(f"MoE budget overflow: rerunning the {'evaluation' if forward_only else 'training'} "
                         f"step dropless ({worst.describe()}; {len(over)} layer(s) overflowed)")
     if not forward_only:
         _discard_gradients(model, optimizer)
@@ -189,7 +189,7 @@ def _runs_with_rerun(call, eager=None):
     `run_step_with_rerun` with its micro-batches kept; a rerun calls `eager` (default `call`)."""
     def forward_backward(**kwargs):
         global _active
-        if _active or overflow._capturing() or not _budget_mode(kwargs["model"]):
+        if _active or overflow.capturing() or not _budget_mode(kwargs["model"]):
             return call(**kwargs)
         fresh = _saved_microbatches(kwargs["data_iterator"], kwargs["num_microbatches"])
         attempts = []

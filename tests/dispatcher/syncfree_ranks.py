@@ -15,6 +15,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from megatron_moe_ext.dispatcher.common import permute as P
 from megatron_moe_ext.dispatcher.common.buffers import release_all as release_buffers
 from tests.dispatcher.cases import TOLERANCE, build_dispatcher
 from tests.dispatcher.capacity_ranks import HostReadCounter
@@ -137,8 +138,15 @@ def syncfree_vs_blocking(backend: str = "torch", dtype: str = "fp32", device: st
         stats=got["stats"].tolist(), pairs=int(sum(ref["tpe"].tolist())),
         counts_equal=got["tpe"].tolist() == ref["tpe"].tolist(),
         counts_device=got["tpe"].device.type == torch.device(device).type,
-        host_reads=counter.calls,
+        host_reads=counter.calls, rows_needed=int(sum(ref["tpe"].tolist())), **_sizes(budget),
     )
+
+
+def _sizes(disp) -> dict:
+    """What `rank_budget` sizes a dispatch of this test's T tokens from (HybridEP: T padded)."""
+    manager = disp.manager
+    tokens = P.align_up(T, 4) if type(manager).__name__ == "HybridEPManager" else T
+    return dict(tokens=tokens, topk=manager.router_topk, pad=manager.pad_multiple)
 
 
 def _skewed(x):
@@ -188,7 +196,7 @@ def syncfree_overflow_then_fit(backend: str = "torch", device: str = "cpu"):
     ref = _dense(x, indices, probs, params)
     fit = dict(stats=got["stats"].tolist(), diffs={k: _err(got[k], ref[k]) for k in ("y", "gx", "gp")})
     release_buffers()
-    return dict(skew=skew, fit=fit, host_reads=counter.calls, budget=budget_rows,
+    return dict(skew=skew, fit=fit, host_reads=counter.calls, budget=budget_rows, **_sizes(disp),
                 tol=TOLERANCE["bf16" if dtype == torch.bfloat16 else "fp32"])
 
 

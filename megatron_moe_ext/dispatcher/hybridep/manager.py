@@ -7,12 +7,12 @@ padding rows, sliced off after combine), the static-routing pins, capacity mode 
 blocking calibration dispatch, which also pins the padded per-rank token count, so a larger
 batch later raises ValueError, then non-blocking fixed-size dispatches guarded by a
 device-side overflow assert) and budget mode (`moe_expert_rank_capacity_factor`, with
-`moe_hybridep_equal_token_counts`: every dispatch non-blocking at `permute.rank_budget(T', K,
-factor)` rows, sized by `fixed.Budget`, no host read, no collective of the package's; HybridEP
-drops what does not fit, and the record's per-expert `overflow_counts` are settled at the step
-boundary: `settle_overflow`). As every fixed-shape manager it is a `fixed.FixedShapeEngine`:
-while its `dropless` switch is set, every dispatch takes the blocking, dropless path. Over gloo HybridEP all-gathers the routing map with its own kernel, so a
-CUDA graph can hold a dispatch there too. Per layer: its capacity and pins; shared: only the
+`moe_hybridep_equal_token_counts`: every dispatch non-blocking at `sizing.Budget`'s rows, no
+host read, no collective of the package's; HybridEP drops what does not fit, and the record's
+per-expert `overflow_counts` are settled at the step boundary: `settle_overflow`); a
+`sizing.FixedShapeEngine`, its `dropless` switch makes every dispatch blocking and dropless.
+Over gloo HybridEP all-gathers the routing map with its own kernel, so a CUDA graph can hold
+a dispatch there too. Per layer: its capacity and pins; shared: only the
 `HybridEPBuffer`, one per `buffer_key`.
 
 Legend: T local tokens, T' padded tokens, H hidden, E experts, e local experts, K top-k,
@@ -30,7 +30,7 @@ import torch.distributed as dist
 from megatron_moe_ext.dispatcher.common import buffers, checks
 from megatron_moe_ext.dispatcher.common import permute as P
 from megatron_moe_ext.dispatcher.common.base import DispatchManager
-from megatron_moe_ext.dispatcher.fixed import Budget, FixedShapeEngine, needed_factor_hundredths
+from megatron_moe_ext.dispatcher.common import sizing
 from megatron_moe_ext.dispatcher.hybridep.metadata import HybridEPMetadataProcessor
 from megatron_moe_ext.utils.env import env_flag
 from megatron_moe_ext.utils.optional import require
@@ -120,7 +120,7 @@ class _HybridEPCombine(torch.autograd.Function):
         return grad_PH, None, None, None, None
 
 
-class HybridEPManager(FixedShapeEngine, DispatchManager):
+class HybridEPManager(sizing.FixedShapeEngine, DispatchManager):
     """Fused permute + all-to-all + permute with HybridEP.
 
     Arguments:
@@ -182,7 +182,9 @@ class HybridEPManager(FixedShapeEngine, DispatchManager):
         self.num_blocks_unpermute = moe_hybridep_num_blocks_unpermute
         self.benchmark_static_routing = benchmark_static_routing
         self.hybridep_capacity_factor = moe_hybridep_capacity_factor
-        self.sizing = None if moe_expert_rank_capacity_factor is None else Budget(moe_expert_rank_capacity_factor)
+        self.sizing = (sizing.Budget(moe_expert_rank_capacity_factor) if moe_expert_rank_capacity_factor is not None
+                       else None if moe_hybridep_capacity_factor is None
+                       else sizing.CalibratedCapacity(moe_hybridep_capacity_factor))
         self.equal_token_counts = moe_hybridep_equal_token_counts
         self.pad_multiple = moe_router_expert_pad_multiple
         self.router_dtype = router_dtype
@@ -270,7 +272,7 @@ class HybridEPManager(FixedShapeEngine, DispatchManager):
         Only the calibrated capacity and the static-routing pin persist across dispatches;
         any other cached count would be reused wrongly under activation-checkpoint recompute.
         """
-        if capacity_mode and self.sizing is not None:
+        if capacity_mode and self.defers_overflow:
             return self.sizing.rows(padded_tokens, self.router_topk, self.pad_multiple)
         if capacity_mode and self._hybridep_capacity is not None:
             return self._hybridep_capacity
@@ -336,7 +338,7 @@ class HybridEPManager(FixedShapeEngine, DispatchManager):
         probs = torch.zeros(routing_map.shape, dtype=torch.float32, device=like.device)
         firsts = torch.arange(world, device=like.device) * self.num_local_experts
         routing_map[0, firsts], probs[0, firsts] = True, -float(checks.FLAG_BASE + word)
-        num_permuted = self._resolve_num_permuted_tokens(self._fixed_shape(), padded)
+        num_permuted = self._resolve_num_permuted_tokens(self.fixed_shape, padded)
         with torch.no_grad():
             self._buffer(like.shape[-1], padded).dispatch_with_permute(
                 hidden=like.new_zeros(padded, like.shape[-1]), routing_map=routing_map, probs=probs,
@@ -354,7 +356,7 @@ class HybridEPManager(FixedShapeEngine, DispatchManager):
         """
         self.check_rows(hidden_states)
         if capacity_mode is None:
-            capacity_mode = self._fixed_shape()
+            capacity_mode = self.fixed_shape
         padded = record.token_probs.shape[0]
         x_TH = hidden_states
         if padded > x_TH.shape[0]:
@@ -377,12 +379,11 @@ class HybridEPManager(FixedShapeEngine, DispatchManager):
         else:
             routed_P = torch.arange(probs_P.shape[0], device=probs_P.device) < counts_e.sum()
             checks.raise_on_flagged(torch.where(routed_P, probs_P, 0.0))
-        if capacity_mode and self.sizing is not None:
+        if capacity_mode and self.defers_overflow:
             record.capacity = num_permuted
             # Per expert, then the dispatch's T'*K slots (the factor it needed is rows / slots).
-            record.overflow_counts = torch.cat([routing_map_TE.sum(0, dtype=torch.int64),
-                                                routing_map_TE.new_full((1,), padded * self.router_topk,
-                                                                        dtype=torch.int64)])
+            slots = routing_map_TE.new_full((1,), padded * self.router_topk, dtype=torch.int64)
+            record.overflow_counts = torch.cat([routing_map_TE.sum(0, dtype=torch.int64), slots])
         elif num_permuted is not None:
             _assert_no_hybridep_overflow(record.handle, num_permuted)
         else:
@@ -397,13 +398,9 @@ class HybridEPManager(FixedShapeEngine, DispatchManager):
         record.routing_map = record.token_probs = None
         return rows_PH
 
-    def _fixed_shape(self) -> bool:
-        """Capacity mode, or budget mode with a known factor; never while `dropless` is set."""
-        return self.fixed_shape or (self.hybridep_capacity_factor is not None and not self.dropless)
-
     @property
     def defers_overflow(self) -> bool:
-        return self.sizing is not None
+        return isinstance(self.sizing, sizing.Budget)
 
     def settle_overflow(self, needed_DE: torch.Tensor, budgets_D: torch.Tensor) -> torch.Tensor:
         """Budget mode's `[dropped pairs, rows needed, factor needed in hundredths]` on this rank
@@ -418,7 +415,7 @@ class HybridEPManager(FixedShapeEngine, DispatchManager):
         kept_De = torch.minimum((budgets_D[:, None] - P.start_offsets(padded_De)).clamp(min=0), needed_De)
         rows_D = padded_De.sum(1)
         return torch.stack([(needed_De - kept_De).sum(), rows_D.max(),
-                            needed_factor_hundredths(rows_D, slots_D).max()])
+                            sizing.needed_factor_hundredths(rows_D, slots_D).max()])
 
     def combine(self, record, hidden_states, async_finish=True, allocate_on_comm_stream=True):
         """`[P, H]` expert outputs -> `[T, H]` (padding tokens sliced off)."""
