@@ -72,6 +72,15 @@ def test_named_factor_holds_after_the_budget_rounding():
             assert P.rank_budget(tokens, 2, factor) >= rows, (tokens, rows, factor)
 
 
+def test_spec_functions_install_the_step_boundary():
+    from megatron_moe_ext.megatron.specs import get_flex_layer_spec
+
+    rerun.uninstall()
+    get_flex_layer_spec(4, use_transformer_engine=False)
+    assert rerun.is_installed()
+    rerun.uninstall()
+
+
 def test_constructing_a_layer_changes_nothing_in_megatron(dist_pools):
     (r,) = dist_pools(1).run(cases.run_construction_changes_nothing)
     assert r["changed"] == [], r
@@ -82,6 +91,7 @@ def test_patches_apply_installs_the_step_boundary_and_revert_removes_it():
 
     from megatron_moe_ext import patches
 
+    rerun.uninstall()  # a spec function called by an earlier test of this process installs it too
     before = dict(vars(training))
     patches.apply()
     try:
