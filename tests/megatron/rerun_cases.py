@@ -201,3 +201,36 @@ def run_construction_changes_nothing() -> dict:
     finally:
         release_all()
         megatron_cpu.uninstall()
+
+
+def run_evaluation_steps(backend: str, steps: int, ring_rows: int) -> dict:
+    """`steps` forward-only steps (2 micro-batches each, overflowing) through the wrapper that
+    Megatron-LM's schedule gets (`rerun.install`), with rings of `ring_rows` rows."""
+    from megatron_moe_ext.dispatcher.common.buffers import release_all
+    from megatron_moe_ext.megatron import overflow, rerun
+
+    megatron_cpu.install()
+    saved, overflow.MIN_PENDING_DISPATCHES = overflow.MIN_PENDING_DISPATCHES, ring_rows
+    try:
+        layer = layer_cases._build("rerun", backend)
+        model = torch.nn.ModuleDict({"decoder": torch.nn.ModuleDict({"mlp": layer})})
+        hidden, dtype = layer.router.weight.shape[1], layer.config.params_dtype
+        reruns = []
+
+        def schedule(**kwargs):
+            reruns.append(layer.token_dispatcher.manager.dropless)
+            with torch.no_grad():
+                return [layer(next(kwargs["data_iterator"]))[0].float().sum()
+                        for _ in range(kwargs["num_microbatches"])]
+        evaluate = rerun._runs_with_rerun(schedule)
+        try:
+            for _ in range(steps):
+                batches = _microbatches([_over_dims(), _over_dims()], hidden, dtype)
+                evaluate(model=[model], data_iterator=iter(batches), num_microbatches=2, forward_only=True)
+        except RuntimeError as exc:
+            return dict(error=str(exc))
+        return dict(reruns=sum(reruns), ring=None if layer.moe_overflow_next is None else int(layer.moe_overflow_next))
+    finally:
+        overflow.MIN_PENDING_DISPATCHES = saved
+        release_all()
+        megatron_cpu.uninstall()

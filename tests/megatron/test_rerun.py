@@ -178,3 +178,27 @@ def test_full_iteration_graph_rerun_runs_the_schedule_eagerly(monkeypatch):
     assert isinstance(wrapped, FullCudaGraphWrapper)
     losses = wrapped(model=[layer], data_iterator=iter(range(10)), num_microbatches=2, forward_only=False)
     assert losses == ["losses dropless=True"] and graph_calls == [[0, 1]] and seen == [([0, 1], True)]
+
+
+def test_ring_holds_the_largest_batch_of_a_ramp_up():
+    """Megatron's batch-size ramp-up starts with few micro-batches; a layer built then must keep
+    counts for the final batch's (the ring's address is fixed at build for CUDA graphs)."""
+    from megatron.core import num_microbatches_calculator as calculator
+
+    calculator.init_num_microbatches_calculator(0, global_batch_size=None, micro_batch_size=1, data_parallel_size=1,
+                                                step_batch_size_schedule="0:2 1000:100")
+    try:
+        assert calculator.get_num_microbatches() == 2
+        assert overflow._ring_rows() >= 2 * 100 + 2
+    finally:
+        calculator.destroy_num_microbatches_calculator()
+
+
+@pytest.mark.parametrize("backend", ["torch", "hybridep"])
+def test_evaluation_steps_read_the_overflow(dist_pools, backend):
+    """Megatron's `evaluate()` runs forward-only steps through the same schedule: their
+    dispatches are read at each step's end (HybridEP's ring too), more steps than the ring
+    holds never raise, and an overflowed evaluation step is rerun dropless."""
+    for r in dist_pools(2).run(cases.run_evaluation_steps, backend, 5, 4):
+        assert "error" not in r, r
+        assert r["reruns"] == 5 and r["ring"] in (None, 0), r
