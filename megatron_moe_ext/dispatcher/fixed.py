@@ -38,11 +38,12 @@ P permuted rows.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from megatron_moe_ext.dispatcher.common import checks
 from megatron_moe_ext.dispatcher.common import permute as P
 from megatron_moe_ext.dispatcher.common.handoff import IndexedRows, indexed_rows
-from megatron_moe_ext.dispatcher.common.sizing import FixedShapeEngine, needed_factor_hundredths
+from megatron_moe_ext.dispatcher.common.sizing import Budget, FixedShapeEngine, needed_factor_hundredths
 from megatron_moe_ext.dispatcher.topk_manager import TopKManager
 
 
@@ -99,7 +100,7 @@ class FixedShapeManager(FixedShapeEngine, TopKManager):
     def dispatch(self, record, hidden_states, async_finish=False, allocate_on_comm_stream=False):
         if not self.fixed_shape:  # the engine's switch, or factor "auto" before its warm-up ended
             return super().dispatch(record, hidden_states, async_finish, allocate_on_comm_stream)
-        sizes = self.sizing.size(self, hidden_states.shape[0])
+        sizes = self.sizing.size(self, hidden_states.shape[0], hidden_states)
         if sizes is None:  # the calibration: dropless, sized from here on
             rows = super().dispatch(record, hidden_states, async_finish, allocate_on_comm_stream)
             self.sizing.calibrate(self, record, hidden_states.device)
@@ -119,7 +120,12 @@ class FixedShapeManager(FixedShapeEngine, TopKManager):
         return rows
 
     def announce_input_error(self, word: int, like=None) -> None:
-        """In the fixed splits every rank agreed on (None before the sizing, or dropless)."""
+        """In the fixed splits every rank agreed on (None before the sizing, or dropless); a
+        budget not agreed yet on a backend without equal splits: in its token exchange."""
+        if (self.fixed_shape and isinstance(self.sizing, Budget) and self.sizing.tokens is None
+                and not self.comm.fixed_equal_splits and dist.get_world_size(self.group) > 1):
+            self.sizing.exchange_tokens(self, 0, word)
+            return
         send_capacity = self.sizing.agreed_send_capacity() if self.fixed_shape else None
         self.comm.announce_input_error(self.group, word, like, self.num_experts, send_capacity, self.router_topk)
 

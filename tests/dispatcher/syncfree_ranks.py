@@ -276,3 +276,25 @@ def hybridep_budget_collectives(device: str = "cpu") -> dict:
     release_buffers()
     return dict(calls=[c for c in collectives.calls if not c.endswith("in settle_overflow")],
                 custom_allgather=custom)
+
+
+def unequal_token_counts(backend: str, later: bool = False):
+    """Budget mode with another token count on rank 1 (from the first dispatch, or `later`:
+    after a first step of equal counts): every rank must raise the same ValueError naming
+    `moe_expert_rank_capacity_factor`, none may wait or overrun a buffer."""
+    rank = dist.get_rank()
+    case, dtype, overrides = _backend_setup(backend, torch.float32)
+    disp = build_dispatcher(case, backend, moe_share_token_dispatcher=False,
+                            moe_expert_rank_capacity_factor=2.0, **overrides)
+    params = toy_expert_params(E, case.hidden)
+    x, indices, probs = make_routing(case, rank, dtype)
+    try:
+        if later:
+            _step(disp, x, indices, probs, params)
+        tokens = x.shape[0] - 4 if rank == 1 else x.shape[0]
+        _step(disp, x[:tokens], indices[:tokens], probs[:tokens], params)
+    except Exception as exc:  # noqa: BLE001 - the test reads the type and message
+        return dict(type=type(exc).__name__, message=str(exc))
+    finally:
+        release_buffers()
+    return dict(type=None)

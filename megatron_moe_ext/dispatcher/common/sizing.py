@@ -26,7 +26,7 @@ class CalibratedCapacity:
         self.factor = factor
         self.sizes: tuple[int, int] | None = None
 
-    def size(self, manager: "FixedShapeManager", num_tokens: int) -> tuple[int, int] | None:
+    def size(self, manager: "FixedShapeManager", num_tokens: int, like=None) -> tuple[int, int] | None:
         """`(send_capacity, capacity)`, or None: dispatch dropless and `calibrate` after."""
         return self.sizes
 
@@ -51,49 +51,71 @@ class CalibratedCapacity:
 
 class Budget:
     """Sizes from the token count alone: `(T, P.rank_budget(T, K, factor))`; T agreed across the
-    EP group where the communicator's fixed splits need it (see the module docstring).
+    EP group (see the module docstring): the torch backend's equal splits need it, and DeepEP
+    sizes its receive buffer `W * T` from its own T, which a peer with more tokens overruns.
     `factor` None: not known yet (factor "auto" before its warm-up ends; dispatch dropless)."""
+
+    FIELD = "moe_expert_rank_capacity_factor"
 
     def __init__(self, factor: float | str | None):
         self.factor = None if factor == "auto" else factor
-        self.tokens: int | None = None  # the T every rank agreed on (equal splits only)
+        self.tokens: int | None = None  # the T every rank agreed on
 
     def rows(self, num_tokens: int, topk: int, pad_multiple: int | None) -> int:
         """The budget of permuted rows of a dispatch of `num_tokens` tokens (`P.rank_budget`)."""
         return P.rank_budget(num_tokens, topk, self.factor, pad_multiple)
 
-    def size(self, manager: "FixedShapeManager", num_tokens: int) -> tuple[int, int]:
-        if manager.comm.fixed_equal_splits and num_tokens != self.tokens and dist.get_world_size(manager.group) > 1:
-            self._agree(manager, num_tokens)
+    def size(self, manager: "FixedShapeManager", num_tokens: int, like=None) -> tuple[int, int]:
+        """`(send_capacity, capacity)` of a dispatch of `num_tokens` rows like `like`."""
+        if num_tokens != self.tokens and dist.get_world_size(manager.group) > 1:
+            self._agree(manager, num_tokens, like)
         return num_tokens, self.rows(num_tokens, manager.router_topk, manager.pad_multiple)
 
     def agreed_send_capacity(self) -> int | None:
         return self.tokens
 
-    def _agree(self, manager: "FixedShapeManager", num_tokens: int) -> None:
+    def _agree(self, manager: "FixedShapeManager", num_tokens: int, like) -> None:
         """Agree on T: at the first dispatch in a count exchange; after it, a rank whose T
         changed sends its error word in the routing collective its peers wait in, and only if
-        every rank's word says so (all changed) do they exchange the new T."""
+        every rank's word says so (all changed; seen where the backend returns the words) do
+        they exchange the new T."""
         group, rank = manager.group, dist.get_rank(manager.group)
         world = dist.get_world_size(group)
-        field = "moe_expert_rank_capacity_factor"
         if self.tokens is not None:
-            word = checks.error_word(field, rank)
-            words = manager.comm.announce_input_error(group, word, None, manager.num_experts, self.tokens,
+            word = checks.error_word(self.FIELD, rank)
+            words = manager.comm.announce_input_error(group, word, like, manager.num_experts, self.tokens,
                                                       manager.router_topk)
-            if words != [checks.error_word(field, r) for r in range(world)]:
+            if words != [checks.error_word(self.FIELD, r) for r in range(world)]:
                 raise checks.agreed_error([w for w in words if w != word], ValueError(
-                    f"{field}: budget mode needs the same token count on every rank; this rank "
+                    f"{self.FIELD}: budget mode needs the same token count on every rank; this rank "
                     f"brings {num_tokens}, the EP group agreed on {self.tokens}"), rank)
-        _, counts = manager.comm.exchange_counts(torch.full((world,), num_tokens, device=checks.flag_device(group)),
-                                                 group)
+        counts = self.exchange_tokens(manager, num_tokens)
         if len(set(counts)) > 1:
-            error = ValueError(f"{field}: budget mode on the {manager.comm.name!r} backend needs the same "
+            error = ValueError(f"{self.FIELD}: budget mode on the {manager.comm.name!r} backend needs the same "
                                f"token count on every expert-parallel rank (ranks 0..{world - 1} bring "
                                f"{counts}); give every rank the same batch shape, or use the dropless mode")
             error.agreed = True
             raise error
         self.tokens = num_tokens
+
+    @staticmethod
+    def exchange_tokens(manager: "FixedShapeManager", num_tokens: int, word: int = 0) -> list[int]:
+        """Every rank's T, read on the host, in the collective that carries the error words of
+        the step's first dispatch: the torch backend's counts exchange; for the others, one SUM
+        all-reduce of `[T per rank, word per rank]` (`FixedShapeManager.announce_input_error`
+        joins it with `word`). Raises the agreed error of a peer's word."""
+        group, rank = manager.group, dist.get_rank(manager.group)
+        world = dist.get_world_size(group)
+        device = checks.flag_device(group)
+        if manager.comm.fixed_equal_splits:
+            return manager.comm.exchange_counts(torch.full((world,), num_tokens, device=device), group, word)[1]
+        both_2W = torch.zeros(2, world, dtype=torch.int64, device=device)
+        both_2W[0, rank], both_2W[1, rank] = num_tokens, word
+        dist.all_reduce(both_2W, group=group)
+        counts, words = both_2W.tolist()
+        if any(words) and not word:
+            raise checks.agreed_error(words)
+        return counts
 
 
 def needed_factor_hundredths(rows_needed, tokens_times_topk: int):
