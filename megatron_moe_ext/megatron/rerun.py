@@ -160,8 +160,9 @@ _active = False  # a step runner is on the stack: the wrappers inside it pass th
 
 
 def _saved_microbatches(data_iterator, num_microbatches: int):
-    """`(lists, fresh)`: each chunk's micro-batches read once (None where the chunk has no
-    iterator), and a function returning new iterators over them in Megatron's form."""
+    """Each chunk's micro-batches read once (none where the chunk has no iterator, as on a
+    middle pipeline stage); returns a function giving new iterators over them in Megatron's
+    form (one, or a list per model chunk)."""
     iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator]
     lists = [None if it is None else [next(it) for _ in range(num_microbatches)] for it in iterators]
 
@@ -203,7 +204,6 @@ def _runs_with_rerun(call, eager=None):
             return run_step_with_rerun(step, kwargs["model"], forward_only=kwargs.get("forward_only", False))
         finally:
             _active = False
-    forward_backward.reruns_moe_overflow = True
     return forward_backward
 
 

@@ -229,7 +229,8 @@ def run_evaluation_steps(backend: str, steps: int, ring_rows: int) -> dict:
                 evaluate(model=[model], data_iterator=iter(batches), num_microbatches=2, forward_only=True)
         except RuntimeError as exc:
             return dict(error=str(exc))
-        return dict(reruns=sum(reruns), ring=None if layer.moe_overflow_next is None else int(layer.moe_overflow_next))
+        ring = layer.moe_overflow_next
+        return dict(reruns=sum(reruns), ring=None if ring is None else int(ring))
     finally:
         overflow.MIN_PENDING_DISPATCHES = saved
         release_all()

@@ -71,7 +71,8 @@ def test_budget_mode_from_the_environment(monkeypatch):
     cfg = TokenDispatcherConfig.from_transformer_config(_megatron_config())
     assert (cfg.moe_expert_rank_capacity_factor, cfg.moe_expert_rank_overflow_policy) == (1.25, "drop")
     monkeypatch.delenv("MOE_EXT_EXPERT_RANK_OVERFLOW_POLICY")
-    assert TokenDispatcherConfig.from_transformer_config(_megatron_config()).moe_expert_rank_overflow_policy == "rerun"
+    default = TokenDispatcherConfig.from_transformer_config(_megatron_config())
+    assert default.moe_expert_rank_overflow_policy == "rerun"
     monkeypatch.setenv("MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR", "Auto")
     assert TokenDispatcherConfig.from_transformer_config(_megatron_config()).moe_expert_rank_capacity_factor == "auto"
     monkeypatch.delenv("MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR")
