@@ -191,7 +191,7 @@ class FlexMoELayer(MoELayer, overflow.OverflowCounter):
     def routed_experts_compute(self, hidden_states, probs):
         output, mlp_bias = super().routed_experts_compute(hidden_states, probs)
         if self.moe_overflow_stats is not None:  # budget mode
-            self._count_overflow(self.token_dispatcher.record, self.token_dispatcher.manager)
+            self._count_overflow(self.token_dispatcher.record)
         return output, mlp_bias
 
     def route(self, hidden_states, padding_mask=None):

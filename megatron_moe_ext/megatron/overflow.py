@@ -137,18 +137,21 @@ class OverflowCounter:
         self.moe_unread_dispatches = 0
         self.moe_dropless_factor = 0  # hundredths; the most a dropless dispatch needed
 
-    def _count_overflow(self, record, manager) -> None:
+    def _count_overflow(self, record) -> None:
         """Add the budget-mode dispatch `record`'s `overflow_stats`, or keep its
         `overflow_counts` for the read to settle. In place, so a CUDA graph replay updates the
         same tensors: the sum of drops and the max of rows, or the next ring row. A dropless
         dispatch (the engine's switch) counts nothing but the factor it needed (its counts are
-        on the host), for factor "auto"."""
+        on the host), for factor "auto". Under policies "error" and "rerun" a layer whose
+        overflow is not read for more dispatches than a step makes raises: a loop that never
+        calls `check_overflow` would otherwise train on dropped pairs unnoticed."""
+        manager = self.token_dispatcher.manager
         if not record.fixed:
             rows = sum(P.align_up(int(n), manager.pad_multiple or 1) for n in record.counts)
             slots = math.prod(record.hidden_shape[:-1]) * manager.router_topk
             self.moe_dropless_factor = max(self.moe_dropless_factor, needed_factor_hundredths(rows, slots))
             return
-        if not capturing():  # a host count: a replayed graph runs no Python
+        if not capturing() and self.moe_overflow_policy != "drop":  # a replayed graph runs no Python
             self.moe_unread_dispatches += 1
             if self.moe_unread_dispatches > _ring_rows():
                 raise RuntimeError(

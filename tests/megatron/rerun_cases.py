@@ -235,3 +235,25 @@ def run_evaluation_steps(backend: str, steps: int, ring_rows: int) -> dict:
         overflow.MIN_PENDING_DISPATCHES = saved
         release_all()
         megatron_cpu.uninstall()
+
+
+def run_unread_dispatches(policy: str, steps: int, limit: int) -> dict:
+    """Torch backend, overflowing steps never read (a custom loop without `check_overflow`),
+    with the refusal after `limit` unread dispatches."""
+    from megatron_moe_ext.dispatcher.common.buffers import release_all
+    from megatron_moe_ext.megatron import overflow
+
+    megatron_cpu.install()
+    saved, overflow.MIN_PENDING_DISPATCHES = overflow.MIN_PENDING_DISPATCHES, limit
+    try:
+        layer = layer_cases._build(policy, "torch")
+        try:
+            for _ in range(steps):
+                layer_cases._step(layer, _over_dims())
+        except RuntimeError as exc:
+            return dict(error=str(exc))
+        return dict(error=None)
+    finally:
+        overflow.MIN_PENDING_DISPATCHES = saved
+        release_all()
+        megatron_cpu.uninstall()

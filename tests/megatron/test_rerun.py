@@ -202,3 +202,15 @@ def test_evaluation_steps_read_the_overflow(dist_pools, backend):
     for r in dist_pools(2).run(cases.run_evaluation_steps, backend, 5, 4):
         assert "error" not in r, r
         assert r["reruns"] == 5 and r["ring"] in (None, 0), r
+
+
+@pytest.mark.parametrize("policy", ["error", "rerun", "drop"])
+def test_unread_overflow_is_never_silent(dist_pools, policy):
+    """Policies error and rerun outside Megatron-LM's loop, with check_overflow never called:
+    past the dispatches a step may make, every rank raises naming check_overflow (policy drop
+    trains on, as it says)."""
+    for r in dist_pools(2).run(cases.run_unread_dispatches, policy, 6, 4):
+        if policy == "drop":
+            assert r["error"] is None, r
+        else:
+            assert "5 budget-mode dispatches" in r["error"] and "check_overflow(model)" in r["error"], r
