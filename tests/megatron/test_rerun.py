@@ -214,3 +214,23 @@ def test_unread_overflow_is_never_silent(dist_pools, policy):
             assert r["error"] is None, r
         else:
             assert "5 budget-mode dispatches" in r["error"] and "check_overflow(model)" in r["error"], r
+
+
+def test_virtual_pipeline_chunks_replay_their_own_microbatches(monkeypatch):
+    """With virtual pipeline stages Megatron hands one iterator per model chunk (None where a
+    chunk reads no data): each chunk's micro-batches are kept and replayed to that chunk."""
+    layer, seen = _Layer("rerun"), []
+
+    def schedule(**kwargs):
+        first, middle, last = kwargs["data_iterator"]
+        dropless = layer.token_dispatcher.manager.dropless
+        seen.append(([next(first) for _ in range(2)], middle, [next(last) for _ in range(2)], dropless))
+        if not dropless:
+            layer.moe_overflow_stats.add_(torch.tensor([1, 40, 126]))
+        return []
+
+    training = _stand_in_training(monkeypatch, schedule)
+    training.get_forward_backward_func()(model=[layer, torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)],
+                                         data_iterator=[iter("abc"), None, iter("xyz")], num_microbatches=2,
+                                         forward_only=False)
+    assert seen == [(["a", "b"], None, ["x", "y"], False), (["a", "b"], None, ["x", "y"], True)]
