@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_moe_ext.dispatcher.common import permute as P
-from megatron_moe_ext.dispatcher.common.checks import capturing
+from megatron_moe_ext.dispatcher.common.checks import capturing, flag_device
 from megatron_moe_ext.dispatcher.common.sizing import needed_factor_hundredths
 
 logger = logging.getLogger(__name__)
@@ -242,7 +242,7 @@ def read_overflow(layers: list[tuple[str, torch.nn.Module]], group=None, gather:
                 for (name, layer), (dropped, needed, factor), dropless
                 in zip(layers, local_L3.tolist(), dropless_L)]
     numbers = [int(layer.layer_number) for _, layer in layers]
-    device = local_L3.device if layers else _group_device(group)
+    device = local_L3.device if layers else flag_device(group)
     size = max([num_layers or 0, *numbers])
     if num_layers is None:  # no Megatron config to size the message: agree on its length first
         size_1 = torch.tensor([size], device=device)
@@ -272,12 +272,6 @@ def read_overflow(layers: list[tuple[str, torch.nn.Module]], group=None, gather:
             reports.append(OverflowReport(here.get(i + 1, f"layer {i + 1}"), dropped[i], rows, budget,
                                           _POLICIES[policy], factor / 100, dropless / 100, i + 1))
     return reports
-
-
-def _group_device(group):
-    from megatron_moe_ext.dispatcher.common.checks import flag_device
-
-    return flag_device(group)
 
 
 def budget_layers(model) -> list[tuple[str, torch.nn.Module]]:
