@@ -3,10 +3,10 @@
 `run_step_with_rerun(step, model)` runs `step` (a training step's forward and backward, or an
 evaluation's forward), reads the overflow once (`overflow.check_overflow`, combined over the
 group, so every rank decides the same) and, where a layer under policy "rerun" dropped pairs,
-discards the step's gradients, restores the RNG states taken before the first attempt and runs
-`step` again with every budget-mode layer dropless (the engine's switch,
-`sizing.FixedShapeEngine.dropless`) and every graphed layer eager; the next step is back on the
-budget path and its graphs. The step's result is the rerun's. A custom loop calls it with a
+discards the step's gradients, restores the RNG states and Megatron's MoE logging values taken
+before the first attempt and runs `step` again with every budget-mode layer dropless (the
+engine's switch, `sizing.FixedShapeEngine.dropless`) and every graphed layer eager; the next
+step is back on the budget path and its graphs. The step's result is the rerun's. A custom loop calls it with a
 `step` that reads the same micro-batches when called twice.
 
 Megatron-LM's `train()` and `evaluate()` ask `megatron.training.training` for their schedule
@@ -78,12 +78,14 @@ def _discard_gradients(model, optimizer=None) -> None:
                 param.main_grad.zero_()
     if optimizer is not None:
         optimizer.zero_grad()
-    try:  # the MoE aux-loss logging of the first attempt would be counted twice
-        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
-        get_moe_metrics_tracker().clear()
-    except ImportError:  # pragma: no cover
-        pass
+
+def _moe_metrics() -> dict:
+    """Megatron's MoE logging values (aux losses per layer, summed over the steps since the
+    last log), so the first attempt's are not counted next to the rerun's."""
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    return {name: entry.values for name, entry in get_moe_metrics_tracker().metrics.items()}
 
 
 def _eager(*args, **kwargs) -> bool:
@@ -135,7 +137,7 @@ def run_step_with_rerun(step: Callable[[], Any], model, optimizer=None, group=No
     Raises:
         overflow.MoEOverflowError: a layer under policy "error" overflowed.
     """
-    saved = _rng_states()
+    saved, metrics = _rng_states(), {name: values.clone() for name, values in _moe_metrics().items()}
     result = step()
     if overflow.capturing():
         return result
@@ -149,6 +151,8 @@ def run_step_with_rerun(step: Callable[[], Any], model, optimizer=None, group=No
     if not forward_only:
         _discard_gradients(model, optimizer)
     _set_rng_states(saved)
+    for name, values in _moe_metrics().items():  # in place: a graph may hold them
+        values.copy_(metrics[name]) if name in metrics else values.zero_()
     with dropless(model):
         result = step()
     overflow.read_overflow(overflow.budget_layers(model), gather=False)  # nothing counted: reset

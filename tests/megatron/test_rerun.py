@@ -234,3 +234,26 @@ def test_virtual_pipeline_chunks_replay_their_own_microbatches(monkeypatch):
                                          data_iterator=[iter("abc"), None, iter("xyz")], num_microbatches=2,
                                          forward_only=False)
     assert seen == [(["a", "b"], None, ["x", "y"], False), (["a", "b"], None, ["x", "y"], True)]
+
+
+def test_rerun_counts_megatrons_moe_logging_once():
+    """Megatron's MoE metrics (aux losses per layer, summed between two logs) hold what earlier
+    steps added plus the rerun's, not the first attempt's too."""
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    tracker = get_moe_metrics_tracker()
+    tracker.ensure_initialized("rerun_test_loss", 2, device="cpu")
+    values = tracker.metrics["rerun_test_loss"].values
+    values.copy_(torch.tensor([5.0, 7.0]))  # earlier steps since the last log
+    layer = _Layer("rerun")
+
+    def step():
+        values.add_(1.0)
+        if not layer.token_dispatcher.manager.dropless:
+            layer.moe_overflow_stats.add_(torch.tensor([1, 40, 126]))
+        return "loss"
+    try:
+        assert rerun.run_step_with_rerun(step, layer) == "loss"
+        assert values.tolist() == [6.0, 8.0]
+    finally:
+        del tracker.metrics["rerun_test_loss"]
