@@ -22,7 +22,9 @@ from megatron_moe_ext.utils import env
 
 BACKENDS = tuple(registry.BACKENDS)
 ROUTER_DTYPES = ("fp32", "fp64", None)
-OVERFLOW_POLICIES = ("error", "drop")
+OVERFLOW_POLICIES = ("rerun", "error", "drop")
+#: The budget factor measured by dropless warm-up steps (`megatron.overflow`).
+AUTO_FACTOR = "auto"
 # Upper bound of an SM count where no GPU can be asked (the largest GPUs have ~150).
 _MAX_SMS_WITHOUT_CUDA = 1024
 
@@ -86,11 +88,12 @@ class TokenDispatcherConfig:
     moe_benchmark_static_routing: bool = False
     #: Sync-free mode (dispatcher/fixed.py; HybridEP: hybridep/manager.py, with equal token
     #: counts): each rank's permuted rows are a static budget of this many times the balanced
-    #: load (T*K); Megatron's field of the same name.
-    moe_expert_rank_capacity_factor: float | None = None
+    #: load (T*K); Megatron's field of the same name. "auto": measured by dropless warm-up steps.
+    moe_expert_rank_capacity_factor: float | Literal["auto"] | None = None
     #: What a step whose routing exceeds the budget does (`megatron.overflow.check_overflow`):
-    #: "error" raises; "drop" gives the pairs past the budget zero output and logs their count.
-    moe_expert_rank_overflow_policy: Literal["error", "drop"] = "error"
+    #: "rerun" runs the step again dropless, "error" raises, "drop" gives the pairs past the
+    #: budget zero output and logs their count.
+    moe_expert_rank_overflow_policy: Literal["rerun", "error", "drop"] = "rerun"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -130,9 +133,12 @@ class TokenDispatcherConfig:
         for field in ("moe_expert_capacity_factor", "moe_hybridep_capacity_factor",
                       "moe_expert_rank_capacity_factor"):
             value = getattr(self, field)
+            if field == "moe_expert_rank_capacity_factor" and value == AUTO_FACTOR:
+                continue
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not 0 < value < math.inf):
-                fail(field, value, "expected a finite capacity factor > 0, or None for dropless")
+                fail(field, value, "expected a finite capacity factor > 0, or None for dropless"
+                     + (", or 'auto'" if field == "moe_expert_rank_capacity_factor" else ""))
         if self.moe_expert_rank_overflow_policy not in OVERFLOW_POLICIES:
             fail("moe_expert_rank_overflow_policy", self.moe_expert_rank_overflow_policy,
                  f"allowed values are {OVERFLOW_POLICIES}")
@@ -276,9 +282,9 @@ OVERFLOW_POLICY_ENV = "MOE_EXT_EXPERT_RANK_OVERFLOW_POLICY"
 
 def budget_from_environment(megatron_factor: float | None) -> dict[str, Any]:
     """`moe_expert_rank_capacity_factor` / `moe_expert_rank_overflow_policy` from
-    `MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR` (a float > 0; unset: Megatron's field, else dropless)
-    and `MOE_EXT_EXPERT_RANK_OVERFLOW_POLICY` (error | drop; unset: error)."""
-    factor = env.env_float(BUDGET_FACTOR_ENV, None, above=0)
+    `MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR` (a float > 0 or auto; unset: Megatron's field, else
+    dropless) and `MOE_EXT_EXPERT_RANK_OVERFLOW_POLICY` (rerun | error | drop; unset: rerun)."""
+    factor = env.env_float(BUDGET_FACTOR_ENV, None, above=0, words=(AUTO_FACTOR,))
     policy = env.env_choice(OVERFLOW_POLICY_ENV, OVERFLOW_POLICIES, None)
     if factor is not None and megatron_factor is not None and factor != megatron_factor:
         raise ValueError(f"{BUDGET_FACTOR_ENV}={factor} contradicts Megatron's "

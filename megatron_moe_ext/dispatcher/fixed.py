@@ -7,9 +7,9 @@ reads the device (a CUDA graph can capture it):
   dropless dispatch (one host sync) fixes, as EP-group maxima times the factor,
   `send_capacity` (rows any rank may send to any one rank) and `capacity` (permuted rows any
   rank may receive, after per-expert padding);
-- `Budget` (budget mode, `moe_expert_rank_capacity_factor`, torch and DeepEP; HybridEP's is
-  its manager's own): from the local token count T alone, `send_capacity = T` (a token goes at
-  most once to each rank) and `capacity = permute.rank_budget(T, K, factor)`. The torch
+- `Budget` (budget mode, `moe_expert_rank_capacity_factor`, every backend: HybridEP's manager
+  sizes its budget with it too): from the local token count T alone, `send_capacity = T` (a
+  token goes at most once to each rank) and `capacity = permute.rank_budget(T, K, factor)`. The torch
   backend's equal splits need the same T on every EP rank: the first dispatch agrees on it in
   a count exchange; a rank whose T changes later says so in the next dispatch's first
   collective, and every rank raises ValueError (unless every rank changed to the same T).
@@ -22,8 +22,14 @@ A dispatch that does not fit is the overflow policy's:
   the ranks that overflowed, before the experts run (a device assert on the GPU);
 - `CountOverflow` (budget mode): the (token, expert) pairs that do not fit (the last local
   experts lose first) get no row, and the dispatch's record carries `overflow_stats =
-  [dropped pairs, rows needed]` (device int64) for its layer (`megatron/overflow.py` applies
-  the policy).
+  [dropped pairs, rows needed, factor needed in hundredths]` (device int64, the factor from
+  this dispatch's own T: `needed_factor_hundredths`) for its layer (`megatron/overflow.py`
+  applies the policy).
+
+The sizing policies and `FixedShapeEngine`, what every fixed-shape manager (this one,
+HybridEP's) shares: its sizing policy and the one switch that makes a layer's dispatches
+dropless (`dropless`: the rerun of an overflowed step, the warm-up of factor "auto"), so one
+place decides, per dispatch, "fixed shape or dropless", live in `common/sizing.py`.
 
 Legend: T local tokens, K top-k (TP-expanded), W ranks, e local experts, R received rows,
 P permuted rows.
@@ -37,80 +43,8 @@ import torch.distributed as dist
 from megatron_moe_ext.dispatcher.common import checks
 from megatron_moe_ext.dispatcher.common import permute as P
 from megatron_moe_ext.dispatcher.common.handoff import IndexedRows, indexed_rows
-from megatron_moe_ext.dispatcher.common.record import DispatchRecord
+from megatron_moe_ext.dispatcher.common.sizing import Budget, FixedShapeEngine, needed_factor_hundredths
 from megatron_moe_ext.dispatcher.topk_manager import TopKManager
-
-
-class CalibratedCapacity:
-    """Sizes measured by a first, dropless dispatch, times `factor` (see the module docstring)."""
-
-    def __init__(self, factor: float):
-        self.factor = factor
-        self.sizes: tuple[int, int] | None = None
-
-    def size(self, manager: "FixedShapeManager", num_tokens: int) -> tuple[int, int] | None:
-        """`(send_capacity, capacity)`, or None: dispatch dropless and `calibrate` after."""
-        return self.sizes
-
-    def agreed_send_capacity(self) -> int | None:
-        """The send capacity every rank uses in this step's first collective (None: dropless)."""
-        return None if self.sizes is None else self.sizes[0]
-
-    def calibrate(self, manager: "FixedShapeManager", record: DispatchRecord, device) -> None:
-        """One MAX all-reduce of both capacities (none within one rank) after the calibration
-        dispatch `record`, whose counts are on the host already."""
-        pad = manager.pad_multiple
-        rows = sum(P.align_up(n, pad or 1) for n in record.counts)
-        pair_rows = max(record.handle.send_splits)
-        local = [P.capacity_rows(pair_rows, self.factor, P.CAPACITY_ALIGNMENT),
-                 P.capacity_rows(rows, self.factor, pad or P.CAPACITY_ALIGNMENT)]
-        if dist.get_world_size(manager.group) > 1:
-            local_t = torch.tensor(local, device=device)
-            dist.all_reduce(local_t, op=dist.ReduceOp.MAX, group=manager.group)
-            local = local_t.tolist()
-        self.sizes = tuple(local)
-
-
-class Budget:
-    """Sizes from the token count alone: `(T, P.rank_budget(T, K, factor))`; T agreed across the
-    EP group where the communicator's fixed splits need it (see the module docstring)."""
-
-    def __init__(self, factor: float):
-        self.factor = factor
-        self.tokens: int | None = None  # the T every rank agreed on (equal splits only)
-
-    def size(self, manager: "FixedShapeManager", num_tokens: int) -> tuple[int, int]:
-        if manager.comm.fixed_equal_splits and num_tokens != self.tokens and dist.get_world_size(manager.group) > 1:
-            self._agree(manager, num_tokens)
-        return num_tokens, P.rank_budget(num_tokens, manager.router_topk, self.factor, manager.pad_multiple)
-
-    def agreed_send_capacity(self) -> int | None:
-        return self.tokens
-
-    def _agree(self, manager: "FixedShapeManager", num_tokens: int) -> None:
-        """Agree on T: at the first dispatch in a count exchange; after it, a rank whose T
-        changed sends its error word in the routing collective its peers wait in, and only if
-        every rank's word says so (all changed) do they exchange the new T."""
-        group, rank = manager.group, dist.get_rank(manager.group)
-        world = dist.get_world_size(group)
-        field = "moe_expert_rank_capacity_factor"
-        if self.tokens is not None:
-            word = checks.error_word(field, rank)
-            words = manager.comm.announce_input_error(group, word, None, manager.num_experts, self.tokens,
-                                                      manager.router_topk)
-            if words != [checks.error_word(field, r) for r in range(world)]:
-                raise checks.agreed_error([w for w in words if w != word], ValueError(
-                    f"{field}: budget mode needs the same token count on every rank; this rank "
-                    f"brings {num_tokens}, the EP group agreed on {self.tokens}"), rank)
-        _, counts = manager.comm.exchange_counts(torch.full((world,), num_tokens, device=checks.flag_device(group)),
-                                                 group)
-        if len(set(counts)) > 1:
-            error = ValueError(f"{field}: budget mode on the {manager.comm.name!r} backend needs the same "
-                               f"token count on every expert-parallel rank (ranks 0..{world - 1} bring "
-                               f"{counts}); give every rank the same batch shape, or use the dropless mode")
-            error.agreed = True
-            raise error
-        self.tokens = num_tokens
 
 
 class RaiseOnOverflow:
@@ -124,7 +58,7 @@ class RaiseOnOverflow:
             return P.align_up(routing_Re.sum(0), manager.pad_multiple or 1).sum() > capacity
         return needs_more
 
-    def permuted(self, counts_e: torch.Tensor, capacity: int, pairs: torch.Tensor, slot_of_row_RK):
+    def permuted(self, counts_e: torch.Tensor, capacity: int, pairs: torch.Tensor, slot_of_row_RK, slots: int):
         """`(counts_e, None)`: nothing past the dispatch's assert."""
         return counts_e, None
 
@@ -136,16 +70,19 @@ class CountOverflow:
         """None: counted in the permutation instead."""
         return None
 
-    def permuted(self, needed_e: torch.Tensor, capacity: int, pairs: torch.Tensor, slot_of_row_RK):
-        """`(counts_e that fit, [dropped pairs, rows needed])`."""
+    def permuted(self, needed_e: torch.Tensor, capacity: int, pairs: torch.Tensor, slot_of_row_RK, slots: int):
+        """`(counts_e that fit, [dropped pairs, rows needed, factor needed in hundredths])` of a
+        dispatch of `slots` = T*K routing slots."""
         placed = (slot_of_row_RK < capacity).sum()
         # Past the budget an expert keeps only the rows that fit, so the grouped GEMM's
         # offsets never run past the P rows it is given.
         ends_e = torch.cumsum(needed_e, 0).clamp(max=capacity)
-        return torch.diff(ends_e, prepend=ends_e.new_zeros(1)), torch.stack([pairs - placed, needed_e.sum()])
+        rows = needed_e.sum()
+        stats_3 = torch.stack([pairs - placed, rows, needed_factor_hundredths(rows, slots)])
+        return torch.diff(ends_e, prepend=ends_e.new_zeros(1)), stats_3
 
 
-class FixedShapeManager(TopKManager):
+class FixedShapeManager(FixedShapeEngine, TopKManager):
     """The top-k manager in a fixed-shape mode (see the module docstring).
 
     Arguments:
@@ -161,7 +98,9 @@ class FixedShapeManager(TopKManager):
         self.sizing, self.overflow = sizing, overflow
 
     def dispatch(self, record, hidden_states, async_finish=False, allocate_on_comm_stream=False):
-        sizes = self.sizing.size(self, hidden_states.shape[0])
+        if not self.fixed_shape:  # the engine's switch, or factor "auto" before its warm-up ended
+            return super().dispatch(record, hidden_states, async_finish, allocate_on_comm_stream)
+        sizes = self.sizing.size(self, hidden_states.shape[0], hidden_states)
         if sizes is None:  # the calibration: dropless, sized from here on
             rows = super().dispatch(record, hidden_states, async_finish, allocate_on_comm_stream)
             self.sizing.calibrate(self, record, hidden_states.device)
@@ -181,9 +120,14 @@ class FixedShapeManager(TopKManager):
         return rows
 
     def announce_input_error(self, word: int, like=None) -> None:
-        """In the fixed splits every rank agreed on (None before the sizing: dropless)."""
-        self.comm.announce_input_error(self.group, word, like, self.num_experts,
-                                       self.sizing.agreed_send_capacity(), self.router_topk)
+        """In the fixed splits every rank agreed on (None before the sizing, or dropless); a
+        budget not agreed yet on a backend without equal splits: in its token exchange."""
+        if (self.fixed_shape and isinstance(self.sizing, Budget) and self.sizing.tokens is None
+                and not self.comm.fixed_equal_splits and dist.get_world_size(self.group) > 1):
+            self.sizing.exchange_tokens(self, 0, word)
+            return
+        send_capacity = self.sizing.agreed_send_capacity() if self.fixed_shape else None
+        self.comm.announce_input_error(self.group, word, like, self.num_experts, send_capacity, self.router_topk)
 
     def check_rows(self, hidden_states) -> None:
         dtypes = self.comm.fixed_dtypes
@@ -206,7 +150,8 @@ class FixedShapeManager(TopKManager):
         probs_P, padded_e, row_of_slot_P, slot_of_row_RK = P.fixed_layout(
             s.dispatched_indices, s.dispatched_probs, self.num_local_experts, s.capacity, self.pad_multiple)
         probs_P = self.keep_permutation(record, padded_e, slot_of_row_RK, probs_P)
-        s.counts, s.overflow_stats = self.overflow.permuted(s.counts, s.capacity, pairs, slot_of_row_RK)
+        s.counts, s.overflow_stats = self.overflow.permuted(s.counts, s.capacity, pairs, slot_of_row_RK,
+                                                            s.send_capacity * self.router_topk)
         return probs_P, row_of_slot_P, slot_of_row_RK
 
     def get_permuted_hidden_states_by_experts(self, record, hidden_states):

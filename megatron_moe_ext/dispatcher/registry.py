@@ -9,6 +9,7 @@ installed; nothing falls back silently. See docs/DESIGN.md, "Where a new backend
 The modes (`mode_of`): "dropless" (sizes follow the routing, read on the host), "capacity"
 (`moe_hybridep_capacity_factor`: a calibrated fixed size, overflow raises) and "budget"
 (`moe_expert_rank_capacity_factor`: a size from the token count alone, overflow counted).
+Every fixed-shape manager is a `sizing.FixedShapeEngine`: one switch makes it dropless.
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ def _build_topk(comm, cfg, group, num_local_experts, tp_size):
     """The top-k manager of `cfg`'s mode over `comm` (a `base.Communicator`); expert TP folds
     into the expert space."""
     from megatron_moe_ext.dispatcher import fixed
+    from megatron_moe_ext.dispatcher.common import sizing
     from megatron_moe_ext.dispatcher.topk_manager import TopKManager
 
     comm.check_group(group)
@@ -101,10 +103,10 @@ def _build_topk(comm, cfg, group, num_local_experts, tp_size):
                   moe_router_expert_pad_multiple=cfg.moe_router_expert_pad_multiple)
     mode = mode_of(cfg)
     if mode == "budget":  # sizes from the token count, overflow counted
-        return fixed.FixedShapeManager(fixed.Budget(cfg.moe_expert_rank_capacity_factor),
+        return fixed.FixedShapeManager(sizing.Budget(cfg.moe_expert_rank_capacity_factor),
                                         fixed.CountOverflow(), comm=comm, **kwargs)
     if mode == "capacity":  # calibrated sizes, overflow raises
-        return fixed.FixedShapeManager(fixed.CalibratedCapacity(cfg.capacity_mode_factor),
+        return fixed.FixedShapeManager(sizing.CalibratedCapacity(cfg.capacity_mode_factor),
                                         fixed.RaiseOnOverflow(), comm=comm, **kwargs)
     return TopKManager(comm, **kwargs)
 

@@ -17,7 +17,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import MoETransformerLayer, TransformerLayerSubmodules
 
 from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
-from megatron_moe_ext.megatron.specs import use_flex_moe_layer, use_te
+from megatron_moe_ext.megatron.specs import DeferredSpec, install_step_boundary, use_flex_moe_layer, use_te
 
 
 def use_flex_moe_in_hybrid_stack(stack_spec: ModuleSpec,
@@ -78,7 +78,10 @@ def get_flex_hybrid_stack_spec(use_transformer_engine: bool | None = None, *,
     """
     stack = (hybrid_layer_specs.hybrid_stack_spec if use_te(use_transformer_engine)
              else local_hybrid_stack_spec(moe_grouped_gemm))
+    install_step_boundary(dispatcher_config)
     return use_flex_moe_in_hybrid_stack(stack, dispatcher_config, experts)
 
 
-flex_hybrid_stack_spec = get_flex_hybrid_stack_spec()
+# For `--spec megatron_moe_ext.megatron.hybrid_specs flex_hybrid_stack_spec`: built (and the
+# step boundary installed) on first read, not at import.
+flex_hybrid_stack_spec = DeferredSpec(build=get_flex_hybrid_stack_spec)

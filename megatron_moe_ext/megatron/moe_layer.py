@@ -166,10 +166,14 @@ class FlexMoELayer(MoELayer, overflow.OverflowCounter):
         self.recompute_replay = attach_replay(self.token_dispatcher) if recomputed else None
         if recomputed and self.recompute_replay is None:
             _refuse_unreplayable_recompute(dispatcher_config)
-        # Budget mode: `[dropped pairs, rows needed]` on the device, see `overflow.py`.
+        # Budget mode: `[dropped pairs, rows needed, factor needed]` on the device, see
+        # `overflow.py`; the step boundary that reads it is installed by `patches.apply()` and
+        # the `--spec` functions (`megatron/rerun.py`), never here.
         self._init_overflow_counter(config, dispatcher_config, self.token_dispatcher.manager)
-        if self.moe_overflow_stats is not None:
-            overflow.check_overflow_after_each_step()
+        if dispatcher_config.moe_expert_rank_capacity_factor == "auto":
+            # The warm-up ends before Megatron captures any graph.
+            graphed = getattr(config, "cuda_graph_impl", "none") not in (None, "none")
+            overflow.AutoFactor.start(self, (getattr(config, "cuda_graph_warmup_steps", 0) or 0) if graphed else 1)
 
     def _decide_expert_path(self) -> None:
         """Experts that gather their own rows take `IndexedRows` where the backend can hand

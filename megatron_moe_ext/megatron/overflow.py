@@ -2,44 +2,62 @@
 
 In budget mode (`moe_expert_rank_capacity_factor`, see `dispatcher/fixed.py`) a dispatch never
 reads the device, so it cannot stop when routing exceeds a rank's budget. Each `FlexMoELayer`
-accumulates `[dropped pairs, rows needed]` on the device, inside any CUDA graph (a sum and a
-max over the step's dispatches; a recomputed forward counts again), and `check_overflow(model)`
-reads them once per step and applies each layer's `moe_expert_rank_overflow_policy`.
+accumulates `[dropped pairs, rows needed, factor needed]` on the device, inside any CUDA graph
+(a sum and two maxima over the step's dispatches; a recomputed forward counts again), and
+`check_overflow(model)` reads them once per step and applies each layer's
+`moe_expert_rank_overflow_policy` ("rerun" is `megatron/rerun.py`'s).
 
 Where a dispatch cannot count its overflow alone (HybridEP: what is dropped depends on the
 group's counts), the layer keeps each dispatch's own per-expert counts in a device ring
 instead, one row per dispatch, and the read settles them first with one collective over the
 layer's group (`DispatchManager.settle_overflow`): no collective per dispatch.
+
+The read combines the layers over the group in one fixed-shape message indexed by the
+layers' global numbers, so pipeline stages with different MoE layers (or none) meet in the
+same collective. The same message carries factor "auto"'s warm-up measure: the factor the
+dropless dispatches of its first steps needed, then fixed on every rank (`AutoFactor`).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import sys
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from megatron_moe_ext.dispatcher.common.checks import capturing as _capturing  # patched by tests
+from megatron_moe_ext.dispatcher.common import permute as P
+from megatron_moe_ext.dispatcher.common.checks import capturing, flag_device
+from megatron_moe_ext.dispatcher.common.sizing import needed_factor_hundredths
 
 logger = logging.getLogger(__name__)
 
+#: The policies by their code in the overflow read's message.
+_POLICIES = ("drop", "error", "rerun")
+#: Factor "auto": the measured factor times this margin, rounded up to `AUTO_FACTOR_STEP`.
+AUTO_FACTOR_MARGIN = 1.1
+AUTO_FACTOR_STEP = 0.05
+
 
 class MoEOverflowError(RuntimeError):
-    """A sync-free MoE layer's routing exceeded its per-rank budget under policy "error"."""
+    """A sync-free MoE layer's routing exceeded its per-rank budget under policy "error" (or
+    "rerun" where no step runner can run the step again)."""
 
 
 @dataclass(frozen=True)
 class OverflowReport:
     """One layer's overflow over the dispatches since the last read.
 
-    layer: the layer's name (module path, or "layer <n>").
+    layer: the layer's name (module path, or "layer <n>"; n its global layer number).
     dropped_pairs: routed (token, expert) pairs that got no expert row (summed over ranks).
     rows_needed: the most permuted rows one rank needed in one dispatch.
     budget: the per-rank budget of permuted rows.
     policy: the layer's `moe_expert_rank_overflow_policy`.
+    factor_needed: the smallest factor (hundredths) whose budget holds every dispatch of this
+        layer, each sized from its own token count (`sizing.needed_factor_hundredths`).
+    dropless_factor: the same of the layer's dropless dispatches (factor "auto"'s warm-up).
+    number: the layer's global number (Megatron's `layer_number`).
     """
 
     layer: str
@@ -47,6 +65,9 @@ class OverflowReport:
     rows_needed: int
     budget: int
     policy: str
+    factor_needed: float = 0.0
+    dropless_factor: float = 0.0
+    number: int = 0
 
     @property
     def overflowed(self) -> bool:
@@ -54,9 +75,11 @@ class OverflowReport:
 
     def describe(self) -> str:
         ratio = self.rows_needed / self.budget if self.budget else float("inf")
-        return (f"{self.layer}: needed {self.rows_needed} permuted rows on one rank, budget "
+        name = self.layer if self.layer == f"layer {self.number}" else f"{self.layer} (layer {self.number})"
+        return (f"{name}: needed {self.rows_needed} permuted rows on one rank, budget "
                 f"{self.budget} ({ratio:.2f}x, {self.rows_needed - self.budget:+d} rows); "
-                f"{self.dropped_pairs} (token, expert) pairs dropped")
+                f"{self.dropped_pairs} (token, expert) pairs dropped; factor "
+                f"{self.factor_needed:.2f} holds it")
 
 
 #: Dispatches a layer keeps unsettled counts for between two reads, at least (see `_ring_rows`).
@@ -64,13 +87,16 @@ MIN_PENDING_DISPATCHES = 64
 
 
 def _ring_rows() -> int:
-    """Rows of a layer's ring of unsettled counts: every forward and recompute of one step's
-    micro-batches (Megatron's calculator, where it is set up), at least
-    `MIN_PENDING_DISPATCHES`. Fixed at build: a CUDA graph holds the ring's address."""
+    """Rows of a layer's ring of unsettled counts, and the dispatches a layer runs between two
+    reads before it refuses: every forward and recompute of one step's micro-batches at the
+    largest global batch (Megatron's calculator, where it is set up: a batch-size ramp-up
+    grows to it), and an evaluation's, at least `MIN_PENDING_DISPATCHES`. Fixed at build: a
+    CUDA graph holds the ring's address."""
     try:
-        from megatron.core.num_microbatches_calculator import get_num_microbatches
+        from megatron.core import num_microbatches_calculator as calculator
 
-        microbatches = get_num_microbatches()
+        calc = calculator._GLOBAL_NUM_MICROBATCHES_CALCULATOR
+        microbatches = max(calc.get(), calc.global_batch_size // calc.micro_batch_times_data_parallel_size)
     except Exception:  # noqa: BLE001 - no calculator outside Megatron-LM's training setup
         microbatches = 0
     return max(MIN_PENDING_DISPATCHES, 2 * microbatches + 2)
@@ -78,9 +104,11 @@ def _ring_rows() -> int:
 
 class OverflowCounter:
     """The overflow counter an MoE layer owns (a mixin of `FlexMoELayer`): `[dropped pairs,
-    rows needed]` on the device, its budget and policy; `check_overflow` finds layers by it.
-    Where its manager `defers_overflow`, also the ring of unsettled dispatches: `[D, E + 1]`
-    counts and budget per dispatch, and the next row to write."""
+    rows needed, factor needed in hundredths]` on the device, its budget and policy;
+    `check_overflow` finds layers by it. Where its manager `defers_overflow`, also the ring of
+    unsettled dispatches: `[D, E + 2]` counts, T*K and budget per dispatch, and the next row
+    to write. On the host: the dispatches since the last read, and the factor the dropless
+    dispatches needed (factor "auto"'s warm-up)."""
 
     moe_overflow_stats: torch.Tensor | None  # buffers: no class default (register_buffer)
     moe_overflow_pending: torch.Tensor | None
@@ -91,26 +119,45 @@ class OverflowCounter:
     def _init_overflow_counter(self, config, dispatcher_config, manager) -> None:
         """Device counters in budget mode (None otherwise), registered as non-persistent
         buffers so they follow the layer to its device; call after `nn.Module.__init__`."""
-        stats_2 = pending = next_row = None
+        stats_3 = pending = next_row = None
         if dispatcher_config.moe_expert_rank_capacity_factor is not None:
             # On the device the layer's parameters are built on.
             on_gpu = torch.cuda.is_available() and not getattr(config, "use_cpu_initialization", False)
             device = torch.cuda.current_device() if on_gpu else "cpu"
-            stats_2 = torch.zeros(2, dtype=torch.int64, device=device)
+            stats_3 = torch.zeros(3, dtype=torch.int64, device=device)
             if manager.defers_overflow:
-                # One row per dispatch: its per-expert counts (the manager's E), then its budget.
-                pending = torch.zeros(_ring_rows(), manager.num_experts + 1, dtype=torch.int64, device=device)
+                # One row per dispatch: its per-expert counts (the manager's E), T*K, its budget.
+                pending = torch.zeros(_ring_rows(), manager.num_experts + 2, dtype=torch.int64, device=device)
                 next_row = torch.zeros((), dtype=torch.int64, device=device)
-        self.register_buffer("moe_overflow_stats", stats_2, persistent=False)
+        self.register_buffer("moe_overflow_stats", stats_3, persistent=False)
         self.register_buffer("moe_overflow_pending", pending, persistent=False)
         self.register_buffer("moe_overflow_next", next_row, persistent=False)
         self.moe_overflow_policy = dispatcher_config.moe_expert_rank_overflow_policy
         self.moe_overflow_budget = 0
+        self.moe_unread_dispatches = 0
+        self.moe_dropless_factor = 0  # hundredths; the most a dropless dispatch needed
 
     def _count_overflow(self, record) -> None:
         """Add the budget-mode dispatch `record`'s `overflow_stats`, or keep its
         `overflow_counts` for the read to settle. In place, so a CUDA graph replay updates the
-        same tensors: the sum of drops and the max of rows, or the next ring row."""
+        same tensors: the sum of drops and the max of rows, or the next ring row. A dropless
+        dispatch (the engine's switch) counts nothing but the factor it needed (its counts are
+        on the host), for factor "auto". Under policies "error" and "rerun" a layer whose
+        overflow is not read for more dispatches than a step makes raises: a loop that never
+        calls `check_overflow` would otherwise train on dropped pairs unnoticed."""
+        manager = self.token_dispatcher.manager
+        if not record.fixed:
+            rows = sum(P.align_up(int(n), manager.pad_multiple or 1) for n in record.counts)
+            slots = math.prod(record.hidden_shape[:-1]) * manager.router_topk
+            self.moe_dropless_factor = max(self.moe_dropless_factor, needed_factor_hundredths(rows, slots))
+            return
+        if not capturing() and self.moe_overflow_policy != "drop":  # a replayed graph runs no Python
+            self.moe_unread_dispatches += 1
+            if self.moe_unread_dispatches > _ring_rows():
+                raise RuntimeError(
+                    f"layer {self.layer_number}: {self.moe_unread_dispatches} budget-mode dispatches since its "
+                    "overflow was last read, so an overflow could go unnoticed; call check_overflow(model) once "
+                    "per step (Megatron-LM's training loop does, or megatron.rerun.run_step_with_rerun)")
         self.moe_overflow_budget = record.capacity
         if record.overflow_counts is not None:
             ring = self.moe_overflow_pending
@@ -119,9 +166,9 @@ class OverflowCounter:
             ring.index_copy_(0, self.moe_overflow_next.clamp(max=ring.shape[0] - 1).view(1), row[None])
             self.moe_overflow_next.add_(1)
             return
-        stats_2 = self.moe_overflow_stats
-        stats_2[0].add_(record.overflow_stats[0])
-        torch.maximum(stats_2[1], record.overflow_stats[1], out=stats_2[1])
+        stats_3 = self.moe_overflow_stats
+        stats_3[0].add_(record.overflow_stats[0])
+        torch.maximum(stats_3[1:], record.overflow_stats[1:], out=stats_3[1:])
 
     def _settle_overflow(self, name: str, rows: int) -> None:
         """Fold the ring's `rows` dispatches into the counter (a collective over the layer's
@@ -134,9 +181,9 @@ class OverflowCounter:
                 "training loop does) or read layer.overflow() at least that often")
         if rows:
             manager = self.token_dispatcher.manager
-            stats_2 = manager.settle_overflow(ring[:rows, :-1].clone(), ring[:rows, -1])
-            self.moe_overflow_stats[0].add_(stats_2[0])
-            torch.maximum(self.moe_overflow_stats[1], stats_2[1], out=self.moe_overflow_stats[1])
+            stats_3 = manager.settle_overflow(ring[:rows, :-1].clone(), ring[:rows, -1])
+            self.moe_overflow_stats[0].add_(stats_3[0])
+            torch.maximum(self.moe_overflow_stats[1:], stats_3[1:], out=self.moe_overflow_stats[1:])
         ring.zero_()
         self.moe_overflow_next.zero_()
 
@@ -150,102 +197,186 @@ class OverflowCounter:
         return read_overflow([(f"layer {self.layer_number}", self)], gather=False)[0]
 
 
-def read_overflow(layers: list[tuple[str, torch.nn.Module]], group=None,
-                  gather: bool = True) -> list[OverflowReport]:
-    """Read the layers' counters once and reset them; with `gather`, combined over `group`
-    (a collective: every rank must call)."""
-    if not layers:
-        return []
+def _take_local(layers) -> torch.Tensor:
+    """`[L, 3]` of this rank's layers, read-and-reset (rings settled first)."""
     rings = [(name, layer) for name, layer in layers if layer.moe_overflow_pending is not None]
     if rings:  # every ring's dispatch count in one host read
         rows_R = torch.stack([layer.moe_overflow_next for _, layer in rings]).tolist()
         for (name, layer), rows in zip(rings, rows_R):
             layer._settle_overflow(name, rows)
-    stats_L2 = torch.stack([layer.moe_overflow_stats for _, layer in layers])
+    stats_L3 = torch.stack([layer.moe_overflow_stats for _, layer in layers])
     for _, layer in layers:
         layer.moe_overflow_stats.zero_()
-    if gather and dist.is_initialized() and dist.get_world_size(group) > 1:
-        gathered = [torch.empty_like(stats_L2) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(gathered, stats_L2, group=group)
-        all_WL2 = torch.stack(gathered)
-        stats_L2 = torch.stack([all_WL2[..., 0].sum(0), all_WL2[..., 1].amax(0)], dim=1)
-    values = stats_L2.tolist()
-    return [OverflowReport(name, dropped, needed, layer.moe_overflow_budget, layer.moe_overflow_policy)
-            for (name, layer), (dropped, needed) in zip(layers, values)]
+        layer.moe_unread_dispatches = 0
+    return stats_L3
 
 
-def check_overflow(model, group=None) -> list[OverflowReport]:
+def _take_dropless_factors(layers) -> list[int]:
+    factors = [layer.moe_dropless_factor for _, layer in layers]
+    for _, layer in layers:
+        layer.moe_dropless_factor = 0
+    return factors
+
+
+def read_overflow(layers: list[tuple[str, torch.nn.Module]], group=None, gather: bool = True,
+                  num_layers: int | None = None) -> list[OverflowReport]:
+    """Read the layers' counters once and reset them; with `gather`, combined over `group`
+    (a collective: every rank must call, also one holding no layer).
+
+    The message is `[2, N]` (summed: layer present, dropped pairs) and `[N, 5]` (maxima: rows
+    needed, factor needed, budget, the factor of the layer's dropless dispatches, its policy)
+    by global layer number (`layer_number`, 1-based). Its length, the larger of `num_layers` and
+    the largest layer number here, must be the same on every rank: Megatron's
+    `config.num_layers` (+ MTP layers) is, on every pipeline stage; without it (None) the
+    ranks agree on the length in one more all-reduce.
+    Returns one report per layer any rank holds (named here where this rank holds it).
+    """
+    gather = gather and dist.is_initialized() and dist.get_world_size(group) > 1
+    if not layers and not gather:
+        return []
+    local_L3 = _take_local(layers) if layers else torch.zeros(0, 3, dtype=torch.int64)
+    dropless_L = _take_dropless_factors(layers)
+    if not gather:
+        return [OverflowReport(name, dropped, needed, layer.moe_overflow_budget, layer.moe_overflow_policy,
+                               factor / 100, dropless / 100, int(layer.layer_number))
+                for (name, layer), (dropped, needed, factor), dropless
+                in zip(layers, local_L3.tolist(), dropless_L)]
+    numbers = [int(layer.layer_number) for _, layer in layers]
+    device = local_L3.device if layers else flag_device(group)
+    size = max([num_layers or 0, *numbers])
+    if num_layers is None:  # no Megatron config to size the message: agree on its length first
+        size_1 = torch.tensor([size], device=device)
+        dist.all_reduce(size_1, op=dist.ReduceOp.MAX, group=group)
+        size = int(size_1)
+    present_N = torch.zeros(size, dtype=torch.int64, device=device)
+    dropped_N = torch.zeros(size, dtype=torch.int64, device=device)
+    max_N5 = torch.zeros(size, 5, dtype=torch.int64, device=device)
+    if layers:
+        index_L = torch.tensor([n - 1 for n in numbers], device=device)
+        present_N[index_L] = 1
+        dropped_N[index_L] = local_L3[:, 0]
+        extra_L3 = torch.tensor([[layer.moe_overflow_budget, dropless, _POLICIES.index(layer.moe_overflow_policy)]
+                                 for (_, layer), dropless in zip(layers, dropless_L)],
+                                dtype=torch.int64, device=device)
+        max_N5[index_L] = torch.cat([local_L3[:, 1:], extra_L3], dim=1)
+    # One fixed shape on every rank: SUM of [present, dropped] and MAX of the rest.
+    summed_2N = torch.stack([present_N, dropped_N])
+    dist.all_reduce(summed_2N, group=group)
+    dist.all_reduce(max_N5, op=dist.ReduceOp.MAX, group=group)
+    (present, dropped), maxima = summed_2N.tolist(), max_N5.tolist()
+    here = {n: name for n, (name, _) in zip(numbers, layers)}
+    reports = []
+    for i in range(size):
+        if present[i]:
+            rows, factor, budget, dropless, policy = maxima[i]
+            reports.append(OverflowReport(here.get(i + 1, f"layer {i + 1}"), dropped[i], rows, budget,
+                                          _POLICIES[policy], factor / 100, dropless / 100, i + 1))
+    return reports
+
+
+def budget_layers(model) -> list[tuple[str, torch.nn.Module]]:
+    """`(name, layer)` of every sync-free `FlexMoELayer` in `model` (a module or Megatron's list
+    of model chunks)."""
+    modules = model if isinstance(model, (list, tuple)) else [model]
+    return [(name or f"layer {layer.layer_number}", layer)
+            for module in modules for name, layer in module.named_modules()
+            if isinstance(layer, OverflowCounter) and layer.moe_overflow_stats is not None]
+
+
+def _num_layers(model) -> int | None:
+    """Megatron's global layer count (decoder and MTP layers), from any config in `model`: the
+    same on every pipeline stage, so the read's message has one shape everywhere."""
+    modules = model if isinstance(model, (list, tuple)) else [model]
+    for module in modules:
+        for sub in module.modules():
+            config = getattr(sub, "config", None)
+            if getattr(config, "num_layers", None):
+                return config.num_layers + (getattr(config, "mtp_num_layers", None) or 0)
+    return None
+
+
+def check_overflow(model, group=None, rerun: bool = False) -> list[OverflowReport]:
     """Read and reset every sync-free `FlexMoELayer`'s overflow once; apply each layer's policy.
 
-    Call it once per step, outside CUDA graphs, on every rank (it all-gathers over `group`,
-    default the world), before the optimizer step so that policy "error" stops a step
-    computed on dropped tokens.
+    Call it once per step, outside CUDA graphs, on every rank (also ranks of pipeline stages
+    without MoE layers: it all-reduces over `group`, default the world), before the optimizer
+    step so that a step computed on dropped tokens is never applied. It also ends factor
+    "auto"'s warm-up (`AutoFactor`).
 
     Arguments:
         model: a module or a list of modules (Megatron's model chunks).
         group: the ranks whose counts are combined (default: the whole world).
+        rerun: the caller runs a step whose layers under policy "rerun" overflowed again
+            (`megatron.rerun.run_step_with_rerun`); without it such a step raises.
 
     Returns:
         One `OverflowReport` per sync-free MoE layer (empty when there is none).
 
     Raises:
-        MoEOverflowError: a layer with policy "error" dropped pairs in this step.
+        MoEOverflowError: a layer with policy "error" (or "rerun", without `rerun`) dropped
+            pairs in this step; it names the layer and the factor that would have held it.
     """
-    modules = model if isinstance(model, (list, tuple)) else [model]
-    layers = [(name or f"layer {layer.layer_number}", layer)
-              for module in modules for name, layer in module.named_modules()
-              if isinstance(layer, OverflowCounter) and layer.moe_overflow_stats is not None]
-    reports = read_overflow(layers, group)
+    layers = budget_layers(model)
+    reports = read_overflow(layers, group, num_layers=_num_layers(model))
     over = [r for r in reports if r.overflowed]
-    errors = [r for r in over if r.policy == "error"]
+    errors = [r for r in over if r.policy == "error" or (r.policy == "rerun" and not rerun)]
     for report in over:
         if report.policy == "drop":
             logger.warning("MoE budget overflow (policy drop): %s", report.describe())
+    AutoFactor.advance(layers, reports)
     if errors:
-        factors = {layer.dispatcher_config.moe_expert_rank_capacity_factor for _, layer in layers}
-        # Budgets scale linearly with the factor: this one would have held every row needed.
-        needed = max(max(factors) * r.rows_needed / max(r.budget, 1) for r in errors)
+        needed = max(r.factor_needed for r in errors)
         raise MoEOverflowError(
             "MoE routing exceeded the per-rank budget (moe_expert_rank_capacity_factor) under "
-            "moe_expert_rank_overflow_policy='error': "
+            f"moe_expert_rank_overflow_policy={errors[0].policy!r}: "
             + "; ".join(r.describe() for r in errors)
             + f". Set moe_expert_rank_capacity_factor (from the command line: "
-            f"MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR) to at least {math.ceil(needed * 100) / 100:.2f} "
-            f"(now {max(factors)}), or the policy to 'drop'.")
+            f"MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR) to at least {needed:.2f}, or the policy to 'drop'"
+            + ("" if errors[0].policy == "error" else
+               ", or run the step through megatron_moe_ext.megatron.rerun.run_step_with_rerun") + ".")
     return reports
 
 
-def _checked(schedule):
-    """`schedule` ending each training forward-backward with `check_overflow(model)`, except
-    inside a CUDA graph capture (the host read waits for the graph's replay)."""
-    def forward_backward(*args, **kwargs):
-        losses = schedule(*args, **kwargs)
-        if not kwargs.get("forward_only", False) and not _capturing():
-            check_overflow(kwargs["model"])
-        return losses
-    return forward_backward
+class AutoFactor:
+    """Factor "auto": the first `warmup_steps` steps of a layer run dropless (the engine's
+    switch), each dropless dispatch recording the factor it needed (`_count_overflow`); the
+    read after the last of them sets, on every rank, the factor = the most any layer needed
+    on any rank times `AUTO_FACTOR_MARGIN`, rounded up to `AUTO_FACTOR_STEP`, logs it once,
+    and turns the budget path on."""
+
+    @staticmethod
+    def start(layer, warmup_steps: int) -> None:
+        layer.moe_auto_steps_left = max(1, warmup_steps)
+        layer.token_dispatcher.manager.dropless = True
+
+    @staticmethod
+    def advance(layers, reports) -> None:
+        """After a read: count one warm-up step; after the last, fix the factor from `reports`
+        (the read's, combined over the group: the same on every rank)."""
+        waiting = [layer for _, layer in layers if getattr(layer, "moe_auto_steps_left", 0) > 0]
+        for layer in waiting:
+            layer.moe_auto_steps_left -= 1
+        done = [layer for layer in waiting if layer.moe_auto_steps_left == 0]
+        if not done:
+            return
+        measured = max(r.dropless_factor for r in reports)
+        factor = auto_factor(measured)
+        for layer in done:
+            layer.token_dispatcher.manager.sizing.factor = factor
+            layer.token_dispatcher.manager.dropless = False
+        log_rank0(f"MoE budget factor auto: the dropless warm-up needed {measured:.2f}x the balanced "
+                   f"load; moe_expert_rank_capacity_factor = {factor:.2f} from now on")
 
 
-def check_overflow_after_each_step() -> None:
-    """Make Megatron-LM's training loop call `check_overflow(model)` after the forward and
-    backward of every step, before its optimizer step (a budget-mode layer built from the
-    command line has no other step boundary to report at). Wraps the schedule that
-    `megatron.training.training` asks `get_forward_backward_func` for and, with
-    `--cuda-graph-impl full_iteration`, the `FullCudaGraphWrapper` around it (whose replays
-    never call the schedule); once per process."""
-    training = sys.modules.get("megatron.training.training")
-    if training is None or getattr(training.get_forward_backward_func, "checks_moe_overflow", False):
-        return
-    get_schedule = training.get_forward_backward_func
+def auto_factor(measured: float) -> float:
+    """`measured` times the margin, rounded up to the step (at least one step)."""
+    steps = math.ceil(round(measured * AUTO_FACTOR_MARGIN / AUTO_FACTOR_STEP, 6))
+    return round(max(1, steps) * AUTO_FACTOR_STEP, 2)
 
-    def get_checking_schedule(*args, **kwargs):
-        return _checked(get_schedule(*args, **kwargs))
 
-    get_checking_schedule.checks_moe_overflow = True
-    training.get_forward_backward_func = get_checking_schedule
-    full_graph = getattr(training, "FullCudaGraphWrapper", None)
-    if full_graph is not None:
-        class CheckingFullCudaGraphWrapper(full_graph):
-            __call__ = _checked(full_graph.__call__)
+def log_rank0(message: str) -> None:
+    """One line on rank 0 of Megatron's log."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        logger.warning(message)
 
-        training.FullCudaGraphWrapper = CheckingFullCudaGraphWrapper
+

@@ -7,6 +7,10 @@ Each calls Megatron's builder and swaps the MoE layer with `use_flex_moe_layer`,
 `(config, vp_stage=...)` (`get_flex_decoder_block_spec`: per pipeline stage, `moe_layer_freq`
 honoured) and passes a `ModuleSpec` as it is (`flex_moe_layer_spec`: every layer MoE; the only
 one that fits the legacy `gpt_builders.gpt_builder`).
+
+The spec functions (not `use_flex_moe_layer`, a building block) also install the budget mode's
+step boundary in Megatron-LM's training loop (`megatron/rerun.py`: the overflow read and the
+rerun), as `patches.apply()` does: choosing them is choosing the package's loop behaviour.
 """
 
 from __future__ import annotations
@@ -22,7 +26,15 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
+from megatron_moe_ext.megatron import rerun
 from megatron_moe_ext.megatron.moe_layer import FlexMoELayer
+
+
+def install_step_boundary(dispatcher_config: TokenDispatcherConfig | None = None) -> None:
+    """Megatron-LM's training loop reads the budget overflow after each step and reruns an
+    overflowed one (`rerun.install`)."""
+    rerun.install(budget=dispatcher_config is not None
+                  and dispatcher_config.moe_expert_rank_capacity_factor is not None)
 
 
 def _flex_kwargs(dispatcher_config, experts) -> dict:
@@ -121,6 +133,7 @@ def get_flex_decoder_block_spec(config, vp_stage: int | None = None, *,
         `TransformerBlockSubmodules` of this pipeline stage's layers.
     """
     config = _transformer_config(config)
+    install_step_boundary(dispatcher_config)
     block = gpt_layer_specs.get_gpt_decoder_block_spec(
         config, use_transformer_engine=use_te(use_transformer_engine,
                                                config.transformer_impl == "transformer_engine"),
@@ -151,10 +164,11 @@ def get_flex_layer_spec(num_experts: int, moe_grouped_gemm: bool = False, *,
     builder = (gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec if use_te(use_transformer_engine)
                else gpt_layer_specs.get_gpt_layer_local_spec)
     spec = builder(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm, **layer_kwargs)
+    install_step_boundary(dispatcher_config)
     return use_flex_moe_layer(spec, dispatcher_config, experts)
 
 
-class _DeferredLayerSpec(ModuleSpec):
+class DeferredSpec(ModuleSpec):
     """A `ModuleSpec` whose fields are read from `build()`'s spec, built on first read, so the
     object exists at import (`--spec` reads `vars(module)[name]`) without building a spec (and
     probing TE) then. `dataclasses.replace` of it gives an already-built one."""
@@ -170,10 +184,10 @@ class _DeferredLayerSpec(ModuleSpec):
 
 
 for _field in dataclasses.fields(ModuleSpec):
-    setattr(_DeferredLayerSpec, _field.name, property(
+    setattr(DeferredSpec, _field.name, property(
         lambda self, name=_field.name: getattr(self._spec, name),
         lambda self, value, name=_field.name: setattr(self._spec, name, value)))
 
 # For `--spec megatron_moe_ext.megatron.specs flex_moe_layer_spec`; the layer takes its expert
 # count from the config.
-flex_moe_layer_spec = _DeferredLayerSpec(build=functools.partial(get_flex_layer_spec, num_experts=1))
+flex_moe_layer_spec = DeferredSpec(build=functools.partial(get_flex_layer_spec, num_experts=1))

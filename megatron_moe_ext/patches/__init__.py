@@ -11,6 +11,10 @@ every GPT builder goes through. Patching it also catches builders imported by na
 `apply()`; specs built before `apply()` keep Megatron's layer. The HybridModel stacks of
 `hybrid_layer_specs` are built at import, so `apply()` swaps their MoE layer's MLP in place
 (Megatron-LM imports the stack object by name) and `revert()` puts it back.
+
+`apply()` also installs the budget mode's step boundary in Megatron-LM's training loop (the
+overflow read after each step and the rerun of an overflowed one, `megatron/rerun.py`);
+`revert()` removes it. Building a layer installs nothing.
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ def apply(dispatcher_config: TokenDispatcherConfig | None = None, experts=None) 
     (call `revert()` first), so two callers cannot silently disagree.
     """
     global _applied
-    from megatron_moe_ext.megatron.specs import flex_layer_builder, flex_moe_builder
+    from megatron_moe_ext.megatron.specs import flex_layer_builder, flex_moe_builder, install_step_boundary
 
     builder = flex_layer_builder(dispatcher_config, experts)
     with _lock:
@@ -83,14 +87,18 @@ def apply(dispatcher_config: TokenDispatcherConfig | None = None, experts=None) 
         _moe_module_specs.MoELayer = builder
         for slot in slots:
             slot.mlp = flex_moe_builder(slot.mlp, dispatcher_config, experts)
+        install_step_boundary(dispatcher_config)
 
 
 def revert() -> None:
     """Restore Megatron's own MoE layer class (the identical object); a no-op if not applied."""
     global _applied
+    from megatron_moe_ext.megatron import rerun
+
     with _lock:
         if _applied is None:
             return
+        rerun.uninstall()
         _moe_module_specs.MoELayer = _applied["original"]
         for slot, mlp in _applied["hybrid"]:
             slot.mlp = mlp

@@ -68,18 +68,22 @@ def env_int(name: str, default: _Default, *, minimum: int | None = None) -> int 
     return value
 
 
-def env_float(name: str, default: _Default, *, above: float | None = None) -> float | _Default:
+def env_float(name: str, default: _Default, *, above: float | None = None,
+              words: tuple[str, ...] = ()) -> float | str | _Default:
     """A finite number, greater than `above` where given (`above=0`: a factor that must be
-    positive)."""
+    positive), or one of `words` (lower-case, matched case-insensitively)."""
     raw = _raw(name)
     if raw is None:
         return default
+    if raw.lower() in words:
+        return raw.lower()
     try:
         value = float(raw)
     except ValueError:
         value = math.nan
     if not math.isfinite(value) or (above is not None and value <= above):
-        raise _fail(name, raw, "expected a finite number" + ("" if above is None else f" > {above}"))
+        raise _fail(name, raw, "expected a finite number" + ("" if above is None else f" > {above}")
+                    + "".join(f" or {word!r}" for word in words))
     return value
 
 

@@ -83,9 +83,10 @@ def test_profiled_wrapper_options_gate_and_overflow(tmp_path):
     class Budgeted(torch.nn.Module, overflow_module.OverflowCounter):
         def __init__(self, number):
             super().__init__()
-            self.register_buffer("moe_overflow_stats", torch.zeros(2, dtype=torch.int64), persistent=False)
+            self.register_buffer("moe_overflow_stats", torch.zeros(3, dtype=torch.int64), persistent=False)
             self.register_buffer("moe_overflow_pending", None)  # counts every dispatch alone
             self.moe_overflow_budget, self.moe_overflow_policy, self.layer_number = 4096, "drop", number
+            self.moe_dropless_factor = 0
 
     # The training loop's check (installed by the layers) reads and resets the counters once per
     # step; the wrapper records what it read, also on steps where the check ran twice.
@@ -96,11 +97,11 @@ def test_profiled_wrapper_options_gate_and_overflow(tmp_path):
         overflow.install()
         for dropped, checks in (([0, 0], 1), ([3, 4], 2), ([0, 1], 1)):
             for layer, n in zip(layers, dropped):
-                layer.moe_overflow_stats.add_(torch.tensor([n, 4000 + n]))
+                layer.moe_overflow_stats.add_(torch.tensor([n, 4000 + n, 0]))
             for _ in range(checks):
                 overflow_module.check_overflow([layers])
             overflow.after_step()
-        assert layers[0].moe_overflow_stats.tolist() == [0, 0]  # the check reset them
+        assert layers[0].moe_overflow_stats.tolist() == [0, 0, 0]  # the check reset them
     finally:
         overflow_module.check_overflow = check
     assert overflow.report() == dict(layers=2, dropped_pairs_per_iteration=[0, 7, 1], max_rows_needed=4004,

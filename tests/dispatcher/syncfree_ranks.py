@@ -15,6 +15,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from megatron_moe_ext.dispatcher.common import permute as P
 from megatron_moe_ext.dispatcher.common.buffers import release_all as release_buffers
 from tests.dispatcher.capacity_ranks import HostReadCounter
 from tests.dispatcher.cases import TOLERANCE, build_dispatcher
@@ -137,8 +138,15 @@ def syncfree_vs_blocking(backend: str = "torch", dtype: str = "fp32", device: st
         stats=got["stats"].tolist(), pairs=int(sum(ref["tpe"].tolist())),
         counts_equal=got["tpe"].tolist() == ref["tpe"].tolist(),
         counts_device=got["tpe"].device.type == torch.device(device).type,
-        host_reads=counter.calls,
+        host_reads=counter.calls, rows_needed=int(sum(ref["tpe"].tolist())), **_sizes(budget),
     )
+
+
+def _sizes(disp) -> dict:
+    """What `rank_budget` sizes a dispatch of this test's T tokens from (HybridEP: T padded)."""
+    manager = disp.manager
+    tokens = P.align_up(T, 4) if type(manager).__name__ == "HybridEPManager" else T
+    return dict(tokens=tokens, topk=manager.router_topk, pad=manager.pad_multiple)
 
 
 def _skewed(x):
@@ -188,7 +196,7 @@ def syncfree_overflow_then_fit(backend: str = "torch", device: str = "cpu"):
     ref = _dense(x, indices, probs, params)
     fit = dict(stats=got["stats"].tolist(), diffs={k: _err(got[k], ref[k]) for k in ("y", "gx", "gp")})
     release_buffers()
-    return dict(skew=skew, fit=fit, host_reads=counter.calls, budget=budget_rows,
+    return dict(skew=skew, fit=fit, host_reads=counter.calls, budget=budget_rows, **_sizes(disp),
                 tol=TOLERANCE["bf16" if dtype == torch.bfloat16 else "fp32"])
 
 
@@ -268,3 +276,25 @@ def hybridep_budget_collectives(device: str = "cpu") -> dict:
     release_buffers()
     return dict(calls=[c for c in collectives.calls if not c.endswith("in settle_overflow")],
                 custom_allgather=custom)
+
+
+def unequal_token_counts(backend: str, later: bool = False):
+    """Budget mode with another token count on rank 1 (from the first dispatch, or `later`:
+    after a first step of equal counts): every rank must raise the same ValueError naming
+    `moe_expert_rank_capacity_factor`, none may wait or overrun a buffer."""
+    rank = dist.get_rank()
+    case, dtype, overrides = _backend_setup(backend, torch.float32)
+    disp = build_dispatcher(case, backend, moe_share_token_dispatcher=False,
+                            moe_expert_rank_capacity_factor=2.0, **overrides)
+    params = toy_expert_params(E, case.hidden)
+    x, indices, probs = make_routing(case, rank, dtype)
+    try:
+        if later:
+            _step(disp, x, indices, probs, params)
+        tokens = x.shape[0] - 4 if rank == 1 else x.shape[0]
+        _step(disp, x[:tokens], indices[:tokens], probs[:tokens], params)
+    except Exception as exc:  # noqa: BLE001 - the test reads the type and message
+        return dict(type=type(exc).__name__, message=str(exc))
+    finally:
+        release_buffers()
+    return dict(type=None)

@@ -38,7 +38,8 @@ def test_syncfree_equals_blocking_within_budget(dist_pools, world, backend, dtyp
         assert r["diffs"] == {"y": 0.0, "gx": 0.0, "gp": 0.0}, r
         assert r["rows"] == r["budget"], r
         assert r["counts_device"] and r["counts_equal"], r
-        assert r["stats"] == [0, r["pairs"]], r
+        assert r["stats"][:2] == [0, r["pairs"]], r
+        assert P.rank_budget(r["tokens"], r["topk"], r["stats"][2] / 100, r["pad"]) >= r["rows_needed"], r
         assert r["host_reads"] == [], r
 
 
@@ -49,7 +50,9 @@ def test_syncfree_overflow_counted_and_dropped_then_fits(dist_pools, world, back
     assert results[0]["skew"]["expected_dropped"] > 0
     for rank, r in enumerate(results):
         skew, fit = r["skew"], r["fit"]
-        assert skew["stats"] == [skew["expected_dropped"], skew["expected_needed"]], (rank, r)
+        assert skew["stats"][:2] == [skew["expected_dropped"], skew["expected_needed"]], (rank, r)
+        # The factor named holds the rows this dispatch needed at its own token count.
+        assert P.rank_budget(r["tokens"], r["topk"], skew["stats"][2] / 100, r["pad"]) >= skew["expected_needed"]
         for phase in (skew, fit):
             for key, err in phase["diffs"].items():
                 assert err <= r["tol"], (rank, key, r)
@@ -95,7 +98,7 @@ def test_from_transformer_config_maps_megatrons_rank_capacity_factor():
     config = types.SimpleNamespace(moe_token_dispatcher_type="alltoall", moe_router_topk=2,
                                    num_moe_experts=8, moe_expert_rank_capacity_factor=1.25)
     cfg = TokenDispatcherConfig.from_transformer_config(config)
-    assert cfg.moe_expert_rank_capacity_factor == 1.25 and cfg.moe_expert_rank_overflow_policy == "error"
+    assert cfg.moe_expert_rank_capacity_factor == 1.25 and cfg.moe_expert_rank_overflow_policy == "rerun"
 
 
 @pytest.mark.parametrize("impl,modules,captured", [
@@ -162,3 +165,12 @@ def test_hybridep_budget_step_over_gloo_calls_no_collective(dist_pools):
     all-gather of the routing map."""
     for r in dist_pools(2).run(syncfree_ranks.hybridep_budget_collectives, timeout=120):
         assert r == dict(calls=[], custom_allgather=True), r
+
+
+@pytest.mark.parametrize("later", [False, True])
+@pytest.mark.parametrize("world,backend", [(2, "torch"), (2, "deepep"), (4, "deepep")])
+def test_budget_mode_with_unequal_token_counts_raises_on_every_rank(dist_pools, world, backend, later):
+    """DeepEP sized its receive buffer from its own T: a peer with more tokens overran it (EP 2:
+    one rank asserted, the other waited). Every backend agrees on T as the torch one does."""
+    for r in dist_pools(world).run(syncfree_ranks.unequal_token_counts, backend, later):
+        assert r["type"] == "ValueError" and "moe_expert_rank_capacity_factor" in r["message"], r

@@ -28,7 +28,7 @@ HIDDEN = {"torch": 16, "hybridep": 128}  # HybridEP's rows: a multiple of 16, at
 H = HIDDEN["torch"]
 
 
-def _build(policy: str, backend: str = "torch"):
+def _build(policy: str, backend: str = "torch", factor=1.0, seq: int = SEQ):
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 
     from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
@@ -37,7 +37,7 @@ def _build(policy: str, backend: str = "torch"):
 
     ep, hidden = dist.get_world_size(), HIDDEN[backend]
     pg = megatron_cpu.init_parallel_state(ep)
-    config = layer_config(LayerCase("syncfree", num_experts=E, topk=K, hidden=hidden, seq=SEQ, batch=BATCH,
+    config = layer_config(LayerCase("syncfree", num_experts=E, topk=K, hidden=hidden, seq=seq, batch=BATCH,
                                     gated=True, dtype="fp32" if backend == "torch" else "bf16"), ep)
     config.activation_func = torch.nn.functional.silu  # swiglu, what GroupedGemmExperts computes
     overrides = {}
@@ -47,7 +47,7 @@ def _build(policy: str, backend: str = "torch"):
         use_backend()
         overrides = dict(moe_flex_dispatcher_backend="hybridep", moe_hybridep_equal_token_counts=True)
     dcfg = TokenDispatcherConfig.from_transformer_config(
-        config, moe_expert_rank_capacity_factor=1.0, moe_expert_rank_overflow_policy=policy,
+        config, moe_expert_rank_capacity_factor=factor, moe_expert_rank_overflow_policy=policy,
         moe_router_expert_pad_multiple=8, moe_share_token_dispatcher=False, **overrides)
     spec = get_moe_module_spec(use_te=False, num_experts=E)
     layer = FlexMoELayer(config, submodules=spec.keywords["submodules"], pg_collection=pg,
@@ -121,9 +121,9 @@ def run_unread_steps(steps: int, ring_rows: int) -> dict:
     try:
         layer = _build("drop", "hybridep")
         model = torch.nn.ModuleDict({"decoder": torch.nn.ModuleDict({"mlp": layer})})
-        for _ in range(steps):
-            _step(layer, torch.zeros(T, dtype=torch.long))
         try:
+            for _ in range(steps):
+                _step(layer, torch.zeros(T, dtype=torch.long))
             (report,) = overflow.check_overflow(model)
         except RuntimeError as exc:
             return dict(error=str(exc), ring=int(layer.moe_overflow_next))

@@ -1,16 +1,13 @@
 """Megatron's CUDA-graph scopes against the layer's settings, checked at build
 (`megatron/graphs.py`), and the budget mode from the command line (`config.py`'s environment
-variables, `overflow.check_overflow_after_each_step`)."""
+variables; the step boundary in Megatron-LM's loop is tests/megatron/test_rerun.py's)."""
 
-import sys
-import types
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
-from megatron_moe_ext.megatron import graphs, overflow
+from megatron_moe_ext.megatron import graphs
 
 
 def _config(impl, modules, **extra):
@@ -74,8 +71,10 @@ def test_budget_mode_from_the_environment(monkeypatch):
     cfg = TokenDispatcherConfig.from_transformer_config(_megatron_config())
     assert (cfg.moe_expert_rank_capacity_factor, cfg.moe_expert_rank_overflow_policy) == (1.25, "drop")
     monkeypatch.delenv("MOE_EXT_EXPERT_RANK_OVERFLOW_POLICY")
-    config = TokenDispatcherConfig.from_transformer_config(_megatron_config())
-    assert config.moe_expert_rank_overflow_policy == "error"
+    default = TokenDispatcherConfig.from_transformer_config(_megatron_config())
+    assert default.moe_expert_rank_overflow_policy == "rerun"
+    monkeypatch.setenv("MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR", "Auto")
+    assert TokenDispatcherConfig.from_transformer_config(_megatron_config()).moe_expert_rank_capacity_factor == "auto"
     monkeypatch.delenv("MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR")
     assert TokenDispatcherConfig.from_transformer_config(_megatron_config()).moe_expert_rank_capacity_factor is None
 
@@ -84,7 +83,8 @@ def test_budget_mode_from_the_environment(monkeypatch):
     ("MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR", "0", "> 0"),
     ("MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR", "lots", "> 0"),
     ("MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR", "nan", "> 0"),
-    ("MOE_EXT_EXPERT_RANK_OVERFLOW_POLICY", "ignore", "'error', 'drop'"),
+    ("MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR", "automatic", "'auto'"),
+    ("MOE_EXT_EXPERT_RANK_OVERFLOW_POLICY", "ignore", "'rerun', 'error', 'drop'"),
 ])
 def test_budget_environment_refuses_bad_values(monkeypatch, name, value, allowed):
     monkeypatch.setenv(name, value)
@@ -96,79 +96,3 @@ def test_environment_factor_contradicting_megatrons_is_refused(monkeypatch):
     monkeypatch.setenv("MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR", "2")
     with pytest.raises(ValueError, match="contradicts Megatron's moe_expert_rank_capacity_factor=1.5"):
         TokenDispatcherConfig.from_transformer_config(_megatron_config(moe_expert_rank_capacity_factor=1.5))
-
-
-class _Layer(overflow.OverflowCounter, torch.nn.Module):
-    """A budget-mode layer's counter alone (what `check_overflow` reads)."""
-
-    def __init__(self, policy):
-        torch.nn.Module.__init__(self)
-        self.layer_number = 1
-        self.dispatcher_config = _dcfg(moe_expert_rank_capacity_factor=1.0, moe_expert_rank_overflow_policy=policy)
-        self._init_overflow_counter(SimpleNamespace(use_cpu_initialization=True), self.dispatcher_config,
-                                    SimpleNamespace(defers_overflow=False))  # the torch backend's manager
-        self.moe_overflow_budget = 32
-
-
-def test_megatron_training_loop_checks_overflow_after_each_step(monkeypatch):
-    """A stand-in of `megatron.training.training` (its `get_forward_backward_func`, as
-    Megatron-LM's `train()` asks it once): after the patch, each training forward-backward
-    ends with `check_overflow(model)`, and "error" names the layer and the factor to set."""
-    calls = []
-
-    def get_forward_backward_func(**kwargs):
-        def schedule(**f_kwargs):
-            calls.append(f_kwargs["forward_only"])
-            f_kwargs["model"][0].moe_overflow_stats.add_(torch.tensor([3, 48]))
-            return ["losses"]
-        return schedule
-
-    training = types.ModuleType("megatron.training.training")
-    training.get_forward_backward_func = get_forward_backward_func
-    monkeypatch.setitem(sys.modules, "megatron.training.training", training)
-    overflow.check_overflow_after_each_step()
-    overflow.check_overflow_after_each_step()  # once per process: no second wrapper
-    schedule = training.get_forward_backward_func()
-    layer = _Layer("error")
-    with pytest.raises(overflow.MoEOverflowError, match=r"layer 1: needed 48 .* at least 1\.50 \(now 1\.0\)"):
-        schedule(model=[layer], forward_only=False)
-    assert schedule(model=[layer], forward_only=True) == ["losses"]  # evaluation: not checked here
-    assert calls == [False, True] and layer.moe_overflow_stats.tolist() == [3, 48]
-
-
-def test_full_iteration_graph_checks_overflow_after_each_replay(monkeypatch):
-    """With `--cuda-graph-impl full_iteration`, Megatron-LM's `train()` wraps the schedule in
-    `FullCudaGraphWrapper`, which runs it once inside a capture and then replays the graph
-    without calling it. The check must skip the capture (a host read there breaks it) and run
-    after every call of the wrapper, replays included."""
-    stats = torch.tensor([5, 40])
-
-    class FullCudaGraphWrapper:  # a stand-in: step 0 captures, later steps replay
-        def __init__(self, forward_backward_func, cuda_graph_warmup_steps=0):
-            self.forward_backward_func, self.step = forward_backward_func, 0
-
-        def __call__(self, **kwargs):
-            if self.step == 0:
-                monkeypatch.setattr(overflow, "_capturing", lambda: True)
-                self.result = self.forward_backward_func(**kwargs)
-                monkeypatch.setattr(overflow, "_capturing", lambda: False)
-            kwargs["model"][0].moe_overflow_stats.add_(stats)  # what a replay does on the device
-            self.step += 1
-            return self.result
-
-    def schedule(**kwargs):
-        return ["losses"]
-
-    training = types.ModuleType("megatron.training.training")
-    training.get_forward_backward_func = lambda **kwargs: schedule
-    training.FullCudaGraphWrapper = FullCudaGraphWrapper
-    monkeypatch.setitem(sys.modules, "megatron.training.training", training)
-    overflow.check_overflow_after_each_step()
-    wrapped = training.FullCudaGraphWrapper(training.get_forward_backward_func(), cuda_graph_warmup_steps=0)
-    assert isinstance(wrapped, FullCudaGraphWrapper)
-    layer = _Layer("error")
-    for _ in range(2):  # the capture step, then a replay: each checked once, after the graph ran
-        with pytest.raises(overflow.MoEOverflowError, match=r"layer 1: needed 40 .* 5 \(token, expert\) pairs"):
-            wrapped(model=[layer], forward_only=False)
-        assert layer.moe_overflow_stats.tolist() == [0, 0]
-    assert wrapped(model=[layer], forward_only=True) == ["losses"]  # evaluation: not checked

@@ -36,6 +36,7 @@ def test_hybridep_ring_keeps_every_unread_step_and_refuses_more_than_it_holds(di
     """Three overflowing steps read once: three steps' drops. One step more than the ring holds:
     a RuntimeError on every rank naming check_overflow, never counts silently merged."""
     for r in dist_pools(2).run(cases.run_unread_steps, 3, 4):
+        assert "error" not in r, r
         assert r["dropped"] == 3 * r["per_step"] and r["needed"] == 2 * cases.T * 2, r
     for r in dist_pools(2).run(cases.run_unread_steps, 3, 2):
         assert "3 budget-mode dispatches" in r["error"] and "check_overflow(model)" in r["error"], r

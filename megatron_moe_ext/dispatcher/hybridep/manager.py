@@ -7,11 +7,12 @@ padding rows, sliced off after combine), the static-routing pins, capacity mode 
 blocking calibration dispatch, which also pins the padded per-rank token count, so a larger
 batch later raises ValueError, then non-blocking fixed-size dispatches guarded by a
 device-side overflow assert) and budget mode (`moe_expert_rank_capacity_factor`, with
-`moe_hybridep_equal_token_counts`: every dispatch non-blocking at `permute.rank_budget(T', K,
-factor)` rows, no host read, no collective of the package's; HybridEP drops what does not
-fit, and the record's per-expert `overflow_counts` are settled at the step boundary:
-`settle_overflow`). Over gloo HybridEP all-gathers the routing map with its own kernel, so a
-CUDA graph can hold a dispatch there too. Per layer: its capacity and pins; shared: only the
+`moe_hybridep_equal_token_counts`: every dispatch non-blocking at `sizing.Budget`'s rows, no
+host read, no collective of the package's; HybridEP drops what does not fit, and the record's
+per-expert `overflow_counts` are settled at the step boundary: `settle_overflow`); a
+`sizing.FixedShapeEngine`, its `dropless` switch makes every dispatch blocking and dropless.
+Over gloo HybridEP all-gathers the routing map with its own kernel, so a CUDA graph can hold
+a dispatch there too. Per layer: its capacity and pins; shared: only the
 `HybridEPBuffer`, one per `buffer_key`.
 
 Legend: T local tokens, T' padded tokens, H hidden, E experts, e local experts, K top-k,
@@ -26,7 +27,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from megatron_moe_ext.dispatcher.common import buffers, checks
+from megatron_moe_ext.dispatcher.common import buffers, checks, sizing
 from megatron_moe_ext.dispatcher.common import permute as P
 from megatron_moe_ext.dispatcher.common.base import DispatchManager
 from megatron_moe_ext.dispatcher.hybridep.metadata import HybridEPMetadataProcessor
@@ -125,7 +126,7 @@ class _HybridEPCombine(torch.autograd.Function):
         return grad_PH, None, None, None, None
 
 
-class HybridEPManager(DispatchManager):
+class HybridEPManager(sizing.FixedShapeEngine, DispatchManager):
     """Fused permute + all-to-all + permute with HybridEP.
 
     Arguments:
@@ -164,7 +165,7 @@ class HybridEPManager(DispatchManager):
         moe_hybridep_num_blocks_unpermute: int | None = None,
         benchmark_static_routing: bool = False,
         moe_hybridep_capacity_factor: float | None = None,
-        moe_expert_rank_capacity_factor: float | None = None,
+        moe_expert_rank_capacity_factor: float | str | None = None,
         moe_hybridep_equal_token_counts: bool = False,
         moe_router_expert_pad_multiple: int | None = None,
         router_dtype: str | None = None,
@@ -187,7 +188,9 @@ class HybridEPManager(DispatchManager):
         self.num_blocks_unpermute = moe_hybridep_num_blocks_unpermute
         self.benchmark_static_routing = benchmark_static_routing
         self.hybridep_capacity_factor = moe_hybridep_capacity_factor
-        self.budget_factor = moe_expert_rank_capacity_factor
+        self.sizing = (sizing.Budget(moe_expert_rank_capacity_factor) if moe_expert_rank_capacity_factor is not None
+                       else None if moe_hybridep_capacity_factor is None
+                       else sizing.CalibratedCapacity(moe_hybridep_capacity_factor))
         self.equal_token_counts = moe_hybridep_equal_token_counts
         self.pad_multiple = moe_router_expert_pad_multiple
         self.router_dtype = router_dtype
@@ -274,8 +277,8 @@ class HybridEPManager(DispatchManager):
         Only the calibrated capacity and the static-routing pin persist across dispatches;
         any other cached count would be reused wrongly under activation-checkpoint recompute.
         """
-        if capacity_mode and self.budget_factor is not None:
-            return P.rank_budget(padded_tokens, self.router_topk, self.budget_factor, self.pad_multiple)
+        if capacity_mode and self.defers_overflow:
+            return self.sizing.rows(padded_tokens, self.router_topk, self.pad_multiple)
         if capacity_mode and self._hybridep_capacity is not None:
             return self._hybridep_capacity
         return self._static_num_permuted_tokens if self._static_pin() else None
@@ -341,7 +344,7 @@ class HybridEPManager(DispatchManager):
         probs = torch.zeros(routing_map.shape, dtype=torch.float32, device=like.device)
         firsts = torch.arange(world, device=like.device) * self.num_local_experts
         routing_map[0, firsts], probs[0, firsts] = True, -float(checks.FLAG_BASE + word)
-        num_permuted = self._resolve_num_permuted_tokens(self._fixed_shape(), padded)
+        num_permuted = self._resolve_num_permuted_tokens(self.fixed_shape, padded)
         with torch.no_grad():
             self._buffer(like.shape[-1], padded).dispatch_with_permute(
                 hidden=like.new_zeros(padded, like.shape[-1]), routing_map=routing_map, probs=probs,
@@ -359,7 +362,7 @@ class HybridEPManager(DispatchManager):
         """
         self.check_rows(hidden_states)
         if capacity_mode is None:
-            capacity_mode = self._fixed_shape()
+            capacity_mode = self.fixed_shape
         padded = record.token_probs.shape[0]
         x_TH = hidden_states
         if padded > x_TH.shape[0]:
@@ -382,9 +385,11 @@ class HybridEPManager(DispatchManager):
         else:
             routed_P = torch.arange(probs_P.shape[0], device=probs_P.device) < counts_e.sum()
             checks.raise_on_flagged(torch.where(routed_P, probs_P, 0.0))
-        if capacity_mode and self.budget_factor is not None:
+        if capacity_mode and self.defers_overflow:
             record.capacity = num_permuted
-            record.overflow_counts = routing_map_TE.sum(0, dtype=torch.int64)
+            # Per expert, then the dispatch's T'*K slots (the factor it needed is rows / slots).
+            slots = routing_map_TE.new_full((1,), padded * self.router_topk, dtype=torch.int64)
+            record.overflow_counts = torch.cat([routing_map_TE.sum(0, dtype=torch.int64), slots])
         elif num_permuted is not None:
             _assert_no_hybridep_overflow(record.handle, num_permuted)
         else:
@@ -399,23 +404,24 @@ class HybridEPManager(DispatchManager):
         record.routing_map = record.token_probs = None
         return rows_PH
 
-    def _fixed_shape(self) -> bool:
-        return self.hybridep_capacity_factor is not None or self.budget_factor is not None
-
     @property
     def defers_overflow(self) -> bool:
-        return self.budget_factor is not None
+        return isinstance(self.sizing, sizing.Budget)
 
     def settle_overflow(self, needed_DE: torch.Tensor, budgets_D: torch.Tensor) -> torch.Tensor:
-        """Budget mode's `[dropped pairs, rows needed]` on this rank over D dispatches: their
-        counts summed over the group (one all-reduce, in place), this rank's experts kept as
-        HybridEP keeps them: in order, each group padded, up to the dispatch's budget."""
+        """Budget mode's `[dropped pairs, rows needed, factor needed in hundredths]` on this rank
+        over D dispatches, from their `overflow_counts` (`[D, E + 1]`: per expert, then T'*K):
+        the counts summed over the group (one all-reduce, in place), this rank's experts kept
+        as HybridEP keeps them: in order, each group padded, up to the dispatch's budget."""
+        slots_D = needed_DE[:, -1].clone()
         dist.all_reduce(needed_DE, group=self.group)
         first = dist.get_rank(self.group) * self.num_local_experts
         needed_De = needed_DE[:, first:first + self.num_local_experts]
         padded_De = P.align_up(needed_De, self.pad_multiple or 1)
         kept_De = torch.minimum((budgets_D[:, None] - P.start_offsets(padded_De)).clamp(min=0), needed_De)
-        return torch.stack([(needed_De - kept_De).sum(), padded_De.sum(1).max()])
+        rows_D = padded_De.sum(1)
+        return torch.stack([(needed_De - kept_De).sum(), rows_D.max(),
+                            sizing.needed_factor_hundredths(rows_D, slots_D).max()])
 
     def combine(self, record, hidden_states, async_finish=True, allocate_on_comm_stream=True):
         """`[P, H]` expert outputs -> `[T, H]`, padding sliced off (T from the input's shape, which
