@@ -17,7 +17,8 @@
 #        layer_bench graphs recompute pretrain_local pretrain_te pretrain_small pretrain_det
 #        pretrain_det32 te_init_check pretrain_qwen3 fused_experts fused_experts_tests slice_bench host_profile pretrain_slice
 #        pretrain_slice_det megatron_tools det_numerics (QuACK: source /tmp/quack_env.sh first)
-#        apex_build text_data real_text real_force real_dsv3 (the real-settings table, below).
+#        apex_build text_data real_text real_force real_dsv3 (the real-settings table, below)
+#        rerun_check wgrad_check fp8_check.
 # Transformer Engine comes from ../shared/tools/te-on-device (source /tmp/te_env.sh first); the
 # HybridEP build (.gpu/hybridep, bench/gpu/HYBRIDEP.md), the uccl pieces (.gpu/uccl,
 # .gpu/uccl-wheel), DeepEP V1 intranode (.gpu/deepep-v1; `.gpu/deepep-src/build.sh v1|hybrid`
@@ -42,7 +43,10 @@ task() {  # name timeout_s command...: one task, its log and exit code recorded;
 }
 
 # The real-settings tasks' common environment (TE when staged; graphed_slice.sh says when it is not).
-REAL_ENV="{ [ ! -f /tmp/te_env.sh ] || source /tmp/te_env.sh; } && export FUSION_WGRAD=1 BUDGET_POLICY=rerun \
+# QuACK (staged by ../shared/tools/quack-on-device) adds the expert weight gradients into main_grad in
+# the budget mode (experts/wgrad.py); it is put on the path only after wgrad_check passed.
+REAL_ENV="{ [ ! -f /tmp/te_env.sh ] || source /tmp/te_env.sh; } && \
+{ [ ! -f /tmp/quack_wgrad_ok ] || source /tmp/quack_env.sh; } && export FUSION_WGRAD=1 BUDGET_POLICY=rerun \
 MEDIAN_FROM=5 TEXT_DATA=\${TEXT_DATA:-$ROUND/data/pydoc} OVERLAP=\${OVERLAP:-auto} &&"
 
 run_task() {
@@ -132,6 +136,13 @@ run_task() {
     # DSV3_DATA (text) and DSV3_BALANCE (aux). OVERLAP=auto: start-ups overlap on an H200 only. The
     # first two outlast a 600 s device call: run the three as one background list, e.g.
     # bg "wait real_text real_force real_dsv3", and `wait` in the calls after it.
+    # The GPU checks of the gradient-accumulation fusion, the rerun policy and the FP8 experts
+    # (each script's docstring says what it checks); QuACK and TE where staged.
+    rerun_check) task rerun_check 300 bash -c "$PY bench/gpu/rerun_check.py && $PY bench/gpu/rerun_check.py --graphs" ;;
+    wgrad_check) task wgrad_check 420 bash -c "{ [ ! -f /tmp/quack_env.sh ] || source /tmp/quack_env.sh; } \
+        && $PY bench/gpu/wgrad_fusion_check.py && { [ ! -f /tmp/quack_env.sh ] || touch /tmp/quack_wgrad_ok; }" ;;
+    fp8_check) task fp8_check 420 bash -c "{ [ ! -f /tmp/te_env.sh ] || source /tmp/te_env.sh; } \
+        && $PY bench/gpu/fp8_experts_check.py" ;;
     apex_build) task apex_build 300 bash -c "[ -e /tmp/apexbuild/fused_weight_gradient_mlp_cuda.so ] \
         || bash .gpu/apex/build.sh" ;;
     text_data) task text_data 60 bash -c "mkdir -p $ROUND/data && cp .gpu/data/pydoc.* $ROUND/data/ \

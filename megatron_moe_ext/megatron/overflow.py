@@ -364,8 +364,8 @@ class AutoFactor:
         for layer in done:
             layer.token_dispatcher.manager.sizing.factor = factor
             layer.token_dispatcher.manager.dropless = False
-        log_rank0(f"MoE budget factor auto: the dropless warm-up needed {measured:.2f}x the balanced "
-                   f"load; moe_expert_rank_capacity_factor = {factor:.2f} from now on")
+        log_rank0(f"MoE budget factor auto: {factor:.2f} (moe_expert_rank_capacity_factor from now on; the "
+                  f"dropless warm-up needed {measured:.2f}x the balanced load)")
 
 
 def auto_factor(measured: float) -> float:

@@ -147,8 +147,8 @@ def run_step_with_rerun(step: Callable[[], Any], model, optimizer=None, group=No
     if not over:
         return result
     worst = max(over, key=lambda r: r.factor_needed)
-    overflow.log_rank0(f"MoE budget overflow: rerunning the {'evaluation' if forward_only else 'training'} "
-                        f"step dropless ({worst.describe()}; {len(over)} layer(s) overflowed)")
+    overflow.log_rank0(f"MoE budget rerun: the {'evaluation' if forward_only else 'training'} step runs "
+                       f"again dropless ({worst.describe()}; {len(over)} layer(s) overflowed)")
     if not forward_only:
         _discard_gradients(model, optimizer)
     _set_rng_states(saved)
