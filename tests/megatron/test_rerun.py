@@ -22,6 +22,7 @@ def test_rerun_step_equals_the_dropless_step_bit_for_bit(dist_pools, world, back
     for r in dist_pools(world).run(cases.run_rerun_equals_dropless, backend):
         assert r["calls"] == 2 and r["equal_losses"] and r["unequal_grads"] == [], r
         assert all(dropped == 0 for dropped, _ in r["after"]) and not r["dropless_after"], r
+        assert r["router_state"][0] == r["router_state"][1] > 0, r  # the first attempt's undone
         assert r["fit_calls"] == 1 and r["fit_budget"] == 32, r
 
 
