@@ -144,7 +144,7 @@ def run_auto(backend: str) -> dict:
         result = dict(warmup_dropless=manager.dropless)
         layer_cases._step(layer, _over_dims())
         overflow.check_overflow(model)
-        factor = manager.sizing.factor
+        factor, result["agreed_tokens"] = manager.sizing.factor, manager.sizing.tokens
         layer_cases._step(layer, _over_dims())
         (report,) = overflow.check_overflow(model)
         rows = 2 * T * dist.get_world_size() if dist.get_world_size() > 1 else 64

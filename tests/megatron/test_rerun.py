@@ -12,6 +12,7 @@ import torch
 from megatron_moe_ext.dispatcher.common import permute as P
 from megatron_moe_ext.megatron import overflow, rerun
 from tests.megatron import rerun_cases as cases
+from tests.megatron.syncfree_layer_cases import T
 
 
 @pytest.mark.parametrize("world,backend", [(1, "torch"), (2, "torch"), (2, "hybridep")])
@@ -49,6 +50,9 @@ def test_auto_factor_holds_the_warmup_rows_on_every_rank(dist_pools, world, back
     for r in results:
         assert r["warmup_dropless"] and not r["dropless_after"] and r["holds"] and r["dropped"] == 0, r
         assert r["budget"] > 0, r  # the second step ran on the budget path
+        # The torch backend's ranks agreed on T when the factor was fixed, at the step boundary
+        # (the next step may be a graph capture, which no host read may enter).
+        assert r["agreed_tokens"] == (T if (world, backend) == (2, "torch") else None), r
         if r["expected_rows"] is not None:
             assert r["rows"] == r["expected_rows"], r
 
