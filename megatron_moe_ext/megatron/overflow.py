@@ -148,7 +148,8 @@ class OverflowCounter:
         manager = self.token_dispatcher.manager
         if not record.fixed:
             rows = sum(P.align_up(int(n), manager.pad_multiple or 1) for n in record.counts)
-            slots = math.prod(record.hidden_shape[:-1]) * manager.router_topk
+            self.moe_dropless_tokens = math.prod(record.hidden_shape[:-1])
+            slots = self.moe_dropless_tokens * manager.router_topk
             self.moe_dropless_factor = max(self.moe_dropless_factor, needed_factor_hundredths(rows, slots))
             return
         if not capturing() and self.moe_overflow_policy != "drop":  # a replayed graph runs no Python
@@ -362,8 +363,10 @@ class AutoFactor:
         measured = max(r.dropless_factor for r in reports)
         factor = auto_factor(measured)
         for layer in done:
-            layer.token_dispatcher.manager.sizing.factor = factor
-            layer.token_dispatcher.manager.dropless = False
+            manager = layer.token_dispatcher.manager
+            manager.sizing.factor, manager.dropless = factor, False
+            if hasattr(manager, "comm"):  # agree on T here, not in the first budget step (a capture)
+                manager.sizing.size(manager, getattr(layer, "moe_dropless_tokens", 0))
         log_rank0(f"MoE budget factor auto: {factor:.2f} (moe_expert_rank_capacity_factor from now on; the "
                   f"dropless warm-up needed {measured:.2f}x the balanced load)")
 

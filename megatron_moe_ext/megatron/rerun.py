@@ -3,8 +3,8 @@
 `run_step_with_rerun(step, model)` runs `step` (a training step's forward and backward, or an
 evaluation's forward), reads the overflow once (`overflow.check_overflow`, combined over the
 group, so every rank decides the same) and, where a layer under policy "rerun" dropped pairs,
-discards the step's gradients, restores the RNG states and Megatron's MoE logging values taken
-before the first attempt and runs `step` again with every budget-mode layer dropless (the
+discards the step's gradients, restores the RNG states, Megatron's MoE logging values and its
+routers' buffers taken before the first attempt and runs `step` again with every budget-mode layer dropless (the
 engine's switch, `sizing.FixedShapeEngine.dropless`) and every graphed layer eager; the next
 step is back on the budget path and its graphs. The step's result is the rerun's. A custom loop calls it with a
 `step` that reads the same micro-batches when called twice.
@@ -81,6 +81,16 @@ def _discard_gradients(model, optimizer=None) -> None:
         optimizer.zero_grad()
 
 
+def _router_buffers(model) -> list[torch.Tensor]:
+    """Every buffer of Megatron's routers: state a forward updates (tokens per expert of the
+    expert-bias update, the global aux loss's counts), which the rerun must find as the first
+    attempt found it."""
+    from megatron.core.transformer.moe.router import Router
+
+    return [buffer for chunk in (model if isinstance(model, (list, tuple)) else [model])
+            for module in chunk.modules() if isinstance(module, Router) for buffer in module.buffers(recurse=False)]
+
+
 def _moe_metrics() -> dict:
     """Megatron's MoE logging values (aux losses per layer, summed over the steps since the
     last log), so the first attempt's are not counted next to the rerun's."""
@@ -139,6 +149,7 @@ def run_step_with_rerun(step: Callable[[], Any], model, optimizer=None, group=No
         overflow.MoEOverflowError: a layer under policy "error" overflowed.
     """
     saved, metrics = _rng_states(), {name: values.clone() for name, values in _moe_metrics().items()}
+    routers = [buffer.clone() for buffer in _router_buffers(model)]
     result = step()
     if overflow.capturing():
         return result
@@ -154,6 +165,8 @@ def run_step_with_rerun(step: Callable[[], Any], model, optimizer=None, group=No
     _set_rng_states(saved)
     for name, values in _moe_metrics().items():  # in place: a graph may hold them
         values.copy_(metrics[name]) if name in metrics else values.zero_()
+    for buffer, before in zip(_router_buffers(model), routers):
+        buffer.copy_(before)
     with dropless(model):
         result = step()
     overflow.read_overflow(overflow.budget_layers(model), gather=False)  # nothing counted: reset

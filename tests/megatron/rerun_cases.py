@@ -66,6 +66,11 @@ def run_rerun_equals_dropless(backend: str) -> dict:
         hidden, dtype = budget.router.weight.shape[1], budget.config.params_dtype
         batches = _microbatches([_over_dims(), _fit_dims()], hidden, dtype)
         models = [torch.nn.ModuleDict({"decoder": torch.nn.ModuleDict({"mlp": m})}) for m in (budget, twin)]
+        def count_tokens(module, args, output):  # router state a forward updates (as expert-bias counts)
+            module.seen_tokens.add_(args[0].shape[0])
+        for m in (budget, twin):
+            m.router.register_buffer("seen_tokens", torch.zeros(()))
+            m.router.register_forward_hook(count_tokens)
         calls = []
         torch.manual_seed(5)
         losses = run_step_with_rerun(_train_step(models[0], budget, batches, calls), models[0])
@@ -79,7 +84,8 @@ def run_rerun_equals_dropless(backend: str) -> dict:
             calls=len(calls), equal_losses=all(torch.equal(a, b) for a, b in zip(losses, twin_losses)),
             losses=[float(x) for x in losses],
             unequal_grads=[n for n in grads if grads[n] is None or not torch.equal(grads[n], twin_grads[n])],
-            after=[(r.dropped_pairs, r.rows_needed) for r in after], dropless_after=manager.dropless)
+            after=[(r.dropped_pairs, r.rows_needed) for r in after], dropless_after=manager.dropless,
+            router_state=[float(m.router.seen_tokens) for m in (budget, twin)])
         for p in budget.parameters():
             p.grad = None
         calls.clear()
@@ -138,7 +144,7 @@ def run_auto(backend: str) -> dict:
         result = dict(warmup_dropless=manager.dropless)
         layer_cases._step(layer, _over_dims())
         overflow.check_overflow(model)
-        factor = manager.sizing.factor
+        factor, result["agreed_tokens"] = manager.sizing.factor, manager.sizing.tokens
         layer_cases._step(layer, _over_dims())
         (report,) = overflow.check_overflow(model)
         rows = 2 * T * dist.get_world_size() if dist.get_world_size() > 1 else 64

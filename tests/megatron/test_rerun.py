@@ -12,6 +12,7 @@ import torch
 from megatron_moe_ext.dispatcher.common import permute as P
 from megatron_moe_ext.megatron import overflow, rerun
 from tests.megatron import rerun_cases as cases
+from tests.megatron.syncfree_layer_cases import T
 
 
 @pytest.mark.parametrize("world,backend", [(1, "torch"), (2, "torch"), (2, "hybridep")])
@@ -22,6 +23,7 @@ def test_rerun_step_equals_the_dropless_step_bit_for_bit(dist_pools, world, back
     for r in dist_pools(world).run(cases.run_rerun_equals_dropless, backend):
         assert r["calls"] == 2 and r["equal_losses"] and r["unequal_grads"] == [], r
         assert all(dropped == 0 for dropped, _ in r["after"]) and not r["dropless_after"], r
+        assert r["router_state"][0] == r["router_state"][1] > 0, r  # the first attempt's undone
         assert r["fit_calls"] == 1 and r["fit_budget"] == 32, r
 
 
@@ -48,6 +50,9 @@ def test_auto_factor_holds_the_warmup_rows_on_every_rank(dist_pools, world, back
     for r in results:
         assert r["warmup_dropless"] and not r["dropless_after"] and r["holds"] and r["dropped"] == 0, r
         assert r["budget"] > 0, r  # the second step ran on the budget path
+        # The torch backend's ranks agreed on T when the factor was fixed, at the step boundary
+        # (the next step may be a graph capture, which no host read may enter).
+        assert r["agreed_tokens"] == (T if (world, backend) == (2, "torch") else None), r
         if r["expected_rows"] is not None:
             assert r["rows"] == r["expected_rows"], r
 

@@ -40,13 +40,19 @@ class CalibratedCapacity:
         pad = manager.pad_multiple
         rows = sum(P.align_up(n, pad or 1) for n in record.counts)
         pair_rows = max(record.handle.send_splits)
-        local = [P.capacity_rows(pair_rows, self.factor, P.CAPACITY_ALIGNMENT),
-                 P.capacity_rows(rows, self.factor, pad or P.CAPACITY_ALIGNMENT)]
-        if dist.get_world_size(manager.group) > 1:
+        self.agree([P.capacity_rows(pair_rows, self.factor, P.CAPACITY_ALIGNMENT),
+                    P.capacity_rows(rows, self.factor, pad or P.CAPACITY_ALIGNMENT)], manager.group, device)
+
+    def agree(self, local: list[int], group, device) -> tuple[int, ...]:
+        """`sizes` = the EP-group maxima of this rank's calibrated `local` sizes (one MAX
+        all-reduce, none within one rank), so every rank sizes the same buffers (HybridEP's
+        manager calibrates its one capacity through it too)."""
+        if dist.get_world_size(group) > 1:
             local_t = torch.tensor(local, device=device)
-            dist.all_reduce(local_t, op=dist.ReduceOp.MAX, group=manager.group)
+            dist.all_reduce(local_t, op=dist.ReduceOp.MAX, group=group)
             local = local_t.tolist()
         self.sizes = tuple(local)
+        return self.sizes
 
 
 class Budget:

@@ -288,13 +288,11 @@ class HybridEPManager(sizing.FixedShapeEngine, DispatchManager):
         the dispatch's padded token count (already equal on every rank) is pinned with it.
 
         `tokens_per_expert` came back on the host with the blocking dispatch, so its sum is free;
-        the single all-reduce makes every rank size the same buffers.
+        the engine's `CalibratedCapacity.agree` makes every rank size the same buffers.
         """
         local = P.capacity_rows(int(tokens_per_expert.sum()), self.hybridep_capacity_factor,
                                 self.pad_multiple or _HYBRIDEP_TOKEN_ALIGNMENT)
-        capacity = torch.tensor([local], dtype=torch.long, device=device)
-        dist.all_reduce(capacity, op=dist.ReduceOp.MAX, group=self.group)
-        self._hybridep_capacity = int(capacity.item())
+        (self._hybridep_capacity,) = self.sizing.agree([local], self.group, device)
         if not self.equal_token_counts:
             self._pinned_tokens = padded_tokens
 
