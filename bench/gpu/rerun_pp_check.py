@@ -59,8 +59,9 @@ def _step(cfg, factor):
                      post_process=parallel_state.is_pipeline_last_stage()).cuda()
     reran = []
     for layer in model.modules():
-        if isinstance(layer, FlexMoELayer):
-            layer.register_forward_pre_hook(lambda m, a: reran.append(m.token_dispatcher.manager.dropless))
+        if isinstance(layer, FlexMoELayer):  # the twin's dropless manager has no switch
+            layer.register_forward_pre_hook(
+                lambda m, a: reran.append(getattr(m.token_dispatcher.manager, "dropless", False)))
     mask = demo.causal_mask(cfg.seq_length, "cuda")
     position_ids = torch.arange(cfg.seq_length, device="cuda").expand(cfg.micro_batch_size, -1)
 
