@@ -111,7 +111,12 @@ def run_pipeline_rerun() -> dict:
     sys.path.insert(0, _EXAMPLES)
     import pretrain_gpt_moe as demo
 
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
     megatron_cpu.install()
+    # The schedule sets the aux loss's scale in place, in the shape its first setter gave it:
+    # start from none, whatever this worker process ran before.
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
     try:
         parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2, create_gloo_process_groups=False)
         destroy_moe_metrics_tracker()
@@ -124,6 +129,7 @@ def run_pipeline_rerun() -> dict:
                     equal_grads=all((a is None and b is None) or torch.equal(a, b)
                                     for a, b in zip(grads, twin_grads)))
     finally:
+        MoEAuxLossAutoScaler.main_loss_backward_scale = None
         parallel_state.destroy_model_parallel()
         release_all()
         megatron_cpu.uninstall()
