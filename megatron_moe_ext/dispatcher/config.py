@@ -88,7 +88,9 @@ class TokenDispatcherConfig:
     moe_benchmark_static_routing: bool = False
     #: Sync-free mode (dispatcher/fixed.py; HybridEP: hybridep/manager.py, with equal token
     #: counts): each rank's permuted rows are a static budget of this many times the balanced
-    #: load (T*K); Megatron's field of the same name. "auto": measured by dropless warm-up steps.
+    #: load (T*K); Megatron's field of the same name. "auto": measured by `FlexMoELayer`'s dropless
+    #: warm-up steps (`megatron.overflow.AutoFactor`; a dispatcher alone dispatches dropless until
+    #: its manager's `sizing.factor` is set).
     moe_expert_rank_capacity_factor: float | Literal["auto"] | None = None
     #: What a step whose routing exceeds the budget does (`megatron.overflow.check_overflow`):
     #: "rerun" runs the step again dropless, "error" raises, "drop" gives the pairs past the

@@ -262,3 +262,15 @@ def test_rerun_counts_megatrons_moe_logging_once():
         assert values.tolist() == [6.0, 8.0]
     finally:
         del tracker.metrics["rerun_test_loss"]
+
+
+def test_pipeline_rerun_equals_the_dropless_step_bit_for_bit(dist_pools):
+    """PP 2 with Megatron's 1F1B schedule: both stages' layers overflow, the step is rerun on
+    every stage (the read combines over the stages), and the last stage's losses and both
+    stages' gradients equal the dropless twin's."""
+    from tests.megatron import rerun_pipeline_cases
+
+    results = dist_pools(2).run(rerun_pipeline_cases.run_pipeline_rerun)
+    assert [r["losses"] for r in results] == [0, 2], results
+    for r in results:
+        assert r["reran"] and not r["twin_reran"] and r["equal_losses"] and r["equal_grads"], r
