@@ -42,7 +42,7 @@ def check_positive_int(field: str, value: Any, *, optional: bool = False, even: 
         fail(field, value, "expected an even number of SMs (DeepEP splits SMs into send/recv pairs)")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _device_sm_count(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
@@ -221,11 +221,11 @@ class TokenDispatcherConfig:
                      for name, value in env.read_every_variable().items()}
         return {**variables, **{name: repr(value) for name, value in dataclasses.asdict(self).items()}}
 
-    def replace(self, **changes: Any) -> "TokenDispatcherConfig":
+    def replace(self, **changes: Any) -> TokenDispatcherConfig:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def from_transformer_config(cls, config: Any, **overrides: Any) -> "TokenDispatcherConfig":
+    def from_transformer_config(cls, config: Any, **overrides: Any) -> TokenDispatcherConfig:
         """Map a Megatron ``TransformerConfig`` onto this config, reusing Megatron's field names.
 
         The backend is Megatron's ``moe_flex_dispatcher_backend`` when the user chose the

@@ -50,7 +50,7 @@ from megatron_moe_ext.dispatcher.topk_manager import TopKManager
 class RaiseOnOverflow:
     """Never continue on dropped tokens: every rank raises (see the module docstring)."""
 
-    def receive_overflow(self, manager: "FixedShapeManager", capacity: int):
+    def receive_overflow(self, manager: FixedShapeManager, capacity: int):
         """The communicator's receive-side check: whether the received `[R, K]` routing needs
         more permuted rows than `capacity` (a send overflow is the communicator's own)."""
         def needs_more(indices_RK, probs_RK) -> torch.Tensor:
@@ -66,7 +66,7 @@ class RaiseOnOverflow:
 class CountOverflow:
     """Drop the pairs that do not fit and count them for the layer (see the module docstring)."""
 
-    def receive_overflow(self, manager: "FixedShapeManager", capacity: int):
+    def receive_overflow(self, manager: FixedShapeManager, capacity: int):
         """None: counted in the permutation instead."""
         return None
 

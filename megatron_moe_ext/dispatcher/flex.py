@@ -15,7 +15,6 @@ rows, P permuted rows.
 from __future__ import annotations
 
 import contextlib
-from typing import List
 
 import torch
 import torch.distributed as dist
@@ -24,10 +23,10 @@ from megatron.core.transformer.cuda_graphs import is_graph_capturing
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from megatron.core.utils import get_pg_rank
 
-from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
 from megatron_moe_ext.dispatcher import hooks, registry
 from megatron_moe_ext.dispatcher.common import buffers, checks
 from megatron_moe_ext.dispatcher.common.record import DispatchRecord, Step
+from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
 
 
 def _same_probs(call: str, held: torch.Tensor | None, given: torch.Tensor | None) -> torch.Tensor | None:
@@ -78,7 +77,7 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
     def __init__(
         self,
         num_local_experts: int,
-        local_expert_indices: List[int],
+        local_expert_indices: list[int],
         config,
         ep_group=None,
         *,

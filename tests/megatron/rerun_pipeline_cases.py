@@ -110,7 +110,6 @@ def run_pipeline_rerun() -> dict:
 
     sys.path.insert(0, _EXAMPLES)
     import pretrain_gpt_moe as demo
-
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     megatron_cpu.install()

@@ -11,6 +11,8 @@ Legend: T local tokens, K top-k (TP-expanded), W ranks, e local experts.
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 import torch
 import torch.distributed as dist
 
@@ -19,14 +21,24 @@ from megatron_moe_ext.dispatcher.common import permute as P
 from megatron_moe_ext.dispatcher.common.record import DispatchRecord
 
 
+class SizedManager(Protocol):
+    """What a sizing policy reads of its manager (`fixed.FixedShapeManager`, HybridEP's)."""
+
+    group: Any
+    comm: Any
+    num_experts: int
+    router_topk: int
+    pad_multiple: int | None
+
+
 class CalibratedCapacity:
     """Sizes measured by a first, dropless dispatch, times `factor` (see the module docstring)."""
 
     def __init__(self, factor: float):
         self.factor = factor
-        self.sizes: tuple[int, int] | None = None
+        self.sizes: tuple[int, ...] | None = None
 
-    def size(self, manager: FixedShapeManager, num_tokens: int, like=None) -> tuple[int, int] | None:
+    def size(self, manager: SizedManager, num_tokens: int, like=None) -> tuple[int, ...] | None:
         """`(send_capacity, capacity)`, or None: dispatch dropless and `calibrate` after."""
         return self.sizes
 
@@ -34,12 +46,12 @@ class CalibratedCapacity:
         """The send capacity every rank uses in this step's first collective (None: dropless)."""
         return None if self.sizes is None else self.sizes[0]
 
-    def calibrate(self, manager: FixedShapeManager, record: DispatchRecord, device) -> None:
+    def calibrate(self, manager: SizedManager, record: DispatchRecord, device) -> None:
         """One MAX all-reduce of both capacities (none within one rank) after the calibration
         dispatch `record`, whose counts are on the host already."""
         pad = manager.pad_multiple
         rows = sum(P.align_up(n, pad or 1) for n in record.counts)
-        pair_rows = max(record.handle.send_splits)
+        pair_rows = max(record.handle.send_splits)  # type: ignore[attr-defined]  # the torch handle
         self.agree([P.capacity_rows(pair_rows, self.factor, P.CAPACITY_ALIGNMENT),
                     P.capacity_rows(rows, self.factor, pad or P.CAPACITY_ALIGNMENT)], manager.group, device)
 
@@ -64,14 +76,14 @@ class Budget:
     FIELD = "moe_expert_rank_capacity_factor"
 
     def __init__(self, factor: float | str | None):
-        self.factor = None if factor == "auto" else factor
+        self.factor: float | None = None if factor in (None, "auto") else float(factor)
         self.tokens: int | None = None  # the T every rank agreed on
 
     def rows(self, num_tokens: int, topk: int, pad_multiple: int | None) -> int:
         """The budget of permuted rows of a dispatch of `num_tokens` tokens (`P.rank_budget`)."""
         return P.rank_budget(num_tokens, topk, self.factor, pad_multiple)
 
-    def size(self, manager: FixedShapeManager, num_tokens: int, like=None) -> tuple[int, int]:
+    def size(self, manager: SizedManager, num_tokens: int, like=None) -> tuple[int, int]:
         """`(send_capacity, capacity)` of a dispatch of `num_tokens` rows like `like`."""
         if num_tokens != self.tokens and dist.get_world_size(manager.group) > 1:
             self._agree(manager, num_tokens, like)
@@ -80,7 +92,7 @@ class Budget:
     def agreed_send_capacity(self) -> int | None:
         return self.tokens
 
-    def _agree(self, manager: FixedShapeManager, num_tokens: int, like) -> None:
+    def _agree(self, manager: SizedManager, num_tokens: int, like) -> None:
         """Agree on T: at the first dispatch in a count exchange; after it, a rank whose T
         changed sends its error word in the routing collective its peers wait in, and only if
         every rank's word says so (all changed; seen where the backend returns the words) do
@@ -100,12 +112,12 @@ class Budget:
             error = ValueError(f"{self.FIELD}: budget mode on the {manager.comm.name!r} backend needs the same "
                                f"token count on every expert-parallel rank (ranks 0..{world - 1} bring "
                                f"{counts}); give every rank the same batch shape, or use the dropless mode")
-            error.agreed = True
+            error.agreed = True  # type: ignore[attr-defined]  # checks.agreed_error's mark
             raise error
         self.tokens = num_tokens
 
     @staticmethod
-    def exchange_tokens(manager: FixedShapeManager, num_tokens: int, word: int = 0) -> list[int]:
+    def exchange_tokens(manager: SizedManager, num_tokens: int, word: int = 0) -> list[int]:
         """Every rank's T, read on the host, in the collective that carries the error words of
         the step's first dispatch: the torch backend's counts exchange; for the others, one SUM
         all-reduce of `[T per rank, word per rank]` (`FixedShapeManager.announce_input_error`
@@ -124,7 +136,7 @@ class Budget:
         return counts
 
 
-def needed_factor_hundredths(rows_needed, tokens_times_topk: int):
+def needed_factor_hundredths(rows_needed, tokens_times_topk: int | torch.Tensor):
     """The smallest factor in hundredths whose `P.rank_budget` holds `rows_needed` permuted rows
     of a dispatch of T*K = `tokens_times_topk` slots (a tensor or int; 0 where T is 0). One
     hundredth above the exact ratio, so the float product inside `rank_budget` never floors
