@@ -159,6 +159,16 @@ def agree(group, error: BaseException | None) -> None:
         raise agreed_error(words_W.tolist())
 
 
+def group_max(values: list[int], group, device) -> list[int]:
+    """The maxima of each rank's host `values` over `group` (one MAX all-reduce on `device`;
+    none within one rank), so every rank sizes the same buffers or messages."""
+    if dist.get_world_size(group) == 1:
+        return list(values)
+    values_N = torch.tensor(values, dtype=torch.int64, device=device)
+    dist.all_reduce(values_N, op=dist.ReduceOp.MAX, group=group)
+    return values_N.tolist()
+
+
 def agree_at_build(group, settings: dict[str, str], error: BaseException | None) -> None:
     """The build's check across `group` (collective: every rank of it, before any dispatch):
     one all-gather of each rank's `settings` (name -> value as a message shows it: every

@@ -255,10 +255,9 @@ class HybridEPManager(sizing.FixedShapeEngine, DispatchManager):
                     "keep every batch at or below it, or set moe_hybridep_equal_token_counts=True "
                     "(fixed-shape batches)")
         # [T, one error word per rank]: one MAX all-reduce agrees on both.
-        count = torch.zeros(1 + dist.get_world_size(self.group), dtype=torch.long, device=device)
-        count[0], count[1 + dist.get_rank(self.group)] = num_tokens, word
-        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
-        exchanged = count.tolist()
+        words = [0] * dist.get_world_size(self.group)
+        words[dist.get_rank(self.group)] = word
+        exchanged = checks.group_max([num_tokens, *words], self.group, device)
         if any(exchanged[1:]):
             if word:  # this rank's own error, which its caller raises: nothing is pinned
                 return 0
