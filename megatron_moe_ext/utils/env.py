@@ -87,8 +87,6 @@ def env_float(name: str, default: _Default, *, above: float | None = None,
     return value
 
 
-
-
 #: How the dispatcher checks routing values (dispatcher/common/checks.py), and the values.
 INPUT_CHECKS_ENV = "MOE_EXT_INPUT_CHECKS"
 INPUT_CHECK_MODES = ("auto", "sync", "deferred")
