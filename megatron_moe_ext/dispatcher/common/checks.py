@@ -15,8 +15,8 @@ as above), ``sync`` (a debug setting: device tensors are checked at once, one ho
 per dispatch) or ``deferred`` (host tensors take the device path too; the tests use it).
 
 An error that one rank sees reaches every rank in the step's first collective as an error
-word (`error_word`), and every rank raises `agreed_error` (docs/DESIGN.md, "Step
-boundaries"). An expert twice in one token's top-k is rejected: Megatron's routing map
+word (`error_word`), and every rank raises `agreed_error` (docs/DESIGN.md, "Errors across
+ranks"). An expert twice in one token's top-k is rejected: Megatron's routing map
 cannot express it.
 
 Legend: T tokens, E global experts, e local experts, K top-k, W expert-parallel ranks.
@@ -141,9 +141,9 @@ def flag_device(group):
 
 
 def agree(group, error: BaseException | None) -> None:
-    """One MAX all-reduce of the ranks' errors (collective: every rank of `group`; at
-    construction, before any dispatch, and in `recompute.check_routing`): every rank raises
-    `agreed_error` when any rank failed."""
+    """One MAX all-reduce of the ranks' errors (collective: every rank of `group`;
+    `recompute.check_routing` at the step boundary): every rank raises `agreed_error` when any
+    rank failed."""
     if group is None or dist.get_world_size(group) == 1:
         if error is not None:
             raise error
