@@ -167,9 +167,14 @@ class OverflowCounter:
             ring.index_copy_(0, self.moe_overflow_next.clamp(max=ring.shape[0] - 1).view(1), row[None])
             self.moe_overflow_next.add_(1)
             return
-        stats_3 = self.moe_overflow_stats
-        stats_3[0].add_(record.overflow_stats[0])
-        torch.maximum(stats_3[1:], record.overflow_stats[1:], out=stats_3[1:])
+        self._add_stats(record.overflow_stats)
+
+    def _add_stats(self, stats_3: torch.Tensor) -> None:
+        """Fold one dispatch's (or a settled ring's) `[dropped pairs, rows needed, factor needed]`
+        into the counter, in place: a sum and two maxima."""
+        own_3 = self.moe_overflow_stats
+        own_3[0].add_(stats_3[0])
+        torch.maximum(own_3[1:], stats_3[1:], out=own_3[1:])
 
     def _settle_overflow(self, name: str, rows: int) -> None:
         """Fold the ring's `rows` dispatches into the counter (a collective over the layer's
@@ -182,9 +187,7 @@ class OverflowCounter:
                 "training loop does) or read layer.overflow() at least that often")
         if rows:
             manager = self.token_dispatcher.manager
-            stats_3 = manager.settle_overflow(ring[:rows, :-1].clone(), ring[:rows, -1])
-            self.moe_overflow_stats[0].add_(stats_3[0])
-            torch.maximum(self.moe_overflow_stats[1:], stats_3[1:], out=self.moe_overflow_stats[1:])
+            self._add_stats(manager.settle_overflow(ring[:rows, :-1].clone(), ring[:rows, -1]))
         ring.zero_()
         self.moe_overflow_next.zero_()
 
