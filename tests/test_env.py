@@ -130,10 +130,10 @@ def test_quack_tuned_spellings(monkeypatch):
     from megatron_moe_ext.experts import fused_mlp
 
     monkeypatch.setenv("MOE_EXT_QUACK_TUNED", "true")
-    assert fused_mlp._tuned() is True
+    assert fused_mlp.quack_tuned() is True
     monkeypatch.setenv("MOE_EXT_QUACK_TUNED", "2")
     with pytest.raises(ValueError, match="MOE_EXT_QUACK_TUNED='2'"):
-        fused_mlp._tuned()
+        fused_mlp.quack_tuned()
 
 
 def test_input_checks_mode(monkeypatch):

@@ -45,6 +45,17 @@ import pretrain_gpt_moe as demo  # noqa: E402
 MODES = {"eager": None, "local_whole_layer": [], "local_moe": ["moe"]}
 
 
+def init_one_rank(gpu: bool) -> None:
+    """A world of this one process on a free local port: NCCL on GPU 0 (`gpu`), else gloo."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+    if gpu:
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if gpu else "gloo", rank=0, world_size=1)
+
+
 def build(cfg, mode_modules, dense: bool = False):
     """The demo GPT-MoE (EP 1, sync-free FlexMoELayer), with Megatron's local CUDA graphs
     when `mode_modules` is a list; `dense`: the same GPT with Megatron's dense MLP instead
@@ -152,13 +163,7 @@ def main(argv=None) -> None:
 
         permute._use_kernels = lambda t: False
     gpu = torch.cuda.is_available() and not args.smoke
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
-    if gpu:
-        torch.cuda.set_device(0)
-    dist.init_process_group("nccl" if gpu else "gloo", rank=0, world_size=1)
+    init_one_rank(gpu)
     cfg = demo.GPTMoEConfig(bf16=gpu, num_moe_experts=8, moe_router_topk=2)
     modes = {"eager": None} if args.smoke else {m: MODES[m] for m in ["eager", *args.modes] if m in MODES}
     steps = 2 if args.smoke else args.steps

@@ -124,10 +124,10 @@ def categories(table: dict) -> dict:
 
 class _Overflow:
     """Per-step overflow of the package's budget-mode layers as the training loop's own check
-    reads it (`megatron_moe_ext.megatron.overflow.check_overflow`, which the layers install after
-    every forward-backward, reading and resetting their device counters once per step): wraps
-    that check and keeps, per step, the dropped pairs summed over layers and the most rows one
-    layer needed."""
+    reads it (`megatron_moe_ext.megatron.overflow.check_overflow`, called once per step by the
+    step runner that `patches.apply()` and the `--spec` functions install in Megatron-LM's loop,
+    `megatron/rerun.py`; it reads and resets the layers' device counters): wraps that check and
+    keeps, per step, the dropped pairs summed over layers and the most rows one layer needed."""
 
     def __init__(self):
         self.pending, self.steps, self.layers, self.budget = [], [], 0, 0

@@ -28,7 +28,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import sys
 
 import torch
@@ -39,6 +38,7 @@ sys.path.insert(0, os.path.join(_REPO_ROOT, "examples"))
 sys.path.insert(0, _REPO_ROOT)
 
 import pretrain_gpt_moe as demo  # noqa: E402
+from cuda_graph_train import init_one_rank  # noqa: E402
 
 
 def build(cfg, factor, pad_multiple: int, graphs: bool = False, ddp: bool = False):
@@ -131,13 +131,7 @@ def main(argv=None) -> None:
     gpu = torch.cuda.is_available() and not args.smoke
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
-    if gpu:
-        torch.cuda.set_device(0)
-    dist.init_process_group("nccl" if gpu else "gloo", rank=0, world_size=1)
+    init_one_rank(gpu)
     cfg = demo.GPTMoEConfig(bf16=gpu, num_moe_experts=8, moe_router_topk=2)
     steps = 3 if args.smoke else args.steps
     graphs = args.graphs and gpu

@@ -15,7 +15,6 @@ whether losses and every gradient are bitwise equal.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import socket
@@ -30,59 +29,6 @@ sys.path.insert(0, os.path.join(_REPO_ROOT, "examples"))
 sys.path.insert(0, _REPO_ROOT)
 
 
-def _step(cfg, factor):
-    """One training step of the PP-2 demo model through the rerun wrapper: `(losses, grads,
-    reran)`."""
-    import pretrain_gpt_moe as demo
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
-    from megatron_moe_ext.megatron import rerun
-    from megatron_moe_ext.megatron.experts import GroupedGemmExperts
-    from megatron_moe_ext.megatron.moe_layer import FlexMoELayer
-    from megatron_moe_ext.megatron.specs import use_flex_moe_layer
-
-    torch.manual_seed(cfg.seed)
-    model_parallel_cuda_manual_seed(cfg.seed, force_reset_rng=True)
-    config = dataclasses.replace(demo.transformer_config(cfg, 1), pipeline_model_parallel_size=2)
-    dcfg = TokenDispatcherConfig.from_transformer_config(
-        config, moe_flex_dispatcher_backend="torch", moe_expert_rank_capacity_factor=factor,
-        moe_expert_rank_overflow_policy="rerun", moe_router_expert_pad_multiple=16, moe_share_token_dispatcher=False)
-    spec = use_flex_moe_layer(get_gpt_layer_local_spec(num_experts=cfg.num_moe_experts), dispatcher_config=dcfg,
-                              experts=GroupedGemmExperts)
-    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=cfg.vocab_size,
-                     max_sequence_length=cfg.seq_length, pre_process=parallel_state.is_pipeline_first_stage(),
-                     post_process=parallel_state.is_pipeline_last_stage()).cuda()
-    reran = []
-    for layer in model.modules():
-        if isinstance(layer, FlexMoELayer):  # the twin's dropless manager has no switch
-            layer.register_forward_pre_hook(
-                lambda m, a: reran.append(getattr(m.token_dispatcher.manager, "dropless", False)))
-    mask = demo.causal_mask(cfg.seq_length, "cuda")
-    position_ids = torch.arange(cfg.seq_length, device="cuda").expand(cfg.micro_batch_size, -1)
-
-    def forward_step(data_iterator, model):
-        tokens, labels = (t.cuda() for t in next(data_iterator))
-        output = model(tokens, position_ids, mask, labels=labels)
-
-        def loss_func(output_tensor):
-            loss = output_tensor.float().mean()
-            return loss, {"lm loss": loss.detach()}
-        return output, loss_func
-
-    schedule = rerun._runs_with_rerun(get_forward_backward_func())
-    losses = schedule(forward_step_func=forward_step, data_iterator=iter([demo.synthetic_batch(cfg, i, 0)
-                                                                          for i in range(2)]),
-                      model=[model], num_microbatches=2, seq_length=cfg.seq_length,
-                      micro_batch_size=cfg.micro_batch_size, forward_only=False)
-    grads = [p.grad.detach().clone() if p.grad is not None else None for p in model.parameters()]
-    return [d["lm loss"] for d in losses], grads, any(reran)
-
-
 def _rank(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
@@ -91,10 +37,12 @@ def _rank(rank: int, port: int, out: str) -> None:
         import pretrain_gpt_moe as demo
         from megatron.core import parallel_state
 
+        from tests.megatron.rerun_pipeline_cases import one_step  # the CPU test's step, on GPUs
+
         parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
         cfg = demo.GPTMoEConfig(num_moe_experts=8, moe_router_topk=2)
-        b_losses, b_grads, reran = _step(cfg, 1.0)
-        d_losses, d_grads, _ = _step(cfg, None)
+        b_losses, b_grads, reran = one_step(cfg, 1.0, "cuda")
+        d_losses, d_grads, _ = one_step(cfg, None, "cuda")
         result = dict(rank=rank, reran=reran, losses=[float(x) for x in b_losses],
                       dropless_losses=[float(x) for x in d_losses],
                       losses_equal=all(torch.equal(a, b) for a, b in zip(b_losses, d_losses)),

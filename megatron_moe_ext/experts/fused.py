@@ -131,12 +131,6 @@ def shape_unsupported_reason(hidden: int, inter: int) -> str | None:
     return None
 
 
-def wgrad_unsupported_reason(device: torch.device, dtype: torch.dtype, hidden: int, inter: int) -> str | None:
-    """Why QuACK's varlen-K GEMM cannot add the torch path's weight gradients into `main_grad`
-    (`mlp.py`, gradient-accumulation fusion) for rows of `dtype` on `device`, or None."""
-    return shape_unsupported_reason(hidden, inter) or device_unsupported_reason(device, dtype)
-
-
 def fused_unsupported_reason(config, device: torch.device | str | None = None,
                              dtype: torch.dtype | None = None) -> str | None:
     """Why `config` (an `ExpertsConfig`) would not run the fused path on `device` with rows

@@ -67,12 +67,7 @@ from megatron_moe_ext.experts.fused import (
 from megatron_moe_ext.experts.kernels import interleave_triton
 from megatron_moe_ext.experts.rows import zero_padding_rows_
 from megatron_moe_ext.experts.wgrad import WgradTarget
-from megatron_moe_ext.utils.env import env_flag
-
-
-def _tuned() -> bool:
-    return env_flag("MOE_EXT_QUACK_TUNED", False)
-
+from megatron_moe_ext.utils.env import quack_tuned
 
 # --- layout -------------------------------------------------------------------------------------
 
@@ -137,7 +132,7 @@ class _FusedExpertMLP(torch.autograd.Function):
         act = q.gemm_gated if plan.gated else q.gemm_act
         preact_PN, postact_PI = act(rows_NH, w1, bias=b1, activation=plan.activation,
                                     cu_seqlens_m=plan.cu_seqlens_e1, A_idx=plan.row_of_slot_P,
-                                    tuned=_tuned())
+                                    tuned=quack_tuned())
         del w1
         out_PH = _row_scaled_gemm(plan, postact_PI, down_projs.to(dtype), probs_P1)
         ctx.plan = plan
@@ -149,7 +144,7 @@ class _FusedExpertMLP(torch.autograd.Function):
     def backward(ctx, dout_PH: torch.Tensor):
         rows_NH, gate_and_up_projs, down_projs, gate_up_proj_bias, probs_P1, preact_PN = ctx.saved_tensors
         plan, q = ctx.plan, ctx.plan.backend
-        dtype, tuned = rows_NH.dtype, _tuned()
+        dtype, tuned = rows_NH.dtype, quack_tuned()
         dout_PH = dout_PH.to(dtype).contiguous()
         dact = q.gemm_dgated if plan.gated else q.gemm_dact
         # dpreact = dact(preact, prob * dout W2^T); scaled = prob * act(preact) (the down GEMM's
@@ -197,7 +192,7 @@ def quack_weight_grad(q: ModuleType, a_KN: torch.Tensor, b_NM: torch.Tensor, cu_
             `[N, K]` transposed). b_NM: `[N, M]` row-major. cu_seqlens_e1: int32 `[e + 1]`
             (device). A_idx: int32 `[N]` gathering a's columns, or None.
     """
-    kwargs = {"cu_seqlens_k": cu_seqlens_e1, "A_idx": A_idx, "dynamic_scheduler": True, "tuned": _tuned()}
+    kwargs = {"cu_seqlens_k": cu_seqlens_e1, "A_idx": A_idx, "dynamic_scheduler": True, "tuned": quack_tuned()}
     if target is None:
         return q.gemm(a_KN, b_NM, **kwargs).to(dtype)
     q.gemm_add_inplace(a_KN, b_NM, target.main_grad, **kwargs)
@@ -214,7 +209,7 @@ def _row_scaled_gemm(plan: _Plan, a_PI: torch.Tensor, w_eIH: torch.Tensor,
     out_PH = torch.empty(a_PI.shape[0], w_eIH.shape[-1], dtype=a_PI.dtype, device=a_PI.device)
     if a_PI.shape[0] == 0:
         return out_PH
-    mod(a_PI, w_eIH, None, out={"mAuxOut": out_PH}, store_d=False, tuned=_tuned(),
+    mod(a_PI, w_eIH, None, out={"mAuxOut": out_PH}, store_d=False, tuned=quack_tuned(),
         cu_seqlens_m=plan.cu_seqlens_e1, mColVecBroadcast=probs_P1[:, 0].float().contiguous())
     return out_PH
 

@@ -35,9 +35,9 @@ from megatron_moe_ext.experts.config import EXPERT_MLP_CHUNK_BYTES, check_expert
 from megatron_moe_ext.experts.fp8 import FP8_GROUP_ALIGN, Fp8Recipe, fp8_grouped_mm
 from megatron_moe_ext.experts.fused import (
     case_unsupported_reason,
+    device_unsupported_reason,
     quack_backend,
     shape_unsupported_reason,
-    wgrad_unsupported_reason,
 )
 from megatron_moe_ext.experts.fused_mlp import fused_expert_mlp, quack_weight_grad
 from megatron_moe_ext.experts.rows import zero_padding_rows_
@@ -128,10 +128,11 @@ def wgrad_kernel(device: torch.device, dtype: torch.dtype, hidden: int, inter: i
                  host_counts_known: bool) -> tuple[WgradKernel | None, str]:
     """The GEMM that adds the torch path's weight gradients into `main_grad` (QuACK's with any
     counts, else TE's with host counts), or None, and a line saying which or why none."""
-    quack = wgrad_unsupported_reason(device, dtype, hidden, inter)
+    shape = shape_unsupported_reason(hidden, inter)
+    quack = shape or device_unsupported_reason(device, dtype)
     if quack is None:
         return _quack_add_wgrad, "QuACK's varlen-K GEMM adds them into main_grad (gemm_add_inplace)"
-    te = shape_unsupported_reason(hidden, inter) or te_unsupported_reason(device, dtype)
+    te = shape or te_unsupported_reason(device, dtype)
     if te is None and host_counts_known:
         return _te_add_wgrad, ("TE's grouped GEMM adds them into main_grad (general_grouped_gemm, accumulate) "
                                "with host counts; with device counts (budget mode) each is added in backward")
@@ -364,7 +365,7 @@ def run_grouped_expert_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Ten
     add_wgrad = None
     if wgrad is not None and not chunked and fp8 is None:  # no FP8 GEMM adds into fp32: one add
         add_wgrad, _ = wgrad_kernel(rows_NH.device, rows_NH.dtype, rows_NH.shape[1], down_projs.shape[1],
-                                    host_counts(tokens_per_expert) is not None)
+                                    host is not None)
     if wgrad is not None and add_wgrad is None:
         gate_and_up_projs, down_projs = (IntoMainGrad.apply(w, t) for w, t in
                                          zip((gate_and_up_projs, down_projs), wgrad))

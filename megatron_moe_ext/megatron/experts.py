@@ -44,7 +44,13 @@ _LOGGED: set[str] = set()  # each distinct line once per process, not once per l
 
 #: Picks `expert_mlp_impl` for command-line users of `--spec` (who cannot pass the keyword).
 EXPERT_MLP_IMPL_ENV = "MOE_EXT_EXPERT_MLP_IMPL"
-register((EXPERT_MLP_IMPL_ENV,), lambda: env_choice(EXPERT_MLP_IMPL_ENV, EXPERT_MLP_IMPLS, "auto"))
+
+
+def _expert_mlp_impl_from_env() -> str:
+    return env_choice(EXPERT_MLP_IMPL_ENV, EXPERT_MLP_IMPLS, "auto")
+
+
+register((EXPERT_MLP_IMPL_ENV,), _expert_mlp_impl_from_env)
 
 
 def _unsupported(field: str, value, allowed: str) -> ValueError:
@@ -168,7 +174,7 @@ class GroupedGemmExperts(MegatronModule):
                              "expt_dp groups)")
         _check_megatron_features(config)
         if expert_mlp_impl is None:
-            expert_mlp_impl = env_choice(EXPERT_MLP_IMPL_ENV, EXPERT_MLP_IMPLS, "auto")
+            expert_mlp_impl = _expert_mlp_impl_from_env()
         # Megatron's FP8 (tensorwise only, see experts/fp8.py): both projections on
         # torch._scaled_grouped_mm; QuACK's fused path computes BF16 only.
         self.fp8_recipe = fp8_recipe_of(config)

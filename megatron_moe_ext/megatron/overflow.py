@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_moe_ext.dispatcher.common import permute as P
-from megatron_moe_ext.dispatcher.common.checks import capturing, flag_device
+from megatron_moe_ext.dispatcher.common.checks import capturing, flag_device, group_max
 from megatron_moe_ext.dispatcher.common.sizing import needed_factor_hundredths
 
 logger = logging.getLogger(__name__)
@@ -167,9 +167,14 @@ class OverflowCounter:
             ring.index_copy_(0, self.moe_overflow_next.clamp(max=ring.shape[0] - 1).view(1), row[None])
             self.moe_overflow_next.add_(1)
             return
-        stats_3 = self.moe_overflow_stats
-        stats_3[0].add_(record.overflow_stats[0])
-        torch.maximum(stats_3[1:], record.overflow_stats[1:], out=stats_3[1:])
+        self._add_stats(record.overflow_stats)
+
+    def _add_stats(self, stats_3: torch.Tensor) -> None:
+        """Fold one dispatch's (or a settled ring's) `[dropped pairs, rows needed, factor needed]`
+        into the counter, in place: a sum and two maxima."""
+        own_3 = self.moe_overflow_stats
+        own_3[0].add_(stats_3[0])
+        torch.maximum(own_3[1:], stats_3[1:], out=own_3[1:])
 
     def _settle_overflow(self, name: str, rows: int) -> None:
         """Fold the ring's `rows` dispatches into the counter (a collective over the layer's
@@ -182,9 +187,7 @@ class OverflowCounter:
                 "training loop does) or read layer.overflow() at least that often")
         if rows:
             manager = self.token_dispatcher.manager
-            stats_3 = manager.settle_overflow(ring[:rows, :-1].clone(), ring[:rows, -1])
-            self.moe_overflow_stats[0].add_(stats_3[0])
-            torch.maximum(self.moe_overflow_stats[1:], stats_3[1:], out=self.moe_overflow_stats[1:])
+            self._add_stats(manager.settle_overflow(ring[:rows, :-1].clone(), ring[:rows, -1]))
         ring.zero_()
         self.moe_overflow_next.zero_()
 
@@ -198,25 +201,22 @@ class OverflowCounter:
         return read_overflow([(f"layer {self.layer_number}", self)], gather=False)[0]
 
 
-def _take_local(layers) -> torch.Tensor:
-    """`[L, 3]` of this rank's layers, read-and-reset (rings settled first)."""
+def _take_local(layers) -> tuple[torch.Tensor, list[int]]:
+    """`[L, 3]` of this rank's layers and the factors of their dropless dispatches (hundredths),
+    read-and-reset (rings settled first)."""
+    if not layers:
+        return torch.zeros(0, 3, dtype=torch.int64), []
     rings = [(name, layer) for name, layer in layers if layer.moe_overflow_pending is not None]
     if rings:  # every ring's dispatch count in one host read
         rows_R = torch.stack([layer.moe_overflow_next for _, layer in rings]).tolist()
         for (name, layer), rows in zip(rings, rows_R):
             layer._settle_overflow(name, rows)
     stats_L3 = torch.stack([layer.moe_overflow_stats for _, layer in layers])
+    dropless_L = [layer.moe_dropless_factor for _, layer in layers]
     for _, layer in layers:
         layer.moe_overflow_stats.zero_()
-        layer.moe_unread_dispatches = 0
-    return stats_L3
-
-
-def _take_dropless_factors(layers) -> list[int]:
-    factors = [layer.moe_dropless_factor for _, layer in layers]
-    for _, layer in layers:
-        layer.moe_dropless_factor = 0
-    return factors
+        layer.moe_unread_dispatches = layer.moe_dropless_factor = 0
+    return stats_L3, dropless_L
 
 
 def read_overflow(layers: list[tuple[str, torch.nn.Module]], group=None, gather: bool = True,
@@ -235,8 +235,7 @@ def read_overflow(layers: list[tuple[str, torch.nn.Module]], group=None, gather:
     gather = gather and dist.is_initialized() and dist.get_world_size(group) > 1
     if not layers and not gather:
         return []
-    local_L3 = _take_local(layers) if layers else torch.zeros(0, 3, dtype=torch.int64)
-    dropless_L = _take_dropless_factors(layers)
+    local_L3, dropless_L = _take_local(layers)
     if not gather:
         return [OverflowReport(name, dropped, needed, layer.moe_overflow_budget, layer.moe_overflow_policy,
                                factor / 100, dropless / 100, int(layer.layer_number))
@@ -246,9 +245,7 @@ def read_overflow(layers: list[tuple[str, torch.nn.Module]], group=None, gather:
     device = local_L3.device if layers else flag_device(group)
     size = max([num_layers or 0, *numbers])
     if num_layers is None:  # no Megatron config to size the message: agree on its length first
-        size_1 = torch.tensor([size], device=device)
-        dist.all_reduce(size_1, op=dist.ReduceOp.MAX, group=group)
-        size = int(size_1)
+        (size,) = group_max([size], group, device)
     present_N = torch.zeros(size, dtype=torch.int64, device=device)
     dropped_N = torch.zeros(size, dtype=torch.int64, device=device)
     max_N5 = torch.zeros(size, 5, dtype=torch.int64, device=device)
@@ -275,20 +272,23 @@ def read_overflow(layers: list[tuple[str, torch.nn.Module]], group=None, gather:
     return reports
 
 
+def model_chunks(model) -> list[torch.nn.Module]:
+    """`model` as Megatron's list of model chunks (a module alone is one chunk)."""
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
 def budget_layers(model) -> list[tuple[str, torch.nn.Module]]:
     """`(name, layer)` of every sync-free `FlexMoELayer` in `model` (a module or Megatron's list
     of model chunks)."""
-    modules = model if isinstance(model, (list, tuple)) else [model]
     return [(name or f"layer {layer.layer_number}", layer)
-            for module in modules for name, layer in module.named_modules()
+            for module in model_chunks(model) for name, layer in module.named_modules()
             if isinstance(layer, OverflowCounter) and layer.moe_overflow_stats is not None]
 
 
 def _num_layers(model) -> int | None:
     """Megatron's global layer count (decoder and MTP layers), from any config in `model`: the
     same on every pipeline stage, so the read's message has one shape everywhere."""
-    modules = model if isinstance(model, (list, tuple)) else [model]
-    for module in modules:
+    for module in model_chunks(model):
         for sub in module.modules():
             config = getattr(sub, "config", None)
             if getattr(config, "num_layers", None):

@@ -69,7 +69,7 @@ def _tracker():
 def _discard_gradients(model, optimizer=None) -> None:
     """The step's gradients: Megatron's grad buffers (`zero_grad_buffer`) and optimizer, else
     each parameter's `grad` (set to None) and `main_grad` (zeroed)."""
-    for chunk in model if isinstance(model, (list, tuple)) else [model]:
+    for chunk in overflow.model_chunks(model):
         if hasattr(chunk, "zero_grad_buffer"):
             chunk.zero_grad_buffer()
             continue
@@ -87,7 +87,7 @@ def _router_buffers(model) -> list[torch.Tensor]:
     attempt found it."""
     from megatron.core.transformer.moe.router import Router
 
-    return [buffer for chunk in (model if isinstance(model, (list, tuple)) else [model])
+    return [buffer for chunk in overflow.model_chunks(model)
             for module in chunk.modules() if isinstance(module, Router) for buffer in module.buffers(recurse=False)]
 
 
@@ -111,7 +111,7 @@ def dropless(model):
     `_should_call_local_cudagraph` / `_should_call_te_cudagraph` whether to replay, which an
     instance attribute answers False here; the captured graphs are kept for the next step."""
     managers = [layer.token_dispatcher.manager for _, layer in overflow.budget_layers(model)]
-    graphed = [module for chunk in (model if isinstance(model, (list, tuple)) else [model])
+    graphed = [module for chunk in overflow.model_chunks(model)
                for module in chunk.modules()
                if hasattr(module, "cudagraph_manager") or getattr(module, "cuda_graphs", None)]
     before = [manager.dropless for manager in managers]
@@ -196,8 +196,7 @@ def _budget_mode(model) -> bool:
     config, the environment, the dispatcher config given to `install`, or a layer here."""
     from megatron_moe_ext.dispatcher.config import BUDGET_FACTOR_ENV
 
-    chunks = model if isinstance(model, (list, tuple)) else [model]
-    configs = [getattr(chunk, "config", None) for chunk in chunks]
+    configs = [getattr(chunk, "config", None) for chunk in overflow.model_chunks(model)]
     return (os.environ.get(BUDGET_FACTOR_ENV) is not None or bool(_installed and _installed["budget"])
             or any(getattr(c, "moe_expert_rank_capacity_factor", None) is not None for c in configs)
             or bool(overflow.budget_layers(model)))

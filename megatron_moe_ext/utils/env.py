@@ -87,8 +87,6 @@ def env_float(name: str, default: _Default, *, above: float | None = None,
     return value
 
 
-
-
 #: How the dispatcher checks routing values (dispatcher/common/checks.py), and the values.
 INPUT_CHECKS_ENV = "MOE_EXT_INPUT_CHECKS"
 INPUT_CHECK_MODES = ("auto", "sync", "deferred")
@@ -111,6 +109,11 @@ def hybridep_combine_chunk() -> int:
     return env_int("NUM_OF_TOKENS_PER_CHUNK_COMBINE_API", 64, minimum=1)
 
 
+def quack_tuned() -> bool:
+    """MOE_EXT_QUACK_TUNED: QuACK's GEMMs autotune (fixed-shape benchmarks; `experts/fused_mlp.py`)."""
+    return env_flag("MOE_EXT_QUACK_TUNED", False)
+
+
 #: Every variable the package reads -> the function that reads it as the package does. A layer's
 #: build runs them all (`read_every_variable`), the dispatcher's whatever its backend imports;
 #: a module that reads a variable of its own adds its reader on import (`register`).
@@ -119,7 +122,7 @@ VARIABLES: dict[str, Callable[[], object]] = {
     "MOE_EXT_STATIC_ROUTING_PAD_PIN": static_routing_pad_pin,
     "NEMO_STATIC_ROUTING_PAD_PIN": static_routing_pad_pin,
     "NUM_OF_TOKENS_PER_CHUNK_COMBINE_API": hybridep_combine_chunk,
-    "MOE_EXT_QUACK_TUNED": lambda: env_flag("MOE_EXT_QUACK_TUNED", False),
+    "MOE_EXT_QUACK_TUNED": quack_tuned,
 }
 
 

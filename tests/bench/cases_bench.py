@@ -139,13 +139,23 @@ def run_profiled_labels_on_megatron_gpt() -> dict:
         megatron_cpu.uninstall()
 
 
+def _run_over_lines(code: str, lines: list[str]) -> dict:
+    """Run `code` in a fresh interpreter at the repository root with `lines` on its stdin; returns
+    the JSON of its last output line."""
+    import json
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, input="\n".join(lines), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
 def megatron_args_of_dry_run(lines: list[str], fields: str) -> dict[str, dict]:
     """Megatron-LM's own `parse_args` over the `pretrain_gpt.py` flags of each DRY_RUN line of a
     bench script (in a subprocess: it reads sys.argv and sets globals) -> {run name: dict(...)},
     the dict built by `fields`, keyword arguments over the parsed `a` and the `line`."""
-    import json
-    import subprocess
-
     code = f"""
 import json, shlex, sys
 from megatron.training.arguments import parse_args
@@ -158,11 +168,7 @@ for line in sys.stdin:
     out[words[0]] = dict({fields})
 print(json.dumps(out))
 """
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    done = subprocess.run([sys.executable, "-c", code], cwd=root, input="\n".join(lines), capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.splitlines()[-1])
+    return _run_over_lines(code, lines)
 
 
 def megatron_config_of_dry_run(lines: list[str], fields: str) -> dict[str, dict | str]:
@@ -172,9 +178,6 @@ def megatron_config_of_dry_run(lines: list[str], fields: str) -> dict[str, dict 
     or "<error type>: <message>" where Megatron refuses the settings}. On the CPU the device reads
     as a Hopper GPU and the TE-only fusions (rope, permutation, router) are off before the config
     is built: their checks ask whether TE is installed, not whether the settings fit together."""
-    import json
-    import subprocess
-
     code = f"""
 import json, os, shlex, sys
 import torch
@@ -200,8 +203,4 @@ for line in sys.stdin:
         out[words[0]] = f"{{type(error).__name__}}: {{error}}"
 print(json.dumps(out))
 """
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    done = subprocess.run([sys.executable, "-c", code], cwd=root, input="\n".join(lines), capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.splitlines()[-1])
+    return _run_over_lines(code, lines)

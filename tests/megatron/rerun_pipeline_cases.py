@@ -1,11 +1,12 @@
 """Rank body of tests/megatron/test_rerun.py's pipeline case: Megatron's own 1F1B schedule at
 PP 2 on gloo, two stages of the demo GPT-MoE (examples/pretrain_gpt_moe.py), through the step
-wrapper Megatron-LM's loop gets (`rerun._runs_with_rerun`).
+wrapper Megatron-LM's loop gets (`rerun._runs_with_rerun`); bench/gpu/rerun_pp_check.py runs the
+same step on two GPUs.
 
 Megatron-Core 0.19's pipelined schedule allocates two scalars on "cuda" and synchronises CUDA
 around its p2p calls; `_schedule_on_cpu` points the two modules' `torch` at a stand-in whose
 tensor factories take "cuda" for "cpu" and whose `cuda.synchronize` does nothing (gloo's p2p is
-synchronous), and puts them back after. bench/gpu/rerun_pp_check.py runs the same on GPUs.
+synchronous), and puts them back after.
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ def _schedule_on_cpu():
         schedules.torch, p2p_communication.torch = saved
 
 
-def _one_step(cfg, factor):
-    """`(losses, grads, reran)` of one step of two micro-batches of this stage's model."""
+def one_step(cfg, factor, device: str = "cpu"):
+    """`(losses, grads, reran)` of one step of two micro-batches of this stage's model on `device`
+    (bench/gpu/rerun_pp_check.py runs it on "cuda")."""
     import pretrain_gpt_moe as demo
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -70,22 +72,22 @@ def _one_step(cfg, factor):
     config = dataclasses.replace(demo.transformer_config(cfg, 1), pipeline_model_parallel_size=2)
     dcfg = TokenDispatcherConfig.from_transformer_config(
         config, moe_flex_dispatcher_backend="torch", moe_expert_rank_capacity_factor=factor,
-        moe_router_expert_pad_multiple=16, moe_share_token_dispatcher=False)
+        moe_expert_rank_overflow_policy="rerun", moe_router_expert_pad_multiple=16, moe_share_token_dispatcher=False)
     spec = use_flex_moe_layer(get_gpt_layer_local_spec(num_experts=cfg.num_moe_experts), dispatcher_config=dcfg,
                               experts=GroupedGemmExperts)
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=cfg.vocab_size,
                      max_sequence_length=cfg.seq_length, pre_process=parallel_state.is_pipeline_first_stage(),
-                     post_process=parallel_state.is_pipeline_last_stage())
+                     post_process=parallel_state.is_pipeline_last_stage()).to(device)
     reran = []
     for layer in model.modules():
         if isinstance(layer, FlexMoELayer):  # the twin's dropless manager has no switch
             layer.register_forward_pre_hook(
                 lambda m, args: reran.append(getattr(m.token_dispatcher.manager, "dropless", False)))
-    mask = demo.causal_mask(cfg.seq_length, "cpu")
-    position_ids = torch.arange(cfg.seq_length).expand(cfg.micro_batch_size, -1)
+    mask = demo.causal_mask(cfg.seq_length, device)
+    position_ids = torch.arange(cfg.seq_length, device=device).expand(cfg.micro_batch_size, -1)
 
     def forward_step(data_iterator, model):
-        tokens, labels = next(data_iterator)
+        tokens, labels = (t.to(device) for t in next(data_iterator))
 
         def loss_func(output):
             loss = output.float().mean()
@@ -121,8 +123,8 @@ def run_pipeline_rerun() -> dict:
         destroy_moe_metrics_tracker()
         cfg = demo.GPTMoEConfig(num_moe_experts=8, moe_router_topk=2)
         with _schedule_on_cpu():
-            losses, grads, reran = _one_step(cfg, 1.0)
-            twin_losses, twin_grads, twin_reran = _one_step(cfg, None)
+            losses, grads, reran = one_step(cfg, 1.0)
+            twin_losses, twin_grads, twin_reran = one_step(cfg, None)
         return dict(reran=reran, twin_reran=twin_reran, losses=len(losses),
                     equal_losses=all(torch.equal(a, b) for a, b in zip(losses, twin_losses)),
                     equal_grads=all((a is None and b is None) or torch.equal(a, b)

@@ -15,8 +15,8 @@ as above), ``sync`` (a debug setting: device tensors are checked at once, one ho
 per dispatch) or ``deferred`` (host tensors take the device path too; the tests use it).
 
 An error that one rank sees reaches every rank in the step's first collective as an error
-word (`error_word`), and every rank raises `agreed_error` (docs/DESIGN.md, "Step
-boundaries"). An expert twice in one token's top-k is rejected: Megatron's routing map
+word (`error_word`), and every rank raises `agreed_error` (docs/DESIGN.md, "Errors across
+ranks"). An expert twice in one token's top-k is rejected: Megatron's routing map
 cannot express it.
 
 Legend: T tokens, E global experts, e local experts, K top-k, W expert-parallel ranks.
@@ -141,9 +141,9 @@ def flag_device(group):
 
 
 def agree(group, error: BaseException | None) -> None:
-    """One MAX all-reduce of the ranks' errors (collective: every rank of `group`; at
-    construction, before any dispatch, and in `recompute.check_routing`): every rank raises
-    `agreed_error` when any rank failed."""
+    """One MAX all-reduce of the ranks' errors (collective: every rank of `group`;
+    `recompute.check_routing` at the step boundary): every rank raises `agreed_error` when any
+    rank failed."""
     if group is None or dist.get_world_size(group) == 1:
         if error is not None:
             raise error
@@ -157,6 +157,16 @@ def agree(group, error: BaseException | None) -> None:
         raise agreed_error(words_W.tolist(), error, rank) from error
     if bool(words_W.any()):
         raise agreed_error(words_W.tolist())
+
+
+def group_max(values: list[int], group, device) -> list[int]:
+    """The maxima of each rank's host `values` over `group` (one MAX all-reduce on `device`;
+    none within one rank), so every rank sizes the same buffers or messages."""
+    if dist.get_world_size(group) == 1:
+        return list(values)
+    values_N = torch.tensor(values, dtype=torch.int64, device=device)
+    dist.all_reduce(values_N, op=dist.ReduceOp.MAX, group=group)
+    return values_N.tolist()
 
 
 def agree_at_build(group, settings: dict[str, str], error: BaseException | None) -> None:

@@ -59,11 +59,7 @@ class CalibratedCapacity:
         """`sizes` = the EP-group maxima of this rank's calibrated `local` sizes (one MAX
         all-reduce, none within one rank), so every rank sizes the same buffers (HybridEP's
         manager calibrates its one capacity through it too)."""
-        if dist.get_world_size(group) > 1:
-            local_t = torch.tensor(local, device=device)
-            dist.all_reduce(local_t, op=dist.ReduceOp.MAX, group=group)
-            local = local_t.tolist()
-        self.sizes = tuple(local)
+        self.sizes = tuple(checks.group_max(local, group, device))
         return self.sizes
 
 

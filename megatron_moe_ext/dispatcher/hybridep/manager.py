@@ -187,7 +187,6 @@ class HybridEPManager(sizing.FixedShapeEngine, DispatchManager):
         self.num_blocks_permute = moe_hybridep_num_blocks_permute
         self.num_blocks_unpermute = moe_hybridep_num_blocks_unpermute
         self.benchmark_static_routing = benchmark_static_routing
-        self.hybridep_capacity_factor = moe_hybridep_capacity_factor
         self.sizing = (sizing.Budget(moe_expert_rank_capacity_factor) if moe_expert_rank_capacity_factor is not None
                        else None if moe_hybridep_capacity_factor is None
                        else sizing.CalibratedCapacity(moe_hybridep_capacity_factor))
@@ -255,10 +254,9 @@ class HybridEPManager(sizing.FixedShapeEngine, DispatchManager):
                     "keep every batch at or below it, or set moe_hybridep_equal_token_counts=True "
                     "(fixed-shape batches)")
         # [T, one error word per rank]: one MAX all-reduce agrees on both.
-        count = torch.zeros(1 + dist.get_world_size(self.group), dtype=torch.long, device=device)
-        count[0], count[1 + dist.get_rank(self.group)] = num_tokens, word
-        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
-        exchanged = count.tolist()
+        words = [0] * dist.get_world_size(self.group)
+        words[dist.get_rank(self.group)] = word
+        exchanged = checks.group_max([num_tokens, *words], self.group, device)
         if any(exchanged[1:]):
             if word:  # this rank's own error, which its caller raises: nothing is pinned
                 return 0
@@ -290,7 +288,7 @@ class HybridEPManager(sizing.FixedShapeEngine, DispatchManager):
         `tokens_per_expert` came back on the host with the blocking dispatch, so its sum is free;
         the engine's `CalibratedCapacity.agree` makes every rank size the same buffers.
         """
-        local = P.capacity_rows(int(tokens_per_expert.sum()), self.hybridep_capacity_factor,
+        local = P.capacity_rows(int(tokens_per_expert.sum()), self.sizing.factor,
                                 self.pad_multiple or _HYBRIDEP_TOKEN_ALIGNMENT)
         (self._hybridep_capacity,) = self.sizing.agree([local], self.group, device)
         if not self.equal_token_counts:

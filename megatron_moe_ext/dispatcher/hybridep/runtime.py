@@ -12,6 +12,7 @@ import logging
 import torch
 import torch.distributed as dist
 
+from megatron_moe_ext.dispatcher.common import checks
 from megatron_moe_ext.dispatcher.common.permute import align_up
 from megatron_moe_ext.dispatcher.common.record import DispatchRecord
 from megatron_moe_ext.utils.env import hybridep_combine_chunk
@@ -101,9 +102,8 @@ class HybridEPPipelineRuntimeInitializer:
 
     def _resolve_group_capacity(self, num_tokens: int, device) -> int:
         """The EP-group maximum capacity for this batch (one MAX all-reduce)."""
-        capacity = torch.tensor([self.required_capacity(num_tokens)], dtype=torch.long, device=device)
-        dist.all_reduce(capacity, op=dist.ReduceOp.MAX, group=self.manager.group)
-        return int(capacity.item())
+        (capacity,) = checks.group_max([self.required_capacity(num_tokens)], self.manager.group, device)
+        return capacity
 
     def prepare(self, num_tokens: int, device) -> None:
         """Initialise the group capacity when the upcoming pipeline shape grows.
