@@ -139,8 +139,8 @@ class _Overflow:
             return
         check = overflow.check_overflow
 
-        def recording_check(model, group=None):
-            reports = check(model, group)
+        def recording_check(model, group=None, **kwargs):
+            reports = check(model, group, **kwargs)
             self.pending.append(reports)
             return reports
 
@@ -151,14 +151,19 @@ class _Overflow:
         if reports:
             self.layers = max(self.layers, max(len(step) for step in self.pending))
             self.budget = max(self.budget, max(r.budget for r in reports))
-            self.steps.append((sum(r.dropped_pairs for r in reports), max(r.rows_needed for r in reports)))
+            # Under policy "rerun" an overflowed attempt is run again dropless: its pairs were
+            # dropped in a discarded attempt, not in training.
+            trained = [r for r in reports if r.policy != "rerun"]
+            self.steps.append((sum(r.dropped_pairs for r in trained), max(r.rows_needed for r in reports),
+                               sum(r.dropped_pairs for r in reports if r.policy == "rerun")))
         self.pending = []
 
     def report(self) -> dict | None:
         if not self.steps:
             return None
-        return dict(layers=self.layers, dropped_pairs_per_iteration=[d for d, _ in self.steps],
-                    max_rows_needed=max(n for _, n in self.steps), budget_rows=self.budget)
+        return dict(layers=self.layers, dropped_pairs_per_iteration=[d for d, _, _ in self.steps],
+                    rerun_attempt_dropped_pairs_per_iteration=[r for _, _, r in self.steps],
+                    max_rows_needed=max(n for _, n, _ in self.steps), budget_rows=self.budget)
 
 
 class _ExpertLoads:

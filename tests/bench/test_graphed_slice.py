@@ -88,7 +88,7 @@ def test_profiled_wrapper_options_gate_and_overflow(tmp_path):
             self.moe_overflow_budget, self.moe_overflow_policy, self.layer_number = 4096, "drop", number
             self.moe_dropless_factor = 0
 
-    # The training loop's check (installed by the layers) reads and resets the counters once per
+    # The training loop's check (installed by the step runner) reads and resets the counters once per
     # step; the wrapper records what it read, also on steps where the check ran twice.
     layers = torch.nn.ModuleList([Budgeted(1), Budgeted(2)])
     check = overflow_module.check_overflow
@@ -105,7 +105,21 @@ def test_profiled_wrapper_options_gate_and_overflow(tmp_path):
     finally:
         overflow_module.check_overflow = check
     assert overflow.report() == dict(layers=2, dropped_pairs_per_iteration=[0, 7, 1], max_rows_needed=4004,
-                                     budget_rows=4096)
+                                     rerun_attempt_dropped_pairs_per_iteration=[0, 0, 0], budget_rows=4096)
+    # Under policy "rerun" the step runner passes rerun=True through the wrapped check, and an
+    # overflowed attempt's pairs are not counted as dropped in training.
+    for layer in layers:
+        layer.moe_overflow_policy = "rerun"
+    rerun = pretrain_profiled._Overflow()
+    try:
+        rerun.install()
+        layers[1].moe_overflow_stats.add_(torch.tensor([5, 4005, 0]))
+        overflow_module.check_overflow([layers], rerun=True)
+        rerun.after_step()
+    finally:
+        overflow_module.check_overflow = check
+    assert rerun.report()["dropped_pairs_per_iteration"] == [0]
+    assert rerun.report()["rerun_attempt_dropped_pairs_per_iteration"] == [5]
     plain = pretrain_profiled._Overflow()
     plain.after_step()
     assert plain.report() is None
