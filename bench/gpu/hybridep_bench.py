@@ -98,7 +98,7 @@ def main() -> None:
             y_wrapper = wrapper()
             torch.cuda.synchronize()
             first_s = time.perf_counter() - t0
-            state["capacity"] = disp.manager._hybridep_capacity
+            state["capacity"] = disp.manager._calibrated_capacity()
             y_raw = raw()
             torch.cuda.synchronize()
             diff = float((y_wrapper.float() - y_raw.float()).abs().max())

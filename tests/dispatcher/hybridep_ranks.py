@@ -89,7 +89,7 @@ def overflow_all_to_one_rank():
     params = _params()
     x, indices, probs = _routing(CASE)
     _step(disp, x, indices.index_fill(1, torch.tensor([1], device=DEVICE), -1), probs, params)
-    capacity = disp.manager._hybridep_capacity
+    capacity = disp.manager._calibrated_capacity()
     error = skewed_routing_error(disp, x, probs)
     if REAL and error is None:
         # On CUDA the guard is a device-side assert: it surfaces at the next synchronisation
@@ -230,6 +230,7 @@ def initialize_runtime_restores_state():
     linear(torch.ones(2, 4)).sum().backward()
     grad_before = linear.weight.grad.clone()
     fields_before = dict(manager.__dict__)
+    capacity_before = manager._calibrated_capacity()  # held by the sizing policy, not a field
     rng_before = torch.get_rng_state()
     calls_before = dict(hybrid_ep_buffer.CALLS)
     with torch.inference_mode():
@@ -241,8 +242,8 @@ def initialize_runtime_restores_state():
     return {
         "same_keys": fields_before.keys() == fields_after.keys(),
         "changed": sorted(k for k in fields_before if fields_after.get(k) is not fields_before[k]),
-        "capacity": manager._hybridep_capacity,
-        "capacity_before": fields_before["_hybridep_capacity"],
+        "capacity": manager._calibrated_capacity(),
+        "capacity_before": capacity_before,
         "grad_unchanged": torch.equal(linear.weight.grad, grad_before),
         "rng_unchanged": torch.equal(torch.get_rng_state(), rng_before),
         "calls": calls,
@@ -284,7 +285,7 @@ def capacity_per_layer():
         for _ in range(2):
             _step(disp, x, idx, probs, params)
     managers = [d.manager for d in layers]
-    return {"capacities": [m._hybridep_capacity for m in managers],
+    return {"capacities": [m._calibrated_capacity() for m in managers],
             "same_buffer": managers[0]._buffer(CASE.hidden, 16) is managers[1]._buffer(CASE.hidden, 16)}
 
 

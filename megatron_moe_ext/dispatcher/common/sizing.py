@@ -1,10 +1,10 @@
 """The fixed-shape modes' sizing policies and the switch every fixed-shape manager shares.
 
 See `dispatcher/fixed.py` for the modes: `CalibratedCapacity` (capacity mode) and `Budget`
-(budget mode; HybridEP's manager sizes its budget with it too), and `FixedShapeEngine`, whose
-`dropless` switch makes a layer's dispatches dropless for a while (the rerun of an overflowed
-step, factor "auto"'s warm-up) whatever its sizing. Here, below every manager, so the top-k
-and HybridEP managers share one implementation.
+(budget mode), which HybridEP's manager sizes its two modes with too, and `FixedShapeEngine`,
+whose `dropless` switch makes a layer's dispatches dropless for a while (the rerun of an
+overflowed step, factor "auto"'s warm-up) whatever its sizing. Here, below every manager, so
+the top-k and HybridEP managers share one implementation.
 
 Legend: T local tokens, K top-k (TP-expanded), W ranks, e local experts.
 """
@@ -39,7 +39,8 @@ class CalibratedCapacity:
         self.sizes: tuple[int, ...] | None = None
 
     def size(self, manager: SizedManager, num_tokens: int, like=None) -> tuple[int, ...] | None:
-        """`(send_capacity, capacity)`, or None: dispatch dropless and `calibrate` after."""
+        """`(send_capacity, capacity)` (HybridEP: `(capacity,)`), or None: dispatch dropless and
+        `calibrate` after."""
         return self.sizes
 
     def agreed_send_capacity(self) -> int | None:
@@ -47,20 +48,18 @@ class CalibratedCapacity:
         return None if self.sizes is None else self.sizes[0]
 
     def calibrate(self, manager: SizedManager, record: DispatchRecord, device) -> None:
-        """One MAX all-reduce of both capacities (none within one rank) after the calibration
-        dispatch `record`, whose counts are on the host already."""
+        """`sizes` = the EP-group maxima (one MAX all-reduce, none within one rank) of this rank's
+        calibrated sizes after the calibration dispatch `record`, whose counts are on the host
+        already: the send capacity where the handle has per-rank send splits (the torch
+        backend's; HybridEP sends every rank's padded tokens, which its manager pins), then the
+        capacity."""
         pad = manager.pad_multiple
-        rows = sum(P.align_up(n, pad or 1) for n in record.counts)
-        pair_rows = max(record.handle.send_splits)  # type: ignore[attr-defined]  # the torch handle
-        self.agree([P.capacity_rows(pair_rows, self.factor, P.CAPACITY_ALIGNMENT),
-                    P.capacity_rows(rows, self.factor, pad or P.CAPACITY_ALIGNMENT)], manager.group, device)
-
-    def agree(self, local: list[int], group, device) -> tuple[int, ...]:
-        """`sizes` = the EP-group maxima of this rank's calibrated `local` sizes (one MAX
-        all-reduce, none within one rank), so every rank sizes the same buffers (HybridEP's
-        manager calibrates its one capacity through it too)."""
-        self.sizes = tuple(checks.group_max(local, group, device))
-        return self.sizes
+        rows = sum(P.align_up(int(n), pad or 1) for n in record.counts)
+        local = [P.capacity_rows(rows, self.factor, pad or P.CAPACITY_ALIGNMENT)]
+        send_splits = getattr(record.handle, "send_splits", None)
+        if send_splits is not None:
+            local.insert(0, P.capacity_rows(max(send_splits), self.factor, P.CAPACITY_ALIGNMENT))
+        self.sizes = tuple(checks.group_max(local, manager.group, device))
 
 
 class Budget:

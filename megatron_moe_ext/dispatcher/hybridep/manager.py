@@ -3,14 +3,15 @@
 HybridEP permutes, sends and groups rows by local expert in one call (`dispatch_with_permute`);
 `combine_with_unpermute` is its inverse; the autograd Functions below are each other's
 backward. Around the buffer the manager adds equal, 4-aligned per-rank token counts (zero
-padding rows, sliced off after combine), the static-routing pins, capacity mode (one
-blocking calibration dispatch, which also pins the padded per-rank token count, so a larger
-batch later raises ValueError, then non-blocking fixed-size dispatches guarded by a
-device-side overflow assert) and budget mode (`moe_expert_rank_capacity_factor`, with
-`moe_hybridep_equal_token_counts`: every dispatch non-blocking at `sizing.Budget`'s rows, no
-host read, no collective of the package's; HybridEP drops what does not fit, and the record's
-per-expert `overflow_counts` are settled at the step boundary: `settle_overflow`); a
-`sizing.FixedShapeEngine`, its `dropless` switch makes every dispatch blocking and dropless.
+padding rows, sliced off after combine), the static-routing pins, capacity mode
+(`sizing.CalibratedCapacity`: one blocking calibration dispatch, which also pins the padded
+per-rank token count, so a larger batch later raises ValueError, then non-blocking fixed-size
+dispatches guarded by a device-side overflow assert) and budget mode
+(`moe_expert_rank_capacity_factor`, with `moe_hybridep_equal_token_counts`: every dispatch
+non-blocking at `sizing.Budget`'s rows, no host read, no collective of the package's; HybridEP
+drops what does not fit, and the record's per-expert `overflow_counts` are settled at the step
+boundary: `settle_overflow`); a `sizing.FixedShapeEngine`, its `dropless` switch makes every
+dispatch (either mode's) blocking and dropless.
 Over gloo HybridEP all-gathers the routing map with its own kernel, so a CUDA graph can hold
 a dispatch there too. Per layer: its capacity and pins; shared: only the
 `HybridEPBuffer`, one per `buffer_key`.
@@ -201,9 +202,8 @@ class HybridEPManager(sizing.FixedShapeEngine, DispatchManager):
                            moe_hybridep_num_blocks_unpermute)
         self._buffer_owner = buffers.acquire(self.buffer_key, lambda: _BufferOwner(self.buffer_key),
                                              share_buffer)
-        # Persistent per-layer state: the calibrated capacity, and the padded token count and
-        # permuted-row count pinned by capacity calibration or static routing.
-        self._hybridep_capacity: int | None = None
+        # Persistent per-layer state besides the calibrated capacity (`sizing`): the padded token
+        # count and permuted-row count pinned by capacity calibration or static routing.
         self._pinned_tokens: int | None = None
         self._static_num_permuted_tokens: int | None = None
 
@@ -247,7 +247,7 @@ class HybridEPManager(sizing.FixedShapeEngine, DispatchManager):
         if self._pinned_tokens is not None:
             if num_tokens <= self._pinned_tokens:
                 return self._pinned_tokens
-            if self._hybridep_capacity is not None:
+            if self._calibrated_capacity() is not None:
                 raise ValueError(
                     f"moe_hybridep_capacity_factor: hidden_states has {num_tokens} tokens on this rank, but "
                     f"capacity mode needs a static per-rank token count and was calibrated at {self._pinned_tokens}; "
@@ -277,22 +277,17 @@ class HybridEPManager(sizing.FixedShapeEngine, DispatchManager):
         """
         if capacity_mode and self.defers_overflow:
             return self.sizing.rows(padded_tokens, self.router_topk, self.pad_multiple)
-        if capacity_mode and self._hybridep_capacity is not None:
-            return self._hybridep_capacity
+        if capacity_mode and (capacity := self._calibrated_capacity()) is not None:
+            return capacity
         return self._static_num_permuted_tokens if self._static_pin() else None
 
-    def _calibrate_hybridep_capacity(self, tokens_per_expert: torch.Tensor, padded_tokens: int, device) -> None:
-        """Capacity = `align(ceil(rows * factor))`, the EP-group max, from one blocking dispatch;
-        the dispatch's padded token count (already equal on every rank) is pinned with it.
-
-        `tokens_per_expert` came back on the host with the blocking dispatch, so its sum is free;
-        the engine's `CalibratedCapacity.agree` makes every rank size the same buffers.
-        """
-        local = P.capacity_rows(int(tokens_per_expert.sum()), self.sizing.factor,
-                                self.pad_multiple or _HYBRIDEP_TOKEN_ALIGNMENT)
-        (self._hybridep_capacity,) = self.sizing.agree([local], self.group, device)
-        if not self.equal_token_counts:
-            self._pinned_tokens = padded_tokens
+    def _calibrated_capacity(self) -> int | None:
+        """Capacity mode's permuted rows, `align(ceil(rows * factor))` as the EP-group max (the
+        policy's `CalibratedCapacity.calibrate`); None before the first real dispatch calibrates
+        it, or in another mode."""
+        if isinstance(self.sizing, sizing.CalibratedCapacity) and self.sizing.sizes is not None:
+            return self.sizing.sizes[-1]
+        return None
 
     # ---- communication ----------------------------------------------------------------
     def _buffer(self, hidden_dim: int, num_tokens: int):
@@ -389,8 +384,10 @@ class HybridEPManager(sizing.FixedShapeEngine, DispatchManager):
         elif num_permuted is not None:
             _assert_no_hybridep_overflow(record.handle, num_permuted)
         else:
-            if capacity_mode and self._hybridep_capacity is None:
-                self._calibrate_hybridep_capacity(record.counts, padded, x_TH.device)
+            if capacity_mode:  # not calibrated yet: this blocking dispatch calibrates
+                self.sizing.calibrate(self, record, x_TH.device)
+                if not self.equal_token_counts:  # its padded count, equal on every rank, is pinned
+                    self._pinned_tokens = padded
             if self._static_pin() and self._static_num_permuted_tokens is None:
                 # At least one aligned group: a batch that routed no rows still leaves room for
                 # a peer's error word (`announce_input_error`) in a later pinned dispatch.

@@ -35,7 +35,7 @@ def warm_up(manager, num_tokens: int, hidden_dim: int, dtype: torch.dtype, devic
     saved = dict(manager.__dict__)
     try:
         # A plain blocking dispatch: it neither uses nor records the layer's pins.
-        manager._pinned_tokens = manager._hybridep_capacity = manager._static_num_permuted_tokens = None
+        manager._pinned_tokens = manager._static_num_permuted_tokens = None
         with torch.inference_mode(False), torch.enable_grad():
             device = torch.device(device)
             tokens = torch.arange(num_tokens, device=device)
