@@ -64,3 +64,23 @@ def test_two_ranks_average_what_each_accumulated(dist_pools, fusion, kernel, ove
     for r in results:
         assert max(r["errors"]) < TOLERANCE, r
         assert r["added"] == [[fusion] * 2] * 2, r
+
+
+# FP8 E4M3 operands (3 mantissa bits) in both GEMMs of each gradient, against the unquantized
+# reference: tests/experts/test_fp8.py's bound for the FP8 MLP against BF16.
+FP8_TOLERANCE = 0.1
+
+
+@pytest.mark.parametrize("device_counts", [False, True], ids=["host_counts", "device_counts"])
+@pytest.mark.parametrize("fusion", [False, True])
+def test_fp8_main_grad_matches_reference_once(dist_pools, fusion, device_counts):
+    """FP8 tensorwise experts (fp8='e4m3', fp8_recipe='tensorwise'): no FP8 GEMM adds into fp32, so
+    with the fusion each weight gradient is added into main_grad in backward, once, though QuACK's
+    and TE's accumulating GEMMs are there (neither runs)."""
+    (r,) = dist_pools(1).run(accumulate, fusion, "fp8", device_counts)
+    assert max(r["errors"]) < FP8_TOLERANCE, r
+    assert r["dtypes"] == ["torch.float32"] * 2, r
+    assert r["added"] == [[fusion] * 2] * 2, r
+    assert r["grads_left"] == [False, False], r
+    assert r["calls"] == 0, r
+    assert (r["wgrad_accumulation"] is None) == (not fusion), r
