@@ -76,7 +76,7 @@ FP8_TOLERANCE = 0.1
 def test_fp8_main_grad_matches_reference_once(dist_pools, fusion, device_counts):
     """FP8 tensorwise experts (fp8='e4m3', fp8_recipe='tensorwise'): no FP8 GEMM adds into fp32, so
     with the fusion each weight gradient is added into main_grad in backward, once, though QuACK's
-    and TE's accumulating GEMMs are there (neither runs)."""
+    and TE's accumulating GEMMs are there (neither runs), as the build's log line says."""
     (r,) = dist_pools(1).run(accumulate, fusion, "fp8", device_counts)
     assert max(r["errors"]) < FP8_TOLERANCE, r
     assert r["dtypes"] == ["torch.float32"] * 2, r
@@ -84,3 +84,6 @@ def test_fp8_main_grad_matches_reference_once(dist_pools, fusion, device_counts)
     assert r["grads_left"] == [False, False], r
     assert r["calls"] == 0, r
     assert (r["wgrad_accumulation"] is None) == (not fusion), r
+    if fusion:  # the line logged at the build says what runs, not the GEMM bf16 would take
+        line = r["wgrad_accumulation"]
+        assert "fp8" in line and "added into main_grad in backward" in line and "QuACK" not in line, r
