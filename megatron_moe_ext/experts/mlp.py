@@ -125,9 +125,12 @@ class _GroupedMmIntoMainGrad(torch.autograd.Function):
 
 
 def wgrad_kernel(device: torch.device, dtype: torch.dtype, hidden: int, inter: int,
-                 host_counts_known: bool) -> tuple[WgradKernel | None, str]:
+                 host_counts_known: bool, fp8: bool = False) -> tuple[WgradKernel | None, str]:
     """The GEMM that adds the torch path's weight gradients into `main_grad` (QuACK's with any
-    counts, else TE's with host counts), or None, and a line saying which or why none."""
+    counts, else TE's with host counts; none under `fp8`), or None, and a line saying which or why none."""
+    if fp8:
+        return None, ("under fp8 no GEMM adds into main_grad (torch._scaled_grouped_mm cannot add into its output): "
+                      "each expert weight gradient is computed, then added into main_grad in backward")
     shape = shape_unsupported_reason(hidden, inter)
     quack = shape or device_unsupported_reason(device, dtype)
     if quack is None:
@@ -363,9 +366,9 @@ def run_grouped_expert_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Ten
         if expert_mlp_impl == "fused":
             raise RuntimeError(f"expert_mlp_impl='fused' is not possible here: {reason}")
     add_wgrad = None
-    if wgrad is not None and not chunked and fp8 is None:  # no FP8 GEMM adds into fp32: one add
+    if wgrad is not None and not chunked:
         add_wgrad, _ = wgrad_kernel(rows_NH.device, rows_NH.dtype, rows_NH.shape[1], down_projs.shape[1],
-                                    host is not None)
+                                    host is not None, fp8 is not None)
     if wgrad is not None and add_wgrad is None:
         gate_and_up_projs, down_projs = (IntoMainGrad.apply(w, t) for w, t in
                                          zip((gate_and_up_projs, down_projs), wgrad))

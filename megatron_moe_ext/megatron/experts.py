@@ -241,7 +241,8 @@ class GroupedGemmExperts(MegatronModule):
         if not self.config.gradient_accumulation_fusion:
             return None
         _, line = wgrad_kernel(self.gate_and_up_projs.device, self.config.params_dtype,
-                               self.experts_config.dim, self.experts_config.moe_inter_dim, True)
+                               self.experts_config.dim, self.experts_config.moe_inter_dim, True,
+                               self.fp8_recipe is not None)
         return f"GroupedGemmExperts: gradient_accumulation_fusion: expert weight gradients: {line}"
 
     def _apply(self, fn, *args, **kwargs):
