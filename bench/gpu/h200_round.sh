@@ -18,7 +18,7 @@
 #        pretrain_det32 te_init_check pretrain_qwen3 fused_experts fused_experts_tests slice_bench host_profile pretrain_slice
 #        pretrain_slice_det megatron_tools det_numerics (QuACK: source /tmp/quack_env.sh first)
 #        apex_build text_data real_text real_force real_dsv3 (the real-settings table, below)
-#        rerun_check wgrad_check fp8_check.
+#        rerun_check wgrad_check fp8_check fp8_wgrad_check.
 # Transformer Engine comes from ../shared/tools/te-on-device (source /tmp/te_env.sh first); the
 # HybridEP build (.gpu/hybridep, bench/gpu/HYBRIDEP.md), the uccl pieces (.gpu/uccl,
 # .gpu/uccl-wheel), DeepEP V1 intranode (.gpu/deepep-v1; `.gpu/deepep-src/build.sh v1|hybrid`
@@ -143,6 +143,7 @@ run_task() {
         && $PY bench/gpu/wgrad_fusion_check.py && { [ ! -f /tmp/quack_env.sh ] || touch /tmp/quack_wgrad_ok; }" ;;
     fp8_check) task fp8_check 420 bash -c "{ [ ! -f /tmp/te_env.sh ] || source /tmp/te_env.sh; } \
         && $PY bench/gpu/fp8_experts_check.py" ;;
+    fp8_wgrad_check) task fp8_wgrad_check 300 $PY bench/gpu/fp8_wgrad_check.py ;;
     apex_build) task apex_build 300 bash -c "[ -e /tmp/apexbuild/fused_weight_gradient_mlp_cuda.so ] \
         || bash .gpu/apex/build.sh" ;;
     text_data) task text_data 60 bash -c "mkdir -p $ROUND/data && cp .gpu/data/pydoc.* $ROUND/data/ \
