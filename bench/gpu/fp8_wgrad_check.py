@@ -18,7 +18,7 @@ Writes $OUT/fp8_wgrad_check.json; exit code 1 when a check fails.
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import os
 import sys
 import traceback
@@ -121,22 +121,10 @@ def main() -> None:
     result = {"command": "python3 bench/gpu/fp8_wgrad_check.py " + " ".join(sys.argv[1:]),
               "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
               "torch": torch.__version__, "cases": []}
-    failed = False
-    for shape_name in args.shapes.split(","):
-        for budget in (False, True):
-            try:
-                record = case(shape_name, budget)
-            except Exception:
-                record = {"shape": shape_name, "routing": "budget" if budget else "dropless", "ok": False,
-                          "error": traceback.format_exc()}
-            failed |= not record["ok"]
-            result["cases"].append(record)
-            print(json.dumps(record), flush=True)
-    out_dir = os.environ.get("OUT", "./outputs")
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "fp8_wgrad_check.json"), "w") as f:
-        json.dump(result, f, indent=2)
-    sys.exit(1 if failed else 0)
+    cases = [({"shape": shape_name, "routing": "budget" if budget else "dropless"},
+              functools.partial(case, shape_name, budget))
+             for shape_name in args.shapes.split(",") for budget in (False, True)]
+    base.run_cases(result, cases, "fp8_wgrad_check.json")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ Writes $OUT/wgrad_fusion_check.json; prints one line per case. Exit code 1 when 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -333,20 +334,26 @@ def main() -> None:
     both = quack_backend().module is not None and te_grouped_gemm().gemm is not None
     impls = (["grouped_mm"] + (["grouped_mm/te"] if both else [])
              + (["fused"] if quack_backend().module is not None else []))
-    for shape_name in args.shapes.split(","):
-        for budget in (False, True):
-            for impl in impls:
-                try:
-                    record = case(shape_name, budget, impl, args.iters)
-                except Exception:
-                    record = {"shape": shape_name, "routing": "budget" if budget else "dropless",
-                              "impl": impl, "ok": False, "error": traceback.format_exc()}
-                failed |= not record["ok"]
-                result["cases"].append(record)
-                print(json.dumps(record), flush=True)
+    cases = [({"shape": shape_name, "routing": "budget" if budget else "dropless", "impl": impl},
+              functools.partial(case, shape_name, budget, impl, args.iters))
+             for shape_name in args.shapes.split(",") for budget in (False, True) for impl in impls]
+    run_cases(result, cases, "wgrad_fusion_check.json", failed)
+
+
+def run_cases(result: dict, cases, file_name: str, failed: bool = False) -> None:
+    """Run each `(what, check)` case (a failure is recorded with its traceback), write `result`
+    to $OUT/`file_name` and exit 1 if any check (or an earlier one: `failed`) failed."""
+    for what, check in cases:
+        try:
+            record = check()
+        except Exception:
+            record = {**what, "ok": False, "error": traceback.format_exc()}
+        failed |= not record["ok"]
+        result["cases"].append(record)
+        print(json.dumps(record), flush=True)
     out_dir = os.environ.get("OUT", "./outputs")
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "wgrad_fusion_check.json"), "w") as f:
+    with open(os.path.join(out_dir, file_name), "w") as f:
         json.dump(result, f, indent=2)
     sys.exit(1 if failed else 0)
 
