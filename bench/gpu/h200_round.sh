@@ -18,7 +18,7 @@
 #        pretrain_det32 te_init_check pretrain_qwen3 fused_experts fused_experts_tests slice_bench host_profile pretrain_slice
 #        pretrain_slice_det megatron_tools det_numerics (QuACK: source /tmp/quack_env.sh first)
 #        apex_build text_data real_text real_force real_dsv3 (the real-settings table, below)
-#        rerun_check wgrad_check fp8_check fp8_wgrad_check.
+#        rerun_check wgrad_check fp8_check fp8_wgrad_check; ab_arch layer_parity (issue 51).
 # Transformer Engine comes from ../shared/tools/te-on-device (source /tmp/te_env.sh first); the
 # HybridEP build (.gpu/hybridep, bench/gpu/HYBRIDEP.md), the uccl pieces (.gpu/uccl,
 # .gpu/uccl-wheel), DeepEP V1 intranode (.gpu/deepep-v1; `.gpu/deepep-src/build.sh v1|hybrid`
@@ -144,6 +144,13 @@ run_task() {
     fp8_check) task fp8_check 420 bash -c "{ [ ! -f /tmp/te_env.sh ] || source /tmp/te_env.sh; } \
         && $PY bench/gpu/fp8_experts_check.py" ;;
     fp8_wgrad_check) task fp8_wgrad_check 300 $PY bench/gpu/fp8_wgrad_check.py ;;
+    # Issue 51's GPU must-holds: this tree against the one before the redesign (.gpu/ab_base, made
+    # by `AB_BASE=<commit> bash bench/gpu/ab_cost.sh prepare`), ABBA, every kind; Megatron's layer
+    # against FlexMoELayer at EP 1 (fp32 and bf16); local-graph training bitwise equal to eager is
+    # the task cuda_graph_train.
+    ab_arch) task ab_arch 1100 env AB_KINDS="dropless budget recompute graphs" bash bench/gpu/ab_cost.sh ;;
+    layer_parity) task layer_parity 300 $PY -m torch.distributed.run --standalone --nproc-per-node 1 \
+        bench/gpu/megatron_layer_parity.py ;;
     apex_build) task apex_build 300 bash -c "[ -e /tmp/apexbuild/fused_weight_gradient_mlp_cuda.so ] \
         || bash .gpu/apex/build.sh" ;;
     text_data) task text_data 60 bash -c "mkdir -p $ROUND/data && cp .gpu/data/pydoc.* $ROUND/data/ \
