@@ -114,8 +114,8 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         try:
             settings = dispatcher_config.settings()
             self._check_construction()
-            row = registry.BACKENDS[dispatcher_config.moe_flex_dispatcher_backend]
-            self._manager = row.build(dispatcher_config, self.tp_ep_group, num_local_experts, self.tp_size)
+            plan = dispatcher_config.plan
+            self._manager = plan.row.build(dispatcher_config, self.tp_ep_group, num_local_experts, self.tp_size)
         except ValueError as exc:
             error = exc
         checks.agree_at_build(self.tp_ep_group, settings, error)
@@ -133,9 +133,9 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         """The constructor's checks of this rank's arguments against the group."""
         cfg, e = self.dispatcher_config, self.num_local_experts
         cfg.validate_for_group(self.ep_size)
-        backend = cfg.moe_flex_dispatcher_backend
-        if cfg.moe_benchmark_static_routing and not registry.BACKENDS[backend].static_routing:
-            raise checks.bad_input("moe_benchmark_static_routing", f"backend {backend!r} would ignore it; "
+        plan = cfg.plan
+        if cfg.moe_benchmark_static_routing and not plan.row.static_routing:
+            raise checks.bad_input("moe_benchmark_static_routing", f"backend {plan.backend!r} would ignore it; "
                                    f"backends {registry.backends_with(static_routing=True)} have static "
                                    "routing: set it to False or choose one of them")
         expected_local = cfg.num_moe_experts // self.ep_size
@@ -163,9 +163,9 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
 
     @hand_indexed_rows.setter
     def hand_indexed_rows(self, value: bool) -> None:
-        backend = self.dispatcher_config.moe_flex_dispatcher_backend
-        if value and not registry.BACKENDS[backend].indexed_rows:
-            raise checks.bad_input("hand_indexed_rows", f"backend {backend!r} permutes inside its "
+        plan = self.dispatcher_config.plan
+        if value and not plan.row.indexed_rows:
+            raise checks.bad_input("hand_indexed_rows", f"backend {plan.backend!r} permutes inside its "
                                    f"communication; backends {registry.backends_with(indexed_rows=True)} "
                                    "can hand IndexedRows")
         self._hand_indexed_rows = bool(value)

@@ -343,7 +343,7 @@ class DeferredRoutingErrors:
 
     `mask_topk` / `flag_routes` record errors; `raise_pending` reads them once per step.
     The flag is one tensor, created by the first record and from then on updated and reset
-    in place: a captured record keeps writing to that address (docs/DESIGN.md, issue 15).
+    in place: a captured record keeps writing to that address (docs/DESIGN.md, "What a CUDA graph may contain").
     """
 
     def __init__(self):
