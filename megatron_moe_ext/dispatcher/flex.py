@@ -271,7 +271,7 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
             yield
         except checks.ANNOUNCED as exc:
             # A recompute's next collective is a replayed one, which carries no word.
-            if getattr(exc, "agreed", False) or checks.in_backward() or self.tp_size * self.ep_size == 1:
+            if isinstance(exc, checks.AgreedError) or checks.in_backward() or self.tp_size * self.ep_size == 1:
                 raise
             rank = dist.get_rank(self.tp_ep_group)
             rows = isinstance(hidden_states, torch.Tensor) and hidden_states.dim() >= 2
@@ -335,11 +335,10 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
             dispatched = self._step("dispatch", record, lambda: self._manager.dispatch(
                 record, hidden_states, async_finish, allocate_on_comm_stream), hidden_states, async_finish,
                 allocate_on_comm_stream)
-        except Exception as exc:
-            if getattr(exc, "agreed", False):
-                # Every rank raised it (a peer's error word): the dispatch is abandoned on every
-                # rank, and the next step starts afresh.
-                self.record = None
+        except checks.AgreedError:
+            # Every rank raised it (a peer's error word): the dispatch is abandoned on every
+            # rank, and the next step starts afresh.
+            self.record = None
             raise
         record.num_rows = dispatched.shape[0]
         if self.shared_experts is not None:

@@ -68,8 +68,25 @@ _RANK_BITS = 8  # ranks below 256 per expert-parallel group
 #: no weight a router gives is that negative).
 FLAG_BASE = 2**20
 _CAUSE_OF: dict[type[BaseException], str] = {RoutingChangedError: "routing", CapacityOverflowError: "overflow"}
-#: What a rank announces to its peers before raising (an agreed error is not announced again).
+#: What a rank announces to its peers before raising (an `AgreedError` is not announced again).
 ANNOUNCED = (ValueError, RoutingChangedError)
+
+
+class AgreedError(Exception):
+    """Raised by every rank of the group together (a peer's error word, or a check every rank
+    made alike): not announced again, and the dispatch it stops is abandoned on every rank."""
+
+
+class AgreedValueError(AgreedError, ValueError):
+    """A rejected input or setting, raised by every rank."""
+
+
+class AgreedCapacityOverflowError(AgreedError, CapacityOverflowError):
+    """A capacity overflow on some rank, raised by every rank."""
+
+
+class AgreedRoutingChangedError(AgreedError, RoutingChangedError):
+    """A routing change seen by some rank's recompute, raised by every rank."""
 
 
 def cause_of(error: BaseException) -> str:
@@ -87,28 +104,27 @@ def error_word(cause: str, rank: int) -> int:
     return (CAUSES.index(cause) + 1) << _RANK_BITS | rank
 
 
-def agreed_error(words, own: BaseException | None = None, rank: int | None = None) -> Exception:
+def agreed_error(words, own: BaseException | None = None, rank: int | None = None) -> AgreedError:
     """The error every rank raises for the non-zero `words` it received and, on a rank that
-    failed itself (`rank`), its `own` error: ranks and causes named, marked `agreed`."""
+    failed itself (`rank`), its `own` error: ranks and causes named, an `AgreedError`."""
     by_rank = {int(w) & ((1 << _RANK_BITS) - 1): CAUSES[(int(w) >> _RANK_BITS) - 1] for w in words if w}
     if own is not None:
         by_rank[rank] = cause_of(own)
     ranks = sorted(by_rank)
     cause = by_rank[ranks[0]]
-    error: Exception
+    error: AgreedError
     detail = f"; rank {rank}: {own}" if own is not None else "; their own error says more"
     if cause == "overflow":
-        error = CapacityOverflowError(
+        error = AgreedCapacityOverflowError(
             f"moe_hybridep_capacity_factor: a capacity-mode dispatch overflowed its capacity on "
             f"expert-parallel rank(s) {ranks}: tokens would be dropped; raise "
             f"moe_hybridep_capacity_factor{detail}")
     elif cause == "routing":
-        error = RoutingChangedError(f"expert-parallel rank(s) {ranks}: {ROUTING_CHANGED}{detail}")
+        error = AgreedRoutingChangedError(f"expert-parallel rank(s) {ranks}: {ROUTING_CHANGED}{detail}")
     else:
         causes = ", ".join(sorted(set(by_rank.values())))
-        error = ValueError(f"{cause}: expert-parallel rank(s) {ranks} failed their check of {causes}; "
-                           f"every rank of the group abandons this step{detail}")
-    error.agreed = True
+        error = AgreedValueError(f"{cause}: expert-parallel rank(s) {ranks} failed their check of {causes}; "
+                                 f"every rank of the group abandons this step{detail}")
     return error
 
 
@@ -184,13 +200,13 @@ def agree_at_build(group, settings: dict[str, str], error: BaseException | None)
     dist.all_gather_object(gathered, (settings, None if error is None else str(error)), group=group)
     failed = [rank for rank, (_, message) in enumerate(gathered) if message]
     if failed:
-        raise ValueError(f"{gathered[failed[0]][1]} (refused at the layer's build on expert-parallel "
+        raise AgreedValueError(f"{gathered[failed[0]][1]} (refused at the layer's build on expert-parallel "
                          f"rank(s) {failed}; every rank of the group raises this)") from error
     for name in settings:
         values = [rank_settings.get(name) for rank_settings, _ in gathered]
         if any(value != values[0] for value in values):
             per_rank = ", ".join(f"rank {rank}: {value}" for rank, value in enumerate(values))
-            raise ValueError(f"{name} differs across the expert-parallel group ({per_rank}): the ranks "
+            raise AgreedValueError(f"{name} differs across the expert-parallel group ({per_rank}): the ranks "
                              "of a group must build the same layer; set it to the same value on every rank")
 
 
