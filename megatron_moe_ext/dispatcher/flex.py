@@ -1,5 +1,5 @@
 """`MoEFlexTokenDispatcher`: one dispatcher, two faces (Megatron's six `MoETokenDispatcher`
-methods and the seed's `token_permutation*` / split steps), one implementation.
+methods and the seed-compatible face's `token_permutation*` / split steps), one implementation.
 
 Both faces end in the same steps: `dispatch_preprocess*` -> `token_dispatch` ->
 `dispatch_postprocess` -> (experts) -> `combine_preprocess` -> `token_combine` ->
@@ -68,8 +68,8 @@ class _OverlapFace:
 class MoEFlexTokenDispatcher(MoETokenDispatcher):
     """Flex token dispatcher supporting DeepEP, HybridEP, UCCL-EP and torch backends.
 
-    Construct it the seed's way, `(num_local_experts, local_expert_indices,
-    TokenDispatcherConfig, ep_group)`, or Megatron's, `(num_local_experts, local_expert_indices,
+    Construct it from a `TokenDispatcherConfig` (the seed API's constructor), `(num_local_experts,
+    local_expert_indices, TokenDispatcherConfig, ep_group)`, or Megatron's, `(num_local_experts, local_expert_indices,
     config=TransformerConfig, pg_collection=...)`, where `dispatcher_config` overrides what is
     derived from the TransformerConfig.
     """
@@ -84,16 +84,17 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         pg_collection: ProcessGroupCollection | None = None,
         dispatcher_config: TokenDispatcherConfig | None = None,
     ):
-        seed = isinstance(config, TokenDispatcherConfig)
-        if seed and ep_group is None:
-            raise checks.bad_input("ep_group", "the seed constructor needs the expert-parallel group")
-        if seed or (pg_collection is None and ep_group is not None):
+        own_config = isinstance(config, TokenDispatcherConfig)
+        if own_config and ep_group is None:
+            raise checks.bad_input("ep_group", "built from a TokenDispatcherConfig, the dispatcher needs the "
+                                   "expert-parallel group")
+        if own_config or (pg_collection is None and ep_group is not None):
             pg_collection = ProcessGroupCollection(ep=ep_group, tp_ep=ep_group)
         elif pg_collection is None:
             from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
             pg_collection = get_default_pg_collection()
-        if seed:
+        if own_config:
             dispatcher_config = config
         elif dispatcher_config is None:
             dispatcher_config = TokenDispatcherConfig.from_transformer_config(config)
@@ -395,8 +396,8 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         self.record = None
         return hidden_states.view(record.hidden_shape)
 
-    # ---- the seed's methods -----------------------------------------------------------
-    def dispatch_preprocess2(self, hidden_states, num_local_tokens, token_probs, token_indices):
+    # ---- the seed-compatible face: top-k routing and the one-call steps -----------------
+    def dispatch_preprocess_topk(self, hidden_states, num_local_tokens, token_probs, token_indices):
         """Top-k `[T, K]` routing -> `(hidden [T, H], token_probs [T, K] fp32)`."""
         with self._peers_see_input_errors(hidden_states):
             tokens = checks.check_hidden(hidden_states, num_local_tokens)
@@ -412,18 +413,15 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
             hidden_states = hidden_states.reshape(tokens, hidden_states.shape[-1])
         return hidden_states, record.token_probs
 
-    dispatch_all_to_all = token_dispatch
-    combine_all_to_all = token_combine
-
-    # The seed's one-call faces communicate asynchronously only under moe_deepep_async_dispatch.
+    # The one-call faces communicate asynchronously only under moe_deepep_async_dispatch.
     def token_permutation(self, hidden_states, num_local_tokens, probs):
         """Dense probs `[T, E]` -> `(tokens [P, H], tokens_per_expert [e], permuted_probs [P])`."""
         return self._dispatch_and_permute(self.dispatch_preprocess(hidden_states, num_local_tokens, probs)[0])
 
-    def token_permutation2(self, hidden_states, num_local_tokens, token_probs, token_indices):
+    def token_permutation_topk(self, hidden_states, num_local_tokens, token_probs, token_indices):
         """Top-k routing -> `(tokens [P, H], tokens_per_expert [e], permuted_probs [P])`."""
         return self._dispatch_and_permute(
-            self.dispatch_preprocess2(hidden_states, num_local_tokens, token_probs, token_indices)[0])
+            self.dispatch_preprocess_topk(hidden_states, num_local_tokens, token_probs, token_indices)[0])
 
     def _dispatch_and_permute(self, hidden):
         async_mode = self.dispatcher_config.moe_deepep_async_dispatch
@@ -434,6 +432,13 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         async_mode = self.dispatcher_config.moe_deepep_async_dispatch
         rows = self.token_combine(self.combine_preprocess(hidden_states), async_mode, async_mode)
         return self.combine_postprocess(rows)
+
+    # The seed API's names of the steps above (the seed-compatible face); the package itself
+    # calls them by role.
+    dispatch_preprocess2 = dispatch_preprocess_topk
+    token_permutation2 = token_permutation_topk
+    dispatch_all_to_all = token_dispatch
+    combine_all_to_all = token_combine
 
     def get_pipeline_runtime_initializers(self, hidden_dim: int, dtype: torch.dtype) -> tuple:
         """Initializers to run before a pipeline step (HybridEP's buffer), else ()."""
