@@ -12,8 +12,8 @@ import dataclasses
 import functools
 import threading
 
-import torch
 from megatron.core.models.common.utils import should_free_input
+from megatron.core.tensor_parallel.random import is_checkpointing
 from megatron.core.transformer.moe import moe_layer as _megatron_moe_layer
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.utils import get_pg_size
@@ -205,10 +205,11 @@ class FlexMoELayer(MoELayer, overflow.OverflowCounter):
 
     def forward(self, hidden_states, *args, **kwargs):
         """Megatron's forward; a training forward that Megatron will recompute (its own "moe"
-        checkpoint, or a no-grad forward inside a full-layer checkpoint) records its dispatches."""
+        checkpoint, or the forward its full-layer checkpoint runs, which sets Megatron's
+        `is_checkpointing()`; not any no-grad forward) records its dispatches."""
         replay = self.recompute_replay
         if replay is None:
             return super().forward(hidden_states, *args, **kwargs)
-        recomputed = self.training and (self.moe_layer_recompute or not torch.is_grad_enabled())
+        recomputed = self.training and (self.moe_layer_recompute or is_checkpointing())
         with replay.recording(recomputed):
             return super().forward(hidden_states, *args, **kwargs)
