@@ -86,8 +86,7 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
     ):
         own_config = isinstance(config, TokenDispatcherConfig)
         if own_config and ep_group is None:
-            raise checks.bad_input("ep_group", "built from a TokenDispatcherConfig, the dispatcher needs the "
-                                   "expert-parallel group")
+            raise checks.bad_input("ep_group", "a TokenDispatcherConfig needs the expert-parallel group")
         if own_config or (pg_collection is None and ep_group is not None):
             pg_collection = ProcessGroupCollection(ep=ep_group, tp_ep=ep_group)
         elif pg_collection is None:

@@ -80,17 +80,10 @@ class BackendRow:
 
 @dataclass(frozen=True)
 class DispatchPlan:
-    """A config's backend and dispatch mode, resolved once (`plan_of`, at the config's
-    validation) and read by everything that acts on them: the dispatcher, the manager builders,
-    the layer (`megatron/moe_layer.py`, `overflow.py`, `expert_choice.py`) and the CUDA-graph
-    settings (`megatron/graphs.py`).
-
-    backend: the backend's name; row: its `BackendRow`.
-    mode: one of `MODES`.
-    factor: the fixed-shape mode's factor (budget: a float or "auto"; capacity: a float,
-        whichever backend runs it), None when dropless.
-    field: the config field that set the mode (for messages), None when dropless.
-    """
+    """A config's backend (`row`) and mode, resolved once at its validation (`plan_of`) and read
+    by the dispatcher, the builders, the layer and the CUDA-graph settings (docs/DESIGN.md).
+    `factor`: the fixed-shape mode's (budget: a float or "auto"; capacity: a float, whichever
+    backend runs it); `field`: the config field that set the mode (for messages)."""
 
     backend: str
     row: BackendRow
@@ -105,10 +98,8 @@ class DispatchPlan:
 
 
 def plan_of(cfg) -> DispatchPlan:
-    """`cfg`'s plan: its backend's row, and its mode from the one factor set (the config
-    refuses both at once). The only reader of the fields that choose a mode: the capacity
-    mode's factor is named after HybridEP (`moe_hybridep_capacity_factor`) whichever backend
-    runs it."""
+    """`cfg`'s plan: the only reader of the fields that choose a mode (the config refuses both;
+    the capacity mode's is named after HybridEP whichever backend runs it)."""
     backend = cfg.moe_flex_dispatcher_backend
     for mode, field in (("budget", "moe_expert_rank_capacity_factor"), ("capacity", "moe_hybridep_capacity_factor")):
         if getattr(cfg, field) is not None:

@@ -46,15 +46,28 @@ class RoutingChangedError(RuntimeError):
     """The recomputed router chose other experts or weights than the original forward."""
 
 
+class AgreedError(Exception):
+    """Raised by every rank of the group together (a peer's error word, or a check every rank
+    made alike): not announced again, and the dispatch it stops is abandoned on every rank."""
+
+
+class AgreedValueError(AgreedError, ValueError):
+    """A rejected input or setting, raised by every rank."""
+
+
+class CapacityOverflowError(AgreedError, RuntimeError):
+    """A capacity-mode dispatch needed more rows than its calibrated capacity on some rank
+    (every rank raises it)."""
+
+
+class AgreedRoutingChangedError(AgreedError, RoutingChangedError):
+    """A routing change seen by some rank's recompute, raised by every rank."""
+
+
 ROUTING_CHANGED = ("the recomputed MoE router output differs from the original forward's (expert ids "
                    "or weights): the backward used the original routing and its gradients do not match "
                    "the recomputed router. Do not change router weights or expert bias between a "
                    "checkpointed forward and its backward; make the router deterministic (bf16 top-k ties)")
-
-
-class CapacityOverflowError(RuntimeError):
-    """A capacity-mode dispatch needed more rows than its calibrated capacity."""
-
 
 #: What an error word can name (cause code = index + 1): the field a rejected input names
 #: (a ValueError naming another field travels as "input"), a capacity overflow or a routing
@@ -70,23 +83,6 @@ FLAG_BASE = 2**20
 _CAUSE_OF: dict[type[BaseException], str] = {RoutingChangedError: "routing", CapacityOverflowError: "overflow"}
 #: What a rank announces to its peers before raising (an `AgreedError` is not announced again).
 ANNOUNCED = (ValueError, RoutingChangedError)
-
-
-class AgreedError(Exception):
-    """Raised by every rank of the group together (a peer's error word, or a check every rank
-    made alike): not announced again, and the dispatch it stops is abandoned on every rank."""
-
-
-class AgreedValueError(AgreedError, ValueError):
-    """A rejected input or setting, raised by every rank."""
-
-
-class AgreedCapacityOverflowError(AgreedError, CapacityOverflowError):
-    """A capacity overflow on some rank, raised by every rank."""
-
-
-class AgreedRoutingChangedError(AgreedError, RoutingChangedError):
-    """A routing change seen by some rank's recompute, raised by every rank."""
 
 
 def cause_of(error: BaseException) -> str:
@@ -115,7 +111,7 @@ def agreed_error(words, own: BaseException | None = None, rank: int | None = Non
     error: AgreedError
     detail = f"; rank {rank}: {own}" if own is not None else "; their own error says more"
     if cause == "overflow":
-        error = AgreedCapacityOverflowError(
+        error = CapacityOverflowError(
             f"moe_hybridep_capacity_factor: a capacity-mode dispatch overflowed its capacity on "
             f"expert-parallel rank(s) {ranks}: tokens would be dropped; raise "
             f"moe_hybridep_capacity_factor{detail}")
