@@ -153,11 +153,8 @@ class TokenDispatcherConfig:
             fail(row.requires, False, f"backend {backend!r} needs {row.requires}=True; "
                  "choose moe_flex_dispatcher_backend='torch' to run without DeepEP")
         if plan.mode != "dropless" and plan.mode not in row.modes:
-            fail(plan.field, plan.factor, {
-                "capacity": f"capacity mode needs moe_flex_dispatcher_backend in "
-                            f"{registry.backends_running('capacity')}, got {backend!r}",
-                "budget": f"the sync-free budget mode exists for backends "
-                          f"{registry.backends_running('budget')}, backend is {backend!r}"}[plan.mode])
+            fail(plan.field, plan.factor, f"the {plan.mode} mode exists for backends "
+                 f"{registry.backends_running(plan.mode)}, backend is {backend!r}")
         if plan.mode == "capacity" and self.moe_expert_capacity_factor is not None:
             fail("moe_expert_capacity_factor", self.moe_expert_capacity_factor,
                  "token dropping cannot be combined with moe_hybridep_capacity_factor "
