@@ -214,7 +214,7 @@ def bench_ext(backend, shape, x_TH, indices_TK, probs_TK, group, num_sms, iters,
         prelude(prelude_us)
         t0 = time.perf_counter()
         d0.record()
-        hidden, _ = disp.dispatch_preprocess2(x_TH, tokens, probs_TK, indices_TK)
+        hidden, _ = disp.dispatch_preprocess_topk(x_TH, tokens, probs_TK, indices_TK)
         rows_RH, _ = disp.token_dispatch(hidden)
         d1.record()
         host_s.append(time.perf_counter() - t0)

@@ -8,9 +8,9 @@ Python before the library's first call is GPU idle time (see `bench/dispatch_ben
 whose `Buffer` returns preallocated outputs instantly (not a test double: it models nothing),
 and tokens live on the `meta` device, as CUDA tensors would skip the CPU-only range check.
 It times, at the DeepSeek-V3 shape under autograd (the tokens and probs require grad):
-- dispatch before_library_us: from the call of `dispatch_preprocess2` to the stand-in's
+- dispatch before_library_us: from the call of `dispatch_preprocess_topk` to the stand-in's
   `get_dispatch_layout` (on the GPU, idle time),
-- dispatch total_us: the whole `dispatch_preprocess2` + `token_dispatch` (the rest overlaps
+- dispatch total_us: the whole `dispatch_preprocess_topk` + `token_dispatch` (the rest overlaps
   the kernel, unless the kernel is shorter),
 - combine before_library_us / total_us: the same for `token_combine` and `Buffer.combine`,
 and the same for the raw `Buffer` calls. Medians of 2000 dispatch + combine pairs; writes
@@ -143,7 +143,7 @@ def main() -> None:
         return buffer.combine(*rows_and_handle)
 
     def ext_dispatch():
-        hidden, _ = disp.dispatch_preprocess2(x_TH, T, probs_TK, indices_TK)
+        hidden, _ = disp.dispatch_preprocess_topk(x_TH, T, probs_TK, indices_TK)
         return disp.token_dispatch(hidden)[0]
 
     def ext_combine(rows_RH):

@@ -87,3 +87,31 @@ def test_experts_config_imports_no_compute_module():
     assert mlp.EXPERT_MLP_CHUNK_BYTES is experts_config.EXPERT_MLP_CHUNK_BYTES
     assert mlp.check_expert_mlp_impl is experts_config.check_expert_mlp_impl
     assert not hasattr(fused, "EXPERT_MLP_IMPLS")
+
+
+def test_the_dispatch_plan_is_resolved_once_and_follows_every_change():
+    """The backend's row and the mode are resolved by the config's validation into one frozen
+    plan (what the dispatcher, the layer and the graph support read): the mode by role, its
+    factor whichever field set it, a new plan after an accepted assignment, the old one kept
+    after a refused one, and the config still pickles with it."""
+    import pickle
+
+    from megatron_moe_ext.dispatcher import registry
+
+    cfg = TokenDispatcherConfig(num_moe_experts=8, moe_flex_dispatcher_backend="torch")
+    plan = cfg.plan
+    assert (plan.backend, plan.row, plan.mode, plan.factor) == ("torch", registry.BACKENDS["torch"], "dropless", None)
+    assert cfg.plan is plan  # resolved once, not per read
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.mode = "budget"
+    cfg.moe_hybridep_capacity_factor = 1.5
+    assert (cfg.plan.mode, cfg.plan.factor, cfg.plan.setting) == (
+        "capacity", 1.5, "moe_hybridep_capacity_factor=1.5")
+    with pytest.raises(ValueError, match="moe_hybridep_capacity_factor"):
+        cfg.moe_expert_rank_capacity_factor = "auto"  # both modes at once
+    assert cfg.plan.mode == "capacity"
+    cfg = cfg.replace(moe_hybridep_capacity_factor=None, moe_expert_rank_capacity_factor="auto")
+    assert (cfg.plan.mode, cfg.plan.factor) == ("budget", "auto")
+    deepep = TokenDispatcherConfig(num_moe_experts=8)
+    copy = pickle.loads(pickle.dumps(deepep))
+    assert copy == deepep and copy.plan == deepep.plan

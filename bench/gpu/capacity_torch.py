@@ -53,7 +53,7 @@ def step(disp, x, indices, probs, grad_out):
     The toy expert reads no counts, so any sync found here belongs to the dispatcher."""
     x = x.detach().clone().requires_grad_()
     probs = probs.detach().clone().requires_grad_()
-    rows, _, permuted_probs = disp.token_permutation2(x, TOKENS, probs, indices)
+    rows, _, permuted_probs = disp.token_permutation_topk(x, TOKENS, probs, indices)
     out = torch.tanh(rows) * permuted_probs[:, None].to(rows.dtype)
     y = disp.token_unpermutation(out)
     y.backward(grad_out)

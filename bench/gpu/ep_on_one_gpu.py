@@ -390,7 +390,7 @@ def bad_input_outcomes(case, report) -> None:
         bad[2] = bad[2, 0]
 
     def step(idx, boundary: bool = False):
-        rows, tpe, pprobs = disp.token_permutation2(x, x.shape[0], probs, idx)
+        rows, tpe, pprobs = disp.token_permutation_topk(x, x.shape[0], probs, idx)
         disp.token_unpermutation(apply_local_experts(rows, tpe, pprobs, disp.local_expert_indices, params))
         if boundary:
             disp.check_input_errors()

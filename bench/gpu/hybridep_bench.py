@@ -76,7 +76,7 @@ def main() -> None:
         disp = MoEFlexTokenDispatcher(args.experts, list(range(args.experts)), cfg, dist.group.WORLD)
 
         def wrapper():
-            rows, _, _ = disp.token_permutation2(x, args.tokens, probs, indices)
+            rows, _, _ = disp.token_permutation_topk(x, args.tokens, probs, indices)
             return disp.token_unpermutation(rows)
 
         buffer = disp.manager._buffer(args.hidden, args.tokens)  # the wrapper's own buffer

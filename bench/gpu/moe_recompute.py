@@ -97,7 +97,7 @@ def moe_block(disp, router_HE, w1, w2, x_TH):
     # Through the layer's replay: under `save_dispatch_outputs` the recompute reuses the
     # router's outputs; elsewhere this is `router(...)`.
     probs_TK, indices_TK = recompute.attach_replay(disp).route(router, x_TH, router_HE, disp.topk)
-    rows, counts_e, probs_P = disp.token_permutation2(x_TH, x_TH.shape[0], probs_TK, indices_TK)
+    rows, counts_e, probs_P = disp.token_permutation_topk(x_TH, x_TH.shape[0], probs_TK, indices_TK)
     out = expert_mlp(rows, counts_e, probs_P, w1, w2)
     return x_TH + disp.token_unpermutation(out)
 
@@ -203,7 +203,7 @@ def expert_forward_ms(disp, params, x, iters, warmup, device, calls: int = 10) -
     router_HE, w1, w2 = params
     with torch.no_grad():
         probs, idx = router(x, router_HE, disp.topk)
-        rows, counts_e, probs_P = disp.token_permutation2(x, x.shape[0], probs, idx)
+        rows, counts_e, probs_P = disp.token_permutation_topk(x, x.shape[0], probs, idx)
         disp.token_unpermutation(rows)
         run = functools.partial(expert_mlp, rows, counts_e, probs_P, w1, w2)
         for _ in range(warmup):

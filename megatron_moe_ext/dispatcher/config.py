@@ -147,23 +147,19 @@ class TokenDispatcherConfig:
         if self.moe_router_dtype not in ROUTER_DTYPES:
             fail("moe_router_dtype", self.moe_router_dtype, f"allowed values are {ROUTER_DTYPES}")
 
-        row = registry.BACKENDS[backend]  # the combinations
+        plan = registry.plan_of(self)  # the combinations
+        row = plan.row
         if row.requires is not None and not getattr(self, row.requires):
             fail(row.requires, False, f"backend {backend!r} needs {row.requires}=True; "
                  "choose moe_flex_dispatcher_backend='torch' to run without DeepEP")
-        if self.moe_hybridep_capacity_factor is not None and "capacity" not in row.modes:
-            fail("moe_hybridep_capacity_factor", self.moe_hybridep_capacity_factor,
-                 f"capacity mode needs moe_flex_dispatcher_backend in "
-                 f"{registry.backends_running('capacity')}, got {backend!r}")
-        if self.moe_hybridep_capacity_factor is not None and self.moe_expert_capacity_factor is not None:
+        if plan.mode != "dropless" and plan.mode not in row.modes:
+            fail(plan.field, plan.factor, f"the {plan.mode} mode exists for backends "
+                 f"{registry.backends_running(plan.mode)}, backend is {backend!r}")
+        if plan.mode == "capacity" and self.moe_expert_capacity_factor is not None:
             fail("moe_expert_capacity_factor", self.moe_expert_capacity_factor,
                  "token dropping cannot be combined with moe_hybridep_capacity_factor "
                  "(capacity mode never drops: it raises on overflow); set one of them to None")
-        if self.moe_expert_rank_capacity_factor is not None:
-            if "budget" not in row.modes:
-                fail("moe_expert_rank_capacity_factor", self.moe_expert_rank_capacity_factor,
-                     f"the sync-free budget mode exists for backends "
-                     f"{registry.backends_running('budget')}, backend is {backend!r}")
+        if plan.mode == "budget":
             for other in ("moe_expert_capacity_factor", "moe_hybridep_capacity_factor"):
                 if getattr(self, other) is not None:
                     fail(other, getattr(self, other), "cannot be combined with "
@@ -181,6 +177,7 @@ class TokenDispatcherConfig:
         if self.moe_deepep_async_dispatch and not row.async_dispatch:
             fail("moe_deepep_async_dispatch", True, f"async dispatch exists for "
                  f"{registry.backends_with(async_dispatch=True)} only, backend is {backend!r}")
+        object.__setattr__(self, "_plan", plan)
 
     def _check_backend_options(self, backend: str, row: registry.BackendRow) -> None:
         """Options that mean nothing on `backend` are refused rather than ignored."""
@@ -197,10 +194,10 @@ class TokenDispatcherConfig:
                  f"{backend!r}" + (f"; use {row.sms_field}" if row.sms_field else ""))
 
     @property
-    def capacity_mode_factor(self) -> float | None:
-        """The capacity mode's factor, whichever backend runs it (torch or HybridEP): the seed
-        names the field after HybridEP, `moe_hybridep_capacity_factor`."""
-        return self.moe_hybridep_capacity_factor
+    def plan(self) -> registry.DispatchPlan:
+        """The backend's row and the dispatch mode with its factor, resolved by the last
+        validation: what the dispatcher, the layer and the graph support read."""
+        return self.__dict__["_plan"]
 
     def validate_for_group(self, ep_size: int, hidden_size: int | None = None) -> None:
         """Checks that need the expert-parallel group size (and the dispatched hidden size,
@@ -209,7 +206,7 @@ class TokenDispatcherConfig:
             fail("num_moe_experts", self.num_moe_experts,
                  f"must be divisible by the expert-parallel size ({ep_size}): set it to a multiple "
                  f"of {ep_size}, or an expert-parallel size that divides it")
-        check_hidden = registry.BACKENDS[self.moe_flex_dispatcher_backend].check_hidden
+        check_hidden = self.plan.row.check_hidden
         if hidden_size is not None and check_hidden is not None:
             check_hidden(hidden_size)
 

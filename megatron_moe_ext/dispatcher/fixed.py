@@ -3,7 +3,7 @@
 The dropless modes read the received counts on the host to size the permutation. In a
 fixed-shape mode every shape follows from a sizing policy, so no dispatch after the sizing
 reads the device (a CUDA graph can capture it):
-- `CalibratedCapacity` (capacity mode, `capacity_mode_factor`, torch backend): a first,
+- `CalibratedCapacity` (capacity mode, the config plan's factor, torch backend): a first,
   dropless dispatch (one host sync) fixes, as EP-group maxima times the factor,
   `send_capacity` (rows any rank may send to any one rank) and `capacity` (permuted rows any
   rank may receive, after per-expert padding);

@@ -1,5 +1,5 @@
 """`MoEFlexTokenDispatcher`: one dispatcher, two faces (Megatron's six `MoETokenDispatcher`
-methods and the seed's `token_permutation*` / split steps), one implementation.
+methods and the seed-compatible face's `token_permutation*` / split steps), one implementation.
 
 Both faces end in the same steps: `dispatch_preprocess*` -> `token_dispatch` ->
 `dispatch_postprocess` -> (experts) -> `combine_preprocess` -> `token_combine` ->
@@ -68,8 +68,8 @@ class _OverlapFace:
 class MoEFlexTokenDispatcher(MoETokenDispatcher):
     """Flex token dispatcher supporting DeepEP, HybridEP, UCCL-EP and torch backends.
 
-    Construct it the seed's way, `(num_local_experts, local_expert_indices,
-    TokenDispatcherConfig, ep_group)`, or Megatron's, `(num_local_experts, local_expert_indices,
+    Construct it from a `TokenDispatcherConfig` (the seed API's constructor), `(num_local_experts,
+    local_expert_indices, TokenDispatcherConfig, ep_group)`, or Megatron's, `(num_local_experts, local_expert_indices,
     config=TransformerConfig, pg_collection=...)`, where `dispatcher_config` overrides what is
     derived from the TransformerConfig.
     """
@@ -84,16 +84,16 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         pg_collection: ProcessGroupCollection | None = None,
         dispatcher_config: TokenDispatcherConfig | None = None,
     ):
-        seed = isinstance(config, TokenDispatcherConfig)
-        if seed and ep_group is None:
-            raise checks.bad_input("ep_group", "the seed constructor needs the expert-parallel group")
-        if seed or (pg_collection is None and ep_group is not None):
+        own_config = isinstance(config, TokenDispatcherConfig)
+        if own_config and ep_group is None:
+            raise checks.bad_input("ep_group", "a TokenDispatcherConfig needs the expert-parallel group")
+        if own_config or (pg_collection is None and ep_group is not None):
             pg_collection = ProcessGroupCollection(ep=ep_group, tp_ep=ep_group)
         elif pg_collection is None:
             from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
             pg_collection = get_default_pg_collection()
-        if seed:
+        if own_config:
             dispatcher_config = config
         elif dispatcher_config is None:
             dispatcher_config = TokenDispatcherConfig.from_transformer_config(config)
@@ -114,8 +114,8 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         try:
             settings = dispatcher_config.settings()
             self._check_construction()
-            row = registry.BACKENDS[dispatcher_config.moe_flex_dispatcher_backend]
-            self._manager = row.build(dispatcher_config, self.tp_ep_group, num_local_experts, self.tp_size)
+            plan = dispatcher_config.plan
+            self._manager = plan.row.build(dispatcher_config, self.tp_ep_group, num_local_experts, self.tp_size)
         except ValueError as exc:
             error = exc
         checks.agree_at_build(self.tp_ep_group, settings, error)
@@ -133,9 +133,9 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         """The constructor's checks of this rank's arguments against the group."""
         cfg, e = self.dispatcher_config, self.num_local_experts
         cfg.validate_for_group(self.ep_size)
-        backend = cfg.moe_flex_dispatcher_backend
-        if cfg.moe_benchmark_static_routing and not registry.BACKENDS[backend].static_routing:
-            raise checks.bad_input("moe_benchmark_static_routing", f"backend {backend!r} would ignore it; "
+        plan = cfg.plan
+        if cfg.moe_benchmark_static_routing and not plan.row.static_routing:
+            raise checks.bad_input("moe_benchmark_static_routing", f"backend {plan.backend!r} would ignore it; "
                                    f"backends {registry.backends_with(static_routing=True)} have static "
                                    "routing: set it to False or choose one of them")
         expected_local = cfg.num_moe_experts // self.ep_size
@@ -163,9 +163,9 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
 
     @hand_indexed_rows.setter
     def hand_indexed_rows(self, value: bool) -> None:
-        backend = self.dispatcher_config.moe_flex_dispatcher_backend
-        if value and not registry.BACKENDS[backend].indexed_rows:
-            raise checks.bad_input("hand_indexed_rows", f"backend {backend!r} permutes inside its "
+        plan = self.dispatcher_config.plan
+        if value and not plan.row.indexed_rows:
+            raise checks.bad_input("hand_indexed_rows", f"backend {plan.backend!r} permutes inside its "
                                    f"communication; backends {registry.backends_with(indexed_rows=True)} "
                                    "can hand IndexedRows")
         self._hand_indexed_rows = bool(value)
@@ -271,7 +271,7 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
             yield
         except checks.ANNOUNCED as exc:
             # A recompute's next collective is a replayed one, which carries no word.
-            if getattr(exc, "agreed", False) or checks.in_backward() or self.tp_size * self.ep_size == 1:
+            if isinstance(exc, checks.AgreedError) or checks.in_backward() or self.tp_size * self.ep_size == 1:
                 raise
             rank = dist.get_rank(self.tp_ep_group)
             rows = isinstance(hidden_states, torch.Tensor) and hidden_states.dim() >= 2
@@ -335,11 +335,10 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
             dispatched = self._step("dispatch", record, lambda: self._manager.dispatch(
                 record, hidden_states, async_finish, allocate_on_comm_stream), hidden_states, async_finish,
                 allocate_on_comm_stream)
-        except Exception as exc:
-            if getattr(exc, "agreed", False):
-                # Every rank raised it (a peer's error word): the dispatch is abandoned on every
-                # rank, and the next step starts afresh.
-                self.record = None
+        except checks.AgreedError:
+            # Every rank raised it (a peer's error word): the dispatch is abandoned on every
+            # rank, and the next step starts afresh.
+            self.record = None
             raise
         record.num_rows = dispatched.shape[0]
         if self.shared_experts is not None:
@@ -396,8 +395,8 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         self.record = None
         return hidden_states.view(record.hidden_shape)
 
-    # ---- the seed's methods -----------------------------------------------------------
-    def dispatch_preprocess2(self, hidden_states, num_local_tokens, token_probs, token_indices):
+    # ---- the seed-compatible face: top-k routing and the one-call steps -----------------
+    def dispatch_preprocess_topk(self, hidden_states, num_local_tokens, token_probs, token_indices):
         """Top-k `[T, K]` routing -> `(hidden [T, H], token_probs [T, K] fp32)`."""
         with self._peers_see_input_errors(hidden_states):
             tokens = checks.check_hidden(hidden_states, num_local_tokens)
@@ -413,18 +412,15 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
             hidden_states = hidden_states.reshape(tokens, hidden_states.shape[-1])
         return hidden_states, record.token_probs
 
-    dispatch_all_to_all = token_dispatch
-    combine_all_to_all = token_combine
-
-    # The seed's one-call faces communicate asynchronously only under moe_deepep_async_dispatch.
+    # The one-call faces communicate asynchronously only under moe_deepep_async_dispatch.
     def token_permutation(self, hidden_states, num_local_tokens, probs):
         """Dense probs `[T, E]` -> `(tokens [P, H], tokens_per_expert [e], permuted_probs [P])`."""
         return self._dispatch_and_permute(self.dispatch_preprocess(hidden_states, num_local_tokens, probs)[0])
 
-    def token_permutation2(self, hidden_states, num_local_tokens, token_probs, token_indices):
+    def token_permutation_topk(self, hidden_states, num_local_tokens, token_probs, token_indices):
         """Top-k routing -> `(tokens [P, H], tokens_per_expert [e], permuted_probs [P])`."""
         return self._dispatch_and_permute(
-            self.dispatch_preprocess2(hidden_states, num_local_tokens, token_probs, token_indices)[0])
+            self.dispatch_preprocess_topk(hidden_states, num_local_tokens, token_probs, token_indices)[0])
 
     def _dispatch_and_permute(self, hidden):
         async_mode = self.dispatcher_config.moe_deepep_async_dispatch
@@ -435,6 +431,13 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         async_mode = self.dispatcher_config.moe_deepep_async_dispatch
         rows = self.token_combine(self.combine_preprocess(hidden_states), async_mode, async_mode)
         return self.combine_postprocess(rows)
+
+    # The seed API's names of the steps above (the seed-compatible face); the package itself
+    # calls them by role.
+    dispatch_preprocess2 = dispatch_preprocess_topk
+    token_permutation2 = token_permutation_topk
+    dispatch_all_to_all = token_dispatch
+    combine_all_to_all = token_combine
 
     def get_pipeline_runtime_initializers(self, hidden_dim: int, dtype: torch.dtype) -> tuple:
         """Initializers to run before a pipeline step (HybridEP's buffer), else ()."""

@@ -1,15 +1,15 @@
 """The backend table: one row per backend, its builder and what it can do.
 
-Everything the package knows about a backend by name is in its row here: the config's checks
-(`config.py`), the CUDA-graph settings (`megatron/graphs.py`) and the dispatcher (`flex.py`)
-read the row. A builder returns the manager of one layer (its buffer comes from
-`dispatcher/common/buffers.py`) and raises ImportError naming the package when the backend is not
-installed; nothing falls back silently. See docs/DESIGN.md, "Where a new backend goes".
+Everything the package knows about a backend by name is in its row here. A config resolves
+its row and its mode once, into a `DispatchPlan` (`TokenDispatcherConfig.plan`), which the
+dispatcher, the builders below, the layer and the CUDA-graph settings read. A builder returns
+the manager of one layer (its buffer comes from `dispatcher/common/buffers.py`) and raises
+ImportError naming the package when the backend is not installed; nothing falls back silently.
+See docs/DESIGN.md, "Where a new backend goes".
 
-The modes (`mode_of`): "dropless" (sizes follow the routing, read on the host), "capacity"
-(`moe_hybridep_capacity_factor`: a calibrated fixed size, overflow raises) and "budget"
-(`moe_expert_rank_capacity_factor`: a size from the token count alone, overflow counted).
-Every fixed-shape manager is a `sizing.FixedShapeEngine`: one switch makes it dropless.
+The modes: "dropless" (sizes follow the routing, read on the host), "capacity" (a calibrated
+fixed size, overflow raises) and "budget" (a size from the token count alone, overflow
+counted). Every fixed-shape manager is a `sizing.FixedShapeEngine`: one switch makes it dropless.
 """
 
 from __future__ import annotations
@@ -32,19 +32,9 @@ if TYPE_CHECKING:
     _UCCL: Communicator = uccl.communicator(None)
 
 MODES = ("dropless", "capacity", "budget")
-#: The config field that chooses each fixed-shape mode.
-MODE_FIELDS = {"capacity": "moe_hybridep_capacity_factor", "budget": "moe_expert_rank_capacity_factor"}
 #: `(cfg, group, num_local_experts, tp_size)` -> manager; `cfg` a `TokenDispatcherConfig` (the
 #: config imports this table, so the table names the class in words only).
-ManagerBuilder = Callable[[object, object, int, int], DispatchManager]
-
-
-def mode_of(cfg) -> str:
-    """The dispatch mode `cfg` asks for (the config refuses both factors at once)."""
-    for mode in ("budget", "capacity"):
-        if getattr(cfg, MODE_FIELDS[mode]) is not None:
-            return mode
-    return "dropless"
+ManagerBuilder = Callable[[Any, object, int, int], DispatchManager]
 
 
 @dataclass(frozen=True)
@@ -88,6 +78,35 @@ class BackendRow:
     check_hidden: Callable[[int], None] | None = None
 
 
+@dataclass(frozen=True)
+class DispatchPlan:
+    """A config's backend (`row`) and mode, resolved once at its validation (`plan_of`) and read
+    by the dispatcher, the builders, the layer and the CUDA-graph settings (docs/DESIGN.md).
+    `factor`: the fixed-shape mode's (budget: a float or "auto"; capacity: a float, whichever
+    backend runs it); `field`: the config field that set the mode (for messages)."""
+
+    backend: str
+    row: BackendRow
+    mode: str = "dropless"
+    factor: float | str | None = None
+    field: str | None = None
+
+    @property
+    def setting(self) -> str:
+        """The mode's setting as a message names it, e.g. "moe_expert_rank_capacity_factor=1.2"."""
+        return f"{self.field}={self.factor!r}" if self.field else f"moe_flex_dispatcher_backend={self.backend!r}"
+
+
+def plan_of(cfg) -> DispatchPlan:
+    """`cfg`'s plan: the only reader of the fields that choose a mode (the config refuses both;
+    the capacity mode's is named after HybridEP whichever backend runs it)."""
+    backend = cfg.moe_flex_dispatcher_backend
+    for mode, field in (("budget", "moe_expert_rank_capacity_factor"), ("capacity", "moe_hybridep_capacity_factor")):
+        if getattr(cfg, field) is not None:
+            return DispatchPlan(backend, BACKENDS[backend], mode, getattr(cfg, field), field)
+    return DispatchPlan(backend, BACKENDS[backend])
+
+
 def _build_topk(comm, cfg, group, num_local_experts, tp_size):
     """The top-k manager of `cfg`'s mode over `comm` (a `base.Communicator`); expert TP folds
     into the expert space."""
@@ -101,13 +120,12 @@ def _build_topk(comm, cfg, group, num_local_experts, tp_size):
                   num_experts=tp_size * cfg.num_moe_experts, num_local_experts=num_local_experts,
                   router_dtype=cfg.moe_router_dtype,
                   moe_router_expert_pad_multiple=cfg.moe_router_expert_pad_multiple)
-    mode = mode_of(cfg)
-    if mode == "budget":  # sizes from the token count, overflow counted
-        return fixed.FixedShapeManager(sizing.Budget(cfg.moe_expert_rank_capacity_factor),
-                                        fixed.CountOverflow(), comm=comm, **kwargs)
-    if mode == "capacity":  # calibrated sizes, overflow raises
-        return fixed.FixedShapeManager(sizing.CalibratedCapacity(cfg.capacity_mode_factor),
-                                        fixed.RaiseOnOverflow(), comm=comm, **kwargs)
+    plan = cfg.plan
+    if plan.mode == "budget":  # sizes from the token count, overflow counted
+        return fixed.FixedShapeManager(sizing.Budget(plan.factor), fixed.CountOverflow(), comm=comm, **kwargs)
+    if plan.mode == "capacity":  # calibrated sizes, overflow raises
+        return fixed.FixedShapeManager(sizing.CalibratedCapacity(plan.factor), fixed.RaiseOnOverflow(),
+                                       comm=comm, **kwargs)
     return TopKManager(comm, **kwargs)
 
 
@@ -117,13 +135,16 @@ def _build_torch(cfg, group, num_local_experts, tp_size):
     return _build_topk(COMMUNICATOR, cfg, group, num_local_experts, tp_size)
 
 
-def _deepep_family(module: str) -> ManagerBuilder:
-    """The builder of a backend whose `backends/<module>.py` has DeepEP's `communicator`."""
-    def build(cfg, group, num_local_experts, tp_size):
-        backend = importlib.import_module(f"megatron_moe_ext.dispatcher.backends.{module}")
-        comm = backend.communicator(group, cfg.moe_deepep_num_sms, cfg.moe_share_token_dispatcher)
-        return _build_topk(comm, cfg, group, num_local_experts, tp_size)
-    return build
+def _build_deepep(cfg, group, num_local_experts, tp_size, module: str = "deepep"):
+    """A backend whose `backends/<module>.py` has DeepEP's `communicator`. Builders are module
+    functions, so a config pickles with its plan (and its row compares equal)."""
+    backend = importlib.import_module(f"megatron_moe_ext.dispatcher.backends.{module}")
+    comm = backend.communicator(group, cfg.moe_deepep_num_sms, cfg.moe_share_token_dispatcher)
+    return _build_topk(comm, cfg, group, num_local_experts, tp_size)
+
+
+def _build_uccl(*args):
+    return _build_deepep(*args, module="uccl")
 
 
 _HYBRIDEP_OPTIONS = (
@@ -133,13 +154,14 @@ _HYBRIDEP_OPTIONS = (
 )
 #: `TokenDispatcherConfig` fields the HybridEP manager takes under the same name.
 _HYBRIDEP_MANAGER_FIELDS = tuple(f for f in _HYBRIDEP_OPTIONS if f != "moe_permute_fusion") + (
-    "moe_hybridep_capacity_factor", "moe_expert_rank_capacity_factor", "moe_router_expert_pad_multiple")
+    "moe_router_expert_pad_multiple",)
 
 
 def _build_hybridep(cfg, group, num_local_experts, tp_size):
     """Expert TP folds into the expert space, as in `_build_topk`."""
     from megatron_moe_ext.dispatcher.hybridep import HybridEPManager
 
+    plan = cfg.plan
     return HybridEPManager(
         group=group,
         num_local_experts=num_local_experts,
@@ -149,6 +171,8 @@ def _build_hybridep(cfg, group, num_local_experts, tp_size):
         benchmark_static_routing=cfg.moe_benchmark_static_routing,
         router_dtype=cfg.moe_router_dtype,
         share_buffer=cfg.moe_share_token_dispatcher,
+        moe_hybridep_capacity_factor=plan.factor if plan.mode == "capacity" else None,
+        moe_expert_rank_capacity_factor=plan.factor if plan.mode == "budget" else None,
         **{field: getattr(cfg, field) for field in _HYBRIDEP_MANAGER_FIELDS},
     )
 
@@ -165,8 +189,8 @@ _DEEPEP_KERNELS: dict[str, Any] = dict(sms_field="moe_deepep_num_sms", async_dis
 
 #: The backend table (the order is the one error messages list).
 BACKENDS: dict[str, BackendRow] = {
-    "deepep": BackendRow(_deepep_family("deepep"), frozenset({"dropless", "budget"}), graph_capture=True,
-                         indexed_rows=True, requires="moe_enable_deepep", **_DEEPEP_KERNELS),
+    "deepep": BackendRow(_build_deepep, frozenset({"dropless", "budget"}), graph_capture=True, indexed_rows=True,
+                         requires="moe_enable_deepep", **_DEEPEP_KERNELS),
     "hybridep": BackendRow(
         _build_hybridep, frozenset(MODES), graph_capture=True, static_routing=True,
         sms_field="moe_hybridep_num_sms", permute_fusion=True, options=_HYBRIDEP_OPTIONS,
@@ -175,7 +199,7 @@ BACKENDS: dict[str, BackendRow] = {
         preprocess_outputs=("token_probs", "routing_map"), check_hidden=_check_hybridep_hidden,
         error_flag="the token-count all-reduce (one word per rank); with a pinned count, the "
                    "dispatch, as DeepEP's (HybridEPManager.announce_input_error)"),
-    "uccl_ep": BackendRow(_deepep_family("uccl"), frozenset({"dropless"}), indexed_rows=True, **_DEEPEP_KERNELS),
+    "uccl_ep": BackendRow(_build_uccl, frozenset({"dropless"}), indexed_rows=True, **_DEEPEP_KERNELS),
     "torch": BackendRow(_build_torch, frozenset(MODES), graph_capture=True, indexed_rows=True,
                         error_flag="the counts all-to-all (dropless, calibration, budget-mode T), else "
                                    "the sync-free routing all-to-all (torch_a2a.announce_input_error)"),

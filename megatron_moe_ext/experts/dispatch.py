@@ -1,4 +1,4 @@
-"""`GroupedExpertsFlex` (the seed's `GroupedExpertsDeepEP`): `MoEFlexTokenDispatcher` (any
+"""`GroupedExpertsFlex` (the seed API's `GroupedExpertsDeepEP`): `MoEFlexTokenDispatcher` (any
 backend) + `run_grouped_expert_mlp`.
 `ExpertDispatch` is the dispatch/combine half, shared with `GroupedExpertsTE`.
 
@@ -60,7 +60,7 @@ class ExpertDispatch:
         tokens' slots become -1 (neither sent nor combined)."""
         indices = indices.masked_fill(~token_mask[:, None], -1)
         if self.dispatcher is not None:
-            rows_PH, tokens_per_expert, probs_P = self.dispatcher.token_permutation2(
+            rows_PH, tokens_per_expert, probs_P = self.dispatcher.token_permutation_topk(
                 x, x.shape[0], weights.float(), indices)
         else:
             local = self._local = permute_local(x, token_mask, weights.float(), indices,
@@ -115,8 +115,8 @@ class FlexDispatchedExperts:
 
 
 class GroupedExpertsFlex(FlexDispatchedExperts, StackedExperts):
-    """Sparse MoE experts: flex token dispatch (every backend, DeepEP's only by the seed's name
-    `GroupedExpertsDeepEP`, an alias) + `torch._grouped_mm`.
+    """Sparse MoE experts: flex token dispatch (every backend, DeepEP's only by the seed API's
+    name `GroupedExpertsDeepEP`, an alias) + `torch._grouped_mm`.
 
     Arguments:
         config: `ExpertsConfig`.

@@ -105,7 +105,7 @@ class GroupedExpertsTE(FlexDispatchedExperts, nn.Module):
     def init_token_dispatcher(self, ep_mesh, moe_mesh=None) -> None:
         """Join the expert-parallel group (DeviceMesh or ProcessGroup), rebuild the
         GroupedLinears for the `e = E / ep` local experts (keeping their current weights) and
-        build the dispatcher. `moe_mesh` is accepted for the seed's signature; unused."""
+        build the dispatcher. `moe_mesh` is accepted for the seed API's signature; unused."""
         ep = resolve_ep_group(ep_mesh)
         start, end = local_expert_range(self.n_routed_experts, ep, self.num_local_experts)
         if end - start != self.num_local_experts:

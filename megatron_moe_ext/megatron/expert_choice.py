@@ -14,8 +14,9 @@ honours the flag in both modes:
 Under FP8 with `fp8_recipe='tensorwise'` (and fp8='e4m3') the TE spec's `TEGroupedMLP` becomes
 `GroupedGemmExperts` computing in FP8 (`experts/fp8.py`: no host sync, capturable). Under any
 other FP8/FP4 setting `TEGroupedMLP` stays, and the build says so in a warning: behind the flex
-dispatcher it ran at 0.78x Megatron's native FP8 layer on one H200 (issue 49). It splits its rows
-on the host by the counts, so the fixed-shape modes refuse it (`check_experts_take_rows`).
+dispatcher it ran at 0.78x Megatron's native FP8 layer on one H200 (docs/SUPPORT.md, "FP8
+experts"). It splits its rows on the host by the counts, so the fixed-shape modes refuse it
+(`check_experts_take_rows`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import logging
 from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
 from megatron.core.utils import log_single_rank
 
-from megatron_moe_ext.dispatcher import registry
 from megatron_moe_ext.experts.fp8 import FP8_GROUP_ALIGN, fp8_recipe_of
 
 logger = logging.getLogger(__name__)
@@ -96,8 +96,8 @@ def _note_slower_than_native(setting: str) -> None:
     log_single_rank(
         logger, logging.WARNING,
         f"megatron_moe_ext: under {setting} FlexMoELayer keeps Megatron's TEGroupedMLP behind this "
-        "package's dispatcher, which ran at 0.78x Megatron's native FP8 MoE layer on one H200 "
-        "(issue 49). Alternatives: fp8='e4m3' with fp8_recipe='tensorwise' (this package's FP8 "
+        "package's dispatcher, which ran at 0.78x Megatron's native FP8 MoE layer on one H200. "
+        "Alternatives: fp8='e4m3' with fp8_recipe='tensorwise' (this package's FP8 "
         "GroupedGemmExperts), Megatron's native MoE layer for this run (leave out the package's "
         "--spec / patches.apply()), or BF16 with this package's GroupedGemmExperts.")
 
@@ -108,7 +108,7 @@ def check_experts_take_rows(config, dispatcher_config, experts) -> None:
     The capacity and budget modes hand the experts P rows (more than the counts sum to) with
     device counts. Megatron's SequentialMLP and TEGroupedMLP split the rows on the host by the
     counts; under FP8/FP4 TEGroupedMLP pads each expert's rows for TE's GEMM and unpads them
-    again, returning only the counted rows, which the combine refuses (issue 49). FP8
+    again, returning only the counted rows, which the combine refuses. FP8
     `GroupedGemmExperts` need every expert's rows padded by the dispatcher, in every mode.
 
     Arguments:
@@ -125,11 +125,10 @@ def check_experts_take_rows(config, dispatcher_config, experts) -> None:
                          f"{low_precision_setting(config)}: the FP8 grouped GEMMs need each expert's rows padded "
                          f"to a multiple of {FP8_GROUP_ALIGN} (TokenDispatcherConfig.from_transformer_config "
                          "pads them under fp8)")
-    mode = registry.mode_of(dispatcher_config)
-    if mode == "dropless" or not isinstance(experts, (SequentialMLP, TEGroupedMLP)):
+    plan = dispatcher_config.plan
+    if plan.mode == "dropless" or not isinstance(experts, (SequentialMLP, TEGroupedMLP)):
         return
-    field = registry.MODE_FIELDS[mode]
-    setting = f"{field}={getattr(dispatcher_config, field)!r}"
+    mode, field, setting = plan.mode, plan.field, plan.setting
     precision = low_precision_setting(config)
     if isinstance(experts, TEGroupedMLP) and precision is not None:
         raise ValueError(

@@ -50,7 +50,7 @@ def check_capturable(config, dispatcher_config) -> None:
             "postprocess, which with moe_shared_expert_overlap joins the shared experts' stream "
             "begun in the dispatch; turn moe_shared_expert_overlap off or use "
             "cuda_graph_impl='transformer_engine'")
-    if captures_moe_layer(config) and registry.mode_of(dispatcher_config) != "budget":
+    if captures_moe_layer(config) and dispatcher_config.plan.mode != "budget":
         raise ValueError(
             f"cuda_graph_impl={config.cuda_graph_impl!r} with cuda_graph_modules="
             f"{modules!r} captures the MoE layer, but the "
@@ -62,8 +62,8 @@ def check_capturable(config, dispatcher_config) -> None:
             "moe_preprocess (with 'local', 'attn' graphs the whole TransformerLayer)")
 
 
-def cudagraph_attrs(backend: str) -> list[str]:
+def cudagraph_attrs(plan: registry.DispatchPlan) -> list[str]:
     """The record fields preprocess leaves for dispatch (the backend row's
     `preprocess_outputs`): graph outputs when Megatron captures router and preprocess only,
     set back on `MoEFlexTokenDispatcher.preprocessed` when it replays them."""
-    return [f"preprocessed.{name}" for name in registry.BACKENDS[backend].preprocess_outputs]
+    return [f"preprocessed.{name}" for name in plan.row.preprocess_outputs]

@@ -12,15 +12,14 @@ import dataclasses
 import functools
 import threading
 
-import torch
 from megatron.core.models.common.utils import should_free_input
+from megatron.core.tensor_parallel.random import is_checkpointing
 from megatron.core.transformer.moe import moe_layer as _megatron_moe_layer
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.utils import get_pg_size
 
-from megatron_moe_ext.dispatcher import registry
 from megatron_moe_ext.dispatcher.common import checks
-from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
+from megatron_moe_ext.dispatcher.config import AUTO_FACTOR, TokenDispatcherConfig
 from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
 from megatron_moe_ext.megatron import graphs, overflow
 from megatron_moe_ext.megatron.expert_choice import check_experts_take_rows, grouped_gemm_experts
@@ -74,15 +73,10 @@ def _refuse_unreplayable_recompute(dispatcher_config: TokenDispatcherConfig) -> 
     their managers are not `replayable`) repeats the whole dispatch with the recomputed
     routing, so a routing changed before the recompute would train on gradients of another
     routing, unnoticed: refused, on every rank, naming the setting to change."""
-    mode = registry.mode_of(dispatcher_config)
-    if mode != "dropless":
-        field = registry.MODE_FIELDS[mode]
-        setting, remedy = (f"{field}={getattr(dispatcher_config, field)!r}",
-                           f"leave {field} unset (dropless, whose recompute replays it)")
-    else:
-        setting = f"moe_flex_dispatcher_backend={dispatcher_config.moe_flex_dispatcher_backend!r}"
-        remedy = "use a backend whose recompute replays it (torch, deepep, uccl_ep)"
-    raise ValueError(f"{setting} is invalid under Megatron's recompute of the MoE layer "
+    plan = dispatcher_config.plan
+    remedy = (f"leave {plan.field} unset (dropless, whose recompute replays it)" if plan.field else
+              "use a backend whose recompute replays it (torch, deepep, uccl_ep)")
+    raise ValueError(f"{plan.setting} is invalid under Megatron's recompute of the MoE layer "
                      "(recompute_granularity='full', or 'selective' with 'moe' in recompute_modules): "
                      f"its recompute cannot replay the forward's routing; {remedy} or recompute "
                      "other modules")
@@ -149,15 +143,13 @@ class FlexMoELayer(MoELayer, overflow.OverflowCounter):
             super().__init__(config, submodules=submodules, layer_number=layer_number,
                              pg_collection=pg_collection, is_mtp_layer=is_mtp_layer, name=name)
         self.dispatcher_config = dispatcher_config
-        self.token_dispatcher.cudagraph_attrs = graphs.cudagraph_attrs(
-            dispatcher_config.moe_flex_dispatcher_backend)
+        self.token_dispatcher.cudagraph_attrs = graphs.cudagraph_attrs(dispatcher_config.plan)
         # Megatron's 1F1B A2A overlap frees what its schedule nodes were given once their
         # forward is done: the dispatch's input where it expects the alltoall dispatcher's
         # permuted copy, the experts' input where it expects a permuted copy of the received rows.
         self._overlap_frees = {node: config.overlap_moe_expert_parallel_comm and should_free_input(
             node, True, config, self.num_local_experts) for node in ("moe_dispatch", "mlp")}
-        self._backend_hands_indexed_rows = registry.BACKENDS[
-            dispatcher_config.moe_flex_dispatcher_backend].indexed_rows and not self._overlap_frees["mlp"]
+        self._backend_hands_indexed_rows = dispatcher_config.plan.row.indexed_rows and not self._overlap_frees["mlp"]
         self._decide_expert_path()
         check_experts_take_rows(config, dispatcher_config, self.experts)
         # Megatron recomputes this layer (selective "moe", or the whole transformer layer):
@@ -170,7 +162,7 @@ class FlexMoELayer(MoELayer, overflow.OverflowCounter):
         # `overflow.py`; the step boundary that reads it is installed by `patches.apply()` and
         # the `--spec` functions (`megatron/rerun.py`), never here.
         self._init_overflow_counter(config, dispatcher_config, self.token_dispatcher.manager)
-        if dispatcher_config.moe_expert_rank_capacity_factor == "auto":
+        if dispatcher_config.plan.factor == AUTO_FACTOR:  # budget mode's alone
             # The warm-up ends before Megatron captures any graph.
             graphed = getattr(config, "cuda_graph_impl", "none") not in (None, "none")
             overflow.AutoFactor.start(self, (getattr(config, "cuda_graph_warmup_steps", 0) or 0) if graphed else 1)
@@ -213,10 +205,11 @@ class FlexMoELayer(MoELayer, overflow.OverflowCounter):
 
     def forward(self, hidden_states, *args, **kwargs):
         """Megatron's forward; a training forward that Megatron will recompute (its own "moe"
-        checkpoint, or a no-grad forward inside a full-layer checkpoint) records its dispatches."""
+        checkpoint, or the forward its full-layer checkpoint runs, which sets Megatron's
+        `is_checkpointing()`; not any no-grad forward) records its dispatches."""
         replay = self.recompute_replay
         if replay is None:
             return super().forward(hidden_states, *args, **kwargs)
-        recomputed = self.training and (self.moe_layer_recompute or not torch.is_grad_enabled())
+        recomputed = self.training and (self.moe_layer_recompute or is_checkpointing())
         with replay.recording(recomputed):
             return super().forward(hidden_states, *args, **kwargs)

@@ -120,7 +120,7 @@ class OverflowCounter:
         """Device counters in budget mode (None otherwise), registered as non-persistent
         buffers so they follow the layer to its device; call after `nn.Module.__init__`."""
         stats_3 = pending = next_row = None
-        if dispatcher_config.moe_expert_rank_capacity_factor is not None:
+        if dispatcher_config.plan.mode == "budget":
             # On the device the layer's parameters are built on.
             on_gpu = torch.cuda.is_available() and not getattr(config, "use_cpu_initialization", False)
             device = torch.cuda.current_device() if on_gpu else "cpu"

@@ -33,8 +33,7 @@ from megatron_moe_ext.megatron.moe_layer import FlexMoELayer
 def install_step_boundary(dispatcher_config: TokenDispatcherConfig | None = None) -> None:
     """Megatron-LM's training loop reads the budget overflow after each step and reruns an
     overflowed one (`rerun.install`)."""
-    rerun.install(budget=dispatcher_config is not None
-                  and dispatcher_config.moe_expert_rank_capacity_factor is not None)
+    rerun.install(budget=dispatcher_config is not None and dispatcher_config.plan.mode == "budget")
 
 
 def _flex_kwargs(dispatcher_config, experts) -> dict:

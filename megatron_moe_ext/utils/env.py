@@ -99,7 +99,7 @@ def input_check_mode() -> str:
 
 def static_routing_pad_pin() -> bool:
     """HybridEP's static-routing pin: MOE_EXT_STATIC_ROUTING_PAD_PIN=0 (false, off, no) keeps the
-    per-dispatch all-reduce under static routing (the seed's NEMO_STATIC_ROUTING_PAD_PIN is read
+    per-dispatch all-reduce under static routing (NeMo's NEMO_STATIC_ROUTING_PAD_PIN is read
     where the new one is unset)."""
     return env_flag("MOE_EXT_STATIC_ROUTING_PAD_PIN", True, fallback="NEMO_STATIC_ROUTING_PAD_PIN")
 

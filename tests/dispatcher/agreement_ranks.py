@@ -23,6 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron_moe_ext.dispatcher.common import checks
 from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
 from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
 from tests.doubles import deep_ep_buffer, hybrid_ep_buffer, uccl_ep
@@ -106,14 +107,17 @@ def clean_step_error(disp, seed: int, hidden: int = 16, dtype=torch.float32) -> 
 
 
 def outcome(fn) -> dict:
-    """How `fn()` ended: `{"type": exception class name or None, "message": str, "seconds":
-    how long it ran}`."""
+    """How `fn()` ended: `{"type": exception class name or None (of an `AgreedError`, the class
+    a caller catches it by, e.g. ValueError), "agreed": whether it is an `AgreedError` (every rank
+    raised it together), "message": str, "seconds": how long it ran}`."""
     start = time.monotonic()
     try:
         fn()
     except Exception as exc:  # noqa: BLE001 - the test asserts on the type and message
-        return {"type": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - start}
-    return {"type": None, "message": "", "seconds": time.monotonic() - start}
+        agreed = isinstance(exc, checks.AgreedError)
+        kind = type(exc).__mro__[2] if agreed else type(exc)  # (AgreedX, AgreedError, X, ...)
+        return {"type": kind.__name__, "agreed": agreed, "message": str(exc), "seconds": time.monotonic() - start}
+    return {"type": None, "agreed": False, "message": "", "seconds": time.monotonic() - start}
 
 
 def all_raised(result: dict) -> bool:
@@ -331,10 +335,11 @@ def names_rank(message: str, rank: int) -> bool:
 
 
 def assert_agreed_error(results: list[dict], error_type: str, bad_rank: int, causes: tuple[str, ...]) -> None:
-    """Every rank raised `error_type` (the class name; gloo's timeout error of a rank left
+    """Every rank raised `error_type` together (an `AgreedError`; the class name; gloo's timeout error of a rank left
     waiting fails here), and each message names `bad_rank` and every word of `causes`."""
     for rank, r in enumerate(results):
         assert r["type"] == error_type, f"rank {rank} ended with {r['type']}, not {error_type}: {r['message']}"
+        assert r["agreed"], f"rank {rank}'s error is no AgreedError: {r['message']}"
         assert names_rank(r["message"], bad_rank), (
             f"rank {rank}'s error does not name rank {bad_rank}: {r['message']}")
         for cause in causes:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_moe_ext.dispatcher.common import checks
 from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
 from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
 from tests.doubles import hybrid_ep_buffer
@@ -86,7 +87,7 @@ def refused_input_at_tokens(mode: str, tokens: tuple[int, ...], bad_dtype: bool 
     try:
         _step(disp, x, indices, probs)
     except ValueError as exc:
-        return {"error": str(exc), "agreed": getattr(exc, "agreed", False)}
+        return {"error": str(exc), "agreed": isinstance(exc, checks.AgreedError)}
     return {"error": None}
 
 

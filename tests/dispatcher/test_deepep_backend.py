@@ -183,12 +183,13 @@ def test_async_mode_waits_on_every_event(dist_pools, backend):
 @pytest.mark.parametrize("how", ["unshared", "group", "dispatch"])
 def test_uccl_second_buffer_in_a_process_is_refused(dist_pools, world, how):
     """UCCL-EP keeps one set of proxies per device in a process and aborts on a second
-    registration: every rank raises the same ValueError before the library's constructor
-    (no rank waits in its collectives), and freeing the first buffer allows the second."""
+    registration: every rank raises the same ValueError, an `AgreedValueError` (raised together),
+    before the library's constructor (no rank waits in its collectives), and freeing the first
+    buffer allows the second."""
     for rank, r in enumerate(dist_pools(world).run(uccl_second_buffer, how)):
-        assert r["raised"].startswith("ValueError: moe_share_token_dispatcher"), (rank, r)
+        assert r["raised"].startswith("AgreedValueError: moe_share_token_dispatcher"), (rank, r)
         assert "moe_share_token_dispatcher=True" in r["raised"] and "release_shared_managers" in r["raised"], r
-        assert not r["library_constructor_ran"] and r["peers_raised"] == ["ValueError"] * world, (rank, r)
+        assert not r["library_constructor_ran"] and r["peers_raised"] == ["AgreedValueError"] * world, (rank, r)
         assert r["after_release"], (rank, r)
 
 

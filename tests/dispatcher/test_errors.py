@@ -275,3 +275,17 @@ def test_deferred_routing_flag_keeps_its_tensor():
     errors.raise_pending(None, 8, 2)  # cleared
     errors.mask_topk(torch.tensor([[9, 1], [2, 3]]), 8)
     assert errors.bits is flag and int(flag) == 1
+
+
+def test_an_error_every_rank_raises_together_is_a_type():
+    """What every rank raised together is told by its type (`checks.AgreedError`), caught as
+    the error it is (ValueError, CapacityOverflowError, RoutingChangedError), no attribute poked
+    onto it; a rank's own error is not one."""
+    from megatron_moe_ext.dispatcher.common import checks
+
+    for cause, base in (("token_indices", ValueError), ("overflow", checks.CapacityOverflowError),
+                        ("routing", checks.RoutingChangedError)):
+        error = checks.agreed_error([checks.error_word(cause, 1)])
+        assert isinstance(error, checks.AgreedError) and isinstance(error, base), (cause, type(error))
+        assert not hasattr(error, "agreed")
+    assert not isinstance(checks.bad_input("token_indices", "bad"), checks.AgreedError)

@@ -171,6 +171,7 @@ def test_hybridep_budget_step_over_gloo_calls_no_collective(dist_pools):
 @pytest.mark.parametrize("world,backend", [(2, "torch"), (2, "deepep"), (4, "deepep")])
 def test_budget_mode_with_unequal_token_counts_raises_on_every_rank(dist_pools, world, backend, later):
     """DeepEP sized its receive buffer from its own T: a peer with more tokens overran it (EP 2:
-    one rank asserted, the other waited). Every backend agrees on T as the torch one does."""
+    one rank asserted, the other waited). Every backend agrees on T as the torch one does: every
+    rank raises the ValueError together (`AgreedValueError`)."""
     for r in dist_pools(world).run(syncfree_ranks.unequal_token_counts, backend, later):
-        assert r["type"] == "ValueError" and "moe_expert_rank_capacity_factor" in r["message"], r
+        assert r["type"] == "AgreedValueError" and "moe_expert_rank_capacity_factor" in r["message"], r

@@ -52,11 +52,11 @@ def test_torch_capacity_overflow_names_capacity(dist_pools, world):
         assert r["error"] is None or f"send capacity {r['send_capacity']}" in r["error"], r
 
 
-def test_capacity_mode_factor_is_the_role_name_of_the_seed_field():
-    """The torch backend's capacity mode reads `capacity_mode_factor`; the seed names the field
+def test_the_plan_names_the_capacity_mode_and_its_factor():
+    """The torch backend's capacity mode is the plan's mode and factor; the seed API names its field
     after HybridEP (`moe_hybridep_capacity_factor`)."""
     from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
 
     cfg = TokenDispatcherConfig(num_moe_experts=8, moe_router_topk=2, moe_flex_dispatcher_backend="torch",
                                 moe_hybridep_capacity_factor=1.5)
-    assert cfg.capacity_mode_factor == 1.5
+    assert (cfg.plan.mode, cfg.plan.factor) == ("capacity", 1.5)

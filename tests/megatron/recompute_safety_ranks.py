@@ -260,6 +260,26 @@ def abandoned_forward_records() -> dict:
         megatron_cpu.uninstall()
 
 
+def no_grad_forward_records() -> dict:
+    """Records of a layer under Megatron's full recompute, in training mode: a no-grad forward
+    that no recompute follows (an evaluation left in training mode), then a forward under
+    Megatron's checkpoint (also no-grad), then its backward."""
+    megatron_cpu.install()
+    try:
+        layer, case = _build("full")
+        x, _ = _inputs(case, 100)
+        with torch.no_grad():
+            layer(x)
+        result = {"no_grad": layer.recompute_replay.num_records}
+        y = layer_forward(layer, x.clone().requires_grad_(), "full")
+        result["checkpointed"] = layer.recompute_replay.num_records
+        y.sum().backward()
+        result["after_backward"] = layer.recompute_replay.num_records
+        return result
+    finally:
+        megatron_cpu.uninstall()
+
+
 # ---- item 6: fixed-shape modes with Megatron's default SequentialMLP experts -----------------
 def sequential_mlp_with_fixed_shape_mode(mode: str) -> dict:
     """`dispatcher_config` in `mode` with the spec's SequentialMLP experts (no grouped GEMM):

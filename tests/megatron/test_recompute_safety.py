@@ -39,6 +39,14 @@ def test_abandoned_forward_leaves_no_record_to_replay(dist_pools):
         assert r["megatron_records"] == 1 and r["megatron_records_cleared"] == 0, r
 
 
+def test_a_no_grad_forward_is_not_taken_for_a_recompute(dist_pools):
+    """Under Megatron's full recompute a forward records its dispatches when Megatron's
+    checkpoint runs it (its own flag), not whenever grad mode is off: a no-grad training-mode
+    forward that no recompute follows leaves no record for a later recompute to take."""
+    for r in dist_pools(2).run(ranks.no_grad_forward_records):
+        assert r == {"no_grad": 0, "checkpointed": 1, "after_backward": 0}, r
+
+
 @pytest.mark.parametrize("granularity", ["moe", "full"])
 def test_hybridep_under_megatron_recompute_is_refused(dist_pools, granularity):
     """HybridEP's recompute repeats the whole dispatch with the recomputed routing (its manager

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_moe_ext.dispatcher.backends import deepep
-from megatron_moe_ext.dispatcher.common import buffers
+from megatron_moe_ext.dispatcher.common import buffers, checks
 from megatron_moe_ext.utils.optional import require
 
 _FEATURE = "moe_flex_dispatcher_backend='uccl_ep'"
@@ -83,7 +83,8 @@ class UCCLCommunicator(deepep.DeepEPCommunicator):
         device = device_index()
         holder = _LIVE.get(device)
         if holder is not None and holder is not self:
-            error = ValueError(
+            # Raised by every rank at this call: a dispatch that meets it is abandoned everywhere.
+            raise checks.AgreedValueError(
                 f"moe_share_token_dispatcher: UCCL-EP allows one buffer per device in a process, and "
                 f"this process already holds one on device {device} (moe_deepep_num_sms="
                 f"{holder.num_sms}, an expert-parallel group of {holder.buffer.group_size} ranks); a "
@@ -93,9 +94,6 @@ class UCCLCommunicator(deepep.DeepEPCommunicator):
                 "moe_deepep_num_sms for every uccl_ep layer of the process, so they share one buffer; "
                 "or free the other buffer first (MoEFlexTokenDispatcher.release_shared_managers()); "
                 "or choose moe_flex_dispatcher_backend='deepep' or 'torch'")
-            # Raised by every rank at this call: a dispatch that meets it is abandoned everywhere.
-            error.agreed = True
-            raise error
         buffer = super().get_buffer(group, hidden_bytes)
         _LIVE[device] = self
         return buffer

@@ -46,15 +46,28 @@ class RoutingChangedError(RuntimeError):
     """The recomputed router chose other experts or weights than the original forward."""
 
 
+class AgreedError(Exception):
+    """Raised by every rank of the group together (a peer's error word, or a check every rank
+    made alike): not announced again, and the dispatch it stops is abandoned on every rank."""
+
+
+class AgreedValueError(AgreedError, ValueError):
+    """A rejected input or setting, raised by every rank."""
+
+
+class CapacityOverflowError(AgreedError, RuntimeError):
+    """A capacity-mode dispatch needed more rows than its calibrated capacity on some rank
+    (every rank raises it)."""
+
+
+class AgreedRoutingChangedError(AgreedError, RoutingChangedError):
+    """A routing change seen by some rank's recompute, raised by every rank."""
+
+
 ROUTING_CHANGED = ("the recomputed MoE router output differs from the original forward's (expert ids "
                    "or weights): the backward used the original routing and its gradients do not match "
                    "the recomputed router. Do not change router weights or expert bias between a "
                    "checkpointed forward and its backward; make the router deterministic (bf16 top-k ties)")
-
-
-class CapacityOverflowError(RuntimeError):
-    """A capacity-mode dispatch needed more rows than its calibrated capacity."""
-
 
 #: What an error word can name (cause code = index + 1): the field a rejected input names
 #: (a ValueError naming another field travels as "input"), a capacity overflow or a routing
@@ -68,7 +81,7 @@ _RANK_BITS = 8  # ranks below 256 per expert-parallel group
 #: no weight a router gives is that negative).
 FLAG_BASE = 2**20
 _CAUSE_OF: dict[type[BaseException], str] = {RoutingChangedError: "routing", CapacityOverflowError: "overflow"}
-#: What a rank announces to its peers before raising (an agreed error is not announced again).
+#: What a rank announces to its peers before raising (an `AgreedError` is not announced again).
 ANNOUNCED = (ValueError, RoutingChangedError)
 
 
@@ -87,15 +100,15 @@ def error_word(cause: str, rank: int) -> int:
     return (CAUSES.index(cause) + 1) << _RANK_BITS | rank
 
 
-def agreed_error(words, own: BaseException | None = None, rank: int | None = None) -> Exception:
+def agreed_error(words, own: BaseException | None = None, rank: int | None = None) -> AgreedError:
     """The error every rank raises for the non-zero `words` it received and, on a rank that
-    failed itself (`rank`), its `own` error: ranks and causes named, marked `agreed`."""
+    failed itself (`rank`), its `own` error: ranks and causes named, an `AgreedError`."""
     by_rank = {int(w) & ((1 << _RANK_BITS) - 1): CAUSES[(int(w) >> _RANK_BITS) - 1] for w in words if w}
     if own is not None:
         by_rank[rank] = cause_of(own)
     ranks = sorted(by_rank)
     cause = by_rank[ranks[0]]
-    error: Exception
+    error: AgreedError
     detail = f"; rank {rank}: {own}" if own is not None else "; their own error says more"
     if cause == "overflow":
         error = CapacityOverflowError(
@@ -103,12 +116,11 @@ def agreed_error(words, own: BaseException | None = None, rank: int | None = Non
             f"expert-parallel rank(s) {ranks}: tokens would be dropped; raise "
             f"moe_hybridep_capacity_factor{detail}")
     elif cause == "routing":
-        error = RoutingChangedError(f"expert-parallel rank(s) {ranks}: {ROUTING_CHANGED}{detail}")
+        error = AgreedRoutingChangedError(f"expert-parallel rank(s) {ranks}: {ROUTING_CHANGED}{detail}")
     else:
         causes = ", ".join(sorted(set(by_rank.values())))
-        error = ValueError(f"{cause}: expert-parallel rank(s) {ranks} failed their check of {causes}; "
-                           f"every rank of the group abandons this step{detail}")
-    error.agreed = True
+        error = AgreedValueError(f"{cause}: expert-parallel rank(s) {ranks} failed their check of {causes}; "
+                                 f"every rank of the group abandons this step{detail}")
     return error
 
 
@@ -184,13 +196,13 @@ def agree_at_build(group, settings: dict[str, str], error: BaseException | None)
     dist.all_gather_object(gathered, (settings, None if error is None else str(error)), group=group)
     failed = [rank for rank, (_, message) in enumerate(gathered) if message]
     if failed:
-        raise ValueError(f"{gathered[failed[0]][1]} (refused at the layer's build on expert-parallel "
+        raise AgreedValueError(f"{gathered[failed[0]][1]} (refused at the layer's build on expert-parallel "
                          f"rank(s) {failed}; every rank of the group raises this)") from error
     for name in settings:
         values = [rank_settings.get(name) for rank_settings, _ in gathered]
         if any(value != values[0] for value in values):
             per_rank = ", ".join(f"rank {rank}: {value}" for rank, value in enumerate(values))
-            raise ValueError(f"{name} differs across the expert-parallel group ({per_rank}): the ranks "
+            raise AgreedValueError(f"{name} differs across the expert-parallel group ({per_rank}): the ranks "
                              "of a group must build the same layer; set it to the same value on every rank")
 
 
@@ -343,7 +355,7 @@ class DeferredRoutingErrors:
 
     `mask_topk` / `flag_routes` record errors; `raise_pending` reads them once per step.
     The flag is one tensor, created by the first record and from then on updated and reset
-    in place: a captured record keeps writing to that address (docs/DESIGN.md, issue 15).
+    in place: a captured record keeps writing to that address (docs/DESIGN.md, "What a CUDA graph may contain").
     """
 
     def __init__(self):

@@ -91,7 +91,7 @@ def routing_map_to_topk(routing_map_TE: torch.Tensor, probs_TE: torch.Tensor,
 
 
 def probs_to_topk(probs_TE: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense probabilities alone (the seed's `token_permutation`): the top-k entries are the
+    """Dense probabilities alone (the dense face, `token_permutation`): the top-k entries are the
     routing; a zero probability means "not routed", since nothing else can tell them apart."""
     probs_TK, indices_TK = torch.topk(probs_TE.float(), topk, dim=-1)
     indices_TK = indices_TK.masked_fill(probs_TK == 0, -1)

@@ -104,11 +104,10 @@ class Budget:
                     f"brings {num_tokens}, the EP group agreed on {self.tokens}"), rank)
         counts = self.exchange_tokens(manager, num_tokens)
         if len(set(counts)) > 1:
-            error = ValueError(f"{self.FIELD}: budget mode on the {manager.comm.name!r} backend needs the same "
-                               f"token count on every expert-parallel rank (ranks 0..{world - 1} bring "
-                               f"{counts}); give every rank the same batch shape, or use the dropless mode")
-            error.agreed = True  # type: ignore[attr-defined]  # checks.agreed_error's mark
-            raise error
+            raise checks.AgreedValueError(
+                f"{self.FIELD}: budget mode on the {manager.comm.name!r} backend needs the same token count "
+                f"on every expert-parallel rank (ranks 0..{world - 1} bring {counts}); give every rank the "
+                "same batch shape, or use the dropless mode")
         self.tokens = num_tokens
 
     @staticmethod
