@@ -13,7 +13,7 @@ reads the device (a CUDA graph can capture it):
   backend's equal splits need the same T on every EP rank: the first dispatch agrees on it in
   a count exchange; a rank whose T changes later says so in the next dispatch's first
   collective, and every rank raises ValueError (unless every rank changed to the same T).
-The communicator moves the rows (`dispatch_fixed` / `combine_fixed`), the permutation is
+The communicator moves the rows (its `dispatch` with `send_capacity`), the permutation is
 `permute.fixed_layout`, and `tokens_per_expert` stays on the device; rows past its sum are
 zero padding that experts must not trust and combine never reads.
 
@@ -88,7 +88,7 @@ class FixedShapeManager(FixedShapeEngine, TopKManager):
     Arguments:
         sizing: `CalibratedCapacity` or `Budget`.
         overflow: `RaiseOnOverflow` or `CountOverflow`.
-        **kwargs: `TopKManager`'s arguments; `comm` has `dispatch_fixed` / `combine_fixed`.
+        **kwargs: `TopKManager`'s arguments.
     """
 
     replayable = False  # recompute repeats the whole dispatch (consistent, pays the layout)
@@ -106,12 +106,15 @@ class FixedShapeManager(FixedShapeEngine, TopKManager):
             self.sizing.calibrate(self, record, hidden_states.device)
             return rows
         record.send_capacity, record.capacity = sizes
-        receive_overflow = self.overflow.receive_overflow(self, record.capacity)
-        extra = {} if receive_overflow is None else {"receive_overflow": receive_overflow}
         try:
-            rows, record.dispatched_indices, record.dispatched_probs, record.handle = self.comm.dispatch_fixed(
-                hidden_states, record.token_indices, record.token_probs, self.num_experts, self.group,
-                record.send_capacity, async_finish, allocate_on_comm_stream, **extra)
+            rows, dispatched = self.comm.dispatch(
+                hidden_states, record.token_indices, record.token_probs, num_experts=self.num_experts,
+                group=self.group, send_capacity=record.send_capacity,
+                receive_overflow=self.overflow.receive_overflow(self, record.capacity),
+                async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream)
+            record.dispatched_indices = dispatched.dispatched_indices
+            record.dispatched_probs = dispatched.dispatched_probs
+            record.handle = dispatched.handle
         except checks.CapacityOverflowError as exc:  # every rank's sizes are the same: name them
             exc.args = (f"{exc} (send capacity {record.send_capacity} rows per rank pair, capacity "
                         f"{record.capacity} permuted rows per rank)",)
@@ -134,13 +137,6 @@ class FixedShapeManager(FixedShapeEngine, TopKManager):
         if dtypes is not None and hidden_states.dtype not in dtypes:
             raise ValueError(f"hidden_states: the sync-free {self.comm.name} dispatch takes {dtypes} rows "
                              f"(its combine kernel has no other), got {hidden_states.dtype}")
-
-    def combine(self, record, hidden_states, async_finish=False, allocate_on_comm_stream=False):
-        if not record.fixed:
-            return super().combine(record, hidden_states, async_finish, allocate_on_comm_stream)
-        # The dispatcher checked the rows against the dispatch (`MoEFlexTokenDispatcher`).
-        return self.comm.combine_fixed(hidden_states, self.group, record.handle, async_finish,
-                                       allocate_on_comm_stream)[0]
 
     def _layout(self, record):
         """`(probs [P], row_of_slot [P], slot_of_row [R, K])` of the dispatch, its padded

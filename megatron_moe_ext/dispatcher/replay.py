@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from megatron_moe_ext.dispatcher.common.checks import ROUTING_CHANGED, RoutingChangedError, in_backward
 from megatron_moe_ext.dispatcher.common.handoff import IndexedRows
 from megatron_moe_ext.dispatcher.common.record import DispatchRecord
+from megatron_moe_ext.dispatcher.common.stages import Dispatched
 from megatron_moe_ext.dispatcher.hooks import DispatchHook
 
 
@@ -345,10 +346,13 @@ class RecomputeReplay(DispatchHook):
             handle, counts = kept.handle, kept.tokens_per_expert
         else:
             with _kept_saved_tensors():
-                hidden, indices, probs, counts, handle = self.manager.comm.dispatch_cached(
-                    hidden_states, record.token_probs, kept.handle, kept.recv_indices_RK,
-                    kept.recv_probs_RK, kept.tokens_per_expert, self.manager.group, async_finish,
-                    allocate_on_comm_stream)
+                previous = Dispatched(kept.handle, kept.recv_indices_RK, kept.recv_probs_RK, kept.tokens_per_expert)
+                hidden, dispatched = self.manager.comm.dispatch(
+                    hidden_states, kept.indices_TK, record.token_probs, num_experts=self.manager.num_experts,
+                    group=self.manager.group, previous=previous, async_finish=async_finish,
+                    allocate_on_comm_stream=allocate_on_comm_stream)
+                handle, indices, probs, counts = (dispatched.handle, dispatched.dispatched_indices,
+                                                  dispatched.dispatched_probs, dispatched.counts)
         # The replayed dispatch fills its record as the manager's own dispatch does.
         record.handle, record.counts = handle, list(counts)
         record.dispatched_indices, record.dispatched_probs = indices, probs

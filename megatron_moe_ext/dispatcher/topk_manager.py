@@ -49,7 +49,7 @@ class TopKManager(DispatchManager):
         self.router_dtype = router_dtype
         self.pad_multiple = moe_router_expert_pad_multiple
 
-    replayable = True  # along the saved layout (`Communicator.dispatch_cached`)
+    replayable = True  # along the saved layout (`Communicator.dispatch`'s `previous`)
 
     def allocate_buffers(self, hidden_size: int, dtype: torch.dtype) -> None:
         self.comm.allocate_buffer(self.group, hidden_size, dtype)
@@ -87,15 +87,19 @@ class TopKManager(DispatchManager):
 
     # ---- communication ----------------------------------------------------------------
     def dispatch(self, record, hidden_states, async_finish=False, allocate_on_comm_stream=False):
-        hidden, record.dispatched_indices, record.dispatched_probs, record.counts, record.handle = self.comm.dispatch(
-            hidden_states, record.token_indices, record.token_probs, self.num_experts, self.group, async_finish,
-            allocate_on_comm_stream)
+        hidden, dispatched = self.comm.dispatch(
+            hidden_states, record.token_indices, record.token_probs, num_experts=self.num_experts, group=self.group,
+            async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream)
+        record.handle, record.counts = dispatched.handle, dispatched.counts
+        record.dispatched_indices = dispatched.dispatched_indices
+        record.dispatched_probs = dispatched.dispatched_probs
         # The routing inputs are consumed: drop them so recompute cannot keep them alive.
         record.token_indices = record.token_probs = None
         return hidden
 
     def combine(self, record, hidden_states, async_finish=False, allocate_on_comm_stream=False):
-        return self.comm.combine(hidden_states, self.group, record.handle, async_finish, allocate_on_comm_stream)[0]
+        return self.comm.combine(hidden_states, record.handle, group=self.group, async_finish=async_finish,
+                                 allocate_on_comm_stream=allocate_on_comm_stream)
 
     def get_dispatched_metadata(self, record):
         return record.dispatched_indices, record.dispatched_probs

@@ -11,55 +11,52 @@ buffer is shared (`buffers.py`).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 
 from megatron_moe_ext.dispatcher.common.record import DispatchRecord
+from megatron_moe_ext.dispatcher.common.stages import Dispatched
 
 
 class Communicator(Protocol):
-    """A backend's communication with DeepEP's dispatch/combine contract (`backends/`; the
-    signatures are in docs/DESIGN.md, "Where a new backend goes"). The managers call only what is
-    declared here, and the type check (`make typecheck`) holds every backend to it (the table in
-    `registry.py`). `group` is the expert-parallel process group; a handle is the backend's own
-    record of one dispatch, which its combine and `dispatch_cached` take back."""
+    """A backend's communication, DeepEP's contract (`backends/`): one `dispatch` and one
+    `combine`, each the other's backward; the fixed-shape modes and the replay of a dispatch are
+    arguments. The managers call only what is declared here, and the type check (`make
+    typecheck`) holds every backend to it (the table in `registry.py`). `group` is the
+    expert-parallel process group; a handle is the backend's own record of one dispatch (it
+    says whether the dispatch had a fixed shape), which its combine takes back."""
 
     name: str
-    #: `dispatch_cached` builds the autograd graph `dispatch` built (non-reentrant recompute).
+    #: A replay (`previous`) builds the autograd graph the dispatch built (non-reentrant recompute).
     replays_in_one_graph: bool
-    #: Its `dispatch_fixed` exchanges equal splits, so every rank needs the same send capacity
+    #: Its fixed-shape dispatch exchanges equal splits, so every rank needs the same send capacity
     #: (then it is an `EqualSplitsCommunicator`).
     fixed_equal_splits: bool
-    #: The row dtypes its `dispatch_fixed` takes (None: any float).
+    #: The row dtypes its fixed-shape dispatch takes (None: any float).
     fixed_dtypes: tuple[torch.dtype, ...] | None
 
-    def dispatch(self, x_TH: torch.Tensor, indices_TK: torch.Tensor, probs_TK: torch.Tensor,
-                 num_experts: int, group: Any, async_finish: bool = False,
-                 allocate_on_comm_stream: bool = False) -> tuple[Any, ...]:
-        """Send each token to the ranks of its experts: `(recv_x [R, H], recv_indices [R, K]
-        int64 local ids or -1, recv_probs [R, K] fp32, tokens_per_expert, handle)`, the counts a
-        host list of `e` ints (empty where the sync-free path returns none)."""
+    def dispatch(self, x_TH: torch.Tensor, indices_TK: torch.Tensor, probs_TK: torch.Tensor, *,
+                 num_experts: int, group: Any, previous: Dispatched | None = None,
+                 send_capacity: int | None = None,
+                 receive_overflow: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                 async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False) -> tuple[torch.Tensor, Dispatched]:
+        """Send each token to the ranks of its experts: `(rows [R, H], Dispatched)`, received ids
+        `[R, K]` int64 local or -1, fp32 weights `[R, K]`, counts a host list of `e` ints.
 
-    def dispatch_cached(self, x_TH: torch.Tensor, probs_TK: torch.Tensor, handle: Any,
-                        recv_indices_RK: torch.Tensor, recv_probs_RK: torch.Tensor, tokens_per_expert: Any,
-                        group: Any, async_finish: bool = False,
-                        allocate_on_comm_stream: bool = False) -> tuple[Any, ...]:
-        """Repeat a dispatch along its handle (activation recompute): `dispatch`'s 5-tuple."""
+        previous: repeat that dispatch along its layout (activation recompute): no layout
+            collective, no host sync; its counts are the result's.
+        send_capacity: a fixed-shape dispatch without a host read, `send_capacity` rows per
+            rank pair (no counts: an empty list).
+        receive_overflow: with `send_capacity`, maps the received `(ids, probs)` to a 0-d bool
+            (this rank cannot take them), which every rank raises on.
+        """
 
-    def combine(self, x_RH: torch.Tensor, group: Any, handle: Any, async_finish: bool = False,
-                allocate_on_comm_stream: bool = False) -> tuple[Any, ...]:
-        """Received rows back to their owners, each token's copies summed: `([T, H], None)`."""
-
-    def dispatch_fixed(self, x_TH: torch.Tensor, indices_TK: torch.Tensor, probs_TK: torch.Tensor,
-                       num_experts: int, group: Any, send_capacity: int, async_finish: bool = False,
-                       allocate_on_comm_stream: bool = False) -> tuple[Any, ...]:
-        """A dispatch of fixed shape without a host read, `send_capacity` rows per rank pair:
-        `(recv_x, recv_indices, recv_probs, handle)`."""
-
-    def combine_fixed(self, x_RH: torch.Tensor, group: Any, handle: Any, async_finish: bool = False,
-                      allocate_on_comm_stream: bool = False) -> tuple[Any, ...]:
-        """`combine` of a `dispatch_fixed`: `([T, H], None)`."""
+    def combine(self, y_RH: torch.Tensor, handle: Any, *, group: Any, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False) -> torch.Tensor:
+        """Received rows back to their owners, each token's copies summed: `[T, H]`."""
 
     def check_group(self, group: Any) -> None:
         """Refuse a group the backend cannot serve (ValueError), at construction."""
@@ -78,7 +75,7 @@ class Communicator(Protocol):
 
 
 class EqualSplitsCommunicator(Communicator, Protocol):
-    """A communicator whose `dispatch_fixed` sends equal splits (`fixed_equal_splits`): the budget
+    """A communicator whose fixed-shape dispatch sends equal splits (`fixed_equal_splits`): the budget
     mode agrees on one token count through its counts exchange first."""
 
     def exchange_counts(self, send_counts_W: torch.Tensor, group: Any,
