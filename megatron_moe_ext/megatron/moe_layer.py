@@ -200,13 +200,13 @@ class FlexMoELayer(MoELayer, overflow.OverflowCounter):
     def routed_experts_compute(self, hidden_states, probs):
         output, mlp_bias = super().routed_experts_compute(hidden_states, probs)
         if self.moe_overflow_stats is not None:  # budget mode
-            self._count_overflow(self.token_dispatcher.record)
+            self._count_overflow(self.token_dispatcher.flight)
         return output, mlp_bias
 
     def route(self, hidden_states, padding_mask=None):
         """Megatron's router, through the layer's `RecomputeReplay.route` when it has one
         (not with input jitter: its random numbers must be drawn again in the recompute)."""
-        replay = self.token_dispatcher.replay
+        replay = self.token_dispatcher.hook
         if isinstance(replay, RecomputeReplay) and not self.config.moe_input_jitter_eps:
             return replay.route(super().route, hidden_states, padding_mask)
         return super().route(hidden_states, padding_mask)

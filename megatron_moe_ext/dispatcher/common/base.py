@@ -1,11 +1,11 @@
-"""The narrow interface every communication manager implements.
+"""The narrow interfaces every communication manager and communicator implement.
 
-A manager belongs to one layer; each dispatch is a `DispatchRecord` (`record.py`) that the
-dispatcher hands to every step: `setup_metadata*` -> `dispatch` ->
-`get_permuted_hidden_states_by_experts` -> (experts) -> `get_restored_hidden_states_by_experts`
--> `combine` (the dispatcher enforces the order). Backward never reads a record (what it needs
-lives in the autograd graph), so the dispatcher drops it after the combine. Only the backend's
-buffer is shared (`buffers.py`).
+A manager belongs to one layer; each step of a dispatch takes the previous step's stage
+(`stages.py`) and returns its tensors and the next stage: `setup*` -> routing, `dispatch` ->
+`Dispatched`, `permute` -> `Permuted`, then `restore` and `combine` read it (the dispatcher
+enforces the order). Backward never reads a stage (what it needs lives in the autograd graph),
+so the dispatcher drops them after the combine. Only the backend's buffer is shared
+(`buffers.py`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any, Protocol
 
 import torch
 
-from megatron_moe_ext.dispatcher.common.record import DispatchRecord
-from megatron_moe_ext.dispatcher.common.stages import Dispatched
+from megatron_moe_ext.dispatcher.common.handoff import IndexedRows
+from megatron_moe_ext.dispatcher.common.stages import Dispatched, Permuted, TopKRouting
 
 
 class Communicator(Protocol):
@@ -92,13 +92,14 @@ class DispatchManager(ABC):
     #: (`RecomputeReplay`) can plug in; a recompute of the others would route anew.
     replayable = False
 
-    #: Its budget-mode records carry `overflow_counts` (settled by `settle_overflow`), not
-    #: `overflow_stats`.
+    #: Its budget-mode stages carry per-expert counts (settled by `settle_overflow`), not stats.
     defers_overflow = False
+    #: The routing stage its setup returns (its fields: what a CUDA graph of the preprocess returns).
+    routing_stage: type = TopKRouting
 
     def settle_overflow(self, needed_DE: torch.Tensor, budgets_D: torch.Tensor) -> torch.Tensor:
         """Budget mode's `[dropped pairs, rows needed]` on this rank over D dispatches, from
-        their `overflow_counts` (`[D, E]`, summed over the group here: a collective) and
+        their overflow counts (`[D, E]`, summed over the group here: a collective) and
         budgets (`[D]`). Only where `defers_overflow`."""
         raise NotImplementedError(f"{type(self).__name__} counts its overflow at each dispatch")
 
@@ -119,38 +120,35 @@ class DispatchManager(ABC):
         """Refuse rows the backend cannot send (ValueError), before the step's first collective."""
 
     @abstractmethod
-    def setup_metadata(self, record: DispatchRecord, num_local_tokens: int, probs: torch.Tensor,
-                       routing_map=None) -> None:
-        """Set up `record`'s routing from dense `[T, E]` probs (and optionally the routing map)."""
+    def setup(self, num_local_tokens: int, probs: torch.Tensor, routing_map=None) -> Any:
+        """The routing stage of dense `[T, E]` probs (and optionally the routing map)."""
 
     @abstractmethod
-    def setup_metadata_from_indices(self, record: DispatchRecord, token_indices: torch.Tensor,
-                                    token_probs: torch.Tensor) -> None:
-        """Set up `record`'s routing from top-k `[T, K]` global expert ids (-1 = masked) and probs."""
+    def setup_from_indices(self, token_indices: torch.Tensor, token_probs: torch.Tensor) -> Any:
+        """The routing stage of top-k `[T, K]` global expert ids (-1 = masked) and probs."""
 
     @abstractmethod
-    def dispatch(self, record: DispatchRecord, hidden_states: torch.Tensor, async_finish: bool = False,
-                 allocate_on_comm_stream: bool = False) -> torch.Tensor:
-        """Dispatch `[T, H]` rows along `record`'s routing -> received rows."""
+    def dispatch(self, routing, hidden_states: torch.Tensor, *, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False,
+                 replay: Dispatched | None = None) -> tuple[torch.Tensor, Dispatched]:
+        """Dispatch `[T, H]` rows along `routing` -> `(received rows, Dispatched)`; `replay`: a
+        recorded dispatch of this routing, repeated along its layout (where `replayable`)."""
 
     @abstractmethod
-    def combine(self, record: DispatchRecord, hidden_states: torch.Tensor, async_finish: bool = False,
-                allocate_on_comm_stream: bool = False) -> torch.Tensor:
-        """Received rows back to their owners -> `[T, H]`; releases `record`'s tensors."""
+    def permute(self, dispatched: Dispatched, hidden_states: torch.Tensor,
+                indexed: bool = False) -> tuple[tuple | IndexedRows, Permuted]:
+        """Received rows grouped by local expert -> `((rows [P, H], tokens_per_expert [e], probs
+        [P]), Permuted)`; `indexed`: `IndexedRows` instead (no copy)."""
 
     @abstractmethod
-    def get_dispatched_metadata(self, record: DispatchRecord):
-        """`(received ids [R, K] or None, received weights)`."""
-
-    @abstractmethod
-    def get_permuted_hidden_states_by_experts(self, record: DispatchRecord, hidden_states: torch.Tensor):
-        """`(permuted_hidden [P, H], permuted_probs [P])` grouped by local expert."""
-
-    @abstractmethod
-    def get_restored_hidden_states_by_experts(self, record: DispatchRecord,
-                                              hidden_states: torch.Tensor) -> torch.Tensor:
+    def restore(self, permuted: Permuted, hidden_states: torch.Tensor) -> torch.Tensor:
         """Inverse of the permutation: `[P, H]` expert outputs -> dispatched row order."""
 
     @abstractmethod
-    def get_number_of_tokens_per_expert(self, record: DispatchRecord) -> torch.Tensor:
-        """`[e]` row counts of the dispatch (host or device tensor)."""
+    def combine(self, permuted: Permuted, hidden_states: torch.Tensor, *, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False) -> torch.Tensor:
+        """Received rows back to their owners -> `[T, H]`."""
+
+    @abstractmethod
+    def tokens_per_expert(self, stage: Dispatched | Permuted) -> torch.Tensor:
+        """`[e]` row counts of a stage (host or device tensor; padded once permuted)."""

@@ -15,7 +15,6 @@ R received rows, P permuted rows.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,7 +61,7 @@ class Dispatched:
     handle: Any
     dispatched_indices: torch.Tensor | None
     dispatched_probs: torch.Tensor
-    counts: Sequence[int] | torch.Tensor
+    counts: list[int] | torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -91,7 +90,7 @@ class Permuted:
     """
 
     handle: Any
-    counts: Sequence[int] | torch.Tensor
+    counts: list[int] | torch.Tensor
     permutation: Any
 
 

@@ -14,7 +14,6 @@ import torch.distributed as dist
 
 from megatron_moe_ext.dispatcher.common import checks
 from megatron_moe_ext.dispatcher.common.permute import align_up
-from megatron_moe_ext.dispatcher.common.record import DispatchRecord
 from megatron_moe_ext.utils.env import hybridep_combine_chunk
 
 logger = logging.getLogger(__name__)
@@ -30,7 +29,7 @@ _PUBLISHED: dict[tuple, tuple[tuple, int]] = {}
 def warm_up(manager, num_tokens: int, hidden_dim: int, dtype: torch.dtype, device) -> None:
     """One synthetic dispatch + combine + backward through `manager` (a `HybridEPManager`;
     grad mode forced on; a deterministic, balanced batch, no RNG) so HybridEP sizes its buffer
-    and compiles its kernels before any pipeline traffic (its own record). Every manager field
+    and compiles its kernels before any pipeline traffic (its own stages). Every manager field
     is restored afterwards, even on failure."""
     saved = dict(manager.__dict__)
     try:
@@ -45,12 +44,11 @@ def warm_up(manager, num_tokens: int, hidden_dim: int, dtype: torch.dtype, devic
             probs_TK = torch.full(indices_TK.shape, 1.0 / topk, device=device, requires_grad=True)
             x_TH = torch.linspace(-1.0, 1.0, num_tokens * hidden_dim, device=device)
             x_TH = x_TH.reshape(num_tokens, hidden_dim).to(dtype).requires_grad_()
-            record = DispatchRecord(x_TH.shape)
-            manager.setup_metadata_from_indices(record, indices_TK, probs_TK)
-            rows_PH = manager.dispatch(record, x_TH, capacity_mode=False)
-            rows_PH, probs_P = manager.get_permuted_hidden_states_by_experts(record, rows_PH)
+            routing = manager.setup_from_indices(indices_TK, probs_TK)
+            rows_PH, dispatched = manager.dispatch(routing, x_TH, capacity_mode=False)
+            (rows_PH, _, probs_P), permuted = manager.permute(dispatched, rows_PH)
             out_PH = rows_PH * probs_P[:, None].to(rows_PH.dtype)
-            y_TH = manager.combine(record, manager.get_restored_hidden_states_by_experts(record, out_PH))
+            y_TH = manager.combine(permuted, manager.restore(permuted, out_PH))
             y_TH.float().sum().backward()
     finally:
         manager.__dict__.clear()
