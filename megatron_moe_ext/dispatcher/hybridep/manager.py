@@ -230,16 +230,18 @@ class HybridEPManager(sizing.FixedShapeEngine, DispatchManager):
         # Unrouted entries must not carry probability mass into HybridEP's dense probs.
         return self._routing(routing_map_TE, torch.where(routing_map_TE, probs_TE.float(), 0.0))
 
-    def setup_from_indices(self, token_indices: torch.Tensor, token_probs: torch.Tensor) -> DenseRouting:
-        """Top-k `[T, K]` ids (-1 = masked) and probs, through the metadata processor."""
+    def setup_from_indices(self, token_indices: torch.Tensor, token_probs: torch.Tensor, *,
+                           plain: bool = False) -> DenseRouting:
+        """Top-k `[T, K]` ids (-1 = masked) and probs, through the metadata processor; `plain`:
+        for a plain `dispatch`, the token count neither pinned nor read from a pin."""
         metadata, probs_TE = self.metadata_processor(token_indices, token_probs)
         if self.compact_routing:
             metadata = P.indices_to_routing_map(metadata, self.num_experts)
-        return self._routing(metadata, probs_TE)
+        return self._routing(metadata, probs_TE, plain)
 
-    def _routing(self, routing_map_TE, probs_TE) -> DenseRouting:
+    def _routing(self, routing_map_TE, probs_TE, plain: bool = False) -> DenseRouting:
         num_tokens = probs_TE.shape[0]
-        padded = self._resolve_padded_tokens(num_tokens, probs_TE.device)
+        padded = self._resolve_padded_tokens(num_tokens, probs_TE.device, plain=plain)
         pad = padded - num_tokens
         # Padding rows route nowhere with prob 0; they are constants, so they get no gradient.
         return DenseRouting(torch.cat([routing_map_TE, routing_map_TE.new_zeros(pad, self.num_experts)]),
@@ -248,16 +250,16 @@ class HybridEPManager(sizing.FixedShapeEngine, DispatchManager):
     def _static_pin(self) -> bool:
         return self.benchmark_static_routing and _STATIC_ROUTING_PAD_PIN
 
-    def _resolve_padded_tokens(self, num_tokens: int, device, word: int = 0) -> int:
+    def _resolve_padded_tokens(self, num_tokens: int, device, word: int = 0, plain: bool = False) -> int:
         """Every rank must send the same 4-aligned count: the EP-group max, padded.
 
         Only the first dispatch exchanges it (a MAX all-reduce read on the host, which carries
         every rank's error word: `word` is this rank's) when a pin applies; capacity mode
-        refuses a batch past its pin rather than exchange again.
+        refuses a batch past its pin rather than exchange again. `plain`: no pin read or made.
         """
         if self.equal_token_counts:
             return _padded_count(num_tokens)
-        if self._pinned_tokens is not None:
+        if self._pinned_tokens is not None and not plain:
             if num_tokens <= self._pinned_tokens:
                 return self._pinned_tokens
             if self._calibrated_capacity() is not None:
@@ -275,13 +277,14 @@ class HybridEPManager(sizing.FixedShapeEngine, DispatchManager):
                 return 0
             raise checks.agreed_error(exchanged[1:])
         padded = _padded_count(exchanged[0])
-        if self._static_pin():
+        if self._static_pin() and not plain:
             # First dispatch, or a larger batch: (re-)pin, and re-record the permuted count.
             self._pinned_tokens = padded
             self._static_num_permuted_tokens = None
         return padded
 
-    def _resolve_num_permuted_tokens(self, capacity_mode: bool, padded_tokens: int) -> int | None:
+    def _resolve_num_permuted_tokens(self, capacity_mode: bool, padded_tokens: int,
+                                     plain: bool = False) -> int | None:
         """The host `num_permuted_tokens` for this dispatch of `padded_tokens` rows per rank;
         None is the blocking path.
 
@@ -292,7 +295,7 @@ class HybridEPManager(sizing.FixedShapeEngine, DispatchManager):
             return self.sizing.rows(padded_tokens, self.router_topk, self.pad_multiple)
         if capacity_mode and (capacity := self._calibrated_capacity()) is not None:
             return capacity
-        return self._static_num_permuted_tokens if self._static_pin() else None
+        return self._static_num_permuted_tokens if self._static_pin() and not plain else None
 
     def _calibrated_capacity(self) -> int | None:
         """Capacity mode's permuted rows, `align(ceil(rows * factor))` as the EP-group max (the
@@ -357,22 +360,21 @@ class HybridEPManager(sizing.FixedShapeEngine, DispatchManager):
                 fuse_permute_dispatch=self.hybridep_permute_fusion)
 
     def dispatch(self, routing, hidden_states, *, async_finish=True, allocate_on_comm_stream=True, replay=None,
-                 capacity_mode=None):
+                 plain=False):
         """Dispatch `[T, H]` rows; returns `[P, H]` rows grouped by local expert and the stage.
 
         `async_finish` / `allocate_on_comm_stream` are ignored: HybridEP owns its stream; it has no
-        `replay` (not `replayable`). `capacity_mode=None` follows the config's fixed-shape mode
-        (capacity or budget); False forces a blocking dispatch that neither uses nor calibrates
-        the capacity (the runtime warmup).
+        `replay` (not `replayable`). The config's fixed-shape mode (capacity or budget) applies
+        unless `plain`: a blocking dispatch (of a `plain` setup's routing) that neither uses nor
+        records the capacity or the pins (the runtime warm-up, `runtime.warm_up`).
         """
         self.check_rows(hidden_states)
-        if capacity_mode is None:
-            capacity_mode = self.fixed_shape
+        capacity_mode = self.fixed_shape and not plain
         padded = routing.token_probs.shape[0]
         x_TH = hidden_states
         if padded > x_TH.shape[0]:
             x_TH = torch.cat([x_TH, x_TH.new_zeros(padded - x_TH.shape[0], x_TH.shape[1])])
-        num_permuted = self._resolve_num_permuted_tokens(capacity_mode, padded)
+        num_permuted = self._resolve_num_permuted_tokens(capacity_mode, padded, plain)
         routing_map_TE = routing.routing_map
         kwargs = dict(routing_map=routing_map_TE, num_of_experts_per_rank=self.num_local_experts,
                       num_permuted_tokens=num_permuted, non_blocking=num_permuted is not None,
@@ -401,7 +403,7 @@ class HybridEPManager(sizing.FixedShapeEngine, DispatchManager):
                 self.sizing.calibrate(self, dispatched, x_TH.device)
                 if not self.equal_token_counts:  # its padded count, equal on every rank, is pinned
                     self._pinned_tokens = padded
-            if self._static_pin() and self._static_num_permuted_tokens is None:
+            if self._static_pin() and not plain and self._static_num_permuted_tokens is None:
                 # At least one aligned group: a batch that routed no rows still leaves room for
                 # a peer's error word (`announce_input_error`) in a later pinned dispatch.
                 self._static_num_permuted_tokens = max(rows_PH.shape[0],
@@ -453,8 +455,7 @@ class HybridEPManager(sizing.FixedShapeEngine, DispatchManager):
         return HybridEPPipelineRuntimeInitializer(self, hidden_dim, dtype)
 
     def initialize_runtime(self, num_tokens: int, hidden_dim: int, dtype: torch.dtype, device) -> None:
-        """One synthetic dispatch + combine + backward, every field restored after
-        (`runtime.warm_up`)."""
+        """One synthetic plain dispatch + combine + backward (`runtime.warm_up`)."""
         from megatron_moe_ext.dispatcher.hybridep.runtime import warm_up
 
         warm_up(self, num_tokens, hidden_dim, dtype, device)
