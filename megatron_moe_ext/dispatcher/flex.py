@@ -31,16 +31,17 @@ from megatron_moe_ext.dispatcher.common.stages import InFlight, Step
 from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
 
 
-def _same_probs(call: str, held: torch.Tensor | None, given: torch.Tensor | None) -> torch.Tensor | None:
-    """The probs a step dispatches: `given` (the previous step's output handed back, or Megatron's
-    1F1B overlap schedule's detached copy of it, whose gradient that schedule carries between its
-    nodes: the dispatch must not reach back into the router's graph), else the stage's."""
+def _with_probs(call: str, stage, field: str, given: torch.Tensor | None):
+    """The stage a step takes: with `given` probs (the previous step's output handed back, or
+    Megatron's 1F1B overlap schedule's detached copy of it, whose gradient that schedule carries
+    between its nodes: the dispatch must not reach back into the router's graph), else as it is."""
+    held = getattr(stage, field)
     if given is None or given is held:
-        return held
-    if held is None or given.shape != held.shape:
+        return stage
+    if given.shape != held.shape:
         raise checks.bad_input("probs", f"{call} expects the probs the previous step returned "
-                               f"({None if held is None else tuple(held.shape)}), got {tuple(given.shape)}")
-    return given
+                               f"({tuple(held.shape)}), got {tuple(given.shape)}")
+    return dataclasses.replace(stage, **{field: given})
 
 
 class _OverlapFace:
@@ -80,13 +81,11 @@ class _Preprocessed:
         return getattr(self._dispatcher.flight.stage, name, None)
 
     def __setattr__(self, name: str, value) -> None:
-        dispatcher = self._dispatcher
-        flight = dispatcher.flight
+        flight, stage_cls = self._dispatcher.flight, self._dispatcher.manager.routing_stage
         if flight.stage is None:  # a replay that ran no preprocess: its first field
-            stage_cls = dispatcher.manager.routing_stage
-            flight = dataclasses.replace(flight, stage=stage_cls(**dict.fromkeys(
-                f.name for f in dataclasses.fields(stage_cls))))
-        dispatcher.flight = _replaced(flight, name, value)
+            empty = stage_cls(**dict.fromkeys(f.name for f in dataclasses.fields(stage_cls)))
+            flight = dataclasses.replace(flight, stage=empty)
+        self._dispatcher.flight = _replaced(flight, name, value)
 
 
 def _replaced(flight: InFlight, name: str, value) -> InFlight:
@@ -242,9 +241,8 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
 
     @property
     def preprocessed(self) -> _Preprocessed:
-        """The routing awaiting its dispatch (`_Preprocessed`). Where none awaits, a CUDA graph
-        replay of the preprocess, which runs none, starts a new dispatch with the captured
-        preprocess's input shape."""
+        """The routing awaiting its dispatch; where none awaits (a CUDA graph replay of the
+        preprocess runs none), a new dispatch with the captured preprocess's input shape."""
         flight = self.flight
         if flight is None or flight.next != Step.TOKEN_DISPATCH:
             if self._last_shape is None:
@@ -358,10 +356,7 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         if self.shared_experts is not None:
             self.shared_experts.wait_current_stream()
         flight = self._advance(Step.TOKEN_DISPATCH, hidden_states, None, "the output of dispatch_preprocess")
-        routing = flight.stage
-        given = _same_probs("token_dispatch", routing.token_probs, probs)
-        if given is not routing.token_probs:
-            routing = dataclasses.replace(routing, token_probs=given)
+        routing = _with_probs("token_dispatch", flight.stage, "token_probs", probs)
         try:
             rows, dispatched = self._step("dispatch", lambda replay=None: self._manager.dispatch(
                 routing, hidden_states, async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream,
@@ -383,10 +378,7 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         """-> `(tokens [P, H], tokens_per_expert [e], permuted_probs [P])`; with
         `hand_indexed_rows`, `(IndexedRows, tokens_per_expert, permuted_probs)` and no copy."""
         flight = self._advance(Step.DISPATCH_POSTPROCESS)
-        dispatched = flight.stage
-        given = _same_probs("dispatch_postprocess", dispatched.dispatched_probs, probs)
-        if given is not dispatched.dispatched_probs:
-            dispatched = dataclasses.replace(dispatched, dispatched_probs=given)
+        dispatched = _with_probs("dispatch_postprocess", flight.stage, "dispatched_probs", probs)
         indexed = flight.indexed_rows
         out, permuted = self._step("permute", lambda: self._manager.permute(dispatched, hidden_states, indexed),
                                    dispatched)

@@ -26,8 +26,7 @@ class DispatchHook:
         replay of routing the forward checked, so the checks are skipped."""
         return False
 
-    def setup(self, run: Callable[[], Any]) -> Any:
-        """`run()` returns the routing stage."""
+    def setup(self, run: Callable[[], Any]) -> Any:  # `run()` returns the routing stage
         return run()
 
     def dispatch(self, run: Callable[..., tuple[torch.Tensor, Dispatched]], routing: Any,

@@ -116,8 +116,7 @@ class TopKManager(DispatchManager):
         return (rows_PH, P.host_counts_tensor(counts), self.handed_probs(probs_P)), Permuted(
             dispatched.handle, counts, permutation)
 
-    def handed_probs(self, probs_P: torch.Tensor) -> torch.Tensor:
-        """The permuted probs in the router's dtype."""
+    def handed_probs(self, probs_P: torch.Tensor) -> torch.Tensor:  # in the router's dtype
         return probs_P.double() if self.router_dtype == "fp64" else probs_P
 
     def restore(self, permuted: Permuted, hidden_states: torch.Tensor) -> torch.Tensor:

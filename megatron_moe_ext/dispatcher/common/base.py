@@ -45,13 +45,11 @@ class Communicator(Protocol):
                  allocate_on_comm_stream: bool = False) -> tuple[torch.Tensor, Dispatched]:
         """Send each token to the ranks of its experts: `(rows [R, H], Dispatched)`, received ids
         `[R, K]` int64 local or -1, fp32 weights `[R, K]`, counts a host list of `e` ints.
-
         previous: repeat that dispatch along its layout (activation recompute): no layout
             collective, no host sync; its counts are the result's.
         send_capacity: a fixed-shape dispatch without a host read, `send_capacity` rows per
-            rank pair (no counts: an empty list).
-        receive_overflow: with `send_capacity`, maps the received `(ids, probs)` to a 0-d bool
-            (this rank cannot take them), which every rank raises on.
+            rank pair (no counts: an empty list). receive_overflow: with it, maps the received
+            `(ids, probs)` to a 0-d bool (this rank cannot take them), which every rank raises on.
         """
 
     def combine(self, y_RH: torch.Tensor, handle: Any, *, group: Any, async_finish: bool = False,

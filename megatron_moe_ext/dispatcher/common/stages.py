@@ -5,11 +5,8 @@ a forward produced and hands them back to the same manager call.
 
     setup ─► Routing ─► dispatch ─► Dispatched ─► permute ─► Permuted ─► restore, combine
 
-`InFlight` is the dispatcher's one value of the dispatch in flight between Megatron's calls,
-replaced at each step (`MoEFlexTokenDispatcher.flight`).
-
-Legend: T local tokens, T' padded tokens, H hidden, E experts, e local experts, K top-k,
-R received rows, P permuted rows.
+`InFlight` is the dispatcher's value of the dispatch in flight, replaced at each step.
+Legend: T local tokens, E experts, e local experts, K top-k, R received rows, P permuted rows.
 """
 
 from __future__ import annotations
@@ -39,7 +36,7 @@ class Step(enum.IntEnum):
 @dataclass(frozen=True)
 class TopKRouting:
     """setup -> dispatch of the top-k backends: `[T, K]` global expert ids (-1 = masked, after
-    token dropping) and their fp32 weights. (HybridEP's dense routing: `hybridep.manager`.)"""
+    token dropping) and their fp32 weights (HybridEP's: `hybridep.manager.DenseRouting`)."""
 
     token_indices: torch.Tensor
     token_probs: torch.Tensor
