@@ -48,12 +48,12 @@ def attach_replay(dispatcher) -> RecomputeReplay | None:
     """Give `dispatcher` (a `MoEFlexTokenDispatcher`) a `RecomputeReplay` (idempotent); None
     where the manager is not `replayable` (HybridEP, the fixed-shape modes: their recompute
     repeats the whole dispatch)."""
-    if isinstance(dispatcher.replay, RecomputeReplay):
-        return dispatcher.replay
+    if isinstance(dispatcher.hook, RecomputeReplay):
+        return dispatcher.hook
     if not dispatcher.manager.replayable:
         return None
-    dispatcher.replay = RecomputeReplay(dispatcher.manager)
-    return dispatcher.replay
+    dispatcher.hook = RecomputeReplay(dispatcher.manager)
+    return dispatcher.hook
 
 
 def replays_in(module_or_dispatchers) -> list[RecomputeReplay]:

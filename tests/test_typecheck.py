@@ -28,10 +28,10 @@ def test_a_backend_with_a_changed_dispatch_signature_fails(tmp_path):
     backend = tmp_path / "megatron_moe_ext" / "dispatcher" / "backends" / "deepep.py"
     text = backend.read_text()
     # DeepEP's dispatch grows a required argument the managers do not pass.
-    old = "    def dispatch(self, x_TH, indices_TK, probs_TK, num_experts, group,"
+    old = "    def dispatch(self, x_TH, indices_TK, probs_TK, *, num_experts, group,"
     assert text.count(old) == 1
-    backend.write_text(text.replace(old, old + " chunk_rows: int,"))
+    backend.write_text(text.replace(old, old + " chunk_rows,"))
     done = _mypy(tmp_path)
     assert done.returncode == 1, done.stdout + done.stderr
     assert 'registry.py' in done.stdout and '"DeepEPCommunicator"' in done.stdout, done.stdout
-    assert "def dispatch(self, x_TH: Tensor, indices_TK: Tensor, probs_TK: Tensor, num_experts: int" in done.stdout
+    assert "def dispatch(self, x_TH: Tensor, indices_TK: Tensor, probs_TK: Tensor, *, num_experts: int" in done.stdout

@@ -107,24 +107,24 @@ def raw_parity(dtype: str, tokens: int, hidden: int, num_experts: int, topk: int
     idx[::5, 0] = -1
     probs = torch.rand(x.shape[0], topk, generator=g, device=device)
 
-    got = deepep.communicator(group).dispatch(x, idx, probs, num_experts, group)
-    want = torch_a2a.dispatch(x, idx, probs, num_experts, group)
-    handle = got[4]
+    rows_got, got = deepep.communicator(group).dispatch(x, idx, probs, num_experts=num_experts, group=group)
+    rows_want, want = torch_a2a.dispatch(x, idx, probs, num_experts=num_experts, group=group)
+    handle = got.handle
     src_rank = torch.searchsorted(handle.rank_prefix_matrix_WW[:, rank].long(),
                                   torch.arange(handle.num_recv_rows, device=device), right=True)
     key = src_rank * (1 << 32) + handle.recv_src_idx_R.long()
     source_token_order = bool((key[1:] > key[:-1]).all()) if key.numel() > 1 else True
     order = torch.argsort(key)
-    rows, ids, weights = got[0][order], got[1][order], got[2][order]
+    rows, ids, weights = rows_got[order], got.dispatched_indices[order], got.dispatched_probs[order]
     result = {
         "source_token_order": source_token_order,
-        "rows_equal": torch.equal(rows, want[0]), "indices_equal": torch.equal(ids, want[1]),
-        "probs_equal": torch.equal(weights, want[2]), "counts_equal": got[3] == want[3],
+        "rows_equal": torch.equal(rows, rows_want), "indices_equal": torch.equal(ids, want.dispatched_indices),
+        "probs_equal": torch.equal(weights, want.dispatched_probs), "counts_equal": got.counts == want.counts,
     }
-    y_got, _ = deepep.communicator(group).combine(got[0], group, handle)
-    y_want, _ = torch_a2a.combine(want[0], group, want[4])
+    y_got = deepep.communicator(group).combine(rows_got, handle, group=group)
+    y_want = torch_a2a.combine(rows_want, want.handle, group=group)
     result["combine_err"] = _err(y_got, y_want)
-    fp32_sum = torch_a2a.combine(want[0].float(), group, want[4])[0]
+    fp32_sum = torch_a2a.combine(rows_want.float(), want.handle, group=group)
     result["combine_err_vs_fp32_sum"] = _err(y_got, fp32_sum)
     # One rounding of an fp32 sum is at most half an ulp of the largest output.
     ulp = torch.finfo(x.dtype).eps * float(fp32_sum.abs().max()) if fp32_sum.numel() else 0.0
@@ -142,10 +142,11 @@ def buffer_lifecycle():
     first = comm.buffer
     x = torch.randn(64, 1024, device=DEVICE).bfloat16()
     idx = torch.randint(0, 16, (64, 2), device=DEVICE)
-    recv, _, _, _, handle = comm.dispatch(x, idx, torch.rand(64, 2, device=DEVICE), 16, group)
-    comm.combine(recv, group, handle)
+    recv, dispatched = comm.dispatch(x, idx, torch.rand(64, 2, device=DEVICE), num_experts=16, group=group)
+    comm.combine(recv, dispatched.handle, group=group)
     reused = comm.buffer is first
-    comm.dispatch(torch.randn(64, 2048, device=DEVICE).bfloat16(), idx, torch.rand(64, 2, device=DEVICE), 16, group)
+    comm.dispatch(torch.randn(64, 2048, device=DEVICE).bfloat16(), idx, torch.rand(64, 2, device=DEVICE),
+                  num_experts=16, group=group)
     grown = comm.buffer is not first and comm.buffer.num_nvl_bytes > first.num_nvl_bytes
     comm.release_buffers()
     return {"reused": reused, "grown": grown, "released": comm.buffer is None}

@@ -122,7 +122,7 @@ def step_fn(mode, disps, params, x, grad):
     def run():
         h = x
         for disp, (router_HE, w1, w2) in zip(disps, params):
-            replay = disp.replay
+            replay = disp.hook
             if mode == "none":
                 h = moe_block(disp, router_HE, w1, w2, h)
             elif mode == "megatron_moe":
@@ -142,7 +142,7 @@ def step_fn(mode, disps, params, x, grad):
                                              replays=[replay], policy=mode)
         h.backward(grad)
         for disp in disps:
-            disp.replay.check()
+            disp.hook.check()
     return run
 
 

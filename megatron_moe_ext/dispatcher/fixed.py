@@ -13,7 +13,7 @@ reads the device (a CUDA graph can capture it):
   backend's equal splits need the same T on every EP rank: the first dispatch agrees on it in
   a count exchange; a rank whose T changes later says so in the next dispatch's first
   collective, and every rank raises ValueError (unless every rank changed to the same T).
-The communicator moves the rows (`dispatch_fixed` / `combine_fixed`), the permutation is
+The communicator moves the rows (its `dispatch` with `send_capacity`), the permutation is
 `permute.fixed_layout`, and `tokens_per_expert` stays on the device; rows past its sum are
 zero padding that experts must not trust and combine never reads.
 
@@ -21,7 +21,7 @@ A dispatch that does not fit is the overflow policy's:
 - `RaiseOnOverflow` (capacity mode): every rank raises `checks.CapacityOverflowError` naming
   the ranks that overflowed, before the experts run (a device assert on the GPU);
 - `CountOverflow` (budget mode): the (token, expert) pairs that do not fit (the last local
-  experts lose first) get no row, and the dispatch's record carries `overflow_stats =
+  experts lose first) get no row, and the dispatch's `FixedPermuted` stage carries `overflow =
   [dropped pairs, rows needed, factor needed in hundredths]` (device int64, the factor from
   this dispatch's own T: `needed_factor_hundredths`) for its layer (`megatron/overflow.py`
   applies the policy).
@@ -42,8 +42,9 @@ import torch.distributed as dist
 
 from megatron_moe_ext.dispatcher.common import checks
 from megatron_moe_ext.dispatcher.common import permute as P
-from megatron_moe_ext.dispatcher.common.handoff import IndexedRows, indexed_rows
+from megatron_moe_ext.dispatcher.common.handoff import indexed_rows
 from megatron_moe_ext.dispatcher.common.sizing import Budget, FixedShapeEngine, needed_factor_hundredths
+from megatron_moe_ext.dispatcher.common.stages import FixedDispatched, FixedPermuted
 from megatron_moe_ext.dispatcher.topk_manager import TopKManager
 
 
@@ -88,7 +89,7 @@ class FixedShapeManager(FixedShapeEngine, TopKManager):
     Arguments:
         sizing: `CalibratedCapacity` or `Budget`.
         overflow: `RaiseOnOverflow` or `CountOverflow`.
-        **kwargs: `TopKManager`'s arguments; `comm` has `dispatch_fixed` / `combine_fixed`.
+        **kwargs: `TopKManager`'s arguments.
     """
 
     replayable = False  # recompute repeats the whole dispatch (consistent, pays the layout)
@@ -97,27 +98,27 @@ class FixedShapeManager(FixedShapeEngine, TopKManager):
         super().__init__(**kwargs)
         self.sizing, self.overflow = sizing, overflow
 
-    def dispatch(self, record, hidden_states, async_finish=False, allocate_on_comm_stream=False):
+    def dispatch(self, routing, hidden_states, *, async_finish=False, allocate_on_comm_stream=False, replay=None):
+        flags = dict(async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream)
         if not self.fixed_shape:  # the engine's switch, or factor "auto" before its warm-up ended
-            return super().dispatch(record, hidden_states, async_finish, allocate_on_comm_stream)
+            return super().dispatch(routing, hidden_states, replay=replay, **flags)
         sizes = self.sizing.size(self, hidden_states.shape[0], hidden_states)
         if sizes is None:  # the calibration: dropless, sized from here on
-            rows = super().dispatch(record, hidden_states, async_finish, allocate_on_comm_stream)
-            self.sizing.calibrate(self, record, hidden_states.device)
-            return rows
-        record.send_capacity, record.capacity = sizes
-        receive_overflow = self.overflow.receive_overflow(self, record.capacity)
-        extra = {} if receive_overflow is None else {"receive_overflow": receive_overflow}
+            rows, dispatched = super().dispatch(routing, hidden_states, **flags)
+            self.sizing.calibrate(self, dispatched, hidden_states.device)
+            return rows, dispatched
+        send_capacity, capacity = sizes
         try:
-            rows, record.dispatched_indices, record.dispatched_probs, record.handle = self.comm.dispatch_fixed(
-                hidden_states, record.token_indices, record.token_probs, self.num_experts, self.group,
-                record.send_capacity, async_finish, allocate_on_comm_stream, **extra)
+            rows, dispatched = self.comm.dispatch(
+                hidden_states, routing.token_indices, routing.token_probs, num_experts=self.num_experts,
+                group=self.group, send_capacity=send_capacity,
+                receive_overflow=self.overflow.receive_overflow(self, capacity), **flags)
         except checks.CapacityOverflowError as exc:  # every rank's sizes are the same: name them
-            exc.args = (f"{exc} (send capacity {record.send_capacity} rows per rank pair, capacity "
-                        f"{record.capacity} permuted rows per rank)",)
+            exc.args = (f"{exc} (send capacity {send_capacity} rows per rank pair, capacity "
+                        f"{capacity} permuted rows per rank)",)
             raise
-        record.token_indices = record.token_probs = None
-        return rows
+        return rows, FixedDispatched(dispatched.handle, dispatched.dispatched_indices, dispatched.dispatched_probs,
+                                     dispatched.counts, send_capacity, capacity, None)
 
     def announce_input_error(self, word: int, like=None) -> None:
         """In the fixed splits every rank agreed on (None before the sizing, or dropless); a
@@ -135,37 +136,18 @@ class FixedShapeManager(FixedShapeEngine, TopKManager):
             raise ValueError(f"hidden_states: the sync-free {self.comm.name} dispatch takes {dtypes} rows "
                              f"(its combine kernel has no other), got {hidden_states.dtype}")
 
-    def combine(self, record, hidden_states, async_finish=False, allocate_on_comm_stream=False):
-        if not record.fixed:
-            return super().combine(record, hidden_states, async_finish, allocate_on_comm_stream)
-        # The dispatcher checked the rows against the dispatch (`MoEFlexTokenDispatcher`).
-        return self.comm.combine_fixed(hidden_states, self.group, record.handle, async_finish,
-                                       allocate_on_comm_stream)[0]
-
-    def _layout(self, record):
-        """`(probs [P], row_of_slot [P], slot_of_row [R, K])` of the dispatch, its padded
-        counts and overflow kept in `record` (see `P.fixed_layout`)."""
-        s = record
-        pairs = (s.dispatched_indices >= 0).sum()
+    def permute(self, dispatched, hidden_states, indexed: bool = False):
+        """The fixed layout (`P.fixed_layout`), its padded counts and overflow in the stage."""
+        if not isinstance(dispatched, FixedDispatched):
+            return super().permute(dispatched, hidden_states, indexed)
+        d = dispatched
+        pairs = (d.dispatched_indices >= 0).sum()
         probs_P, padded_e, row_of_slot_P, slot_of_row_RK = P.fixed_layout(
-            s.dispatched_indices, s.dispatched_probs, self.num_local_experts, s.capacity, self.pad_multiple)
-        probs_P = self.keep_permutation(record, padded_e, slot_of_row_RK, probs_P)
-        s.counts, s.overflow_stats = self.overflow.permuted(s.counts, s.capacity, pairs, slot_of_row_RK,
-                                                            s.send_capacity * self.router_topk)
-        return probs_P, row_of_slot_P, slot_of_row_RK
-
-    def get_permuted_hidden_states_by_experts(self, record, hidden_states):
-        if not record.fixed:
-            return super().get_permuted_hidden_states_by_experts(record, hidden_states)
-        probs_P, row_of_slot_P, slot_of_row_RK = self._layout(record)
-        return P.gather_rows(hidden_states, row_of_slot_P, slot_of_row_RK), probs_P
-
-    def get_indexed_rows(self, record, hidden_states) -> IndexedRows:
-        if not record.fixed:
-            return super().get_indexed_rows(record, hidden_states)
-        return indexed_rows(hidden_states, *self._layout(record), record.counts)
-
-    def get_restored_hidden_states_by_experts(self, record, hidden_states):
-        if not record.fixed:
-            return super().get_restored_hidden_states_by_experts(record, hidden_states)
-        return self.restore_indexed_rows(record, hidden_states)  # the same gather-and-sum
+            d.dispatched_indices, d.dispatched_probs, self.num_local_experts, d.capacity, self.pad_multiple)
+        counts_e, overflow = self.overflow.permuted(padded_e, d.capacity, pairs, slot_of_row_RK,
+                                                    d.send_capacity * self.router_topk)
+        permuted = FixedPermuted(d.handle, counts_e, slot_of_row_RK, d.capacity, overflow)
+        probs_P = self.handed_probs(probs_P)
+        if indexed:
+            return indexed_rows(hidden_states, probs_P, row_of_slot_P, slot_of_row_RK, counts_e), permuted
+        return (P.gather_rows(hidden_states, row_of_slot_P, slot_of_row_RK), counts_e, probs_P), permuted

@@ -3,10 +3,11 @@ methods and the seed-compatible face's `token_permutation*` / split steps), one 
 
 Both faces end in the same steps: `dispatch_preprocess*` -> `token_dispatch` ->
 `dispatch_postprocess` -> (experts) -> `combine_preprocess` -> `token_combine` ->
-`combine_postprocess`. Each step that reaches the manager goes through the hook seat `replay`
-(`hooks.py`) with the dispatch's `DispatchRecord` (`record.py`). Each dispatcher serves one
-layer and holds the record of its dispatch between Megatron's calls; layers share only
-communication buffers (`dispatcher/common/buffers.py`). See docs/DESIGN.md.
+`combine_postprocess`. Each step that reaches the manager goes through the hook seat `hook`
+(`hooks.py`): it takes the previous step's stage and returns the next (`common/stages.py`).
+Each dispatcher serves one layer and holds the dispatch in flight between Megatron's calls
+(`InFlight`, a frozen value replaced at each step); layers share only communication buffers
+(`dispatcher/common/buffers.py`). See docs/DESIGN.md.
 
 Legend: T local tokens, H hidden, E global experts, e local experts, K top-k, R received
 rows, P permuted rows.
@@ -15,6 +16,7 @@ rows, P permuted rows.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -25,20 +27,21 @@ from megatron.core.utils import get_pg_rank
 
 from megatron_moe_ext.dispatcher import hooks, registry
 from megatron_moe_ext.dispatcher.common import buffers, checks
-from megatron_moe_ext.dispatcher.common.record import DispatchRecord, Step
+from megatron_moe_ext.dispatcher.common.stages import InFlight, Step
 from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
 
 
-def _same_probs(call: str, held: torch.Tensor | None, given: torch.Tensor | None) -> torch.Tensor | None:
-    """The probs a step dispatches: `given` (the previous step's output handed back, or Megatron's
-    1F1B overlap schedule's detached copy of it, whose gradient that schedule carries between its
-    nodes: the dispatch must not reach back into the router's graph), else the record's."""
+def _with_probs(call: str, stage, field: str, given: torch.Tensor | None):
+    """The stage a step takes: with `given` probs (the previous step's output handed back, or
+    Megatron's 1F1B overlap schedule's detached copy of it, whose gradient that schedule carries
+    between its nodes: the dispatch must not reach back into the router's graph), else as it is."""
+    held = getattr(stage, field)
     if given is None or given is held:
-        return held
-    if held is None or given.shape != held.shape:
+        return stage
+    if given.shape != held.shape:
         raise checks.bad_input("probs", f"{call} expects the probs the previous step returned "
-                               f"({None if held is None else tuple(held.shape)}), got {tuple(given.shape)}")
-    return given
+                               f"({tuple(held.shape)}), got {tuple(given.shape)}")
+    return dataclasses.replace(stage, **{field: given})
 
 
 class _OverlapFace:
@@ -46,8 +49,8 @@ class _OverlapFace:
     models/gpt/fine_grained_callables.py) use it through `token_dispatcher._comm_manager` under
     the deepep / hybridep flags: they hand it the schedule node's detached routing probs
     (`token_probs`, `dispatched_probs`, which then arrive again as the `probs` arguments of
-    `token_dispatch` / `dispatch_postprocess`) and read `get_number_of_tokens_per_expert()` of
-    the dispatch in flight. Everything else is the manager's."""
+    `token_dispatch` / `dispatch_postprocess`: each replaces the stage in flight) and read
+    `get_number_of_tokens_per_expert()` of the dispatch in flight. Everything else is the manager's."""
 
     def __init__(self, dispatcher: MoEFlexTokenDispatcher):
         object.__setattr__(self, "_dispatcher", dispatcher)
@@ -56,13 +59,38 @@ class _OverlapFace:
         return getattr(self._dispatcher.manager, name)
 
     def __setattr__(self, name: str, value) -> None:
-        if name not in ("token_probs", "dispatched_probs") or self._dispatcher.record is None:
+        flight = self._dispatcher.flight
+        if name not in ("token_probs", "dispatched_probs") or flight is None:
             raise AttributeError(f"{name}: Megatron's overlap callables set only token_probs and "
                                  "dispatched_probs, of a dispatch in flight")
-        setattr(self._dispatcher.record, name, value)
+        self._dispatcher.flight = _replaced(flight, name, value)
 
-    def get_number_of_tokens_per_expert(self, record: DispatchRecord | None = None) -> torch.Tensor:
-        return self._dispatcher.manager.get_number_of_tokens_per_expert(record or self._dispatcher.record)
+    def get_number_of_tokens_per_expert(self) -> torch.Tensor:
+        return self._dispatcher.manager.tokens_per_expert(self._dispatcher.flight.stage)
+
+
+class _Preprocessed:
+    """The routing awaiting its dispatch as Megatron's `cudagraph_attrs` name it
+    (`preprocessed.token_probs`, ...): read, it is the routing stage's field; set (a CUDA graph
+    replay of the router and preprocess hands them back), it replaces the stage in flight."""
+
+    def __init__(self, dispatcher: MoEFlexTokenDispatcher):
+        object.__setattr__(self, "_dispatcher", dispatcher)
+
+    def __getattr__(self, name: str):
+        return getattr(self._dispatcher.flight.stage, name, None)
+
+    def __setattr__(self, name: str, value) -> None:
+        flight, stage_cls = self._dispatcher.flight, self._dispatcher.manager.routing_stage
+        if flight.stage is None:  # a replay that ran no preprocess: its first field
+            empty = stage_cls(**dict.fromkeys(f.name for f in dataclasses.fields(stage_cls)))
+            flight = dataclasses.replace(flight, stage=empty)
+        self._dispatcher.flight = _replaced(flight, name, value)
+
+
+def _replaced(flight: InFlight, name: str, value) -> InFlight:
+    """`flight` with its stage's field `name` replaced by `value`."""
+    return dataclasses.replace(flight, stage=dataclasses.replace(flight.stage, **{name: value}))
 
 
 class MoEFlexTokenDispatcher(MoETokenDispatcher):
@@ -121,12 +149,12 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         checks.agree_at_build(self.tp_ep_group, settings, error)
         #: The hook seat, None or a `hooks.DispatchHook` called at every manager step (recompute's
         #: `RecomputeReplay` plugs in here).
-        self.replay: hooks.DispatchHook | None = None
+        self.hook: hooks.DispatchHook | None = None
         self._hand_indexed_rows = False
         #: HybridEP's top-k -> dense/compact metadata converter (a graphable nn.Module), else None.
         self.hybridep_metadata_processor = self._manager.metadata_processor
-        #: The record of the dispatch in flight (Megatron's face holds it between its calls).
-        self.record: DispatchRecord | None = None
+        #: The dispatch in flight (Megatron's face holds it between its calls).
+        self.flight: InFlight | None = None
         self._last_shape: torch.Size | None = None  # the input shape of the last preprocess
 
     def _check_construction(self) -> None:
@@ -185,66 +213,65 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         self._manager.allocate_buffers(hidden_size, dtype)
 
     # ---- the hook seat ---------------------------------------------------------------
-    def _step(self, name: str, record: DispatchRecord, run, *args):
+    def _step(self, name: str, run, *args):
         """`run()`, through the plugged hook's `name` step (`hooks.DispatchHook`) if any."""
-        return run() if self.replay is None else getattr(self.replay, name)(record, run, *args)
+        return run() if self.hook is None else getattr(self.hook, name)(run, *args)
 
     def _routing_handed(self, *routing: torch.Tensor) -> bool:
-        return self.replay is not None and self.replay.routing_handed(*routing)
+        return self.hook is not None and self.hook.routing_handed(*routing)
 
     # ---- the dispatch in flight -------------------------------------------------------
-    def _begin(self, hidden_shape: torch.Size) -> DispatchRecord:
-        """A new record in place of the one in flight. A record not yet dispatched is replaced
-        (a preprocess run again: the warm-up and capture of a CUDA graph of Megatron's router
-        and preprocess), as is one a recompute left; one whose rows are out is refused."""
-        record = self.record
-        if (record is not None and Step.TOKEN_DISPATCH < record.next < Step.DONE
-                and not record.in_recompute):
+    def _begin(self, hidden_shape: torch.Size, setup=None) -> InFlight:
+        """A new dispatch in place of the one in flight, its routing `setup()` (None: set back
+        field by field, `preprocessed`). One not yet dispatched is replaced (a preprocess run
+        again: the warm-up and capture of a CUDA graph of Megatron's router and preprocess), as
+        is one a recompute left; one whose rows are out is refused."""
+        flight = self.flight
+        if (flight is not None and Step.TOKEN_DISPATCH < flight.next < Step.DONE
+                and not flight.in_recompute):
             raise RuntimeError(
                 f"dispatch started while this dispatcher's previous dispatch is still in flight "
-                f"(its next step is {record.next.call}): a dispatcher holds one dispatch at a "
+                f"(its next step is {flight.next.call}): a dispatcher holds one dispatch at a "
                 "time; combine it first, or give each layer its own dispatcher")
         self._last_shape = hidden_shape
-        self.record = DispatchRecord(hidden_shape, in_recompute=checks.in_backward(),
-                                     indexed_rows=self._hand_indexed_rows)
-        return self.record
+        in_recompute = checks.in_backward()
+        routing = None if setup is None else self._step("setup", setup)
+        self.flight = InFlight(Step.TOKEN_DISPATCH, routing, hidden_shape, in_recompute, self._hand_indexed_rows)
+        return self.flight
 
     @property
-    def preprocessed(self) -> DispatchRecord:
-        """The record awaiting its dispatch: Megatron's `cudagraph_attrs` name its routing
-        (`preprocessed.token_probs`, ...). A CUDA graph of the router and preprocess returns
-        them, and its replay, which runs no preprocess, sets them back here: where no record
-        awaits its dispatch, that starts a new one with the captured preprocess's input shape."""
-        record = self.record
-        if record is None or record.next != Step.TOKEN_DISPATCH:
+    def preprocessed(self) -> _Preprocessed:
+        """The routing awaiting its dispatch; where none awaits (a CUDA graph replay of the
+        preprocess runs none), a new dispatch with the captured preprocess's input shape."""
+        flight = self.flight
+        if flight is None or flight.next != Step.TOKEN_DISPATCH:
             if self._last_shape is None:
                 raise RuntimeError("no dispatch_preprocess has run on this dispatcher: a CUDA graph "
                                    "replay of the preprocess needs its capture first")
-            record = self._begin(self._last_shape)
-        return record
+            self._begin(self._last_shape)
+        return _Preprocessed(self)
 
-    def _advance(self, step: Step, rows_TH=None, num_rows: int | None = None, what: str = "") -> DispatchRecord:
-        """The dispatch in flight, checked to need `step` next and moved past it.
+    def _advance(self, step: Step, rows_TH=None, num_rows: int | None = None, what: str = "") -> InFlight:
+        """The dispatch in flight, checked to need `step` next (the step replaces it once done).
 
         `rows_TH`, when given, must be `[num_rows, H]` (any rows if `num_rows` is None); a
         refused call leaves the dispatch where it was, so a corrected call can follow.
         """
-        record = self.record
-        if record is None or record.next == Step.DONE:
+        flight = self.flight
+        if flight is None or flight.next == Step.DONE:
             raise RuntimeError(f"{step.call} called without a dispatch in flight on this dispatcher: "
                                "call dispatch_preprocess and token_dispatch first")
-        if record.next != step:
+        if flight.next != step:
             raise RuntimeError(f"{step.call} called out of order: the dispatch in flight needs "
-                               f"{record.next.call} next")
+                               f"{flight.next.call} next")
         if rows_TH is not None:
-            hidden_size = record.hidden_shape[-1]
+            hidden_size = flight.hidden_shape[-1]
             rows = rows_TH.shape[0] if num_rows is None else num_rows
             if rows_TH.dim() != 2 or rows_TH.shape != (rows, hidden_size):
                 expected = rows if num_rows is not None else "T"
                 raise checks.bad_input("hidden_states", f"{step.call} expects [{expected}, H={hidden_size}] "
                                        f"({what}), got {tuple(rows_TH.shape)}")
-        record.next = Step(step + 1)
-        return record
+        return flight
 
     # ---- input checks (megatron_moe_ext/dispatcher/common/checks.py; no device sync) ----------
     def _check_routing_map(self, routing_map: torch.Tensor, tokens: int):
@@ -316,12 +343,11 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
                 checks.check_dense("probs", probs, tokens, self.ep_size, self.num_local_experts)
                 if routing_map is not None:
                     self._check_routing_map(routing_map, tokens)
-            record = self._begin(hidden_states.shape)
             if routing_map is not None:
                 routing_map = self._initialize_metadata(tokens, routing_map)
             probs = self._initialize_metadata(tokens, probs)
-            self._step("setup", record, lambda: self._manager.setup_metadata(record, tokens, probs, routing_map))
-        return hidden_states.reshape(tokens, hidden_states.shape[-1]), record.token_probs
+            flight = self._begin(hidden_states.shape, lambda: self._manager.setup(tokens, probs, routing_map))
+        return hidden_states.reshape(tokens, hidden_states.shape[-1]), flight.stage.token_probs
 
     def token_dispatch(self, hidden_states, probs=None, async_finish=True, allocate_on_comm_stream=True):
         """`[T, H]` -> `(rows [R, H], dispatched probs)`. Asynchronous by default, as
@@ -329,61 +355,64 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         events; the other backends ignore the flags)."""
         if self.shared_experts is not None:
             self.shared_experts.wait_current_stream()
-        record = self._advance(Step.TOKEN_DISPATCH, hidden_states, None, "the output of dispatch_preprocess")
-        record.token_probs = _same_probs("token_dispatch", record.token_probs, probs)
+        flight = self._advance(Step.TOKEN_DISPATCH, hidden_states, None, "the output of dispatch_preprocess")
+        routing = _with_probs("token_dispatch", flight.stage, "token_probs", probs)
         try:
-            dispatched = self._step("dispatch", record, lambda: self._manager.dispatch(
-                record, hidden_states, async_finish, allocate_on_comm_stream), hidden_states, async_finish,
-                allocate_on_comm_stream)
+            rows, dispatched = self._step("dispatch", lambda replay=None: self._manager.dispatch(
+                routing, hidden_states, async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream,
+                replay=replay), routing, hidden_states)
         except checks.AgreedError:
             # Every rank raised it (a peer's error word): the dispatch is abandoned on every
             # rank, and the next step starts afresh.
-            self.record = None
+            self.flight = None
             raise
-        record.num_rows = dispatched.shape[0]
+        self.flight = dataclasses.replace(flight, next=Step.DISPATCH_POSTPROCESS, stage=dispatched,
+                                          num_rows=rows.shape[0])
         if self.shared_experts is not None:
             self.shared_experts.pre_forward_comm(hidden_states, wait_current_stream=False)
-            self.shared_experts.linear_fc1_forward_and_act(dispatched)
-        return dispatched, self._manager.get_dispatched_metadata(record)[1]
+            self.shared_experts.linear_fc1_forward_and_act(rows)
+        return rows, dispatched.dispatched_probs
 
     def dispatch_postprocess(self, hidden_states, probs=None):
         """-> `(tokens [P, H], tokens_per_expert [e], permuted_probs [P])`; with
         `hand_indexed_rows`, `(IndexedRows, tokens_per_expert, permuted_probs)` and no copy."""
-        record = self._advance(Step.DISPATCH_POSTPROCESS)
-        record.dispatched_probs = _same_probs("dispatch_postprocess", record.dispatched_probs, probs)
-        manager = self._manager
-        if record.indexed_rows:
-            rows = self._step("permute", record, lambda: manager.get_indexed_rows(record, hidden_states))
-            record.num_permuted = rows.num_permuted
-            return rows, rows.tokens_per_expert, rows.probs_P
-        tokens, permuted_probs = self._step(
-            "permute", record, lambda: manager.get_permuted_hidden_states_by_experts(record, hidden_states))
-        record.num_permuted = tokens.shape[0]
-        return tokens, manager.get_number_of_tokens_per_expert(record), permuted_probs
+        flight = self._advance(Step.DISPATCH_POSTPROCESS)
+        dispatched = _with_probs("dispatch_postprocess", flight.stage, "dispatched_probs", probs)
+        indexed = flight.indexed_rows
+        out, permuted = self._step("permute", lambda: self._manager.permute(dispatched, hidden_states, indexed),
+                                   dispatched)
+        num_permuted = out.num_permuted if indexed else out[0].shape[0]
+        self.flight = dataclasses.replace(flight, next=Step.COMBINE_PREPROCESS, stage=permuted,
+                                          num_permuted=num_permuted)
+        return (out, out.tokens_per_expert, out.probs_P) if indexed else out
 
     def combine_preprocess(self, hidden_states):
         """Expert outputs `[P, H]` -> `[R, H]`, one row per row the dispatch delivered."""
         checks.check_expert_output_dtype(hidden_states)
-        record = self._advance(Step.COMBINE_PREPROCESS, hidden_states, self.record and self.record.num_permuted,
+        flight = self._advance(Step.COMBINE_PREPROCESS, hidden_states, self.flight and self.flight.num_permuted,
                                "one row per permuted row handed to the experts")
-        manager = self._manager
-        restore = manager.restore_indexed_rows if record.indexed_rows else \
-            manager.get_restored_hidden_states_by_experts
-        return self._step("restore", record, lambda: restore(record, hidden_states), hidden_states)
+        permuted = flight.stage
+        rows = self._step("restore", lambda: self._manager.restore(permuted, hidden_states), permuted, hidden_states)
+        self.flight = dataclasses.replace(flight, next=Step.TOKEN_COMBINE)
+        return rows
 
     def token_combine(self, hidden_states, async_finish=True, allocate_on_comm_stream=True):
         """`[R, H]` restored rows -> `[T, H]` (asynchronous by default, as `token_dispatch`)."""
         if self.shared_experts is not None:
             self.shared_experts.wait_current_stream()
-        record = self._advance(Step.TOKEN_COMBINE, hidden_states, self.record and self.record.num_rows,
+        flight = self._advance(Step.TOKEN_COMBINE, hidden_states, self.flight and self.flight.num_rows,
                                "one row per row the dispatch delivered")
-        return self._step("combine", record, lambda: self._manager.combine(
-            record, hidden_states, async_finish, allocate_on_comm_stream), hidden_states)
+        permuted = flight.stage
+        out = self._step("combine", lambda: self._manager.combine(
+            permuted, hidden_states, async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream),
+            permuted, hidden_states)
+        self.flight = dataclasses.replace(flight, next=Step.COMBINE_POSTPROCESS)
+        return out
 
     def combine_postprocess(self, hidden_states):
-        record = self.record
+        flight = self.flight
         if (is_graph_capturing() and self.shared_experts is None and self._last_shape is not None
-                and (record is None or record.next != Step.COMBINE_POSTPROCESS)):
+                and (flight is None or flight.next != Step.COMBINE_POSTPROCESS)):
             # Megatron's local CUDA graphs capture the postprocess stage on its own (warm-up and
             # capture run it on recorded inputs, no dispatch): it only restores the shape.
             return hidden_states.view(self._last_shape)
@@ -391,9 +420,9 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
             self.shared_experts.linear_fc2_forward(hidden_states)
             self.shared_experts.post_forward_comm()
             hidden_states = hidden_states + self.shared_experts.get_output()
-        record = self._advance(Step.COMBINE_POSTPROCESS)
-        self.record = None
-        return hidden_states.view(record.hidden_shape)
+        flight = self._advance(Step.COMBINE_POSTPROCESS)
+        self.flight = None
+        return hidden_states.view(flight.hidden_shape)
 
     # ---- the seed-compatible face: top-k routing and the one-call steps -----------------
     def dispatch_preprocess_topk(self, hidden_states, num_local_tokens, token_probs, token_indices):
@@ -403,14 +432,13 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
             self._manager.check_rows(hidden_states)
             if not self._routing_handed(token_probs, token_indices):
                 token_indices = self._check_topk(token_probs, token_indices, tokens)
-            record = self._begin(hidden_states.shape)
             if self.tp_size > 1:
                 token_indices, token_probs = self._expand_topk_for_tp(token_indices, token_probs)
-            self._step("setup", record, lambda: self._manager.setup_metadata_from_indices(
-                record, token_indices, token_probs))
+            flight = self._begin(hidden_states.shape, lambda: self._manager.setup_from_indices(
+                token_indices, token_probs))
         if hidden_states.dim() != 2:  # [T, H] as it is: no view (and no autograd node) to make
             hidden_states = hidden_states.reshape(tokens, hidden_states.shape[-1])
-        return hidden_states, record.token_probs
+        return hidden_states, flight.stage.token_probs
 
     # The one-call faces communicate asynchronously only under moe_deepep_async_dispatch.
     def token_permutation(self, hidden_states, num_local_tokens, probs):

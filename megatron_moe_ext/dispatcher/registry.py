@@ -57,7 +57,7 @@ class BackendRow:
     options: config fields only this backend reads (the others refuse a non-default value).
     megatron_fields: Megatron `TransformerConfig` fields it takes, and the config field each
         becomes (`TokenDispatcherConfig.from_transformer_config`).
-    preprocess_outputs: `DispatchRecord` fields the routing's preprocess leaves for dispatch
+    preprocess_outputs: the routing stage's fields the preprocess leaves for dispatch
         (what a CUDA graph of the router and preprocess returns).
     check_hidden: refuses (ValueError) a hidden size its library cannot take, or None.
     """

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from megatron_moe_ext.dispatcher.common.checks import ROUTING_CHANGED, RoutingChangedError, in_backward
 from megatron_moe_ext.dispatcher.common.handoff import IndexedRows
-from megatron_moe_ext.dispatcher.common.record import DispatchRecord
+from megatron_moe_ext.dispatcher.common.stages import Dispatched, Permuted, TopKRouting
 from megatron_moe_ext.dispatcher.hooks import DispatchHook
 
 
@@ -44,31 +44,26 @@ def _leaf(tensor: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class _Recorded:
-    """What one recorded dispatch hands its recompute.
+    """What one recorded dispatch hands its recompute: the stages its forward produced.
 
-    indices_TK / probs_TK: the routing dispatched (after token dropping), fp32 weights detached.
-    handle: the backend's layout.
-    recv_indices_RK / recv_probs_RK / tokens_per_expert: what this rank received.
+    routing: the routing dispatched (after token dropping), fp32 weights detached.
+    dispatched: the backend's layout and what this rank received (weights detached).
     keep_outputs: the recompute skips the dispatch: the forward keeps the following.
     routed: the outputs of `RecomputeReplay.route` when they were the routing (the recompute
         returns them instead of running the router, and skips the routing's setup, whose
         autograd nodes keep what they save), else None.
-    permutation: `(the record's permutation, padded counts)` of the local permutation.
+    permuted: the stage of the local permutation.
     expert_inputs: what the dispatch handed the experts (until replayed): `(rows [P, H],
-        probs [P])`, or `IndexedRows` (the received rows and the maps: no permuted rows).
+        tokens_per_expert, probs [P])`, or `IndexedRows` (the received rows and the maps).
     combined: `[T, H]` the combine returned, when it moved rows between ranks.
     """
 
-    indices_TK: torch.Tensor
-    probs_TK: torch.Tensor
-    handle: object
-    recv_indices_RK: torch.Tensor
-    recv_probs_RK: torch.Tensor
-    tokens_per_expert: list[int]
+    routing: TopKRouting
+    dispatched: Dispatched
     keep_outputs: bool = False
     routed: object = None
-    permutation: tuple[object, list[int]] | None = None
-    expert_inputs: tuple[torch.Tensor, torch.Tensor] | IndexedRows | None = None
+    permuted: Permuted | None = None
+    expert_inputs: tuple | IndexedRows | None = None
     combined: torch.Tensor | None = None
 
 
@@ -138,8 +133,8 @@ class RecomputeReplay(DispatchHook):
 
     Arguments:
         manager: the layer's top-k manager (`replayable`: torch, DeepEP or UCCL-EP backend in
-            dropless mode); the hook reads each step's `DispatchRecord` after a recorded
-            dispatch and fills a replayed one's.
+            dropless mode); the hook keeps the stages of a recorded dispatch and hands them
+            back to the manager's calls of its recompute.
     """
 
     def __init__(self, manager):
@@ -267,30 +262,30 @@ class RecomputeReplay(DispatchHook):
         kept = self._next()
         return self._routing.handed and in_backward() and kept is not None and kept.routed is not None
 
-    def setup(self, record: DispatchRecord, run: Callable[[], None]) -> None:
+    def setup(self, run: Callable[[], TopKRouting]) -> TopKRouting:
         if self._replays_routing():
             # The routing is the forward's (`routing_handed`): its recorded ids and weights are
             # the dispatch's, with no conversion and nothing to compare.
             kept = self._current = self._take()
-            record.token_indices, record.token_probs = kept.indices_TK, kept.probs_TK
             kept.routed, self._routing = None, _NO_ROUTING
-            return
+            return kept.routing
         # A forward keeping `route`'s outputs keeps the setup's saved tensors out of the
         # checkpoint too, as its recompute skips the setup; they stay for its recording.
         kept_routing = self._routing.handed and self._phase is Phase.RECORD_OUTPUTS and not in_backward()
         self._routing = _Routing(self._routing.out, kept=True) if kept_routing else _NO_ROUTING
         self._current = None
         with _kept_saved_tensors(kept_routing):
-            run()
+            routing = run()
         if not (in_backward() and self._next() is not None):
             self.check()
-            return
+            return routing
         kept = self._take()
-        indices_TK, probs_TK = record.token_indices, record.token_probs
-        if indices_TK.shape != kept.indices_TK.shape:
+        recorded = kept.routing
+        indices_TK, probs_TK = routing.token_indices, routing.token_probs
+        if indices_TK.shape != recorded.token_indices.shape:
             raise RoutingChangedError(
                 f"the recomputed MoE forward routes {tuple(indices_TK.shape)} top-k slots, the "
-                f"original forward routed {tuple(kept.indices_TK.shape)}: recomputes must run "
+                f"original forward routed {tuple(recorded.token_indices.shape)}: recomputes must run "
                 "in the order of their forwards, on the same tokens")
         # Routing is a set of (expert, weight) pairs per token: a router may return tied pairs
         # in another order. Each recorded expert is looked up among the token's recomputed ones
@@ -298,15 +293,17 @@ class RecomputeReplay(DispatchHook):
         # taken into the recorded slots (they keep the recomputed graph: their gradient flows
         # to the router); masked slots keep theirs. The layout is the original one, so the ids
         # are too. One flag: a recorded expert missing, another count, or another weight.
-        recorded_TK = kept.indices_TK >= 0
-        match_TKK = kept.indices_TK[:, :, None].eq(indices_TK[:, None, :]).logical_and_(recorded_TK[:, :, None])
+        recorded_indices_TK = recorded.token_indices
+        recorded_TK = recorded_indices_TK >= 0
+        match_TKK = recorded_indices_TK[:, :, None].eq(indices_TK[:, None, :]).logical_and_(recorded_TK[:, :, None])
         with _kept_saved_tensors():  # the forward had no such nodes: the checkpoint must not see them
-            probs_TK = (match_TKK * probs_TK[:, None, :]).sum(-1) + probs_TK * kept.indices_TK.lt(0)
-        changed_TK = match_TKK.any(-1).ne_(recorded_TK).logical_or_(probs_TK.detach().ne(kept.probs_TK))
+            probs_TK = (match_TKK * probs_TK[:, None, :]).sum(-1) + probs_TK * recorded_indices_TK.lt(0)
+        changed_TK = match_TKK.any(-1).ne_(recorded_TK).logical_or_(probs_TK.detach().ne(recorded.token_probs))
         changed_T = (indices_TK >= 0).sum(-1).ne(recorded_TK.sum(-1))
         self._changed.add(changed_TK.any().logical_or_(changed_T.any()))
-        record.token_indices, record.token_probs = kept.indices_TK, probs_TK
         self._current = kept
+        # The recorded routing, with the recomputed weights (their graph is the recompute's).
+        return dataclasses.replace(recorded, token_probs=probs_TK)
 
     def changed(self) -> bool:
         """Whether a recompute since the last call routed differently (and forget it); waits
@@ -322,65 +319,52 @@ class RecomputeReplay(DispatchHook):
             raise RoutingChangedError(ROUTING_CHANGED)
 
     # ---- communication and permutation ---------------------------------------------------
-    def dispatch(self, record: DispatchRecord, run: Callable[[], torch.Tensor], hidden_states: torch.Tensor,
-                 async_finish: bool = False, allocate_on_comm_stream: bool = False) -> torch.Tensor:
+    def dispatch(self, run: Callable[..., tuple[torch.Tensor, Dispatched]], routing: TopKRouting,
+                 hidden_states: torch.Tensor) -> tuple[torch.Tensor, Dispatched]:
         kept = self._current  # a recompute's, taken by its setup
         if kept is None:
             recording = self._phase is not Phase.OFF and not in_backward()
-            indices_TK, probs_TK = record.token_indices, record.token_probs
             with _kept_saved_tensors(recording):
-                out = run()
+                rows, dispatched = run()
             if recording:
                 self._current = _Recorded(
-                    indices_TK, probs_TK.detach(), record.handle, record.dispatched_indices,
-                    record.dispatched_probs.detach(), list(record.counts),
+                    dataclasses.replace(routing, token_probs=routing.token_probs.detach()),
+                    dataclasses.replace(dispatched, dispatched_probs=dispatched.dispatched_probs.detach()),
                     self._phase is Phase.RECORD_OUTPUTS,
                     tree_map_only(torch.Tensor, _leaf, self._routing.out) if self._routing.kept else None)
                 self._records.setdefault(self._call, deque()).append(self._current)
             self._routing = _NO_ROUTING
-            return out
+            return rows, dispatched
         if self._skipping:  # the permutation hands the experts the kept rows: nothing moves
-            hidden, indices, probs = (_stand_in(hidden_states, kept.recv_indices_RK.shape[0]),
-                                      kept.recv_indices_RK, kept.recv_probs_RK)
-            handle, counts = kept.handle, kept.tokens_per_expert
-        else:
-            with _kept_saved_tensors():
-                hidden, indices, probs, counts, handle = self.manager.comm.dispatch_cached(
-                    hidden_states, record.token_probs, kept.handle, kept.recv_indices_RK,
-                    kept.recv_probs_RK, kept.tokens_per_expert, self.manager.group, async_finish,
-                    allocate_on_comm_stream)
-        # The replayed dispatch fills its record as the manager's own dispatch does.
-        record.handle, record.counts = handle, list(counts)
-        record.dispatched_indices, record.dispatched_probs = indices, probs
-        record.token_indices = record.token_probs = None
-        return hidden
+            return _stand_in(hidden_states, kept.dispatched.dispatched_indices.shape[0]), kept.dispatched
+        with _kept_saved_tensors():
+            return run(replay=kept.dispatched)
 
-    def permute(self, record: DispatchRecord, run: Callable[[], tuple | IndexedRows]) -> tuple | IndexedRows:
+    def permute(self, run: Callable[[], tuple[tuple | IndexedRows, Permuted]],
+                dispatched: Dispatched) -> tuple[tuple | IndexedRows, Permuted]:
         kept = self._current
         if self._skipping:
-            (permutation, counts), handed = kept.permutation, kept.expert_inputs
-            kept.expert_inputs = None  # backward holds them from here on
+            handed, kept.expert_inputs = kept.expert_inputs, None  # backward holds them from here on
             if isinstance(handed, IndexedRows):  # the received rows and the maps, no permuted copy
-                probs_P = self.manager.keep_permutation(record, counts, permutation, _leaf(handed.probs_P))
-                return dataclasses.replace(handed, rows_RH=_leaf(handed.rows_RH), probs_P=probs_P)
-            rows_PH, probs_P = handed
-            return _leaf(rows_PH), self.manager.keep_permutation(record, counts, permutation, _leaf(probs_P))
+                return dataclasses.replace(handed, rows_RH=_leaf(handed.rows_RH),
+                                           probs_P=_leaf(handed.probs_P)), kept.permuted
+            rows_PH, tokens_per_expert, probs_P = handed
+            return (_leaf(rows_PH), tokens_per_expert, _leaf(probs_P)), kept.permuted
         with _kept_saved_tensors(kept is not None):
-            out = run()
+            out, permuted = run()
         if kept is not None and kept.keep_outputs:
-            kept.permutation = record.permutation, list(record.counts)
-            kept.expert_inputs = out
-        return out
+            kept.permuted, kept.expert_inputs = permuted, out
+        return out, permuted
 
-    def restore(self, record: DispatchRecord, run: Callable[[], torch.Tensor],
+    def restore(self, run: Callable[[], torch.Tensor], permuted: Permuted,
                 hidden_states: torch.Tensor) -> torch.Tensor:
         kept = self._current
         if self._skipping and kept.combined is not None:  # the combine returns what it kept
-            return _stand_in(hidden_states, kept.recv_indices_RK.shape[0])
+            return _stand_in(hidden_states, kept.dispatched.dispatched_indices.shape[0])
         with _kept_saved_tensors(kept is not None):
             return run()
 
-    def combine(self, record: DispatchRecord, run: Callable[[], torch.Tensor],
+    def combine(self, run: Callable[[], torch.Tensor], permuted: Permuted,
                 hidden_states: torch.Tensor) -> torch.Tensor:
         kept, skipping = self._current, self._skipping
         self._current = None

@@ -1,8 +1,8 @@
 """`TopKManager`: the dropless manager of every backend with DeepEP's top-k contract
 (DeepEP, UCCL-EP, torch: they differ only in the injected `comm`, a `base.Communicator`).
 Top-k metadata, token dropping, multihot conversion and the per-expert permutation live here
-once, reading and writing the dispatch's `DispatchRecord`. The fixed-shape modes build on it
-(`fixed.py`).
+once, each step taking the previous stage and returning the next (`common/stages.py`). The
+fixed-shape modes build on it (`fixed.py`).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 
 from megatron_moe_ext.dispatcher.common import permute as P
 from megatron_moe_ext.dispatcher.common.base import DispatchManager
-from megatron_moe_ext.dispatcher.common.handoff import IndexedRows, indexed_rows
-from megatron_moe_ext.dispatcher.common.record import DispatchRecord
+from megatron_moe_ext.dispatcher.common.handoff import indexed_rows
+from megatron_moe_ext.dispatcher.common.stages import Permuted, TopKRouting
 
 
 class TopKManager(DispatchManager):
@@ -49,7 +49,7 @@ class TopKManager(DispatchManager):
         self.router_dtype = router_dtype
         self.pad_multiple = moe_router_expert_pad_multiple
 
-    replayable = True  # along the saved layout (`Communicator.dispatch_cached`)
+    replayable = True  # along the saved layout (`Communicator.dispatch`'s `previous`)
 
     def allocate_buffers(self, hidden_size: int, dtype: torch.dtype) -> None:
         self.comm.allocate_buffer(self.group, hidden_size, dtype)
@@ -62,7 +62,7 @@ class TopKManager(DispatchManager):
         """Any float rows (the fixed-shape modes narrow it)."""
 
     # ---- metadata ---------------------------------------------------------------------
-    def setup_metadata(self, record: DispatchRecord, num_local_tokens: int, probs: torch.Tensor, routing_map=None):
+    def setup(self, num_local_tokens: int, probs: torch.Tensor, routing_map=None) -> TopKRouting:
         """Dense `[T, E]` (or TPxEP-shaped `[T, W, e]`) probs, optionally with the routing map."""
         probs_TE = probs.reshape(num_local_tokens, self.num_experts)
         if routing_map is None:
@@ -70,10 +70,9 @@ class TopKManager(DispatchManager):
         else:
             routing_map_TE = routing_map.reshape(num_local_tokens, self.num_experts)
             indices_TK, probs_TK = P.routing_map_to_topk(routing_map_TE, probs_TE, self.router_topk)
-        self.setup_metadata_from_indices(record, indices_TK, probs_TK)
+        return self.setup_from_indices(indices_TK, probs_TK)
 
-    def setup_metadata_from_indices(self, record: DispatchRecord, token_indices: torch.Tensor,
-                                    token_probs: torch.Tensor) -> None:
+    def setup_from_indices(self, token_indices: torch.Tensor, token_probs: torch.Tensor) -> TopKRouting:
         """Top-k `[T, K]` expert ids (-1 = masked) and weights."""
         # Conversions only when needed: this runs on the host path before DeepEP's sync.
         if token_indices.dtype != torch.int64:
@@ -82,60 +81,49 @@ class TopKManager(DispatchManager):
             token_indices = P.drop_tokens_over_capacity(
                 token_indices, token_probs, self.num_experts, self.capacity_factor)
         # DeepEP takes fp32 weights only; fp32 also keeps the weighted sum stable.
-        record.token_indices = token_indices
-        record.token_probs = token_probs if token_probs.dtype == torch.float32 else token_probs.float()
+        return TopKRouting(token_indices, token_probs if token_probs.dtype == torch.float32 else token_probs.float())
 
     # ---- communication ----------------------------------------------------------------
-    def dispatch(self, record, hidden_states, async_finish=False, allocate_on_comm_stream=False):
-        hidden, record.dispatched_indices, record.dispatched_probs, record.counts, record.handle = self.comm.dispatch(
-            hidden_states, record.token_indices, record.token_probs, self.num_experts, self.group, async_finish,
-            allocate_on_comm_stream)
-        # The routing inputs are consumed: drop them so recompute cannot keep them alive.
-        record.token_indices = record.token_probs = None
-        return hidden
+    def dispatch(self, routing, hidden_states, *, async_finish=False, allocate_on_comm_stream=False, replay=None):
+        return self.comm.dispatch(hidden_states, routing.token_indices, routing.token_probs,
+                                  num_experts=self.num_experts, group=self.group, previous=replay,
+                                  async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream)
 
-    def combine(self, record, hidden_states, async_finish=False, allocate_on_comm_stream=False):
-        return self.comm.combine(hidden_states, self.group, record.handle, async_finish, allocate_on_comm_stream)[0]
+    def combine(self, permuted, hidden_states, *, async_finish=False, allocate_on_comm_stream=False):
+        return self.comm.combine(hidden_states, permuted.handle, group=self.group, async_finish=async_finish,
+                                 allocate_on_comm_stream=allocate_on_comm_stream)
 
-    def get_dispatched_metadata(self, record):
-        return record.dispatched_indices, record.dispatched_probs
-
-    def get_number_of_tokens_per_expert(self, record) -> torch.Tensor:
-        """`[e]` int64 counts of the dispatch (padded ones once permuted): host counts as a CPU
-        tensor, the fixed-shape modes' device tensor as it is."""
-        counts = record.counts
+    def tokens_per_expert(self, stage) -> torch.Tensor:
+        """`[e]` int64 counts (padded ones once permuted): host counts as a CPU tensor, the
+        fixed-shape modes' device tensor as it is."""
+        counts = stage.counts
         return P.host_counts_tensor(counts) if isinstance(counts, list) else counts
 
     # ---- local permutation ------------------------------------------------------------
-    def get_permuted_hidden_states_by_experts(self, record, hidden_states):
-        s = record
-        routing_map, probs = P.indices_to_multihot(s.dispatched_indices, s.dispatched_probs, self.num_local_experts)
-        permuted, permuted_probs, counts, permutation = P.permute_to_experts(
-            hidden_states, routing_map, probs, s.counts, self.pad_multiple)
-        return permuted, self.keep_permutation(record, counts, permutation, permuted_probs)
+    def permute(self, dispatched, hidden_states, indexed: bool = False):
+        """Grouped by local expert; `indexed`: the received rows as they are, with the maps of
+        the same permutation (`handoff.py`, no copy)."""
+        indices_RK = dispatched.dispatched_indices
+        routing_map, probs = P.indices_to_multihot(indices_RK, dispatched.dispatched_probs, self.num_local_experts)
+        if indexed:
+            probs_P, counts, row_of_slot_P, slot_of_row_RK = P.dropless_layout(
+                routing_map, probs, indices_RK, dispatched.counts, self.pad_multiple)
+            permuted = Permuted(dispatched.handle, counts, slot_of_row_RK)
+            return indexed_rows(hidden_states, self.handed_probs(probs_P), row_of_slot_P, slot_of_row_RK,
+                                P.host_counts_tensor(counts)), permuted
+        rows_PH, probs_P, counts, permutation = P.permute_to_experts(
+            hidden_states, routing_map, probs, dispatched.counts, self.pad_multiple)
+        return (rows_PH, P.host_counts_tensor(counts), self.handed_probs(probs_P)), Permuted(
+            dispatched.handle, counts, permutation)
 
-    def keep_permutation(self, record, counts, permutation, permuted_probs):
-        """Keep what the experts and the restore need, drop the received routing, and return
-        the permuted probs in the router's dtype (a replayed permutation hands its own)."""
-        record.counts, record.permutation = counts, permutation
-        record.dispatched_indices = record.dispatched_probs = None
-        return permuted_probs.double() if self.router_dtype == "fp64" else permuted_probs
+    def handed_probs(self, probs_P: torch.Tensor) -> torch.Tensor:  # in the router's dtype
+        return probs_P.double() if self.router_dtype == "fp64" else probs_P
 
-    def get_restored_hidden_states_by_experts(self, record, hidden_states):
-        return P.unpermute_from_experts(hidden_states, record.permutation)
-
-    # ---- the hand-off to experts that gather their own rows (`handoff.py`) ----------------
-    def get_indexed_rows(self, record, hidden_states) -> IndexedRows:
-        """The received rows as they are, with the maps of the permutation above (no copy)."""
-        s = record
-        routing_map, probs = P.indices_to_multihot(s.dispatched_indices, s.dispatched_probs, self.num_local_experts)
-        probs_P, counts, row_of_slot_P, slot_of_row_RK = P.dropless_layout(
-            routing_map, probs, s.dispatched_indices, s.counts, self.pad_multiple)
-        probs_P = self.keep_permutation(record, counts, slot_of_row_RK, probs_P)
-        return indexed_rows(hidden_states, probs_P, row_of_slot_P, slot_of_row_RK,
-                            self.get_number_of_tokens_per_expert(record))
-
-    def restore_indexed_rows(self, record, expert_out_PH: torch.Tensor) -> torch.Tensor:
-        """`[P, H]` outputs of `IndexedRows` -> `[R, H]`: each row's positions summed in
+    def restore(self, permuted: Permuted, hidden_states: torch.Tensor) -> torch.Tensor:
+        """`[P, H]` expert outputs -> `[R, H]`: along a `PermutationState`, or, along slot
+        positions (`IndexedRows`, the fixed-shape modes), each row's positions summed in
         ascending expert order (`gather_sum`: deterministic, no atomics)."""
-        return P.gather_sum(expert_out_PH, record.permutation)
+        permutation = permuted.permutation
+        if isinstance(permutation, P.PermutationState):
+            return P.unpermute_from_experts(hidden_states, permutation)
+        return P.gather_sum(hidden_states, permutation)

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import threading
 
+import torch
 from megatron.core.models.common.utils import should_free_input
 from megatron.core.tensor_parallel.random import is_checkpointing
 from megatron.core.transformer.moe import moe_layer as _megatron_moe_layer
@@ -192,13 +193,13 @@ class FlexMoELayer(MoELayer, overflow.OverflowCounter):
     def routed_experts_compute(self, hidden_states, probs):
         output, mlp_bias = super().routed_experts_compute(hidden_states, probs)
         if self.moe_overflow_stats is not None:  # budget mode
-            self._count_overflow(self.token_dispatcher.record)
+            self._count_overflow(self.token_dispatcher.flight)
         return output, mlp_bias
 
     def route(self, hidden_states, padding_mask=None):
         """Megatron's router, through the layer's `RecomputeReplay.route` when it has one
         (not with input jitter: its random numbers must be drawn again in the recompute)."""
-        replay = self.token_dispatcher.replay
+        replay = self.token_dispatcher.hook
         if isinstance(replay, RecomputeReplay) and not self.config.moe_input_jitter_eps:
             return replay.route(super().route, hidden_states, padding_mask)
         return super().route(hidden_states, padding_mask)
@@ -206,10 +207,14 @@ class FlexMoELayer(MoELayer, overflow.OverflowCounter):
     def forward(self, hidden_states, *args, **kwargs):
         """Megatron's forward; a training forward that Megatron will recompute (its own "moe"
         checkpoint, or the forward its full-layer checkpoint runs, which sets Megatron's
-        `is_checkpointing()`; not any no-grad forward) records its dispatches."""
+        `is_checkpointing()`, or TE's under FP8; not any no-grad forward) records its dispatches."""
         replay = self.recompute_replay
         if replay is None:
             return super().forward(hidden_states, *args, **kwargs)
-        recomputed = self.training and (self.moe_layer_recompute or is_checkpointing())
+        # Under FP8/FP4 Megatron's full recompute runs Transformer Engine's checkpoint, which sets
+        # no flag: its forward shows only as a no-grad one.
+        te_checkpoint = (self.config.recompute_granularity == "full" and bool(self.config.fp8 or self.config.fp4)
+                         and not torch.is_grad_enabled())
+        recomputed = self.training and (self.moe_layer_recompute or is_checkpointing() or te_checkpoint)
         with replay.recording(recomputed):
             return super().forward(hidden_states, *args, **kwargs)

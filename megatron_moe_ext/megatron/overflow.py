@@ -30,6 +30,7 @@ import torch.distributed as dist
 from megatron_moe_ext.dispatcher.common import permute as P
 from megatron_moe_ext.dispatcher.common.checks import capturing, flag_device, group_max
 from megatron_moe_ext.dispatcher.common.sizing import needed_factor_hundredths
+from megatron_moe_ext.dispatcher.common.stages import FixedPermuted
 
 logger = logging.getLogger(__name__)
 
@@ -137,18 +138,19 @@ class OverflowCounter:
         self.moe_unread_dispatches = 0
         self.moe_dropless_factor = 0  # hundredths; the most a dropless dispatch needed
 
-    def _count_overflow(self, record) -> None:
-        """Add the budget-mode dispatch `record`'s `overflow_stats`, or keep its
-        `overflow_counts` for the read to settle. In place, so a CUDA graph replay updates the
-        same tensors: the sum of drops and the max of rows, or the next ring row. A dropless
-        dispatch (the engine's switch) counts nothing but the factor it needed (its counts are
-        on the host), for factor "auto". Under policies "error" and "rerun" a layer whose
-        overflow is not read for more dispatches than a step makes raises: a loop that never
-        calls `check_overflow` would otherwise train on dropped pairs unnoticed."""
-        manager = self.token_dispatcher.manager
-        if not record.fixed:
-            rows = sum(P.align_up(int(n), manager.pad_multiple or 1) for n in record.counts)
-            self.moe_dropless_tokens = math.prod(record.hidden_shape[:-1])
+    def _count_overflow(self, flight) -> None:
+        """Add the overflow of the budget-mode dispatch in `flight` (its `FixedPermuted` stage):
+        its stats, or, where the manager `defers_overflow`, keep its counts for the read to
+        settle. In place, so a CUDA graph replay updates the same tensors: the sum of drops and
+        the max of rows, or the next ring row. A dropless dispatch (the engine's switch) counts
+        nothing but the factor it needed (its counts are on the host), for factor "auto". Under
+        policies "error" and "rerun" a layer whose overflow is not read for more dispatches than
+        a step makes raises: a loop that never calls `check_overflow` would otherwise train on
+        dropped pairs unnoticed."""
+        manager, permuted = self.token_dispatcher.manager, flight.stage
+        if not isinstance(permuted, FixedPermuted):
+            rows = sum(P.align_up(int(n), manager.pad_multiple or 1) for n in permuted.counts)
+            self.moe_dropless_tokens = math.prod(flight.hidden_shape[:-1])
             slots = self.moe_dropless_tokens * manager.router_topk
             self.moe_dropless_factor = max(self.moe_dropless_factor, needed_factor_hundredths(rows, slots))
             return
@@ -159,15 +161,15 @@ class OverflowCounter:
                     f"layer {self.layer_number}: {self.moe_unread_dispatches} budget-mode dispatches since its "
                     "overflow was last read, so an overflow could go unnoticed; call check_overflow(model) once "
                     "per step (Megatron-LM's training loop does, or megatron.rerun.run_step_with_rerun)")
-        self.moe_overflow_budget = record.capacity
-        if record.overflow_counts is not None:
+        self.moe_overflow_budget = permuted.capacity
+        if manager.defers_overflow:
             ring = self.moe_overflow_pending
-            row = torch.cat([record.overflow_counts, record.overflow_counts.new_full((1,), record.capacity)])
+            row = torch.cat([permuted.overflow, permuted.overflow.new_full((1,), permuted.capacity)])
             # A step past the ring's rows writes its last row again; the read refuses that step.
             ring.index_copy_(0, self.moe_overflow_next.clamp(max=ring.shape[0] - 1).view(1), row[None])
             self.moe_overflow_next.add_(1)
             return
-        self._add_stats(record.overflow_stats)
+        self._add_stats(permuted.overflow)
 
     def _add_stats(self, stats_3: torch.Tensor) -> None:
         """Fold one dispatch's (or a settled ring's) `[dropped pairs, rows needed, factor needed]`

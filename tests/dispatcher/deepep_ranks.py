@@ -200,9 +200,8 @@ def buffer_lifecycle(backend: str):
     def roundtrip(hidden, dtype=torch.bfloat16, tokens=6):
         x = torch.randn(tokens, hidden).to(dtype)
         idx = torch.randint(0, 8, (tokens, 2))
-        recv, _, _, _, handle = comm.dispatch(x, idx, torch.rand(tokens, 2), 8, group)
-        out, _ = comm.combine(recv, group, handle)
-        return out
+        recv, dispatched = comm.dispatch(x, idx, torch.rand(tokens, 2), num_experts=8, group=group)
+        return comm.combine(recv, dispatched.handle, group=group)
 
     comm.allocate_buffer(group, 32, torch.bfloat16)
     log["after_allocate"] = (delta("buffers_constructed"), comm.buffer.num_nvl_bytes)
@@ -297,14 +296,15 @@ def matches_torch_backend(backend: str, dtype: str, hidden: int = 16):
     idx = torch.randint(0, 8, (tokens, 3), generator=g)
     idx[::4, 1] = -1
     probs = torch.rand(tokens, 3, generator=g)
-    got = comm.dispatch(x, idx, probs, 8, group)
-    want = torch_a2a.dispatch(x, idx, probs, 8, group)
+    rows_got, got = comm.dispatch(x, idx, probs, num_experts=8, group=group)
+    rows_want, want = torch_a2a.dispatch(x, idx, probs, num_experts=8, group=group)
     same = {
-        "rows": torch.equal(got[0], want[0]), "indices": torch.equal(got[1], want[1]),
-        "probs": torch.equal(got[2], want[2]), "counts": got[3] == want[3],
+        "rows": torch.equal(rows_got, rows_want),
+        "indices": torch.equal(got.dispatched_indices, want.dispatched_indices),
+        "probs": torch.equal(got.dispatched_probs, want.dispatched_probs), "counts": got.counts == want.counts,
     }
-    y_got, _ = comm.combine(got[0], group, got[4])
-    y_want, _ = torch_a2a.combine(want[0], group, want[4])
+    y_got = comm.combine(rows_got, got.handle, group=group)
+    y_want = torch_a2a.combine(rows_want, want.handle, group=group)
     same["combined_err"] = _max_err(y_got, y_want)
     return same
 

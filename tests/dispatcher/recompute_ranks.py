@@ -293,7 +293,7 @@ def megatron_layer_case(recompute_granularity: str | None, perturb: bool = False
                 counts = (counter.layout, counter.data)
             finally:
                 counter.restore()
-        replayed = isinstance(layer.token_dispatcher.replay, recompute.RecomputeReplay)
+        replayed = isinstance(layer.token_dispatcher.hook, recompute.RecomputeReplay)
         error = None
         try:
             recompute.check_routing(layer)  # attaches a replay where none was

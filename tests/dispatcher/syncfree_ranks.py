@@ -81,11 +81,11 @@ def _step(disp, x, indices, probs, params, counter=None, device="cpu"):
     counter = counter or LibraryHostReads()
     with counter:
         rows, tpe, pprobs = disp.token_permutation2(x, x.shape[0], probs, indices)
-    record = disp.record
-    stats = record.overflow_stats
-    if record.overflow_counts is not None:  # HybridEP: settled as its layer settles them, later
-        budget_D = torch.tensor([record.capacity], device=record.overflow_counts.device)
-        stats = disp.manager.settle_overflow(record.overflow_counts[None].clone(), budget_D)
+    permuted = disp.flight.stage  # a budget-mode dispatch's `FixedPermuted` carries its overflow
+    stats = getattr(permuted, "overflow", None)
+    if stats is not None and disp.manager.defers_overflow:  # HybridEP: settled as its layer settles them, later
+        budget_D = torch.tensor([permuted.capacity], device=stats.device)
+        stats = disp.manager.settle_overflow(stats[None].clone(), budget_D)
     stats = None if stats is None else stats.clone()
     out = apply_local_experts(rows, tpe, pprobs, disp.local_expert_indices, params)
     with counter:

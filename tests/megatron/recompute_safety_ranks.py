@@ -275,6 +275,13 @@ def no_grad_forward_records() -> dict:
         result["checkpointed"] = layer.recompute_replay.num_records
         y.sum().backward()
         result["after_backward"] = layer.recompute_replay.num_records
+        # Under FP8 Megatron's full recompute runs TE's checkpoint, which sets no flag: its
+        # no-grad forward is the checkpoint's.
+        layer.config.fp8 = "hybrid"
+        with torch.no_grad():
+            layer(x)
+        result["fp8_no_grad"] = layer.recompute_replay.num_records
+        recompute.clear_records(layer)
         return result
     finally:
         megatron_cpu.uninstall()

@@ -42,9 +42,10 @@ def test_abandoned_forward_leaves_no_record_to_replay(dist_pools):
 def test_a_no_grad_forward_is_not_taken_for_a_recompute(dist_pools):
     """Under Megatron's full recompute a forward records its dispatches when Megatron's
     checkpoint runs it (its own flag), not whenever grad mode is off: a no-grad training-mode
-    forward that no recompute follows leaves no record for a later recompute to take."""
+    forward that no recompute follows leaves no record for a later recompute to take. Under FP8
+    (Transformer Engine's checkpoint, no flag) a no-grad training forward is the checkpoint's."""
     for r in dist_pools(2).run(ranks.no_grad_forward_records):
-        assert r == {"no_grad": 0, "checkpointed": 1, "after_backward": 0}, r
+        assert r == {"no_grad": 0, "checkpointed": 1, "after_backward": 0, "fp8_no_grad": 1}, r
 
 
 @pytest.mark.parametrize("granularity", ["moe", "full"])

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from megatron_moe_ext.dispatcher.backends.deepep_handle import DeepEPHandle, record_combine, record_dispatch
 from megatron_moe_ext.dispatcher.common import buffers, checks
+from megatron_moe_ext.dispatcher.common.stages import Dispatched
 from megatron_moe_ext.utils.optional import require
 
 SUPPORTED_EP_SIZES = (2, 4, 8)
@@ -58,12 +59,12 @@ class DeepEPCommunicator:
             tokens then sends one zero token routed nowhere, sliced off on the way back.
     """
 
-    #: The first dispatch (layout and rows in one library call) and its cached replay build
-    #: different autograd graphs, which non-reentrant checkpointing refuses.
+    #: The first dispatch (layout and rows in one library call) and its cached replay (`previous`)
+    #: build different autograd graphs, which non-reentrant checkpointing refuses.
     replays_in_one_graph = False
-    #: `dispatch_fixed` sizes its output per rank (`num_worst_tokens`): ranks may differ in T.
+    #: A fixed-shape dispatch sizes its output per rank (`num_worst_tokens`): ranks may differ in T.
     fixed_equal_splits = False
-    #: `dispatch_fixed` takes bf16 rows only: its combine kernel is bf16 only.
+    #: A fixed-shape dispatch takes bf16 rows only: its combine kernel is bf16 only.
     fixed_dtypes: tuple[torch.dtype, ...] | None = (torch.bfloat16,)
 
     def __init__(self, library: Callable[[], ModuleType], name: str, num_sms: int,
@@ -239,7 +240,7 @@ class DeepEPCommunicator:
                              topk_weights=None, direct=False, num_worst_tokens=0):
         """`get_dispatch_layout` + `dispatch` of `[N, C]` rows along `[N, K]` routes (the
         first column chunk; the others follow through the cached handle). `direct`: the rows
-        meet the kernel's row rule (`_plan`) and go as they are; `num_worst_tokens` as `dispatch`.
+        meet the kernel's row rule (`_plan`) and go as they are; `num_worst_tokens`: `dispatch`'s fixed shape.
         Returns `(recv [R, C'], recv_routes, recv_weights, per-expert counts, raw handle)`,
         with `C'` >= C (padded columns are the caller's to slice off).
         """
@@ -340,9 +341,8 @@ class DeepEPCommunicator:
     # Both faces communicate first and record autograd after: everything on the host before
     # the library's calls is GPU idle time (dispatch waits on the host for the receive
     # counts), while host work after them overlaps the kernels they launched.
-    def dispatch(self, x_TH, indices_TK, probs_TK, num_experts, group,
-                 async_finish: bool = False, allocate_on_comm_stream: bool = False,
-                 num_worst_tokens: int = 0):
+    def dispatch(self, x_TH, indices_TK, probs_TK, *, num_experts, group, previous=None, send_capacity=None,
+                 receive_overflow=None, async_finish: bool = False, allocate_on_comm_stream: bool = False):
         """Send each token to the ranks of its experts.
 
         Arguments:
@@ -350,19 +350,32 @@ class DeepEPCommunicator:
             indices_TK: `[T, K]` int global expert ids, -1 for masked/dropped slots.
             probs_TK: `[T, K]` routing weights (sent as fp32).
             num_experts: E, divisible by the group size.
+            previous: a dispatch to repeat (activation recompute): the rows move again through
+                the library's cached mode along its handle (no layout, no host sync); the
+                received ids, weights and counts are its own, and the gradient of the weights
+                still reaches `probs_TK` (backward is the same combine).
+            send_capacity: when set (bf16 rows), DeepEP's CUDA-graph-compatible path with
+                `num_worst_tokens = W * send_capacity`: no host sync, R = that many rows, those
+                past the received count uninitialised with ids -1, and no counts (a rank never
+                sends more than its T tokens to one rank, so `send_capacity` = T cannot overflow).
+            receive_overflow: the capacity mode's check, which no DeepEP-family row runs: refused.
             async_finish / allocate_on_comm_stream: run on the library's comm stream,
                 ordered by events (captured before, waited after).
-            num_worst_tokens: when > 0 (at least every token any rank may send here),
-                DeepEP's CUDA-graph-compatible path: no host sync, R = num_worst_tokens rows
-                of which those past the received count are uninitialised with ids -1, and
-                `tokens_per_expert` is an empty list.
 
         Returns:
-            `(recv_x_RH, recv_indices_RK, recv_probs_RK, tokens_per_expert, handle)`:
-            received rows grouped by source rank, local expert ids or -1 (int64), fp32
-            weights (0 where -1), a host list of `e` counts, and the `DeepEPHandle`.
-            Backward is a combine with the handle; weights' gradients flow back too.
+            `(recv_x_RH, Dispatched)`: received rows grouped by source rank; local expert ids
+            or -1 (int64), fp32 weights (0 where -1), a host list of `e` counts and the
+            `DeepEPHandle`. Backward is a combine with the handle; weights' gradients flow back too.
         """
+        flags = (async_finish, allocate_on_comm_stream)
+        if receive_overflow is not None:
+            raise ValueError(f"{self.name} has no capacity mode (the backend table's modes)")
+        if previous is not None:
+            handle = previous.handle
+            recv_x = self.cached_dispatch_raw(x_TH.contiguous(), handle, group, *flags)
+            recv_x, recv_probs = record_dispatch(self, handle, group, flags, x_TH, probs_TK, recv_x,
+                                                 previous.dispatched_probs.detach(), previous.dispatched_indices)
+            return recv_x, Dispatched(handle, previous.dispatched_indices, recv_probs, previous.counts)
         if indices_TK.shape[1] > MAX_TOPK:
             raise ValueError(f"moe_router_topk: {self.name} kernels take at most {MAX_TOPK} "
                              f"slots per token, got {indices_TK.shape[1]}")
@@ -371,6 +384,7 @@ class DeepEPCommunicator:
         if indices_TK.dtype != torch.int64:
             indices_TK = indices_TK.long()
         tokens, hidden = x_TH.shape
+        num_worst_tokens = 0 if send_capacity is None else dist.get_world_size(group) * send_capacity
         buffer, direct = self._plan(group, hidden, x_TH.dtype)
         recv_x, recv_indices, recv_probs, tokens_per_expert, raw = self._layout_and_dispatch(
             buffer, x_TH.contiguous(), indices_TK.contiguous(), num_experts, async_finish,
@@ -381,46 +395,17 @@ class DeepEPCommunicator:
         # Rows past the received ones (`num_worst_tokens`) are uninitialised: not read.
         checks.raise_on_flagged(torch.where(recv_indices >= 0, recv_probs, 0.0) if num_worst_tokens else recv_probs)
         handle = DeepEPHandle(raw, recv_x.shape[0], tokens)
-        recv_x, recv_probs = record_dispatch(self, handle, group, (async_finish, allocate_on_comm_stream),
-                                             x_TH, probs_TK, recv_x, recv_probs, recv_indices)
-        return recv_x, recv_indices, recv_probs, list(tokens_per_expert), handle
+        recv_x, recv_probs = record_dispatch(self, handle, group, flags, x_TH, probs_TK, recv_x, recv_probs,
+                                             recv_indices)
+        return recv_x, Dispatched(handle, recv_indices, recv_probs, list(tokens_per_expert))
 
-    def dispatch_cached(self, x_TH, probs_TK, handle: DeepEPHandle, recv_indices_RK, recv_probs_RK,
-                        tokens_per_expert, group, async_finish: bool = False,
-                        allocate_on_comm_stream: bool = False):
-        """Repeat a dispatch along its saved handle (activation recompute): the rows move again
-        through the library's cached mode (no layout, no host sync); the received ids, weights
-        and counts are the saved ones. Returns `dispatch`'s 5-tuple; the gradient of the
-        weights still reaches `probs_TK` (backward is the same combine as `dispatch`'s)."""
-        recv_x = self.cached_dispatch_raw(x_TH.contiguous(), handle, group, async_finish,
-                                          allocate_on_comm_stream)
-        recv_x, recv_probs = record_dispatch(self, handle, group, (async_finish, allocate_on_comm_stream),
-                                             x_TH, probs_TK, recv_x, recv_probs_RK.detach(), recv_indices_RK)
-        return recv_x, recv_indices_RK, recv_probs, tokens_per_expert, handle
-
-    def dispatch_fixed(self, x_TH, indices_TK, probs_TK, num_experts, group, send_capacity: int,
-                       async_finish: bool = False, allocate_on_comm_stream: bool = False):
-        """A dispatch of fixed shape (bf16 rows) without a host sync: `num_worst_tokens = W * send_capacity`
-        received rows (DeepEP V1 intranode, its CUDA-graph-compatible path; a rank never sends
-        more than its T tokens to one rank, so `send_capacity` = T cannot overflow). Returns
-        `(recv_x, recv_indices, recv_probs, handle)`."""
-        num_worst_tokens = dist.get_world_size(group) * send_capacity
-        recv_x, recv_indices, recv_probs, _, handle = self.dispatch(
-            x_TH, indices_TK, probs_TK, num_experts, group, async_finish, allocate_on_comm_stream,
-            num_worst_tokens=num_worst_tokens)
-        return recv_x, recv_indices, recv_probs, handle
-
-    def combine(self, x_RH, group, handle: DeepEPHandle,
-                async_finish: bool = False, allocate_on_comm_stream: bool = False):
-        """Sum each token's expert-output rows on its owner: `[R, H]` -> `([T, H], None)`.
-
-        Backward is a cached-handle dispatch of the gradient.
-        """
-        out_TH, _ = self.combine_raw(x_RH.contiguous(), handle, group, async_finish, allocate_on_comm_stream)
-        return record_combine(self, handle, group, (async_finish, allocate_on_comm_stream), x_RH, out_TH), None
-
-    #: The library's combine reads only the rows the layout says were received.
-    combine_fixed = combine
+    def combine(self, y_RH, handle: DeepEPHandle, *, group, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False):
+        """Sum each token's expert-output rows on its owner: `[R, H]` -> `[T, H]` (the library's
+        combine reads only the rows the layout says were received, so a fixed-shape dispatch's
+        too). Backward is a cached-handle dispatch of the gradient."""
+        out_TH, _ = self.combine_raw(y_RH.contiguous(), handle, group, async_finish, allocate_on_comm_stream)
+        return record_combine(self, handle, group, (async_finish, allocate_on_comm_stream), y_RH, out_TH)
 
 
 def deep_ep() -> ModuleType:

@@ -17,6 +17,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from megatron_moe_ext.dispatcher.common import checks
 from megatron_moe_ext.dispatcher.common import permute as P
+from megatron_moe_ext.dispatcher.common.stages import Dispatched
 
 # All-to-all only moves bytes, and gloo has no 16-bit types: send half types as raw bytes.
 _BYTE_VIEW_DTYPES = (torch.bfloat16, torch.float16)
@@ -80,7 +81,7 @@ def _exchange_counts(send_counts_W: torch.Tensor, group, word: int = 0) -> tuple
 def announce_input_error(group, word: int, like=None, num_experts: int = 0,
                          send_capacity: int | None = None, topk: int = 0) -> list[int]:
     """`base.Communicator.announce_input_error` in the counts of `_exchange_counts`
-    (`send_capacity` None), else in the routing rows of a `dispatch_fixed` of that capacity and
+    (`send_capacity` None), else in the routing rows of a `_dispatch_fixed` of that capacity and
     `topk`. Returns the word each rank sent (0 from a rank that did not fail)."""
     world = dist.get_world_size(group)
     if world == 1:
@@ -150,11 +151,19 @@ class TorchDispatchHandle:
     local_SK: torch.Tensor | None = None
 
 
-def dispatch(x_TH: torch.Tensor, indices_TK: torch.Tensor, probs_TK: torch.Tensor, num_experts: int,
-             group, async_finish: bool = False, allocate_on_comm_stream: bool = False):
-    """Send each token to the ranks of its experts: `DeepEPCommunicator.dispatch`'s arguments
-    and returns, for rows of any float dtype (the async flags are accepted for its signature:
-    these collectives are stream-ordered already)."""
+def dispatch(x_TH: torch.Tensor, indices_TK: torch.Tensor, probs_TK: torch.Tensor, *, num_experts: int,
+             group, previous: Dispatched | None = None, send_capacity: int | None = None, receive_overflow=None,
+             async_finish: bool = False, allocate_on_comm_stream: bool = False) -> tuple[torch.Tensor, Dispatched]:
+    """`base.Communicator.dispatch`, for rows of any float dtype (the async flags are accepted
+    for its signature: these collectives are stream-ordered already). `previous`: the rows move
+    along its layout without the layout collective or a host sync, and the received ids and
+    weights travel again (not the saved ones), which rebuilds the forward's autograd graph
+    exactly; `send_capacity`: `_dispatch_fixed`."""
+    if previous is not None:
+        rows_RH, indices_RK, probs_RK = exchange(x_TH, probs_TK, previous.handle)
+        return rows_RH, Dispatched(previous.handle, indices_RK, probs_RK, previous.counts)
+    if send_capacity is not None:
+        return _dispatch_fixed(x_TH, indices_TK, probs_TK, num_experts, group, send_capacity, receive_overflow)
     world = dist.get_world_size(group)
     num_local_experts = num_experts // world
     num_tokens = indices_TK.shape[0]
@@ -175,16 +184,8 @@ def dispatch(x_TH: torch.Tensor, indices_TK: torch.Tensor, probs_TK: torch.Tenso
         layout = TorchDispatchHandle(send_token_ids_S, send_splits, recv_splits, num_tokens, group,
                                      mine_SK, local_SK)
     recv_x_RH, recv_indices_RK, recv_probs_RK = exchange(x_TH, probs_TK, layout)
-    return recv_x_RH, recv_indices_RK, recv_probs_RK, count_per_expert(recv_indices_RK, num_local_experts), layout
-
-
-def dispatch_cached(x_TH, probs_TK, handle: TorchDispatchHandle, recv_indices_RK, recv_probs_RK,
-                    tokens_per_expert, group, async_finish: bool = False,
-                    allocate_on_comm_stream: bool = False):
-    """Repeat a dispatch along its saved layout (activation recompute): the `dispatch` 5-tuple
-    without the layout collective or a host sync. The received ids and weights travel again
-    (not the saved ones), which rebuilds the forward's autograd graph exactly."""
-    return (*exchange(x_TH, probs_TK, handle), tokens_per_expert, handle)
+    return recv_x_RH, Dispatched(layout, recv_indices_RK, recv_probs_RK,
+                                 count_per_expert(recv_indices_RK, num_local_experts))
 
 
 def exchange(x_TH: torch.Tensor, probs_TK: torch.Tensor, handle: TorchDispatchHandle):
@@ -200,18 +201,20 @@ def exchange(x_TH: torch.Tensor, probs_TK: torch.Tensor, handle: TorchDispatchHa
                                   handle.group)
 
 
-def combine(x_RH: torch.Tensor, group, handle: TorchDispatchHandle, async_finish: bool = False,
-            allocate_on_comm_stream: bool = False):
-    """Send expert-output rows back and sum each token's copies: `[R, H]` -> `([T, H], None)`."""
-    if x_RH.shape[0] != sum(handle.recv_splits):
-        raise ValueError(f"combine input has {x_RH.shape[0]} rows but dispatch delivered "
+def combine(y_RH: torch.Tensor, handle: TorchDispatchHandle | FixedHandle, *, group, async_finish: bool = False,
+            allocate_on_comm_stream: bool = False) -> torch.Tensor:
+    """Send expert-output rows back and sum each token's copies: `[R, H]` -> `[T, H]`."""
+    if isinstance(handle, FixedHandle):
+        return _combine_fixed(y_RH, group, handle)
+    if y_RH.shape[0] != sum(handle.recv_splits):
+        raise ValueError(f"combine input has {y_RH.shape[0]} rows but dispatch delivered "
                          f"{sum(handle.recv_splits)}: pass the restored rows of the same dispatch")
     if handle.send_token_ids_S is None:
-        return x_RH, None
-    rows_SH = all_to_all_rows(x_RH, handle.send_splits, handle.recv_splits, handle.group)
-    out_TH = rows_SH.new_zeros(handle.num_tokens, x_RH.shape[1])
+        return y_RH
+    rows_SH = all_to_all_rows(y_RH, handle.send_splits, handle.recv_splits, handle.group)
+    out_TH = rows_SH.new_zeros(handle.num_tokens, y_RH.shape[1])
     # accumulate=True is deterministic (no atomics), so results are bitwise reproducible.
-    return out_TH.index_put((handle.send_token_ids_S,), rows_SH, accumulate=True), None
+    return out_TH.index_put((handle.send_token_ids_S,), rows_SH, accumulate=True)
 
 
 @dataclass(frozen=True)
@@ -226,9 +229,7 @@ class FixedHandle:
     send_capacity: int
 
 
-def dispatch_fixed(x_TH, indices_TK, probs_TK, num_experts, group, send_capacity: int,
-                   async_finish: bool = False, allocate_on_comm_stream: bool = False,
-                   receive_overflow=None):
+def _dispatch_fixed(x_TH, indices_TK, probs_TK, num_experts, group, send_capacity: int, receive_overflow):
     """A dispatch of fixed shape: equal all-to-all splits of `send_capacity` (C) rows per rank
     pair, every layout computed on the device (no host sync). Empty slots are a zero token
     routed nowhere.
@@ -240,7 +241,7 @@ def dispatch_fixed(x_TH, indices_TK, probs_TK, num_experts, group, send_capacity
     which travels with the rows in one more column, so every rank raises on it too.
 
     Returns:
-        `(recv_x [W*C, H], recv_indices [W*C, K], recv_probs [W*C, K], FixedHandle)`.
+        `(recv_x [W*C, H], Dispatched)`: `[W*C, K]` ids and weights, a `FixedHandle`, no counts.
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     e, C = num_experts // world, send_capacity
@@ -251,7 +252,7 @@ def dispatch_fixed(x_TH, indices_TK, probs_TK, num_experts, group, send_capacity
         probs_TK = torch.where(indices_TK >= 0, probs_TK.float(), 0.0)
         if receive_overflow is not None:
             checks.raise_on_words(receive_overflow(indices_TK, probs_TK).long() * checks.error_word("overflow", 0))
-        return x_TH, indices_TK, probs_TK, FixedHandle(None, C)
+        return x_TH, Dispatched(FixedHandle(None, C), indices_TK, probs_TK, [])
     in_rank_TW = token_ranks(indices_TK, e, world)
     # A token's slot is its position among the tokens sent to the same rank.
     pos_TW = torch.cumsum(in_rank_TW.int(), dim=0) - 1
@@ -282,18 +283,17 @@ def dispatch_fixed(x_TH, indices_TK, probs_TK, num_experts, group, send_capacity
         words_W = checks.error_word("overflow", 0) + torch.arange(world, device=device)
         checks.raise_on_words(torch.where(flagged_W, words_W, 0))
         recv_x_RH = recv_x_RH[:, :-1]
-    return recv_x_RH, recv_indices_RK, recv_probs_RK, FixedHandle(slot_TW, C)
+    return recv_x_RH, Dispatched(FixedHandle(slot_TW, C), recv_indices_RK, recv_probs_RK, [])
 
 
-def combine_fixed(x_RH, group, handle: FixedHandle, async_finish: bool = False,
-                  allocate_on_comm_stream: bool = False):
-    """`combine` of a `dispatch_fixed`: `[W*C, H]` -> `([T, H], None)`."""
+def _combine_fixed(x_RH, group, handle: FixedHandle) -> torch.Tensor:
+    """`combine` of a `_dispatch_fixed`: `[W*C, H]` -> `[T, H]`."""
     if handle.slot_TW is None:  # the tokens stayed in place
-        return x_RH, None
+        return x_RH
     splits = [handle.send_capacity] * dist.get_world_size(group)
     rows_SH = all_to_all_rows(x_RH, splits, splits, group)
     # Each token's copies come back in rank order: gathers, not an accumulate (see gather_sum).
-    return P.gather_sum(rows_SH, handle.slot_TW), None
+    return P.gather_sum(rows_SH, handle.slot_TW)
 
 
 class TorchCommunicator:
@@ -302,13 +302,10 @@ class TorchCommunicator:
     layer (`COMMUNICATOR`)."""
 
     name = "torch"
-    #: `dispatch` and `dispatch_cached` run the same all-to-all op: the same autograd graph.
+    #: A dispatch and its replay (`previous`) run the same all-to-all op: the same autograd graph.
     replays_in_one_graph = True
     dispatch = staticmethod(dispatch)
-    dispatch_cached = staticmethod(dispatch_cached)
     combine = staticmethod(combine)
-    dispatch_fixed = staticmethod(dispatch_fixed)
-    combine_fixed = staticmethod(combine_fixed)
     announce_input_error = staticmethod(announce_input_error)
     exchange_counts = staticmethod(_exchange_counts)
     fixed_equal_splits = True

@@ -1,65 +1,60 @@
-"""The narrow interface every communication manager implements.
+"""The narrow interfaces every communication manager and communicator implement.
 
-A manager belongs to one layer; each dispatch is a `DispatchRecord` (`record.py`) that the
-dispatcher hands to every step: `setup_metadata*` -> `dispatch` ->
-`get_permuted_hidden_states_by_experts` -> (experts) -> `get_restored_hidden_states_by_experts`
--> `combine` (the dispatcher enforces the order). Backward never reads a record (what it needs
-lives in the autograd graph), so the dispatcher drops it after the combine. Only the backend's
-buffer is shared (`buffers.py`).
+A manager belongs to one layer; each step of a dispatch takes the previous step's stage
+(`stages.py`) and returns its tensors and the next stage: `setup*` -> routing, `dispatch` ->
+`Dispatched`, `permute` -> `Permuted`, then `restore` and `combine` read it (the dispatcher
+enforces the order). Backward never reads a stage (what it needs lives in the autograd graph),
+so the dispatcher drops them after the combine. Only the backend's buffer is shared
+(`buffers.py`).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 
-from megatron_moe_ext.dispatcher.common.record import DispatchRecord
+from megatron_moe_ext.dispatcher.common.handoff import IndexedRows
+from megatron_moe_ext.dispatcher.common.stages import Dispatched, Permuted, TopKRouting
 
 
 class Communicator(Protocol):
-    """A backend's communication with DeepEP's dispatch/combine contract (`backends/`; the
-    signatures are in docs/DESIGN.md, "Where a new backend goes"). The managers call only what is
-    declared here, and the type check (`make typecheck`) holds every backend to it (the table in
-    `registry.py`). `group` is the expert-parallel process group; a handle is the backend's own
-    record of one dispatch, which its combine and `dispatch_cached` take back."""
+    """A backend's communication, DeepEP's contract (`backends/`): one `dispatch` and one
+    `combine`, each the other's backward; the fixed-shape modes and the replay of a dispatch are
+    arguments. The managers call only what is declared here, and the type check (`make
+    typecheck`) holds every backend to it (the table in `registry.py`). `group` is the
+    expert-parallel process group; a handle is the backend's own record of one dispatch (it
+    says whether the dispatch had a fixed shape), which its combine takes back."""
 
     name: str
-    #: `dispatch_cached` builds the autograd graph `dispatch` built (non-reentrant recompute).
+    #: A replay (`previous`) builds the autograd graph the dispatch built (non-reentrant recompute).
     replays_in_one_graph: bool
-    #: Its `dispatch_fixed` exchanges equal splits, so every rank needs the same send capacity
+    #: Its fixed-shape dispatch exchanges equal splits, so every rank needs the same send capacity
     #: (then it is an `EqualSplitsCommunicator`).
     fixed_equal_splits: bool
-    #: The row dtypes its `dispatch_fixed` takes (None: any float).
+    #: The row dtypes its fixed-shape dispatch takes (None: any float).
     fixed_dtypes: tuple[torch.dtype, ...] | None
 
-    def dispatch(self, x_TH: torch.Tensor, indices_TK: torch.Tensor, probs_TK: torch.Tensor,
-                 num_experts: int, group: Any, async_finish: bool = False,
-                 allocate_on_comm_stream: bool = False) -> tuple[Any, ...]:
-        """Send each token to the ranks of its experts: `(recv_x [R, H], recv_indices [R, K]
-        int64 local ids or -1, recv_probs [R, K] fp32, tokens_per_expert, handle)`, the counts a
-        host list of `e` ints (empty where the sync-free path returns none)."""
+    def dispatch(self, x_TH: torch.Tensor, indices_TK: torch.Tensor, probs_TK: torch.Tensor, *,
+                 num_experts: int, group: Any, previous: Dispatched | None = None,
+                 send_capacity: int | None = None,
+                 receive_overflow: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                 async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False) -> tuple[torch.Tensor, Dispatched]:
+        """Send each token to the ranks of its experts: `(rows [R, H], Dispatched)`, received ids
+        `[R, K]` int64 local or -1, fp32 weights `[R, K]`, counts a host list of `e` ints.
+        previous: repeat that dispatch along its layout (activation recompute): no layout
+            collective, no host sync; its counts are the result's.
+        send_capacity: a fixed-shape dispatch without a host read, `send_capacity` rows per
+            rank pair (no counts: an empty list). receive_overflow: with it, maps the received
+            `(ids, probs)` to a 0-d bool (this rank cannot take them), which every rank raises on.
+        """
 
-    def dispatch_cached(self, x_TH: torch.Tensor, probs_TK: torch.Tensor, handle: Any,
-                        recv_indices_RK: torch.Tensor, recv_probs_RK: torch.Tensor, tokens_per_expert: Any,
-                        group: Any, async_finish: bool = False,
-                        allocate_on_comm_stream: bool = False) -> tuple[Any, ...]:
-        """Repeat a dispatch along its handle (activation recompute): `dispatch`'s 5-tuple."""
-
-    def combine(self, x_RH: torch.Tensor, group: Any, handle: Any, async_finish: bool = False,
-                allocate_on_comm_stream: bool = False) -> tuple[Any, ...]:
-        """Received rows back to their owners, each token's copies summed: `([T, H], None)`."""
-
-    def dispatch_fixed(self, x_TH: torch.Tensor, indices_TK: torch.Tensor, probs_TK: torch.Tensor,
-                       num_experts: int, group: Any, send_capacity: int, async_finish: bool = False,
-                       allocate_on_comm_stream: bool = False) -> tuple[Any, ...]:
-        """A dispatch of fixed shape without a host read, `send_capacity` rows per rank pair:
-        `(recv_x, recv_indices, recv_probs, handle)`."""
-
-    def combine_fixed(self, x_RH: torch.Tensor, group: Any, handle: Any, async_finish: bool = False,
-                      allocate_on_comm_stream: bool = False) -> tuple[Any, ...]:
-        """`combine` of a `dispatch_fixed`: `([T, H], None)`."""
+    def combine(self, y_RH: torch.Tensor, handle: Any, *, group: Any, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False) -> torch.Tensor:
+        """Received rows back to their owners, each token's copies summed: `[T, H]`."""
 
     def check_group(self, group: Any) -> None:
         """Refuse a group the backend cannot serve (ValueError), at construction."""
@@ -78,7 +73,7 @@ class Communicator(Protocol):
 
 
 class EqualSplitsCommunicator(Communicator, Protocol):
-    """A communicator whose `dispatch_fixed` sends equal splits (`fixed_equal_splits`): the budget
+    """A communicator whose fixed-shape dispatch sends equal splits (`fixed_equal_splits`): the budget
     mode agrees on one token count through its counts exchange first."""
 
     def exchange_counts(self, send_counts_W: torch.Tensor, group: Any,
@@ -95,13 +90,14 @@ class DispatchManager(ABC):
     #: (`RecomputeReplay`) can plug in; a recompute of the others would route anew.
     replayable = False
 
-    #: Its budget-mode records carry `overflow_counts` (settled by `settle_overflow`), not
-    #: `overflow_stats`.
+    #: Its budget-mode stages carry per-expert counts (settled by `settle_overflow`), not stats.
     defers_overflow = False
+    #: The routing stage its setup returns (its fields: what a CUDA graph of the preprocess returns).
+    routing_stage: type = TopKRouting
 
     def settle_overflow(self, needed_DE: torch.Tensor, budgets_D: torch.Tensor) -> torch.Tensor:
         """Budget mode's `[dropped pairs, rows needed]` on this rank over D dispatches, from
-        their `overflow_counts` (`[D, E]`, summed over the group here: a collective) and
+        their overflow counts (`[D, E]`, summed over the group here: a collective) and
         budgets (`[D]`). Only where `defers_overflow`."""
         raise NotImplementedError(f"{type(self).__name__} counts its overflow at each dispatch")
 
@@ -122,38 +118,35 @@ class DispatchManager(ABC):
         """Refuse rows the backend cannot send (ValueError), before the step's first collective."""
 
     @abstractmethod
-    def setup_metadata(self, record: DispatchRecord, num_local_tokens: int, probs: torch.Tensor,
-                       routing_map=None) -> None:
-        """Set up `record`'s routing from dense `[T, E]` probs (and optionally the routing map)."""
+    def setup(self, num_local_tokens: int, probs: torch.Tensor, routing_map=None) -> Any:
+        """The routing stage of dense `[T, E]` probs (and optionally the routing map)."""
 
     @abstractmethod
-    def setup_metadata_from_indices(self, record: DispatchRecord, token_indices: torch.Tensor,
-                                    token_probs: torch.Tensor) -> None:
-        """Set up `record`'s routing from top-k `[T, K]` global expert ids (-1 = masked) and probs."""
+    def setup_from_indices(self, token_indices: torch.Tensor, token_probs: torch.Tensor) -> Any:
+        """The routing stage of top-k `[T, K]` global expert ids (-1 = masked) and probs."""
 
     @abstractmethod
-    def dispatch(self, record: DispatchRecord, hidden_states: torch.Tensor, async_finish: bool = False,
-                 allocate_on_comm_stream: bool = False) -> torch.Tensor:
-        """Dispatch `[T, H]` rows along `record`'s routing -> received rows."""
+    def dispatch(self, routing, hidden_states: torch.Tensor, *, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False,
+                 replay: Dispatched | None = None) -> tuple[torch.Tensor, Dispatched]:
+        """Dispatch `[T, H]` rows along `routing` -> `(received rows, Dispatched)`; `replay`: a
+        recorded dispatch of this routing, repeated along its layout (where `replayable`)."""
 
     @abstractmethod
-    def combine(self, record: DispatchRecord, hidden_states: torch.Tensor, async_finish: bool = False,
-                allocate_on_comm_stream: bool = False) -> torch.Tensor:
-        """Received rows back to their owners -> `[T, H]`; releases `record`'s tensors."""
+    def permute(self, dispatched: Dispatched, hidden_states: torch.Tensor,
+                indexed: bool = False) -> tuple[tuple | IndexedRows, Permuted]:
+        """Received rows grouped by local expert -> `((rows [P, H], tokens_per_expert [e], probs
+        [P]), Permuted)`; `indexed`: `IndexedRows` instead (no copy)."""
 
     @abstractmethod
-    def get_dispatched_metadata(self, record: DispatchRecord):
-        """`(received ids [R, K] or None, received weights)`."""
-
-    @abstractmethod
-    def get_permuted_hidden_states_by_experts(self, record: DispatchRecord, hidden_states: torch.Tensor):
-        """`(permuted_hidden [P, H], permuted_probs [P])` grouped by local expert."""
-
-    @abstractmethod
-    def get_restored_hidden_states_by_experts(self, record: DispatchRecord,
-                                              hidden_states: torch.Tensor) -> torch.Tensor:
+    def restore(self, permuted: Permuted, hidden_states: torch.Tensor) -> torch.Tensor:
         """Inverse of the permutation: `[P, H]` expert outputs -> dispatched row order."""
 
     @abstractmethod
-    def get_number_of_tokens_per_expert(self, record: DispatchRecord) -> torch.Tensor:
-        """`[e]` row counts of the dispatch (host or device tensor)."""
+    def combine(self, permuted: Permuted, hidden_states: torch.Tensor, *, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False) -> torch.Tensor:
+        """Received rows back to their owners -> `[T, H]`."""
+
+    @abstractmethod
+    def tokens_per_expert(self, stage: Dispatched | Permuted) -> torch.Tensor:
+        """`[e]` row counts of a stage (host or device tensor; padded once permuted)."""

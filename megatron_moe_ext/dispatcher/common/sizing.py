@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from megatron_moe_ext.dispatcher.common import checks
 from megatron_moe_ext.dispatcher.common import permute as P
-from megatron_moe_ext.dispatcher.common.record import DispatchRecord
+from megatron_moe_ext.dispatcher.common.stages import Dispatched
 
 
 class SizedManager(Protocol):
@@ -47,16 +47,16 @@ class CalibratedCapacity:
         """The send capacity every rank uses in this step's first collective (None: dropless)."""
         return None if self.sizes is None else self.sizes[0]
 
-    def calibrate(self, manager: SizedManager, record: DispatchRecord, device) -> None:
+    def calibrate(self, manager: SizedManager, dispatched: Dispatched, device) -> None:
         """`sizes` = the EP-group maxima (one MAX all-reduce, none within one rank) of this rank's
-        calibrated sizes after the calibration dispatch `record`, whose counts are on the host
+        calibrated sizes after the calibration dispatch `dispatched`, whose counts are on the host
         already: the send capacity where the handle has per-rank send splits (the torch
         backend's; HybridEP sends every rank's padded tokens, which its manager pins), then the
         capacity."""
         pad = manager.pad_multiple
-        rows = sum(P.align_up(int(n), pad or 1) for n in record.counts)
+        rows = sum(P.align_up(int(n), pad or 1) for n in dispatched.counts)
         local = [P.capacity_rows(rows, self.factor, pad or P.CAPACITY_ALIGNMENT)]
-        send_splits = getattr(record.handle, "send_splits", None)
+        send_splits = getattr(dispatched.handle, "send_splits", None)
         if send_splits is not None:
             local.insert(0, P.capacity_rows(max(send_splits), self.factor, P.CAPACITY_ALIGNMENT))
         self.sizes = tuple(checks.group_max(local, manager.group, device))

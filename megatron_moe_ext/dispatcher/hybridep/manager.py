@@ -9,7 +9,7 @@ per-rank token count, so a larger batch later raises ValueError, then non-blocki
 dispatches guarded by a device-side overflow assert) and budget mode
 (`moe_expert_rank_capacity_factor`, with `moe_hybridep_equal_token_counts`: every dispatch
 non-blocking at `sizing.Budget`'s rows, no host read, no collective of the package's; HybridEP
-drops what does not fit, and the record's per-expert `overflow_counts` are settled at the step
+drops what does not fit, and the stage's per-expert counts are settled at the step
 boundary: `settle_overflow`); a `sizing.FixedShapeEngine`, its `dropless` switch makes every
 dispatch (either mode's) blocking and dropless.
 Over gloo HybridEP all-gathers the routing map with its own kernel, so a CUDA graph can hold
@@ -23,6 +23,7 @@ P permuted rows (grouped by local expert; in non-blocking mode the tail past
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -31,6 +32,7 @@ import torch.distributed as dist
 from megatron_moe_ext.dispatcher.common import buffers, checks, sizing
 from megatron_moe_ext.dispatcher.common import permute as P
 from megatron_moe_ext.dispatcher.common.base import DispatchManager
+from megatron_moe_ext.dispatcher.common.stages import Dispatched, FixedDispatched, FixedPermuted, Permuted
 from megatron_moe_ext.dispatcher.hybridep.metadata import HybridEPMetadataProcessor
 from megatron_moe_ext.utils.env import static_routing_pad_pin
 from megatron_moe_ext.utils.optional import require
@@ -68,6 +70,15 @@ def _assert_no_hybridep_overflow(handle, capacity: int) -> None:
     torch._assert_async(handle[-1].reshape(()) == 0,
                         f"HybridEP dispatch overflowed its capacity of {capacity} permuted rows: tokens were "
                         "dropped. Raise moe_hybridep_capacity_factor (or the static-routing token count).")
+
+
+@dataclass(frozen=True)
+class DenseRouting:
+    """setup -> dispatch: `[T', E]` bool routing and fp32 probs, T' the padded count every rank
+    sends (padding rows route nowhere). A dispatch's handle is `(buffer, HybridEP's handle, T)`."""
+
+    routing_map: torch.Tensor
+    token_probs: torch.Tensor
 
 
 class _BufferOwner:
@@ -207,44 +218,48 @@ class HybridEPManager(sizing.FixedShapeEngine, DispatchManager):
         self._pinned_tokens: int | None = None
         self._static_num_permuted_tokens: int | None = None
 
+    routing_stage = DenseRouting
+
     # ---- metadata ---------------------------------------------------------------------
-    def setup_metadata(self, record, num_local_tokens: int, probs: torch.Tensor, routing_map=None):
+    def setup(self, num_local_tokens: int, probs: torch.Tensor, routing_map=None) -> DenseRouting:
         """Dense `[T, E]` (or `[T, tp*ep, e]`) probs, optionally with the routing map."""
         probs_TE = probs.reshape(num_local_tokens, self.num_experts)
         if routing_map is None:
-            return self.setup_metadata_from_indices(record, *P.probs_to_topk(probs_TE, self.router_topk))
+            return self.setup_from_indices(*P.probs_to_topk(probs_TE, self.router_topk))
         routing_map_TE = routing_map.reshape(num_local_tokens, self.num_experts).bool()
         # Unrouted entries must not carry probability mass into HybridEP's dense probs.
-        self._set_metadata(record, routing_map_TE, torch.where(routing_map_TE, probs_TE.float(), 0.0))
+        return self._routing(routing_map_TE, torch.where(routing_map_TE, probs_TE.float(), 0.0))
 
-    def setup_metadata_from_indices(self, record, token_indices: torch.Tensor, token_probs: torch.Tensor):
-        """Top-k `[T, K]` ids (-1 = masked) and probs, through the metadata processor."""
+    def setup_from_indices(self, token_indices: torch.Tensor, token_probs: torch.Tensor, *,
+                           plain: bool = False) -> DenseRouting:
+        """Top-k `[T, K]` ids (-1 = masked) and probs, through the metadata processor; `plain`:
+        for a plain `dispatch`, the token count neither pinned nor read from a pin."""
         metadata, probs_TE = self.metadata_processor(token_indices, token_probs)
         if self.compact_routing:
             metadata = P.indices_to_routing_map(metadata, self.num_experts)
-        self._set_metadata(record, metadata, probs_TE)
+        return self._routing(metadata, probs_TE, plain)
 
-    def _set_metadata(self, record, routing_map_TE, probs_TE) -> None:
+    def _routing(self, routing_map_TE, probs_TE, plain: bool = False) -> DenseRouting:
         num_tokens = probs_TE.shape[0]
-        padded = self._resolve_padded_tokens(num_tokens, probs_TE.device)
+        padded = self._resolve_padded_tokens(num_tokens, probs_TE.device, plain=plain)
         pad = padded - num_tokens
         # Padding rows route nowhere with prob 0; they are constants, so they get no gradient.
-        record.routing_map = torch.cat([routing_map_TE, routing_map_TE.new_zeros(pad, self.num_experts)])
-        record.token_probs = torch.cat([probs_TE.float(), probs_TE.new_zeros(pad, self.num_experts).float()])
+        return DenseRouting(torch.cat([routing_map_TE, routing_map_TE.new_zeros(pad, self.num_experts)]),
+                            torch.cat([probs_TE.float(), probs_TE.new_zeros(pad, self.num_experts).float()]))
 
     def _static_pin(self) -> bool:
         return self.benchmark_static_routing and _STATIC_ROUTING_PAD_PIN
 
-    def _resolve_padded_tokens(self, num_tokens: int, device, word: int = 0) -> int:
+    def _resolve_padded_tokens(self, num_tokens: int, device, word: int = 0, plain: bool = False) -> int:
         """Every rank must send the same 4-aligned count: the EP-group max, padded.
 
         Only the first dispatch exchanges it (a MAX all-reduce read on the host, which carries
         every rank's error word: `word` is this rank's) when a pin applies; capacity mode
-        refuses a batch past its pin rather than exchange again.
+        refuses a batch past its pin rather than exchange again. `plain`: no pin read or made.
         """
         if self.equal_token_counts:
             return _padded_count(num_tokens)
-        if self._pinned_tokens is not None:
+        if self._pinned_tokens is not None and not plain:
             if num_tokens <= self._pinned_tokens:
                 return self._pinned_tokens
             if self._calibrated_capacity() is not None:
@@ -262,13 +277,14 @@ class HybridEPManager(sizing.FixedShapeEngine, DispatchManager):
                 return 0
             raise checks.agreed_error(exchanged[1:])
         padded = _padded_count(exchanged[0])
-        if self._static_pin():
+        if self._static_pin() and not plain:
             # First dispatch, or a larger batch: (re-)pin, and re-record the permuted count.
             self._pinned_tokens = padded
             self._static_num_permuted_tokens = None
         return padded
 
-    def _resolve_num_permuted_tokens(self, capacity_mode: bool, padded_tokens: int) -> int | None:
+    def _resolve_num_permuted_tokens(self, capacity_mode: bool, padded_tokens: int,
+                                     plain: bool = False) -> int | None:
         """The host `num_permuted_tokens` for this dispatch of `padded_tokens` rows per rank;
         None is the blocking path.
 
@@ -279,7 +295,7 @@ class HybridEPManager(sizing.FixedShapeEngine, DispatchManager):
             return self.sizing.rows(padded_tokens, self.router_topk, self.pad_multiple)
         if capacity_mode and (capacity := self._calibrated_capacity()) is not None:
             return capacity
-        return self._static_num_permuted_tokens if self._static_pin() else None
+        return self._static_num_permuted_tokens if self._static_pin() and not plain else None
 
     def _calibrated_capacity(self) -> int | None:
         """Capacity mode's permuted rows, `align(ceil(rows * factor))` as the EP-group max (the
@@ -343,59 +359,56 @@ class HybridEPManager(sizing.FixedShapeEngine, DispatchManager):
                 non_blocking=num_permuted is not None, pad_multiple=self.pad_multiple,
                 fuse_permute_dispatch=self.hybridep_permute_fusion)
 
-    def dispatch(self, record, hidden_states, async_finish=True, allocate_on_comm_stream=True, capacity_mode=None):
-        """Dispatch `[T, H]` rows; returns `[P, H]` rows grouped by local expert.
+    def dispatch(self, routing, hidden_states, *, async_finish=True, allocate_on_comm_stream=True, replay=None,
+                 plain=False):
+        """Dispatch `[T, H]` rows; returns `[P, H]` rows grouped by local expert and the stage.
 
-        `async_finish` / `allocate_on_comm_stream` are ignored: HybridEP owns its stream.
-        `capacity_mode=None` follows the config's fixed-shape mode (capacity or budget); False
-        forces a blocking dispatch that neither uses nor calibrates the capacity (the runtime
-        warmup).
+        `async_finish` / `allocate_on_comm_stream` are ignored: HybridEP owns its stream; it has no
+        `replay` (not `replayable`). The config's fixed-shape mode (capacity or budget) applies
+        unless `plain`: a blocking dispatch (of a `plain` setup's routing) that neither uses nor
+        records the capacity or the pins (the runtime warm-up, `runtime.warm_up`).
         """
         self.check_rows(hidden_states)
-        if capacity_mode is None:
-            capacity_mode = self.fixed_shape
-        padded = record.token_probs.shape[0]
+        capacity_mode = self.fixed_shape and not plain
+        padded = routing.token_probs.shape[0]
         x_TH = hidden_states
         if padded > x_TH.shape[0]:
             x_TH = torch.cat([x_TH, x_TH.new_zeros(padded - x_TH.shape[0], x_TH.shape[1])])
-        num_permuted = self._resolve_num_permuted_tokens(capacity_mode, padded)
-        routing_map_TE = record.routing_map
+        num_permuted = self._resolve_num_permuted_tokens(capacity_mode, padded, plain)
+        routing_map_TE = routing.routing_map
         kwargs = dict(routing_map=routing_map_TE, num_of_experts_per_rank=self.num_local_experts,
                       num_permuted_tokens=num_permuted, non_blocking=num_permuted is not None,
                       pad_multiple=self.pad_multiple, fuse_permute_dispatch=self.hybridep_permute_fusion)
         outputs = SimpleNamespace()  # the non-tensor outputs of `_HybridEPDispatch.forward`
-        record.buffer = self._buffer(x_TH.shape[1], padded)
-        rows_PH, record.dispatched_probs = _HybridEPDispatch.apply(
-            x_TH, record.token_probs, outputs, record.buffer, kwargs)
-        record.handle, record.counts = outputs.handle, outputs.tokens_per_expert
+        buffer = self._buffer(x_TH.shape[1], padded)
+        rows_PH, probs_P = _HybridEPDispatch.apply(x_TH, routing.token_probs, outputs, buffer, kwargs)
+        handle, counts_e = (buffer, outputs.handle, hidden_states.shape[0]), outputs.tokens_per_expert
         # A peer that failed sent its error word as a weight (`announce_input_error`); rows
         # past the routed ones are padding or (non-blocking) garbage, so they are not read.
-        probs_P, counts_e = record.dispatched_probs.detach(), record.counts
         if counts_e.device != probs_P.device:  # host counts (blocking): no device read needed
-            checks.raise_on_flagged(probs_P[: int(counts_e.sum())])
+            checks.raise_on_flagged(probs_P.detach()[: int(counts_e.sum())])
         else:
             routed_P = torch.arange(probs_P.shape[0], device=probs_P.device) < counts_e.sum()
-            checks.raise_on_flagged(torch.where(routed_P, probs_P, 0.0))
+            checks.raise_on_flagged(torch.where(routed_P, probs_P.detach(), 0.0))
         if capacity_mode and self.defers_overflow:
-            record.capacity = num_permuted
             # Per expert, then the dispatch's T'*K slots (the factor it needed is rows / slots).
             slots = routing_map_TE.new_full((1,), padded * self.router_topk, dtype=torch.int64)
-            record.overflow_counts = torch.cat([routing_map_TE.sum(0, dtype=torch.int64), slots])
-        elif num_permuted is not None:
-            _assert_no_hybridep_overflow(record.handle, num_permuted)
+            overflow = torch.cat([routing_map_TE.sum(0, dtype=torch.int64), slots])
+            return rows_PH, FixedDispatched(handle, None, probs_P, counts_e, padded, num_permuted, overflow)
+        dispatched = Dispatched(handle, None, probs_P, counts_e)
+        if num_permuted is not None:
+            _assert_no_hybridep_overflow(outputs.handle, num_permuted)
         else:
             if capacity_mode:  # not calibrated yet: this blocking dispatch calibrates
-                self.sizing.calibrate(self, record, x_TH.device)
+                self.sizing.calibrate(self, dispatched, x_TH.device)
                 if not self.equal_token_counts:  # its padded count, equal on every rank, is pinned
                     self._pinned_tokens = padded
-            if self._static_pin() and self._static_num_permuted_tokens is None:
+            if self._static_pin() and not plain and self._static_num_permuted_tokens is None:
                 # At least one aligned group: a batch that routed no rows still leaves room for
                 # a peer's error word (`announce_input_error`) in a later pinned dispatch.
                 self._static_num_permuted_tokens = max(rows_PH.shape[0],
                                                        self.pad_multiple or _HYBRIDEP_TOKEN_ALIGNMENT)
-        # The routing inputs are consumed: drop them so recompute cannot keep them alive.
-        record.routing_map = record.token_probs = None
-        return rows_PH
+        return rows_PH, dispatched
 
     @property
     def defers_overflow(self) -> bool:
@@ -416,23 +429,23 @@ class HybridEPManager(sizing.FixedShapeEngine, DispatchManager):
         return torch.stack([(needed_De - kept_De).sum(), rows_D.max(),
                             sizing.needed_factor_hundredths(rows_D, slots_D).max()])
 
-    def combine(self, record, hidden_states, async_finish=True, allocate_on_comm_stream=True):
-        """`[P, H]` expert outputs -> `[T, H]`, padding sliced off (T from the input's shape, which
-        a CUDA-graph replay of the preprocess, running no setup, sets too)."""
-        return _HybridEPCombine.apply(hidden_states, record.buffer, record.handle, self.pad_multiple,
-                                      self.hybridep_permute_fusion)[: record.hidden_shape[:-1].numel()]
+    def combine(self, permuted, hidden_states, *, async_finish=True, allocate_on_comm_stream=True):
+        """`[P, H]` expert outputs -> `[T, H]`, padding sliced off."""
+        buffer, handle, num_tokens = permuted.handle
+        return _HybridEPCombine.apply(hidden_states, buffer, handle, self.pad_multiple,
+                                      self.hybridep_permute_fusion)[:num_tokens]
 
-    def get_dispatched_metadata(self, record):
-        return None, record.dispatched_probs
+    def tokens_per_expert(self, stage) -> torch.Tensor:
+        return stage.counts
 
-    def get_number_of_tokens_per_expert(self, record) -> torch.Tensor:
-        return record.counts
+    def permute(self, dispatched, hidden_states, indexed: bool = False):
+        """The identity (HybridEP permuted in its dispatch); never `indexed` (the backend row)."""
+        probs_P, handle, counts = dispatched.dispatched_probs, dispatched.handle, dispatched.counts
+        permuted = (FixedPermuted(handle, counts, None, dispatched.capacity, dispatched.overflow)
+                    if isinstance(dispatched, FixedDispatched) else Permuted(handle, counts, None))
+        return (hidden_states, counts, probs_P.double() if self.router_dtype == "fp64" else probs_P), permuted
 
-    def get_permuted_hidden_states_by_experts(self, record, hidden_states):
-        probs_P, record.dispatched_probs = record.dispatched_probs, None
-        return hidden_states, probs_P.double() if self.router_dtype == "fp64" else probs_P
-
-    def get_restored_hidden_states_by_experts(self, record, hidden_states):
+    def restore(self, permuted, hidden_states):
         return hidden_states
 
     # ---- pipeline runtime ----------------------------------------------------------------
@@ -442,8 +455,7 @@ class HybridEPManager(sizing.FixedShapeEngine, DispatchManager):
         return HybridEPPipelineRuntimeInitializer(self, hidden_dim, dtype)
 
     def initialize_runtime(self, num_tokens: int, hidden_dim: int, dtype: torch.dtype, device) -> None:
-        """One synthetic dispatch + combine + backward, every field restored after
-        (`runtime.warm_up`)."""
+        """One synthetic plain dispatch + combine + backward (`runtime.warm_up`)."""
         from megatron_moe_ext.dispatcher.hybridep.runtime import warm_up
 
         warm_up(self, num_tokens, hidden_dim, dtype, device)

@@ -14,7 +14,6 @@ import torch.distributed as dist
 
 from megatron_moe_ext.dispatcher.common import checks
 from megatron_moe_ext.dispatcher.common.permute import align_up
-from megatron_moe_ext.dispatcher.common.record import DispatchRecord
 from megatron_moe_ext.utils.env import hybridep_combine_chunk
 
 logger = logging.getLogger(__name__)
@@ -30,31 +29,23 @@ _PUBLISHED: dict[tuple, tuple[tuple, int]] = {}
 def warm_up(manager, num_tokens: int, hidden_dim: int, dtype: torch.dtype, device) -> None:
     """One synthetic dispatch + combine + backward through `manager` (a `HybridEPManager`;
     grad mode forced on; a deterministic, balanced batch, no RNG) so HybridEP sizes its buffer
-    and compiles its kernels before any pipeline traffic (its own record). Every manager field
-    is restored afterwards, even on failure."""
-    saved = dict(manager.__dict__)
-    try:
-        # A plain blocking dispatch: it neither uses nor records the layer's pins.
-        manager._pinned_tokens = manager._static_num_permuted_tokens = None
-        with torch.inference_mode(False), torch.enable_grad():
-            device = torch.device(device)
-            tokens = torch.arange(num_tokens, device=device)
-            experts, topk = manager.num_experts, manager.router_topk
-            slots = torch.arange(topk, device=device)
-            indices_TK = (tokens[:, None] + slots * max(experts // topk, 1)) % experts
-            probs_TK = torch.full(indices_TK.shape, 1.0 / topk, device=device, requires_grad=True)
-            x_TH = torch.linspace(-1.0, 1.0, num_tokens * hidden_dim, device=device)
-            x_TH = x_TH.reshape(num_tokens, hidden_dim).to(dtype).requires_grad_()
-            record = DispatchRecord(x_TH.shape)
-            manager.setup_metadata_from_indices(record, indices_TK, probs_TK)
-            rows_PH = manager.dispatch(record, x_TH, capacity_mode=False)
-            rows_PH, probs_P = manager.get_permuted_hidden_states_by_experts(record, rows_PH)
-            out_PH = rows_PH * probs_P[:, None].to(rows_PH.dtype)
-            y_TH = manager.combine(record, manager.get_restored_hidden_states_by_experts(record, out_PH))
-            y_TH.float().sum().backward()
-    finally:
-        manager.__dict__.clear()
-        manager.__dict__.update(saved)
+    and compiles its kernels before any pipeline traffic. Plain (`plain=True`): it neither
+    uses nor records the layer's pins or calibrated sizes, so the manager is left as it was."""
+    with torch.inference_mode(False), torch.enable_grad():
+        device = torch.device(device)
+        tokens = torch.arange(num_tokens, device=device)
+        experts, topk = manager.num_experts, manager.router_topk
+        slots = torch.arange(topk, device=device)
+        indices_TK = (tokens[:, None] + slots * max(experts // topk, 1)) % experts
+        probs_TK = torch.full(indices_TK.shape, 1.0 / topk, device=device, requires_grad=True)
+        x_TH = torch.linspace(-1.0, 1.0, num_tokens * hidden_dim, device=device)
+        x_TH = x_TH.reshape(num_tokens, hidden_dim).to(dtype).requires_grad_()
+        routing = manager.setup_from_indices(indices_TK, probs_TK, plain=True)
+        rows_PH, dispatched = manager.dispatch(routing, x_TH, plain=True)
+        (rows_PH, _, probs_P), permuted = manager.permute(dispatched, rows_PH)
+        out_PH = rows_PH * probs_P[:, None].to(rows_PH.dtype)
+        y_TH = manager.combine(permuted, manager.restore(permuted, out_PH))
+        y_TH.float().sum().backward()
 
 
 def release_published_capacity(buffer_key: tuple) -> None:
