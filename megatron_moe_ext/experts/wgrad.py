@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_moe_ext.utils.optional import Loaded
+
 #: Transformer Engine versions the grouped weight-gradient GEMM was read at.
 VERIFIED_TE = "2.20"
 
@@ -96,9 +98,6 @@ class TEGroupedGemm:
     any_device: bool = False
 
 
-_te: TEGroupedGemm | None = None
-
-
 def _load_te() -> TEGroupedGemm:
     try:
         import transformer_engine
@@ -112,20 +111,10 @@ def _load_te() -> TEGroupedGemm:
     return TEGroupedGemm(general_grouped_gemm, None)
 
 
-def te_grouped_gemm() -> TEGroupedGemm:
-    """TE's grouped GEMM (imported once), or the reason it is unavailable."""
-    global _te
-    if _te is None:
-        _te = _load_te()
-    return _te
-
-
-def set_te_grouped_gemm(te: TEGroupedGemm | None) -> TEGroupedGemm | None:
-    """Use `te` (e.g. tests/doubles/te_grouped_gemm.py) in place of TE's; None imports TE again
-    at the next call. Returns the previous one."""
-    global _te
-    previous, _te = _te, te
-    return previous
+#: `te_grouped_gemm()`: TE's grouped GEMM (imported once), or the reason it is unavailable;
+#: `set_te_grouped_gemm` swaps in tests/doubles/te_grouped_gemm.py (`Loaded`).
+te_grouped_gemm = Loaded(_load_te)
+set_te_grouped_gemm = te_grouped_gemm.set
 
 
 def te_unsupported_reason(device: torch.device, dtype: torch.dtype) -> str | None:
