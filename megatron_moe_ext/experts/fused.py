@@ -121,14 +121,8 @@ def shape_unsupported_reason(hidden: int, inter: int) -> str | None:
 
 def fused_unsupported_reason(config, device: torch.device | str | None = None,
                              dtype: torch.dtype | None = None) -> str | None:
-    """Why `config` (an `ExpertsConfig`) would not run the fused path on `device` with rows
-    of `dtype` (default: `config.dtype`), or None when it would.
-
-    Arguments:
-        config: `ExpertsConfig` (activation, its alpha and limit, sizes, dtype).
-        device: where the tensors live (default: the current CUDA device, else CPU).
-        dtype: the rows' (compute) dtype.
-    """
+    """Why `config` (an `ExpertsConfig`) would not run the fused path with rows of `dtype`
+    (default `config.dtype`) on `device` (default: the current CUDA device, else CPU), or None."""
     if config.expert_mlp_impl == "grouped_mm":
         return "expert_mlp_impl='grouped_mm'"
     if device is None:

@@ -43,11 +43,6 @@ class WgradTarget:
         return _dummy_grad(self.main_grad.shape, self.param.dtype, self.main_grad.device,
                            getattr(self.param, "zero_out_wgrad", False))
 
-    def accumulate(self, grad: torch.Tensor) -> torch.Tensor | None:
-        """Add a computed gradient into `main_grad`; returns `finish()`."""
-        self.main_grad.add_(grad)
-        return self.finish()
-
 
 _DUMMY_GRADS: dict[tuple, torch.Tensor] = {}
 
@@ -85,7 +80,8 @@ class IntoMainGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return ctx.target.accumulate(grad), None
+        ctx.target.main_grad.add_(grad)
+        return ctx.target.finish(), None
 
 
 @dataclass(frozen=True)
