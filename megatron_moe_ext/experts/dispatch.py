@@ -79,24 +79,24 @@ class ExpertDispatch:
         return unpermute_from_experts(rows_PH, local.state)
 
 
-def make_dispatcher_config(config: ExpertsConfig, backend: str, num_sms: int, share: bool,
-                           async_dispatch: bool, static_routing: bool, **options) -> TokenDispatcherConfig:
-    """The flex dispatcher's config (validated here, at construction)."""
-    return TokenDispatcherConfig(
-        moe_flex_dispatcher_backend=backend,
-        num_moe_experts=config.n_routed_experts,
-        moe_router_topk=config.n_activated_experts,
-        moe_deepep_num_sms=num_sms,
-        moe_share_token_dispatcher=share,
-        moe_deepep_async_dispatch=async_dispatch,
-        moe_benchmark_static_routing=static_routing,
-        **options,
-    )
-
-
 class FlexDispatchedExperts:
     """What `GroupedExpertsFlex` and `GroupedExpertsTE` share: `forward` is dispatch ->
     `self._grouped_mlp(rows_PH, probs_P, tokens_per_expert)` -> combine."""
+
+    def _init_dispatch(self, config: ExpertsConfig, ep: ExpertParallel, backend: str, num_sms: int, share: bool,
+                       async_dispatch: bool, static_routing: bool, **options) -> None:
+        """The flex dispatcher's config (validated here, at construction) and the dispatch at `ep`."""
+        self.dispatcher_config = TokenDispatcherConfig(
+            moe_flex_dispatcher_backend=backend,
+            num_moe_experts=config.n_routed_experts,
+            moe_router_topk=config.n_activated_experts,
+            moe_deepep_num_sms=num_sms,
+            moe_share_token_dispatcher=share,
+            moe_deepep_async_dispatch=async_dispatch,
+            moe_benchmark_static_routing=static_routing,
+            **options,
+        )
+        self.token_dispatch = ExpertDispatch(config, ep, self.dispatcher_config)
 
     def get_pipeline_runtime_initializers(self) -> tuple:
         """Dispatcher resources to prepare before a pipeline-parallel step, else ()."""
@@ -136,10 +136,9 @@ class GroupedExpertsFlex(FlexDispatchedExperts, StackedExperts):
                  dispatcher_async_dispatch: bool = False, *, static_routing: bool = False,
                  device: torch.device | str | None = None, **dispatcher_options):
         super().__init__(config, device)
-        self.dispatcher_config = make_dispatcher_config(
-            config, dispatcher_backend, dispatcher_num_sms, dispatcher_share_token_dispatcher,
-            dispatcher_async_dispatch, static_routing, **dispatcher_options)
-        self.token_dispatch = ExpertDispatch(config, self.ep, self.dispatcher_config)
+        self._init_dispatch(config, self.ep, dispatcher_backend, dispatcher_num_sms,
+                            dispatcher_share_token_dispatcher, dispatcher_async_dispatch, static_routing,
+                            **dispatcher_options)
 
     def init_token_dispatcher(self, ep_mesh) -> None:
         """Join the EP group (DeviceMesh or ProcessGroup), keep the local experts, build the

@@ -15,6 +15,8 @@ from types import ModuleType
 
 import torch
 
+from megatron_moe_ext.utils.optional import Loaded
+
 #: QuACK versions this path was verified against (`quack-kernels`, the `quack` extra).
 VERIFIED_QUACK = "0.6.5"
 
@@ -54,9 +56,6 @@ class QuackBackend:
     auto_min_hidden_x_ffn: float = 0
 
 
-_backend: QuackBackend | None = None
-
-
 def _load_quack() -> QuackBackend:
     try:
         import quack
@@ -73,21 +72,10 @@ def _load_quack() -> QuackBackend:
                         auto_min_hidden_x_ffn=AUTO_MIN_HIDDEN_X_FFN)
 
 
-def quack_backend() -> QuackBackend:
-    """The QuACK functions (imported once), or the reason they are unavailable."""
-    global _backend
-    if _backend is None:
-        _backend = _load_quack()
-    return _backend
-
-
-def set_quack_backend(backend: QuackBackend | None) -> QuackBackend | None:
-    """Use `backend` (e.g. tests/doubles/quack_gemm.py, or an unavailable one) in place of
-    QuACK; None imports QuACK again at the next call. Returns the previous one, for
-    `set_quack_backend(previous)`."""
-    global _backend
-    previous, _backend = _backend, backend
-    return previous
+#: `quack_backend()`: the QuACK functions (imported once), or the reason they are unavailable;
+#: `set_quack_backend` swaps in tests/doubles/quack_gemm.py (`Loaded`).
+quack_backend = Loaded(_load_quack)
+set_quack_backend = quack_backend.set
 
 
 # --- what is supported --------------------------------------------------------------------------
@@ -133,14 +121,8 @@ def shape_unsupported_reason(hidden: int, inter: int) -> str | None:
 
 def fused_unsupported_reason(config, device: torch.device | str | None = None,
                              dtype: torch.dtype | None = None) -> str | None:
-    """Why `config` (an `ExpertsConfig`) would not run the fused path on `device` with rows
-    of `dtype` (default: `config.dtype`), or None when it would.
-
-    Arguments:
-        config: `ExpertsConfig` (activation, its alpha and limit, sizes, dtype).
-        device: where the tensors live (default: the current CUDA device, else CPU).
-        dtype: the rows' (compute) dtype.
-    """
+    """Why `config` (an `ExpertsConfig`) would not run the fused path with rows of `dtype`
+    (default `config.dtype`) on `device` (default: the current CUDA device, else CPU), or None."""
     if config.expert_mlp_impl == "grouped_mm":
         return "expert_mlp_impl='grouped_mm'"
     if device is None:

@@ -19,7 +19,7 @@ from megatron_moe_ext.dispatcher.common.permute import TokenCounts, counts_on, h
 from megatron_moe_ext.experts.activations import get_expert_activation
 from megatron_moe_ext.experts.common import local_expert_range, resolve_ep_group, stacked_shapes
 from megatron_moe_ext.experts.config import ExpertsConfig
-from megatron_moe_ext.experts.dispatch import ExpertDispatch, FlexDispatchedExperts, make_dispatcher_config
+from megatron_moe_ext.experts.dispatch import ExpertDispatch, FlexDispatchedExperts
 from megatron_moe_ext.utils.optional import require
 
 # Stacked checkpoint key -> (GroupedLinear attribute, parameter kind there).
@@ -72,10 +72,9 @@ class GroupedExpertsTE(FlexDispatchedExperts, nn.Module):
         self.ep_rank, self.num_local_experts = 0, config.n_routed_experts
         device = device if device is not None else "cuda" if torch.cuda.is_available() else "cpu"
         self._build_linears(config.n_routed_experts, torch.device(device))
-        self.dispatcher_config = make_dispatcher_config(
-            config, dispatcher_backend, dispatcher_num_sms, dispatcher_share_token_dispatcher,
-            dispatcher_async_dispatch, static_routing, **dispatcher_options)
-        self.token_dispatch = ExpertDispatch(config, resolve_ep_group(None), self.dispatcher_config)
+        self._init_dispatch(config, resolve_ep_group(None), dispatcher_backend, dispatcher_num_sms,
+                            dispatcher_share_token_dispatcher, dispatcher_async_dispatch, static_routing,
+                            **dispatcher_options)
 
     def _build_linears(self, num_experts: int, device: torch.device) -> None:
         config, te = self.config, self._te

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_moe_ext.utils.optional import Loaded
+
 #: Transformer Engine versions the grouped weight-gradient GEMM was read at.
 VERIFIED_TE = "2.20"
 
@@ -40,11 +42,6 @@ class WgradTarget:
         self.param.grad_added_to_main_grad = True
         return _dummy_grad(self.main_grad.shape, self.param.dtype, self.main_grad.device,
                            getattr(self.param, "zero_out_wgrad", False))
-
-    def accumulate(self, grad: torch.Tensor) -> torch.Tensor | None:
-        """Add a computed gradient into `main_grad`; returns `finish()`."""
-        self.main_grad.add_(grad)
-        return self.finish()
 
 
 _DUMMY_GRADS: dict[tuple, torch.Tensor] = {}
@@ -83,7 +80,8 @@ class IntoMainGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return ctx.target.accumulate(grad), None
+        ctx.target.main_grad.add_(grad)
+        return ctx.target.finish(), None
 
 
 @dataclass(frozen=True)
@@ -94,9 +92,6 @@ class TEGroupedGemm:
     gemm: Callable | None
     reason: str | None
     any_device: bool = False
-
-
-_te: TEGroupedGemm | None = None
 
 
 def _load_te() -> TEGroupedGemm:
@@ -112,20 +107,10 @@ def _load_te() -> TEGroupedGemm:
     return TEGroupedGemm(general_grouped_gemm, None)
 
 
-def te_grouped_gemm() -> TEGroupedGemm:
-    """TE's grouped GEMM (imported once), or the reason it is unavailable."""
-    global _te
-    if _te is None:
-        _te = _load_te()
-    return _te
-
-
-def set_te_grouped_gemm(te: TEGroupedGemm | None) -> TEGroupedGemm | None:
-    """Use `te` (e.g. tests/doubles/te_grouped_gemm.py) in place of TE's; None imports TE again
-    at the next call. Returns the previous one."""
-    global _te
-    previous, _te = _te, te
-    return previous
+#: `te_grouped_gemm()`: TE's grouped GEMM (imported once), or the reason it is unavailable;
+#: `set_te_grouped_gemm` swaps in tests/doubles/te_grouped_gemm.py (`Loaded`).
+te_grouped_gemm = Loaded(_load_te)
+set_te_grouped_gemm = te_grouped_gemm.set
 
 
 def te_unsupported_reason(device: torch.device, dtype: torch.dtype) -> str | None:

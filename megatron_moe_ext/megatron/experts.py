@@ -59,17 +59,15 @@ def _unsupported(field: str, value, allowed: str) -> ValueError:
 
 def _check_gelu_settings(config) -> None:
     """Refuse the settings under which Megatron's experts would not compute exact erf GELU."""
-    if config.bias_activation_fusion:
-        # SequentialMLP (MLP with per_token_scale) and TEGroupedMLP fuse only swiglu and
-        # quick_gelu with the routing prob; their fused bias_gelu_impl is tanh-approximated.
-        raise _unsupported("bias_activation_fusion", True,
-                           "set bias_activation_fusion=False (--no-bias-gelu-fusion) for non-gated "
-                           "gelu experts (Megatron's expert MLPs have no fused weighted GELU and "
-                           "raise at their first forward)")
-    if config.use_te_activation_func:
-        raise _unsupported("use_te_activation_func", True,
-                           "set use_te_activation_func=False for non-gated gelu experts (TE's GELU op "
-                           "is tanh-approximated; these experts compute exact erf GELU)")
+    # bias_activation_fusion: SequentialMLP (MLP with per_token_scale) and TEGroupedMLP fuse only
+    # swiglu and quick_gelu with the routing prob; their fused bias_gelu_impl is tanh-approximated.
+    for field, fix, why in (
+            ("bias_activation_fusion", " (--no-bias-gelu-fusion)",
+             "Megatron's expert MLPs have no fused weighted GELU and raise at their first forward"),
+            ("use_te_activation_func", "",
+             "TE's GELU op is tanh-approximated; these experts compute exact erf GELU")):
+        if getattr(config, field):
+            raise _unsupported(field, True, f"set {field}=False{fix} for non-gated gelu experts ({why})")
 
 
 def experts_config_from_transformer_config(config, expert_mlp_impl: str = "auto") -> ExpertsConfig:

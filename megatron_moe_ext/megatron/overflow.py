@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from megatron.core.utils import log_single_rank
 
 from megatron_moe_ext.dispatcher.common import permute as P
 from megatron_moe_ext.dispatcher.common.checks import capturing, flag_device, group_max
@@ -369,19 +370,12 @@ class AutoFactor:
             manager.sizing.factor, manager.dropless = factor, False
             if hasattr(manager, "comm"):  # agree on T here, not in the first budget step (a capture)
                 manager.sizing.size(manager, getattr(layer, "moe_dropless_tokens", 0))
-        log_rank0(f"MoE budget factor auto: {factor:.2f} (moe_expert_rank_capacity_factor from now on; the "
-                  f"dropless warm-up needed {measured:.2f}x the balanced load)")
+        log_single_rank(logger, logging.WARNING,
+                        f"MoE budget factor auto: {factor:.2f} (moe_expert_rank_capacity_factor from now on; "
+                        f"the dropless warm-up needed {measured:.2f}x the balanced load)")
 
 
 def auto_factor(measured: float) -> float:
     """`measured` times the margin, rounded up to the step (at least one step)."""
     steps = math.ceil(round(measured * AUTO_FACTOR_MARGIN / AUTO_FACTOR_STEP, 6))
     return round(max(1, steps) * AUTO_FACTOR_STEP, 2)
-
-
-def log_rank0(message: str) -> None:
-    """One line on rank 0 of Megatron's log."""
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        logger.warning(message)
-
-

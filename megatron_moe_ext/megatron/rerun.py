@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+from megatron.core.utils import log_single_rank
 
 from megatron_moe_ext.megatron import overflow
 
@@ -34,11 +37,8 @@ from megatron_moe_ext.megatron import overflow
 def _rng_states() -> tuple:
     """Torch's CPU and CUDA generators and Megatron's CUDA RNG tracker."""
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    tracker = _tracker()
-    states = None
-    if tracker is not None:
-        states = {name: state.get_state() if isinstance(state, torch.Generator) else state.clone()
-                  for name, state in tracker.get_states().items()}
+    states = {name: state.get_state() if isinstance(state, torch.Generator) else state.clone()
+              for name, state in get_cuda_rng_tracker().get_states().items()}
     return torch.get_rng_state(), cuda, states
 
 
@@ -47,23 +47,14 @@ def _set_rng_states(saved: tuple) -> None:
     torch.set_rng_state(cpu)
     if cuda is not None:
         torch.cuda.set_rng_state_all(cuda)
-    tracker = _tracker()
-    if tracker is not None and states is not None:
-        current = tracker.get_states()
-        for name, state in states.items():
-            if isinstance(current.get(name), torch.Generator):  # graph-safe tracker: in place
-                current[name].set_state(state)
-            else:
-                current[name] = state.clone()
-        tracker.set_states(current)
-
-
-def _tracker():
-    try:
-        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-    except ImportError:  # pragma: no cover - Megatron-Core is a dependency
-        return None
-    return get_cuda_rng_tracker()
+    tracker = get_cuda_rng_tracker()
+    current = tracker.get_states()
+    for name, state in states.items():
+        if isinstance(current.get(name), torch.Generator):  # graph-safe tracker: in place
+            current[name].set_state(state)
+        else:
+            current[name] = state.clone()
+    tracker.set_states(current)
 
 
 def _discard_gradients(model, optimizer=None) -> None:
@@ -99,10 +90,6 @@ def _moe_metrics() -> dict:
     return {name: entry.values for name, entry in get_moe_metrics_tracker().metrics.items()}
 
 
-def _eager(*args, **kwargs) -> bool:
-    return False
-
-
 @contextlib.contextmanager
 def dropless(model):
     """Every budget-mode layer of `model` dispatches dropless (`FixedShapeEngine.dropless`), and
@@ -119,7 +106,7 @@ def dropless(model):
         for manager in managers:
             manager.dropless = True
         for module in graphed:
-            module._should_call_local_cudagraph = module._should_call_te_cudagraph = _eager
+            module._should_call_local_cudagraph = module._should_call_te_cudagraph = lambda *args, **kwargs: False
         yield
     finally:
         for manager, was in zip(managers, before):
@@ -158,8 +145,9 @@ def run_step_with_rerun(step: Callable[[], Any], model, optimizer=None, group=No
     if not over:
         return result
     worst = max(over, key=lambda r: r.factor_needed)
-    overflow.log_rank0(f"MoE budget rerun: the {'evaluation' if forward_only else 'training'} step runs "
-                       f"again dropless ({worst.describe()}; {len(over)} layer(s) overflowed)")
+    kind = "evaluation" if forward_only else "training"
+    log_single_rank(overflow.logger, logging.WARNING, f"MoE budget rerun: the {kind} step runs again dropless "
+                    f"({worst.describe()}; {len(over)} layer(s) overflowed)")
     if not forward_only:
         _discard_gradients(model, optimizer)
     _set_rng_states(saved)

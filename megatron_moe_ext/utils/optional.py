@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from collections.abc import Callable
 from types import ModuleType
 
 #: How to get the portable torch backend instead, in Python and on Megatron's command line
@@ -53,3 +54,21 @@ def require(name: str, feature: str) -> ModuleType:
         hint = INSTALL_HINTS.get(name, f"install {name}")
         raise ImportError(f"{feature} needs the '{name}' package, which is not importable "
                           f"({type(exc).__name__}: {exc}). To fix: {hint}.") from exc
+
+
+class Loaded[Interface]:
+    """A library's interface, loaded by `load` at the first call and kept; `set` swaps in
+    another (a test double, or an unavailable one; None loads it again at the next call) and
+    returns the previous one, to put back."""
+
+    def __init__(self, load: Callable[[], Interface]):
+        self._load, self._value = load, None
+
+    def __call__(self) -> Interface:
+        if self._value is None:
+            self._value = self._load()
+        return self._value
+
+    def set(self, value: Interface | None) -> Interface | None:
+        previous, self._value = self._value, value
+        return previous
