@@ -26,10 +26,8 @@ A dispatch that does not fit is the overflow policy's:
   this dispatch's own T: `needed_factor_hundredths`) for its layer (`megatron/overflow.py`
   applies the policy).
 
-The sizing policies and `FixedShapeEngine`, what every fixed-shape manager (this one,
-HybridEP's) shares: its sizing policy and the one switch that makes a layer's dispatches
-dropless (`dropless`: the rerun of an overflowed step, the warm-up of factor "auto"), so one
-place decides, per dispatch, "fixed shape or dropless", live in `common/sizing.py`.
+The sizing policies and `FixedShapeEngine` (its `dropless` switch), which HybridEP's manager
+shares, live in `common/sizing.py`.
 
 Legend: T local tokens, K top-k (TP-expanded), W ranks, e local experts, R received rows,
 P permuted rows.
@@ -43,7 +41,7 @@ import torch.distributed as dist
 from megatron_moe_ext.dispatcher.common import checks
 from megatron_moe_ext.dispatcher.common import permute as P
 from megatron_moe_ext.dispatcher.common.handoff import indexed_rows
-from megatron_moe_ext.dispatcher.common.sizing import Budget, FixedShapeEngine, needed_factor_hundredths
+from megatron_moe_ext.dispatcher.common.sizing import Budget, FixedShapeEngine, needed_factor_hundredths, policy_of
 from megatron_moe_ext.dispatcher.common.stages import FixedDispatched, FixedPermuted
 from megatron_moe_ext.dispatcher.topk_manager import TopKManager
 
@@ -84,19 +82,16 @@ class CountOverflow:
 
 
 class FixedShapeManager(FixedShapeEngine, TopKManager):
-    """The top-k manager in a fixed-shape mode (see the module docstring).
-
-    Arguments:
-        sizing: `CalibratedCapacity` or `Budget`.
-        overflow: `RaiseOnOverflow` or `CountOverflow`.
-        **kwargs: `TopKManager`'s arguments.
-    """
+    """The top-k manager in a fixed-shape mode (see the module docstring), with `TopKManager`'s
+    arguments: the config plan's mode picks the sizing policy (`sizing.policy_of`) and the
+    overflow policy (`CountOverflow` in budget mode, else `RaiseOnOverflow`)."""
 
     replayable = False  # recompute repeats the whole dispatch (consistent, pays the layout)
 
-    def __init__(self, sizing, overflow, **kwargs):
-        super().__init__(**kwargs)
-        self.sizing, self.overflow = sizing, overflow
+    def __init__(self, comm, cfg, group, num_local_experts: int, tp_size: int):
+        super().__init__(comm, cfg, group, num_local_experts, tp_size)
+        self.sizing = policy_of(cfg.plan)
+        self.overflow = CountOverflow() if cfg.plan.mode == "budget" else RaiseOnOverflow()
 
     def dispatch(self, routing, hidden_states, *, async_finish=False, allocate_on_comm_stream=False, replay=None):
         flags = dict(async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream)

@@ -44,31 +44,6 @@ def _with_probs(call: str, stage, field: str, given: torch.Tensor | None):
     return dataclasses.replace(stage, **{field: given})
 
 
-class _OverlapFace:
-    """The manager as Megatron's 1F1B A2A overlap callables (`--overlap-moe-expert-parallel-comm`,
-    models/gpt/fine_grained_callables.py) use it through `token_dispatcher._comm_manager` under
-    the deepep / hybridep flags: they hand it the schedule node's detached routing probs
-    (`token_probs`, `dispatched_probs`, which then arrive again as the `probs` arguments of
-    `token_dispatch` / `dispatch_postprocess`: each replaces the stage in flight) and read
-    `get_number_of_tokens_per_expert()` of the dispatch in flight. Everything else is the manager's."""
-
-    def __init__(self, dispatcher: MoEFlexTokenDispatcher):
-        object.__setattr__(self, "_dispatcher", dispatcher)
-
-    def __getattr__(self, name: str):
-        return getattr(self._dispatcher.manager, name)
-
-    def __setattr__(self, name: str, value) -> None:
-        flight = self._dispatcher.flight
-        if name not in ("token_probs", "dispatched_probs") or flight is None:
-            raise AttributeError(f"{name}: Megatron's overlap callables set only token_probs and "
-                                 "dispatched_probs, of a dispatch in flight")
-        self._dispatcher.flight = _replaced(flight, name, value)
-
-    def get_number_of_tokens_per_expert(self) -> torch.Tensor:
-        return self._dispatcher.manager.tokens_per_expert(self._dispatcher.flight.stage)
-
-
 class _Preprocessed:
     """The routing awaiting its dispatch as Megatron's `cudagraph_attrs` name it
     (`preprocessed.token_probs`, ...): read, it is the routing stage's field; set (a CUDA graph
@@ -82,15 +57,31 @@ class _Preprocessed:
 
     def __setattr__(self, name: str, value) -> None:
         flight, stage_cls = self._dispatcher.flight, self._dispatcher.manager.routing_stage
-        if flight.stage is None:  # a replay that ran no preprocess: its first field
-            empty = stage_cls(**dict.fromkeys(f.name for f in dataclasses.fields(stage_cls)))
-            flight = dataclasses.replace(flight, stage=empty)
-        self._dispatcher.flight = _replaced(flight, name, value)
+        stage = flight.stage
+        if stage is None:  # a replay that ran no preprocess: its first field
+            stage = stage_cls(**dict.fromkeys(f.name for f in dataclasses.fields(stage_cls)))
+        self._dispatcher.flight = dataclasses.replace(flight, stage=dataclasses.replace(stage, **{name: value}))
 
 
-def _replaced(flight: InFlight, name: str, value) -> InFlight:
-    """`flight` with its stage's field `name` replaced by `value`."""
-    return dataclasses.replace(flight, stage=dataclasses.replace(flight.stage, **{name: value}))
+class _OverlapFace(_Preprocessed):
+    """The manager as Megatron's 1F1B A2A overlap callables (`--overlap-moe-expert-parallel-comm`,
+    models/gpt/fine_grained_callables.py) use it through `token_dispatcher._comm_manager` under
+    the deepep / hybridep flags: they hand it the schedule node's detached routing probs
+    (`token_probs`, `dispatched_probs`, which then arrive again as the `probs` arguments of
+    `token_dispatch` / `dispatch_postprocess`: each replaces the stage in flight) and read
+    `get_number_of_tokens_per_expert()` of the dispatch in flight. Everything else is the manager's."""
+
+    def __getattr__(self, name: str):
+        return getattr(self._dispatcher.manager, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name not in ("token_probs", "dispatched_probs") or self._dispatcher.flight is None:
+            raise AttributeError(f"{name}: Megatron's overlap callables set only token_probs and "
+                                 "dispatched_probs, of a dispatch in flight")
+        super().__setattr__(name, value)
+
+    def get_number_of_tokens_per_expert(self) -> torch.Tensor:
+        return self._dispatcher.manager.tokens_per_expert(self._dispatcher.flight.stage)
 
 
 class MoEFlexTokenDispatcher(MoETokenDispatcher):
@@ -143,7 +134,8 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
             settings = dispatcher_config.settings()
             self._check_construction()
             plan = dispatcher_config.plan
-            self._manager = plan.row.build(dispatcher_config, self.tp_ep_group, num_local_experts, self.tp_size)
+            #: This layer's communication manager (the backend row's build).
+            self.manager = plan.row.build(dispatcher_config, self.tp_ep_group, num_local_experts, self.tp_size)
         except ValueError as exc:
             error = exc
         checks.agree_at_build(self.tp_ep_group, settings, error)
@@ -152,7 +144,7 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         self.hook: hooks.DispatchHook | None = None
         self._hand_indexed_rows = False
         #: HybridEP's top-k -> dense/compact metadata converter (a graphable nn.Module), else None.
-        self.hybridep_metadata_processor = self._manager.metadata_processor
+        self.hybridep_metadata_processor = self.manager.metadata_processor
         #: The dispatch in flight (Megatron's face holds it between its calls).
         self.flight: InFlight | None = None
         self._last_shape: torch.Size | None = None  # the input shape of the last preprocess
@@ -199,18 +191,13 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         self._hand_indexed_rows = bool(value)
 
     @property
-    def manager(self):
-        """This layer's communication manager (the backend row's build)."""
-        return self._manager
-
-    @property
     def _comm_manager(self) -> _OverlapFace:
         """The manager as Megatron's 1F1B A2A overlap callables reach it (`_OverlapFace`)."""
         return _OverlapFace(self)
 
     def allocate_buffers(self, hidden_size: int, dtype: torch.dtype) -> None:
         """Allocate the backend's buffer now (`DispatchManager.allocate_buffers`)."""
-        self._manager.allocate_buffers(hidden_size, dtype)
+        self.manager.allocate_buffers(hidden_size, dtype)
 
     # ---- the hook seat ---------------------------------------------------------------
     def _step(self, name: str, run, *args):
@@ -303,7 +290,7 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
             rank = dist.get_rank(self.tp_ep_group)
             rows = isinstance(hidden_states, torch.Tensor) and hidden_states.dim() >= 2
             like = hidden_states.reshape(-1, hidden_states.shape[-1]) if rows else None
-            self._manager.announce_input_error(checks.error_word(checks.cause_of(exc), rank), like)
+            self.manager.announce_input_error(checks.error_word(checks.cause_of(exc), rank), like)
             raise checks.agreed_error((), exc, rank) from exc
 
     def check_input_errors(self) -> None:
@@ -338,7 +325,7 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
             routing_map, num_local_tokens = None, routing_map_or_num_tokens
         with self._peers_see_input_errors(hidden_states):
             tokens = checks.check_hidden(hidden_states, num_local_tokens)
-            self._manager.check_rows(hidden_states)
+            self.manager.check_rows(hidden_states)
             if not self._routing_handed(*(t for t in (probs, routing_map) if t is not None)):
                 checks.check_dense("probs", probs, tokens, self.ep_size, self.num_local_experts)
                 if routing_map is not None:
@@ -346,7 +333,7 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
             if routing_map is not None:
                 routing_map = self._initialize_metadata(tokens, routing_map)
             probs = self._initialize_metadata(tokens, probs)
-            flight = self._begin(hidden_states.shape, lambda: self._manager.setup(tokens, probs, routing_map))
+            flight = self._begin(hidden_states.shape, lambda: self.manager.setup(tokens, probs, routing_map))
         return hidden_states.reshape(tokens, hidden_states.shape[-1]), flight.stage.token_probs
 
     def token_dispatch(self, hidden_states, probs=None, async_finish=True, allocate_on_comm_stream=True):
@@ -358,7 +345,7 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         flight = self._advance(Step.TOKEN_DISPATCH, hidden_states, None, "the output of dispatch_preprocess")
         routing = _with_probs("token_dispatch", flight.stage, "token_probs", probs)
         try:
-            rows, dispatched = self._step("dispatch", lambda replay=None: self._manager.dispatch(
+            rows, dispatched = self._step("dispatch", lambda replay=None: self.manager.dispatch(
                 routing, hidden_states, async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream,
                 replay=replay), routing, hidden_states)
         except checks.AgreedError:
@@ -379,7 +366,7 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         flight = self._advance(Step.DISPATCH_POSTPROCESS)
         dispatched = _with_probs("dispatch_postprocess", flight.stage, "dispatched_probs", probs)
         indexed = flight.indexed_rows
-        out, permuted = self._step("permute", lambda: self._manager.permute(dispatched, hidden_states, indexed),
+        out, permuted = self._step("permute", lambda: self.manager.permute(dispatched, hidden_states, indexed),
                                    dispatched)
         num_permuted = out.num_permuted if indexed else out[0].shape[0]
         self.flight = dataclasses.replace(flight, next=Step.COMBINE_PREPROCESS, stage=permuted,
@@ -392,7 +379,7 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         flight = self._advance(Step.COMBINE_PREPROCESS, hidden_states, self.flight and self.flight.num_permuted,
                                "one row per permuted row handed to the experts")
         permuted = flight.stage
-        rows = self._step("restore", lambda: self._manager.restore(permuted, hidden_states), permuted, hidden_states)
+        rows = self._step("restore", lambda: self.manager.restore(permuted, hidden_states), permuted, hidden_states)
         self.flight = dataclasses.replace(flight, next=Step.TOKEN_COMBINE)
         return rows
 
@@ -403,7 +390,7 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         flight = self._advance(Step.TOKEN_COMBINE, hidden_states, self.flight and self.flight.num_rows,
                                "one row per row the dispatch delivered")
         permuted = flight.stage
-        out = self._step("combine", lambda: self._manager.combine(
+        out = self._step("combine", lambda: self.manager.combine(
             permuted, hidden_states, async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream),
             permuted, hidden_states)
         self.flight = dataclasses.replace(flight, next=Step.COMBINE_POSTPROCESS)
@@ -429,12 +416,12 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         """Top-k `[T, K]` routing -> `(hidden [T, H], token_probs [T, K] fp32)`."""
         with self._peers_see_input_errors(hidden_states):
             tokens = checks.check_hidden(hidden_states, num_local_tokens)
-            self._manager.check_rows(hidden_states)
+            self.manager.check_rows(hidden_states)
             if not self._routing_handed(token_probs, token_indices):
                 token_indices = self._check_topk(token_probs, token_indices, tokens)
             if self.tp_size > 1:
                 token_indices, token_probs = self._expand_topk_for_tp(token_indices, token_probs)
-            flight = self._begin(hidden_states.shape, lambda: self._manager.setup_from_indices(
+            flight = self._begin(hidden_states.shape, lambda: self.manager.setup_from_indices(
                 token_indices, token_probs))
         if hidden_states.dim() != 2:  # [T, H] as it is: no view (and no autograd node) to make
             hidden_states = hidden_states.reshape(tokens, hidden_states.shape[-1])
@@ -469,5 +456,5 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
 
     def get_pipeline_runtime_initializers(self, hidden_dim: int, dtype: torch.dtype) -> tuple:
         """Initializers to run before a pipeline step (HybridEP's buffer), else ()."""
-        initializer = self._manager.pipeline_runtime_initializer(hidden_dim, dtype)
+        initializer = self.manager.pipeline_runtime_initializer(hidden_dim, dtype)
         return () if initializer is None else (initializer,)

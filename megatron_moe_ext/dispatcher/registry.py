@@ -108,25 +108,12 @@ def plan_of(cfg) -> DispatchPlan:
 
 
 def _build_topk(comm, cfg, group, num_local_experts, tp_size):
-    """The top-k manager of `cfg`'s mode over `comm` (a `base.Communicator`); expert TP folds
-    into the expert space."""
+    """The top-k manager of `cfg`'s mode over `comm` (a `base.Communicator`)."""
     from megatron_moe_ext.dispatcher import fixed
-    from megatron_moe_ext.dispatcher.common import sizing
     from megatron_moe_ext.dispatcher.topk_manager import TopKManager
 
-    comm.check_group(group)
-    kwargs = dict(group=group, router_topk=tp_size * cfg.moe_router_topk,
-                  capacity_factor=cfg.moe_expert_capacity_factor,
-                  num_experts=tp_size * cfg.num_moe_experts, num_local_experts=num_local_experts,
-                  router_dtype=cfg.moe_router_dtype,
-                  moe_router_expert_pad_multiple=cfg.moe_router_expert_pad_multiple)
-    plan = cfg.plan
-    if plan.mode == "budget":  # sizes from the token count, overflow counted
-        return fixed.FixedShapeManager(sizing.Budget(plan.factor), fixed.CountOverflow(), comm=comm, **kwargs)
-    if plan.mode == "capacity":  # calibrated sizes, overflow raises
-        return fixed.FixedShapeManager(sizing.CalibratedCapacity(plan.factor), fixed.RaiseOnOverflow(),
-                                       comm=comm, **kwargs)
-    return TopKManager(comm, **kwargs)
+    manager = TopKManager if cfg.plan.mode == "dropless" else fixed.FixedShapeManager
+    return manager(comm, cfg, group, num_local_experts, tp_size)
 
 
 def _build_torch(cfg, group, num_local_experts, tp_size):
@@ -152,29 +139,12 @@ _HYBRIDEP_OPTIONS = (
     "moe_permute_fusion", "moe_hybridep_num_sms", "moe_hybridep_num_sms_preprocessing",
     "moe_hybridep_num_blocks_permute", "moe_hybridep_num_blocks_unpermute",
 )
-#: `TokenDispatcherConfig` fields the HybridEP manager takes under the same name.
-_HYBRIDEP_MANAGER_FIELDS = tuple(f for f in _HYBRIDEP_OPTIONS if f != "moe_permute_fusion") + (
-    "moe_router_expert_pad_multiple",)
 
 
-def _build_hybridep(cfg, group, num_local_experts, tp_size):
-    """Expert TP folds into the expert space, as in `_build_topk`."""
+def _build_hybridep(*args):
     from megatron_moe_ext.dispatcher.hybridep import HybridEPManager
 
-    plan = cfg.plan
-    return HybridEPManager(
-        group=group,
-        num_local_experts=num_local_experts,
-        num_experts=tp_size * cfg.num_moe_experts,
-        router_topk=tp_size * cfg.moe_router_topk,
-        permute_fusion=cfg.moe_permute_fusion,
-        benchmark_static_routing=cfg.moe_benchmark_static_routing,
-        router_dtype=cfg.moe_router_dtype,
-        share_buffer=cfg.moe_share_token_dispatcher,
-        moe_hybridep_capacity_factor=plan.factor if plan.mode == "capacity" else None,
-        moe_expert_rank_capacity_factor=plan.factor if plan.mode == "budget" else None,
-        **{field: getattr(cfg, field) for field in _HYBRIDEP_MANAGER_FIELDS},
-    )
+    return HybridEPManager(*args)
 
 
 def _check_hybridep_hidden(hidden_size: int) -> None:

@@ -20,34 +20,25 @@ class TopKManager(DispatchManager):
 
     Arguments:
         comm: the backend, a `base.Communicator`.
+        cfg: the layer's `TokenDispatcherConfig`: `moe_expert_capacity_factor` turns slots over
+            an expert's capacity into -1 before dispatch (dropped: no contribution, no gradient),
+            `moe_router_dtype` "fp64" hands fp64 permuted probs to the experts, and
+            `moe_router_expert_pad_multiple` pads each expert's row group with zero rows.
         group: the TPxEP communication group.
-        router_topk: K (times the expert-TP size when TP > 1).
-        capacity_factor: Megatron's `moe_expert_capacity_factor`; slots over an expert's
-            capacity become -1 before dispatch (dropped: no contribution, no gradient).
-        num_experts / num_local_experts: E (TP-expanded) and e.
-        router_dtype: "fp64" hands fp64 permuted probs to the experts.
-        moe_router_expert_pad_multiple: pad each expert's row group with zero rows.
+        num_local_experts: e.
+        tp_size: the expert-TP size: expert TP folds into the expert space (K and E times it).
     """
 
-    def __init__(
-        self,
-        comm,
-        group,
-        router_topk: int,
-        capacity_factor: float | None = None,
-        num_experts: int | None = None,
-        num_local_experts: int | None = None,
-        router_dtype: str | None = None,
-        moe_router_expert_pad_multiple: int | None = None,
-    ):
+    def __init__(self, comm, cfg, group, num_local_experts: int, tp_size: int):
+        comm.check_group(group)
         self.comm = comm
         self.group = group
-        self.router_topk = router_topk
-        self.capacity_factor = capacity_factor
-        self.num_experts = num_experts
+        self.router_topk = tp_size * cfg.moe_router_topk
+        self.capacity_factor = cfg.moe_expert_capacity_factor
+        self.num_experts = tp_size * cfg.num_moe_experts
         self.num_local_experts = num_local_experts
-        self.router_dtype = router_dtype
-        self.pad_multiple = moe_router_expert_pad_multiple
+        self.router_dtype = cfg.moe_router_dtype
+        self.pad_multiple = cfg.moe_router_expert_pad_multiple
 
     replayable = True  # along the saved layout (`Communicator.dispatch`'s `previous`)
 

@@ -385,25 +385,20 @@ class DeferredRoutingErrors:
         """Collective (every rank of `group`): raise ValueError on every rank when any rank
         recorded an error since the last call; one MAX all-reduce and one host read."""
         bits = self.bits
-        if group is None or dist.get_world_size(group) == 1:
-            local = 0 if bits is None else int(bits)
-            if bits is not None:
-                bits.zero_()  # in place: a captured record keeps its address
-            if local:
-                raise ValueError(describe(local, num_experts, topk))
-            return
+        alone = group is None or dist.get_world_size(group) == 1
         if bits is None:
             flags = torch.zeros(len(RoutingError), dtype=torch.int32)
         else:
             flags = torch.stack([(bits & int(b)).ne(0).int() for b in RoutingError])
-            bits.zero_()  # stream-ordered after the read above
-        if dist.get_backend(group) == "nccl" and flags.is_cpu:
-            flags = flags.cuda()
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+            bits.zero_()  # in place (a captured record keeps its address), stream-ordered after the read
+        if not alone:
+            if dist.get_backend(group) == "nccl" and flags.is_cpu:
+                flags = flags.cuda()
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
         agreed = sum(int(b) for b, f in zip(RoutingError, flags.tolist()) if f)
         if agreed:
-            raise ValueError(f"a rank of the expert-parallel group recorded bad routing input "
-                             f"since the last check: {describe(agreed, num_experts, topk)}")
+            raise ValueError(("" if alone else "a rank of the expert-parallel group recorded bad routing input "
+                              "since the last check: ") + describe(agreed, num_experts, topk))
 
 
 def check_model_input_errors(model: torch.nn.Module) -> None:

@@ -139,6 +139,13 @@ def needed_factor_hundredths(rows_needed, tokens_times_topk: int | torch.Tensor)
     return (rows_needed * 100 + tokens_times_topk) // slots
 
 
+def policy_of(plan) -> CalibratedCapacity | Budget | None:
+    """The sizing policy of a config's plan (`registry.DispatchPlan`): None in the dropless mode."""
+    if plan.mode == "dropless":
+        return None
+    return Budget(plan.factor) if plan.mode == "budget" else CalibratedCapacity(plan.factor)
+
+
 class FixedShapeEngine:
     """What every fixed-shape manager shares (see the module docstring): `sizing`, a
     `CalibratedCapacity` or `Budget` (None: dropless only), and the switch `dropless`."""

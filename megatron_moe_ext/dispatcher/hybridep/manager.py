@@ -142,47 +142,17 @@ class HybridEPManager(sizing.FixedShapeEngine, DispatchManager):
     """Fused permute + all-to-all + permute with HybridEP.
 
     Arguments:
+        cfg: the layer's `TokenDispatcherConfig`: its `moe_hybridep_*` buffer and kernel
+            settings, its mode (`plan`: capacity or budget, the latter with
+            `moe_hybridep_equal_token_counts`, every rank sending the same count: no all-reduce),
+            `moe_benchmark_static_routing` (pin the padded and permuted counts, see the module
+            docstring) and the router's settings, as `TopKManager` reads them.
         group: the TPxEP communication group.
-        num_local_experts / num_experts: e and E (TP-expanded when expert TP > 1).
-        router_topk: K, used when only dense probs are given.
-        permute_fusion: fused top-k -> dense probs conversion (`HybridEPMetadataProcessor`).
-        moe_hybridep_num_sms, *_num_sms_preprocessing, *_num_blocks_permute,
-            *_num_blocks_unpermute: HybridEPBuffer occupancy settings.
-        moe_hybridep_permute_fusion: HybridEP's fused permute+dispatch / unpermute+combine.
-        moe_hybridep_compact_routing: the metadata processor keeps the `[T, K]` indices and
-            the manager builds HybridEP's `[T, E]` map from them at dispatch. HybridEP's own
-            `topk_idx` path (`indices_to_map` at hybrid-ep 94a9f8f) scatters the raw indices,
-            so a -1 slot is out of bounds, and it drops the probs unless `topk_weights` is
-            given; it builds the same dense map before its all-gather, so nothing is lost.
-        benchmark_static_routing: pin the padded and permuted counts (see module docstring).
-        moe_hybridep_capacity_factor: capacity mode; None keeps the blocking path.
-        moe_expert_rank_capacity_factor: budget mode (needs moe_hybridep_equal_token_counts).
-        moe_hybridep_equal_token_counts: every rank sends the same count: no all-reduce.
-        moe_router_expert_pad_multiple: pad each expert's rows (HybridEP's `pad_multiple`).
-        router_dtype: "fp64" hands fp64 permuted probs to the experts.
+        num_local_experts: e.
+        tp_size: the expert-TP size: expert TP folds into the expert space (K and E times it).
     """
 
-    def __init__(
-        self,
-        group,
-        num_local_experts: int,
-        num_experts: int,
-        router_topk: int,
-        permute_fusion: bool = False,
-        moe_hybridep_num_sms: int = 24,
-        moe_hybridep_permute_fusion: bool = False,
-        moe_hybridep_compact_routing: bool = False,
-        moe_hybridep_num_sms_preprocessing: int | None = None,
-        moe_hybridep_num_blocks_permute: int | None = None,
-        moe_hybridep_num_blocks_unpermute: int | None = None,
-        benchmark_static_routing: bool = False,
-        moe_hybridep_capacity_factor: float | None = None,
-        moe_expert_rank_capacity_factor: float | str | None = None,
-        moe_hybridep_equal_token_counts: bool = False,
-        moe_router_expert_pad_multiple: int | None = None,
-        router_dtype: str | None = None,
-        share_buffer: bool = True,
-    ):
+    def __init__(self, cfg, group, num_local_experts: int, tp_size: int):
         deep_ep = require("deep_ep", "moe_flex_dispatcher_backend='hybridep'")
         if not hasattr(deep_ep, "HybridEPBuffer"):
             raise ImportError("moe_flex_dispatcher_backend='hybridep' needs deep_ep.HybridEPBuffer: "
@@ -190,29 +160,33 @@ class HybridEPManager(sizing.FixedShapeEngine, DispatchManager):
         self._buffer_cls = deep_ep.HybridEPBuffer
         self.group = group
         self.num_local_experts = num_local_experts
-        self.num_experts = num_experts
-        self.router_topk = router_topk
-        self.num_sms = moe_hybridep_num_sms
-        self.hybridep_permute_fusion = moe_hybridep_permute_fusion
-        self.compact_routing = moe_hybridep_compact_routing
-        self.num_sms_preprocessing = moe_hybridep_num_sms_preprocessing
-        self.num_blocks_permute = moe_hybridep_num_blocks_permute
-        self.num_blocks_unpermute = moe_hybridep_num_blocks_unpermute
-        self.benchmark_static_routing = benchmark_static_routing
-        self.sizing = (sizing.Budget(moe_expert_rank_capacity_factor) if moe_expert_rank_capacity_factor is not None
-                       else None if moe_hybridep_capacity_factor is None
-                       else sizing.CalibratedCapacity(moe_hybridep_capacity_factor))
-        self.equal_token_counts = moe_hybridep_equal_token_counts
-        self.pad_multiple = moe_router_expert_pad_multiple
-        self.router_dtype = router_dtype
-        self.metadata_processor = HybridEPMetadataProcessor(num_experts, permute_fusion, moe_hybridep_compact_routing)
+        self.num_experts = tp_size * cfg.num_moe_experts
+        self.router_topk = tp_size * cfg.moe_router_topk  # used when only dense probs are given
+        self.num_sms = cfg.moe_hybridep_num_sms
+        self.hybridep_permute_fusion = cfg.moe_hybridep_permute_fusion  # fused permute+dispatch, unpermute+combine
+        # The metadata processor keeps the `[T, K]` indices and the manager builds HybridEP's
+        # `[T, E]` map from them at dispatch. HybridEP's own `topk_idx` path (`indices_to_map` at
+        # hybrid-ep 94a9f8f) scatters the raw indices, so a -1 slot is out of bounds, and it drops
+        # the probs unless `topk_weights` is given; it builds the same dense map before its
+        # all-gather, so nothing is lost.
+        self.compact_routing = cfg.moe_hybridep_compact_routing
+        self.num_sms_preprocessing = cfg.moe_hybridep_num_sms_preprocessing
+        self.num_blocks_permute = cfg.moe_hybridep_num_blocks_permute
+        self.num_blocks_unpermute = cfg.moe_hybridep_num_blocks_unpermute
+        self.benchmark_static_routing = cfg.moe_benchmark_static_routing
+        self.sizing = sizing.policy_of(cfg.plan)
+        self.equal_token_counts = cfg.moe_hybridep_equal_token_counts
+        self.pad_multiple = cfg.moe_router_expert_pad_multiple
+        self.router_dtype = cfg.moe_router_dtype
+        # `moe_permute_fusion`: the fused top-k -> dense probs conversion.
+        self.metadata_processor = HybridEPMetadataProcessor(self.num_experts, cfg.moe_permute_fusion,
+                                                            self.compact_routing)
         # The shared-buffer registry key: the group and every constructor setting of the buffer.
         # HybridEP grows a buffer in place (hidden size, tokens per rank), so those are not in it.
-        self.buffer_key = ("hybridep", group, num_local_experts, moe_hybridep_num_sms,
-                           moe_hybridep_num_sms_preprocessing, moe_hybridep_num_blocks_permute,
-                           moe_hybridep_num_blocks_unpermute)
+        self.buffer_key = ("hybridep", group, num_local_experts, self.num_sms, self.num_sms_preprocessing,
+                           self.num_blocks_permute, self.num_blocks_unpermute)
         self._buffer_owner = buffers.acquire(self.buffer_key, lambda: _BufferOwner(self.buffer_key),
-                                             share_buffer)
+                                             cfg.moe_share_token_dispatcher)
         # Persistent per-layer state besides the calibrated capacity (`sizing`): the padded token
         # count and permuted-row count pinned by capacity calibration or static routing.
         self._pinned_tokens: int | None = None
