@@ -22,6 +22,7 @@ test-fast: setup lint typecheck
 
 lint: setup
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 # The dispatcher, each backend held to the communicator contract (dispatcher/common/base.py).
 typecheck: setup

@@ -41,34 +41,58 @@ class Suite:
             if len(args) < 2:
                 raise SystemExit("--nproc needs a number of ranks")
             nproc, args = args[1], args[2:]
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", nproc,
-                script, *args]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            nproc,
+            script,
+            *args,
+        ]
 
 
 SUITES = {
-    "layer": Suite("bench/moe_layer_bench.py",
-                   "one MoE layer fwd+bwd on one GPU: Megatron's layers vs the package's (--smoke: CPU)"),
-    "layer-slice": Suite("bench/moe_slice_bench.py",
-                         "one MoE layer at an EP rank's load (Qwen3 EP8, DeepSeek-V3 EP16): grouped vs fused vs TE"),
-    "graphs": Suite("bench/moe_layer_graphs.py",
-                    "eager vs CUDA-graphed FlexMoELayer in the budget mode, bitwise check (--smoke: CPU)"),
-    "dispatch": Suite("bench/dispatch_bench.py",
-                      "dispatch/combine throughput, the flex dispatcher vs DeepEP's raw Buffer (torchrun)",
-                      ranks=True),
-    "experts": Suite("bench/experts_bench.py",
-                     "expert MLP fwd+bwd: grouped GEMM vs per-expert loop vs Megatron SequentialMLP vs dense"),
-    "permute": Suite("bench/permute_bench.py",
-                     "the fixed-shape permutation's Triton row kernels vs torch, bitwise (--smoke: CPU)"),
-    "recompute": Suite("bench/gpu/moe_recompute.py",
-                       "peak memory and step time of MoE layers with and without activation recompute"),
-    "slice": Suite("bench/gpu/graphed_slice.sh",
-                   "Megatron-LM pretrain_gpt.py rank slices, native vs --spec, eager vs graphed (needs Megatron-LM)"),
+    "layer": Suite(
+        "bench/moe_layer_bench.py",
+        "one MoE layer fwd+bwd on one GPU: Megatron's layers vs the package's (--smoke: CPU)",
+    ),
+    "layer-slice": Suite(
+        "bench/moe_slice_bench.py",
+        "one MoE layer at an EP rank's load (Qwen3 EP8, DeepSeek-V3 EP16): grouped vs fused vs TE",
+    ),
+    "graphs": Suite(
+        "bench/moe_layer_graphs.py",
+        "eager vs CUDA-graphed FlexMoELayer in the budget mode, bitwise check (--smoke: CPU)",
+    ),
+    "dispatch": Suite(
+        "bench/dispatch_bench.py",
+        "dispatch/combine throughput, the flex dispatcher vs DeepEP's raw Buffer (torchrun)",
+        ranks=True,
+    ),
+    "experts": Suite(
+        "bench/experts_bench.py",
+        "expert MLP fwd+bwd: grouped GEMM vs per-expert loop vs Megatron SequentialMLP vs dense",
+    ),
+    "permute": Suite(
+        "bench/permute_bench.py", "the fixed-shape permutation's Triton row kernels vs torch, bitwise (--smoke: CPU)"
+    ),
+    "recompute": Suite(
+        "bench/gpu/moe_recompute.py", "peak memory and step time of MoE layers with and without activation recompute"
+    ),
+    "slice": Suite(
+        "bench/gpu/graphed_slice.sh",
+        "Megatron-LM pretrain_gpt.py rank slices, native vs --spec, eager vs graphed (needs Megatron-LM)",
+    ),
     "trace": Suite("bench/trace_layer.py", "which package files one EP2 layer step runs (CPU, 2 gloo ranks)"),
-    "host": Suite("bench/host_overhead.py", "host time the dispatcher adds around DeepEP's calls (CPU, torchrun)",
-                  ranks=True),
+    "host": Suite(
+        "bench/host_overhead.py", "host time the dispatcher adds around DeepEP's calls (CPU, torchrun)", ranks=True
+    ),
     "host-ops": Suite("bench/host_ops.py", "host cost of one layer step, dropless vs budget mode (CPU)"),
-    "budget": Suite("bench/budget_factor.py",
-                    "which budget factor holds every routed pair under forced balance (CPU simulation)"),
+    "budget": Suite(
+        "bench/budget_factor.py", "which budget factor holds every routed pair under forced balance (CPU simulation)"
+    ),
 }
 
 

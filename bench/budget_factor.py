@@ -68,9 +68,13 @@ MEGATRON_FUNCTIONS = [
     "megatron.core.transformer.moe.moe_utils.topk_routing_with_score_function",
     "megatron.core.tensor_parallel.random.get_cuda_rng_tracker (expert-parallel stream)",
 ]
-QWEN3_ROUTER = dict(moe_router_load_balancing_type="aux_loss", moe_router_score_function="softmax",
-                    moe_router_dtype="fp32", moe_aux_loss_coeff=1e-3,
-                    moe_router_force_load_balancing=True)
+QWEN3_ROUTER = dict(
+    moe_router_load_balancing_type="aux_loss",
+    moe_router_score_function="softmax",
+    moe_router_dtype="fp32",
+    moe_aux_loss_coeff=1e-3,
+    moe_router_force_load_balancing=True,
+)
 LAYERS, MICRO_BATCHES = 16, 8  # the EP8 slice's training step: 128 routing draws
 RUN_STEPS = 1000
 CANDIDATES = [round(1.0 + 0.01 * i, 2) for i in range(0, 11)] + [1.15, 1.2, 1.25]
@@ -96,17 +100,24 @@ def build_router(experts: int, topk: int, hidden: int, pg):
     from megatron.core.transformer.moe.router import TopKRouter
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    config = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=4,
-                               num_moe_experts=experts, moe_router_topk=topk,
-                               use_cpu_initialization=True, params_dtype=torch.float32,
-                               **QWEN3_ROUTER)
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=hidden,
+        num_attention_heads=4,
+        num_moe_experts=experts,
+        moe_router_topk=topk,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        **QWEN3_ROUTER,
+    )
     router = TopKRouter(config=config, pg_collection=pg)
     router.set_layer_number(1)
     return router
 
 
-def simulate(world: int, tokens: int, experts: int, topk: int, dispatches: int, seed: int = 1234,
-             hidden: int = 64, pg=None) -> dict:
+def simulate(
+    world: int, tokens: int, experts: int, topk: int, dispatches: int, seed: int = 1234, hidden: int = 64, pg=None
+) -> dict:
     """Route `dispatches` dispatches of `world` ranks x `tokens` tokens with Megatron's router.
 
     Returns `rows` (int64 numpy [dispatches, world]: rows needed on each rank), `factor`
@@ -145,8 +156,9 @@ def one_rank_rows_pmf(world: int, tokens: int, experts: int, topk: int) -> np.nd
     counts (a uniform K-subset of E experts per token), by FFT."""
     local = experts // world
     c = np.arange(min(local, topk) + 1)
-    per_token = np.array([math.comb(local, k) * math.comb(experts - local, topk - k)
-                          for k in c], dtype=np.float64) / math.comb(experts, topk)
+    per_token = np.array(
+        [math.comb(local, k) * math.comb(experts - local, topk - k) for k in c], dtype=np.float64
+    ) / math.comb(experts, topk)
     n = world * tokens
     size = 1 << int(math.ceil(math.log2(n * c[-1] + 1)))
     spectrum = np.fft.rfft(per_token, size) ** n
@@ -177,9 +189,11 @@ def summarize(sim: dict, world: int, tokens: int, experts: int, topk: int) -> di
         b = rank_budget(tokens, topk, f)
         p = p_dispatch(b)
         per_factor[f"{f:.2f}"] = dict(
-            budget_rows=b, simulated_dispatches_over=int((rows.max(1) > b).sum()),
+            budget_rows=b,
+            simulated_dispatches_over=int((rows.max(1) > b).sum()),
             p_dispatch_over_model=p,
-            p_run_over_model=-math.expm1(draws * math.log1p(-p)) if p < 1 else 1.0)
+            p_run_over_model=-math.expm1(draws * math.log1p(-p)) if p < 1 else 1.0,
+        )
     checks = {}
     for q in (0.5, 0.9, 0.99, 0.999):
         sim_f = float(np.quantile(factor, q))
@@ -187,30 +201,44 @@ def summarize(sim: dict, world: int, tokens: int, experts: int, topk: int) -> di
         # model P(max factor > sim quantile): should be close to 1 - q
         checks[f"q{q}"] = dict(simulated_factor=sim_f, model_p_max_above=p_dispatch(b), expected=1 - q)
     return dict(
-        world=world, tokens_per_rank=tokens, experts=experts, local_experts=local, topk=topk,
-        dispatches=int(len(factor)), routings_per_dispatch=world * tokens,
+        world=world,
+        tokens_per_rank=tokens,
+        experts=experts,
+        local_experts=local,
+        topk=topk,
+        dispatches=int(len(factor)),
+        routings_per_dispatch=world * tokens,
         slots_per_token=sim["slots_per_token"],
         rows_sum_equals_WTK=bool((rows.sum(1) == world * tk).all()),
-        factor_max=float(factor.max()), factor_p999=float(np.quantile(factor, 0.999)),
-        factor_p99=float(np.quantile(factor, 0.99)), factor_mean=float(factor.mean()),
+        factor_max=float(factor.max()),
+        factor_p999=float(np.quantile(factor, 0.999)),
+        factor_p99=float(np.quantile(factor, 0.99)),
+        factor_mean=float(factor.mean()),
         factor_min=float(factor.min()),
         smallest_factor_holding_all_simulated=held,
         per_rank_rows_std_simulated=float(rows.std()),
         per_rank_rows_std_exact=math.sqrt(world * tokens * var_token),
-        model_vs_simulation=checks, per_factor=per_factor)
+        model_vs_simulation=checks,
+        per_factor=per_factor,
+    )
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--worlds", default="8:2000,4:2000,16:300",
-                        help="EP sizes at E=128 with their dispatch counts: W:D,W:D,...")
+    parser.add_argument(
+        "--worlds", default="8:2000,4:2000,16:300", help="EP sizes at E=128 with their dispatch counts: W:D,W:D,..."
+    )
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--slice-dispatches", type=int, default=200,
-                        help="dispatches of the 16-expert EP8-slice model at W=1 (0: skip)")
+    parser.add_argument(
+        "--slice-dispatches",
+        type=int,
+        default=200,
+        help="dispatches of the 16-expert EP8-slice model at W=1 (0: skip)",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
@@ -218,26 +246,32 @@ def main(argv=None):
     runs = [(int(w), args.experts, int(d)) for w, d in (x.split(":") for x in args.worlds.split(",") if x)]
     if args.slice_dispatches:
         runs.append((1, 16, args.slice_dispatches))
-    out = dict(command="PYTHONPATH=$PWD python bench/budget_factor.py " + " ".join(
-                   sys.argv[1:] if argv is None else argv),
-               megatron_functions=MEGATRON_FUNCTIONS, megatron_core=_megatron_version(),
-               torch=torch.__version__, router_settings=dict(QWEN3_ROUTER, hidden_size=args.hidden),
-               seed=args.seed,
-               rank_seeds="seed + W + 1024 + 100 * rank (Megatron's EP-rank seed, run W's base seed + W)",
-               budget="megatron_moe_ext.dispatcher.fixed.rank_budget(T, K, factor)",
-               run_draws=dict(layers=LAYERS, micro_batches=MICRO_BATCHES, steps=RUN_STEPS,
-                              draws=LAYERS * MICRO_BATCHES * RUN_STEPS),
-               results={})
+    out = dict(
+        command="PYTHONPATH=$PWD python bench/budget_factor.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        megatron_functions=MEGATRON_FUNCTIONS,
+        megatron_core=_megatron_version(),
+        torch=torch.__version__,
+        router_settings=dict(QWEN3_ROUTER, hidden_size=args.hidden),
+        seed=args.seed,
+        rank_seeds="seed + W + 1024 + 100 * rank (Megatron's EP-rank seed, run W's base seed + W)",
+        budget="megatron_moe_ext.dispatcher.fixed.rank_budget(T, K, factor)",
+        run_draws=dict(
+            layers=LAYERS, micro_batches=MICRO_BATCHES, steps=RUN_STEPS, draws=LAYERS * MICRO_BATCHES * RUN_STEPS
+        ),
+        results={},
+    )
     for world, experts, dispatches in runs:
         start = time.time()
-        sim = simulate(world, args.tokens, experts, args.topk, dispatches, args.seed + world,
-                       args.hidden, pg)
+        sim = simulate(world, args.tokens, experts, args.topk, dispatches, args.seed + world, args.hidden, pg)
         res = summarize(sim, world, args.tokens, experts, args.topk)
         res["seconds"] = round(time.time() - start, 1)
         out["results"][f"E{experts}_W{world}"] = res
-        print(f"E={experts} W={world}: {dispatches} dispatches, factor max {res['factor_max']:.4f} "
-              f"p99.9 {res['factor_p999']:.4f} mean {res['factor_mean']:.4f}; held by "
-              f"{res['smallest_factor_holding_all_simulated']:.2f} ({res['seconds']} s)", flush=True)
+        print(
+            f"E={experts} W={world}: {dispatches} dispatches, factor max {res['factor_max']:.4f} "
+            f"p99.9 {res['factor_p999']:.4f} mean {res['factor_mean']:.4f}; held by "
+            f"{res['smallest_factor_holding_all_simulated']:.2f} ({res['seconds']} s)",
+            flush=True,
+        )
     text = json.dumps(out, indent=1)
     if args.out:
         with open(args.out, "w") as f:

@@ -99,6 +99,7 @@ def install_timeline(deep_ep) -> None:
                 return fn(*args, **kwargs)
             finally:
                 marks[f"{name}_out"] = time.perf_counter()
+
         return wrapper
 
     for name in ("get_dispatch_layout", "dispatch", "combine"):
@@ -118,8 +119,14 @@ def record_phases(t0: float, t_end: float) -> None:
     keys = ("get_dispatch_layout_in", "get_dispatch_layout_out", "dispatch_in", "dispatch_out")
     if all(k in marks for k in keys):
         m = marks
-        points = (t0, m["get_dispatch_layout_in"], m["get_dispatch_layout_out"], m["dispatch_in"],
-                  m["dispatch_out"], t_end)
+        points = (
+            t0,
+            m["get_dispatch_layout_in"],
+            m["get_dispatch_layout_out"],
+            m["dispatch_in"],
+            m["dispatch_out"],
+            t_end,
+        )
         names = ("before_layout", "layout", "between", "library_dispatch", "after_dispatch")
         phases.append({n: (b - a) * 1e6 for n, a, b in zip(names, points, points[1:])})
     marks.clear()
@@ -162,16 +169,23 @@ def event_pair():
 def bench_raw(deep_ep, shape, x_TH, indices_TK, probs_TK, group, iters, warmup, prelude_us):
     world = dist.get_world_size(group)
     hidden_bytes = shape["hidden"] * 2
-    num_nvl_bytes = max(cfg.get_nvl_buffer_size_hint(hidden_bytes, world)
-                        for cfg in (deep_ep.Buffer.get_dispatch_config(world),
-                                    deep_ep.Buffer.get_combine_config(world)))
+    num_nvl_bytes = max(
+        cfg.get_nvl_buffer_size_hint(hidden_bytes, world)
+        for cfg in (deep_ep.Buffer.get_dispatch_config(world), deep_ep.Buffer.get_combine_config(world))
+    )
     buffer = deep_ep.Buffer(group, num_nvl_bytes, 0, explicitly_destroy=True)
 
     def dispatch():
         per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(indices_TK, shape["experts"])
-        return buffer.dispatch(x_TH, topk_idx=indices_TK, topk_weights=probs_TK,
-                               num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma,
-                               is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+        return buffer.dispatch(
+            x_TH,
+            topk_idx=indices_TK,
+            topk_weights=probs_TK,
+            num_tokens_per_rank=per_rank,
+            num_tokens_per_rdma_rank=per_rdma,
+            is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert,
+        )
 
     recv_x, _, _, _, handle, _ = dispatch()
 
@@ -201,8 +215,12 @@ def bench_raw(deep_ep, shape, x_TH, indices_TK, probs_TK, group, iters, warmup, 
 def bench_ext(backend, shape, x_TH, indices_TK, probs_TK, group, num_sms, iters, warmup, prelude_us):
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     e = shape["experts"] // world
-    cfg = TokenDispatcherConfig(moe_flex_dispatcher_backend=backend, num_moe_experts=shape["experts"],
-                                moe_router_topk=shape["topk"], moe_deepep_num_sms=num_sms)
+    cfg = TokenDispatcherConfig(
+        moe_flex_dispatcher_backend=backend,
+        num_moe_experts=shape["experts"],
+        moe_router_topk=shape["topk"],
+        moe_deepep_num_sms=num_sms,
+    )
     disp = MoEFlexTokenDispatcher(e, list(range(rank * e, (rank + 1) * e)), cfg, group)
     disp.allocate_buffers(shape["hidden"], torch.bfloat16)
     tokens = x_TH.shape[0]
@@ -254,74 +272,118 @@ def compare(args, deep_ep, name, num_sms, group, device) -> dict:
     raw_times, ext_times, raw_host, ext_host = [], [], [], []
     side_phases = {"raw": [], "ext": []}
     for r in range(args.rounds):
-        for side in (("raw", "ext") if r % 2 == 0 else ("ext", "raw")):
+        for side in ("raw", "ext") if r % 2 == 0 else ("ext", "raw"):
             host_s.clear()
             phases.clear()
             if side == "raw":
-                raw_rows, times = bench_raw(deep_ep, shape, x_TH, indices_TK, probs_TK, group,
-                                            args.iters, args.warmup, args.prelude_us)
+                raw_rows, times = bench_raw(
+                    deep_ep, shape, x_TH, indices_TK, probs_TK, group, args.iters, args.warmup, args.prelude_us
+                )
                 raw_times += times
-                raw_host += host_s[args.warmup:]
+                raw_host += host_s[args.warmup :]
             else:
-                ext_rows, times = bench_ext(args.backend, shape, x_TH, indices_TK, probs_TK, group,
-                                            num_sms, args.iters, args.warmup, args.prelude_us)
+                ext_rows, times = bench_ext(
+                    args.backend,
+                    shape,
+                    x_TH,
+                    indices_TK,
+                    probs_TK,
+                    group,
+                    num_sms,
+                    args.iters,
+                    args.warmup,
+                    args.prelude_us,
+                )
                 ext_times += times
-                ext_host += host_s[args.warmup:]
-            side_phases[side] += phases[args.warmup:]
+                ext_host += host_s[args.warmup :]
+            side_phases[side] += phases[args.warmup :]
     nvl_bytes = raw_rows.numel() * 2  # dispatch_bf16_nvl_recv_bytes == combine_bf16_nvl_send_bytes
-    medians = {f"{side}_{op}_s": statistics.median(t[i] for t in times)
-               for side, times in (("raw", raw_times), ("ext", ext_times))
-               for i, op in enumerate(("dispatch", "combine"))}
+    medians = {
+        f"{side}_{op}_s": statistics.median(t[i] for t in times)
+        for side, times in (("raw", raw_times), ("ext", ext_times))
+        for i, op in enumerate(("dispatch", "combine"))
+    }
     if len(raw_times[0]) == 4:  # --timeline: from the library's entry to the region's end
-        medians.update({f"{side}_{op}_from_library_entry_s": statistics.median(t[i] for t in times)
-                        for side, times in (("raw", raw_times), ("ext", ext_times))
-                        for i, op in ((2, "dispatch"), (3, "combine"))})
-    entry = {"shape": shape, "num_sms": num_sms, "nvl_bytes_rank": nvl_bytes, **medians,
-             "raw_dispatch_host_s": statistics.median(raw_host),
-             "ext_dispatch_host_s": statistics.median(ext_host)}
+        medians.update(
+            {
+                f"{side}_{op}_from_library_entry_s": statistics.median(t[i] for t in times)
+                for side, times in (("raw", raw_times), ("ext", ext_times))
+                for i, op in ((2, "dispatch"), (3, "combine"))
+            }
+        )
+    entry = {
+        "shape": shape,
+        "num_sms": num_sms,
+        "nvl_bytes_rank": nvl_bytes,
+        **medians,
+        "raw_dispatch_host_s": statistics.median(raw_host),
+        "ext_dispatch_host_s": statistics.median(ext_host),
+    }
     for op in ("dispatch", "combine"):
         entry[f"ext_{op}_gbps"] = gbps(nvl_bytes, medians[f"ext_{op}_s"])
         entry[f"raw_{op}_gbps"] = gbps(nvl_bytes, medians[f"raw_{op}_s"])
         entry[f"{op}_ratio"] = entry[f"ext_{op}_gbps"] / entry[f"raw_{op}_gbps"]
     if side_phases["raw"]:
-        entry["host_phases_us"] = {side: {n: round(statistics.median(p[n] for p in ph), 1) for n in ph[0]}
-                                   for side, ph in side_phases.items()}
+        entry["host_phases_us"] = {
+            side: {n: round(statistics.median(p[n] for p in ph), 1) for n in ph[0]}
+            for side, ph in side_phases.items()
+        }
     entry["ext_rows_equal_raw"] = bool(ext_rows.shape == raw_rows.shape and torch.equal(ext_rows, raw_rows))
     per_rank = [None] * world
     dist.all_gather_object(per_rank, entry)
     if rank == 0:
-        print(f"[{name}, {num_sms} SMs] ext({args.backend}) dispatch {entry['ext_dispatch_gbps']:.1f} GB/s "
-              f"vs raw {entry['raw_dispatch_gbps']:.1f} (ratio {entry['dispatch_ratio']:.3f}); combine "
-              f"{entry['ext_combine_gbps']:.1f} vs {entry['raw_combine_gbps']:.1f} "
-              f"(ratio {entry['combine_ratio']:.3f}); host us/dispatch ext "
-              f"{entry['ext_dispatch_host_s'] * 1e6:.0f} raw {entry['raw_dispatch_host_s'] * 1e6:.0f}; "
-              f"rows equal: {entry['ext_rows_equal_raw']}", flush=True)
+        print(
+            f"[{name}, {num_sms} SMs] ext({args.backend}) dispatch {entry['ext_dispatch_gbps']:.1f} GB/s "
+            f"vs raw {entry['raw_dispatch_gbps']:.1f} (ratio {entry['dispatch_ratio']:.3f}); combine "
+            f"{entry['ext_combine_gbps']:.1f} vs {entry['raw_combine_gbps']:.1f} "
+            f"(ratio {entry['combine_ratio']:.3f}); host us/dispatch ext "
+            f"{entry['ext_dispatch_host_s'] * 1e6:.0f} raw {entry['raw_dispatch_host_s'] * 1e6:.0f}; "
+            f"rows equal: {entry['ext_rows_equal_raw']}",
+            flush=True,
+        )
         if "host_phases_us" in entry:
             print(f"  host phases (us): {entry['host_phases_us']}", flush=True)
         if "raw_dispatch_from_library_entry_s" in entry:
-            print("  GPU us from the library's entry to the region end (raw / ext): " + ", ".join(
-                f"{op} {entry[f'raw_{op}_from_library_entry_s'] * 1e6:.1f} / "
-                f"{entry[f'ext_{op}_from_library_entry_s'] * 1e6:.1f}" for op in ("dispatch", "combine")),
-                flush=True)
+            print(
+                "  GPU us from the library's entry to the region end (raw / ext): "
+                + ", ".join(
+                    f"{op} {entry[f'raw_{op}_from_library_entry_s'] * 1e6:.1f} / "
+                    f"{entry[f'ext_{op}_from_library_entry_s'] * 1e6:.1f}"
+                    for op in ("dispatch", "combine")
+                ),
+                flush=True,
+            )
     return {**per_rank[0], "per_rank": per_rank}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backend", choices=("deepep", "torch"), default="deepep",
-                        help="backend of our dispatcher (raw DeepEP is always the baseline)")
-    parser.add_argument("--num-sms", type=int, nargs="+", default=[24],
-                        help="SM counts to compare at; the first fills `shapes`")
+    parser.add_argument(
+        "--backend",
+        choices=("deepep", "torch"),
+        default="deepep",
+        help="backend of our dispatcher (raw DeepEP is always the baseline)",
+    )
+    parser.add_argument(
+        "--num-sms", type=int, nargs="+", default=[24], help="SM counts to compare at; the first fills `shapes`"
+    )
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=4, help="alternating raw/ext rounds")
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--timeline", action="store_true",
-                        help="stamp host time around the library's calls and report the phases "
-                             "(adds a little host time to both sides)")
-    parser.add_argument("--prelude-us", type=float, default=0.0,
-                        help="GPU busy time (torch.cuda._sleep) queued before every timed region, "
-                             "for both sides; 0 starts each region on an idle GPU")
+    parser.add_argument(
+        "--timeline",
+        action="store_true",
+        help="stamp host time around the library's calls and report the phases "
+        "(adds a little host time to both sides)",
+    )
+    parser.add_argument(
+        "--prelude-us",
+        type=float,
+        default=0.0,
+        help="GPU busy time (torch.cuda._sleep) queued before every timed region, "
+        "for both sides; 0 starts each region on an idle GPU",
+    )
     args = parser.parse_args()
 
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -334,24 +396,31 @@ def main():
         install_timeline(deep_ep)
     calibrate_sleep()
     device = torch.device("cuda", local_rank)
-    by_num_sms = {str(n): {name: compare(args, deep_ep, name, n, group, device) for name in args.shapes}
-                  for n in args.num_sms}
+    by_num_sms = {
+        str(n): {name: compare(args, deep_ep, name, n, group, device) for name in args.shapes} for n in args.num_sms
+    }
 
     if rank == 0:
         out_dir = os.environ.get("OUT", "./outputs")
         os.makedirs(out_dir, exist_ok=True)
         device_name = torch.cuda.get_device_name(device)
         tag = "h200" if "H200" in device_name else device_name.lower().replace(" ", "_")
-        suffix = (("_timeline" if args.timeline else "")
-                  + (f"_prelude{args.prelude_us:g}us" if args.prelude_us else ""))
+        suffix = ("_timeline" if args.timeline else "") + (
+            f"_prelude{args.prelude_us:g}us" if args.prelude_us else ""
+        )
         path = os.path.join(out_dir, f"dispatch_{args.backend}_ep{world}_{tag}{suffix}.json")
         record = {
             "command": " ".join(["torchrun", f"--nproc-per-node {world}"] + sys.argv),
             "date": datetime.datetime.now(datetime.UTC).isoformat(),
             "device": f"{world}x {device_name}",
-            "num_sms": args.num_sms[0], "iters": args.iters, "warmup": args.warmup, "rounds": args.rounds,
-            "ext_backend": args.backend, "timeline": args.timeline,
-            "prelude_us": args.prelude_us, "shapes": by_num_sms[str(args.num_sms[0])],
+            "num_sms": args.num_sms[0],
+            "iters": args.iters,
+            "warmup": args.warmup,
+            "rounds": args.rounds,
+            "ext_backend": args.backend,
+            "timeline": args.timeline,
+            "prelude_us": args.prelude_us,
+            "shapes": by_num_sms[str(args.num_sms[0])],
             "by_num_sms": {n: r for n, r in by_num_sms.items() if n != str(args.num_sms[0])},
         }
         with open(path, "w") as f:

@@ -99,10 +99,16 @@ def make_inputs(shape: dict, tokens_per_expert: int, device):
     rows = tokens_per_expert * experts
     x = torch.randn(rows, hidden, generator=gen, device=device).bfloat16().requires_grad_(True)
     probs = torch.rand(rows, 1, generator=gen, device=device).requires_grad_(True)
-    w1 = (torch.randn(experts, hidden, 2 * inter, generator=gen, device=device)
-          / hidden ** 0.5).bfloat16().requires_grad_(True)
-    w2 = (torch.randn(experts, inter, hidden, generator=gen, device=device)
-          / inter ** 0.5).bfloat16().requires_grad_(True)
+    w1 = (
+        (torch.randn(experts, hidden, 2 * inter, generator=gen, device=device) / hidden**0.5)
+        .bfloat16()
+        .requires_grad_(True)
+    )
+    w2 = (
+        (torch.randn(experts, inter, hidden, generator=gen, device=device) / inter**0.5)
+        .bfloat16()
+        .requires_grad_(True)
+    )
     grad = torch.randn(rows, hidden, generator=gen, device=device).bfloat16()
     counts = torch.full((experts,), tokens_per_expert, dtype=torch.int64, device=device)
     return x, probs, w1, w2, grad, counts
@@ -142,15 +148,27 @@ def build_megatron_sequential(shape: dict, w1, w2):
         parallel_state.initialize_model_parallel(1, 1)
         model_parallel_cuda_manual_seed(1234)
     config = TransformerConfig(
-        num_layers=1, hidden_size=shape["hidden"], num_attention_heads=8,
-        ffn_hidden_size=shape["inter"], moe_ffn_hidden_size=shape["inter"],
-        num_moe_experts=shape["experts"], moe_router_topk=2, gated_linear_unit=True,
-        activation_func=F.silu, bias_activation_fusion=True, add_bias_linear=False, bf16=True,
-        params_dtype=torch.bfloat16, gradient_accumulation_fusion=False)
-    module = SequentialMLP(shape["experts"], config,
-                           MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                         linear_fc2=RowParallelLinear),
-                           pg_collection=get_default_pg_collection()).cuda()
+        num_layers=1,
+        hidden_size=shape["hidden"],
+        num_attention_heads=8,
+        ffn_hidden_size=shape["inter"],
+        moe_ffn_hidden_size=shape["inter"],
+        num_moe_experts=shape["experts"],
+        moe_router_topk=2,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        bias_activation_fusion=True,
+        add_bias_linear=False,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        gradient_accumulation_fusion=False,
+    )
+    module = SequentialMLP(
+        shape["experts"],
+        config,
+        MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+        pg_collection=get_default_pg_collection(),
+    ).cuda()
     load_weights(module, w1, w2)
     return module
 
@@ -195,10 +213,11 @@ def check_agreement(shape: dict, device, megatron) -> dict:
     if megatron is not None:
         load_weights(megatron, w1, w2)
     results = {}
-    for name, fn in (("grouped", lambda: grouped_forward(x, probs, w1, w2, counts)),
-                     ("loop", lambda: loop_forward(x, probs, w1, w2, counts.tolist())),
-                     ("megatron_sequential",
-                      None if megatron is None else lambda: megatron(x, counts, probs.view(-1))[0])):
+    for name, fn in (
+        ("grouped", lambda: grouped_forward(x, probs, w1, w2, counts)),
+        ("loop", lambda: loop_forward(x, probs, w1, w2, counts.tolist())),
+        ("megatron_sequential", None if megatron is None else lambda: megatron(x, counts, probs.view(-1))[0]),
+    ):
         if fn is None:
             continue
         x.grad = None
@@ -206,10 +225,15 @@ def check_agreement(shape: dict, device, megatron) -> dict:
         out.backward(grad)
         results[name] = (out.detach().float(), x.grad.float())
     base_out, base_grad = results["grouped"]
-    return {name: {"max_abs_out_diff": (out - base_out).abs().max().item(),
-                   "max_abs_grad_x_diff": (gx - base_grad).abs().max().item(),
-                   "out_abs_max": base_out.abs().max().item()}
-            for name, (out, gx) in results.items() if name != "grouped"}
+    return {
+        name: {
+            "max_abs_out_diff": (out - base_out).abs().max().item(),
+            "max_abs_grad_x_diff": (gx - base_grad).abs().max().item(),
+            "out_abs_max": base_out.abs().max().item(),
+        }
+        for name, (out, gx) in results.items()
+        if name != "grouped"
+    }
 
 
 def bench_bias_grad(shape: dict, tokens_per_expert: int, device, iters: int, warmup: int) -> dict:
@@ -226,17 +250,20 @@ def bench_bias_grad(shape: dict, tokens_per_expert: int, device, iters: int, war
     expert_ids = bias._row_expert_ids(counts, rows)
     methods = {
         "triton_deterministic": lambda: bias.reduce_bias_grad(grad, counts, probs, torch.bfloat16),
-        "fallback_float64": lambda: bias._reduce_bias_grad_chunked_fallback(grad, counts, probs,
-                                                                            torch.bfloat16),
-        "index_add_atomic": lambda: torch.zeros(experts, hidden, device=device).index_add_(
-            0, expert_ids, grad.float() * probs).bfloat16(),
+        "fallback_float64": lambda: bias._reduce_bias_grad_chunked_fallback(grad, counts, probs, torch.bfloat16),
+        "index_add_atomic": lambda: (
+            torch.zeros(experts, hidden, device=device).index_add_(0, expert_ids, grad.float() * probs).bfloat16()
+        ),
     }
     out = {"rows": rows, "hidden": hidden}
     for name, fn in methods.items():
         seconds = median_seconds(fn, iters, warmup)
         runs = [fn() for _ in range(5)]
-        out[name] = {"ms": round(seconds * 1e3, 4), "gb_per_s": round(grad.nbytes / seconds / 1e9, 1),
-                     "bitwise_reproducible": all(torch.equal(r, runs[0]) for r in runs[1:])}
+        out[name] = {
+            "ms": round(seconds * 1e3, 4),
+            "gb_per_s": round(grad.nbytes / seconds / 1e9, 1),
+            "bitwise_reproducible": all(torch.equal(r, runs[0]) for r in runs[1:]),
+        }
     return out
 
 
@@ -246,8 +273,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES))
     parser.add_argument("--tokens-per-expert", type=int, nargs="*", default=TOKENS_PER_EXPERT)
-    parser.add_argument("--prelude-us", type=float, default=2000.0,
-                        help="GPU work queued before each `_busy_` iteration (0: skip them)")
+    parser.add_argument(
+        "--prelude-us",
+        type=float,
+        default=2000.0,
+        help="GPU work queued before each `_busy_` iteration (0: skip them)",
+    )
     args = parser.parse_args()
     device = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -278,22 +309,20 @@ def main() -> None:
             flops = 18 * rows * hidden * inter
             counts_host = counts.tolist()
             steps = {
-                "grouped": training_step(lambda: grouped_forward(x, probs, w1, w2, counts),
-                                         (x, probs, w1, w2), grad),
+                "grouped": training_step(lambda: grouped_forward(x, probs, w1, w2, counts), (x, probs, w1, w2), grad),
                 "grouped_host_counts": training_step(
-                    lambda: grouped_forward(x, probs, w1, w2, counts_host), (x, probs, w1, w2), grad),
-                "loop": training_step(lambda: loop_forward(x, probs, w1, w2, counts_host),
-                                      (x, probs, w1, w2), grad),
+                    lambda: grouped_forward(x, probs, w1, w2, counts_host), (x, probs, w1, w2), grad
+                ),
+                "loop": training_step(lambda: loop_forward(x, probs, w1, w2, counts_host), (x, probs, w1, w2), grad),
                 "dense_bf16": dense_step(rows, hidden, inter, device),
             }
             if megatron is not None:
                 load_weights(megatron, w1, w2)
                 steps["megatron_sequential"] = training_step(
-                    lambda: megatron(x, counts, probs.view(-1))[0],
-                    (x, probs, *megatron.parameters()), grad)
+                    lambda: megatron(x, counts, probs.view(-1))[0], (x, probs, *megatron.parameters()), grad
+                )
             row = {"rows": rows}
-            for name in ("grouped", "grouped_host_counts", "loop", "megatron_sequential",
-                         "dense_bf16"):
+            for name in ("grouped", "grouped_host_counts", "loop", "megatron_sequential", "dense_bf16"):
                 if name not in steps:
                     row[f"{name}_tflops"] = None
                     continue
@@ -308,15 +337,17 @@ def main() -> None:
                 if f"dense_bf16{prefix}_tflops" in row:
                     for name in ("grouped", "grouped_host_counts"):
                         row[f"{name}{prefix}_vs_dense"] = round(
-                            row[f"{name}{prefix}_tflops"] / row[f"dense_bf16{prefix}_tflops"], 3)
+                            row[f"{name}{prefix}_tflops"] / row[f"dense_bf16{prefix}_tflops"], 3
+                        )
             entry["tokens_per_expert"][str(tpe)] = row
             print(shape_name, tpe, row, flush=True)
             # Drop this size's tensors (and the closures over them) before the next allocates.
             steps = x = probs = w1 = w2 = grad = None
             torch.cuda.empty_cache()
         result["shapes"][shape_name] = entry
-    result["bias_grad_reduction"] = bench_bias_grad(SHAPES["deepseek_v3"], max(args.tokens_per_expert),
-                                                    device, args.iters, args.warmup)
+    result["bias_grad_reduction"] = bench_bias_grad(
+        SHAPES["deepseek_v3"], max(args.tokens_per_expert), device, args.iters, args.warmup
+    )
     print("bias_grad_reduction", result["bias_grad_reduction"], flush=True)
     result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     print("wrote", write_result("experts_h200.json", result))

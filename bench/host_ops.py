@@ -55,6 +55,7 @@ class _CountedKernel:
                 mode.counts["triton_launch"] += 1
             with _disable_current_modes():
                 return self.kernel[grid](*args, **kwargs)
+
         return launch
 
 
@@ -74,8 +75,9 @@ def take_cuda_path() -> None:
         return counts_e
 
     permute.host_counts_tensor = tagged_host_counts
-    mlp.host_counts = lambda counts: (None if isinstance(counts, torch.Tensor) and not hasattr(counts, "on_host")
-                                      else host_counts(counts))
+    mlp.host_counts = lambda counts: (
+        None if isinstance(counts, torch.Tensor) and not hasattr(counts, "on_host") else host_counts(counts)
+    )
     for name in ("_gather_sum_kernel", "_invert_positions_kernel"):
         setattr(gather_triton, name, _CountedKernel(getattr(gather_triton, name)))
 
@@ -100,14 +102,20 @@ def build(budget: bool):
     from tests.shims import megatron_cpu
 
     pg = megatron_cpu.init_parallel_state(1)
-    config = layer_config(LayerCase("host", num_experts=E, topk=K, hidden=H, ffn=FFN, seq=SEQ,
-                                    batch=BATCH, grouped_gemm=True), 1)
+    config = layer_config(
+        LayerCase("host", num_experts=E, topk=K, hidden=H, ffn=FFN, seq=SEQ, batch=BATCH, grouped_gemm=True), 1
+    )
     extra = dict(moe_expert_rank_capacity_factor=1.25, moe_expert_rank_overflow_policy="drop") if budget else {}
     dcfg = TokenDispatcherConfig.from_transformer_config(config, **extra)
     spec = get_moe_module_spec(use_te=False, num_experts=E)
-    layer = FlexMoELayer(config, submodules=spec.keywords["submodules"], pg_collection=pg, layer_number=1,
-                         dispatcher_config=dcfg,
-                         experts=lambda *a, **kw: GroupedGemmExperts(*a, expert_mlp_impl="grouped_mm", **kw))
+    layer = FlexMoELayer(
+        config,
+        submodules=spec.keywords["submodules"],
+        pg_collection=pg,
+        layer_number=1,
+        dispatcher_config=dcfg,
+        experts=lambda *a, **kw: GroupedGemmExperts(*a, expert_mlp_impl="grouped_mm", **kw),
+    )
     layer.set_layer_number(1)
     assert (layer.moe_overflow_stats is not None) == budget
     return layer
@@ -136,8 +144,11 @@ def measure(layer, args) -> dict:
         t0 = time.perf_counter()
         backward(forward())
         times.append(time.perf_counter() - t0)
-    result = dict(forward_ops=sum(fwd.counts.values()), backward_ops=sum(bwd.counts.values()),
-                  step_us=round(statistics.median(times) * 1e6))
+    result = dict(
+        forward_ops=sum(fwd.counts.values()),
+        backward_ops=sum(bwd.counts.values()),
+        step_us=round(statistics.median(times) * 1e6),
+    )
     if args.ops:
         result["forward_by_op"] = dict(fwd.counts.most_common())
         result["backward_by_op"] = dict(bwd.counts.most_common())

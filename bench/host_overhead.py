@@ -41,10 +41,14 @@ stamps: dict[str, float] = {}
 def stand_in_library(world: int, rank: int) -> types.ModuleType:
     """A `deep_ep` whose `Buffer` does no work and returns fixed outputs."""
     recv_rows = T * world // 2
-    outputs = (torch.empty(recv_rows, H, dtype=torch.bfloat16, device="meta"),
-               torch.empty(recv_rows, K, dtype=torch.int64, device="meta"),
-               torch.empty(recv_rows, K, device="meta"), [recv_rows * K // E] * (E // world),
-               tuple(torch.empty(1, device="meta") for _ in range(6)), None)
+    outputs = (
+        torch.empty(recv_rows, H, dtype=torch.bfloat16, device="meta"),
+        torch.empty(recv_rows, K, dtype=torch.int64, device="meta"),
+        torch.empty(recv_rows, K, device="meta"),
+        [recv_rows * K // E] * (E // world),
+        tuple(torch.empty(1, device="meta") for _ in range(6)),
+        None,
+    )
     combined = torch.empty(T, H, dtype=torch.bfloat16, device="meta")
 
     class Config:
@@ -71,8 +75,9 @@ def stand_in_library(world: int, rank: int) -> types.ModuleType:
 
         get_combine_config = get_dispatch_config
 
-        def get_dispatch_layout(self, topk_idx, num_experts, previous_event=None, async_finish=False,
-                                allocate_on_comm_stream=False):
+        def get_dispatch_layout(
+            self, topk_idx, num_experts, previous_event=None, async_finish=False, allocate_on_comm_stream=False
+        ):
             stamps["dispatch_library"] = time.perf_counter()
             return None, None, None, None, None
 
@@ -113,8 +118,13 @@ def measure(dispatch, combine, calls: int = 2000) -> dict:
         for op, start, end in (("dispatch", t0, t1), ("combine", t1, t2)):
             samples[f"{op}_before_library_us"].append(stamps[f"{op}_library"] - start)
             samples[f"{op}_total_us"].append(end - start)
-    return {op: {part: round(statistics.median(samples[f"{op}_{part}"]) * 1e6, 2)
-                 for part in ("before_library_us", "total_us")} for op in ("dispatch", "combine")}
+    return {
+        op: {
+            part: round(statistics.median(samples[f"{op}_{part}"]) * 1e6, 2)
+            for part in ("before_library_us", "total_us")
+        }
+        for op in ("dispatch", "combine")
+    }
 
 
 def main() -> None:
@@ -125,8 +135,9 @@ def main() -> None:
     from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
 
     e = E // world
-    cfg = TokenDispatcherConfig(moe_flex_dispatcher_backend="deepep", num_moe_experts=E, moe_router_topk=K,
-                                moe_deepep_num_sms=24)
+    cfg = TokenDispatcherConfig(
+        moe_flex_dispatcher_backend="deepep", num_moe_experts=E, moe_router_topk=K, moe_deepep_num_sms=24
+    )
     disp = MoEFlexTokenDispatcher(e, list(range(rank * e, (rank + 1) * e)), cfg, dist.group.WORLD)
     x_TH = torch.empty(T, H, dtype=torch.bfloat16, device="meta").requires_grad_()
     probs_TK = torch.empty(T, K, device="meta").requires_grad_()
@@ -135,8 +146,14 @@ def main() -> None:
 
     def raw_dispatch():
         layout = buffer.get_dispatch_layout(indices_TK, E)
-        recv = buffer.dispatch(x_TH, topk_idx=indices_TK, topk_weights=probs_TK, num_tokens_per_rank=layout[0],
-                               is_token_in_rank=layout[3], num_tokens_per_expert=layout[2])
+        recv = buffer.dispatch(
+            x_TH,
+            topk_idx=indices_TK,
+            topk_weights=probs_TK,
+            num_tokens_per_rank=layout[0],
+            is_token_in_rank=layout[3],
+            num_tokens_per_expert=layout[2],
+        )
         return recv[0], recv[4]
 
     def raw_combine(rows_and_handle):
@@ -153,11 +170,15 @@ def main() -> None:
     if rank == 0:
         print(json.dumps(result), flush=True)
         host = "gpu" if torch.cuda.is_available() else "cpu"
-        record = {"command": f"torchrun --nproc-per-node {world} bench/host_overhead.py",
-                  "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                  "host": f"{host} machine, {os.cpu_count()} CPUs, {cpu_model()}",
-                  "python": sys.version.split()[0], "torch": torch.__version__,
-                  "shape": {"tokens": T, "hidden": H, "topk": K, "experts": E}, **result}
+        record = {
+            "command": f"torchrun --nproc-per-node {world} bench/host_overhead.py",
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "host": f"{host} machine, {os.cpu_count()} CPUs, {cpu_model()}",
+            "python": sys.version.split()[0],
+            "torch": torch.__version__,
+            "shape": {"tokens": T, "hidden": H, "topk": K, "experts": E},
+            **result,
+        }
         out_dir = os.environ.get("OUT", "./outputs")
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, f"host_overhead_{host}.json"), "w") as f:

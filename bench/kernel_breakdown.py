@@ -81,7 +81,7 @@ def remove_labels(labels) -> None:
 def _own_label(event) -> str | None:
     name = event.name
     if name.startswith(PREFIX):
-        return name[len(PREFIX):]
+        return name[len(PREFIX) :]
     return None
 
 
@@ -155,7 +155,8 @@ def breakdown(events, steps: int = 1, device: str = "cuda", top: int = 15) -> di
     return dict(
         labels={k: dict(ms=round(v[0], 4), gemm_ms=round(v[1], 4)) for k, v in sorted(per_label.items())},
         total_ms=round(sum(v[0] for v in per_label.values()), 4),
-        top_kernels=[[name, label, round(ms, 4), round(n, 2)] for (name, label), (ms, n) in ranked])
+        top_kernels=[[name, label, round(ms, 4), round(n, 2)] for (name, label), (ms, n) in ranked],
+    )
 
 
 def union_length(intervals) -> float:
@@ -213,6 +214,8 @@ def gpu_activity(events, top: int = 25) -> dict:
         kernels=len(kernels),
         busy_ms_incl_copies=round(union_length(kernels + copies) / 1e3, 3),
         copies=len(copies),
-        first_to_last_ms=(round((max(e for _, e in kernels) - min(s for s, _ in kernels)) / 1e3, 3)
-                          if kernels else 0.0),
-        top_kernels=[[name, round(ms, 4), n] for name, (ms, n) in ranked])
+        first_to_last_ms=(
+            round((max(e for _, e in kernels) - min(s for s, _ in kernels)) / 1e3, 3) if kernels else 0.0
+        ),
+        top_kernels=[[name, round(ms, 4), n] for name, (ms, n) in ranked],
+    )

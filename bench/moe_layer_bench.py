@@ -58,13 +58,26 @@ SHAPES = {
 ZIPF_EXPONENT = 1.2
 SEED = 1234
 TE_VARIANTS = ("megatron_te", "megatron_te_permute_fusion", "flex_te_grouped_mlp", "seed_grouped_experts_te")
-VARIANTS = ("megatron_local", "megatron_te", "megatron_te_permute_fusion",
-            "megatron_alltoall_grouped_gemm", "flex_grouped_gemm", "flex_te_grouped_mlp",
-            "flex_sequential", "seed_grouped_experts", "seed_grouped_experts_deepep",
-            "seed_grouped_experts_te")
+VARIANTS = (
+    "megatron_local",
+    "megatron_te",
+    "megatron_te_permute_fusion",
+    "megatron_alltoall_grouped_gemm",
+    "flex_grouped_gemm",
+    "flex_te_grouped_mlp",
+    "flex_sequential",
+    "seed_grouped_experts",
+    "seed_grouped_experts_deepep",
+    "seed_grouped_experts_te",
+)
 # The package's layers, and Megatron's reference for each comparison in the summary.
-PACKAGE_VARIANTS = ("flex_grouped_gemm", "flex_te_grouped_mlp", "seed_grouped_experts",
-                    "seed_grouped_experts_deepep", "seed_grouped_experts_te")
+PACKAGE_VARIANTS = (
+    "flex_grouped_gemm",
+    "flex_te_grouped_mlp",
+    "seed_grouped_experts",
+    "seed_grouped_experts_deepep",
+    "seed_grouped_experts_te",
+)
 
 
 def have_te() -> bool:
@@ -83,8 +96,7 @@ def routing_logits(kind: str, tokens: int, experts: int, topk: int, device) -> t
     elif kind == "skewed":
         popularity = 1.0 / torch.arange(1, experts + 1, dtype=torch.float64) ** ZIPF_EXPONENT
         popularity = popularity[torch.randperm(experts, generator=gen)]
-        chosen_TK = torch.multinomial(popularity.expand(tokens, experts), topk, replacement=False,
-                                      generator=gen)
+        chosen_TK = torch.multinomial(popularity.expand(tokens, experts), topk, replacement=False, generator=gen)
     else:
         raise ValueError(f"routing={kind!r} is invalid: expected 'balanced' or 'skewed'")
     logits = torch.randn(tokens, experts, generator=gen) - 8.0
@@ -98,20 +110,32 @@ def tokens_per_expert(logits_TE: torch.Tensor, topk: int) -> list[int]:
 
 
 # ---- model construction -----------------------------------------------------------------
-def layer_config(shape: dict, *, permute_fusion: bool = False, grouped_gemm: bool = False,
-                 cpu: bool = False):
+def layer_config(shape: dict, *, permute_fusion: bool = False, grouped_gemm: bool = False, cpu: bool = False):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = torch.bfloat16
     return TransformerConfig(
-        num_layers=1, hidden_size=shape["hidden"], num_attention_heads=shape["heads"],
-        ffn_hidden_size=4 * shape["hidden"], num_moe_experts=shape["experts"],
-        moe_router_topk=shape["topk"], moe_ffn_hidden_size=shape["ffn"],
-        moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="aux_loss",
-        moe_aux_loss_coeff=1e-3, moe_permute_fusion=permute_fusion, moe_grouped_gemm=grouped_gemm,
+        num_layers=1,
+        hidden_size=shape["hidden"],
+        num_attention_heads=shape["heads"],
+        ffn_hidden_size=4 * shape["hidden"],
+        num_moe_experts=shape["experts"],
+        moe_router_topk=shape["topk"],
+        moe_ffn_hidden_size=shape["ffn"],
+        moe_token_dispatcher_type="alltoall",
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=1e-3,
+        moe_permute_fusion=permute_fusion,
+        moe_grouped_gemm=grouped_gemm,
         gated_linear_unit=True,
-        activation_func=F.silu, bias_activation_fusion=not cpu, add_bias_linear=False,
-        bf16=True, params_dtype=dtype, use_cpu_initialization=cpu, hidden_dropout=0.0)
+        activation_func=F.silu,
+        bias_activation_fusion=not cpu,
+        add_bias_linear=False,
+        bf16=True,
+        params_dtype=dtype,
+        use_cpu_initialization=cpu,
+        hidden_dropout=0.0,
+    )
 
 
 class SeedLayer(torch.nn.Module):
@@ -132,9 +156,14 @@ class SeedLayer(torch.nn.Module):
 def _seed_experts(name: str, shape: dict, device):
     from megatron_moe_ext.experts import ExpertsConfig, GroupedExperts, GroupedExpertsDeepEP, GroupedExpertsTE
 
-    cfg = ExpertsConfig(n_routed_experts=shape["experts"], n_activated_experts=shape["topk"],
-                        dim=shape["hidden"], moe_inter_dim=shape["ffn"], expert_activation="swiglu",
-                        dtype=torch.bfloat16)
+    cfg = ExpertsConfig(
+        n_routed_experts=shape["experts"],
+        n_activated_experts=shape["topk"],
+        dim=shape["hidden"],
+        moe_inter_dim=shape["ffn"],
+        expert_activation="swiglu",
+        dtype=torch.bfloat16,
+    )
     if name == "seed_grouped_experts":
         module = GroupedExperts(cfg, device=device)
     elif name == "seed_grouped_experts_deepep":
@@ -156,8 +185,9 @@ def build_variant(name: str, shape: dict, pg, device, cpu: bool):
 
     # moe_grouped_gemm as `--moe-grouped-gemm` sets it for the TE layers; the other variants
     # pass their experts explicitly (FlexMoELayer would otherwise pick its grouped experts).
-    config = layer_config(shape, permute_fusion=name == "megatron_te_permute_fusion",
-                          grouped_gemm=name in TE_VARIANTS, cpu=cpu)
+    config = layer_config(
+        shape, permute_fusion=name == "megatron_te_permute_fusion", grouped_gemm=name in TE_VARIANTS, cpu=cpu
+    )
     kw = dict(config=config, pg_collection=pg, layer_number=1)
     local = get_moe_module_spec(use_te=False, num_experts=shape["experts"]).keywords["submodules"]
     if name in ("megatron_te", "megatron_te_permute_fusion", "flex_te_grouped_mlp"):
@@ -183,8 +213,9 @@ def build_variant(name: str, shape: dict, pg, device, cpu: bool):
     elif name == "flex_sequential":
         layer = FlexMoELayer(submodules=local, **kw)
     else:
-        layer = SeedLayer(TopKRouter(config=config, pg_collection=pg), _seed_experts(name, shape, device),
-                          shape["topk"])
+        layer = SeedLayer(
+            TopKRouter(config=config, pg_collection=pg), _seed_experts(name, shape, device), shape["topk"]
+        )
     return route_by_input(layer.to(device), shape["experts"])
 
 
@@ -242,8 +273,12 @@ def time_layer(layer, x_SBH, grad_SBH, warmup: int, iters: int, cuda: bool) -> d
         times.append(call_ms(step, cuda))
         tracker.clear()  # the aux-loss tracker accumulates per step, as between training steps
     times.sort()
-    result = dict(median_ms=statistics.median(times), p10_ms=times[len(times) // 10],
-                  p90_ms=times[(9 * len(times)) // 10], iters=iters)
+    result = dict(
+        median_ms=statistics.median(times),
+        p10_ms=times[len(times) // 10],
+        p90_ms=times[(9 * len(times)) // 10],
+        iters=iters,
+    )
     if cuda:
         result["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
         result["peak_over_start_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
@@ -279,7 +314,8 @@ def summarize(cells: dict) -> dict:
                 out[f"fastest_package_speedup_vs_{ref}"] = ok[ref] / package[best]
     if "flex_grouped_gemm" in ok and "megatron_alltoall_grouped_gemm" in ok:
         out["flex_vs_megatron_alltoall_same_grouped_experts"] = (
-            ok["megatron_alltoall_grouped_gemm"] / ok["flex_grouped_gemm"])
+            ok["megatron_alltoall_grouped_gemm"] / ok["flex_grouped_gemm"]
+        )
     if "flex_te_grouped_mlp" in ok and "megatron_te" in ok:
         out["flex_vs_megatron_alltoall_same_te_grouped_mlp"] = ok["megatron_te"] / ok["flex_te_grouped_mlp"]
     return out
@@ -310,16 +346,21 @@ def setup(cpu: bool):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shapes", nargs="+", default=["qwen3_30b_a3b", "deepseek_v3_1gpu"],
-                        choices=[s for s in SHAPES if s != "smoke"])
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        default=["qwen3_30b_a3b", "deepseek_v3_1gpu"],
+        choices=[s for s in SHAPES if s != "smoke"],
+    )
     parser.add_argument("--routing", nargs="+", default=["balanced", "skewed"], choices=["balanced", "skewed"])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--smoke", action="store_true", help="tiny shape on CPU, 2 iterations")
     parser.add_argument("--json", default=None, help="output path (default $OUT/moe_layer_h200.json)")
-    parser.add_argument("--profile", nargs="*", default=[], choices=VARIANTS,
-                        help="variants whose top kernels are recorded (GPU)")
+    parser.add_argument(
+        "--profile", nargs="*", default=[], choices=VARIANTS, help="variants whose top kernels are recorded (GPU)"
+    )
     args = parser.parse_args()
     cpu = args.smoke or not torch.cuda.is_available()
     if not args.smoke and args.iters < 30:
@@ -334,15 +375,26 @@ def main() -> None:
     device = "cpu" if cpu else "cuda"
     te = have_te()
     result = dict(
-        command="python " + " ".join(sys.argv), date=datetime.datetime.now().isoformat(timespec="seconds"),
-        device=torch.cuda.get_device_name(0) if not cpu else "cpu", torch=torch.__version__,
-        have_te=te, zipf_exponent=ZIPF_EXPONENT, seed=SEED, warmup=warmup, iters=iters,
-        shapes={s: SHAPES[s] for s in shapes}, results={}, summary={})
+        command="python " + " ".join(sys.argv),
+        date=datetime.datetime.now().isoformat(timespec="seconds"),
+        device=torch.cuda.get_device_name(0) if not cpu else "cpu",
+        torch=torch.__version__,
+        have_te=te,
+        zipf_exponent=ZIPF_EXPONENT,
+        seed=SEED,
+        warmup=warmup,
+        iters=iters,
+        shapes={s: SHAPES[s] for s in shapes},
+        results={},
+        summary={},
+    )
     try:
         import megatron.core
+
         result["megatron_core"] = megatron.core.__version__
         if te:
             import transformer_engine
+
             result["transformer_engine"] = transformer_engine.__version__
     except Exception as error:  # noqa: BLE001 - versions are informative only
         result["version_error"] = repr(error)
@@ -367,15 +419,23 @@ def main() -> None:
                     if name in args.profile and not cpu:
                         cells[name]["top_kernels"] = top_kernels(layer, x, grad)
                 except Exception as error:  # noqa: BLE001 - record and go on to the next variant
-                    cells[name] = {"error": f"{type(error).__name__}: {error}",
-                                   "traceback": traceback.format_exc()[-2000:]}
+                    cells[name] = {
+                        "error": f"{type(error).__name__}: {error}",
+                        "traceback": traceback.format_exc()[-2000:],
+                    }
                 del layer
                 if not cpu:
                     torch.cuda.empty_cache()
                 cell = cells[name]
-                print(f"{key:28s} {name:32s} " + (f"{cell['median_ms']:8.3f} ms  peak "
-                      f"{cell.get('peak_mem_gib', float('nan')):6.2f} GiB" if "median_ms" in cell
-                      else cell.get("skipped") or cell["error"][:200]), flush=True)
+                print(
+                    f"{key:28s} {name:32s} "
+                    + (
+                        f"{cell['median_ms']:8.3f} ms  peak {cell.get('peak_mem_gib', float('nan')):6.2f} GiB"
+                        if "median_ms" in cell
+                        else cell.get("skipped") or cell["error"][:200]
+                    ),
+                    flush=True,
+                )
             result["results"][key] = cells
             result["summary"][key] = summarize({k: v for k, v in cells.items() if not k.startswith("_")})
             print(f"{key:28s} summary {json.dumps(result['summary'][key])}", flush=True)

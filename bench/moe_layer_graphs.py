@@ -52,8 +52,7 @@ def init_world(gpu: bool) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     dist.init_process_group("nccl" if gpu else "gloo", rank=0, world_size=1)
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -79,17 +78,37 @@ def build_layer(shape: dict, gpu: bool):
 
     dtype = torch.bfloat16 if gpu else torch.float32
     config = TransformerConfig(
-        num_layers=1, hidden_size=shape["hidden"], num_attention_heads=8, ffn_hidden_size=shape["ffn"],
-        num_moe_experts=shape["experts"], moe_router_topk=shape["topk"], moe_ffn_hidden_size=shape["ffn"],
-        moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
-        moe_router_dtype="fp32", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-        add_bias_linear=False, params_dtype=dtype, bf16=gpu, use_cpu_initialization=not gpu)
+        num_layers=1,
+        hidden_size=shape["hidden"],
+        num_attention_heads=8,
+        ffn_hidden_size=shape["ffn"],
+        num_moe_experts=shape["experts"],
+        moe_router_topk=shape["topk"],
+        moe_ffn_hidden_size=shape["ffn"],
+        moe_token_dispatcher_type="alltoall",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_router_dtype="fp32",
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        params_dtype=dtype,
+        bf16=gpu,
+        use_cpu_initialization=not gpu,
+    )
     dcfg = TokenDispatcherConfig.from_transformer_config(
-        config, moe_expert_rank_capacity_factor=1.0, moe_share_token_dispatcher=False)
+        config, moe_expert_rank_capacity_factor=1.0, moe_share_token_dispatcher=False
+    )
     pg = ProcessGroupCollection.use_mpu_process_groups()
     spec = get_moe_module_spec(use_te=False, num_experts=shape["experts"])
-    layer = FlexMoELayer(config, submodules=spec.keywords["submodules"], pg_collection=pg,
-                         layer_number=1, dispatcher_config=dcfg, experts=GroupedGemmExperts)
+    layer = FlexMoELayer(
+        config,
+        submodules=spec.keywords["submodules"],
+        pg_collection=pg,
+        layer_number=1,
+        dispatcher_config=dcfg,
+        experts=GroupedGemmExperts,
+    )
     layer.set_layer_number(1)
     return layer.to(dtype)
 
@@ -122,8 +141,10 @@ def fwd_bwd(fn, params, x, grad):
 
 
 def bitwise_equal(a, b) -> bool:
-    return a.shape == b.shape and torch.equal(a.view(-1).view(torch.uint8) if a.is_floating_point() else a,
-                                              b.view(-1).view(torch.uint8) if b.is_floating_point() else b)
+    return a.shape == b.shape and torch.equal(
+        a.view(-1).view(torch.uint8) if a.is_floating_point() else a,
+        b.view(-1).view(torch.uint8) if b.is_floating_point() else b,
+    )
 
 
 def time_steps(fn, args, iters: int, gpu: bool) -> float:
@@ -212,28 +233,37 @@ def layer_case(name: str, shape: dict, tpe: int, args, gpu: bool, device, dtype)
         if gpu:
             torch.cuda.set_sync_debug_mode("default")
     reports = check_overflow(module)
-    result.update(host_sync_error=sync_error, host_syncs_per_step=0 if sync_error is None else None,
-                  overflow_dropped_pairs=sum(r.dropped_pairs for r in reports),
-                  budget_rows=reports[0].budget if reports else None)
+    result.update(
+        host_sync_error=sync_error,
+        host_syncs_per_step=0 if sync_error is None else None,
+        overflow_dropped_pairs=sum(r.dropped_pairs for r in reports),
+        budget_rows=reports[0].budget if reports else None,
+    )
     if not gpu:
         result["eager_ms"] = time_steps(lambda x, g: fwd_bwd(module, params, x, g), (x0, g0), 1, gpu)
         return result
 
-    graphed = torch.cuda.make_graphed_callables(module, (x0.detach().requires_grad_(),),
-                                                num_warmup_iters=3)
+    graphed = torch.cuda.make_graphed_callables(module, (x0.detach().requires_grad_(),), num_warmup_iters=3)
     mismatches, steps = [], args.steps
     for step in range(steps):
         x, g = tokens(num_tokens, shape["hidden"], step + 1, device, dtype)
         ye, gxe, gpe = fwd_bwd(module, params, x, g)
         yg, gxg, gpg = fwd_bwd(graphed, params, x, g)
-        same = bitwise_equal(ye, yg) and bitwise_equal(gxe, gxg) and all(
-            (a is None and b is None) or bitwise_equal(a, b) for a, b in zip(gpe, gpg))
+        same = (
+            bitwise_equal(ye, yg)
+            and bitwise_equal(gxe, gxg)
+            and all((a is None and b is None) or bitwise_equal(a, b) for a, b in zip(gpe, gpg))
+        )
         if not same:
-            mismatches.append(dict(step=step, out=float((ye.float() - yg.float()).abs().max()),
-                                   grad_x=float((gxe.float() - gxg.float()).abs().max())))
+            mismatches.append(
+                dict(
+                    step=step,
+                    out=float((ye.float() - yg.float()).abs().max()),
+                    grad_x=float((gxe.float() - gxg.float()).abs().max()),
+                )
+            )
     check_overflow(module)
-    result.update(bitwise_steps=steps, bitwise_mismatches=mismatches[:5],
-                  bitwise_equal=not mismatches)
+    result.update(bitwise_steps=steps, bitwise_mismatches=mismatches[:5], bitwise_equal=not mismatches)
 
     iters = args.iters
     eager = (lambda x, g: fwd_bwd(module, params, x, g), (x0, g0))
@@ -242,8 +272,9 @@ def layer_case(name: str, shape: dict, tpe: int, args, gpu: bool, device, dtype)
     result["graphed_ms"] = time_steps(*graph, iters, gpu)
     result["eager_host_ms"] = host_ms(*eager, 5)
     result["graphed_host_ms"] = host_ms(*graph, 5)
-    (result["eager_kernel_ms"], result["eager_gemm_kernel_ms"],
-     result["eager_top_kernels"]) = kernel_ms(*eager, max(iters // 4, 3))
+    (result["eager_kernel_ms"], result["eager_gemm_kernel_ms"], result["eager_top_kernels"]) = kernel_ms(
+        *eager, max(iters // 4, 3)
+    )
     result["graphed_kernel_ms"], _, _ = kernel_ms(*graph, max(iters // 4, 3))
     result["speedup"] = result["eager_ms"] / result["graphed_ms"]
     # A graph removes host time only: graphed time cannot drop below its kernel time, so
@@ -310,11 +341,17 @@ def expert_mlp_case(layer, rows: int, shape: dict, iters: int, device, dtype) ->
 
 def write_summary(args, gpu: bool, cases: list, wall_s: float) -> None:
     summary = dict(
-        command=" ".join(["python"] + sys.argv), date=datetime.datetime.now(datetime.UTC).isoformat(),
-        device=torch.cuda.get_device_name() if gpu else "cpu", torch=torch.__version__,
-        smoke=args.smoke, wall_s=wall_s, cases=cases)
-    out = args.out or os.path.join(os.environ.get("OUT", "."),
-                                   "moe_layer_graphs_smoke.json" if args.smoke else "moe_layer_graphs_h200.json")
+        command=" ".join(["python"] + sys.argv),
+        date=datetime.datetime.now(datetime.UTC).isoformat(),
+        device=torch.cuda.get_device_name() if gpu else "cpu",
+        torch=torch.__version__,
+        smoke=args.smoke,
+        wall_s=wall_s,
+        cases=cases,
+    )
+    out = args.out or os.path.join(
+        os.environ.get("OUT", "."), "moe_layer_graphs_smoke.json" if args.smoke else "moe_layer_graphs_h200.json"
+    )
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(summary, f, indent=1)

@@ -80,18 +80,29 @@ VARIANTS = ("megatron_te", "flex_grouped_mm", "flex_fused")
 # at EP 1 the budget is every pair, so nothing drops): no host read of the counts.
 BUDGET_VARIANTS = ("flex_budget", "flex_fused_budget")
 TE_VARIANTS = ("megatron_te",)
-EXPERT_MLP_IMPL = {"flex_grouped_mm": "grouped_mm", "flex_fused": "fused", "flex_budget": "grouped_mm",
-                   "flex_fused_budget": "fused"}
-DISPATCHER_METHODS = ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess",
-                      "combine_preprocess", "token_combine", "combine_postprocess")
+EXPERT_MLP_IMPL = {
+    "flex_grouped_mm": "grouped_mm",
+    "flex_fused": "fused",
+    "flex_budget": "grouped_mm",
+    "flex_fused_budget": "fused",
+}
+DISPATCHER_METHODS = (
+    "dispatch_preprocess",
+    "token_dispatch",
+    "dispatch_postprocess",
+    "combine_preprocess",
+    "token_combine",
+    "combine_postprocess",
+)
 
 
 # ---- layers -----------------------------------------------------------------------------
 def slice_config(shape: dict, name: str, cpu: bool, router_fusion: bool = True):
     """Megatron's TransformerConfig of one variant: the recipe's router settings everywhere
     (fused router only where TE is, i.e. not on the CPU), `moe_permute_fusion` for Megatron."""
-    base = layer_bench.layer_config(shape, permute_fusion=name == "megatron_te" and not cpu,
-                                    grouped_gemm=name in TE_VARIANTS, cpu=cpu)
+    base = layer_bench.layer_config(
+        shape, permute_fusion=name == "megatron_te" and not cpu, grouped_gemm=name in TE_VARIANTS, cpu=cpu
+    )
     return dataclasses.replace(base, moe_router_fusion=router_fusion and not cpu, moe_router_dtype="fp32")
 
 
@@ -114,7 +125,8 @@ def build_variant(name: str, shape: dict, pg, device, cpu: bool, router_fusion: 
         experts = functools.partial(GroupedGemmExperts, expert_mlp_impl=EXPERT_MLP_IMPL[name])
         if name in BUDGET_VARIANTS:
             kw["dispatcher_config"] = TokenDispatcherConfig.from_transformer_config(
-                config, moe_expert_rank_capacity_factor=1.0)
+                config, moe_expert_rank_capacity_factor=1.0
+            )
         layer = FlexMoELayer(submodules=local, experts=experts, **kw)
     return layer_bench.route_by_input(layer.to(device), shape["experts"])
 
@@ -145,8 +157,9 @@ def _as_leaves(value):
     if isinstance(value, torch.Tensor):
         return value.detach().requires_grad_(value.requires_grad and value.is_floating_point())
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.replace(value, **{f.name: _as_leaves(getattr(value, f.name))
-                                             for f in dataclasses.fields(value) if f.init})
+        return dataclasses.replace(
+            value, **{f.name: _as_leaves(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
+        )
     if isinstance(value, (list, tuple)):
         return type(value)(_as_leaves(v) for v in value)
     if isinstance(value, dict):
@@ -158,7 +171,8 @@ def record_expert_call(layer, x_SBH, grad_SBH) -> tuple[tuple, dict]:
     """The (args, kwargs) the layer passes its experts in one step, as leaves (`_as_leaves`)."""
     calls = []
     handle = layer.experts.register_forward_pre_hook(
-        lambda _m, args, kwargs: calls.append((args, kwargs)) if not calls else None, with_kwargs=True)
+        lambda _m, args, kwargs: calls.append((args, kwargs)) if not calls else None, with_kwargs=True
+    )
     try:
         layer_step(layer, x_SBH, grad_SBH)()
     finally:
@@ -211,10 +225,17 @@ def interleaved(steps: dict, rounds: int, per_round: int, cuda: bool) -> dict:
         for name, step in steps.items():
             means[name].append(sum(call_ms(step, cuda) for _ in range(per_round)) / per_round)
             queued[name].append(queued_ms(step, per_round, cuda))
-    return {name: dict(median_ms=statistics.median(v), min_ms=min(v), max_ms=max(v), rounds=rounds,
-                       queued_ms=statistics.median(w for w, _ in queued[name]),
-                       queued_host_ms=statistics.median(h for _, h in queued[name]))
-            for name, v in means.items()}
+    return {
+        name: dict(
+            median_ms=statistics.median(v),
+            min_ms=min(v),
+            max_ms=max(v),
+            rounds=rounds,
+            queued_ms=statistics.median(w for w, _ in queued[name]),
+            queued_host_ms=statistics.median(h for _, h in queued[name]),
+        )
+        for name, v in means.items()
+    }
 
 
 def expert_tflops(shape: dict, rows: int, ms: float) -> float:
@@ -228,10 +249,15 @@ def profile_layer(layer, step, iters: int = 3) -> dict:
     """Kernel ms per step into router / permutation+gather / expert GEMMs / expert other / other."""
     from torch.profiler import ProfilerActivity, profile
 
-    labels = [kernel_breakdown.label_module(layer.router, "router"),
-              kernel_breakdown.label_module(layer.experts, "experts")]
-    labels += [kernel_breakdown.label_method(layer.token_dispatcher, m, "permutation_gather")
-               for m in DISPATCHER_METHODS if hasattr(layer.token_dispatcher, m)]
+    labels = [
+        kernel_breakdown.label_module(layer.router, "router"),
+        kernel_breakdown.label_module(layer.experts, "experts"),
+    ]
+    labels += [
+        kernel_breakdown.label_method(layer.token_dispatcher, m, "permutation_gather")
+        for m in DISPATCHER_METHODS
+        if hasattr(layer.token_dispatcher, m)
+    ]
     try:
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -321,8 +347,7 @@ def run_case(shape: dict, routing: str, variants, pg, device, cpu: bool, args) -
             for _ in range(args.warmup):
                 expert_steps[name]()
         except Exception as error:  # noqa: BLE001 - record and go on with the other variants
-            cells[name] = {"error": f"{type(error).__name__}: {error}",
-                           "traceback": traceback.format_exc()[-2000:]}
+            cells[name] = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()[-2000:]}
             layers.pop(name, None), layer_steps.pop(name, None), expert_steps.pop(name, None)
     cuda = not cpu
     for name, timing in interleaved(layer_steps, args.rounds, args.steps, cuda).items():
@@ -339,7 +364,8 @@ def run_case(shape: dict, routing: str, variants, pg, device, cpu: bool, args) -
     for mine in ("flex_fused", *BUDGET_VARIANTS):
         if mine in layers and "flex_grouped_mm" in layers:
             cells[mine]["vs_flex_grouped_mm"] = compare_with_reference(
-                layers[mine], layers["flex_grouped_mm"], x, grad)
+                layers[mine], layers["flex_grouped_mm"], x, grad
+            )
     return cells
 
 
@@ -349,8 +375,7 @@ def summarize(cells: dict) -> dict:
     out = {}
     for part in ("layer", "experts"):
         for timing, prefix in (("median_ms", ""), ("queued_ms", "queued_")):
-            ms = {k: c[part][timing] for k, c in cells.items()
-                  if isinstance(c, dict) and timing in c.get(part, {})}
+            ms = {k: c[part][timing] for k, c in cells.items() if isinstance(c, dict) and timing in c.get(part, {})}
             for ref in ("flex_grouped_mm", "megatron_te"):
                 for mine in ("flex_fused", "flex_grouped_mm", *BUDGET_VARIANTS):
                     if mine != ref and mine in ms and ref in ms:
@@ -367,12 +392,17 @@ def _version(module: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shapes", nargs="+", default=[s for s in SHAPES if s != "smoke"],
-                        choices=[s for s in SHAPES if s != "smoke"])
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        default=[s for s in SHAPES if s != "smoke"],
+        choices=[s for s in SHAPES if s != "smoke"],
+    )
     parser.add_argument("--routing", nargs="+", default=["balanced", "skewed"], choices=["balanced", "skewed"])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS + BUDGET_VARIANTS)
-    parser.add_argument("--no-router-fusion", action="store_true",
-                        help="Megatron's unfused router in every variant (runs without TE)")
+    parser.add_argument(
+        "--no-router-fusion", action="store_true", help="Megatron's unfused router in every variant (runs without TE)"
+    )
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per variant per round")
     parser.add_argument("--warmup", type=int, default=2)
@@ -391,11 +421,21 @@ def main() -> None:
     pg = layer_bench.setup(cpu)
     device = "cpu" if cpu else "cuda"
     result = dict(
-        command="python " + " ".join(sys.argv), date=datetime.datetime.now().isoformat(timespec="seconds"),
-        device=torch.cuda.get_device_name(0) if not cpu else "cpu", torch=torch.__version__,
-        have_te=layer_bench.have_te(), zipf_exponent=layer_bench.ZIPF_EXPONENT, seed=layer_bench.SEED,
-        rounds=args.rounds, steps_per_round=args.steps, warmup=args.warmup,
-        shapes={s: SHAPES[s] for s in shapes}, slice=True, results={}, summary={})
+        command="python " + " ".join(sys.argv),
+        date=datetime.datetime.now().isoformat(timespec="seconds"),
+        device=torch.cuda.get_device_name(0) if not cpu else "cpu",
+        torch=torch.__version__,
+        have_te=layer_bench.have_te(),
+        zipf_exponent=layer_bench.ZIPF_EXPONENT,
+        seed=layer_bench.SEED,
+        rounds=args.rounds,
+        steps_per_round=args.steps,
+        warmup=args.warmup,
+        shapes={s: SHAPES[s] for s in shapes},
+        slice=True,
+        results={},
+        summary={},
+    )
     for module in ("megatron.core", "transformer_engine", "quack"):
         result[f"version_{module}"] = _version(module)
     t_start = time.perf_counter()
@@ -407,12 +447,19 @@ def main() -> None:
             result["summary"][key] = summarize(cells)
             for name in args.variants:
                 cell = cells.get(name, {})
-                print(f"{key:32s} {name:16s} " + (
-                    f"layer {cell['layer']['median_ms']:8.3f} ms (queued {cell['layer']['queued_ms']:.3f}, "
-                    f"host {cell['layer']['queued_host_ms']:.3f})  experts {cell['experts']['median_ms']:8.3f} ms "
-                    f"(queued {cell['experts']['queued_ms']:.3f}, host {cell['experts']['queued_host_ms']:.3f}) "
-                    f"({cell['experts']['tflops']:.0f} TFLOP/s)  first step {cell['first_step_s']} s"
-                    if "experts" in cell else (cell.get("skipped") or cell.get("error", "?"))[:200]), flush=True)
+                print(
+                    f"{key:32s} {name:16s} "
+                    + (
+                        f"layer {cell['layer']['median_ms']:8.3f} ms (queued {cell['layer']['queued_ms']:.3f}, "
+                        f"host {cell['layer']['queued_host_ms']:.3f})  "
+                        f"experts {cell['experts']['median_ms']:8.3f} ms "
+                        f"(queued {cell['experts']['queued_ms']:.3f}, host {cell['experts']['queued_host_ms']:.3f}) "
+                        f"({cell['experts']['tflops']:.0f} TFLOP/s)  first step {cell['first_step_s']} s"
+                        if "experts" in cell
+                        else (cell.get("skipped") or cell.get("error", "?"))[:200]
+                    ),
+                    flush=True,
+                )
             print(f"{key:32s} summary {json.dumps(result['summary'][key])}", flush=True)
             if not cpu:
                 torch.cuda.empty_cache()

@@ -70,14 +70,19 @@ def make_case(shape: dict, dtype, device, gen: torch.Generator):
     """`pos [R, J]` (each token's J permuted rows, ascending; positions past P-1 become P, an
     empty slot), `src [P]` its inverse, rows and gradients."""
     tokens, slots, hidden, permuted = shape["tokens"], shape["slots"], shape["hidden"], shape["permuted"]
-    drawn = torch.randperm(max(permuted, tokens * slots), generator=gen)[:tokens * slots]
+    drawn = torch.randperm(max(permuted, tokens * slots), generator=gen)[: tokens * slots]
     pos_RJ = torch.where(drawn < permuted, drawn, permuted).view(tokens, slots).sort(1).values
     src_P = torch.full((permuted + 1,), tokens, dtype=torch.int64)
     src_P[pos_RJ.flatten()] = torch.arange(tokens).repeat_interleave(slots)
     rand = lambda *s: torch.randn(*s, generator=gen).to(dtype)  # noqa: E731
-    return dict(pos_RJ=pos_RJ.to(device), src_P=src_P[:permuted].to(device),
-                y_PH=rand(permuted, hidden).to(device), x_RH=rand(tokens, hidden).to(device),
-                grad_RH=rand(tokens, hidden).to(device), grad_PH=rand(permuted, hidden).to(device))
+    return dict(
+        pos_RJ=pos_RJ.to(device),
+        src_P=src_P[:permuted].to(device),
+        y_PH=rand(permuted, hidden).to(device),
+        x_RH=rand(tokens, hidden).to(device),
+        grad_RH=rand(tokens, hidden).to(device),
+        grad_PH=rand(permuted, hidden).to(device),
+    )
 
 
 def fwd_bwd(fn, leaf_value, args, grad):
@@ -96,8 +101,13 @@ def bench_shape(name: str, shape: dict, dtype, args, device) -> list[dict]:
     base = dict(shape=name, dtype=str(dtype).removeprefix("torch."), **shape)
     ops = {
         "gather_sum": (gather_triton.gather_sum, P._gather_sum_torch, c["y_PH"], (c["pos_RJ"],), c["grad_RH"]),
-        "gather_rows": (gather_triton.gather_rows, P.GatherRows.apply, c["x_RH"], (c["src_P"], c["pos_RJ"]),
-                        c["grad_PH"]),
+        "gather_rows": (
+            gather_triton.gather_rows,
+            P.GatherRows.apply,
+            c["x_RH"],
+            (c["src_P"], c["pos_RJ"]),
+            c["grad_PH"],
+        ),
     }
     rows = []
     for op, (kernel, torch_path, leaf, extra, grad) in ops.items():
@@ -105,8 +115,9 @@ def bench_shape(name: str, shape: dict, dtype, args, device) -> list[dict]:
             fwd_k, fwd_t = kernel(leaf, *extra), torch_path(leaf, *extra)
         run_k, run_t = fwd_bwd(kernel, leaf, extra, grad), fwd_bwd(torch_path, leaf, extra, grad)
         (out_k, grad_k), (out_t, grad_t) = run_k(), run_t()
-        row = dict(base, op=op, bitwise=same_bits(fwd_k, fwd_t) and same_bits(out_k, out_t)
-                   and same_bits(grad_k, grad_t))
+        row = dict(
+            base, op=op, bitwise=same_bits(fwd_k, fwd_t) and same_bits(out_k, out_t) and same_bits(grad_k, grad_t)
+        )
         del fwd_k, fwd_t, out_k, grad_k, out_t, grad_t
         with torch.no_grad():
             row["fwd_ms_new"] = time_ms(lambda: kernel(leaf, *extra), args.iters, args.warmup, device)
@@ -123,8 +134,9 @@ def _slot_positions_outer_scan(indices_RK, routing_map_Re, padded_offsets_e, cap
     e = routing_map_Re.shape[1]
     dest_Re = padded_offsets_e + routing_map_Re.long().cumsum(0) - 1
     expert_RK, _ = torch.sort(torch.where(indices_RK >= 0, indices_RK, e), dim=1)
-    repeat_RK = torch.cat([torch.zeros_like(expert_RK[:, :1], dtype=torch.bool),
-                           expert_RK[:, 1:] == expert_RK[:, :-1]], dim=1)
+    repeat_RK = torch.cat(
+        [torch.zeros_like(expert_RK[:, :1], dtype=torch.bool), expert_RK[:, 1:] == expert_RK[:, :-1]], dim=1
+    )
     dest_RK = dest_Re.gather(1, expert_RK.clamp(max=e - 1))
     return torch.where((expert_RK < e) & ~repeat_RK & (dest_RK < capacity), dest_RK, capacity)
 
@@ -135,8 +147,9 @@ def bench_slot_positions(base: dict, shape: dict, args, device, gen) -> dict:
     routing_Re, _ = P.indices_to_multihot(indices_RK, torch.ones(tokens, slots, device=device), experts)
     padded_offsets_e = P.start_offsets(routing_Re.sum(0))
     call = (indices_RK, routing_Re, padded_offsets_e, shape["permuted"])
-    row = dict(base, op="slot_positions",
-               bitwise=torch.equal(P.slot_positions(*call), _slot_positions_outer_scan(*call)))
+    row = dict(
+        base, op="slot_positions", bitwise=torch.equal(P.slot_positions(*call), _slot_positions_outer_scan(*call))
+    )
     row["fwd_ms_new"] = time_ms(lambda: P.slot_positions(*call), args.iters, args.warmup, device)
     row["fwd_ms_old"] = time_ms(lambda: _slot_positions_outer_scan(*call), args.iters, args.warmup, device)
     return row
@@ -155,19 +168,27 @@ def main() -> int:
     if args.smoke:
         args.iters, args.warmup = min(args.iters, 3), min(args.warmup, 1)
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
-    results = [row for name, shape in shapes.items() for dt in args.dtype
-               for row in bench_shape(name, shape, DTYPES[dt], args, device)]
+    results = [
+        row
+        for name, shape in shapes.items()
+        for dt in args.dtype
+        for row in bench_shape(name, shape, DTYPES[dt], args, device)
+    ]
 
     print(f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu (TRITON_INTERPRET=1)'}")
-    head = f"{'shape':<14} {'dtype':<9} {'op':<15} {'bitwise':<8} " \
-           f"{'new fwd':>10} {'old fwd':>10} {'new f+b':>10} {'old f+b':>10} {'speedup':>11}"
+    head = (
+        f"{'shape':<14} {'dtype':<9} {'op':<15} {'bitwise':<8} "
+        f"{'new fwd':>10} {'old fwd':>10} {'new f+b':>10} {'old f+b':>10} {'speedup':>11}"
+    )
     print(head + "\n" + "-" * len(head))
     for r in results:
         fb_k, fb_t = r.get("fwd_bwd_ms_new"), r.get("fwd_bwd_ms_old")
         fmt = lambda v: f"{v:10.3f}" if v is not None else f"{'-':>10}"  # noqa: E731
         speedup = fb_t / fb_k if fb_k else r["fwd_ms_old"] / r["fwd_ms_new"]
-        print(f"{r['shape']:<14} {r['dtype']:<9} {r['op']:<15} {str(r['bitwise']):<8} {fmt(r['fwd_ms_new'])} "
-              f"{fmt(r['fwd_ms_old'])} {fmt(fb_k)} {fmt(fb_t)} {speedup:10.2f}x")
+        print(
+            f"{r['shape']:<14} {r['dtype']:<9} {r['op']:<15} {str(r['bitwise']):<8} {fmt(r['fwd_ms_new'])} "
+            f"{fmt(r['fwd_ms_old'])} {fmt(fb_k)} {fmt(fb_t)} {speedup:10.2f}x"
+        )
     print("ms; speedup = old / new (fwd+bwd where timed, else fwd)")
     out_dir = os.environ.get("OUT", "outputs")
     os.makedirs(out_dir, exist_ok=True)

@@ -45,8 +45,9 @@ def plot_moe_layer(json_path: str) -> str:
         ax.set_title(key, fontsize=10)
         ax.set_xlabel("fwd+bwd ms (median)")
         ax.tick_params(axis="y", labelsize=7)
-    fig.suptitle(f"One MoE layer, {data.get('device', '?')}, bf16, EP1 "
-                 f"(green: megatron_moe_ext; grey: Megatron)", fontsize=10)
+    fig.suptitle(
+        f"One MoE layer, {data.get('device', '?')}, bf16, EP1 (green: megatron_moe_ext; grey: Megatron)", fontsize=10
+    )
     fig.tight_layout()
     out = json_path[:-5] + ".png" if json_path.endswith(".json") else json_path + ".png"
     fig.savefig(out, dpi=120)
@@ -72,19 +73,27 @@ def plot_moe_slice(json_path: str) -> str:
         # Steps issued back to back where the JSON has them (what a model's loop sees).
         key_ms = "queued_ms" if all("queued_ms" in c["layer"] for _, c in timed) else "median_ms"
         ys = range(len(timed))
-        layer = ax.barh([y - 0.2 for y in ys], [c["layer"][key_ms] for _, c in timed], height=0.4,
-                        color="tab:gray", label="layer")
-        experts = ax.barh([y + 0.2 for y in ys], [c["experts"][key_ms] for _, c in timed], height=0.4,
-                          color="tab:green", label="experts alone")
+        layer = ax.barh(
+            [y - 0.2 for y in ys], [c["layer"][key_ms] for _, c in timed], height=0.4, color="tab:gray", label="layer"
+        )
+        experts = ax.barh(
+            [y + 0.2 for y in ys],
+            [c["experts"][key_ms] for _, c in timed],
+            height=0.4,
+            color="tab:green",
+            label="experts alone",
+        )
         ax.bar_label(layer, fmt="%.2f", fontsize=7, padding=2)
         ax.bar_label(experts, labels=[f"{c['experts'][key_ms]:.2f}" for _, c in timed], fontsize=7, padding=2)
         ax.set_yticks(list(ys), [name for name, _ in timed], fontsize=7)
         ax.invert_yaxis()
         ax.set_title(key, fontsize=9)
-        ax.set_xlabel("fwd+bwd ms, " + ("steps queued" if key_ms == "queued_ms" else "from idle")
-                      + " (median of rounds)", fontsize=8)
+        ax.set_xlabel(
+            "fwd+bwd ms, " + ("steps queued" if key_ms == "queued_ms" else "from idle") + " (median of rounds)",
+            fontsize=8,
+        )
         ax.legend(fontsize=6, loc="lower right")
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     fig.suptitle(f"One MoE layer at per-rank loads, {data.get('device', '?')}, bf16", fontsize=10)
     fig.tight_layout()
@@ -103,17 +112,31 @@ def plot_moe_layer_graphs(json_path: str) -> str:
 
     with open(json_path) as f:
         data = json.load(f)
-    host = {(c["shape"], c["tokens_per_expert"]): c["eager_host_ms"]
-            for c in data.get("host_time_run", {}).get("cases", []) if "eager_host_ms" in c}
+    host = {
+        (c["shape"], c["tokens_per_expert"]): c["eager_host_ms"]
+        for c in data.get("host_time_run", {}).get("cases", [])
+        if "eager_host_ms" in c
+    }
     shapes = list(dict.fromkeys(c["shape"] for c in data["cases"] if "eager_ms" in c))
-    series = (("eager", "tab:gray"), ("graphed", "tab:green"), ("graphed kernels", "tab:olive"),
-              ("eager host", "tab:blue"))
+    series = (
+        ("eager", "tab:gray"),
+        ("graphed", "tab:green"),
+        ("graphed kernels", "tab:olive"),
+        ("eager host", "tab:blue"),
+    )
     fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4.5), squeeze=False)
     for ax, shape in zip(axes[0], shapes):
         cases = [c for c in data["cases"] if c["shape"] == shape and "graphed_ms" in c]
         for i, (label, colour) in enumerate(series):
-            values = [{"eager": c["eager_ms"], "graphed": c["graphed_ms"], "graphed kernels": c["graphed_kernel_ms"],
-                       "eager host": host.get((shape, c["tokens_per_expert"]), 0.0)}[label] for c in cases]
+            values = [
+                {
+                    "eager": c["eager_ms"],
+                    "graphed": c["graphed_ms"],
+                    "graphed kernels": c["graphed_kernel_ms"],
+                    "eager host": host.get((shape, c["tokens_per_expert"]), 0.0),
+                }[label]
+                for c in cases
+            ]
             bars = ax.bar([j + 0.2 * i for j in range(len(cases))], values, width=0.2, color=colour, label=label)
             ax.bar_label(bars, fmt="%.1f", fontsize=6, padding=1)
         ax.set_xticks([j + 0.3 for j in range(len(cases))], [str(c["tokens_per_expert"]) for c in cases])
@@ -121,8 +144,11 @@ def plot_moe_layer_graphs(json_path: str) -> str:
         ax.set_ylabel("ms per forward+backward step")
         ax.set_title(shape, fontsize=10)
         ax.legend(fontsize=7)
-    fig.suptitle(f"FlexMoELayer eager vs CUDA-graphed, {data.get('device', '?')}, bf16, EP1 "
-                 "(eager host: 0 where not measured)", fontsize=10)
+    fig.suptitle(
+        f"FlexMoELayer eager vs CUDA-graphed, {data.get('device', '?')}, bf16, EP1 "
+        "(eager host: 0 where not measured)",
+        fontsize=10,
+    )
     fig.tight_layout()
     out = json_path[:-5] + ".png" if json_path.endswith(".json") else json_path + ".png"
     fig.savefig(out, dpi=120)
@@ -142,14 +168,18 @@ def plot_graphed_slice(json_path: str) -> str:
     order = data.get("order") or list(data["runs"])
     families = {}
     for name in order:
-        families.setdefault("DeepSeek-V3-like EP16 slice" if name.startswith("dsv3_") else "Qwen3-30B-A3B EP8 slice",
-                            []).append(name)
+        families.setdefault(
+            "DeepSeek-V3-like EP16 slice" if name.startswith("dsv3_") else "Qwen3-30B-A3B EP8 slice", []
+        ).append(name)
     curves = [name for name in order if len(data["runs"][name].get("lm_loss") or []) >= CURVE_MIN_ITERATIONS]
     bars_height = 1.6 + 0.6 * max(len(v) for v in families.values())
     fig = plt.figure(figsize=(max(7.5 * len(families), 13), bars_height + (4.5 if curves else 0)))
     grid = fig.add_gridspec(2 if curves else 1, 1, height_ratios=[bars_height, 4.5] if curves else [1])
-    axes = grid[0].subgridspec(1, len(families), width_ratios=[len(v) + 2 for v in families.values()]).subplots(
-        squeeze=False)
+    axes = (
+        grid[0]
+        .subgridspec(1, len(families), width_ratios=[len(v) + 2 for v in families.values()])
+        .subplots(squeeze=False)
+    )
     if curves:
         _plot_curves(data, curves, grid[1].subgridspec(1, 2).subplots())
     for ax, (family, names) in zip(axes[0], families.items()):
@@ -158,17 +188,47 @@ def plot_graphed_slice(json_path: str) -> str:
         ms = [r.get("median_ms_per_iter") or 0.0 for r in runs]
         busy = [r.get("gpu_busy_ms") or 0.0 for r in runs]
         ext = ["ext" in name for name in names]
-        step = ax.barh([y - 0.2 for y in ys], ms, height=0.4, label="ms/iter (median)",
-                       color=["tab:green" if e else "tab:gray" for e in ext])
-        kern = ax.barh([y + 0.2 for y in ys], busy, height=0.4, label="GPU busy ms (profiled step)",
-                       color=["#a6d9a6" if e else "#cfcfcf" for e in ext], hatch="//", edgecolor="white")
-        ax.bar_label(step, labels=[(f"{v:.0f}" if v else "no steady iterations")
-                                   + (f" (rc {r.get('rc')})" if r.get("rc") not in (0, None) else "")
-                                   for v, r in zip(ms, runs)], fontsize=7, padding=2)
-        ax.bar_label(kern, labels=[f"{b:.0f} ({100 * r['gpu_busy_share']:.0f}%)" if r.get("gpu_busy_share") else
-                                   (f"{b:.0f}" if b else "") for b, r in zip(busy, runs)], fontsize=7, padding=2)
-        ticks = [f"{name}\n{r['median_tflops_per_gpu']:.0f} TFLOP/s/GPU" if r.get("median_tflops_per_gpu") else name
-                 for name, r in zip(names, runs)]
+        step = ax.barh(
+            [y - 0.2 for y in ys],
+            ms,
+            height=0.4,
+            label="ms/iter (median)",
+            color=["tab:green" if e else "tab:gray" for e in ext],
+        )
+        kern = ax.barh(
+            [y + 0.2 for y in ys],
+            busy,
+            height=0.4,
+            label="GPU busy ms (profiled step)",
+            color=["#a6d9a6" if e else "#cfcfcf" for e in ext],
+            hatch="//",
+            edgecolor="white",
+        )
+        ax.bar_label(
+            step,
+            labels=[
+                (f"{v:.0f}" if v else "no steady iterations")
+                + (f" (rc {r.get('rc')})" if r.get("rc") not in (0, None) else "")
+                for v, r in zip(ms, runs)
+            ],
+            fontsize=7,
+            padding=2,
+        )
+        ax.bar_label(
+            kern,
+            labels=[
+                f"{b:.0f} ({100 * r['gpu_busy_share']:.0f}%)"
+                if r.get("gpu_busy_share")
+                else (f"{b:.0f}" if b else "")
+                for b, r in zip(busy, runs)
+            ],
+            fontsize=7,
+            padding=2,
+        )
+        ticks = [
+            f"{name}\n{r['median_tflops_per_gpu']:.0f} TFLOP/s/GPU" if r.get("median_tflops_per_gpu") else name
+            for name, r in zip(names, runs)
+        ]
         ax.set_yticks(list(ys), ticks, fontsize=7)
         ax.invert_yaxis()
         ax.set_xlim(0, 1.25 * max(ms + busy + [1.0]))
@@ -177,9 +237,12 @@ def plot_graphed_slice(json_path: str) -> str:
     axes[0][0].legend(fontsize=7, loc="lower right")
     settings = data.get("settings") or {}
     said = ", ".join(f"{k} {settings[k]}" for k in ("data", "balance", "fusion_wgrad") if settings.get(k))
-    fig.suptitle(f"Megatron-LM pretrain_gpt.py, {data.get('device') or '?'}, bf16{', ' + said if said else ''}: "
-                 "eager vs CUDA graphs\n(green: megatron_moe_ext; grey: native; hatched: GPU busy, share of "
-                 "ms/iter)", fontsize=9)
+    fig.suptitle(
+        f"Megatron-LM pretrain_gpt.py, {data.get('device') or '?'}, bf16{', ' + said if said else ''}: "
+        "eager vs CUDA graphs\n(green: megatron_moe_ext; grey: native; hatched: GPU busy, share of "
+        "ms/iter)",
+        fontsize=9,
+    )
     fig.tight_layout()
     out = json_path[:-5] + ".png" if json_path.endswith(".json") else json_path + ".png"
     fig.savefig(out, dpi=120)
@@ -207,6 +270,13 @@ if __name__ == "__main__":
     for path in sys.argv[1:]:
         with open(path) as f:
             data = json.load(f)
-        plot = (plot_graphed_slice if data.get("graphed_slice") else plot_moe_layer_graphs if "cases" in data
-                else plot_moe_slice if data.get("slice") else plot_moe_layer)
+        plot = (
+            plot_graphed_slice
+            if data.get("graphed_slice")
+            else plot_moe_layer_graphs
+            if "cases" in data
+            else plot_moe_slice
+            if data.get("slice")
+            else plot_moe_layer
+        )
         print("wrote", plot(path))

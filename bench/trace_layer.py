@@ -75,10 +75,17 @@ class Trace:
         per_file = collections.Counter()
         for (f, _), n in self.calls.items():
             per_file[f] += n
-        return dict(files=len(files), classes=len(classes), calls=sum(self.calls.values()),
-                    calls_by_phase=dict(self.by_phase), threads=len(self.threads),
-                    file_list=files, class_list=classes, calls_by_file=dict(sorted(per_file.items())),
-                    calls_by_function=dict(sorted(self.functions.items())))
+        return dict(
+            files=len(files),
+            classes=len(classes),
+            calls=sum(self.calls.values()),
+            calls_by_phase=dict(self.by_phase),
+            threads=len(self.threads),
+            file_list=files,
+            class_list=classes,
+            calls_by_file=dict(sorted(per_file.items())),
+            calls_by_function=dict(sorted(self.functions.items())),
+        )
 
 
 def trace_rank() -> dict:
@@ -134,16 +141,22 @@ def main(argv=None):
         ranks = get_pool(2).run(trace_rank)
     finally:
         shutdown_pools()
-    result = dict(ranks[0], calls_per_rank=[r["calls"] for r in ranks],
-                  same_files_and_classes=all(r["file_list"] == ranks[0]["file_list"]
-                                             and r["class_list"] == ranks[0]["class_list"] for r in ranks))
+    result = dict(
+        ranks[0],
+        calls_per_rank=[r["calls"] for r in ranks],
+        same_files_and_classes=all(
+            r["file_list"] == ranks[0]["file_list"] and r["class_list"] == ranks[0]["class_list"] for r in ranks
+        ),
+    )
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
-    print(f"{result['files']} files, {result['classes']} classes, {result['calls']} package calls (rank 0)",
-          file=sys.stderr)
+    print(
+        f"{result['files']} files, {result['classes']} classes, {result['calls']} package calls (rank 0)",
+        file=sys.stderr,
+    )
 
 
 if __name__ == "__main__":

@@ -23,12 +23,16 @@ import torch
 
 
 def _check_supported(args) -> None:
-    for flag, value in (("--tensor-model-parallel-size", args.tensor_model_parallel_size),
-                        ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size),
-                        ("--context-parallel-size", args.context_parallel_size)):
+    for flag, value in (
+        ("--tensor-model-parallel-size", args.tensor_model_parallel_size),
+        ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size),
+        ("--context-parallel-size", args.context_parallel_size),
+    ):
         if value != 1:
-            raise ValueError(f"{flag}={value} is not supported by this minimal driver (only 1); "
-                             "use Megatron-LM's pretrain_gpt.py for tensor/pipeline/context parallelism")
+            raise ValueError(
+                f"{flag}={value} is not supported by this minimal driver (only 1); "
+                "use Megatron-LM's pretrain_gpt.py for tensor/pipeline/context parallelism"
+            )
     if not args.mock_data:
         raise ValueError("--mock-data is required: this driver only builds Megatron's MockGPTDataset")
 
@@ -58,12 +62,20 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
 
     args = get_args()
     config = GPTDatasetConfig(
-        random_seed=args.seed, sequence_length=args.seq_length, blend=None, blend_per_split=None,
-        split=args.split, tokenizer=build_tokenizer(args), reset_position_ids=False,
-        reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=True,
-        path_to_cache=None, mmap_bin_files=False)
-    return BlendedMegatronDatasetBuilder(
-        MockGPTDataset, train_val_test_num_samples, lambda: True, config).build()
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=None,
+        blend_per_split=None,
+        split=args.split,
+        tokenizer=build_tokenizer(args),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=True,
+        path_to_cache=None,
+        mmap_bin_files=False,
+    )
+    return BlendedMegatronDatasetBuilder(MockGPTDataset, train_val_test_num_samples, lambda: True, config).build()
 
 
 datasets_provider.is_distributed = True
@@ -81,10 +93,14 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 def forward_step(data_iterator, model):
     """One micro-batch: with TP = PP = CP = 1 every rank reads its own batch, no broadcast needed."""
     device = torch.cuda.current_device()
-    batch = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v
-             for k, v in next(data_iterator).items()}
-    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
-                   labels=batch["labels"], loss_mask=batch["loss_mask"])
+    batch = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in next(data_iterator).items()}
+    output = model(
+        batch["tokens"],
+        batch["position_ids"],
+        batch["attention_mask"],
+        labels=batch["labels"],
+        loss_mask=batch["loss_mask"],
+    )
     return output, partial(loss_func, batch["loss_mask"])
 
 

@@ -102,8 +102,7 @@ def setup_parallel(ep_size: int, seed: int, cudagraphable_rng: bool = False) -> 
         raise ValueError(f"ep_size={ep_size} is invalid: it must divide the world size {world}")
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(expert_model_parallel_size=ep_size,
-                                             create_gloo_process_groups=False)
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=ep_size, create_gloo_process_groups=False)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=cudagraphable_rng, force_reset_rng=True)
 
@@ -152,7 +151,8 @@ def layer_spec(cfg: GPTMoEConfig, layer: str, backend: str, config, dispatcher_o
     from megatron_moe_ext.megatron.specs import use_flex_moe_layer
 
     dispatcher_config = TokenDispatcherConfig.from_transformer_config(
-        config, moe_flex_dispatcher_backend=backend, **(dispatcher_overrides or {}))
+        config, moe_flex_dispatcher_backend=backend, **(dispatcher_overrides or {})
+    )
     experts = None
     if dispatcher_config.moe_expert_rank_capacity_factor is not None:
         # Budget mode hands the experts a static row count with counts on the device;
@@ -170,8 +170,9 @@ def build_model(cfg: GPTMoEConfig, layer: str, backend: str, ep_size: int, dispa
 
     config = transformer_config(cfg, ep_size)
     spec = layer_spec(cfg, layer, backend, config, dispatcher_overrides)
-    model = GPTModel(config=config, transformer_layer_spec=spec,
-                     vocab_size=cfg.vocab_size, max_sequence_length=cfg.seq_length)
+    model = GPTModel(
+        config=config, transformer_layer_spec=spec, vocab_size=cfg.vocab_size, max_sequence_length=cfg.seq_length
+    )
     if on_gpu():
         model = model.cuda()
     if cfg.bf16:
@@ -208,13 +209,16 @@ class _ExpertCounter:
         from megatron.core.transformer.moe.router import TopKRouter
 
         self.counts: dict[int, torch.Tensor] = {}
-        self.handles = [m.register_forward_hook(self._hook(i))
-                        for i, m in enumerate(x for x in model.modules() if isinstance(x, TopKRouter))]
+        self.handles = [
+            m.register_forward_hook(self._hook(i))
+            for i, m in enumerate(x for x in model.modules() if isinstance(x, TopKRouter))
+        ]
 
     def _hook(self, index: int):
         def hook(module, inputs, output):
             _, routing_map_TE = output
             self.counts[index] = routing_map_TE.detach().sum(dim=0).to(torch.float64)
+
         return hook
 
     def global_counts_LE(self) -> torch.Tensor:
@@ -256,8 +260,9 @@ def _reduce_gradients(model) -> None:
         if param.grad is not None:
             grads[not getattr(param, "allreduce", True)].append(param.grad)
     for is_expert, group_grads in grads.items():
-        group = (parallel_state.get_expert_data_parallel_group() if is_expert
-                 else parallel_state.get_data_parallel_group())
+        group = (
+            parallel_state.get_expert_data_parallel_group() if is_expert else parallel_state.get_data_parallel_group()
+        )
         if not group_grads:
             continue
         if dist.get_world_size(group) > 1:
@@ -327,9 +332,13 @@ def train(model, cfg: GPTMoEConfig, steps: int, log=None) -> TrainLog:
 def _print_step(steps: int):
     def log(step: int, result: TrainLog) -> None:
         if dist.get_rank() == 0:
-            print(f"step {step + 1:4d}/{steps} | lm loss {result.losses[-1]:.4f} | "
-                  f"experts max/mean {result.expert_balance[-1]:.2f} | "
-                  f"step {1000 * result.step_times_s[-1]:7.1f} ms", flush=True)
+            print(
+                f"step {step + 1:4d}/{steps} | lm loss {result.losses[-1]:.4f} | "
+                f"experts max/mean {result.expert_balance[-1]:.2f} | "
+                f"step {1000 * result.step_times_s[-1]:7.1f} ms",
+                flush=True,
+            )
+
     return log
 
 
@@ -337,24 +346,40 @@ def run(args) -> None:
     """One rank's whole run: set up, build, train, report (rank 0 prints and writes JSON)."""
     world = dist.get_world_size()
     ep_size = args.ep or world
-    cfg = GPTMoEConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(GPTMoEConfig)
-                          if getattr(args, f.name, None) is not None})
+    cfg = GPTMoEConfig(
+        **{
+            f.name: getattr(args, f.name)
+            for f in dataclasses.fields(GPTMoEConfig)
+            if getattr(args, f.name, None) is not None
+        }
+    )
     backend = args.backend if args.backend != "auto" else default_backend()
     rank0 = dist.get_rank() == 0
     if rank0:
-        where = (f"GPU ({torch.cuda.get_device_name()}), NCCL" if on_gpu() else
-                 "CPU, gloo; Megatron-Core needs CUDA in a few places, so this CPU run installs "
-                 "the test-only shims of tests/shims/megatron_cpu.py")
-        moe = f"megatron_moe_ext FlexMoELayer, backend {backend!r}" if args.layer == "ext" else \
-            "Megatron-Core MoELayer (alltoall dispatcher, SequentialMLP)"
-        print(f"[pretrain_gpt_moe] {world} ranks on {where}\n"
-              f"[pretrain_gpt_moe] EP {ep_size}, MoE layer: {moe}\n"
-              f"[pretrain_gpt_moe] {cfg}", flush=True)
+        where = (
+            f"GPU ({torch.cuda.get_device_name()}), NCCL"
+            if on_gpu()
+            else "CPU, gloo; Megatron-Core needs CUDA in a few places, so this CPU run installs "
+            "the test-only shims of tests/shims/megatron_cpu.py"
+        )
+        moe = (
+            f"megatron_moe_ext FlexMoELayer, backend {backend!r}"
+            if args.layer == "ext"
+            else "Megatron-Core MoELayer (alltoall dispatcher, SequentialMLP)"
+        )
+        print(
+            f"[pretrain_gpt_moe] {world} ranks on {where}\n"
+            f"[pretrain_gpt_moe] EP {ep_size}, MoE layer: {moe}\n"
+            f"[pretrain_gpt_moe] {cfg}",
+            flush=True,
+        )
     setup_parallel(ep_size, cfg.seed)
     overrides = {}
     if args.moe_expert_rank_capacity_factor is not None:
-        overrides = dict(moe_expert_rank_capacity_factor=args.moe_expert_rank_capacity_factor,
-                         moe_expert_rank_overflow_policy=args.moe_expert_rank_overflow_policy)
+        overrides = dict(
+            moe_expert_rank_capacity_factor=args.moe_expert_rank_capacity_factor,
+            moe_expert_rank_overflow_policy=args.moe_expert_rank_overflow_policy,
+        )
     model = build_model(cfg, args.layer, backend, ep_size, overrides)
     result = train(model, cfg, args.steps, log=_print_step(args.steps))
     if not rank0:
@@ -363,19 +388,29 @@ def run(args) -> None:
     steady = result.step_times_s[1:] or result.step_times_s
     step_s = sum(steady) / len(steady)
     tokens = world * cfg.micro_batch_size * cfg.seq_length
-    print(f"[pretrain_gpt_moe] done: lm loss {result.losses[0]:.4f} -> "
-          f"{sum(result.losses[-tail:]) / tail:.4f} (mean of the last {tail} steps; "
-          f"floor ln 2 = 0.693), experts max/mean {result.expert_balance[-1]:.2f}, "
-          f"{1000 * step_s:.1f} ms/step after the first, {tokens / step_s:,.0f} tokens/s", flush=True)
+    print(
+        f"[pretrain_gpt_moe] done: lm loss {result.losses[0]:.4f} -> "
+        f"{sum(result.losses[-tail:]) / tail:.4f} (mean of the last {tail} steps; "
+        f"floor ln 2 = 0.693), experts max/mean {result.expert_balance[-1]:.2f}, "
+        f"{1000 * step_s:.1f} ms/step after the first, {tokens / step_s:,.0f} tokens/s",
+        flush=True,
+    )
     if args.json:
         summary = dict(
-            command=" ".join([os.path.basename(sys.executable)] + sys.argv), layer=args.layer,
-            backend=backend if args.layer == "ext" else "megatron-alltoall", world_size=world,
-            ep_size=ep_size, device="cuda" if on_gpu() else "cpu", config=dataclasses.asdict(cfg),
-            lm_loss=result.losses, step_time_s=result.step_times_s,
+            command=" ".join([os.path.basename(sys.executable)] + sys.argv),
+            layer=args.layer,
+            backend=backend if args.layer == "ext" else "megatron-alltoall",
+            world_size=world,
+            ep_size=ep_size,
+            device="cuda" if on_gpu() else "cpu",
+            config=dataclasses.asdict(cfg),
+            lm_loss=result.losses,
+            step_time_s=result.step_times_s,
             expert_balance_max_over_mean=result.expert_balance,
             tokens_per_expert_last_step=result.tokens_per_expert[-1],
-            mean_step_time_s_after_first=step_s, tokens_per_s=tokens / step_s)
+            mean_step_time_s_after_first=step_s,
+            tokens_per_s=tokens / step_s,
+        )
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=1)
@@ -397,8 +432,9 @@ def _shutdown() -> None:
 def _spawned_rank(rank: int, world: int, port: int, args) -> None:
     # Expected on a CPU machine (ENVIRONMENT.md): Megatron falls back to torch for TE/apex.
     warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) .*not installed")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -408,30 +444,46 @@ def _spawned_rank(rank: int, world: int, port: int, args) -> None:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--layer", choices=LAYERS, default="ext",
-                   help="ext: FlexMoELayer (this package); native: Megatron's MoELayer")
-    p.add_argument("--backend", default="auto",
-                   choices=("auto", "torch", "deepep", "hybridep", "uccl_ep"),
-                   help="flex dispatcher backend of --layer ext; auto: deepep on GPU if importable, else torch")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument(
+        "--layer", choices=LAYERS, default="ext", help="ext: FlexMoELayer (this package); native: Megatron's MoELayer"
+    )
+    p.add_argument(
+        "--backend",
+        default="auto",
+        choices=("auto", "torch", "deepep", "hybridep", "uccl_ep"),
+        help="flex dispatcher backend of --layer ext; auto: deepep on GPU if importable, else torch",
+    )
     p.add_argument("--steps", type=int, default=80)
     p.add_argument("--ep", type=int, default=None, help="expert-parallel size (default: all ranks)")
-    p.add_argument("--nproc", type=int, default=2,
-                   help="ranks to spawn when not started by torchrun (CPU, gloo)")
+    p.add_argument("--nproc", type=int, default=2, help="ranks to spawn when not started by torchrun (CPU, gloo)")
     p.add_argument("--json", default=None, help="write per-step losses and step times here")
-    p.add_argument("--moe-expert-rank-capacity-factor", type=float, default=None,
-                   help="sync-free MoE (--layer ext, backend torch or deepep): per-rank budget of "
-                        "permuted rows as a multiple of the balanced load")
-    p.add_argument("--moe-expert-rank-overflow-policy", choices=("error", "drop"), default="error",
-                   help="a step over the budget: raise (error) or zero and count the dropped pairs")
+    p.add_argument(
+        "--moe-expert-rank-capacity-factor",
+        type=float,
+        default=None,
+        help="sync-free MoE (--layer ext, backend torch or deepep): per-rank budget of "
+        "permuted rows as a multiple of the balanced load",
+    )
+    p.add_argument(
+        "--moe-expert-rank-overflow-policy",
+        choices=("error", "drop"),
+        default="error",
+        help="a step over the budget: raise (error) or zero and count the dropped pairs",
+    )
     defaults = GPTMoEConfig()
     for f in dataclasses.fields(GPTMoEConfig):
         if f.type == "bool":
             p.add_argument(f"--{f.name.replace('_', '-')}", action="store_true", default=None)
         else:
-            p.add_argument(f"--{f.name.replace('_', '-')}", type=type(getattr(defaults, f.name)),
-                           default=None, help=f"default {getattr(defaults, f.name)}")
+            p.add_argument(
+                f"--{f.name.replace('_', '-')}",
+                type=type(getattr(defaults, f.name)),
+                default=None,
+                help=f"default {getattr(defaults, f.name)}",
+            )
     return p.parse_args(argv)
 
 

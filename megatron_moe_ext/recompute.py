@@ -21,8 +21,17 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from megatron_moe_ext.dispatcher.common import checks
 from megatron_moe_ext.dispatcher.replay import RecomputeReplay, RoutingChangedError
 
-__all__ = ["RecomputeReplay", "RoutingChangedError", "attach_replay", "check_routing", "checkpoint_moe",
-           "clear_records", "recompute_all", "replays_in", "save_dispatch_outputs"]
+__all__ = [
+    "RecomputeReplay",
+    "RoutingChangedError",
+    "attach_replay",
+    "check_routing",
+    "checkpoint_moe",
+    "clear_records",
+    "recompute_all",
+    "replays_in",
+    "save_dispatch_outputs",
+]
 
 
 def save_dispatch_outputs(ctx, func, *args, **kwargs) -> CheckpointPolicy:
@@ -40,8 +49,7 @@ def recompute_all(ctx, func, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-POLICIES: dict[str, Callable] = {"save_dispatch_outputs": save_dispatch_outputs,
-                                 "recompute_all": recompute_all}
+POLICIES: dict[str, Callable] = {"save_dispatch_outputs": save_dispatch_outputs, "recompute_all": recompute_all}
 
 
 def attach_replay(dispatcher) -> RecomputeReplay | None:
@@ -59,8 +67,7 @@ def attach_replay(dispatcher) -> RecomputeReplay | None:
 def replays_in(module_or_dispatchers) -> list[RecomputeReplay]:
     """The `RecomputeReplay`s of an `nn.Module`'s MoE layers, or of dispatchers, attached if needed."""
     if isinstance(module_or_dispatchers, torch.nn.Module):
-        dispatchers = [m.token_dispatcher for m in module_or_dispatchers.modules()
-                       if hasattr(m, "token_dispatcher")]
+        dispatchers = [m.token_dispatcher for m in module_or_dispatchers.modules() if hasattr(m, "token_dispatcher")]
     else:
         dispatchers = list(module_or_dispatchers)
     return [r for r in (attach_replay(d) for d in dispatchers) if r is not None]
@@ -78,8 +85,9 @@ def check_routing(module_or_dispatchers) -> None:
         checks.agree(group, RoutingChangedError(checks.ROUTING_CHANGED) if changed else None)
 
 
-def checkpoint_moe(fn: Callable, *args, replays: Iterable[RecomputeReplay],
-                   policy: Callable | str = save_dispatch_outputs, **kwargs):
+def checkpoint_moe(
+    fn: Callable, *args, replays: Iterable[RecomputeReplay], policy: Callable | str = save_dispatch_outputs, **kwargs
+):
     """`fn(*args, **kwargs)` under non-reentrant `torch.utils.checkpoint`, its MoE dispatches
     recorded for replay.
 
@@ -101,9 +109,11 @@ def checkpoint_moe(fn: Callable, *args, replays: Iterable[RecomputeReplay],
         # DeepEP's first dispatch (layout + rows in one library call) and its cached replay
         # build different autograd graphs, which non-reentrant checkpointing refuses.
         if not replay.manager.comm.replays_in_one_graph:
-            raise ValueError("moe_flex_dispatcher_backend: selective-checkpoint policies support the "
-                             "'torch' backend; recompute DeepEP/UCCL-EP layers with Megatron's "
-                             "recompute flags (reentrant), which replay their dispatch handle")
+            raise ValueError(
+                "moe_flex_dispatcher_backend: selective-checkpoint policies support the "
+                "'torch' backend; recompute DeepEP/UCCL-EP layers with Megatron's "
+                "recompute flags (reentrant), which replay their dispatch handle"
+            )
     keep_outputs = policy is save_dispatch_outputs
     # This call's records are its own: its recompute may run before an earlier call's (two
     # calls of one layer whose losses are summed are recomputed last call first).

@@ -48,8 +48,10 @@ _UNIT = r"(?:x\b|\s?%|\s?ms\b|\s?us\b|\s[sS]\b|\s?MiB\b|\s?GiB\b|\s?GB/s|\s?TFLO
 _DECIMAL = r"\d+\.\d+(?:e-\d+)?"
 #: A measured number: numbers joined by range or pair separators, then a unit; N/N, N of N counts;
 #: any other decimal (a version has two dots and is not one).
-MEASURED = re.compile(rf"(?<![\w.]){_NUM}(?:{_SEP}{_NUM})*{_UNIT}|(?<![\w./])\d+(?:/| of )\d+(?![\w./])"
-                      rf"|(?<![\w./-]){_DECIMAL}(?:{_SEP}{_DECIMAL})*(?![\w.])")
+MEASURED = re.compile(
+    rf"(?<![\w.]){_NUM}(?:{_SEP}{_NUM})*{_UNIT}|(?<![\w./])\d+(?:/| of )\d+(?![\w./])"
+    rf"|(?<![\w./-]){_DECIMAL}(?:{_SEP}{_DECIMAL})*(?![\w.])"
+)
 _FIELD = re.compile(r"\{([^{}]+)\}")
 
 
@@ -148,7 +150,7 @@ def passage_pattern(text: str) -> re.Pattern:
     is found, and reported against its evidence)."""
     parts, last = [], 0
     for m in MEASURED.finditer(text):
-        parts.append(re.escape(text[last:m.start()]))
+        parts.append(re.escape(text[last : m.start()]))
         parts.append(re.sub(re.escape("NUMBER"), lambda _: _NUM, re.escape(re.sub(_NUM, "NUMBER", m.group(0)))))
         last = m.end()
     parts.append(re.escape(text[last:]))
@@ -217,7 +219,7 @@ def check(root: str) -> tuple[list[str], str]:
         for m in MEASURED.finditer(text):
             if not any(a <= m.start() and m.end() <= b for a, b in covered[doc]):
                 uncovered += 1
-                context = text[max(m.start() - 40, 0):m.end() + 20]
+                context = text[max(m.start() - 40, 0) : m.end() + 20]
                 problems.append(f"{doc}: {m.group(0)!r} is in no claim: ...{context}...")
     summary = f"{len(claims)} claims checked against bench/results, {len(exempt)} passages not measured"
     return problems, summary

@@ -24,23 +24,41 @@ import sys
 # Where this package defines the seed modules' names, searched in order.
 MODULES = {
     "nemo_automodel.components.moe.megatron.token_dispatcher": (
-        "megatron_moe_ext.dispatcher.config", "megatron_moe_ext.dispatcher.flex",
-        "megatron_moe_ext.dispatcher.topk_manager", "megatron_moe_ext.dispatcher.common.base",
-        "megatron_moe_ext.dispatcher.hybridep", "megatron_moe_ext.dispatcher.hybridep.manager",
-        "megatron_moe_ext.dispatcher.hybridep.metadata", "megatron_moe_ext.dispatcher.hybridep.runtime",
-        "megatron_moe_ext.dispatcher.common.permute"),
+        "megatron_moe_ext.dispatcher.config",
+        "megatron_moe_ext.dispatcher.flex",
+        "megatron_moe_ext.dispatcher.topk_manager",
+        "megatron_moe_ext.dispatcher.common.base",
+        "megatron_moe_ext.dispatcher.hybridep",
+        "megatron_moe_ext.dispatcher.hybridep.manager",
+        "megatron_moe_ext.dispatcher.hybridep.metadata",
+        "megatron_moe_ext.dispatcher.hybridep.runtime",
+        "megatron_moe_ext.dispatcher.common.permute",
+    ),
     "nemo_automodel.components.moe.experts": (
-        "megatron_moe_ext.experts", "megatron_moe_ext.experts.dispatch", "megatron_moe_ext.experts.grouped",
-        "megatron_moe_ext.experts.te", "megatron_moe_ext.experts.activations", "megatron_moe_ext.experts.bias",
-        "megatron_moe_ext.experts.mlp", "megatron_moe_ext.experts.common"),
+        "megatron_moe_ext.experts",
+        "megatron_moe_ext.experts.dispatch",
+        "megatron_moe_ext.experts.grouped",
+        "megatron_moe_ext.experts.te",
+        "megatron_moe_ext.experts.activations",
+        "megatron_moe_ext.experts.bias",
+        "megatron_moe_ext.experts.mlp",
+        "megatron_moe_ext.experts.common",
+    ),
 }
 # Divergences this package had before the check existed (main at b8af315), each a decision
 # for the lead: the check fails on any other break. `--strict` reports these too.
 KNOWN = {
-    "GroupedExperts", "GroupedExpertsDeepEP", "GroupedExpertsTE", "GroupedExpertsTE.set_moe_mesh",
+    "GroupedExperts",
+    "GroupedExpertsDeepEP",
+    "GroupedExpertsTE",
+    "GroupedExpertsTE.set_moe_mesh",
     "GroupedExpertsTE.state_dict",
-    "get_expert_activation_for_deepep", "quick_geglu_deepep", "relu2_deepep", "swiglu_clamped_deepep",
-    "swiglu_oai_deepep", "MoEFlexTokenDispatcher.dispatch_preprocess",
+    "get_expert_activation_for_deepep",
+    "quick_geglu_deepep",
+    "relu2_deepep",
+    "swiglu_clamped_deepep",
+    "swiglu_oai_deepep",
+    "MoEFlexTokenDispatcher.dispatch_preprocess",
 }
 _BLOCK = re.compile(r"```python\n(.*?)```", re.S)
 _HEAD = re.compile(r"^(class\s+)?([\w.]+)\((.*)\)\s*(->.*)?$", re.S)
@@ -96,7 +114,7 @@ def seed_entries(seed_dir: str):
             if module is None:
                 continue
             params = [_seed_param(p) for p in _split_params(head.group(3))]
-            yield module, dotted[len(module) + 1:], params
+            yield module, dotted[len(module) + 1 :], params
 
 
 def _find(module: str, qualname: str):
@@ -132,14 +150,14 @@ def compare(seed_params, params: list[inspect.Parameter]) -> str | None:
         ours = params[i]
         if ours.kind in star.values() and ours.name == name.lstrip("*") and default in (None, "()", "{}"):
             continue  # the pages render `*args` as `args = ()`
-        stars = name[:len(name) - len(name.lstrip("*"))]
+        stars = name[: len(name) - len(name.lstrip("*"))]
         if ours.name != name.lstrip("*"):
             return f"parameter {i} is {ours.name!r}, the seed's is {name.lstrip('*')!r}"
         if stars and ours.kind != star[stars]:
             return f"parameter {name!r} is {ours.kind.description}"
         if default is not None and (ours.default is inspect.Parameter.empty or repr(ours.default) != default):
             return f"default of {name!r} is {ours.default!r}, the seed's is {default}"
-    for extra in params[len(seed_params):]:
+    for extra in params[len(seed_params) :]:
         if extra.default is inspect.Parameter.empty and extra.kind not in star.values():
             return f"added parameter {extra.name!r} without a default"
     return None
@@ -149,8 +167,10 @@ def main(argv: list[str]) -> int:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     strict = "--strict" in argv
     argv = [a for a in argv if a != "--strict"]
-    candidates = argv[1:] or [os.path.join(root, "..", "shared", "seeds"),
-                              os.path.join(root, "..", "..", "shared", "seeds")]
+    candidates = argv[1:] or [
+        os.path.join(root, "..", "shared", "seeds"),
+        os.path.join(root, "..", "..", "shared", "seeds"),
+    ]
     seed_dir = next((d for d in candidates if os.path.isdir(d)), None)
     if seed_dir is None:
         print(f"no seed pages in {candidates}", file=sys.stderr)
@@ -169,8 +189,10 @@ def main(argv: list[str]) -> int:
             broken.append(f"{qualname}: {why}")
     known = [line for line in broken if line.split(":")[0] in KNOWN]
     new = [line for line in broken if line not in known]
-    print(f"{checked} seed signatures checked; {len(new)} broken; {len(known)} known divergences; "
-          f"{len(absent_private)} private seed names not defined here")
+    print(
+        f"{checked} seed signatures checked; {len(new)} broken; {len(known)} known divergences; "
+        f"{len(absent_private)} private seed names not defined here"
+    )
     for line in new + (known if strict else []):
         print("BROKEN", line)
     return 1 if new or (strict and known) else 0

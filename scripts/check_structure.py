@@ -94,7 +94,7 @@ def _resolve(module, is_package, level, name):
     if not level:
         return name
     parts = module.split(".") if is_package else module.split(".")[:-1]
-    parts = parts[:len(parts) - (level - 1)]
+    parts = parts[: len(parts) - (level - 1)]
     return ".".join(parts + ([name] if name else []))
 
 
@@ -256,10 +256,12 @@ def report(m):
     chain = " -> ".join(map(_short, m["experts_chain"])) or "no imports"
     if depth > MAX_EXPERTS_DEPTH:
         warnings.append(f"warning: experts depth {depth} > {MAX_EXPERTS_DEPTH}: {chain}")
-    summary = (f"{m['modules']} modules: {len(m['module_circles'])} module circles, "
-               f"{len(m['folder_circles'])} folder circles, {len(m['underscore'])} underscore imports, "
-               f"{len(m['long_modules'])} modules > {MAX_LINES} lines, experts depth {depth} "
-               f"(limit {MAX_EXPERTS_DEPTH}: {chain})")
+    summary = (
+        f"{m['modules']} modules: {len(m['module_circles'])} module circles, "
+        f"{len(m['folder_circles'])} folder circles, {len(m['underscore'])} underscore imports, "
+        f"{len(m['long_modules'])} modules > {MAX_LINES} lines, experts depth {depth} "
+        f"(limit {MAX_EXPERTS_DEPTH}: {chain})"
+    )
     return lines, warnings, summary
 
 

@@ -88,8 +88,13 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, stack_file: s
     # The stack of this rank, written by the C signal handler even while it waits in a collective.
     dump = open(stack_file, "w")  # noqa: SIM115 - open for the life of the worker
     faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
@@ -132,16 +137,18 @@ class DistPool:
         self._stack_dir = tempfile.TemporaryDirectory(prefix="distpool-stacks-")
         self._stack_files = [os.path.join(self._stack_dir.name, f"rank{r}.txt") for r in range(world_size)]
         self._procs = [
-            ctx.Process(target=_worker, args=(r, world_size, port, self._tasks[r], self._results,
-                                              self._stack_files[r]), daemon=True)
+            ctx.Process(
+                target=_worker,
+                args=(r, world_size, port, self._tasks[r], self._results, self._stack_files[r]),
+                daemon=True,
+            )
             for r in range(world_size)
         ]
         for p in self._procs:
             p.start()
         self.broken = False
 
-    def run(self, fn, *args, timeout: float = DEFAULT_TIMEOUT_S, grace: float = DEFAULT_GRACE_S,
-            **kwargs) -> list:
+    def run(self, fn, *args, timeout: float = DEFAULT_TIMEOUT_S, grace: float = DEFAULT_GRACE_S, **kwargs) -> list:
         """`fn(*args, **kwargs)` on every rank -> per-rank results; see the module docstring."""
         if self.broken:
             raise RuntimeError("DistPool is broken; get a new one with get_pool()")
@@ -161,8 +168,7 @@ class DistPool:
                 # error, a segfault) sends no result and is failed at once, not at the timeout.
                 rank, ok, value = self._results.get(timeout=min(max(limit - time.monotonic(), 0.1), 1.0))
             except queue.Empty:
-                dead = [r for r, p in enumerate(self._procs)
-                        if r not in out and r not in errors and not p.is_alive()]
+                dead = [r for r, p in enumerate(self._procs) if r not in out and r not in errors and not p.is_alive()]
                 for r in dead:
                     errors[r] = f"rank {r}'s process died (exit code {self._procs[r].exitcode})"
                 if dead or time.monotonic() < limit:
@@ -172,23 +178,28 @@ class DistPool:
                 self.shutdown()
                 if errors:
                     break
-                raise TimeoutError(f"{fn.__name__} did not finish on all {self.world_size} ranks "
-                                   f"within {timeout}s (finished: {sorted(out)}); pool killed\n"
-                                   f"{stuck_report}") from None
+                raise TimeoutError(
+                    f"{fn.__name__} did not finish on all {self.world_size} ranks "
+                    f"within {timeout}s (finished: {sorted(out)}); pool killed\n"
+                    f"{stuck_report}"
+                ) from None
             (out if ok else errors)[rank] = value
         if errors:
             if not self.broken and not all(p.is_alive() for p in self._procs):
                 self.shutdown()
             rank = min(errors)
             others = "".join(f"\n--- rank {r} also failed:\n{errors[r]}" for r in sorted(errors) if r != rank)
-            raise AssertionError(f"{fn.__name__} failed on rank {rank}/{self.world_size}:\n{errors[rank]}"
-                                 f"{others}\n{stuck_report}".rstrip())
+            raise AssertionError(
+                f"{fn.__name__} failed on rank {rank}/{self.world_size}:\n{errors[rank]}"
+                f"{others}\n{stuck_report}".rstrip()
+            )
         return [out[r] for r in range(self.world_size)]
 
     def _stuck_report(self, stuck: list[int]) -> str:
         """Each stuck rank's Python stack, dumped by its faulthandler on SIGUSR1."""
-        sizes = {r: os.path.getsize(self._stack_files[r]) if os.path.exists(self._stack_files[r]) else 0
-                 for r in stuck}
+        sizes = {
+            r: os.path.getsize(self._stack_files[r]) if os.path.exists(self._stack_files[r]) else 0 for r in stuck
+        }
         for r in stuck:
             if self._procs[r].is_alive():
                 os.kill(self._procs[r].pid, signal.SIGUSR1)

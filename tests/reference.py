@@ -89,8 +89,8 @@ def apply_local_experts(tokens_PH, tokens_per_expert, probs_P, local_expert_ids,
     counts = [int(c) for c in torch.as_tensor(tokens_per_expert).tolist()]
     outs, start = [], 0
     for local, count in enumerate(counts):
-        rows = tokens_PH[start:start + count]
-        outs.append(toy_expert(rows, local_expert_ids[local], params) * probs_P[start:start + count, None].float())
+        rows = tokens_PH[start : start + count]
+        outs.append(toy_expert(rows, local_expert_ids[local], params) * probs_P[start : start + count, None].float())
         start += count
     tail = tokens_PH.shape[0] - start
     if tail:

@@ -19,8 +19,9 @@ def _copy_docs(tmp_path):
     """A root with copies of the two documents and the claims, the result files linked."""
     (tmp_path / "docs").mkdir()
     (tmp_path / "bench").mkdir()
-    shutil.copytree(os.path.join(ROOT, "bench", "results"), tmp_path / "bench" / "results",
-                    ignore=shutil.ignore_patterns("*.png"))
+    shutil.copytree(
+        os.path.join(ROOT, "bench", "results"), tmp_path / "bench" / "results", ignore=shutil.ignore_patterns("*.png")
+    )
     for doc in check_claims.DOCS:
         shutil.copy(os.path.join(ROOT, doc), tmp_path / doc)
     return tmp_path
@@ -40,8 +41,7 @@ def test_a_changed_readme_number_fails(tmp_path):
     readme.write_text(text.replace("**1.31x native Megatron", "**1.41x native Megatron"))
     problems, _ = check_claims.check(str(root))
     assert len(problems) == 1 and "written 1.41, the file gives 1.31" in problems[0], problems
-    done = subprocess.run([sys.executable, SCRIPT, "--root", str(root)], capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run([sys.executable, SCRIPT, "--root", str(root)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "written 1.41" in done.stdout, done.stdout
 
 
@@ -62,8 +62,11 @@ def test_a_number_no_claim_covers_fails(tmp_path):
     support = root / "docs" / "SUPPORT.md"
     support.write_text(support.read_text() + "\nThe layer is 2.5x faster on 3 of 4 shapes, in 12 ms.\n")
     problems, _ = check_claims.check(str(root))
-    assert [p.split(": ")[1] for p in problems] == ["'2.5x' is in no claim", "'3 of 4' is in no claim",
-                                                   "'12 ms' is in no claim"], problems
+    assert [p.split(": ")[1] for p in problems] == [
+        "'2.5x' is in no claim",
+        "'3 of 4' is in no claim",
+        "'12 ms' is in no claim",
+    ], problems
 
 
 def test_a_passage_not_in_its_document_fails(tmp_path):
@@ -77,14 +80,37 @@ def test_a_passage_not_in_its_document_fails(tmp_path):
 
 def test_measured_numbers_and_expressions():
     assert check_claims.numbers_in("0.80-0.99x, 2.0-2.8 against 1.2-1.5 ms, 42/42, 8 of 8, EP 1/2/4, top-8") == [
-        "0.80", "0.99", "2.0", "2.8", "1.2", "1.5", "42", "42", "8", "8"]
+        "0.80",
+        "0.99",
+        "2.0",
+        "2.8",
+        "1.2",
+        "1.5",
+        "42",
+        "42",
+        "8",
+        "8",
+    ]
     assert check_claims.numbers_in("4098 MiB, 97 % busy, 191 passed, 11 skipped, 341 GB/s, 103 s") == [
-        "4098", "97", "191", "11", "341", "103"]
+        "4098",
+        "97",
+        "191",
+        "11",
+        "341",
+        "103",
+    ]
     # Unitless decimals count too; versions and plain integers do not.
     assert check_claims.numbers_in("max 2.3e-2, needed 1.75 / 2.0 / 2.0, QuACK 0.6.5, EP 8, 2e-3") == [
-        "2.3e-2", "1.75", "2.0", "2.0"]
-    data = {"a": {"x": {"t": 2.0, "u": 4.0}, "y": {"t": 3.0, "u": 9.0}},
-            "runs": [{"run": "p", "ms": 5.0}, {"run": "q", "ms": 10.0}], "f.py": {"n": 7}}
+        "2.3e-2",
+        "1.75",
+        "2.0",
+        "2.0",
+    ]
+    data = {
+        "a": {"x": {"t": 2.0, "u": 4.0}, "y": {"t": 3.0, "u": 9.0}},
+        "runs": [{"run": "p", "ms": 5.0}, {"run": "q", "ms": 10.0}],
+        "f.py": {"n": 7},
+    }
     assert check_claims.evaluate("min({a.*.t} / {a.*.u})", data) == 1 / 3
     assert check_claims.evaluate("{runs.run=q.ms} / {runs.run=p.ms}", data) == 2.0
     assert check_claims.evaluate("{'f.py'.n} + {runs.1.ms}", data) == 17.0

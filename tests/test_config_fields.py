@@ -47,8 +47,7 @@ EXPERTS_ERRORS = [
 ]
 
 
-@pytest.mark.parametrize("field, value, allowed", EXPERTS_ERRORS,
-                         ids=[f"{f}={v!r}" for f, v, _ in EXPERTS_ERRORS])
+@pytest.mark.parametrize("field, value, allowed", EXPERTS_ERRORS, ids=[f"{f}={v!r}" for f, v, _ in EXPERTS_ERRORS])
 def test_experts_config_refuses_names_field_and_allowed(field, value, allowed):
     with pytest.raises(ValueError, match=f"^{field}=") as info:
         ExpertsConfig(**{**SHAPES, field: value})
@@ -105,8 +104,7 @@ def test_the_dispatch_plan_is_resolved_once_and_follows_every_change():
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.mode = "budget"
     cfg.moe_hybridep_capacity_factor = 1.5
-    assert (cfg.plan.mode, cfg.plan.factor, cfg.plan.setting) == (
-        "capacity", 1.5, "moe_hybridep_capacity_factor=1.5")
+    assert (cfg.plan.mode, cfg.plan.factor, cfg.plan.setting) == ("capacity", 1.5, "moe_hybridep_capacity_factor=1.5")
     with pytest.raises(ValueError, match="moe_hybridep_capacity_factor"):
         cfg.moe_expert_rank_capacity_factor = "auto"  # both modes at once
     assert cfg.plan.mode == "capacity"

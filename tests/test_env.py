@@ -15,8 +15,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VAR = "MOE_EXT_TEST_VARIABLE"
 
 
-@pytest.mark.parametrize("raw, value", [("1", True), ("true", True), ("ON", True), ("Yes", True), (" 1 ", True),
-                                        ("0", False), ("false", False), ("Off", False), ("NO", False)])
+@pytest.mark.parametrize(
+    "raw, value",
+    [
+        ("1", True),
+        ("true", True),
+        ("ON", True),
+        ("Yes", True),
+        (" 1 ", True),
+        ("0", False),
+        ("false", False),
+        ("Off", False),
+        ("NO", False),
+    ],
+)
 def test_flag_spellings(monkeypatch, raw, value):
     monkeypatch.setenv(VAR, raw)
     assert env_flag(VAR, not value) is value
@@ -53,8 +65,18 @@ def test_choice_is_case_insensitive_and_names_the_choices(monkeypatch):
         env_choice(VAR, ("auto", "fused"), "auto")
 
 
-@pytest.mark.parametrize("raw, minimum, ok", [("64", 1, 64), ("1", 1, 1), ("0", 1, None), ("-3", 1, None),
-                                              ("1.5", 1, None), ("abc", 1, None), ("", None, None)])
+@pytest.mark.parametrize(
+    "raw, minimum, ok",
+    [
+        ("64", 1, 64),
+        ("1", 1, 1),
+        ("0", 1, None),
+        ("-3", 1, None),
+        ("1.5", 1, None),
+        ("abc", 1, None),
+        ("", None, None),
+    ],
+)
 def test_int(monkeypatch, raw, minimum, ok):
     monkeypatch.setenv(VAR, raw)
     if ok is None:
@@ -115,10 +137,12 @@ def test_static_routing_pad_pin_spellings():
         "    try:\n"
         "        print(raw, importlib.reload(m)._STATIC_ROUTING_PAD_PIN)\n"
         "    except ValueError as exc:\n"
-        "        print(raw, 'error', exc)\n")
+        "        print(raw, 'error', exc)\n"
+    )
     env = {k: v for k, v in os.environ.items() if not k.endswith("STATIC_ROUTING_PAD_PIN")}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=240, cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240, cwd=ROOT
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     lines = dict(line.split(" ", 1) for line in done.stdout.strip().splitlines()[-7:])
     assert [lines[k] for k in ("false", "OFF", "no", "0")] == ["False"] * 4
@@ -170,8 +194,9 @@ def expert_mlp_impl_from_env(raw: str) -> str:
     config = dataclasses.replace(_config("swiglu"), params_dtype=torch.bfloat16)
     os.environ["MOE_EXT_EXPERT_MLP_IMPL"] = raw
     try:
-        return GroupedGemmExperts(EXPERTS, config, pg_collection=get_default_pg_collection()
-                                  ).experts_config.expert_mlp_impl
+        return GroupedGemmExperts(
+            EXPERTS, config, pg_collection=get_default_pg_collection()
+        ).experts_config.expert_mlp_impl
     except ValueError as exc:
         return str(exc)
     finally:
@@ -207,12 +232,19 @@ def test_every_variable_the_package_reads_is_in_the_build_check_and_the_readme()
     assert {v for v in VARIABLES if v != "NEMO_STATIC_ROUTING_PAD_PIN"} <= listed
 
 
-@pytest.mark.parametrize("name, value", [("MOE_EXT_INPUT_CHECKS", "bogus"), ("MOE_EXT_STATIC_ROUTING_PAD_PIN", "2"),
-                                         ("NEMO_STATIC_ROUTING_PAD_PIN", "2"),
-                                         ("NUM_OF_TOKENS_PER_CHUNK_COMBINE_API", "-1"),
-                                         ("MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR", "0"),
-                                         ("MOE_EXT_EXPERT_RANK_OVERFLOW_POLICY", "maybe"),
-                                         ("MOE_EXT_EXPERT_MLP_IMPL", "fast"), ("MOE_EXT_QUACK_TUNED", "2")])
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("MOE_EXT_INPUT_CHECKS", "bogus"),
+        ("MOE_EXT_STATIC_ROUTING_PAD_PIN", "2"),
+        ("NEMO_STATIC_ROUTING_PAD_PIN", "2"),
+        ("NUM_OF_TOKENS_PER_CHUNK_COMBINE_API", "-1"),
+        ("MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR", "0"),
+        ("MOE_EXT_EXPERT_RANK_OVERFLOW_POLICY", "maybe"),
+        ("MOE_EXT_EXPERT_MLP_IMPL", "fast"),
+        ("MOE_EXT_QUACK_TUNED", "2"),
+    ],
+)
 def test_read_every_variable_refuses_each_bad_value(monkeypatch, name, value):
     import megatron_moe_ext.megatron.experts  # noqa: F401 - adds its variable on import
     from megatron_moe_ext.utils.env import VARIABLES, read_every_variable

@@ -19,6 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture
 def missing(monkeypatch):
     """`require` of these modules fails as on a machine without them."""
+
     def hide(*names):
         real = importlib.import_module
 
@@ -30,6 +31,7 @@ def missing(monkeypatch):
         for name in names:
             monkeypatch.delitem(sys.modules, name, raising=False)
         monkeypatch.setattr(importlib, "import_module", fake)
+
     return hide
 
 

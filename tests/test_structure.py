@@ -35,13 +35,16 @@ def test_clean_tree_passes(tmp_path):
 
 
 def test_module_circle_through_relative_and_function_imports(tmp_path):
-    root = _tree(tmp_path, {
-        "__init__.py": "",
-        "a.py": "from .b import f\n",
-        "b.py": "def f():\n    from pkg.sub import c\n",
-        "sub/__init__.py": "",
-        "sub/c.py": "from .. import a\n",
-    })
+    root = _tree(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "a.py": "from .b import f\n",
+            "b.py": "def f():\n    from pkg.sub import c\n",
+            "sub/__init__.py": "",
+            "sub/c.py": "from .. import a\n",
+        },
+    )
     m = check_structure.measure(root)
     assert _circles(m["module_circles"]) == [["pkg.a", "pkg.b", "pkg.sub.c"]]
     # b -> sub and sub -> top: a circle between the top folder and sub/ as well.
@@ -52,13 +55,16 @@ def test_module_circle_through_relative_and_function_imports(tmp_path):
 
 def test_folder_circle_without_module_circle(tmp_path):
     # The shape of dispatcher/flex.py -> config.py -> dispatcher/registry.py.
-    root = _tree(tmp_path, {
-        "__init__.py": "",
-        "config.py": "from pkg.disp import registry\n",
-        "disp/__init__.py": "",
-        "disp/registry.py": "",
-        "disp/flex.py": "import pkg.config as config\n",
-    })
+    root = _tree(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "config.py": "from pkg.disp import registry\n",
+            "disp/__init__.py": "",
+            "disp/registry.py": "",
+            "disp/flex.py": "import pkg.config as config\n",
+        },
+    )
     m = check_structure.measure(root)
     assert m["module_circles"] == []
     assert _circles(m["folder_circles"]) == [["pkg", "pkg.disp"]]
@@ -67,10 +73,12 @@ def test_folder_circle_without_module_circle(tmp_path):
 
 
 def test_underscore_imports_and_attribute_reads(tmp_path):
-    root = _tree(tmp_path, {
-        "__init__.py": "",
-        "a.py": "_hidden = 1\n__all__ = []\n",
-        "b.py": """\
+    root = _tree(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "a.py": "_hidden = 1\n__all__ = []\n",
+            "b.py": """\
             from pkg.a import _hidden, __all__
             import pkg.a as alias
             import pkg.a
@@ -79,7 +87,8 @@ def test_underscore_imports_and_attribute_reads(tmp_path):
                 from . import a
                 return alias._hidden + a._hidden + pkg.a._hidden + alias.__doc__
             """,
-    })
+        },
+    )
     uses = [(u.path, u.line, u.target, u.name) for u in check_structure.read_package(root).underscore]
     assert uses == [("pkg/b.py", 1, "pkg.a", "_hidden")] + [("pkg/b.py", 7, "pkg.a", "_hidden")] * 3
     lines, _, _ = check_structure.report(check_structure.measure(root))
@@ -88,8 +97,10 @@ def test_underscore_imports_and_attribute_reads(tmp_path):
 
 def test_long_module_and_experts_depth_are_warnings(tmp_path):
     chain = {f"experts/m{i}.py": f"from pkg.experts import m{i + 1}\n" for i in range(7)}
-    root = _tree(tmp_path, {"__init__.py": "", "experts/__init__.py": "", "experts/m7.py": "",
-                            "long.py": "x = 1\n" * 451, **chain})
+    root = _tree(
+        tmp_path,
+        {"__init__.py": "", "experts/__init__.py": "", "experts/m7.py": "", "long.py": "x = 1\n" * 451, **chain},
+    )
     m = check_structure.measure(root)
     assert m["long_modules"] == [("pkg/long.py", 451)]
     assert m["experts_chain"] == [f"pkg.experts.m{i}" for i in range(8)]

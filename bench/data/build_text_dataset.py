@@ -36,8 +36,10 @@ import tempfile
 import numpy
 
 SOURCES_GLOB = os.path.join("**", "_sources", "**", "*.rst.txt")
-LICENCE = ("PSF License Agreement version 2 (Python documentation); code examples also Zero-Clause BSD; "
-           "Debian package python3.11-doc, /usr/share/doc/python3.11-doc/copyright")
+LICENCE = (
+    "PSF License Agreement version 2 (Python documentation); code examples also Zero-Clause BSD; "
+    "Debian package python3.11-doc, /usr/share/doc/python3.11-doc/copyright"
+)
 _UNDERLINE = re.compile(r"^\s*([=\-~^\"'`#*+.:_])\1{3,}\s*$")
 
 
@@ -100,10 +102,18 @@ class BpeTokenizer:
         # Lines as sentences; no normalisation, so code keeps its characters.
         sentences = (line for doc in documents for line in doc.splitlines() if line.strip())
         sentencepiece.SentencePieceTrainer.train(
-            sentence_iterator=sentences, model_prefix=model_prefix, model_type="bpe", vocab_size=vocab_size,
-            character_coverage=1.0, byte_fallback=True, normalization_rule_name="identity",
-            remove_extra_whitespaces=False, max_sentence_length=1 << 16, num_threads=os.cpu_count() or 1,
-            minloglevel=2)
+            sentence_iterator=sentences,
+            model_prefix=model_prefix,
+            model_type="bpe",
+            vocab_size=vocab_size,
+            character_coverage=1.0,
+            byte_fallback=True,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            max_sentence_length=1 << 16,
+            num_threads=os.cpu_count() or 1,
+            minloglevel=2,
+        )
         os.remove(model_prefix + ".vocab")  # the pieces are in the model too
         self.processor = sentencepiece.SentencePieceProcessor(model_file=model_prefix + ".model")
         self.vocab_size, self.eod = self.processor.get_piece_size(), self.processor.eos_id()
@@ -131,8 +141,9 @@ def write_dataset(documents: list[str], tokenizer, out_prefix: str) -> dict:
     return dict(tokens=tokens, documents=len(documents))
 
 
-def build(source: str, out_prefix: str, tokenizer: str = "bpe", vocab_size: int = 32000,
-          max_documents: int | None = None) -> dict:
+def build(
+    source: str, out_prefix: str, tokenizer: str = "bpe", vocab_size: int = 32000, max_documents: int | None = None
+) -> dict:
     """Read, tokenize and write the dataset; writes and returns its description (OUT.json).
 
     Arguments:
@@ -150,12 +161,20 @@ def build(source: str, out_prefix: str, tokenizer: str = "bpe", vocab_size: int 
     os.makedirs(os.path.dirname(os.path.abspath(out_prefix)), exist_ok=True)
     tok = BpeTokenizer(documents, vocab_size, out_prefix) if tokenizer == "bpe" else ByteTokenizer()
     counts = write_dataset(documents, tok, out_prefix)
-    info = dict(prefix=os.path.basename(out_prefix), source="Python 3.11 documentation, reStructuredText sources "
-                "(Debian bookworm package python3.11-doc, html/_sources)", licence=LICENCE, tokenizer=tok.name,
-                vocab_size=tok.vocab_size, eod_id=tok.eod, **counts,
-                bin_bytes=os.path.getsize(out_prefix + ".bin"), idx_bytes=os.path.getsize(out_prefix + ".idx"),
-                megatron_flags=f"--data-path {out_prefix} --split 100,0,0 --tokenizer-type NullTokenizer "
-                               f"--vocab-size V (V >= {tok.vocab_size})")
+    info = dict(
+        prefix=os.path.basename(out_prefix),
+        source="Python 3.11 documentation, reStructuredText sources "
+        "(Debian bookworm package python3.11-doc, html/_sources)",
+        licence=LICENCE,
+        tokenizer=tok.name,
+        vocab_size=tok.vocab_size,
+        eod_id=tok.eod,
+        **counts,
+        bin_bytes=os.path.getsize(out_prefix + ".bin"),
+        idx_bytes=os.path.getsize(out_prefix + ".idx"),
+        megatron_flags=f"--data-path {out_prefix} --split 100,0,0 --tokenizer-type NullTokenizer "
+        f"--vocab-size V (V >= {tok.vocab_size})",
+    )
     with open(out_prefix + ".json", "w") as f:
         json.dump(info, f, indent=1)
     return info

@@ -54,8 +54,7 @@ from megatron_moe_ext.experts.kernels import bias_triton  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from permute_bench import time_ms  # noqa: E402  (bench/: CUDA-event medians)
 
-SHAPES = [(rows, hidden, experts) for rows in (8192, 32768) for hidden in (2048, 7168)
-          for experts in (16, 128)]
+SHAPES = [(rows, hidden, experts) for rows in (8192, 32768) for hidden in (2048, 7168) for experts in (16, 128)]
 QUICK_SHAPES = [(8192, 2048, 16), (32768, 7168, 128)]
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -68,8 +67,11 @@ def megatron_apply_bias():
         wheels = glob.glob(".whl/megatron_core-*.whl")
         if not wheels:
             return None, "megatron-core is not importable and ./.whl has no wheel"
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
-                        wheels[0]], check=False, timeout=120)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", wheels[0]],
+            check=False,
+            timeout=120,
+        )
         try:
             from megatron.core.transformer.moe.experts import TEGroupedMLP
         except Exception:
@@ -101,6 +103,7 @@ def apply_bias_candidates(meg_apply_bias):
 
     out = {"ext_triton": ext, "ext_torch": ext_torch}
     if meg_apply_bias is not None:
+
         def megatron(value, bias, counts, counts_dev, probs, grad_out):
             y = meg_apply_bias(value, bias, counts, probs)
             return torch.autograd.grad(y, (value, bias, probs), grad_out)
@@ -116,8 +119,7 @@ def bias_grad_candidates():
         return bias_triton.reduce_bias_grad(g, offsets, probs, g.dtype)
 
     def segment_fp32(g, probs, counts_dev, offsets, expert_ids, experts):
-        return torch.segment_reduce(g.float() * probs, "sum", lengths=counts_dev, axis=0,
-                                    unsafe=True).to(g.dtype)
+        return torch.segment_reduce(g.float() * probs, "sum", lengths=counts_dev, axis=0, unsafe=True).to(g.dtype)
 
     def segment_fp64_chunked(g, probs, counts_dev, offsets, expert_ids, experts):
         return ext_bias._reduce_bias_grad_chunked_fallback(g, counts_dev, probs, g.dtype)
@@ -126,8 +128,12 @@ def bias_grad_candidates():
         out = torch.zeros(experts, g.shape[1], dtype=torch.float32, device=g.device)
         return out.index_add_(0, expert_ids, g.float() * probs).to(g.dtype)
 
-    return {"triton": triton, "segment_reduce_fp32": segment_fp32,
-            "segment_reduce_fp64_chunked": segment_fp64_chunked, "index_add_atomic": index_add_atomic}
+    return {
+        "triton": triton,
+        "segment_reduce_fp32": segment_fp32,
+        "segment_reduce_fp64_chunked": segment_fp64_chunked,
+        "index_add_atomic": index_add_atomic,
+    }
 
 
 def rel_error(actual: torch.Tensor, reference: torch.Tensor) -> float:
@@ -145,10 +151,15 @@ def bench_shape(rows, hidden, experts, dtype, args, meg_apply_bias) -> list[dict
     bias = torch.randn(experts, hidden, generator=gen).to(dev, dtype).requires_grad_()
     probs = torch.rand(rows, 1, generator=gen).to(dev).requires_grad_()
     grad_out = torch.randn(rows, hidden, generator=gen).to(dev, dtype)
-    reference = torch.segment_reduce(grad_out.double() * probs.detach().double(), "sum",
-                                     lengths=counts_dev, axis=0)
-    base = dict(rows=rows, hidden=hidden, experts=experts, dtype=str(dtype).removeprefix("torch."),
-                empty_experts=sum(1 for c in counts if c == 0), max_count=max(counts))
+    reference = torch.segment_reduce(grad_out.double() * probs.detach().double(), "sum", lengths=counts_dev, axis=0)
+    base = dict(
+        rows=rows,
+        hidden=hidden,
+        experts=experts,
+        dtype=str(dtype).removeprefix("torch."),
+        empty_experts=sum(1 for c in counts if c == 0),
+        max_count=max(counts),
+    )
     results = []
     for name, fn in apply_bias_candidates(meg_apply_bias).items():
         row = dict(base, table="apply_bias", candidate=name)
@@ -156,7 +167,8 @@ def bench_shape(rows, hidden, experts, dtype, args, meg_apply_bias) -> list[dict
             call = lambda: fn(value, bias, counts, counts_dev, probs, grad_out)  # noqa: E731
             first = call()
             row["deterministic"] = all(
-                all(torch.equal(a, b) for a, b in zip(first, call())) for _ in range(args.repeats - 1))
+                all(torch.equal(a, b) for a, b in zip(first, call())) for _ in range(args.repeats - 1)
+            )
             row["rel_error"] = rel_error(first[1], reference)
             row["ms"] = time_ms(call, args.iters, args.warmup, torch.device("cuda"))
         except Exception:
@@ -188,13 +200,19 @@ def main() -> int:
     meg_apply_bias, meg_error = megatron_apply_bias()
     rows_out = []
     for dtype_name, dtype in DTYPES.items():
-        for rows, hidden, experts in (QUICK_SHAPES if args.quick else SHAPES):
+        for rows, hidden, experts in QUICK_SHAPES if args.quick else SHAPES:
             for r in bench_shape(rows, hidden, experts, dtype, args, meg_apply_bias):
                 rows_out.append(r)
-                print(f"{r['table']:10s} {dtype_name} P={rows:6d} H={hidden:5d} e={experts:4d} "
-                      f"{r['candidate']:28s} "
-                      + (f"{r['ms']:8.3f} ms  det={r['deterministic']}  rel_err={r['rel_error']:.2e}"
-                         if "ms" in r else "ERROR " + r["error"].splitlines()[-1]), flush=True)
+                print(
+                    f"{r['table']:10s} {dtype_name} P={rows:6d} H={hidden:5d} e={experts:4d} "
+                    f"{r['candidate']:28s} "
+                    + (
+                        f"{r['ms']:8.3f} ms  det={r['deterministic']}  rel_err={r['rel_error']:.2e}"
+                        if "ms" in r
+                        else "ERROR " + r["error"].splitlines()[-1]
+                    ),
+                    flush=True,
+                )
             torch.cuda.empty_cache()
     result = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(),

@@ -32,9 +32,13 @@ DTYPE = torch.bfloat16
 
 def build(capacity_factor):
     world, rank = dist.get_world_size(), dist.get_rank()
-    cfg = TokenDispatcherConfig(moe_flex_dispatcher_backend="torch", num_moe_experts=EXPERTS,
-                                moe_router_topk=TOPK, moe_share_token_dispatcher=False,
-                                moe_hybridep_capacity_factor=capacity_factor)
+    cfg = TokenDispatcherConfig(
+        moe_flex_dispatcher_backend="torch",
+        num_moe_experts=EXPERTS,
+        moe_router_topk=TOPK,
+        moe_share_token_dispatcher=False,
+        moe_hybridep_capacity_factor=capacity_factor,
+    )
     e = EXPERTS // world
     return MoEFlexTokenDispatcher(e, list(range(rank * e, (rank + 1) * e)), cfg, dist.group.WORLD)
 
@@ -99,8 +103,7 @@ def main() -> None:
         "date": datetime.datetime.now(datetime.UTC).isoformat(),
         "device": torch.cuda.get_device_name(device),
         "world_size": dist.get_world_size(),
-        "shape": {"tokens_per_rank": TOKENS, "hidden": HIDDEN, "experts": EXPERTS, "topk": TOPK,
-                  "dtype": str(DTYPE)},
+        "shape": {"tokens_per_rank": TOKENS, "hidden": HIDDEN, "experts": EXPERTS, "topk": TOPK, "dtype": str(DTYPE)},
         "capacity_factor": 1.1,
         "capacity": capped.manager.sizing.sizes[1],
         "send_capacity": capped.manager.sizing.sizes[0],
@@ -109,9 +112,13 @@ def main() -> None:
     }
     if error is None:
         y_ref, gx_ref, gp_ref = step(dropless, *args)
-        diffs = torch.stack([(y_cap.float() - y_ref.float()).abs().max(),
-                             (gx_cap.float() - gx_ref.float()).abs().max(),
-                             (gp_cap.float() - gp_ref.float()).abs().max()])
+        diffs = torch.stack(
+            [
+                (y_cap.float() - y_ref.float()).abs().max(),
+                (gx_cap.float() - gx_ref.float()).abs().max(),
+                (gp_cap.float() - gp_ref.float()).abs().max(),
+            ]
+        )
         dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
         result["max_abs_diff_vs_dropless"] = float(diffs[0])
         result["max_abs_grad_x_diff_vs_dropless"] = float(diffs[1])

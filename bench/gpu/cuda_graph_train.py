@@ -70,8 +70,9 @@ def build(cfg, mode_modules, dense: bool = False):
     demo.setup_parallel(1, cfg.seed, cudagraphable_rng=demo.on_gpu())
     config = demo.transformer_config(cfg, 1)
     if mode_modules is not None:
-        config = dataclasses.replace(config, cuda_graph_impl="local", cuda_graph_modules=[],
-                                     inference_cuda_graph_scope=None)  # re-derived for "local"
+        config = dataclasses.replace(
+            config, cuda_graph_impl="local", cuda_graph_modules=[], inference_cuda_graph_scope=None
+        )  # re-derived for "local"
         config.cuda_graph_modules = [CudaGraphModule[m] for m in mode_modules]
     if dense:
         config = dataclasses.replace(config, num_moe_experts=None, moe_ffn_hidden_size=None)
@@ -79,8 +80,9 @@ def build(cfg, mode_modules, dense: bool = False):
     else:
         overrides = dict(moe_expert_rank_capacity_factor=1.0, moe_share_token_dispatcher=False)
         spec = demo.layer_spec(cfg, "ext", "torch", config, overrides)
-    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=cfg.vocab_size,
-                     max_sequence_length=cfg.seq_length)
+    model = GPTModel(
+        config=config, transformer_layer_spec=spec, vocab_size=cfg.vocab_size, max_sequence_length=cfg.seq_length
+    )
     if demo.on_gpu():
         model = model.cuda()
     model = Float16Module(config, model) if cfg.bf16 else model
@@ -90,8 +92,7 @@ def build(cfg, mode_modules, dense: bool = False):
         # mode runs under it, so the eager and graphed runs do the same arithmetic.
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-        model = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True),
-                                        model)
+        model = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
     return model
 
 
@@ -145,13 +146,20 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--smoke", action="store_true", help="CPU: the eager run for 2 steps")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
-    p.add_argument("--torch-gathers", action="store_true",
-                   help="the torch ops instead of the Triton gather kernels (a diagnosis switch)")
-    p.add_argument("--no-weakref", action="store_true",
-                   help="Megatron's make_weakref made the identity: graph input and output buffers stay "
-                        "strong references, as without TE (a diagnosis switch)")
-    p.add_argument("--dense", action="store_true",
-                   help="Megatron's dense MLP instead of MoE in every layer (a diagnosis switch)")
+    p.add_argument(
+        "--torch-gathers",
+        action="store_true",
+        help="the torch ops instead of the Triton gather kernels (a diagnosis switch)",
+    )
+    p.add_argument(
+        "--no-weakref",
+        action="store_true",
+        help="Megatron's make_weakref made the identity: graph input and output buffers stay "
+        "strong references, as without TE (a diagnosis switch)",
+    )
+    p.add_argument(
+        "--dense", action="store_true", help="Megatron's dense MLP instead of MoE in every layer (a diagnosis switch)"
+    )
     p.add_argument("--out", default=None, help="default: $OUT/cuda_graph_train_h200.json")
     args = p.parse_args(argv)
     if args.no_weakref:
@@ -179,14 +187,19 @@ def main(argv=None) -> None:
     for name, run in runs.items():
         if name != "eager" and eager and "losses" in run:
             diffs = [abs(a - b) for a, b in zip(run["losses"], eager)]
-            comparison[name] = dict(equal=run["losses"] == eager, max_abs_diff=max(diffs),
-                                    steps=len(run["losses"]))
-    summary = dict(command=" ".join(["python"] + sys.argv), megatron_have_te_graphs=cuda_graphs_have_te(),
-                   date=datetime.datetime.now(datetime.UTC).isoformat(),
-                   device=torch.cuda.get_device_name() if gpu else "cpu", config=dataclasses.asdict(cfg),
-                   runs=runs, comparison_to_eager=comparison)
-    out = args.out or os.path.join(os.environ.get("OUT", "."),
-                                   "cuda_graph_train_smoke.json" if args.smoke else "cuda_graph_train_h200.json")
+            comparison[name] = dict(equal=run["losses"] == eager, max_abs_diff=max(diffs), steps=len(run["losses"]))
+    summary = dict(
+        command=" ".join(["python"] + sys.argv),
+        megatron_have_te_graphs=cuda_graphs_have_te(),
+        date=datetime.datetime.now(datetime.UTC).isoformat(),
+        device=torch.cuda.get_device_name() if gpu else "cpu",
+        config=dataclasses.asdict(cfg),
+        runs=runs,
+        comparison_to_eager=comparison,
+    )
+    out = args.out or os.path.join(
+        os.environ.get("OUT", "."), "cuda_graph_train_smoke.json" if args.smoke else "cuda_graph_train_h200.json"
+    )
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(summary, f, indent=1)

@@ -82,13 +82,13 @@ def dense_case(case: RoutingCase, face: str, dtype: str, backend: str, overrides
     mask_TE, probs_TE = topk_to_dense(indices, p2, case.num_experts)
     y_ref = dense_moe_reference(x2, mask_TE, probs_TE, params_cpu)
     (y_ref * g).sum().backward()
+
     def scaled(a, b):
         # bf16 error grows with the magnitude (grad_probs sums over H): scale by max(1, |ref|).
         return _err(a, b) / max(1.0, float(b.abs().max()) if b.numel() else 1.0)
 
     return {
-        "errors": {"y": scaled(y, y_ref), "grad_x": scaled(x1.grad, x2.grad),
-                   "grad_probs": scaled(p1.grad, p2.grad)},
+        "errors": {"y": scaled(y, y_ref), "grad_x": scaled(x1.grad, x2.grad), "grad_probs": scaled(p1.grad, p2.grad)},
         "tokens_per_expert": [int(c) for c in torch.as_tensor(tpe).tolist()],
         "sent_pairs": int((indices >= 0).sum()),
         "outputs": (y.detach().cpu(), x1.grad.cpu(), p1.grad.cpu()),
@@ -110,16 +110,19 @@ def raw_parity(dtype: str, tokens: int, hidden: int, num_experts: int, topk: int
     rows_got, got = deepep.communicator(group).dispatch(x, idx, probs, num_experts=num_experts, group=group)
     rows_want, want = torch_a2a.dispatch(x, idx, probs, num_experts=num_experts, group=group)
     handle = got.handle
-    src_rank = torch.searchsorted(handle.rank_prefix_matrix_WW[:, rank].long(),
-                                  torch.arange(handle.num_recv_rows, device=device), right=True)
+    src_rank = torch.searchsorted(
+        handle.rank_prefix_matrix_WW[:, rank].long(), torch.arange(handle.num_recv_rows, device=device), right=True
+    )
     key = src_rank * (1 << 32) + handle.recv_src_idx_R.long()
     source_token_order = bool((key[1:] > key[:-1]).all()) if key.numel() > 1 else True
     order = torch.argsort(key)
     rows, ids, weights = rows_got[order], got.dispatched_indices[order], got.dispatched_probs[order]
     result = {
         "source_token_order": source_token_order,
-        "rows_equal": torch.equal(rows, rows_want), "indices_equal": torch.equal(ids, want.dispatched_indices),
-        "probs_equal": torch.equal(weights, want.dispatched_probs), "counts_equal": got.counts == want.counts,
+        "rows_equal": torch.equal(rows, rows_want),
+        "indices_equal": torch.equal(ids, want.dispatched_indices),
+        "probs_equal": torch.equal(weights, want.dispatched_probs),
+        "counts_equal": got.counts == want.counts,
     }
     y_got = deepep.communicator(group).combine(rows_got, handle, group=group)
     y_want = torch_a2a.combine(rows_want, want.handle, group=group)
@@ -145,8 +148,13 @@ def buffer_lifecycle():
     recv, dispatched = comm.dispatch(x, idx, torch.rand(64, 2, device=DEVICE), num_experts=16, group=group)
     comm.combine(recv, dispatched.handle, group=group)
     reused = comm.buffer is first
-    comm.dispatch(torch.randn(64, 2048, device=DEVICE).bfloat16(), idx, torch.rand(64, 2, device=DEVICE),
-                  num_experts=16, group=group)
+    comm.dispatch(
+        torch.randn(64, 2048, device=DEVICE).bfloat16(),
+        idx,
+        torch.rand(64, 2, device=DEVICE),
+        num_experts=16,
+        group=group,
+    )
     grown = comm.buffer is not first and comm.buffer.num_nvl_bytes > first.num_nvl_bytes
     comm.release_buffers()
     return {"reused": reused, "grown": grown, "released": comm.buffer is None}
@@ -181,10 +189,15 @@ def gather(value):
 def main():
     global DEVICE
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cpu-double", action="store_true",
-                        help="smoke-test the suite on gloo/CPU over the DeepEP test double")
-    parser.add_argument("--large", action=argparse.BooleanOptionalAction, default=True,
-                        help="include the DeepSeek-V3-sized raw parity check")
+    parser.add_argument(
+        "--cpu-double", action="store_true", help="smoke-test the suite on gloo/CPU over the DeepEP test double"
+    )
+    parser.add_argument(
+        "--large",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="include the DeepSeek-V3-sized raw parity check",
+    )
     args = parser.parse_args()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if args.cpu_double:
@@ -206,66 +219,92 @@ def main():
     for case in CASES:
         for dtype in ("fp32", "bf16"):
             for face in FACES:
+
                 def one(case=case, dtype=dtype, face=face):
                     res = {b: dense_case(case, face, dtype, b, {}) for b in ("deepep", "torch")}
                     tol = TOLERANCE[dtype]
                     for b, r in res.items():
                         errs = gather(r["errors"])
                         ok = all(e[k] <= tol for e in errs for k in e)
-                        pairs_ok = (sum(sum(t) for t in gather(r["tokens_per_expert"]))
-                                    == sum(gather(r["sent_pairs"])))
+                        pairs_ok = sum(sum(t) for t in gather(r["tokens_per_expert"])) == sum(gather(r["sent_pairs"]))
                         suite.check(f"dense/{case.name}/{face}/{dtype}/{b}", ok and pairs_ok, errs)
-                    cross = [_err(a, b) / max(1.0, float(b.abs().max()) if b.numel() else 1.0)
-                             for a, b in zip(res["deepep"]["outputs"], res["torch"]["outputs"])]
+                    cross = [
+                        _err(a, b) / max(1.0, float(b.abs().max()) if b.numel() else 1.0)
+                        for a, b in zip(res["deepep"]["outputs"], res["torch"]["outputs"])
+                    ]
                     cross_all = gather(cross)
-                    suite.check(f"deepep_vs_torch/{case.name}/{face}/{dtype}",
-                                all(c <= tol for cs in cross_all for c in cs), cross_all)
+                    suite.check(
+                        f"deepep_vs_torch/{case.name}/{face}/{dtype}",
+                        all(c <= tol for cs in cross_all for c in cs),
+                        cross_all,
+                    )
+
                 suite.run(f"dense/{case.name}/{face}/{dtype}", one)
 
     for dtype in ("fp32", "bf16"):
         shapes = ((300, 256, 16, 4), (4096, 7168, 256, 8)) if args.large else ((300, 256, 16, 4),)
         for tokens, hidden, experts, topk in shapes:
+
             def parity(dtype=dtype, tokens=tokens, hidden=hidden, experts=experts, topk=topk):
                 results = gather(raw_parity(dtype, tokens, hidden, experts, topk))
-                bitwise = all(r["rows_equal"] and r["indices_equal"] and r["probs_equal"] and r["counts_equal"]
-                              for r in results)
+                bitwise = all(
+                    r["rows_equal"] and r["indices_equal"] and r["probs_equal"] and r["counts_equal"] for r in results
+                )
                 suite.check(f"raw_parity/{dtype}/{tokens}x{hidden}/bitwise", bitwise, results)
-                suite.check(f"raw_parity/{dtype}/{tokens}x{hidden}/source_token_order",
-                            all(r["source_token_order"] for r in results), results)
+                suite.check(
+                    f"raw_parity/{dtype}/{tokens}x{hidden}/source_token_order",
+                    all(r["source_token_order"] for r in results),
+                    results,
+                )
                 # DeepEP sums a token's rows in fp32 then rounds once: compare with an fp32 sum.
-                suite.check(f"raw_parity/{dtype}/{tokens}x{hidden}/combine",
-                            all(r["combine_err_vs_fp32_sum"] <= r["combine_tol"] for r in results), results)
+                suite.check(
+                    f"raw_parity/{dtype}/{tokens}x{hidden}/combine",
+                    all(r["combine_err_vs_fp32_sum"] <= r["combine_tol"] for r in results),
+                    results,
+                )
+
             suite.run(f"raw_parity/{dtype}/{tokens}x{hidden}", parity)
 
     cap_case = RoutingCase("capacity", tokens_per_rank=(64, 41), topk=3, masked_fraction=0.15)
     pad_case = RoutingCase("pad", tokens_per_rank=(53, 0), topk=2)
     for dtype in ("fp32", "bf16"):
+
         def capacity(dtype=dtype):
             results = gather(capacity_drop_case(cap_case, dtype, 0.5, "deepep", device=DEVICE))
-            ok = (sum(r["dropped_slots"] for r in results) > 0
-                  and sum(r["kept_pairs"] for r in results) == sum(r["received_pairs"] for r in results)
-                  and all(r[k] <= r["tol"] for r in results for k in ("y", "grad_x", "grad_probs"))
-                  and all(r["max_grad_at_dropped"] == 0.0 for r in results))
+            ok = (
+                sum(r["dropped_slots"] for r in results) > 0
+                and sum(r["kept_pairs"] for r in results) == sum(r["received_pairs"] for r in results)
+                and all(r[k] <= r["tol"] for r in results for k in ("y", "grad_x", "grad_probs"))
+                and all(r["max_grad_at_dropped"] == 0.0 for r in results)
+            )
             suite.check(f"capacity_drop/{dtype}", ok, results)
+
         suite.run(f"capacity_drop/{dtype}", capacity)
 
         def padding(dtype=dtype):
             results = gather(pad_multiple_case(pad_case, dtype, 8, "deepep", device=DEVICE))
-            ok = all(all(c % 8 == 0 and 0 <= c - t < 8 for c, t in zip(r["counts"], r["true_counts"]))
-                     and r["pad_rows_zero"] and r["rows"] == sum(r["counts"]) and r["y"] <= r["tol"]
-                     for r in results)
+            ok = all(
+                all(c % 8 == 0 and 0 <= c - t < 8 for c, t in zip(r["counts"], r["true_counts"]))
+                and r["pad_rows_zero"]
+                and r["rows"] == sum(r["counts"])
+                and r["y"] <= r["tol"]
+                for r in results
+            )
             suite.check(f"pad_multiple/{dtype}", ok, results)
+
         suite.run(f"pad_multiple/{dtype}", padding)
 
     def async_mode():
         r = dense_case(CASES[2], "megatron", "bf16", "deepep", {"moe_deepep_async_dispatch": True})
         errs = gather(r["errors"])
         suite.check("async_dispatch/bf16", all(e[k] <= TOLERANCE["bf16"] for e in errs for k in e), errs)
+
     suite.run("async_dispatch/bf16", async_mode)
 
     def lifecycle():
         results = gather(buffer_lifecycle())
         suite.check("buffer_lifecycle", all(all(r.values()) for r in results), results)
+
     suite.run("buffer_lifecycle", lifecycle)
 
     failures = gather(suite.failures)
@@ -279,12 +318,22 @@ def main():
         os.makedirs(out_dir, exist_ok=True)
         path = os.path.join(out_dir, f"deepep_suite_ep{world}.json")
         with open(path, "w") as f:
-            json.dump({"command": f"torchrun --nproc-per-node {world} bench/gpu/deepep_suite.py",
-                       "date": datetime.datetime.now(datetime.UTC).isoformat(),
-                       "device": ("cpu (test double)" if args.cpu_double
-                                  else f"{world}x {torch.cuda.get_device_name()}"),
-                       "passed": total - len(failed), "total": total, "failed": failed,
-                       "checks": suite.records}, f, indent=2, default=str)
+            json.dump(
+                {
+                    "command": f"torchrun --nproc-per-node {world} bench/gpu/deepep_suite.py",
+                    "date": datetime.datetime.now(datetime.UTC).isoformat(),
+                    "device": (
+                        "cpu (test double)" if args.cpu_double else f"{world}x {torch.cuda.get_device_name()}"
+                    ),
+                    "passed": total - len(failed),
+                    "total": total,
+                    "failed": failed,
+                    "checks": suite.records,
+                },
+                f,
+                indent=2,
+                default=str,
+            )
         print(f"wrote {path}", flush=True)
     dist.barrier()
     dist.destroy_process_group()

@@ -96,8 +96,14 @@ DEEPEP_DIR = os.path.join(ROOT, ".gpu", "deepep-v1")
 #: Wall-clock limit of each launch (seconds): JIT compiles, the cases, teardown. HybridEP's
 #: budget, 0-token and graphed cases add about 60 s of JIT compiles (new shapes: non-blocking
 #: dispatches, one local expert at EP8) and a reserve for the last record at every size.
-LIMITS_S = {("uccl_ep", 4): 50, ("uccl_ep", 8): 70, ("hybridep", 4): 300, ("hybridep", 8): 360,
-            ("deepep", 4): 30, ("deepep", 8): 35}
+LIMITS_S = {
+    ("uccl_ep", 4): 50,
+    ("uccl_ep", 8): 70,
+    ("hybridep", 4): 300,
+    ("hybridep", 8): 360,
+    ("deepep", 4): 30,
+    ("deepep", 8): 35,
+}
 TEARDOWN_S = 8
 GROUP_TIMEOUT_S = 20  # the bad-input group's timeout: a peer waiting in gloo fails after this
 BAD_INPUT_WAIT_S = 45  # how long the launch waits for every rank's bad-input outcome
@@ -136,8 +142,14 @@ def _refusal(fn):
 def _budget_refusal(backend: str):
     from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
 
-    return _refusal(lambda: TokenDispatcherConfig(moe_flex_dispatcher_backend=backend, num_moe_experts=8,
-                                                  moe_router_topk=2, moe_expert_rank_capacity_factor=1.0))
+    return _refusal(
+        lambda: TokenDispatcherConfig(
+            moe_flex_dispatcher_backend=backend,
+            num_moe_experts=8,
+            moe_router_topk=2,
+            moe_expert_rank_capacity_factor=1.0,
+        )
+    )
 
 
 def flex_layer_case(backend: str, dtype: str, hidden: int, expert_mlp_impl: str | None = None):
@@ -159,8 +171,16 @@ def flex_layer_case(backend: str, dtype: str, hidden: int, expert_mlp_impl: str 
 
     ep, rank = dist.get_world_size(), dist.get_rank()
     # The fused path takes gated SiLU (SwiGLU), what `moe_grouped_gemm` cases configure.
-    case = LayerCase(f"flex_{backend}", num_experts=2 * ep, hidden=hidden, ffn=32, seq=8, batch=2, dtype=dtype,
-                     grouped_gemm=expert_mlp_impl is not None)
+    case = LayerCase(
+        f"flex_{backend}",
+        num_experts=2 * ep,
+        hidden=hidden,
+        ffn=32,
+        seq=8,
+        batch=2,
+        dtype=dtype,
+        grouped_gemm=expert_mlp_impl is not None,
+    )
     gen = torch.Generator().manual_seed(case.seed * 100 + rank)
     x = torch.randn(case.seq, case.batch, case.hidden, generator=gen).to(DTYPES[dtype])
     g = torch.randn(case.seq, case.batch, case.hidden, generator=gen).to(DTYPES[dtype])
@@ -184,12 +204,19 @@ def flex_layer_case(backend: str, dtype: str, hidden: int, expert_mlp_impl: str 
 
         from megatron_moe_ext.megatron.experts import GroupedGemmExperts
 
-        submodules = dataclasses.replace(submodules, experts=ModuleSpec(
-            module=GroupedGemmExperts, params={"expert_mlp_impl": expert_mlp_impl}))
+        submodules = dataclasses.replace(
+            submodules, experts=ModuleSpec(module=GroupedGemmExperts, params={"expert_mlp_impl": expert_mlp_impl})
+        )
     try:
-        flex = FlexMoELayer(config, submodules=submodules, pg_collection=pg, layer_number=1,
-                            dispatcher_config=TokenDispatcherConfig.from_transformer_config(
-                                config, moe_flex_dispatcher_backend=backend))
+        flex = FlexMoELayer(
+            config,
+            submodules=submodules,
+            pg_collection=pg,
+            layer_number=1,
+            dispatcher_config=TokenDispatcherConfig.from_transformer_config(
+                config, moe_flex_dispatcher_backend=backend
+            ),
+        )
         flex.set_layer_number(1)
         flex.load_state_dict(state, strict=True)
         flex.to(DEVICE)
@@ -202,10 +229,15 @@ def flex_layer_case(backend: str, dtype: str, hidden: int, expert_mlp_impl: str 
         stacked = {n: grads_f.pop(n) for n in list(grads_f) if n.startswith("experts.")}
         grads_f.update(grouped_to_sequential_mlp(stacked, "experts."))
     grads = {n: _rel_err(grads_f[n].cpu().float(), grads_n[n].float()) for n in grads_n}
-    return {"out": _rel_err(out_f.cpu().float(), out_n.float()), "grad_x": _rel_err(gx_f.cpu().float(), gx_n.float()),
-            "grads": max(grads.values()), "grad_names": sorted(grads), "tol": FLEX_TOL[dtype],
-            "fused_ran": bool(getattr(flex.experts, "accepts_indexed_rows", False)),
-            "fallback_reason": getattr(flex.experts, "expert_mlp_fallback_reason", None)}
+    return {
+        "out": _rel_err(out_f.cpu().float(), out_n.float()),
+        "grad_x": _rel_err(gx_f.cpu().float(), gx_n.float()),
+        "grads": max(grads.values()),
+        "grad_names": sorted(grads),
+        "tol": FLEX_TOL[dtype],
+        "fused_ran": bool(getattr(flex.experts, "accepts_indexed_rows", False)),
+        "fallback_reason": getattr(flex.experts, "expert_mlp_fallback_reason", None),
+    }
 
 
 def graphed_budget_layer_case(hidden: int = 128) -> dict:
@@ -238,8 +270,9 @@ def graphed_budget_layer_case(hidden: int = 128) -> dict:
     from tests.shims import megatron_cpu
 
     ep, rank = dist.get_world_size(), dist.get_rank()
-    case = LayerCase("graphed_budget", num_experts=2 * ep, hidden=hidden, ffn=32, seq=8, batch=2, dtype="bf16",
-                     grouped_gemm=True)
+    case = LayerCase(
+        "graphed_budget", num_experts=2 * ep, hidden=hidden, ffn=32, seq=8, batch=2, dtype="bf16", grouped_gemm=True
+    )
     pg = megatron_cpu.init_parallel_state(ep, timeout_s=JIT_GROUP_TIMEOUT_S)  # installs the CPU shims
     if DEVICE == "cuda":  # the shims replace torch.cuda's streams, which the capture needs
         megatron_cpu.uninstall()
@@ -247,13 +280,19 @@ def graphed_budget_layer_case(hidden: int = 128) -> dict:
     try:
         config = layer_config(case, ep)
         dcfg = TokenDispatcherConfig.from_transformer_config(
-            config, moe_flex_dispatcher_backend="hybridep", moe_hybridep_equal_token_counts=True,
-            moe_expert_rank_capacity_factor=GRAPHED_FACTOR)
+            config,
+            moe_flex_dispatcher_backend="hybridep",
+            moe_hybridep_equal_token_counts=True,
+            moe_expert_rank_capacity_factor=GRAPHED_FACTOR,
+        )
         submodules = dataclasses.replace(
             get_moe_module_spec(use_te=False, num_experts=case.num_experts).keywords["submodules"],
-            experts=ModuleSpec(module=GroupedGemmExperts, params={"expert_mlp_impl": "grouped_mm"}))
-        graphed, eager = (FlexMoELayer(config, submodules=submodules, pg_collection=pg, layer_number=1,
-                                       dispatcher_config=dcfg) for _ in range(2))
+            experts=ModuleSpec(module=GroupedGemmExperts, params={"expert_mlp_impl": "grouped_mm"}),
+        )
+        graphed, eager = (
+            FlexMoELayer(config, submodules=submodules, pg_collection=pg, layer_number=1, dispatcher_config=dcfg)
+            for _ in range(2)
+        )
         eager.load_state_dict(graphed.state_dict(), strict=True)
         for layer in (graphed, eager):
             layer.set_layer_number(1)
@@ -294,8 +333,11 @@ def graphed_budget_layer_case(hidden: int = 128) -> dict:
                     static_out.backward(static_g)
             except Exception as exc:  # noqa: BLE001 - whether the layer can be captured is the result
                 cause = exc.__context__
-                return {**result, "capture_error": f"{type(exc).__name__}: {exc}"[:600],
-                        "capture_error_context": None if cause is None else f"{type(cause).__name__}: {cause}"[:600]}
+                return {
+                    **result,
+                    "capture_error": f"{type(exc).__name__}: {exc}"[:600],
+                    "capture_error_context": None if cause is None else f"{type(cause).__name__}: {cause}"[:600],
+                }
             result["captured"] = True
             static_grads = [param.grad for param in graphed.parameters()]
         else:
@@ -323,10 +365,18 @@ def graphed_budget_layer_case(hidden: int = 128) -> dict:
                 max_abs = max(max_abs, float((a.float() - b.float()).abs().max()))
                 max_rel = max(max_rel, _rel_err(a.float(), b.float()))
         reports = {"graphed": graphed.overflow(), "eager": eager.overflow()}
-        return {**result, "bitwise": bitwise, "max_abs_diff": max_abs, "max_rel_diff": max_rel,
-                "tol": FLEX_TOL["bf16"], "compared": ["out", "grad_x", *names],
-                "overflow": {k: {"dropped_pairs": r.dropped_pairs, "rows_needed": r.rows_needed, "budget": r.budget}
-                             for k, r in reports.items()}}
+        return {
+            **result,
+            "bitwise": bitwise,
+            "max_abs_diff": max_abs,
+            "max_rel_diff": max_rel,
+            "tol": FLEX_TOL["bf16"],
+            "compared": ["out", "grad_x", *names],
+            "overflow": {
+                k: {"dropped_pairs": r.dropped_pairs, "rows_needed": r.rows_needed, "budget": r.budget}
+                for k, r in reports.items()
+            },
+        }
     finally:
         megatron_cpu.uninstall()
 
@@ -348,16 +398,23 @@ def zero_tokens_refused_outcome(report) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     start = time.monotonic()
     try:
-        got = refused_input_at_tokens("equal_token_counts", (None, (0,) * world), device=DEVICE,
-                                      timeout_s=GROUP_TIMEOUT_S)
+        got = refused_input_at_tokens(
+            "equal_token_counts", (None, (0,) * world), device=DEVICE, timeout_s=GROUP_TIMEOUT_S
+        )
         if DEVICE == "cuda":
             torch.cuda.synchronize()  # a device-side failure shows here, inside this step
-        result = ({"type": None, "message": "completed"} if got["error"] is None else
-                  {"type": "ValueError", "message": got["error"][:300], "agreed": got["agreed"]})
+        result = (
+            {"type": None, "message": "completed"}
+            if got["error"] is None
+            else {"type": "ValueError", "message": got["error"][:300], "agreed": got["agreed"]}
+        )
     except Exception as exc:  # noqa: BLE001 - the outcome is what is recorded
         result = {"type": type(exc).__name__, "message": str(exc)[:300]}
-    report("result", key="zero_tokens_refused_input",
-           value={**result, "bad_rank": rank == world - 1, "seconds": round(time.monotonic() - start, 2)})
+    report(
+        "result",
+        key="zero_tokens_refused_input",
+        value={**result, "bad_rank": rank == world - 1, "seconds": round(time.monotonic() - start, 2)},
+    )
 
 
 def bad_input_outcomes(case, report) -> None:
@@ -380,8 +437,12 @@ def bad_input_outcomes(case, report) -> None:
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
     rank, ep = dist.get_rank(group), dist.get_world_size(group)
     e = case.num_experts // ep
-    cfg = TokenDispatcherConfig(moe_flex_dispatcher_backend="hybridep", num_moe_experts=case.num_experts,
-                                moe_router_topk=case.topk, moe_share_token_dispatcher=False)
+    cfg = TokenDispatcherConfig(
+        moe_flex_dispatcher_backend="hybridep",
+        num_moe_experts=case.num_experts,
+        moe_router_topk=case.topk,
+        moe_share_token_dispatcher=False,
+    )
     disp = MoEFlexTokenDispatcher(e, list(range(rank * e, rank * e + e)), cfg, group)
     params = tuple(p.to(DEVICE) for p in toy_expert_params(case.num_experts, case.hidden))
     x, indices, probs = (t.to(DEVICE) for t in make_routing(case, rank, torch.bfloat16))
@@ -409,8 +470,14 @@ def bad_input_outcomes(case, report) -> None:
     if DEVICE == "cpu":  # host tensors take the device path's deferred checks (as the tests do)
         os.environ[CHECK_MODE_ENV] = "deferred"
     step(indices, boundary=True)
-    report("result", key="bad_input_auto", value={"bad_step": outcome(lambda: step(bad, boundary=True)),
-                                                  "clean_step_after": outcome(lambda: step(indices, boundary=True))})
+    report(
+        "result",
+        key="bad_input_auto",
+        value={
+            "bad_step": outcome(lambda: step(bad, boundary=True)),
+            "clean_step_after": outcome(lambda: step(indices, boundary=True)),
+        },
+    )
     os.environ[CHECK_MODE_ENV] = "sync"
     report("result", key="bad_input_sync", value=outcome(lambda: step(bad)))
 
@@ -428,21 +495,32 @@ def _dense_check(results, dropless: bool):
 def _refusal_check(needle: str):
     def check(results):
         return all(r.startswith("ValueError") and needle in r for r in results), {"rank0": results[0][:300]}
+
     return check
 
 
 def _capacity_check(results):
-    ok = (sum(r["dropped_slots"] for r in results) > 0
-          and sum(r["kept_pairs"] for r in results) == sum(r["received_pairs"] for r in results)
-          and all(r[k] <= r["tol"] for r in results for k in ("y", "grad_x", "grad_probs"))
-          and all(r["max_grad_at_dropped"] == 0.0 for r in results))
-    return ok, {"dropped_slots": sum(r["dropped_slots"] for r in results),
-                "worst_y": max(r["y"] for r in results), "tol": results[0]["tol"]}
+    ok = (
+        sum(r["dropped_slots"] for r in results) > 0
+        and sum(r["kept_pairs"] for r in results) == sum(r["received_pairs"] for r in results)
+        and all(r[k] <= r["tol"] for r in results for k in ("y", "grad_x", "grad_probs"))
+        and all(r["max_grad_at_dropped"] == 0.0 for r in results)
+    )
+    return ok, {
+        "dropped_slots": sum(r["dropped_slots"] for r in results),
+        "worst_y": max(r["y"] for r in results),
+        "tol": results[0]["tol"],
+    }
 
 
 def _pad_check(results):
-    ok = all(all(c % 4 == 0 and c >= t and c - t < 4 for c, t in zip(r["counts"], r["true_counts"]))
-             and r["rows"] == sum(r["counts"]) and r["pad_rows_zero"] and r["y"] <= r["tol"] for r in results)
+    ok = all(
+        all(c % 4 == 0 and c >= t and c - t < 4 for c, t in zip(r["counts"], r["true_counts"]))
+        and r["rows"] == sum(r["counts"])
+        and r["pad_rows_zero"]
+        and r["y"] <= r["tol"]
+        for r in results
+    )
     return ok, {"counts_rank0": results[0]["counts"], "worst_y": max(r["y"] for r in results)}
 
 
@@ -494,20 +572,36 @@ def _deepep_nvlink_check() -> dict:
     except Exception as exc:  # noqa: BLE001 - the library's refusal is the result
         outcome = f"{type(exc).__name__}: {exc}"
     if dist.get_rank() == 0:  # in the log too: the JSON is written only when the script ends
-        print(f"[deepep EP{dist.get_world_size()}] check_nvlink_connections on rank 0: {outcome} "
-              f"(NVML NVLink P2P status of GPU 0 with itself: {int(status)})", flush=True)
-    return {"outcome": outcome, "nvml_p2p_nvlink_status_gpu0_gpu0": int(status),
-            "NVML_P2P_STATUS_OK": int(pynvml.NVML_P2P_STATUS_OK)}
+        print(
+            f"[deepep EP{dist.get_world_size()}] check_nvlink_connections on rank 0: {outcome} "
+            f"(NVML NVLink P2P status of GPU 0 with itself: {int(status)})",
+            flush=True,
+        )
+    return {
+        "outcome": outcome,
+        "nvml_p2p_nvlink_status_gpu0_gpu0": int(status),
+        "NVML_P2P_STATUS_OK": int(pynvml.NVML_P2P_STATUS_OK),
+    }
 
 
 def _budget_fit_check(results):
     """tests/dispatcher/test_syncfree.py's: within the budget, budget mode equals the blocking
     path exactly, with a static row count, the counts on the device, no overflow, no host read."""
-    ok = all(r["diffs"] == {"y": 0.0, "gx": 0.0, "gp": 0.0} and r["rows"] == r["budget"] and r["counts_device"]
-             and r["counts_equal"] and r["stats"] == [0, r["pairs"]] and r["host_reads"] == [] for r in results)
-    return ok, {"worst_diffs": {k: max(r["diffs"][k] for r in results) for k in ("y", "gx", "gp")},
-                "rows_rank0": results[0]["rows"], "budget": results[0]["budget"],
-                "host_reads": sorted({c for r in results for c in r["host_reads"]})}
+    ok = all(
+        r["diffs"] == {"y": 0.0, "gx": 0.0, "gp": 0.0}
+        and r["rows"] == r["budget"]
+        and r["counts_device"]
+        and r["counts_equal"]
+        and r["stats"] == [0, r["pairs"]]
+        and r["host_reads"] == []
+        for r in results
+    )
+    return ok, {
+        "worst_diffs": {k: max(r["diffs"][k] for r in results) for k in ("y", "gx", "gp")},
+        "rows_rank0": results[0]["rows"],
+        "budget": results[0]["budget"],
+        "host_reads": sorted({c for r in results for c in r["host_reads"]}),
+    }
 
 
 def _budget_overflow_check(results):
@@ -517,12 +611,18 @@ def _budget_overflow_check(results):
     ok = results[0]["skew"]["expected_dropped"] > 0 and all(
         r["skew"]["stats"] == [r["skew"]["expected_dropped"], r["skew"]["expected_needed"]]
         and all(err <= r["tol"] for phase in ("skew", "fit") for err in r[phase]["diffs"].values())
-        and r["fit"]["stats"][0] == 0 and r["fit"]["stats"][1] <= r["budget"] and r["host_reads"] == []
-        for r in results)
-    return ok, {"skew_stats": [r["skew"]["stats"] for r in results],
-                "fit_stats": [r["fit"]["stats"] for r in results],
-                "worst_error": max(e for r in results for ph in ("skew", "fit") for e in r[ph]["diffs"].values()),
-                "tol": results[0]["tol"], "host_reads": sorted({c for r in results for c in r["host_reads"]})}
+        and r["fit"]["stats"][0] == 0
+        and r["fit"]["stats"][1] <= r["budget"]
+        and r["host_reads"] == []
+        for r in results
+    )
+    return ok, {
+        "skew_stats": [r["skew"]["stats"] for r in results],
+        "fit_stats": [r["fit"]["stats"] for r in results],
+        "worst_error": max(e for r in results for ph in ("skew", "fit") for e in r[ph]["diffs"].values()),
+        "tol": results[0]["tol"],
+        "host_reads": sorted({c for r in results for c in r["host_reads"]}),
+    }
 
 
 def _empty_check(results):
@@ -540,19 +640,28 @@ def _graphed_check(results):
     dropped by either layer over the steps."""
     r0 = results[0]
     if any("capture_error" in r for r in results):
-        return False, {"captured": False, "capture_error_rank0": r0.get("capture_error"),
-                       "capture_error_context_rank0": r0.get("capture_error_context")}
+        return False, {
+            "captured": False,
+            "capture_error_rank0": r0.get("capture_error"),
+            "capture_error_context_rank0": r0.get("capture_error_context"),
+        }
     captured = all(r["captured"] for r in results)
     bitwise = all(r["bitwise"] for r in results)
     close = all(r["max_rel_diff"] <= r["tol"] for r in results)
     dropped = sum(o["dropped_pairs"] for r in results for o in r["overflow"].values())
     ok = (captured or r0["device"] == "cpu") and (bitwise or close) and dropped == 0
-    return ok, {"captured": captured, "bitwise": bitwise, "steps": r0["steps"],
-                "max_abs_diff": max(r["max_abs_diff"] for r in results),
-                "max_rel_diff": max(r["max_rel_diff"] for r in results), "tol": r0["tol"],
-                "compared_rank0": len(r0["compared"]), "dropped_pairs": dropped,
-                "rows_needed_max": max(o["rows_needed"] for r in results for o in r["overflow"].values()),
-                "budget": r0["overflow"]["graphed"]["budget"]}
+    return ok, {
+        "captured": captured,
+        "bitwise": bitwise,
+        "steps": r0["steps"],
+        "max_abs_diff": max(r["max_abs_diff"] for r in results),
+        "max_rel_diff": max(r["max_rel_diff"] for r in results),
+        "tol": r0["tol"],
+        "compared_rank0": len(r0["compared"]),
+        "dropped_pairs": dropped,
+        "rows_needed_max": max(o["rows_needed"] for r in results for o in r["overflow"].values()),
+        "budget": r0["overflow"]["graphed"]["budget"],
+    }
 
 
 def _same_outcome_check(results):
@@ -581,47 +690,94 @@ def hybridep_plan(extras: bool) -> list:
     for case in CASES:
         for mode in MODES:
             for face in ("topk", "megatron"):
-                plan.append((f"dense/{case.name}/{face}/{mode}/bf16", dense(case, face, "bf16", mode),
-                             lambda r: _dense_check(r, dropless=False)))
+                plan.append(
+                    (
+                        f"dense/{case.name}/{face}/{mode}/bf16",
+                        dense(case, face, "bf16", mode),
+                        lambda r: _dense_check(r, dropless=False),
+                    )
+                )
     for case in CASES[1:3]:
         for mode in ("blocking", "capacity", "static", "compact"):
-            plan.append((f"dense/{case.name}/dense_probs/{mode}/bf16", dense(case, "dense", "bf16", mode),
-                         lambda r: _dense_check(r, dropless=False)))
+            plan.append(
+                (
+                    f"dense/{case.name}/dense_probs/{mode}/bf16",
+                    dense(case, "dense", "bf16", mode),
+                    lambda r: _dense_check(r, dropless=False),
+                )
+            )
     for case in CASES[:2]:
-        fixed = hybridep_case(RoutingCase(case.name, tokens_per_rank=(6,), topk=case.topk,
-                                          masked_fraction=case.masked_fraction))
-        plan.append((f"dense/{case.name}/dense_probs/equal_token_counts/bf16",
-                     dense(fixed, "dense", "bf16", None, dict(moe_hybridep_equal_token_counts=True)),
-                     lambda r: _dense_check(r, dropless=False)))
-    plan.append(("refused/fp32_tokens", lambda: _refusal(dense(CASES[0], "topk", "fp32", "blocking")),
-                 _refusal_check("16-bit")))
+        fixed = hybridep_case(
+            RoutingCase(case.name, tokens_per_rank=(6,), topk=case.topk, masked_fraction=case.masked_fraction)
+        )
+        plan.append(
+            (
+                f"dense/{case.name}/dense_probs/equal_token_counts/bf16",
+                dense(fixed, "dense", "bf16", None, dict(moe_hybridep_equal_token_counts=True)),
+                lambda r: _dense_check(r, dropless=False),
+            )
+        )
+    plan.append(
+        (
+            "refused/fp32_tokens",
+            lambda: _refusal(dense(CASES[0], "topk", "fp32", "blocking")),
+            _refusal_check("16-bit"),
+        )
+    )
     # Budget mode (equal token counts, T=16, hidden 128, E=8; tests/dispatcher/test_syncfree.py).
-    plan.append(("budget/equals_blocking_within_budget/bf16",
-                 lambda: syncfree_ranks.syncfree_vs_blocking("hybridep", "bf16", DEVICE), _budget_fit_check))
-    plan.append(("budget/overflow_then_fit/bf16",
-                 lambda: syncfree_ranks.syncfree_overflow_then_fit("hybridep", DEVICE), _budget_overflow_check))
+    plan.append(
+        (
+            "budget/equals_blocking_within_budget/bf16",
+            lambda: syncfree_ranks.syncfree_vs_blocking("hybridep", "bf16", DEVICE),
+            _budget_fit_check,
+        )
+    )
+    plan.append(
+        (
+            "budget/overflow_then_fit/bf16",
+            lambda: syncfree_ranks.syncfree_overflow_then_fit("hybridep", DEVICE),
+            _budget_overflow_check,
+        )
+    )
     if extras:
         layers = tuple(hybridep_case(c) for c in (protocol_ranks.LAYER_A, protocol_ranks.LAYER_B))
         for face in ("topk", "megatron"):
-            plan.append((f"two_layers_in_flight/{face}/bf16",
-                         lambda f=face: protocol_ranks.two_layers_in_flight("hybridep", use, f, "bf16", layers,
-                                                                           DEVICE),
-                         _layers_check))
+            plan.append(
+                (
+                    f"two_layers_in_flight/{face}/bf16",
+                    lambda f=face: protocol_ranks.two_layers_in_flight("hybridep", use, f, "bf16", layers, DEVICE),
+                    _layers_check,
+                )
+            )
     # Last: the layer dispatches over Megatron's EP group, a second buffer in each process.
     plan.append(("flex_layer/bf16", lambda: flex_layer_case("hybridep", "bf16", 128), _flex_check))
-    plan.append(("refused/flex_layer_fp32", lambda: _refusal(lambda: flex_layer_case("hybridep", "fp32", 128)),
-                 _refusal_check("16-bit")))
+    plan.append(
+        (
+            "refused/flex_layer_fp32",
+            lambda: _refusal(lambda: flex_layer_case("hybridep", "fp32", 128)),
+            _refusal_check("16-bit"),
+        )
+    )
     if extras and DEVICE == "cuda":
         # The fused (QuACK) expert path behind the same layer (GroupedGemmExperts fed HybridEP's
         # permuted rows); its first call compiles QuACK's kernels in every process.
-        plan.append(("flex_layer/fused_experts/bf16", lambda: flex_layer_case("hybridep", "bf16", 128, "fused"),
-                     _flex_fused_check))
+        plan.append(
+            (
+                "flex_layer/fused_experts/bf16",
+                lambda: flex_layer_case("hybridep", "bf16", 128, "fused"),
+                _flex_fused_check,
+            )
+        )
     if extras:  # the issue's EP8 graphed layer, at the largest EP size of the run
         plan.append(("graphed_budget_layer/bf16", lambda: graphed_budget_layer_case(128), _graphed_check))
     for mode in hybridep_zero_ranks.MODES:  # "capacity" last: its guard is a device-side assert
-        plan.append((f"zero_tokens/every_rank_empty/{mode}/bf16",
-                     lambda m=mode: hybridep_zero_ranks.every_rank_empty(m, DEVICE, JIT_GROUP_TIMEOUT_S),
-                     _empty_check))
+        plan.append(
+            (
+                f"zero_tokens/every_rank_empty/{mode}/bf16",
+                lambda m=mode: hybridep_zero_ranks.every_rank_empty(m, DEVICE, JIT_GROUP_TIMEOUT_S),
+                _empty_check,
+            )
+        )
     return plan
 
 
@@ -629,12 +785,14 @@ def _releasing(comm, thunk):
     """`thunk` after freeing the suite's buffer and the previous layer case's: UCCL holds one
     buffer per device and process (the package refuses a second, naming
     moe_share_token_dispatcher), and each layer case builds its own over Megatron's EP group."""
+
     def run():
         from megatron_moe_ext.dispatcher.flex import MoEFlexTokenDispatcher
 
         comm.release_buffers()  # collective; a no-op once freed
         MoEFlexTokenDispatcher.release_shared_managers()
         return thunk()
+
     return run
 
 
@@ -649,28 +807,54 @@ def deepep_contract_plan(world: int, backend: str, comm) -> list:
     for dtype in ("bf16", "fp32"):
         for case in CASES:
             for face in FACES:
-                plan.append((f"dense/{case.name}/{face}/dropless/{dtype}",
-                             lambda c=case, f=face, d=dtype: run_dense_reference_case(c, f, d, backend, None, None,
-                                                                                      1, DEVICE),
-                             lambda r: _dense_check(r, dropless=True)))
+                plan.append(
+                    (
+                        f"dense/{case.name}/{face}/dropless/{dtype}",
+                        lambda c=case, f=face, d=dtype: run_dense_reference_case(
+                            c, f, d, backend, None, None, 1, DEVICE
+                        ),
+                        lambda r: _dense_check(r, dropless=True),
+                    )
+                )
         drop = RoutingCase("capacity", tokens_per_rank=(16, 9, 12, 0), topk=3, masked_fraction=0.15)
-        plan.append((f"capacity_drop/{dtype}", lambda d=dtype: capacity_drop_case(drop, d, 0.5, backend, DEVICE),
-                     _capacity_check))
+        plan.append(
+            (
+                f"capacity_drop/{dtype}",
+                lambda d=dtype: capacity_drop_case(drop, d, 0.5, backend, DEVICE),
+                _capacity_check,
+            )
+        )
         pad = RoutingCase("pad", tokens_per_rank=(13, 6, 0, 9), topk=2)
-        plan.append((f"pad_multiple/{dtype}", lambda d=dtype: pad_multiple_case(pad, d, 4, backend, DEVICE),
-                     _pad_check))
+        plan.append(
+            (f"pad_multiple/{dtype}", lambda d=dtype: pad_multiple_case(pad, d, 4, backend, DEVICE), _pad_check)
+        )
     if backend == "uccl_ep":  # DeepEP has the budget mode (not run here: tests/dispatcher/test_syncfree.py)
-        plan.append(("refused/budget_mode", lambda: _budget_refusal(backend),
-                     _refusal_check("moe_expert_rank_capacity_factor")))
+        plan.append(
+            (
+                "refused/budget_mode",
+                lambda: _budget_refusal(backend),
+                _refusal_check("moe_expert_rank_capacity_factor"),
+            )
+        )
     # Last: the layer dispatches over Megatron's EP group, a second buffer in each process.
     for dtype in ("bf16", "fp32"):
-        plan.append((f"flex_layer/{dtype}", _releasing(comm, lambda d=dtype: flex_layer_case(backend, d, 128)),
-                     _flex_check))
+        plan.append(
+            (f"flex_layer/{dtype}", _releasing(comm, lambda d=dtype: flex_layer_case(backend, d, 128)), _flex_check)
+        )
     return plan
 
 
-def _rank(backend: str, world: int, extras: bool, select: list, rank: int, port: int, site: str | None, results,
-          deadline: float) -> None:
+def _rank(
+    backend: str,
+    world: int,
+    extras: bool,
+    select: list,
+    rank: int,
+    port: int,
+    site: str | None,
+    results,
+    deadline: float,
+) -> None:
     """One rank of a launch: reports `stage`, `result`, `case`, then `done` or `error`.
     `site=None`: the CPU smoke run over the doubles; `extras`: HybridEP's two layers in flight,
     graphed layer and bad input (at the largest EP size of the run; HybridEP's other sizes end
@@ -721,8 +905,9 @@ def _rank(backend: str, world: int, extras: bool, select: list, rank: int, port:
             stage("construct")
             comm = (uccl_backend if backend == "uccl_ep" else deepep_backend).communicator(dist.group.WORLD)
             # One buffer for every case, sized for the widest rows (fp32 rows + index/weight columns).
-            comm.allocate_buffer(dist.group.WORLD, max([c.hidden + c.topk + 1 for c in CASES] + [128 + 3]),
-                                 torch.float32)
+            comm.allocate_buffer(
+                dist.group.WORLD, max([c.hidden + c.topk + 1 for c in CASES] + [128 + 3]), torch.float32
+            )
             report("result", key="buffer_bytes", value={"num_nvl_bytes": comm.buffer.num_nvl_bytes})
             plan = deepep_contract_plan(world, backend, comm)
         else:
@@ -749,8 +934,10 @@ def _rank(backend: str, world: int, extras: bool, select: list, rank: int, port:
         if DEVICE == "cuda":
             stage("memory")
             free, total = torch.cuda.mem_get_info(0)
-            memory = {"max_reserved_mib": round(torch.cuda.max_memory_reserved(0) / 2**20, 1),
-                      "max_allocated_mib": round(torch.cuda.max_memory_allocated(0) / 2**20, 1)}
+            memory = {
+                "max_reserved_mib": round(torch.cuda.max_memory_reserved(0) / 2**20, 1),
+                "max_allocated_mib": round(torch.cuda.max_memory_allocated(0) / 2**20, 1),
+            }
             _gather(None)  # every rank alive and holding its buffers when rank 0 reads the device
             if rank == 0:
                 memory["device_used_mib_all_ranks_alive"] = round((total - free) / 2**20, 1)
@@ -775,8 +962,9 @@ def _rank(backend: str, world: int, extras: bool, select: list, rank: int, port:
 
 
 # ---- parent side -------------------------------------------------------------------------------
-def launch(backend: str, world: int, site: str | None, limit_s: float, extras: bool = False,
-           select: tuple = ()) -> dict:
+def launch(
+    backend: str, world: int, site: str | None, limit_s: float, extras: bool = False, select: tuple = ()
+) -> dict:
     """Run one launch; collect reports until every rank finishes, one dies, or time runs out.
     `extras` (HybridEP only): two layers in flight, the graphed layer and, last, the bad input;
     HybridEP without `extras` ends with the refused input at 0 tokens instead."""
@@ -789,51 +977,75 @@ def launch(backend: str, world: int, site: str | None, limit_s: float, extras: b
     # The ranks stop starting cases this long before the limit (and leave room for the bad input,
     # or the refused input at 0 tokens).
     reserve = TEARDOWN_S + (BAD_INPUT_RESERVE_S if backend == "hybridep" else 0)
-    procs = [ctx.Process(target=_rank,
-                         args=(backend, world, extras, list(select), r, port, site, results, end - reserve),
-                         daemon=True) for r in range(world)]
+    procs = [
+        ctx.Process(
+            target=_rank,
+            args=(backend, world, extras, list(select), r, port, site, results, end - reserve),
+            daemon=True,
+        )
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     out = {"backend": backend, "world_size": world, "limit_s": limit_s}
 
     def shorten(msg, out):
-        if (msg["kind"] == "result" and msg["key"] in ("bad_input_sync", "zero_tokens_refused_input")
-                and len(out["results"][msg["key"]]) == 1):
+        if (
+            msg["kind"] == "result"
+            and msg["key"] in ("bad_input_sync", "zero_tokens_refused_input")
+            and len(out["results"][msg["key"]]) == 1
+        ):
             return time.time() + BAD_INPUT_WAIT_S  # the peers' answers, or a hang
         return None
 
     uccl_real.collect(procs, results, out, end, f"[{backend} EP{world}]", shorten)
     out["seconds"] = round(time.time() - begin, 1)
     planned = out["results"].get("planned_cases", {}).get(0)
-    out["summary"] = {"planned": planned, "passed": sum(c["ok"] for c in out["cases"].values()),
-                      "failed": sorted(n for n, c in out["cases"].items() if not c["ok"]),
-                      "not_run": None if planned is None else planned - len(out["cases"])}
+    out["summary"] = {
+        "planned": planned,
+        "passed": sum(c["ok"] for c in out["cases"].values()),
+        "failed": sorted(n for n, c in out["cases"].items() if not c["ok"]),
+        "not_run": None if planned is None else planned - len(out["cases"]),
+    }
     if backend == "hybridep":
         for key in ("bad_input_auto", "bad_input_sync") if extras else ("zero_tokens_refused_input",):
             answered = out["results"].get(key, {})
-            out[key] = {str(r): answered.get(r, f"no outcome within the launch (last stage "
-                                                f"{out['last_stage'].get(r)!r}; killed)") for r in range(world)}
+            out[key] = {
+                str(r): answered.get(
+                    r, f"no outcome within the launch (last stage {out['last_stage'].get(r)!r}; killed)"
+                )
+                for r in range(world)
+            }
     print(f"[{backend} EP{world}] {out['summary']} in {out['seconds']} s", flush=True)
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backends", nargs="+", default=["uccl_ep", "hybridep", "deepep"],
-                        choices=["uccl_ep", "hybridep", "deepep"])
+    parser.add_argument(
+        "--backends", nargs="+", default=["uccl_ep", "hybridep", "deepep"], choices=["uccl_ep", "hybridep", "deepep"]
+    )
     parser.add_argument("--worlds", nargs="+", type=int, default=[4, 8], choices=[2, 4, 8])
-    parser.add_argument("--cpu-doubles", action="store_true",
-                        help="run the plans on CPU over tests/doubles (a smoke test of this script)")
+    parser.add_argument(
+        "--cpu-doubles",
+        action="store_true",
+        help="run the plans on CPU over tests/doubles (a smoke test of this script)",
+    )
     parser.add_argument("--limit-scale", type=float, default=1.0, help="multiply every launch's time limit")
     parser.add_argument("--select", nargs="*", default=[], help="run only cases whose names contain one of these")
     args = parser.parse_args()
     begin = time.time()
-    record = {"command": "python3 bench/gpu/ep_on_one_gpu.py " + " ".join(sys.argv[1:]),
-              "date": datetime.datetime.now(datetime.UTC).isoformat(), "gpu": uccl_real._gpu_mode(),
-              "launches": {}}
-    for name, path in (("hybridep", os.path.join(HYBRIDEP_DIR, "DEEPEP_COMMIT")),
-                       ("uccl", os.path.join(uccl_real.LAYER, "SOURCE.json")),
-                       ("deepep_v1", os.path.join(DEEPEP_DIR, "DEEPEP_COMMIT"))):
+    record = {
+        "command": "python3 bench/gpu/ep_on_one_gpu.py " + " ".join(sys.argv[1:]),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(),
+        "gpu": uccl_real._gpu_mode(),
+        "launches": {},
+    }
+    for name, path in (
+        ("hybridep", os.path.join(HYBRIDEP_DIR, "DEEPEP_COMMIT")),
+        ("uccl", os.path.join(uccl_real.LAYER, "SOURCE.json")),
+        ("deepep_v1", os.path.join(DEEPEP_DIR, "DEEPEP_COMMIT")),
+    ):
         record[f"{name}_source"] = open(path).read().strip() if os.path.exists(path) else f"missing: {path}"
     site = tempfile.mkdtemp(prefix="ep_on_one_gpu_")
     try:
@@ -845,14 +1057,22 @@ def main() -> None:
                 # Not a pass/fail launch: the library's own first check, run at each size.
                 record["deepep_library_check"] = {
                     "deep_ep_cpp": f"not built in {DEEPEP_DIR} (.gpu/deepep-src/build.sh builds it)",
-                    **{f"ep{world}": launch(backend, world, site, LIMITS_S[(backend, world)])
-                       for world in args.worlds}}
+                    **{
+                        f"ep{world}": launch(backend, world, site, LIMITS_S[(backend, world)])
+                        for world in args.worlds
+                    },
+                }
                 continue
             for world in args.worlds:
                 limit = LIMITS_S.get((backend, world), 60) * args.limit_scale
                 record["launches"][f"{backend}/ep{world}"] = launch(
-                    backend, world, None if args.cpu_doubles else site, limit, extras=world == max(args.worlds),
-                    select=tuple(args.select))
+                    backend,
+                    world,
+                    None if args.cpu_doubles else site,
+                    limit,
+                    extras=world == max(args.worlds),
+                    select=tuple(args.select),
+                )
     except Exception:  # noqa: BLE001 - a setup failure is itself the result to record
         record["setup_error"] = traceback.format_exc(limit=6)
     finally:

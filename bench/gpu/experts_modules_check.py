@@ -60,25 +60,71 @@ def correctness_cases(world: int, device: str) -> list[ModuleCase]:
         ("te", "swiglu", "bf16_fp32_master", True),
         ("te", "relu2", "fp32", False),
     ]:
-        c.append(ModuleCase(f"{module}_{act}_{dtype}_{'bias' if bias else 'nobias'}_ep{world}",
-                            module, act, dtype, bias, world, tokens_per_rank=(7, 0, 5, 9), device=device))
-    c.append(ModuleCase(f"deepep_torch_capacity_ep{world}", "deepep", "swiglu", "bf16", True, world,
-                        repeats=2, dispatcher_options=CAPACITY, device=device))
+        c.append(
+            ModuleCase(
+                f"{module}_{act}_{dtype}_{'bias' if bias else 'nobias'}_ep{world}",
+                module,
+                act,
+                dtype,
+                bias,
+                world,
+                tokens_per_rank=(7, 0, 5, 9),
+                device=device,
+            )
+        )
+    c.append(
+        ModuleCase(
+            f"deepep_torch_capacity_ep{world}",
+            "deepep",
+            "swiglu",
+            "bf16",
+            True,
+            world,
+            repeats=2,
+            dispatcher_options=CAPACITY,
+            device=device,
+        )
+    )
     if _real_deepep() and world > 1:
-        c.append(ModuleCase(f"deepep_real_deepep_swiglu_bf16_ep{world}", "deepep", "swiglu", "bf16", True, world,
-                            backend="deepep", device=device))
-        c.append(ModuleCase(f"te_real_deepep_oai_bf16_ep{world}", "te", "swiglu_oai", "bf16", True, world,
-                            backend="deepep", device=device))
+        c.append(
+            ModuleCase(
+                f"deepep_real_deepep_swiglu_bf16_ep{world}",
+                "deepep",
+                "swiglu",
+                "bf16",
+                True,
+                world,
+                backend="deepep",
+                device=device,
+            )
+        )
+        c.append(
+            ModuleCase(
+                f"te_real_deepep_oai_bf16_ep{world}",
+                "te",
+                "swiglu_oai",
+                "bf16",
+                True,
+                world,
+                backend="deepep",
+                device=device,
+            )
+        )
     big = dict(experts=16, topk=4, hidden=128, inter=64, tokens_per_rank=(256, 160), device=device)
     for module, act in [("grouped_mm", "swiglu"), ("deepep", "swiglu_clamped"), ("te", "quick_geglu")]:
         # bf16 with a clamp limit inside the bulk of the pre-activations flips the clamp's
         # gradient wherever bf16 rounding lands on the other side of the limit (hundreds of
         # entries at this size): the clamp is checked in fp32, bf16 runs with limit 7.
-        c.append(ModuleCase(f"{module}_{act}_bf16_bias_large_ep{world}", module, act, "bf16", True, world,
-                            limit=7.0, **big))
+        c.append(
+            ModuleCase(
+                f"{module}_{act}_bf16_bias_large_ep{world}", module, act, "bf16", True, world, limit=7.0, **big
+            )
+        )
         c.append(ModuleCase(f"{module}_{act}_fp32_bias_large_ep{world}", module, act, "fp32", True, world, **big))
-    return c + [dataclasses.replace(x, name=x.name.replace(f"_ep{world}", "_no_group"), world=1, ep_mode="none")
-                for x in c[:4]]
+    return c + [
+        dataclasses.replace(x, name=x.name.replace(f"_ep{world}", "_no_group"), world=1, ep_mode="none")
+        for x in c[:4]
+    ]
 
 
 def run_correctness(world: int, device: str) -> list[dict]:
@@ -91,11 +137,20 @@ def run_correctness(world: int, device: str) -> list[dict]:
             else:
                 r = run_module_case(case)
                 worst = max(r["errors"].values())
-                row.update(errors=r["errors"], tol=r["tol"], max_rel_error=worst,
-                           masked_exact_zero=r["masked_exact_zero"], params_without_grad=r["params_without_grad"],
-                           tail_rows=r["tail_rows"])
-                row["ok"] = (worst <= r["tol"] and r["masked_exact_zero"] and not r["params_without_grad"]
-                             and (not case.dispatcher_options or max(r["tail_rows"]) > 0 or dist.get_rank() != 0))
+                row.update(
+                    errors=r["errors"],
+                    tol=r["tol"],
+                    max_rel_error=worst,
+                    masked_exact_zero=r["masked_exact_zero"],
+                    params_without_grad=r["params_without_grad"],
+                    tail_rows=r["tail_rows"],
+                )
+                row["ok"] = (
+                    worst <= r["tol"]
+                    and r["masked_exact_zero"]
+                    and not r["params_without_grad"]
+                    and (not case.dispatcher_options or max(r["tail_rows"]) > 0 or dist.get_rank() != 0)
+                )
         except Exception:  # noqa: BLE001 - record and continue: one report for every case
             row.update(ok=False, error=traceback.format_exc())
         finally:
@@ -136,16 +191,30 @@ def _time_module(case: ModuleCase, tokens: int, iters: int, warmup: int) -> dict
 
 
 def run_timing(world: int, device: str) -> list[dict]:
-    shape = dict(experts=64, topk=8, hidden=2048, inter=768, dtype="bf16", bias=False, world=world,
-                 device=device, masked_fraction=0.0)
-    runs = [("GroupedExperts grouped_mm (all-gather)", ModuleCase("t", "grouped_mm", "swiglu", **shape)),
-            ("GroupedExperts loop (all-gather)", ModuleCase("t", "grouped_loop", "swiglu", **shape)),
-            ("GroupedExpertsDeepEP torch backend", ModuleCase("t", "deepep", "swiglu", **shape)),
-            ("GroupedExpertsDeepEP torch capacity mode",
-             ModuleCase("t", "deepep", "swiglu", dispatcher_options=CAPACITY, **shape))]
+    shape = dict(
+        experts=64,
+        topk=8,
+        hidden=2048,
+        inter=768,
+        dtype="bf16",
+        bias=False,
+        world=world,
+        device=device,
+        masked_fraction=0.0,
+    )
+    runs = [
+        ("GroupedExperts grouped_mm (all-gather)", ModuleCase("t", "grouped_mm", "swiglu", **shape)),
+        ("GroupedExperts loop (all-gather)", ModuleCase("t", "grouped_loop", "swiglu", **shape)),
+        ("GroupedExpertsDeepEP torch backend", ModuleCase("t", "deepep", "swiglu", **shape)),
+        (
+            "GroupedExpertsDeepEP torch capacity mode",
+            ModuleCase("t", "deepep", "swiglu", dispatcher_options=CAPACITY, **shape),
+        ),
+    ]
     if _real_deepep() and world > 1:
-        runs.append(("GroupedExpertsDeepEP real DeepEP",
-                     ModuleCase("t", "deepep", "swiglu", backend="deepep", **shape)))
+        runs.append(
+            ("GroupedExpertsDeepEP real DeepEP", ModuleCase("t", "deepep", "swiglu", backend="deepep", **shape))
+        )
         runs.append(("GroupedExpertsTE real DeepEP", ModuleCase("t", "te", "swiglu", backend="deepep", **shape)))
     out = []
     for name, case in runs:
@@ -193,8 +262,11 @@ def main() -> int:
             status = "skip" if "skipped" in r else ("ok" if r["ok"] else "FAIL")
             print(f"{status:4} {r['case']}: max rel err {r.get('max_rel_error', float('nan')):.3g}", flush=True)
         for t in report.get("timing", []):
-            print(f"time {t['module']}: {t.get('median_ms', float('nan')):.3f} ms, "
-                  f"{t.get('grouped_gemm_tflops', float('nan')):.1f} TFLOP/s", flush=True)
+            print(
+                f"time {t['module']}: {t.get('median_ms', float('nan')):.3f} ms, "
+                f"{t.get('grouped_gemm_tflops', float('nan')):.1f} TFLOP/s",
+                flush=True,
+            )
         print(f"failed cases (all ranks): {int(flags.item())}", flush=True)
     dist.destroy_process_group()
     return 1 if int(flags.item()) else 0

@@ -24,15 +24,22 @@ import sys
 import xml.etree.ElementTree as ET
 
 TE_TEST = re.compile(r"(^|[\[_-])te([\]_-]|$)|grouped_linear|fp8")
-TESTS = ["tests/experts/test_modules_units.py", "tests/experts/test_modules.py",
-         "tests/experts/test_mlp.py", "tests/experts/test_activations.py"]
+TESTS = [
+    "tests/experts/test_modules_units.py",
+    "tests/experts/test_modules.py",
+    "tests/experts/test_mlp.py",
+    "tests/experts/test_activations.py",
+]
 
 
 def _ensure(module: str, wheel_glob: str) -> None:
     if subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True).returncode:
         for wheel in glob.glob(wheel_glob):
-            subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
-                            wheel], check=False, timeout=120)
+            subprocess.run(
+                [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", wheel],
+                check=False,
+                timeout=120,
+            )
 
 
 def main() -> int:
@@ -44,29 +51,47 @@ def main() -> int:
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("TRITON_INTERPRET", None)
     probe = subprocess.run(
-        [sys.executable, "-c", "import torch, transformer_engine as te, transformer_engine.pytorch; "
-                               "print(te.__version__, torch.cuda.get_device_name())"],
-        capture_output=True, text=True, env=env)
+        [
+            sys.executable,
+            "-c",
+            "import torch, transformer_engine as te, transformer_engine.pytorch; "
+            "print(te.__version__, torch.cuda.get_device_name())",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     te_version = probe.stdout.strip() or probe.stderr.strip().splitlines()[-1:]
     print("transformer_engine:", te_version, flush=True)
     xml = os.path.join(out, "experts_te_pytest.xml")
     with open(os.path.join(out, "experts_te_pytest.log"), "w") as log:
-        rc = subprocess.run([sys.executable, "-m", "pytest", *TESTS, "-q", "-rs", "-p", "no:cacheprovider",
-                             f"--junitxml={xml}"], stdout=log, stderr=subprocess.STDOUT, env=env,
-                            timeout=540).returncode
+        rc = subprocess.run(
+            [sys.executable, "-m", "pytest", *TESTS, "-q", "-rs", "-p", "no:cacheprovider", f"--junitxml={xml}"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            timeout=540,
+        ).returncode
     summary = {"pytest_rc": rc, "transformer_engine": te_version}
     if os.path.exists(xml):
         suite = ET.parse(xml).getroot()
         suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
         summary.update({k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")})
         cases = list(suite.iter("testcase"))
-        summary["failed"] = [f'{c.get("classname")}::{c.get("name")}' for c in cases
-                             if c.find("failure") is not None or c.find("error") is not None]
-        summary["skipped_ids"] = [f'{c.get("classname")}::{c.get("name")}' for c in cases
-                                  if c.find("skipped") is not None]
+        summary["failed"] = [
+            f"{c.get('classname')}::{c.get('name')}"
+            for c in cases
+            if c.find("failure") is not None or c.find("error") is not None
+        ]
+        summary["skipped_ids"] = [
+            f"{c.get('classname')}::{c.get('name')}" for c in cases if c.find("skipped") is not None
+        ]
         # The tests that exercise TE (the TE module, GroupedLinear, Fp8Padding) and ran.
-        summary["te_ran"] = [f'{c.get("classname")}::{c.get("name")}' for c in cases
-                             if c.find("skipped") is None and TE_TEST.search(c.get("name"))]
+        summary["te_ran"] = [
+            f"{c.get('classname')}::{c.get('name')}"
+            for c in cases
+            if c.find("skipped") is None and TE_TEST.search(c.get("name"))
+        ]
     with open(os.path.join(out, "experts_te_tests.json"), "w") as f:
         json.dump(summary, f, indent=2)
     print(json.dumps({k: v for k, v in summary.items() if k not in ("skipped_ids", "te_ran")}, indent=2))

@@ -56,8 +56,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _env() -> dict:
-    env = {"torch": torch.__version__, "device": torch.cuda.get_device_name(),
-           "capability": list(torch.cuda.get_device_capability())}
+    env = {
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(),
+        "capability": list(torch.cuda.get_device_capability()),
+    }
     try:
         import transformer_engine
         import transformer_engine_torch as tex
@@ -71,8 +74,8 @@ def _env() -> dict:
         else:
             env["te_graph_safe_grouped_gemm"] = {
                 name: bool(is_module_grouped_tensor_path_supported(r(), torch.bfloat16))
-                for name, r in (("tensorwise", recipe.Float8CurrentScaling),
-                                ("blockwise", recipe.Float8BlockScaling))}
+                for name, r in (("tensorwise", recipe.Float8CurrentScaling), ("blockwise", recipe.Float8BlockScaling))
+            }
     except Exception as exc:  # TE raises RuntimeError where it cannot load, not ImportError
         env["te"] = f"unavailable: {type(exc).__name__}: {exc}"
     return env
@@ -81,7 +84,7 @@ def _env() -> dict:
 def _operands(rows, experts, k, n, seed=0):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(rows, k, device="cuda", generator=gen).bfloat16()
-    w = (torch.randn(experts, k, n, device="cuda", generator=gen) / k ** 0.5).bfloat16()
+    w = (torch.randn(experts, k, n, device="cuda", generator=gen) / k**0.5).bfloat16()
     grad = torch.randn(rows, n, device="cuda", generator=gen).bfloat16()
     offsets = torch.arange(1, experts + 1, device="cuda", dtype=torch.int32) * (rows // experts)
     return x, w, grad, offsets
@@ -101,10 +104,13 @@ def check_gemm(name, rows, experts, hidden, ffn) -> dict:
     real = _grouped_mm_run(REAL, x, w, grad, offsets)
     ref = _grouped_mm_run(double.scaled_grouped_mm, x, w, grad, offsets)
     size = rows // experts
-    exact = torch.cat([x[g * size:(g + 1) * size].double() @ w[g].double() for g in range(experts)])
+    exact = torch.cat([x[g * size : (g + 1) * size].double() @ w[g].double() for g in range(experts)])
     errs = {"vs_double": [_rel(a, b) for a, b in zip(real, ref)], "fwd_vs_exact": _rel(real[0], exact)}
-    ok = max(errs["vs_double"]) <= 1e-2 and errs["fwd_vs_exact"] < 0.08 and all(
-        bool(torch.isfinite(t).all()) for t in real)
+    ok = (
+        max(errs["vs_double"]) <= 1e-2
+        and errs["fwd_vs_exact"] < 0.08
+        and all(bool(torch.isfinite(t).all()) for t in real)
+    )
     return {"case": f"gemm/{name}", "ok": ok, **errs}
 
 
@@ -114,8 +120,8 @@ def _mlp_operands(rows, experts, hidden, ffn, tail, seed=1):
     x = torch.randn(total, hidden, device="cuda", generator=gen).bfloat16()
     x[rows:] = float("nan")  # a budget's unused rows may hold anything
     probs = torch.rand(total, 1, device="cuda", generator=gen)
-    w1 = (torch.randn(experts, hidden, 2 * ffn, device="cuda", generator=gen) / hidden ** 0.5).bfloat16()
-    w2 = (torch.randn(experts, ffn, hidden, device="cuda", generator=gen) / ffn ** 0.5).bfloat16()
+    w1 = (torch.randn(experts, hidden, 2 * ffn, device="cuda", generator=gen) / hidden**0.5).bfloat16()
+    w2 = (torch.randn(experts, ffn, hidden, device="cuda", generator=gen) / ffn**0.5).bfloat16()
     counts = torch.full((experts,), rows // experts, device="cuda", dtype=torch.int64)
     grad = torch.randn(total, hidden, device="cuda", generator=gen).bfloat16()
     return x, probs, w1, w2, counts, grad
@@ -123,8 +129,9 @@ def _mlp_operands(rows, experts, hidden, ffn, tail, seed=1):
 
 def _mlp_step(x, probs, w1, w2, counts, grad, recipe):
     leaves = [t.detach().requires_grad_() for t in (x, w1, w2, probs)]
-    out = run_grouped_expert_mlp(leaves[0], leaves[1], leaves[2], None, None, counts, leaves[3], swiglu, 0,
-                                 fp8=recipe)
+    out = run_grouped_expert_mlp(
+        leaves[0], leaves[1], leaves[2], None, None, counts, leaves[3], swiglu, 0, fp8=recipe
+    )
     out.backward(grad)
     return [out.detach()] + [t.grad for t in leaves]
 
@@ -136,10 +143,16 @@ def check_mlp_and_capture(name, rows, experts, hidden, ffn) -> list[dict]:
     bf16 = _mlp_step(x, probs, w1, w2, counts, grad, None)
     padding_zero = bool((eager[0][rows:] == 0).all() and (eager[1][rows:] == 0).all())
     finite = all(bool(torch.isfinite(t[:rows] if t.shape[0] == rows + tail else t).all()) for t in eager)
-    mlp_case = {"case": f"mlp/{name}", "ok": padding_zero and finite and _rel(eager[0][:rows], bf16[0][:rows]) < 0.1,
-                "padding_zero": padding_zero, "finite": finite,
-                "fp8_vs_bf16": [_rel(a[:rows] if a.shape[0] == rows + tail else a,
-                                     b[:rows] if b.shape[0] == rows + tail else b) for a, b in zip(eager, bf16)]}
+    mlp_case = {
+        "case": f"mlp/{name}",
+        "ok": padding_zero and finite and _rel(eager[0][:rows], bf16[0][:rows]) < 0.1,
+        "padding_zero": padding_zero,
+        "finite": finite,
+        "fp8_vs_bf16": [
+            _rel(a[:rows] if a.shape[0] == rows + tail else a, b[:rows] if b.shape[0] == rows + tail else b)
+            for a, b in zip(eager, bf16)
+        ],
+    }
     # Capture: static inputs, one warm-up on a side stream, then the graph; replay on new values.
     static = [t.clone() for t in (x, probs, w1, w2, counts, grad)]
     stream = torch.cuda.Stream()
@@ -194,8 +207,9 @@ def time_shape(name, rows, experts, hidden, ffn, iters) -> dict:
         result[label] = {"ms": ms, "tflops": flops / ms / 1e9}
     # The FP8 path's own overhead: one quantization of the fc1 input (4 per step: x, act, 2 grads).
     group = torch.arange(rows, device="cuda") // (rows // experts)
-    result["quantize_fc1_input_ms"] = _time(lambda: fp8.quantize_groups(x, group, experts + 1, fp8.Fp8Recipe()),
-                                            iters)
+    result["quantize_fc1_input_ms"] = _time(
+        lambda: fp8.quantize_groups(x, group, experts + 1, fp8.Fp8Recipe()), iters
+    )
     try:
         import transformer_engine.pytorch as te
         from transformer_engine.common import recipe as te_recipe
@@ -203,8 +217,10 @@ def time_shape(name, rows, experts, hidden, ffn, iters) -> dict:
         splits = [rows // experts] * experts
         fc1 = te.GroupedLinear(experts, hidden, 2 * ffn, bias=False, params_dtype=torch.bfloat16, device="cuda")
         fc2 = te.GroupedLinear(experts, ffn, hidden, bias=False, params_dtype=torch.bfloat16, device="cuda")
-        for label, r in (("te_fp8_tensorwise", te_recipe.Float8CurrentScaling(fp8_format=te_recipe.Format.E4M3)),
-                         ("te_fp8_blockwise", te_recipe.Float8BlockScaling(fp8_format=te_recipe.Format.E4M3))):
+        for label, r in (
+            ("te_fp8_tensorwise", te_recipe.Float8CurrentScaling(fp8_format=te_recipe.Format.E4M3)),
+            ("te_fp8_blockwise", te_recipe.Float8BlockScaling(fp8_format=te_recipe.Format.E4M3)),
+        ):
             try:
                 ms = _time(lambda: _te_step(te, r, fc1, fc2, x, probs, splits, grad), iters)
                 result[label] = {"ms": ms, "tflops": flops / ms / 1e9}
@@ -230,8 +246,11 @@ def main() -> int:
             try:
                 out = check(name, *shape)
             except Exception:
-                out = {"case": f"{getattr(check, '__name__', 'check')}/{name}", "ok": False,
-                       "error": traceback.format_exc(limit=4)}
+                out = {
+                    "case": f"{getattr(check, '__name__', 'check')}/{name}",
+                    "ok": False,
+                    "error": traceback.format_exc(limit=4),
+                }
             for case in out if isinstance(out, list) else [out]:
                 record["cases"].append(case)
                 print(("PASS " if case["ok"] else "FAIL ") + json.dumps(case))

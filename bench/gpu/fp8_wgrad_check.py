@@ -43,14 +43,25 @@ def build(shape: dict, fusion: bool):
     from megatron_moe_ext.megatron.experts import GroupedGemmExperts
 
     config = TransformerConfig(
-        num_layers=1, hidden_size=shape["hidden"], num_attention_heads=shape["hidden"] // 64,
-        num_moe_experts=shape["experts"], moe_router_topk=min(8, shape["experts"]), moe_ffn_hidden_size=shape["ffn"],
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, params_dtype=torch.bfloat16,
-        bf16=True, gradient_accumulation_fusion=fusion, bias_activation_fusion=False,
-        use_cpu_initialization=base.DEVICE == "cpu")
+        num_layers=1,
+        hidden_size=shape["hidden"],
+        num_attention_heads=shape["hidden"] // 64,
+        num_moe_experts=shape["experts"],
+        moe_router_topk=min(8, shape["experts"]),
+        moe_ffn_hidden_size=shape["ffn"],
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        params_dtype=torch.bfloat16,
+        bf16=True,
+        gradient_accumulation_fusion=fusion,
+        bias_activation_fusion=False,
+        use_cpu_initialization=base.DEVICE == "cpu",
+    )
     config.fp8, config.fp8_recipe = "e4m3", "tensorwise"
-    experts = GroupedGemmExperts(shape["experts"], config, pg_collection=get_default_pg_collection(),
-                                 expert_mlp_impl="grouped_mm")
+    experts = GroupedGemmExperts(
+        shape["experts"], config, pg_collection=get_default_pg_collection(), expert_mlp_impl="grouped_mm"
+    )
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), experts)
     return experts, ddp
 
@@ -61,8 +72,9 @@ def make_batches(shape: dict, budget: bool, seed: int = 0):
     e, units = shape["experts"], shape["rows"] // ALIGN
     batches = []
     for _ in range(base.MICRO_BATCHES):
-        picks = torch.multinomial(torch.rand(e, device=base.DEVICE, generator=gen) + 0.5, units, replacement=True,
-                                  generator=gen)
+        picks = torch.multinomial(
+            torch.rand(e, device=base.DEVICE, generator=gen) + 0.5, units, replacement=True, generator=gen
+        )
         counts = torch.bincount(picks, minlength=e) * ALIGN
         total = units * ALIGN + (ALIGN * max(1, units // 10) if budget else 0)
         x = torch.randn(total, shape["hidden"], device=base.DEVICE, generator=gen).bfloat16()
@@ -88,9 +100,11 @@ def case(shape_name: str, budget: bool) -> dict:
         base.run_step(experts, ddp, batches)
         key = "fusion_on" if fusion else "fusion_off"
         grads[key] = [experts.gate_and_up_projs.main_grad.clone(), experts.down_projs.main_grad.clone()]
-        record[key] = {"wgrad_accumulation": experts.wgrad_accumulation,
-                       "grad_added_to_main_grad": [bool(p.grad_added_to_main_grad) for p in experts.parameters()],
-                       "rel_error_vs_fp32": [base.rel(g, r) for g, r in zip(grads[key], ref)]}
+        record[key] = {
+            "wgrad_accumulation": experts.wgrad_accumulation,
+            "grad_added_to_main_grad": [bool(p.grad_added_to_main_grad) for p in experts.parameters()],
+            "rel_error_vs_fp32": [base.rel(g, r) for g, r in zip(grads[key], ref)],
+        }
         if fusion and budget and base.DEVICE == "cuda":
             try:
                 record["graph"] = base.graph_check(experts, ddp, batches[0])
@@ -99,10 +113,14 @@ def case(shape_name: str, budget: bool) -> dict:
         del experts, ddp
     record["on_vs_off_rel"] = [base.rel(a, b) for a, b in zip(grads["fusion_on"], grads["fusion_off"])]
     on, off = record["fusion_on"], record["fusion_off"]
-    record["ok"] = (on["grad_added_to_main_grad"] == [True, True] and off["grad_added_to_main_grad"] == [False, False]
-                    and "added into main_grad in backward" in on["wgrad_accumulation"]
-                    and max(on["rel_error_vs_fp32"] + off["rel_error_vs_fp32"]) < 0.1
-                    and max(record["on_vs_off_rel"]) < 1e-6 and record.get("graph", {"ok": True})["ok"])
+    record["ok"] = (
+        on["grad_added_to_main_grad"] == [True, True]
+        and off["grad_added_to_main_grad"] == [False, False]
+        and "added into main_grad in backward" in on["wgrad_accumulation"]
+        and max(on["rel_error_vs_fp32"] + off["rel_error_vs_fp32"]) < 0.1
+        and max(record["on_vs_off_rel"]) < 1e-6
+        and record.get("graph", {"ok": True})["ok"]
+    )
     return record
 
 
@@ -118,12 +136,20 @@ def main() -> None:
         from tests.doubles import scaled_grouped_mm
 
         fp8.scaled_grouped_mm = scaled_grouped_mm.scaled_grouped_mm
-    result = {"command": "python3 bench/gpu/fp8_wgrad_check.py " + " ".join(sys.argv[1:]),
-              "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-              "torch": torch.__version__, "cases": []}
-    cases = [({"shape": shape_name, "routing": "budget" if budget else "dropless"},
-              functools.partial(case, shape_name, budget))
-             for shape_name in args.shapes.split(",") for budget in (False, True)]
+    result = {
+        "command": "python3 bench/gpu/fp8_wgrad_check.py " + " ".join(sys.argv[1:]),
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "cases": [],
+    }
+    cases = [
+        (
+            {"shape": shape_name, "routing": "budget" if budget else "dropless"},
+            functools.partial(case, shape_name, budget),
+        )
+        for shape_name in args.shapes.split(",")
+        for budget in (False, True)
+    ]
     base.run_cases(result, cases, "fp8_wgrad_check.json")
 
 

@@ -81,9 +81,11 @@ class Runner:
 
     @staticmethod
     def _env() -> dict:
-        env = {"torch": torch.__version__,
-               "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE,
-               "fused_unavailable": fused.quack_backend().reason}
+        env = {
+            "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE,
+            "fused_unavailable": fused.quack_backend().reason,
+        }
         for pkg in ("quack", "cutlass"):
             try:
                 env[pkg] = __import__(pkg).__version__
@@ -99,8 +101,11 @@ class Runner:
         try:
             result = fn()
         except Exception as exc:  # noqa: BLE001 (one failing case must not stop the rest)
-            result = {"passed": False, "error": f"{type(exc).__name__}: {exc}",
-                      "traceback": traceback.format_exc()[-3000:]}
+            result = {
+                "passed": False,
+                "error": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc()[-3000:],
+            }
         result["name"], result["seconds"] = name, round(time.time() - started, 2)
         self.record["cases"].append(result)
         self.failed += not result["passed"]
@@ -112,18 +117,36 @@ class Runner:
             return
         worst = max(result["errors"].items(), key=lambda kv: kv[1]["ratio"])
         errs = " ".join(f"{k}={v['fused']:.2e}/{v['torch']:.2e}" for k, v in result["errors"].items())
-        print(f"{'PASS' if result['passed'] else 'FAIL'} {name} ({result['seconds']} s): worst "
-              f"{worst[0]} ratio {worst[1]['ratio']:.2f}; padding_ok={result['padding_ok']}; "
-              f"fused/torch rel errors {errs}", flush=True)
+        print(
+            f"{'PASS' if result['passed'] else 'FAIL'} {name} ({result['seconds']} s): worst "
+            f"{worst[0]} ratio {worst[1]['ratio']:.2f}; padding_ok={result['padding_ok']}; "
+            f"fused/torch rel errors {errs}",
+            flush=True,
+        )
 
 
-def check(shape: str, *, skew="balanced", indexed=True, device_counts=True, pad=0,
-          empty=(), activation="swiglu", bias=False):
+def check(
+    shape: str, *, skew="balanced", indexed=True, device_counts=True, pad=0, empty=(), activation="swiglu", bias=False
+):
     """A case of `compare`, built when run (so that building errors are the case's)."""
     tokens, experts, topk, hidden, inter = SHAPES[shape]
-    return lambda: compare(make_case(tokens, experts, topk, hidden, inter, activation=activation,
-                                     bias=bias, skew=SKEW[skew], pad=pad, empty_experts=empty,
-                                     device=DEVICE), indexed, device_counts)
+    return lambda: compare(
+        make_case(
+            tokens,
+            experts,
+            topk,
+            hidden,
+            inter,
+            activation=activation,
+            bias=bias,
+            skew=SKEW[skew],
+            pad=pad,
+            empty_experts=empty,
+            device=DEVICE,
+        ),
+        indexed,
+        device_counts,
+    )
 
 
 def jit_first_call() -> dict:
@@ -181,8 +204,16 @@ def down_scale_variants(runner: Runner, shape: str) -> None:
 
     def epilogue():
         out = torch.empty(rows, hidden, device="cuda", dtype=torch.bfloat16)
-        mod(postact, w2, None, out={"mAuxOut": out}, store_d=False, tuned=False,
-            cu_seqlens_m=cu, mColVecBroadcast=probs[:, 0].contiguous())
+        mod(
+            postact,
+            w2,
+            None,
+            out={"mAuxOut": out},
+            store_d=False,
+            tuned=False,
+            cu_seqlens_m=cu,
+            mColVecBroadcast=probs[:, 0].contiguous(),
+        )
         return out
 
     a, b = separate(), epilogue()
@@ -220,16 +251,20 @@ def _timed_variants(case):
         def step():
             for t in (rows_PH, tokens_RH, w1, w2, probs):
                 t.grad = None
-            out = run_grouped_expert_mlp(hidden, w1, w2, None, None, counts, probs, act, 0,
-                                         expert_mlp_impl=impl, experts_config=cfg)
+            out = run_grouped_expert_mlp(
+                hidden, w1, w2, None, None, counts, probs, act, 0, expert_mlp_impl=impl, experts_config=cfg
+            )
             out.backward(grad)
+
         return step
 
-    return {"grouped_mm_permuted": make(rows_PH, "grouped_mm"),
-            "fused_permuted": make(rows_PH, "fused"),
-            "fused_indexed": make(indexed, "fused"),
-            "interleave_w1_only": lambda: fused_mlp._interleave_gate_up(w1.detach(), torch.bfloat16),
-            "deinterleave_dpreact_only": lambda: fused_mlp._deinterleave_gate_up(dpreact_PN)}
+    return {
+        "grouped_mm_permuted": make(rows_PH, "grouped_mm"),
+        "fused_permuted": make(rows_PH, "fused"),
+        "fused_indexed": make(indexed, "fused"),
+        "interleave_w1_only": lambda: fused_mlp._interleave_gate_up(w1.detach(), torch.bfloat16),
+        "deinterleave_dpreact_only": lambda: fused_mlp._deinterleave_gate_up(dpreact_PN),
+    }
 
 
 def time_shape(runner: Runner, shape: str, skew: str, rounds: int, iters: int) -> None:
@@ -251,14 +286,25 @@ def time_shape(runner: Runner, shape: str, skew: str, rounds: int, iters: int) -
             samples[name].append(start.elapsed_time(end) / iters)
     ms = {name: round(statistics.median(v), 4) for name, v in samples.items()}
     flops = _flops(tokens, topk, hidden, inter)
-    entry = {"shape": shape, "skew": skew, "rows": tokens * topk, "counts_max": max(case.counts),
-             "counts_min": min(case.counts), "median_ms": ms, "rounds": rounds, "iters": iters,
-             "tflops": {k: round(flops / v / 1e9, 1) for k, v in ms.items() if not k.endswith("_only")},
-             "speedup_fused_indexed": round(ms["grouped_mm_permuted"] / ms["fused_indexed"], 3),
-             "speedup_fused_permuted": round(ms["grouped_mm_permuted"] / ms["fused_permuted"], 3)}
+    entry = {
+        "shape": shape,
+        "skew": skew,
+        "rows": tokens * topk,
+        "counts_max": max(case.counts),
+        "counts_min": min(case.counts),
+        "median_ms": ms,
+        "rounds": rounds,
+        "iters": iters,
+        "tflops": {k: round(flops / v / 1e9, 1) for k, v in ms.items() if not k.endswith("_only")},
+        "speedup_fused_indexed": round(ms["grouped_mm_permuted"] / ms["fused_indexed"], 3),
+        "speedup_fused_permuted": round(ms["grouped_mm_permuted"] / ms["fused_permuted"], 3),
+    }
     runner.record["timing"].append(entry)
-    print(f"TIME {shape} {skew}: {ms} speedup indexed {entry['speedup_fused_indexed']} "
-          f"permuted {entry['speedup_fused_permuted']}", flush=True)
+    print(
+        f"TIME {shape} {skew}: {ms} speedup indexed {entry['speedup_fused_indexed']} "
+        f"permuted {entry['speedup_fused_permuted']}",
+        flush=True,
+    )
 
 
 def kernel_table(runner: Runner, shape: str, top: int = 15) -> None:
@@ -277,27 +323,39 @@ def kernel_table(runner: Runner, shape: str, top: int = 15) -> None:
             step()
             torch.cuda.synchronize()
         events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
-        tables[name] = {"total_us": round(sum(e.device_time_total for e in events), 1),
-                        "kernels": [(e.key[:90], e.count, round(e.device_time_total, 1))
-                                    for e in events[:top]]}
-        print(f"KERNELS {shape} {name}: total {tables[name]['total_us']} us; "
-              + "; ".join(f"{k} x{c} {t} us" for k, c, t in tables[name]["kernels"][:8]), flush=True)
+        tables[name] = {
+            "total_us": round(sum(e.device_time_total for e in events), 1),
+            "kernels": [(e.key[:90], e.count, round(e.device_time_total, 1)) for e in events[:top]],
+        }
+        print(
+            f"KERNELS {shape} {name}: total {tables[name]['total_us']} us; "
+            + "; ".join(f"{k} x{c} {t} us" for k, c, t in tables[name]["kernels"][:8]),
+            flush=True,
+        )
     runner.record["kernel_table"] = {"shape": shape, **tables}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--budget-s", type=float, default=170.0,
-                        help="stop starting optional work (section 4) after this many seconds")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=170.0,
+        help="stop starting optional work (section 4) after this many seconds",
+    )
     parser.add_argument("--skip-timing", action="store_true")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--tuned", action="store_true",
-                        help="autotune QuACK's GEMMs (MOE_EXT_QUACK_TUNED=1: once per distinct "
-                             "shape, minutes of first-call time)")
-    parser.add_argument("--smoke-cpu", action="store_true",
-                        help="a dry run of this script on the CPU: the QuACK double, tiny shapes, "
-                             "no timing")
+    parser.add_argument(
+        "--tuned",
+        action="store_true",
+        help="autotune QuACK's GEMMs (MOE_EXT_QUACK_TUNED=1: once per distinct shape, minutes of first-call time)",
+    )
+    parser.add_argument(
+        "--smoke-cpu",
+        action="store_true",
+        help="a dry run of this script on the CPU: the QuACK double, tiny shapes, no timing",
+    )
     args = parser.parse_args()
     if args.tuned:
         os.environ["MOE_EXT_QUACK_TUNED"] = "1"
@@ -336,8 +394,10 @@ def main() -> int:
                 except Exception as exc:  # noqa: BLE001
                     runner.record["timing"].append({"shape": shape, "skew": skew, "error": repr(exc)})
                     print(f"TIME {shape} {skew} failed: {exc!r}", flush=True)
-    for name, fn in (("kernel_table", lambda: kernel_table(runner, "qwen3_ep8_slice")),
-                     ("down_scale_variants", lambda: down_scale_variants(runner, "qwen3_ep8_slice"))):
+    for name, fn in (
+        ("kernel_table", lambda: kernel_table(runner, "qwen3_ep8_slice")),
+        ("down_scale_variants", lambda: down_scale_variants(runner, "qwen3_ep8_slice")),
+    ):
         if args.skip_timing:
             break
         try:
@@ -346,8 +406,11 @@ def main() -> int:
             runner.record[name] = {"error": repr(exc)}
             print(f"{name} failed: {exc!r}", flush=True)
     optional = [
-        *([] if args.smoke_cpu else
-          [("double agrees with QuACK: relu2 bias", lambda: double_agreement("relu2", True))]),
+        *(
+            []
+            if args.smoke_cpu
+            else [("double agrees with QuACK: relu2 bias", lambda: double_agreement("relu2", True))]
+        ),
         ("small swiglu bias indexed pad", dict(bias=True, pad=40)),
         ("small swiglu bias permuted", dict(bias=True, indexed=False)),
         ("small relu2 indexed pad", dict(activation="relu2", pad=40)),
@@ -364,11 +427,17 @@ def main() -> int:
     record = runner.record
     summary = {  # first in the file: what a cut summary shows
         "failed": runner.failed,
-        "fail": [c["name"] + ": " + c.get("error", "errors beyond bf16 rounding")
-                 for c in record["cases"] if not c.get("passed", True)],
+        "fail": [
+            c["name"] + ": " + c.get("error", "errors beyond bf16 rounding")
+            for c in record["cases"]
+            if not c.get("passed", True)
+        ],
         "skipped": [c["name"] for c in record["cases"] if "skipped" in c],
-        "speedups": {f"{t['shape']} {t['skew']}": (t["speedup_fused_indexed"], t["speedup_fused_permuted"])
-                     for t in record["timing"] if "median_ms" in t},
+        "speedups": {
+            f"{t['shape']} {t['skew']}": (t["speedup_fused_indexed"], t["speedup_fused_permuted"])
+            for t in record["timing"]
+            if "median_ms" in t
+        },
         "seconds": round(time.time() - runner.t0, 1),
     }
     out_dir = os.environ.get("OUT", "./outputs")

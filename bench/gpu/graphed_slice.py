@@ -135,11 +135,13 @@ def _touch(path: str) -> None:
     open(path, "w").close()
 
 
-def drive(runs: list[Run], work: str, overlap: int, deadline: float | None, min_run_s: float = 60.0,
-          poll_s: float = 0.25) -> None:
+def drive(
+    runs: list[Run], work: str, overlap: int, deadline: float | None, min_run_s: float = 60.0, poll_s: float = 0.25
+) -> None:
     """Run `runs` in order (see the module docstring), up to `overlap` of the next ones started
     early (waiting at their gates); writes per run `<name>.cmd`, `.log`, `.rc` and
     `.driver.json` in `work`."""
+
     def start(run: Run, early: bool) -> None:
         base = os.path.join(work, run.name)
         for suffix in (".go", ".ready", ".abort", ".kernels.json", ".rc", ".driver.json"):
@@ -150,8 +152,9 @@ def drive(runs: list[Run], work: str, overlap: int, deadline: float | None, min_
         if not early:
             _touch(base + ".go")
         log = open(base + ".log", "w")
-        run.proc = subprocess.Popen(shlex.split(run.command), stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+        run.proc = subprocess.Popen(
+            shlex.split(run.command), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         log.close()
         run.info.update(started_at=time.time(), started_early=early)
 
@@ -192,9 +195,12 @@ def drive(runs: list[Run], work: str, overlap: int, deadline: float | None, min_
             else:
                 _touch(os.path.join(work, run.name + ".go"))
             run.info["released_at"] = time.time()
-            print(f"== [{time.time() - t0:.0f} s] {run.name}: released "
-                  f"({'started early' if run.info['started_early'] else 'started now'})", flush=True)
-            for j in (range(i + 1, min(i + 1 + overlap, len(runs))) if not run.heavy else ()):
+            print(
+                f"== [{time.time() - t0:.0f} s] {run.name}: released "
+                f"({'started early' if run.info['started_early'] else 'started now'})",
+                flush=True,
+            )
+            for j in range(i + 1, min(i + 1 + overlap, len(runs))) if not run.heavy else ():
                 if runs[j].heavy and j != i + 1:
                     break  # a heavy run starts early only right behind a light one
                 if runs[j].proc is None:
@@ -212,10 +218,14 @@ def drive(runs: list[Run], work: str, overlap: int, deadline: float | None, min_
                 finish(run, rc=124, timed_out=True, ended_by_deadline=by_deadline)
             else:
                 finish(run, rc=run.proc.returncode)
-            iterations = len(re.findall(r" iteration\s+\d+/", open(os.path.join(work, run.name + ".log"),
-                                                                    errors="replace").read()))
-            print(f"   rc={run.info['rc']} after {run.info.get('wall_s_from_release')} s from release; "
-                  f"{iterations} iterations logged", flush=True)
+            iterations = len(
+                re.findall(r" iteration\s+\d+/", open(os.path.join(work, run.name + ".log"), errors="replace").read())
+            )
+            print(
+                f"   rc={run.info['rc']} after {run.info.get('wall_s_from_release')} s from release; "
+                f"{iterations} iterations logged",
+                flush=True,
+            )
     finally:
         stop_all()
 
@@ -247,8 +257,11 @@ def compare_exact(run: dict, ref: dict) -> dict:
 
 #: (run, reference): the budget mode against the dropless layer, beside Megatron's own
 #: rounding-only variant against itself and the package against native (deterministic mode).
-ROUNDING_PAIRS = (("det_ext_budget_eager", "det_ext_eager"), ("det_native_unfused_eager", "det_native_eager"),
-                  ("det_ext_eager", "det_native_eager"))
+ROUNDING_PAIRS = (
+    ("det_ext_budget_eager", "det_ext_eager"),
+    ("det_native_unfused_eager", "det_native_eager"),
+    ("det_ext_eager", "det_native_eager"),
+)
 ROUNDING_REL_TOL = 2e-3
 
 
@@ -257,8 +270,12 @@ def rounding_spread(run: dict, ref: dict) -> dict:
     ROUNDING_REL_TOL relative (None: none), and the largest relative difference."""
     rel = [abs(a - b) / abs(b) for a, b in zip(run["lm_loss"], ref["lm_loss"])]
     first = next((i + 1 for i, r in enumerate(rel) if r > ROUNDING_REL_TOL), None)
-    return dict(iterations=len(rel), first_iteration_over_tol=first, tol=ROUNDING_REL_TOL,
-                max_rel_lm_loss_diff=max(rel, default=None))
+    return dict(
+        iterations=len(rel),
+        first_iteration_over_tol=first,
+        tol=ROUNDING_REL_TOL,
+        max_rel_lm_loss_diff=max(rel, default=None),
+    )
 
 
 def per_iteration(text: str, iterations: list[int]) -> dict:
@@ -288,10 +305,14 @@ def per_iteration(text: str, iterations: list[int]) -> dict:
             grad[i] = float(norm.group(1)) if norm else None
             aux[i] = float(lb.group(1)) if lb else None
             reruns[i], pending = pending, 0
-    return dict(grad_norm=[grad.get(i) for i in iterations], load_balancing_loss=[aux.get(i) for i in iterations],
-                reruns_per_iteration=[reruns.get(i, 0) for i in iterations],
-                max_allocated_gib=[memory.get(i) for i in iterations],
-                reruns_after_last_iteration=pending, budget_factor_auto=auto)
+    return dict(
+        grad_norm=[grad.get(i) for i in iterations],
+        load_balancing_loss=[aux.get(i) for i in iterations],
+        reruns_per_iteration=[reruns.get(i, 0) for i in iterations],
+        max_allocated_gib=[memory.get(i) for i in iterations],
+        reruns_after_last_iteration=pending,
+        budget_factor_auto=auto,
+    )
 
 
 def _log_tail(text: str) -> list[str]:
@@ -303,9 +324,23 @@ def parse_one(work: str, name: str, median_from: int) -> dict:
     base = os.path.join(work, name)
     driver = json.load(open(base + ".driver.json")) if os.path.exists(base + ".driver.json") else {}
     if not os.path.exists(base + ".log"):  # not released (the call's deadline)
-        return dict(command=None, rc=driver.get("rc"), driver=driver, median_iterations=[], median_ms_per_iter=None,
-                    median_tflops_per_gpu=None, gpu_busy_ms=None, gpu_busy_share=None, peak_mem_gib=None,
-                    iteration=[], lm_loss=[], elapsed_ms=[], tflops_per_gpu=[], grad_norm=[], reruns=None)
+        return dict(
+            command=None,
+            rc=driver.get("rc"),
+            driver=driver,
+            median_iterations=[],
+            median_ms_per_iter=None,
+            median_tflops_per_gpu=None,
+            gpu_busy_ms=None,
+            gpu_busy_share=None,
+            peak_mem_gib=None,
+            iteration=[],
+            lm_loss=[],
+            elapsed_ms=[],
+            tflops_per_gpu=[],
+            grad_norm=[],
+            reruns=None,
+        )
     run = megatron_parse.parse_run(base + ".log")
     text = open(base + ".log", errors="replace").read()
     for key in [k for k in run if k.startswith("median_") or k == "error_tail"]:
@@ -317,9 +352,14 @@ def parse_one(work: str, name: str, median_from: int) -> dict:
     profiled = set(run["iterations_left_out_of_medians"])
     last = (train_iters - 1) if train_iters else max(run["iteration"], default=0)
     window = [i for i in run["iteration"] if median_from <= i <= last and i not in profiled]
-    out = dict(command=run["command"], rc=run["rc"], driver=driver,
-               median_iterations=window,
-               median_ms_per_iter=None, median_tflops_per_gpu=None)
+    out = dict(
+        command=run["command"],
+        rc=run["rc"],
+        driver=driver,
+        median_iterations=window,
+        median_ms_per_iter=None,
+        median_tflops_per_gpu=None,
+    )
     by_iteration = {key: dict(zip(run["iteration"], run[key])) for key in ("elapsed_ms", "tflops_per_gpu")}
     if window:
         out["median_ms_per_iter"] = round(statistics.median(by_iteration["elapsed_ms"][i] for i in window), 1)
@@ -356,8 +396,13 @@ def parse_one(work: str, name: str, median_from: int) -> dict:
     logged = [int(n) for n in _DROPPED_LOGGED.findall(text)]
     if logged:
         out["dropped_pairs_logged"] = sum(logged)
-    out.update(iteration=run["iteration"], lm_loss=run["lm_loss"], elapsed_ms=run["elapsed_ms"],
-               tflops_per_gpu=run["tflops_per_gpu"], **steps)
+    out.update(
+        iteration=run["iteration"],
+        lm_loss=run["lm_loss"],
+        elapsed_ms=run["elapsed_ms"],
+        tflops_per_gpu=run["tflops_per_gpu"],
+        **steps,
+    )
     if "timers_ms" in run:
         out["timers_ms"] = run["timers_ms"]
     if run["rc"] != 0 or not run["iteration"]:
@@ -391,8 +436,11 @@ def _startup_overlap(run: dict, others: list[dict], median_from: int) -> float |
 
 def _fastest_dnp(runs: dict, family: str) -> str | None:
     """The family's native drop-and-pad run with the lowest median ms/iter (None: none ran)."""
-    timed = [(run["median_ms_per_iter"], name) for name, run in runs.items()
-             if name.startswith(family + "native_dnp") and run.get("median_ms_per_iter")]
+    timed = [
+        (run["median_ms_per_iter"], name)
+        for name, run in runs.items()
+        if name.startswith(family + "native_dnp") and run.get("median_ms_per_iter")
+    ]
     return min(timed)[1] if timed else None
 
 
@@ -427,12 +475,22 @@ def summary_rows(runs: dict) -> list[dict]:
     rows = []
     for name, run in runs.items():
         auto = run.get("budget_factor_auto") or {}
-        rows.append(dict(run=name, rc=run["rc"], ms_per_iter=run["median_ms_per_iter"],
-                         tflops_per_gpu=run["median_tflops_per_gpu"], gpu_busy_ms=run["gpu_busy_ms"],
-                         gpu_busy_share=run["gpu_busy_share"], peak_mem_gib=run["peak_mem_gib"],
-                         dropped_pairs=run.get("dropped_pairs_total"), reruns=run.get("reruns"),
-                         budget_factor_auto=auto.get("factor"), lm_loss_last=(run.get("lm_loss") or [None])[-1],
-                         speedup_vs=run.get("speedup_vs", {})))
+        rows.append(
+            dict(
+                run=name,
+                rc=run["rc"],
+                ms_per_iter=run["median_ms_per_iter"],
+                tflops_per_gpu=run["median_tflops_per_gpu"],
+                gpu_busy_ms=run["gpu_busy_ms"],
+                gpu_busy_share=run["gpu_busy_share"],
+                peak_mem_gib=run["peak_mem_gib"],
+                dropped_pairs=run.get("dropped_pairs_total"),
+                reruns=run.get("reruns"),
+                budget_factor_auto=auto.get("factor"),
+                lm_loss_last=(run.get("lm_loss") or [None])[-1],
+                speedup_vs=run.get("speedup_vs", {}),
+            )
+        )
     return rows
 
 
@@ -440,21 +498,32 @@ def print_summary(rows: list[dict]) -> None:
     def fmt(value, spec):
         return format(value, spec) if value is not None else "-"
 
-    print(f"{'run':26s} {'rc':>4s} {'ms/iter':>8s} {'TFLOP/s':>8s} {'busy ms':>8s} {'busy':>6s} {'peak GiB':>8s}"
-          f" {'dropped':>7s} {'reruns':>6s} {'loss':>7s}  speedup")
+    print(
+        f"{'run':26s} {'rc':>4s} {'ms/iter':>8s} {'TFLOP/s':>8s} {'busy ms':>8s} {'busy':>6s} {'peak GiB':>8s}"
+        f" {'dropped':>7s} {'reruns':>6s} {'loss':>7s}  speedup"
+    )
     for r in rows:
         share = f"{100 * r['gpu_busy_share']:.0f}%" if r["gpu_busy_share"] is not None else "-"
         speed = " ".join(f"{k}:{v:.2f}x" for k, v in r["speedup_vs"].items())
-        print(f"{r['run']:26s} {str(r['rc']):>4s} {fmt(r['ms_per_iter'], '8.1f')} {fmt(r['tflops_per_gpu'], '8.1f')}"
-              f" {fmt(r['gpu_busy_ms'], '8.1f')} {share:>6s} {fmt(r['peak_mem_gib'], '8.1f')}"
-              f" {fmt(r['dropped_pairs'], '7d')} {fmt(r['reruns'], '6d')} {fmt(r['lm_loss_last'], '7.3f')}  {speed}",
-              flush=True)
+        print(
+            f"{r['run']:26s} {str(r['rc']):>4s} {fmt(r['ms_per_iter'], '8.1f')} {fmt(r['tflops_per_gpu'], '8.1f')}"
+            f" {fmt(r['gpu_busy_ms'], '8.1f')} {share:>6s} {fmt(r['peak_mem_gib'], '8.1f')}"
+            f" {fmt(r['dropped_pairs'], '7d')} {fmt(r['reruns'], '6d')} {fmt(r['lm_loss_last'], '7.3f')}  {speed}",
+            flush=True,
+        )
 
 
 def _device() -> str | None:
     try:
-        return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                              text=True, timeout=30).stdout.strip() or None
+        return (
+            subprocess.run(
+                ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         return None
 
@@ -466,8 +535,10 @@ def _card(device: str | None) -> str:
 
 def _paths(out: str, tag: str, device: str | None = None) -> tuple[str, str]:
     suffix = f"_{tag}" if tag else ""
-    return (os.path.join(out, f"{NAME}_{_card(device)}{suffix}.json"),
-            os.path.join(out, f"{NAME}_logs{suffix}.tar.gz"))
+    return (
+        os.path.join(out, f"{NAME}_{_card(device)}{suffix}.json"),
+        os.path.join(out, f"{NAME}_logs{suffix}.tar.gz"),
+    )
 
 
 def _plot(json_path: str) -> None:
@@ -479,12 +550,21 @@ def _plot(json_path: str) -> None:
         print(f"no PNG ({type(error).__name__}: {error}); run: python bench/plot_results.py {json_path}", flush=True)
 
 
-def parse(work: str, out: str, tag: str = "", median_from: int = 4, order: list[str] | None = None,
-          settings: dict | None = None) -> str:
+def parse(
+    work: str,
+    out: str,
+    tag: str = "",
+    median_from: int = 4,
+    order: list[str] | None = None,
+    settings: dict | None = None,
+) -> str:
     """Write the JSON, the PNG and the logs' tarball of the runs in `work`; returns the JSON path."""
-    names = order or sorted(os.path.basename(p)[:-len(".cmd")] for p in glob.glob(os.path.join(work, "*.cmd")))
-    names = [n for n in names if os.path.exists(os.path.join(work, n + ".log"))
-             or os.path.exists(os.path.join(work, n + ".driver.json"))]
+    names = order or sorted(os.path.basename(p)[: -len(".cmd")] for p in glob.glob(os.path.join(work, "*.cmd")))
+    names = [
+        n
+        for n in names
+        if os.path.exists(os.path.join(work, n + ".log")) or os.path.exists(os.path.join(work, n + ".driver.json"))
+    ]
     runs = {name: parse_one(work, name, median_from) for name in names}
     for name in names:
         overlap = _startup_overlap(runs[name], [run for other, run in runs.items() if other != name], median_from)
@@ -498,12 +578,19 @@ def parse(work: str, out: str, tag: str = "", median_from: int = 4, order: list[
     json_path, tar_path = _paths(out, tag, device)
     result = dict(
         what="Megatron-LM pretrain_gpt.py (core_r0.19.0), one GPU: the Qwen3-30B-A3B EP8 rank slice "
-             "(and a DeepSeek-V3-like EP16 slice) eager and with CUDA graphs, native vs this package's --spec; "
-             "data, routing balance and gradient-accumulation fusion as in settings",
-        script="bench/gpu/graphed_slice.sh", graphed_slice=True, device=device, card=_card(device),
+        "(and a DeepSeek-V3-like EP16 slice) eager and with CUDA graphs, native vs this package's --spec; "
+        "data, routing balance and gradient-accumulation fusion as in settings",
+        script="bench/gpu/graphed_slice.sh",
+        graphed_slice=True,
+        device=device,
+        card=_card(device),
         median_iterations=f"{median_from} .. train-iters - 1, the profiled last iteration left out",
         gpu_busy="union of the profiled (last) step's kernel intervals; busy share = busy / median ms/iter",
-        settings=settings or {}, order=names, summary=rows, runs=runs)
+        settings=settings or {},
+        order=names,
+        summary=rows,
+        runs=runs,
+    )
     os.makedirs(out, exist_ok=True)
     with open(json_path, "w") as f:
         json.dump(result, f, indent=1)
@@ -512,7 +599,7 @@ def parse(work: str, out: str, tag: str = "", median_from: int = 4, order: list[
         for name in names:
             for suffix in (".cmd", ".log"):
                 if os.path.exists(os.path.join(work, name + suffix)):
-                        tar.add(os.path.join(work, name + suffix), arcname=f"{folder}/{name}{suffix}")
+                    tar.add(os.path.join(work, name + suffix), arcname=f"{folder}/{name}{suffix}")
     print_summary(rows)
     print("wrote", json_path, "and", tar_path, flush=True)
     _plot(json_path)
@@ -536,8 +623,14 @@ def merge(paths: list[str], out_json: str) -> str:
     compare(merged)
     rows = summary_rows(merged)
     first = json.load(open(paths[0]))
-    result = dict(first, order=order, summary=rows, runs=merged, merged_from=sources,
-                  note="runs of several device calls: compare across files only on the same machine kind")
+    result = dict(
+        first,
+        order=order,
+        summary=rows,
+        runs=merged,
+        merged_from=sources,
+        note="runs of several device calls: compare across files only on the same machine kind",
+    )
     with open(out_json, "w") as f:
         json.dump(result, f, indent=1)
     print_summary(rows)
@@ -559,8 +652,12 @@ def main(argv: list[str] | None = None) -> None:
             p.add_argument("--table", required=True)
             p.add_argument("--overlap", type=int, default=1, help="how many next runs start early (0: none)")
             p.add_argument("--deadline", type=float, default=None, help="seconds since the epoch")
-            p.add_argument("--min-run-s", type=float, default=60.0,
-                           help="release no run with less than this (plus a 25 s margin) left before --deadline")
+            p.add_argument(
+                "--min-run-s",
+                type=float,
+                default=60.0,
+                help="release no run with less than this (plus a 25 s margin) left before --deadline",
+            )
             p.add_argument("--settings", default="{}", help="JSON recorded as the result's settings")
     p = sub.add_parser("merge")
     p.add_argument("paths", nargs="+")

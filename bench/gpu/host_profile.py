@@ -72,12 +72,18 @@ def runtime_calls(step, steps: int) -> dict:
             busy_us += ev.device_time
         elif ev.name.startswith("cuda") or ev.name.startswith("cu"):
             runtime.setdefault(ev.name, []).append(ev.cpu_time_total)
-    calls = {name: {"count_per_step": round(len(v) / steps, 2), "ms_per_step": round(sum(v) / steps / 1e3, 3)}
-             for name, v in sorted(runtime.items(), key=lambda kv: -sum(kv[1]))}
+    calls = {
+        name: {"count_per_step": round(len(v) / steps, 2), "ms_per_step": round(sum(v) / steps / 1e3, 3)}
+        for name, v in sorted(runtime.items(), key=lambda kv: -sum(kv[1]))
+    }
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
-    return {"host_ms_per_step": round(host_ms, 3), "kernels_per_step": round(kernels / steps, 1),
-            "gpu_busy_ms_per_step": round(busy_us / steps / 1e3, 3), "runtime_calls": calls,
-            "top_ops_by_self_cpu": table.splitlines()}
+    return {
+        "host_ms_per_step": round(host_ms, 3),
+        "kernels_per_step": round(kernels / steps, 1),
+        "gpu_busy_ms_per_step": round(busy_us / steps / 1e3, 3),
+        "runtime_calls": calls,
+        "top_ops_by_self_cpu": table.splitlines(),
+    }
 
 
 def gpu_gaps(trace: dict, steps: int, top: int = 12, min_us: float = 20.0) -> dict:
@@ -86,11 +92,15 @@ def gpu_gaps(trace: dict, steps: int, top: int = 12, min_us: float = 20.0) -> di
     and the `top` longest gaps, each with the outermost host operations running during it and
     the operation whose launch ended it (joined by the launch's correlation id)."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
-    kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
-                     key=lambda e: e["ts"])
+    kernels = sorted(
+        (e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"]
+    )
     ops = sorted((e for e in events if e.get("cat") == "cpu_op"), key=lambda e: e["ts"])
-    launches = {e["args"].get("correlation"): e for e in events
-                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    launches = {
+        e["args"].get("correlation"): e
+        for e in events
+        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+    }
     if not kernels:
         return {"idle_us_per_step": None, "gaps": []}
     gaps, busy_until = [], kernels[0]["ts"] + kernels[0]["dur"]
@@ -101,23 +111,41 @@ def gpu_gaps(trace: dict, steps: int, top: int = 12, min_us: float = 20.0) -> di
 
     def outermost(t0: float, t1: float) -> list[str]:
         inside = [o for o in ops if o["ts"] < t1 and o["ts"] + o["dur"] > t0]
-        return [o["name"] for o in inside
-                if not any(p is not o and p["ts"] <= o["ts"] and p["ts"] + p["dur"] >= o["ts"] + o["dur"]
-                           and p.get("tid") == o.get("tid") for p in inside)][:8]
+        return [
+            o["name"]
+            for o in inside
+            if not any(
+                p is not o
+                and p["ts"] <= o["ts"]
+                and p["ts"] + p["dur"] >= o["ts"] + o["dur"]
+                and p.get("tid") == o.get("tid")
+                for p in inside
+            )
+        ][:8]
 
     def launcher(kernel: dict) -> str | None:
         launch = launches.get(kernel.get("args", {}).get("correlation"))
         if launch is None:
             return None
-        around = [o for o in ops if o.get("tid") == launch.get("tid")
-                  and o["ts"] <= launch["ts"] <= o["ts"] + o["dur"]]
+        around = [
+            o for o in ops if o.get("tid") == launch.get("tid") and o["ts"] <= launch["ts"] <= o["ts"] + o["dur"]
+        ]
         return min(around, key=lambda o: o["dur"])["name"] if around else launch["name"]
 
     longest = sorted(gaps, key=lambda g: -g[0])[:top]
-    return {"idle_us_per_step": round(sum(g[0] for g in gaps) / steps, 1),
-            "gaps_per_step": round(len(gaps) / steps, 1),
-            "gaps": [{"idle_us": round(us, 1), "next_kernel": k["name"][:90], "launched_by": launcher(k),
-                      "host_ops_during": outermost(start, k["ts"])} for us, start, k in longest]}
+    return {
+        "idle_us_per_step": round(sum(g[0] for g in gaps) / steps, 1),
+        "gaps_per_step": round(len(gaps) / steps, 1),
+        "gaps": [
+            {
+                "idle_us": round(us, 1),
+                "next_kernel": k["name"][:90],
+                "launched_by": launcher(k),
+                "host_ops_during": outermost(start, k["ts"]),
+            }
+            for us, start, k in longest
+        ],
+    }
 
 
 def traced_gaps(step, steps: int) -> dict:
@@ -140,8 +168,12 @@ def traced_gaps(step, steps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", nargs="+", default=["qwen3_ep8_slice"], choices=list(slice_bench.SHAPES))
-    parser.add_argument("--variants", nargs="+", default=list(slice_bench.VARIANTS),
-                        choices=slice_bench.VARIANTS + slice_bench.BUDGET_VARIANTS)
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=list(slice_bench.VARIANTS),
+        choices=slice_bench.VARIANTS + slice_bench.BUDGET_VARIANTS,
+    )
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -149,8 +181,12 @@ def main() -> None:
     os.makedirs(out_dir, exist_ok=True)
     path = args.json or os.path.join(out_dir, "host_profile_h200.json")
     pg = layer_bench.setup(False)
-    result = {"command": "python " + " ".join(sys.argv), "torch": torch.__version__,
-              "have_te": layer_bench.have_te(), "results": {}}
+    result = {
+        "command": "python " + " ".join(sys.argv),
+        "torch": torch.__version__,
+        "have_te": layer_bench.have_te(),
+        "results": {},
+    }
     for shape_name in args.shapes:
         shape = slice_bench.SHAPES[shape_name]
         x = layer_bench.layer_input(shape, "balanced", "cuda")
@@ -160,14 +196,17 @@ def main() -> None:
             try:
                 if name in slice_bench.TE_VARIANTS and not layer_bench.have_te():
                     raise RuntimeError("Transformer Engine is not importable")
-                layer = slice_bench.build_variant(name, shape, pg, "cuda", cpu=False,
-                                                  router_fusion=layer_bench.have_te())
+                layer = slice_bench.build_variant(
+                    name, shape, pg, "cuda", cpu=False, router_fusion=layer_bench.have_te()
+                )
                 step = slice_bench.layer_step(layer, x, grad)
                 for _ in range(3):
                     step()
-                cell = {"layer_cprofile": cprofile_top(step, args.steps),
-                        "layer_runtime": runtime_calls(step, args.steps),
-                        "layer_gpu_gaps": traced_gaps(step, min(args.steps, 5))}
+                cell = {
+                    "layer_cprofile": cprofile_top(step, args.steps),
+                    "layer_runtime": runtime_calls(step, args.steps),
+                    "layer_gpu_gaps": traced_gaps(step, min(args.steps, 5)),
+                }
                 experts = slice_bench.experts_step(layer, x, grad)
                 for _ in range(3):
                     experts()
@@ -178,8 +217,11 @@ def main() -> None:
 
                 cell = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()[-2000:]}
             result["results"][key] = cell
-            summary = {k: v for k, v in cell.get("layer_runtime", {}).items()
-                       if k not in ("top_ops_by_self_cpu", "runtime_calls")}
+            summary = {
+                k: v
+                for k, v in cell.get("layer_runtime", {}).items()
+                if k not in ("top_ops_by_self_cpu", "runtime_calls")
+            }
             summary["idle_us_per_step"] = cell.get("layer_gpu_gaps", {}).get("idle_us_per_step")
             print(key, json.dumps(summary), json.dumps(cell.get("error", "")), flush=True)
             with open(path, "w") as f:

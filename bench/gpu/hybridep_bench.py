@@ -70,9 +70,14 @@ def main() -> None:
 
     results = {}
     for mode, factor in (("blocking", None), ("capacity", 1.0)):
-        cfg = TokenDispatcherConfig(moe_flex_dispatcher_backend="hybridep", num_moe_experts=args.experts,
-                                    moe_router_topk=args.topk, moe_hybridep_num_sms=args.num_sms,
-                                    moe_hybridep_capacity_factor=factor, moe_share_token_dispatcher=False)
+        cfg = TokenDispatcherConfig(
+            moe_flex_dispatcher_backend="hybridep",
+            num_moe_experts=args.experts,
+            moe_router_topk=args.topk,
+            moe_hybridep_num_sms=args.num_sms,
+            moe_hybridep_capacity_factor=factor,
+            moe_share_token_dispatcher=False,
+        )
         disp = MoEFlexTokenDispatcher(args.experts, list(range(args.experts)), cfg, dist.group.WORLD)
 
         def wrapper():
@@ -85,11 +90,17 @@ def main() -> None:
         def raw():
             if factor is None:
                 rows, _, _, _, handle = buffer.dispatch_with_permute(
-                    hidden=x, routing_map=routing_map, probs=dense_probs, num_of_experts_per_rank=args.experts)
+                    hidden=x, routing_map=routing_map, probs=dense_probs, num_of_experts_per_rank=args.experts
+                )
             else:
                 rows, _, _, _, handle = buffer.dispatch_with_permute(
-                    hidden=x, routing_map=routing_map, probs=dense_probs, num_of_experts_per_rank=args.experts,
-                    num_permuted_tokens=state["capacity"], non_blocking=True)
+                    hidden=x,
+                    routing_map=routing_map,
+                    probs=dense_probs,
+                    num_of_experts_per_rank=args.experts,
+                    num_permuted_tokens=state["capacity"],
+                    non_blocking=True,
+                )
             return buffer.combine_with_unpermute(hidden=rows, handle=handle)[0]
 
         with torch.no_grad():
@@ -102,9 +113,13 @@ def main() -> None:
             y_raw = raw()
             torch.cuda.synchronize()
             diff = float((y_wrapper.float() - y_raw.float()).abs().max())
-            results[mode] = {"wrapper": timed(wrapper, args.iters), "raw": timed(raw, args.iters),
-                             "wrapper_vs_raw_max_abs_diff": diff, "capacity": state["capacity"],
-                             "first_two_wrapper_calls_s": round(first_s, 2)}
+            results[mode] = {
+                "wrapper": timed(wrapper, args.iters),
+                "raw": timed(raw, args.iters),
+                "wrapper_vs_raw_max_abs_diff": diff,
+                "capacity": state["capacity"],
+                "first_two_wrapper_calls_s": round(first_s, 2),
+            }
         print(mode, json.dumps(results[mode]), flush=True)
         MoEFlexTokenDispatcher.release_shared_managers()
 
@@ -112,9 +127,17 @@ def main() -> None:
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, "hybridep_bench_h200.json")
     with open(path, "w") as f:
-        json.dump({"command": "python3 bench/gpu/hybridep_bench.py " + " ".join(sys.argv[1:]),
-                   "device": torch.cuda.get_device_name(), "deep_ep": deep_ep.HybridEPBuffer.__module__,
-                   "shape": vars(args), "results": results}, f, indent=2)
+        json.dump(
+            {
+                "command": "python3 bench/gpu/hybridep_bench.py " + " ".join(sys.argv[1:]),
+                "device": torch.cuda.get_device_name(),
+                "deep_ep": deep_ep.HybridEPBuffer.__module__,
+                "shape": vars(args),
+                "results": results,
+            },
+            f,
+            indent=2,
+        )
     print(f"wrote {path}", flush=True)
     dist.destroy_process_group()
 

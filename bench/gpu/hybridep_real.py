@@ -42,9 +42,14 @@ EP1_SHARDS = {
     "dense_compact_fused_capacity": [DENSE, "-k", "matches_dense_reference and compact_fused_capacity"],
     "dense_equal_counts_and_probs_face": [DENSE, "-k", "equal_token_counts or dense_probs_face"],
 }
-EP2_SELECTION = [DENSE, TESTS + "test_hybridep_manager.py", "-x", "-k",
-                 "(matches_dense_reference and uneven and topk and (blocking or capacity or compact)) "
-                 "or capacity_mode_pins or overflow"]
+EP2_SELECTION = [
+    DENSE,
+    TESTS + "test_hybridep_manager.py",
+    "-x",
+    "-k",
+    "(matches_dense_reference and uneven and topk and (blocking or capacity or compact)) "
+    "or capacity_mode_pins or overflow",
+]
 
 
 def gpu_environment(hybridep_dir: str) -> dict:
@@ -59,13 +64,20 @@ def gpu_environment(hybridep_dir: str) -> dict:
         if nvcc:
             candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
         for home in candidates:
-            if (os.path.exists(os.path.join(home, "bin", "nvcc"))
-                    and os.path.exists(os.path.join(home, "include", "cuda.h"))):
+            if os.path.exists(os.path.join(home, "bin", "nvcc")) and os.path.exists(
+                os.path.join(home, "include", "cuda.h")
+            ):
                 env["CUDA_HOME"] = home
                 break
     env.setdefault("HYBRID_EP_CACHE_DIR", "/tmp/hybridep_jit")
-    env.update(MOE_EXT_HYBRIDEP_REAL="1", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
-               NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    env.update(
+        MOE_EXT_HYBRIDEP_REAL="1",
+        PYTHONUNBUFFERED="1",
+        OMP_NUM_THREADS="1",
+        NCCL_NVLS_ENABLE="0",
+        TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+        NVSHMEM_DISABLE_NVLS="1",
+    )
     return env
 
 
@@ -73,14 +85,29 @@ def run_pytest(name: str, args: list[str], env: dict, out_dir: str, timeout: int
     """Start one pytest shard; returns (process, log path, junit path, started)."""
     junit = os.path.join(out_dir, f"{name}.xml")
     log = os.path.join(out_dir, f"{name}.log")
-    env = dict(env, PYTEST_STREAM_REPORT=junit[:-4] + ".jsonl",
-               PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "bench", "gpu"), env["PYTHONPATH"]]))
+    env = dict(
+        env,
+        PYTEST_STREAM_REPORT=junit[:-4] + ".jsonl",
+        PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "bench", "gpu"), env["PYTHONPATH"]]),
+    )
     # -s: the rank workers' own stderr (a CUDA error, an abort) goes straight to the log.
-    cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-rfEs", "-p", "no:cacheprovider",
-           "-p", "pytest_stream_report",
-           f"--junitxml={junit}", *args]
-    proc = subprocess.Popen(["timeout", str(timeout), *cmd], cwd=ROOT, env=env,
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-s",
+        "-rfEs",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "pytest_stream_report",
+        f"--junitxml={junit}",
+        *args,
+    ]
+    proc = subprocess.Popen(
+        ["timeout", str(timeout), *cmd], cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT
+    )
     return proc, log, junit, time.time(), " ".join(cmd)
 
 
@@ -88,8 +115,11 @@ def mode_of(testcase: ET.Element) -> str:
     """`test_name[params]` -> `test_name/mode` for the dense-reference tests, else the name."""
     name = testcase.get("name", "")
     base, _, params = name.partition("[")
-    modes = [p for p in re.split(r"[-\]]", params) if p in
-             ("blocking", "capacity", "capacity_padded", "static", "compact", "compact_fused_capacity")]
+    modes = [
+        p
+        for p in re.split(r"[-\]]", params)
+        if p in ("blocking", "capacity", "capacity_padded", "static", "compact", "compact_fused_capacity")
+    ]
     return f"{base}/{modes[0]}" if modes else base
 
 
@@ -106,8 +136,11 @@ def summarize_stream(stream: str) -> dict:
         counts[key][r["outcome"] if r["when"] == "call" or r["outcome"] != "failed" else "failed"] += 1
         if r["outcome"] == "failed":
             failures.append(f"{r['nodeid'].rpartition('::')[2]} ({r['when']}, {r['seconds']} s): {r['error']}")
-    return {"cases": {k: dict(v) for k, v in sorted(counts.items())}, "failures": failures,
-            "unfinished": "shard stopped before its JUnit file was written: counts from its stream report"}
+    return {
+        "cases": {k: dict(v) for k, v in sorted(counts.items())},
+        "failures": failures,
+        "unfinished": "shard stopped before its JUnit file was written: counts from its stream report",
+    }
 
 
 def summarize(junit: str) -> dict:
@@ -138,8 +171,14 @@ def run_stage(label: str, shards: dict, env: dict, out_dir: str, timeout: int) -
         summary = summarize(junit)
         with open(log) as f:
             tail = f.read().splitlines()[-15:]
-        result[name] = {"command": cmd, "rc": rc, "timed_out": rc == 124, "seconds": round(time.time() - started, 1),
-                        **summary, "log_tail": tail}
+        result[name] = {
+            "command": cmd,
+            "rc": rc,
+            "timed_out": rc == 124,
+            "seconds": round(time.time() - started, 1),
+            **summary,
+            "log_tail": tail,
+        }
         totals = collections.Counter()
         for c in summary["cases"].values():
             totals.update(c)
@@ -152,26 +191,29 @@ def run_stage(label: str, shards: dict, env: dict, out_dir: str, timeout: int) -
 def library_probe(env: dict) -> dict:
     """Import the real library, construct one buffer over a gloo group and run one dispatch and
     combine (the earliest place a setup error shows)."""
-    code = "\n".join([
-        "import torch, torch.distributed as dist, deep_ep, hybrid_ep_cpp",
-        "dist.init_process_group('gloo', rank=0, world_size=1, init_method='tcp://127.0.0.1:29561')",
-        "torch.cuda.set_device(0)",
-        "b = deep_ep.HybridEPBuffer(group=dist.group.WORLD, hidden_dim=1024, max_num_of_tokens_per_rank=256,"
-        " num_local_experts=8)",
-        "print('constructed', hybrid_ep_cpp.__file__, flush=True)",
-        "x = torch.randn(256, 1024, device='cuda').bfloat16()",
-        "idx = torch.rand(256, 8, device='cuda').topk(2).indices",
-        "m = torch.zeros(256, 8, dtype=torch.bool, device='cuda').scatter(1, idx, True)",
-        "rows, probs, _, tpe, h = b.dispatch_with_permute(hidden=x, routing_map=m, probs=m.float(),"
-        " num_of_experts_per_rank=8)",
-        "y, _ = b.combine_with_unpermute(hidden=rows, handle=h)",
-        "torch.cuda.synchronize()",
-        "print('dispatch+combine ok', tuple(rows.shape), tpe.tolist(), "
-        "float((y.float() - 2 * x.float()).abs().max()))",
-    ])
+    code = "\n".join(
+        [
+            "import torch, torch.distributed as dist, deep_ep, hybrid_ep_cpp",
+            "dist.init_process_group('gloo', rank=0, world_size=1, init_method='tcp://127.0.0.1:29561')",
+            "torch.cuda.set_device(0)",
+            "b = deep_ep.HybridEPBuffer(group=dist.group.WORLD, hidden_dim=1024, max_num_of_tokens_per_rank=256,"
+            " num_local_experts=8)",
+            "print('constructed', hybrid_ep_cpp.__file__, flush=True)",
+            "x = torch.randn(256, 1024, device='cuda').bfloat16()",
+            "idx = torch.rand(256, 8, device='cuda').topk(2).indices",
+            "m = torch.zeros(256, 8, dtype=torch.bool, device='cuda').scatter(1, idx, True)",
+            "rows, probs, _, tpe, h = b.dispatch_with_permute(hidden=x, routing_map=m, probs=m.float(),"
+            " num_of_experts_per_rank=8)",
+            "y, _ = b.combine_with_unpermute(hidden=rows, handle=h)",
+            "torch.cuda.synchronize()",
+            "print('dispatch+combine ok', tuple(rows.shape), tpe.tolist(), "
+            "float((y.float() - 2 * x.float()).abs().max()))",
+        ]
+    )
     try:
-        proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=90)
+        proc = subprocess.run(
+            [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=90
+        )
     except subprocess.TimeoutExpired:
         return {"rc": None, "output": ["timed out after 90 s"]}
     return {"rc": proc.returncode, "output": (proc.stdout + proc.stderr).strip().splitlines()[-6:]}
@@ -191,9 +233,13 @@ def main() -> None:
     env = gpu_environment(args.hybridep_dir)
     commit_file = os.path.join(args.hybridep_dir, "DEEPEP_COMMIT")
     commit = open(commit_file).read().strip() if os.path.exists(commit_file) else "unknown"
-    report = {"command": "python3 bench/gpu/hybridep_real.py " + " ".join(sys.argv[1:]),
-              "deepep_commit": commit, "deepep_branch": "hybrid-ep", "cuda_home": env.get("CUDA_HOME"),
-              "probe": library_probe(env)}
+    report = {
+        "command": "python3 bench/gpu/hybridep_real.py " + " ".join(sys.argv[1:]),
+        "deepep_commit": commit,
+        "deepep_branch": "hybrid-ep",
+        "cuda_home": env.get("CUDA_HOME"),
+        "probe": library_probe(env),
+    }
     print("probe:", json.dumps(report["probe"]), flush=True)
     # A per-test limit turns a hung test into a reported failure instead of a killed shard.
     ep1_env = {**env, "MOE_EXT_HYBRIDEP_WORLDS": "1", "MOE_EXT_TEST_TIMEOUT": "60"}
@@ -207,13 +253,19 @@ def main() -> None:
         report["ep2_one_gpu"] = run_stage("ep2", {"selection": EP2_SELECTION}, ep2_env, out_dir, args.ep2_timeout)
     report["deepep_v1_buffer_ep2_one_gpu"] = (
         "not run: DeepEP's V1 Buffer needs the deep_ep_cpp extension, which this folder does not carry "
-        "(only hybrid_ep_cpp is built); its intranode kernels also spin on the peer rank's flags like HybridEP's")
+        "(only hybrid_ep_cpp is built); its intranode kernels also spin on the peer rank's flags like HybridEP's"
+    )
     if not args.skip_bench:
         # The EP1 timing (bench/gpu/hybridep_bench.py) in the same environment.
         log = os.path.join(out_dir, "bench.log")
         with open(log, "w") as f:
-            proc = subprocess.run(["timeout", "100", sys.executable, "bench/gpu/hybridep_bench.py"], cwd=ROOT,
-                                  env={**env, "OUT": out_root}, stdout=f, stderr=subprocess.STDOUT)
+            proc = subprocess.run(
+                ["timeout", "100", sys.executable, "bench/gpu/hybridep_bench.py"],
+                cwd=ROOT,
+                env={**env, "OUT": out_root},
+                stdout=f,
+                stderr=subprocess.STDOUT,
+            )
         report["bench"] = {"rc": proc.returncode, "log_tail": open(log).read().splitlines()[-6:]}
         print("bench:", json.dumps(report["bench"]), flush=True)
     path = os.path.join(out_root, "hybridep_real_h200.json")

@@ -120,11 +120,16 @@ def _case_skip_reason(config: dict) -> str | None:
     args = config["MODEL_ARGS"]
     probes = []
     if args.get("--transformer-impl") == "transformer_engine":
-        probes.append(("import transformer_engine.pytorch", "Transformer Engine does not import "
-                       "(source /tmp/te_env.sh first)"))
+        probes.append(
+            ("import transformer_engine.pytorch", "Transformer Engine does not import (source /tmp/te_env.sh first)")
+        )
     if args.get("--moe-flex-dispatcher-backend") == "hybridep":
-        probes.append(("from deep_ep import HybridEPBuffer", "DeepEP's HybridEP does not import "
-                       "(carry .gpu/hybridep, bench/gpu/HYBRIDEP.md)"))
+        probes.append(
+            (
+                "from deep_ep import HybridEPBuffer",
+                "DeepEP's HybridEP does not import (carry .gpu/hybridep, bench/gpu/HYBRIDEP.md)",
+            )
+        )
     for code, reason in probes:
         if subprocess.run([PY, "-c", code], env=_env(), capture_output=True).returncode:
             return reason
@@ -138,22 +143,36 @@ def _case_command(name: str, config: dict, tb_dir: str) -> tuple[list[str], dict
 
 
 def _extract(tb_dir: str, train_iters: int, path: str, log: str) -> dict:
-    cmd = [PY,
-           os.path.join(MLM, "tests/functional_tests/python_test_utils/get_test_results_from_tensorboard_logs.py"),
-           "--logs-dir", tb_dir, "--train-iters", str(train_iters), "--output-path", path,
-           "--is-normal-test", "--step-size", "1"]
+    cmd = [
+        PY,
+        os.path.join(MLM, "tests/functional_tests/python_test_utils/get_test_results_from_tensorboard_logs.py"),
+        "--logs-dir",
+        tb_dir,
+        "--train-iters",
+        str(train_iters),
+        "--output-path",
+        path,
+        "--is-normal-test",
+        "--step-size",
+        "1",
+    ]
     return run(cmd, log, _env(), 300)
 
 
 def _cases(names: list[str]) -> dict:
     """The stored cases (all, or those named; an unknown name is refused)."""
-    stored = {os.path.basename(os.path.dirname(path)): path
-              for path in sorted(glob.glob(os.path.join(CASES_DIR, "*", "model_config.yaml")))}
+    stored = {
+        os.path.basename(os.path.dirname(path)): path
+        for path in sorted(glob.glob(os.path.join(CASES_DIR, "*", "model_config.yaml")))
+    }
     unknown = sorted(set(names) - set(stored))
     if unknown:
         raise SystemExit(f"unknown case(s) {unknown}; stored: {sorted(stored)}")
-    return {name: {"path": path, "config": read_flat_yaml(path)}
-            for name, path in stored.items() if not names or name in names}
+    return {
+        name: {"path": path, "config": read_flat_yaml(path)}
+        for name, path in stored.items()
+        if not names or name in names
+    }
 
 
 def dry_run(names: list[str]) -> dict:
@@ -166,7 +185,9 @@ def dry_run(names: list[str]) -> dict:
         report["cases"][name] = {
             "would_skip": _case_skip_reason(case["config"]),
             "stored_golden_values": os.path.relpath(stored, REPO) if os.path.exists(stored) else None,
-            "env": env, "command": shlex.join(cmd)}
+            "env": env,
+            "command": shlex.join(cmd),
+        }
     return report
 
 
@@ -181,8 +202,9 @@ def functional(names: list[str]) -> dict:
             entry["skipped"] = reason
             continue
         # BEFORE_SCRIPT as _run_training.sh evaluates it (this repository as the package).
-        entry["steps"]["before_script"] = run(case["config"]["BEFORE_SCRIPT"], f"{res}/{name}/before_script.log",
-                                              _env({"MOE_EXT_DIR": REPO}), 300)
+        entry["steps"]["before_script"] = run(
+            case["config"]["BEFORE_SCRIPT"], f"{res}/{name}/before_script.log", _env({"MOE_EXT_DIR": REPO}), 300
+        )
     runnable = [n for n in cases if "skipped" not in report["cases"][n]]
     for attempt in (1, 2):
         started = {}
@@ -201,18 +223,37 @@ def functional(names: list[str]) -> dict:
         iters = int(config["MODEL_ARGS"]["--train-iters"])
         golden = f"{res}/{name}/{GOLDEN}"
         actual = f"{res}/{name}/run2/{GOLDEN}"
-        entry["steps"]["extract_run1"] = _extract(f"{res}/{name}/run1/tensorboard", iters, golden,
-                                                  f"{res}/{name}/extract_run1.log")
-        entry["steps"]["extract_run2"] = _extract(f"{res}/{name}/run2/tensorboard", iters, actual,
-                                                  f"{res}/{name}/extract_run2.log")
+        entry["steps"]["extract_run1"] = _extract(
+            f"{res}/{name}/run1/tensorboard", iters, golden, f"{res}/{name}/extract_run1.log"
+        )
+        entry["steps"]["extract_run2"] = _extract(
+            f"{res}/{name}/run2/tensorboard", iters, actual, f"{res}/{name}/extract_run2.log"
+        )
         nondet = str(config["ENV_VARS"].get("NVTE_ALLOW_NONDETERMINISTIC_ALGO", 0)) == "1"
         # pytest loads the conftest.py files above every path among its arguments; a config under
         # this repository's tests/ would load tests/conftest.py as Megatron's `tests.conftest`.
         model_config = shutil.copy(cases[name]["path"], f"{res}/{name}/model_config.yaml")
-        check = [PY, "-m", "pytest", "-s", "-p", "no:cacheprovider", "-o", "log_cli=true", "--log-cli-level=info",
-                 os.path.join(MLM, "tests/functional_tests/python_test_utils/test_pretraining_regular_pipeline.py"),
-                 "--golden-values-path", golden, "--actual-values-path", actual, "--train-iters", str(iters),
-                 "--model-config-path", model_config, *(["--allow-nondeterministic-algo"] if nondet else [])]
+        check = [
+            PY,
+            "-m",
+            "pytest",
+            "-s",
+            "-p",
+            "no:cacheprovider",
+            "-o",
+            "log_cli=true",
+            "--log-cli-level=info",
+            os.path.join(MLM, "tests/functional_tests/python_test_utils/test_pretraining_regular_pipeline.py"),
+            "--golden-values-path",
+            golden,
+            "--actual-values-path",
+            actual,
+            "--train-iters",
+            str(iters),
+            "--model-config-path",
+            model_config,
+            *(["--allow-nondeterministic-algo"] if nondet else []),
+        ]
         step = entry["steps"]["megatron_check_run2_vs_run1"] = run(check, f"{res}/{name}/check.log", _env(), 300)
         step["tail"] = _tail(step["log"], 12)
         entry["passed"] = step["rc"] == 0
@@ -221,24 +262,40 @@ def functional(names: list[str]) -> dict:
             # Megatron's CI: this run against the case's stored golden values (a copy under $OUT,
             # for the conftest reason above).
             stored_copy = shutil.copy(stored, f"{res}/{name}/stored_{GOLDEN}")
-            check_stored = [*check[:check.index("--golden-values-path") + 1], stored_copy,
-                            "--actual-values-path", golden, *check[check.index("--train-iters"):]]
+            check_stored = [
+                *check[: check.index("--golden-values-path") + 1],
+                stored_copy,
+                "--actual-values-path",
+                golden,
+                *check[check.index("--train-iters") :],
+            ]
             step = entry["steps"]["megatron_check_run1_vs_stored"] = run(
-                check_stored, f"{res}/{name}/check_stored.log", _env(), 300)
+                check_stored, f"{res}/{name}/check_stored.log", _env(), 300
+            )
             step["tail"] = _tail(step["log"], 12)
             entry["passed_vs_stored"] = step["rc"] == 0
             entry["stored_golden_values"] = os.path.relpath(stored, REPO)
         else:
             entry["stored_golden_values"] = None
-            entry["to_store"] = (f"no golden values stored: copy {golden} and its .provenance.json into "
-                                 f"{os.path.relpath(os.path.dirname(cases[name]['path']), REPO)}/")
+            entry["to_store"] = (
+                f"no golden values stored: copy {golden} and its .provenance.json into "
+                f"{os.path.relpath(os.path.dirname(cases[name]['path']), REPO)}/"
+            )
         entry["values"] = _values(golden)
         with open(f"{res}/{name}/{GOLDEN.replace('.json', '.provenance.json')}", "w") as f:
-            json.dump({"platform": f"one {report['device'].split(' 2.')[0]} (not a DGX node): Megatron-LM's "
-                                   "file name for the H100-class golden values", "device": report["device"],
-                       "megatron_lm": report["megatron_lm"], "command": entry["steps"]["training_run1"]["cmd"],
-                       "extractor": entry["steps"]["extract_run1"]["cmd"],
-                       "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}, f, indent=2)
+            json.dump(
+                {
+                    "platform": f"one {report['device'].split(' 2.')[0]} (not a DGX node): Megatron-LM's "
+                    "file name for the H100-class golden values",
+                    "device": report["device"],
+                    "megatron_lm": report["megatron_lm"],
+                    "command": entry["steps"]["training_run1"]["cmd"],
+                    "extractor": entry["steps"]["extract_run1"]["cmd"],
+                    "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                },
+                f,
+                indent=2,
+            )
     return report
 
 
@@ -248,8 +305,10 @@ def _values(path: str) -> dict:
             data = json.load(f)
     except (OSError, ValueError) as exc:
         return {"error": str(exc)}
-    return {k: {"first": v["values"].get("1"), "last": v["values"].get(str(v["end_step"])),
-                "steps": len(v["values"])} for k, v in data.items()}
+    return {
+        k: {"first": v["values"].get("1"), "last": v["values"].get(str(v["end_step"])), "steps": len(v["values"])}
+        for k, v in data.items()
+    }
 
 
 def _tb_scalars(tb_dir: str, tag: str) -> list[float]:
@@ -265,16 +324,22 @@ def _tb_scalars(tb_dir: str, tag: str) -> list[float]:
     return [values[k] for k in sorted(values)]
 
 
-HYBRID_ARGS = ("--hybrid-layer-pattern *E*E --hidden-size 512 --num-attention-heads 8 --seq-length 1024 "
-               "--max-position-embeddings 1024 --micro-batch-size 4 --global-batch-size 16 --train-iters 30 "
-               "--lr 3e-4 --lr-warmup-iters 10 --seed 1234 --num-experts 8 --moe-ffn-hidden-size 1024 "
-               "--moe-router-topk 2 --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2 "
-               "--moe-grouped-gemm --moe-token-dispatcher-type alltoall --bf16 --swiglu --disable-bias-linear "
-               "--position-embedding-type rope --mock-data --tokenizer-type NullTokenizer --vocab-size 8192 "
-               "--log-interval 1 --eval-iters 0 --eval-interval 100000 --deterministic-mode "
-               "--transformer-impl transformer_engine --no-gradient-accumulation-fusion").split()
-HYBRID_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "NCCL_ALGO": "Ring", "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
-              "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
+HYBRID_ARGS = (
+    "--hybrid-layer-pattern *E*E --hidden-size 512 --num-attention-heads 8 --seq-length 1024 "
+    "--max-position-embeddings 1024 --micro-batch-size 4 --global-batch-size 16 --train-iters 30 "
+    "--lr 3e-4 --lr-warmup-iters 10 --seed 1234 --num-experts 8 --moe-ffn-hidden-size 1024 "
+    "--moe-router-topk 2 --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2 "
+    "--moe-grouped-gemm --moe-token-dispatcher-type alltoall --bf16 --swiglu --disable-bias-linear "
+    "--position-embedding-type rope --mock-data --tokenizer-type NullTokenizer --vocab-size 8192 "
+    "--log-interval 1 --eval-iters 0 --eval-interval 100000 --deterministic-mode "
+    "--transformer-impl transformer_engine --no-gradient-accumulation-fusion"
+).split()
+HYBRID_ENV = {
+    "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+    "NCCL_ALGO": "Ring",
+    "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+    "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0",
+}
 HYBRID_RUNS = {
     "native": ["--spec", "megatron.core.models.hybrid.hybrid_layer_specs", "hybrid_stack_spec"],
     "ext_te_grouped_mlp": ["--spec", "megatron_moe_ext.megatron.hybrid_specs", "flex_hybrid_stack_spec"],
@@ -286,8 +351,10 @@ def hybrid() -> dict:
     res = os.path.join(OUT, "megatron_hybrid")
     report = {"megatron_lm": _mlm_commit(), "device": _device(), "runs": {}}
     if subprocess.run([PY, "-c", "import transformer_engine.pytorch"], env=_env(), capture_output=True).returncode:
-        report["skipped"] = ("Transformer Engine does not import (source /tmp/te_env.sh first); Megatron's "
-                             "HybridStack builds its final norm with TENorm")
+        report["skipped"] = (
+            "Transformer Engine does not import (source /tmp/te_env.sh first); Megatron's "
+            "HybridStack builds its final norm with TENorm"
+        )
         return report
     script = os.path.join(MLM, "pretrain_hybrid.py")
     started = {}
@@ -295,8 +362,11 @@ def hybrid() -> dict:
         tb_dir = f"{res}/{name}/tensorboard"
         os.makedirs(tb_dir, exist_ok=True)
         # The expert class of native's spec (TEGroupedMLP) for this run, instead of the default.
-        choice = ([os.path.join(REPO, "bench/gpu/pretrain_gpt_patched.py"), "te_grouped_mlp"]
-                  if name == "ext_te_grouped_mlp" else [])
+        choice = (
+            [os.path.join(REPO, "bench/gpu/pretrain_gpt_patched.py"), "te_grouped_mlp"]
+            if name == "ext_te_grouped_mlp"
+            else []
+        )
         cmd = [*LAUNCH, *choice, script, *HYBRID_ARGS, *spec, "--tensorboard-dir", tb_dir]
         started[name] = start(cmd, f"{res}/{name}/training.log", _env(HYBRID_ENV), cwd=REPO)
     for name, proc in started.items():
@@ -313,7 +383,8 @@ def hybrid() -> dict:
             "iterations": [len(ext), len(native)],
             "bitwise_equal": bool(native) and ext == native,
             "first_differing_iteration": next((i + 1 for i, (a, b) in enumerate(zip(ext, native)) if a != b), None),
-            "max_abs_diff": max((abs(a - b) for a, b in zip(ext, native)), default=None)}
+            "max_abs_diff": max((abs(a - b) for a, b in zip(ext, native)), default=None),
+        }
     return report
 
 
@@ -333,10 +404,19 @@ def unit_tests() -> dict:
         for name in UNIT_TESTS:
             key = f"{layer}:{name}"
             stream = f"{res}/{layer}_{name}.jsonl"
-            plugins = ["-p", "bench.gpu.pytest_stream_report"] + (["-p", "bench.gpu.megatron_moe_swap"]
-                                                                  if layer == "flex" else [])
-            cmd = [*LAUNCH, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugins,
-                   f"tests/unit_tests/transformer/moe/{name}"]
+            plugins = ["-p", "bench.gpu.pytest_stream_report"] + (
+                ["-p", "bench.gpu.megatron_moe_swap"] if layer == "flex" else []
+            )
+            cmd = [
+                *LAUNCH,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                *plugins,
+                f"tests/unit_tests/transformer/moe/{name}",
+            ]
             env = _env({"PYTEST_STREAM_REPORT": stream, "MOE_SWAP_REPORT": f"{res}/{layer}_{name}.swap.json"})
             if os.path.exists(stream):
                 os.remove(stream)
@@ -368,11 +448,18 @@ def unit_tests() -> dict:
                 kind = "refused with ValueError naming the setting (Megatron's own layer passes)"
             elif outcome == "failed":
                 kind = "package failure (Megatron's own layer passes)"
-            tests[nodeid] = {"flex": outcome, "megatron": native[0], "kind": kind, "error": error,
-                             "megatron_error": native[1] if native[0] != "passed" else ""}
-        report[name] = {"counts": dict(collections.Counter(t["kind"] for t in tests.values())),
-                        "megatron_counts": dict(collections.Counter(o for o, _ in megatron.values())),
-                        "tests": tests}
+            tests[nodeid] = {
+                "flex": outcome,
+                "megatron": native[0],
+                "kind": kind,
+                "error": error,
+                "megatron_error": native[1] if native[0] != "passed" else "",
+            }
+        report[name] = {
+            "counts": dict(collections.Counter(t["kind"] for t in tests.values())),
+            "megatron_counts": dict(collections.Counter(o for o, _ in megatron.values())),
+            "tests": tests,
+        }
     return report
 
 
@@ -409,8 +496,11 @@ def _mlm_commit() -> str:
 
 
 def _device() -> str:
-    probe = subprocess.run([PY, "-c", "import torch; print(torch.cuda.get_device_name(0), torch.__version__)"],
-                           capture_output=True, text=True)
+    probe = subprocess.run(
+        [PY, "-c", "import torch; print(torch.cuda.get_device_name(0), torch.__version__)"],
+        capture_output=True,
+        text=True,
+    )
     return probe.stdout.strip() or probe.stderr.strip()[-200:]
 
 
@@ -419,8 +509,10 @@ if __name__ == "__main__":
     if what == "functional" and "--dry-run" in names:
         result = dry_run([n for n in names if n != "--dry-run"])
         for name, case in result["cases"].items():
-            print(f"{name}: {'would skip: ' + case['would_skip'] if case['would_skip'] else 'runs'}; golden values "
-                  f"{case['stored_golden_values'] or 'not stored (this run makes them)'}\n  {case['command']}")
+            print(
+                f"{name}: {'would skip: ' + case['would_skip'] if case['would_skip'] else 'runs'}; golden values "
+                f"{case['stored_golden_values'] or 'not stored (this run makes them)'}\n  {case['command']}"
+            )
         print(f"{len(result['cases'])} case(s)")
         raise SystemExit(0)
     commands = {"functional": lambda: functional(names), "hybrid": hybrid, "unit_tests": unit_tests}

@@ -39,16 +39,29 @@ def layer_config(dtype_name: str, ep: int, shared_overlap: bool):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     bf16 = dtype_name == "bf16"
-    shared = dict(moe_shared_expert_intermediate_size=FFN, moe_shared_expert_overlap=True) \
-        if shared_overlap else {}
+    shared = dict(moe_shared_expert_intermediate_size=FFN, moe_shared_expert_overlap=True) if shared_overlap else {}
     return TransformerConfig(
-        num_layers=1, hidden_size=HIDDEN, num_attention_heads=8, ffn_hidden_size=FFN,
-        num_moe_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=FFN,
-        moe_token_dispatcher_type="alltoall", expert_model_parallel_size=ep,
-        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01,
-        moe_router_dtype="fp32", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-        add_bias_linear=False, params_dtype=DTYPES[dtype_name], bf16=bf16,
-        use_cpu_initialization=True, moe_permute_fusion=False, **shared)
+        num_layers=1,
+        hidden_size=HIDDEN,
+        num_attention_heads=8,
+        ffn_hidden_size=FFN,
+        num_moe_experts=EXPERTS,
+        moe_router_topk=TOPK,
+        moe_ffn_hidden_size=FFN,
+        moe_token_dispatcher_type="alltoall",
+        expert_model_parallel_size=ep,
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=0.01,
+        moe_router_dtype="fp32",
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        params_dtype=DTYPES[dtype_name],
+        bf16=bf16,
+        use_cpu_initialization=True,
+        moe_permute_fusion=False,
+        **shared,
+    )
 
 
 def rel_err(a, b) -> float:
@@ -58,7 +71,8 @@ def rel_err(a, b) -> float:
 def step(layer, x, g, timed: int = 0):
     seen = []
     handle = layer.experts.register_forward_pre_hook(
-        lambda m, args: seen.append([int(n) for n in torch.as_tensor(args[1]).tolist()]))
+        lambda m, args: seen.append([int(n) for n in torch.as_tensor(args[1]).tolist()])
+    )
     layer.zero_grad(set_to_none=True)
     xr = x.clone().requires_grad_()
     out, _ = layer(xr)
@@ -89,9 +103,11 @@ def run_case(backend: str, dtype_name: str, shared_overlap: bool, pg, device, ti
     spec = get_moe_module_spec(use_te=False, num_experts=EXPERTS)
     native = spec(config=config, pg_collection=pg).to(device)
     dcfg = TokenDispatcherConfig.from_transformer_config(
-        config, moe_flex_dispatcher_backend=backend, moe_share_token_dispatcher=False)
-    flex = FlexMoELayer(config, submodules=spec.keywords["submodules"], pg_collection=pg,
-                        dispatcher_config=dcfg).to(device)
+        config, moe_flex_dispatcher_backend=backend, moe_share_token_dispatcher=False
+    )
+    flex = FlexMoELayer(config, submodules=spec.keywords["submodules"], pg_collection=pg, dispatcher_config=dcfg).to(
+        device
+    )
     flex.load_state_dict(native.state_dict())
     for layer in (native, flex):
         layer.set_layer_number(1)
@@ -104,13 +120,29 @@ def run_case(backend: str, dtype_name: str, shared_overlap: bool, pg, device, ti
     MoEFlexTokenDispatcher.release_shared_managers()
     tol = TOLERANCE[dtype_name]
     grad_err = {n: rel_err(grads_f[n], grads_n[n]) for n in grads_n}
-    result = dict(backend=backend, dtype=dtype_name, shared_overlap=shared_overlap, rank=rank, tolerance=tol,
-                  out=rel_err(out_f, out_n), grad_x=rel_err(gx_f, gx_n),
-                  max_param_grad=max(grad_err.values()), param_grads=len(grad_err),
-                  same_param_set=sorted(grads_n) == sorted(grads_f),
-                  tokens_native=seen_n, tokens_flex=seen_f, ms_native=ms_n, ms_flex=ms_f)
-    result["ok"] = (result["out"] <= tol and result["grad_x"] <= tol and result["max_param_grad"] <= tol
-                    and result["same_param_set"] and seen_n == seen_f)
+    result = dict(
+        backend=backend,
+        dtype=dtype_name,
+        shared_overlap=shared_overlap,
+        rank=rank,
+        tolerance=tol,
+        out=rel_err(out_f, out_n),
+        grad_x=rel_err(gx_f, gx_n),
+        max_param_grad=max(grad_err.values()),
+        param_grads=len(grad_err),
+        same_param_set=sorted(grads_n) == sorted(grads_f),
+        tokens_native=seen_n,
+        tokens_flex=seen_f,
+        ms_native=ms_n,
+        ms_flex=ms_f,
+    )
+    result["ok"] = (
+        result["out"] <= tol
+        and result["grad_x"] <= tol
+        and result["max_param_grad"] <= tol
+        and result["same_param_set"]
+        and seen_n == seen_f
+    )
     return result
 
 
@@ -150,34 +182,48 @@ def main() -> int:
     for backend in backends:
         for dtype_name, shared_overlap in (("fp32", False), ("bf16", False), ("bf16", True)):
             try:
-                results.append(run_case(backend, dtype_name, shared_overlap, pg, device,
-                                        timed=0 if cpu else 5))
+                results.append(run_case(backend, dtype_name, shared_overlap, pg, device, timed=0 if cpu else 5))
             except Exception:  # noqa: BLE001 - keep going, report the failure
-                errors.append(dict(backend=backend, dtype=dtype_name, shared_overlap=shared_overlap,
-                                   rank=dist.get_rank(), error=traceback.format_exc()))
+                errors.append(
+                    dict(
+                        backend=backend,
+                        dtype=dtype_name,
+                        shared_overlap=shared_overlap,
+                        rank=dist.get_rank(),
+                        error=traceback.format_exc(),
+                    )
+                )
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, dict(results=results, errors=errors))
-    ok = all(r["ok"] for part in gathered for r in part["results"]) and not any(
-        part["errors"] for part in gathered)
+    ok = all(r["ok"] for part in gathered for r in part["results"]) and not any(part["errors"] for part in gathered)
     if dist.get_rank() == 0:
         out_dir = os.environ.get("OUT", "./outputs")
         os.makedirs(out_dir, exist_ok=True)
-        report = dict(check="megatron_layer_parity", ok=ok, backends=backends,
-                      device=torch.cuda.get_device_name() if not cpu else "cpu",
-                      world=dist.get_world_size(), tokens_per_rank=TOKENS, hidden=HIDDEN,
-                      experts=EXPERTS, topk=TOPK, when=datetime.datetime.now(datetime.UTC).isoformat(),
-                      ranks=gathered)
-        path = os.path.join(out_dir, f"megatron_layer_parity_ep{dist.get_world_size()}"
-                                     f"{'_cpu' if cpu else ''}.json")
+        report = dict(
+            check="megatron_layer_parity",
+            ok=ok,
+            backends=backends,
+            device=torch.cuda.get_device_name() if not cpu else "cpu",
+            world=dist.get_world_size(),
+            tokens_per_rank=TOKENS,
+            hidden=HIDDEN,
+            experts=EXPERTS,
+            topk=TOPK,
+            when=datetime.datetime.now(datetime.UTC).isoformat(),
+            ranks=gathered,
+        )
+        path = os.path.join(out_dir, f"megatron_layer_parity_ep{dist.get_world_size()}{'_cpu' if cpu else ''}.json")
         with open(path, "w") as f:
             json.dump(report, f, indent=1)
         for part in gathered:
             for r in part["results"]:
-                print(f"rank {r['rank']} {r['backend']:6s} {r['dtype']} shared_overlap "
-                      f"{r['shared_overlap']}: out {r['out']:.2e} "
-                      f"grad_x {r['grad_x']:.2e} params {r['max_param_grad']:.2e} "
-                      f"tokens_equal {r['tokens_native'] == r['tokens_flex']} "
-                      f"ms native/flex {r['ms_native']}/{r['ms_flex']} ok {r['ok']}")
+                print(
+                    f"rank {r['rank']} {r['backend']:6s} {r['dtype']} shared_overlap "
+                    f"{r['shared_overlap']}: out {r['out']:.2e} "
+                    f"grad_x {r['grad_x']:.2e} params {r['max_param_grad']:.2e} "
+                    f"tokens_equal {r['tokens_native'] == r['tokens_flex']} "
+                    f"ms native/flex {r['ms_native']}/{r['ms_flex']} ok {r['ok']}"
+                )
             for e in part["errors"]:
                 print(f"rank {e['rank']} {e['backend']} {e['dtype']} FAILED:\n{e['error']}")
         print(f"wrote {path}; ok={ok}")

@@ -105,16 +105,22 @@ def moe_block(disp, router_HE, w1, w2, x_TH):
 def build(shape, layers, dtype, device):
     disps, params = [], []
     for _ in range(layers):
-        cfg = TokenDispatcherConfig(num_moe_experts=shape["experts"], moe_router_topk=shape["topk"],
-                                    moe_flex_dispatcher_backend="torch", moe_share_token_dispatcher=False)
-        disp = MoEFlexTokenDispatcher(shape["experts"], list(range(shape["experts"])), cfg,
-                                      ep_group=dist.group.WORLD)
+        cfg = TokenDispatcherConfig(
+            num_moe_experts=shape["experts"],
+            moe_router_topk=shape["topk"],
+            moe_flex_dispatcher_backend="torch",
+            moe_share_token_dispatcher=False,
+        )
+        disp = MoEFlexTokenDispatcher(shape["experts"], list(range(shape["experts"])), cfg, ep_group=dist.group.WORLD)
         recompute.attach_replay(disp)
         disps.append(disp)
         h, e, i = shape["hidden"], shape["experts"], shape["ffn"]
-        params.append(tuple(
-            (torch.randn(*s, device=device) * scale).to(dtype).requires_grad_()
-            for s, scale in (((h, e), 0.02), ((e, h, 2 * i), h ** -0.5), ((e, i, h), i ** -0.5))))
+        params.append(
+            tuple(
+                (torch.randn(*s, device=device) * scale).to(dtype).requires_grad_()
+                for s, scale in (((h, e), 0.02), ((e, h, 2 * i), h**-0.5), ((e, i, h), i**-0.5))
+            )
+        )
     return disps, params
 
 
@@ -135,14 +141,13 @@ def step_fn(mode, disps, params, x, grad):
 
                         h = tensor_parallel.checkpoint(block, False, router_HE, w1, w2, h)
                     else:  # Megatron's checkpoint saves CUDA RNG state; the same reentrant path
-                        h = torch.utils.checkpoint.checkpoint(block, router_HE, w1, w2, h,
-                                                              use_reentrant=True)
+                        h = torch.utils.checkpoint.checkpoint(block, router_HE, w1, w2, h, use_reentrant=True)
             else:
-                h = recompute.checkpoint_moe(moe_block, disp, router_HE, w1, w2, h,
-                                             replays=[replay], policy=mode)
+                h = recompute.checkpoint_moe(moe_block, disp, router_HE, w1, w2, h, replays=[replay], policy=mode)
         h.backward(grad)
         for disp in disps:
             disp.hook.check()
+
     return run
 
 
@@ -180,17 +185,24 @@ def measure_interleaved(runs: dict, layers: int, rounds: int, warmup: int, devic
             if r >= warmup:
                 times[mode].append(elapsed)
                 if device.type == "cuda":
-                    peaks[mode] = max(peaks[mode], (torch.cuda.max_memory_allocated() - base) / 2 ** 20)
+                    peaks[mode] = max(peaks[mode], (torch.cuda.max_memory_allocated() - base) / 2**20)
         if r + 1 == warmup or (r + 1 - warmup) % 5 == 0 or r + 1 == warmup + rounds:
-            print(f"{name}: round {r + 1}/{warmup + rounds} ({warmup} warm-up), "
-                  f"{time.perf_counter() - started:.1f} s", flush=True)
+            print(
+                f"{name}: round {r + 1}/{warmup + rounds} ({warmup} warm-up), {time.perf_counter() - started:.1f} s",
+                flush=True,
+            )
     out = {}
     for mode in modes:
         extra = [(t - t_none) / layers for t, t_none in zip(times[mode], times["none"])]
-        out[mode] = {"step_ms": statistics.median(times[mode]), "step_ms_quartiles": quartiles(times[mode]),
-                     "step_ms_min": min(times[mode]), "step_ms_max": max(times[mode]),
-                     "extra_ms_per_layer": statistics.median(extra),
-                     "extra_ms_per_layer_quartiles": quartiles(extra), "rounds": rounds}
+        out[mode] = {
+            "step_ms": statistics.median(times[mode]),
+            "step_ms_quartiles": quartiles(times[mode]),
+            "step_ms_min": min(times[mode]),
+            "step_ms_max": max(times[mode]),
+            "extra_ms_per_layer": statistics.median(extra),
+            "extra_ms_per_layer_quartiles": quartiles(extra),
+            "rounds": rounds,
+        }
         if device.type == "cuda":
             out[mode]["peak_mib_above_params"] = peaks[mode]
     return out
@@ -228,8 +240,11 @@ def expert_forward_ms(disp, params, x, iters, warmup, device, calls: int = 10) -
                 for _ in range(calls):
                     run()
                 queued.append(1e3 * (time.perf_counter() - t0) / calls)
-    return {"queued": statistics.median(queued), "queued_quartiles": quartiles(queued),
-            "synced": statistics.median(synced)}
+    return {
+        "queued": statistics.median(queued),
+        "queued_quartiles": quartiles(queued),
+        "synced": statistics.median(synced),
+    }
 
 
 def profile_step(run, device, top: int) -> dict:
@@ -244,12 +259,15 @@ def profile_step(run, device, top: int) -> dict:
         run()
         sync(device)
     events = [e for e in prof.key_averages() if not cuda or e.device_type.name == "CUDA"]
-    kernels = {e.key[:120]: [round(e.device_time_total if cuda else e.self_cpu_time_total, 1), e.count]
-               for e in events}
+    kernels = {
+        e.key[:120]: [round(e.device_time_total if cuda else e.self_cpu_time_total, 1), e.count] for e in events
+    }
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])
-    return {"total_us": round(sum(us for us, _ in kernels.values()), 1),
-            "top": [{"name": k, "total_us": us, "count": n} for k, (us, n) in ranked[:top]],
-            "all": kernels}
+    return {
+        "total_us": round(sum(us for us, _ in kernels.values()), 1),
+        "top": [{"name": k, "total_us": us, "count": n} for k, (us, n) in ranked[:top]],
+        "all": kernels,
+    }
 
 
 def profile_modes(runs: dict, layers: int, device, top: int = 25) -> dict:
@@ -272,26 +290,42 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--iters", type=int, default=20, help="measured rounds (one step per mode each)")
     parser.add_argument("--warmup", type=int, default=5, help="warm-up rounds")
-    parser.add_argument("--profile", action="store_true",
-                        help="also one profiled step of 'none' and 'save_dispatch_outputs': top kernels")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also one profiled step of 'none' and 'save_dispatch_outputs': top kernels",
+    )
     parser.add_argument("--shapes", nargs="+", default=None, help=f"subset of {list(SHAPES)}")
     args = parser.parse_args()
     device = torch.device("cpu") if args.smoke else torch.device("cuda", 0)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    dist.init_process_group("gloo" if args.smoke else "nccl", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=0, world_size=1, device_id=None if args.smoke else device)
+    dist.init_process_group(
+        "gloo" if args.smoke else "nccl",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=0,
+        world_size=1,
+        device_id=None if args.smoke else device,
+    )
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dtype = torch.float32 if args.smoke else torch.bfloat16
     iters, warmup = (2, 1) if args.smoke else (args.iters, args.warmup)
     shapes = SMOKE_SHAPES if args.smoke else {k: SHAPES[k] for k in (args.shapes or SHAPES)}
-    record = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "layers": args.layers,
-              "iters": iters, "warmup": warmup, "method": "modes interleaved per round (order rotated); "
-              "medians over rounds, extra_ms_per_layer paired with the same round's 'none'",
-              "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "dtype": str(dtype), "backend": "torch (1 rank)", "shapes": {}}
+    record = {
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "layers": args.layers,
+        "iters": iters,
+        "warmup": warmup,
+        "method": "modes interleaved per round (order rotated); "
+        "medians over rounds, extra_ms_per_layer paired with the same round's 'none'",
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "dtype": str(dtype),
+        "backend": "torch (1 rank)",
+        "shapes": {},
+    }
     started = time.perf_counter()
     for name, shape in shapes.items():
         torch.manual_seed(0)
@@ -302,8 +336,7 @@ def main() -> None:
         modes = measure_interleaved(runs, args.layers, iters, warmup, device, name)
         result = {"shape": shape, "modes": modes}
         for mode, out in result["modes"].items():
-            print(name, mode, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.items()},
-                  flush=True)
+            print(name, mode, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.items()}, flush=True)
         expert = expert_forward_ms(disps[0], params[0], x.detach(), iters, warmup, device)
         result["expert_mlp_forward_ms_per_layer"] = expert["queued"]
         result["expert_mlp_forward_ms_per_layer_quartiles"] = expert["queued_quartiles"]
@@ -312,13 +345,24 @@ def main() -> None:
         result["save_dispatch_outputs_meets"] = {
             "extra_le_expert_forward": saved["extra_ms_per_layer"] <= expert["queued"],
             "extra_q3_le_expert_forward": saved["extra_ms_per_layer_quartiles"][1] <= expert["queued"],
-            "less_peak_memory": saved.get("peak_mib_above_params", 0) < none.get("peak_mib_above_params", 0)}
-        print(name, "expert forward ms per layer", expert, "save_dispatch_outputs meets",
-              result["save_dispatch_outputs_meets"], flush=True)
+            "less_peak_memory": saved.get("peak_mib_above_params", 0) < none.get("peak_mib_above_params", 0),
+        }
+        print(
+            name,
+            "expert forward ms per layer",
+            expert,
+            "save_dispatch_outputs meets",
+            result["save_dispatch_outputs_meets"],
+            flush=True,
+        )
         if args.profile:
             result["profile"] = profile_modes(runs, args.layers, device)
-            print(name, "profile: kernel time extra per layer (us)",
-                  result["profile"]["kernel_extra_us_per_layer"], flush=True)
+            print(
+                name,
+                "profile: kernel time extra per layer (us)",
+                result["profile"]["kernel_extra_us_per_layer"],
+                flush=True,
+            )
             for row in result["profile"]["delta_top"][:12]:
                 print("   ", row, flush=True)
         print(f"{name} done, {time.perf_counter() - started:.1f} s", flush=True)

@@ -44,8 +44,16 @@ def parse_run(log_path: str) -> dict:
     command = open(base + ".cmd").read().strip()
     rc_path = base + ".rc"
     text = open(log_path, errors="replace").read()
-    run = dict(command=command, rc=int(open(rc_path).read()) if os.path.exists(rc_path) else None,
-               iteration=[], lm_loss=[], elapsed_ms=[], tflops_per_gpu=[], tokens_per_s=[], timers_ms={})
+    run = dict(
+        command=command,
+        rc=int(open(rc_path).read()) if os.path.exists(rc_path) else None,
+        iteration=[],
+        lm_loss=[],
+        elapsed_ms=[],
+        tflops_per_gpu=[],
+        tokens_per_s=[],
+        timers_ms={},
+    )
     profile_path = base + ".kernels.json"
     profiled = set()
     if os.path.exists(profile_path):
@@ -55,8 +63,7 @@ def parse_run(log_path: str) -> dict:
     for line in text.splitlines():
         timer = _TIMER.search(line)
         if timer and run["iteration"]:
-            run["timers_ms"].setdefault(timer.group(1), []).append(
-                [run["iteration"][-1], float(timer.group(3))])
+            run["timers_ms"].setdefault(timer.group(1), []).append([run["iteration"][-1], float(timer.group(3))])
             continue
         it = _ITERATION.search(line)
         if not it or "lm loss" not in line:
@@ -78,7 +85,9 @@ def parse_run(log_path: str) -> dict:
         run[f"median_{key}_after_{WARMUP_ITERS}"] = statistics.median(values) if values else None
     run[f"median_timers_ms_after_{WARMUP_ITERS}"] = {
         name: statistics.median(v for i, v in pairs if steady(i))
-        for name, pairs in run["timers_ms"].items() if any(steady(i) for i, _ in pairs)}
+        for name, pairs in run["timers_ms"].items()
+        if any(steady(i) for i, _ in pairs)
+    }
     run["iterations_left_out_of_medians"] = sorted(profiled)
     if not run["lm_loss"]:
         run["error_tail"] = text[-4000:]
@@ -128,12 +137,15 @@ def compare(runs: dict) -> None:
 def main(out_dir: str) -> None:
     runs = {}
     for log in sorted(glob.glob(os.path.join(out_dir, PREFIX + "*.log"))):
-        runs[os.path.basename(log)[len(PREFIX): -len(".log")]] = parse_run(log)
+        runs[os.path.basename(log)[len(PREFIX) : -len(".log")]] = parse_run(log)
     compare(runs)
     result = dict(
         what="Megatron-LM pretrain_gpt.py (core_r0.19.0), mock data, one GPU: native vs this "
-             "package's --spec with --moe-grouped-gemm",
-        script="bench/gpu/pretrain_megatron_lm.sh", warmup_iterations_excluded=WARMUP_ITERS, runs=runs)
+        "package's --spec with --moe-grouped-gemm",
+        script="bench/gpu/pretrain_megatron_lm.sh",
+        warmup_iterations_excluded=WARMUP_ITERS,
+        runs=runs,
+    )
     path = os.path.join(out_dir, PREFIX + "h200.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
@@ -143,15 +155,27 @@ def main(out_dir: str) -> None:
             continue
         vs = run.get("vs_native", {})
         ms, tflops = (run[f"median_{k}_after_{WARMUP_ITERS}"] for k in ("elapsed_ms", "tflops_per_gpu"))
-        print(f"{name:36s} lm loss {run['lm_loss'][0]:.4f} -> {run['lm_loss'][-1]:.4f}  "
-              f"{ms or float('nan'):.1f} ms/iter  {tflops or float('nan'):.1f} TFLOP/s/GPU  "
-              + (f"vs native: loss rel {vs['max_rel_lm_loss_diff']:.2e} identical {vs['identical_lm_loss']} "
-                 f"time x{vs.get('step_time_ratio', float('nan')):.3f}" if vs else "")
-              + (f"  vs ext: loss rel {run['vs_ext']['max_rel_lm_loss_diff']:.2e} identical "
-                 f"{run['vs_ext']['identical_lm_loss']}" if "vs_ext" in run else ""))
+        print(
+            f"{name:36s} lm loss {run['lm_loss'][0]:.4f} -> {run['lm_loss'][-1]:.4f}  "
+            f"{ms or float('nan'):.1f} ms/iter  {tflops or float('nan'):.1f} TFLOP/s/GPU  "
+            + (
+                f"vs native: loss rel {vs['max_rel_lm_loss_diff']:.2e} identical {vs['identical_lm_loss']} "
+                f"time x{vs.get('step_time_ratio', float('nan')):.3f}"
+                if vs
+                else ""
+            )
+            + (
+                f"  vs ext: loss rel {run['vs_ext']['max_rel_lm_loss_diff']:.2e} identical "
+                f"{run['vs_ext']['identical_lm_loss']}"
+                if "vs_ext" in run
+                else ""
+            )
+        )
         if "categories_ms" in run.get("profile", {}):
-            print(f"{'':36s} kernels ms/step (iteration {run['profile']['iteration']}): "
-                  f"{json.dumps(run['profile']['categories_ms'])}")
+            print(
+                f"{'':36s} kernels ms/step (iteration {run['profile']['iteration']}): "
+                f"{json.dumps(run['profile']['categories_ms'])}"
+            )
     print("wrote", path)
 
 

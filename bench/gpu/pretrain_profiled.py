@@ -52,29 +52,49 @@ import torch
 
 from bench import kernel_breakdown  # the repository root is on PYTHONPATH (pretrain_megatron_lm.sh)
 
-DISPATCHER_METHODS = ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess",
-                      "combine_preprocess", "token_combine", "combine_postprocess")
+DISPATCHER_METHODS = (
+    "dispatch_preprocess",
+    "token_dispatch",
+    "dispatch_postprocess",
+    "combine_preprocess",
+    "token_combine",
+    "combine_postprocess",
+)
 # (module name suffix, label); the first match labels a module, the innermost label wins.
-MODULE_LABELS = ((".self_attention.core_attention", "attention_core"),
-                 (".self_attention", "attention_other"),
-                 (".mlp.router", "router"),
-                 (".mlp.experts", "experts"),
-                 (".mlp", "moe_other"),
-                 ("output_layer", "lm_head_loss"),
-                 ("embedding", "embedding"))
-MEMORY_LINE = ("pretrain_profiled: iteration {iteration} max allocated {allocated:.3f} GiB "
-               "max reserved {reserved:.3f} GiB")
+MODULE_LABELS = (
+    (".self_attention.core_attention", "attention_core"),
+    (".self_attention", "attention_other"),
+    (".mlp.router", "router"),
+    (".mlp.experts", "experts"),
+    (".mlp", "moe_other"),
+    ("output_layer", "lm_head_loss"),
+    ("embedding", "embedding"),
+)
+MEMORY_LINE = (
+    "pretrain_profiled: iteration {iteration} max allocated {allocated:.3f} GiB max reserved {reserved:.3f} GiB"
+)
 
 
 def _print_memory(iteration: int) -> None:
-    print(MEMORY_LINE.format(iteration=iteration, allocated=torch.cuda.max_memory_allocated() / 2**30,
-                             reserved=torch.cuda.max_memory_reserved() / 2**30), flush=True)
+    print(
+        MEMORY_LINE.format(
+            iteration=iteration,
+            allocated=torch.cuda.max_memory_allocated() / 2**30,
+            reserved=torch.cuda.max_memory_reserved() / 2**30,
+        ),
+        flush=True,
+    )
 
 
 # The categories of the report, from the labels (experts are split into GEMM and other kernels).
-CATEGORIES = {"attention": ("attention_core", "attention_other"), "router": ("router",),
-              "permutation_gather": ("permutation_gather",), "lm_head_loss": ("lm_head_loss",),
-              "optimizer": ("optimizer",), "other": ("moe_other", "dense_mlp", "embedding", "other")}
+CATEGORIES = {
+    "attention": ("attention_core", "attention_other"),
+    "router": ("router",),
+    "permutation_gather": ("permutation_gather",),
+    "lm_head_loss": ("lm_head_loss",),
+    "optimizer": ("optimizer",),
+    "other": ("moe_other", "dense_mlp", "embedding", "other"),
+}
 
 
 def label_model(model, optimizer) -> list:
@@ -88,11 +108,13 @@ def label_model(model, optimizer) -> list:
             if label is not None:
                 labels.append(kernel_breakdown.label_module(module, label))
             if hasattr(module, "token_dispatcher"):
-                labels += [kernel_breakdown.label_method(module.token_dispatcher, m, "permutation_gather")
-                           for m in DISPATCHER_METHODS if hasattr(module.token_dispatcher, m)]
+                labels += [
+                    kernel_breakdown.label_method(module.token_dispatcher, m, "permutation_gather")
+                    for m in DISPATCHER_METHODS
+                    if hasattr(module.token_dispatcher, m)
+                ]
             if hasattr(type(module), "compute_language_model_loss"):
-                labels.append(kernel_breakdown.label_method(module, "compute_language_model_loss",
-                                                            "lm_head_loss"))
+                labels.append(kernel_breakdown.label_method(module, "compute_language_model_loss", "lm_head_loss"))
     return labels
 
 
@@ -114,8 +136,7 @@ def describe_experts(model) -> dict:
 
 def categories(table: dict) -> dict:
     labels = table["labels"]
-    ms = {cat: round(sum(labels.get(lab, {}).get("ms", 0.0) for lab in labs), 4)
-          for cat, labs in CATEGORIES.items()}
+    ms = {cat: round(sum(labels.get(lab, {}).get("ms", 0.0) for lab in labs), 4) for cat, labs in CATEGORIES.items()}
     experts = labels.get("experts", {"ms": 0.0, "gemm_ms": 0.0})
     ms["expert_gemms"] = experts["gemm_ms"]
     ms["expert_other"] = round(experts["ms"] - experts["gemm_ms"], 4)
@@ -154,16 +175,25 @@ class _Overflow:
             # Under policy "rerun" an overflowed attempt is run again dropless: its pairs were
             # dropped in a discarded attempt, not in training.
             trained = [r for r in reports if r.policy != "rerun"]
-            self.steps.append((sum(r.dropped_pairs for r in trained), max(r.rows_needed for r in reports),
-                               sum(r.dropped_pairs for r in reports if r.policy == "rerun")))
+            self.steps.append(
+                (
+                    sum(r.dropped_pairs for r in trained),
+                    max(r.rows_needed for r in reports),
+                    sum(r.dropped_pairs for r in reports if r.policy == "rerun"),
+                )
+            )
         self.pending = []
 
     def report(self) -> dict | None:
         if not self.steps:
             return None
-        return dict(layers=self.layers, dropped_pairs_per_iteration=[d for d, _, _ in self.steps],
-                    rerun_attempt_dropped_pairs_per_iteration=[r for _, _, r in self.steps],
-                    max_rows_needed=max(n for _, n, _ in self.steps), budget_rows=self.budget)
+        return dict(
+            layers=self.layers,
+            dropped_pairs_per_iteration=[d for d, _, _ in self.steps],
+            rerun_attempt_dropped_pairs_per_iteration=[r for _, _, r in self.steps],
+            max_rows_needed=max(n for _, n, _ in self.steps),
+            budget_rows=self.budget,
+        )
 
 
 class _ExpertLoads:
@@ -182,8 +212,12 @@ class _ExpertLoads:
         self.loads.append(outputs[1].sum(dim=0, dtype=torch.int64))  # routing_map [T, E] -> [E]
 
     def install(self, model) -> None:
-        self.hooks = [m.register_forward_hook(self.hook) for chunk in model
-                      for name, m in chunk.named_modules() if name.endswith(".mlp.router")]
+        self.hooks = [
+            m.register_forward_hook(self.hook)
+            for chunk in model
+            for name, m in chunk.named_modules()
+            if name.endswith(".mlp.router")
+        ]
 
     def after_step(self) -> None:
         if not self.loads:
@@ -202,10 +236,12 @@ class _ExpertLoads:
         if not self.steps:
             return None
         sizes = self.steps[0].keys()
-        return dict(method="E experts split over ep ranks in order; per router call the most loaded "
-                           "rank's pairs over the mean; the most of a step's calls",
-                    max_needed_factor={ep: round(max(s[ep] for s in self.steps), 4) for ep in sizes},
-                    needed_factor_per_step={ep: [round(s[ep], 4) for s in self.steps] for ep in sizes})
+        return dict(
+            method="E experts split over ep ranks in order; per router call the most loaded "
+            "rank's pairs over the mean; the most of a step's calls",
+            max_needed_factor={ep: round(max(s[ep] for s in self.steps), 4) for ep in sizes},
+            needed_factor_per_step={ep: [round(s[ep], 4) for s in self.steps] for ep in sizes},
+        )
 
 
 def _wait_at_gate(gate: str, max_wait_s: float = 900.0) -> dict:
@@ -232,8 +268,15 @@ def _exact(result) -> dict:
     return exact
 
 
-def profiled_train_step(original, iteration: int, out_path: str, busy_only: bool = False,
-                        gate: str | None = None, exact: bool = False, expert_loads: bool = False):
+def profiled_train_step(
+    original,
+    iteration: int,
+    out_path: str,
+    busy_only: bool = False,
+    gate: str | None = None,
+    exact: bool = False,
+    expert_loads: bool = False,
+):
     calls = [0]
     loads = _ExpertLoads() if expert_loads else None
     exact_steps: list[dict] = []
@@ -281,17 +324,25 @@ def profiled_train_step(original, iteration: int, out_path: str, busy_only: bool
         try:
             events = prof.events()
             gpu = kernel_breakdown.gpu_activity(events)
-            report = dict(iteration=iteration, step_wall_ms_profiled=round(wall_ms, 1), busy_only=busy_only, gpu=gpu,
-                          gpu_busy_share_of_profiled_step=round(gpu["kernel_busy_ms"] / wall_ms, 4),
-                          experts=describe_experts(model),
-                          peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
-                          peak_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2))
+            report = dict(
+                iteration=iteration,
+                step_wall_ms_profiled=round(wall_ms, 1),
+                busy_only=busy_only,
+                gpu=gpu,
+                gpu_busy_share_of_profiled_step=round(gpu["kernel_busy_ms"] / wall_ms, 4),
+                experts=describe_experts(model),
+                peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
+                peak_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2),
+            )
             if not busy_only:
                 table = kernel_breakdown.breakdown(events, steps=1, top=25)
                 report.update(categories_ms=categories(table), **table)
         except Exception as error:  # noqa: BLE001 - the training run goes on; the log says why
-            report = dict(iteration=iteration, error=f"{type(error).__name__}: {error}",
-                          traceback=traceback.format_exc()[-3000:])
+            report = dict(
+                iteration=iteration,
+                error=f"{type(error).__name__}: {error}",
+                traceback=traceback.format_exc()[-3000:],
+            )
         try:
             report["overflow"] = overflow.report()
         except Exception as error:  # noqa: BLE001
@@ -303,8 +354,9 @@ def profiled_train_step(original, iteration: int, out_path: str, busy_only: bool
             report["exact"] = exact_steps
         with open(out_path, "w") as f:
             json.dump(report, f, indent=1)
-        summary = (report.get("categories_ms") or (report.get("gpu") or {}).get("kernel_busy_ms")
-                   or report.get("error"))
+        summary = (
+            report.get("categories_ms") or (report.get("gpu") or {}).get("kernel_busy_ms") or report.get("error")
+        )
         print(f"profiled iteration {iteration}: {json.dumps(summary)} -> {out_path}", flush=True)
         return result
 

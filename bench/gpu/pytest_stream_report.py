@@ -14,5 +14,15 @@ def pytest_runtest_logreport(report):
     lines = [l for l in (report.longreprtext or "").splitlines() if l.strip()]
     error = next((l for l in reversed(lines) if l.startswith("E ")), lines[-1] if lines else "")
     with open(path, "a") as f:
-        f.write(json.dumps({"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome,
-                            "seconds": round(report.duration, 2), "error": error[:400]}) + "\n")
+        f.write(
+            json.dumps(
+                {
+                    "nodeid": report.nodeid,
+                    "when": report.when,
+                    "outcome": report.outcome,
+                    "seconds": round(report.duration, 2),
+                    "error": error[:400],
+                }
+            )
+            + "\n"
+        )

@@ -57,16 +57,25 @@ def build(cfg, factor, pad_multiple: int, graphs: bool = False, ddp: bool = Fals
     demo.setup_parallel(1, cfg.seed, cudagraphable_rng=ddp)
     config = demo.transformer_config(cfg, 1)
     if graphs:
-        config = dataclasses.replace(config, cuda_graph_impl="local", cuda_graph_modules=[],
-                                     inference_cuda_graph_scope=None)
+        config = dataclasses.replace(
+            config, cuda_graph_impl="local", cuda_graph_modules=[], inference_cuda_graph_scope=None
+        )
     dcfg = TokenDispatcherConfig.from_transformer_config(
-        config, moe_flex_dispatcher_backend="torch", moe_expert_rank_capacity_factor=factor,
-        moe_expert_rank_overflow_policy="rerun", moe_router_expert_pad_multiple=pad_multiple,
-        moe_share_token_dispatcher=False)
-    spec = use_flex_moe_layer(get_gpt_layer_local_spec(num_experts=cfg.num_moe_experts, moe_grouped_gemm=False),
-                              dispatcher_config=dcfg, experts=GroupedGemmExperts)
-    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=cfg.vocab_size,
-                     max_sequence_length=cfg.seq_length)
+        config,
+        moe_flex_dispatcher_backend="torch",
+        moe_expert_rank_capacity_factor=factor,
+        moe_expert_rank_overflow_policy="rerun",
+        moe_router_expert_pad_multiple=pad_multiple,
+        moe_share_token_dispatcher=False,
+    )
+    spec = use_flex_moe_layer(
+        get_gpt_layer_local_spec(num_experts=cfg.num_moe_experts, moe_grouped_gemm=False),
+        dispatcher_config=dcfg,
+        experts=GroupedGemmExperts,
+    )
+    model = GPTModel(
+        config=config, transformer_layer_spec=spec, vocab_size=cfg.vocab_size, max_sequence_length=cfg.seq_length
+    )
     if demo.on_gpu():
         model = model.cuda()
     model = Float16Module(config, model) if cfg.bf16 else model
@@ -137,17 +146,33 @@ def main(argv=None) -> None:
     graphs = args.graphs and gpu
     budget = train(cfg, args.factor, args.pad_multiple, steps, graphs=graphs, ddp=graphs)
     dropless = train(cfg, None, args.pad_multiple, steps, ddp=graphs)
-    equal = [a == b and c == d for a, b, c, d in zip(budget["losses"], dropless["losses"],
-                                                      budget["grad_norms"], dropless["grad_norms"])]
+    equal = [
+        a == b and c == d
+        for a, b, c, d in zip(budget["losses"], dropless["losses"], budget["grad_norms"], dropless["grad_norms"])
+    ]
     summary = dict(
-        command=" ".join(["python"] + sys.argv), date=datetime.datetime.now(datetime.UTC).isoformat(),
-        device=torch.cuda.get_device_name() if gpu else "cpu", factor=args.factor, pad_multiple=args.pad_multiple,
+        command=" ".join(["python"] + sys.argv),
+        date=datetime.datetime.now(datetime.UTC).isoformat(),
+        device=torch.cuda.get_device_name() if gpu else "cpu",
+        factor=args.factor,
+        pad_multiple=args.pad_multiple,
         graphs="local" if graphs else None,
-        steps=[dict(step=i, budget_loss=budget["losses"][i], dropless_loss=dropless["losses"][i],
-                    budget_grad_norm=budget["grad_norms"][i], dropless_grad_norm=dropless["grad_norms"][i],
-                    rerun=budget["rerun"][i], bitwise_equal=equal[i]) for i in range(steps)],
-        reruns=sum(budget["rerun"]), every_step_bitwise_equal=all(equal),
-        rerun_steps_bitwise_equal=all(e for e, r in zip(equal, budget["rerun"]) if r))
+        steps=[
+            dict(
+                step=i,
+                budget_loss=budget["losses"][i],
+                dropless_loss=dropless["losses"][i],
+                budget_grad_norm=budget["grad_norms"][i],
+                dropless_grad_norm=dropless["grad_norms"][i],
+                rerun=budget["rerun"][i],
+                bitwise_equal=equal[i],
+            )
+            for i in range(steps)
+        ],
+        reruns=sum(budget["rerun"]),
+        every_step_bitwise_equal=all(equal),
+        rerun_steps_bitwise_equal=all(e for e, r in zip(equal, budget["rerun"]) if r),
+    )
     out = args.out or os.path.join(os.environ.get("OUT", "."), f"rerun_check{'_graphs' if graphs else ''}.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:

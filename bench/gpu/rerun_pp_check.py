@@ -43,11 +43,14 @@ def _rank(rank: int, port: int, out: str) -> None:
         cfg = demo.GPTMoEConfig(num_moe_experts=8, moe_router_topk=2)
         b_losses, b_grads, reran = one_step(cfg, 1.0, "cuda")
         d_losses, d_grads, _ = one_step(cfg, None, "cuda")
-        result = dict(rank=rank, reran=reran, losses=[float(x) for x in b_losses],
-                      dropless_losses=[float(x) for x in d_losses],
-                      losses_equal=all(torch.equal(a, b) for a, b in zip(b_losses, d_losses)),
-                      grads_equal=all((a is None and b is None) or torch.equal(a, b)
-                                      for a, b in zip(b_grads, d_grads)))
+        result = dict(
+            rank=rank,
+            reran=reran,
+            losses=[float(x) for x in b_losses],
+            dropless_losses=[float(x) for x in d_losses],
+            losses_equal=all(torch.equal(a, b) for a, b in zip(b_losses, d_losses)),
+            grads_equal=all((a is None and b is None) or torch.equal(a, b) for a, b in zip(b_grads, d_grads)),
+        )
     except Exception:  # noqa: BLE001 - written to the result
         import traceback
 
@@ -69,9 +72,12 @@ def main() -> None:
         with open(f"{out}.rank{rank}") as f:
             ranks.append(json.load(f))
         os.remove(f"{out}.rank{rank}")
-    summary = dict(device=torch.cuda.get_device_name(), ranks=ranks,
-                   bitwise_equal=all(r.get("losses_equal") and r.get("grads_equal") for r in ranks),
-                   reran=all(r.get("reran") for r in ranks))
+    summary = dict(
+        device=torch.cuda.get_device_name(),
+        ranks=ranks,
+        bitwise_equal=all(r.get("losses_equal") and r.get("grads_equal") for r in ranks),
+        reran=all(r.get("reran") for r in ranks),
+    )
     with open(out, "w") as f:
         json.dump(summary, f, indent=1)
     print(json.dumps(summary), f"\nwrote {out}", flush=True)

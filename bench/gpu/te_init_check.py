@@ -35,13 +35,17 @@ def main() -> int:
     pg = bench.setup(cpu=False)
     config = bench.layer_config(SHAPE, grouped_gemm=True)
     kw = dict(config=config, pg_collection=pg, layer_number=1)
-    te_mlp = get_gpt_layer_with_transformer_engine_spec(num_experts=SHAPE["experts"],
-                                                        moe_grouped_gemm=True).submodules.mlp
+    te_mlp = get_gpt_layer_with_transformer_engine_spec(
+        num_experts=SHAPE["experts"], moe_grouped_gemm=True
+    ).submodules.mlp
 
     model_parallel_cuda_manual_seed(bench.SEED)
     native = te_mlp(**kw)
-    result = {"command": "python3 bench/gpu/te_init_check.py", "shape": SHAPE,
-              "native_experts": type(native.experts).__name__}
+    result = {
+        "command": "python3 bench/gpu/te_init_check.py",
+        "shape": SHAPE,
+        "native_experts": type(native.experts).__name__,
+    }
     fc1 = [getattr(native.experts.linear_fc1, f"weight{i}") for i in range(SHAPE["experts"])]
     fc2 = [getattr(native.experts.linear_fc2, f"weight{i}") for i in range(SHAPE["experts"])]
     for order in ("te_grouped_mlp", "sequential_mlp"):
@@ -51,10 +55,13 @@ def main() -> int:
         layer = FlexMoELayer(submodules=te_mlp.keywords["submodules"], experts=experts, **kw)
         experts = layer.experts
         result[f"{order}_built"] = f"{type(experts).__name__}(init_like={experts.init_like!r})"
-        diffs = [(experts.gate_and_up_projs[i].t().float() - fc1[i].float()).abs().max().item()
-                 for i in range(SHAPE["experts"])]
-        diffs += [(experts.down_projs[i].t().float() - fc2[i].float()).abs().max().item()
-                  for i in range(SHAPE["experts"])]
+        diffs = [
+            (experts.gate_and_up_projs[i].t().float() - fc1[i].float()).abs().max().item()
+            for i in range(SHAPE["experts"])
+        ]
+        diffs += [
+            (experts.down_projs[i].t().float() - fc2[i].float()).abs().max().item() for i in range(SHAPE["experts"])
+        ]
         result[f"{order}_max_abs_diff"] = max(diffs)
         result[f"{order}_identical"] = max(diffs) == 0.0
     result["ok"] = result["te_grouped_mlp_identical"] and not result["sequential_mlp_identical"]

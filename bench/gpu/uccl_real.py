@@ -70,8 +70,11 @@ def _prepare(site: str) -> dict:
     info = {"wheel": os.path.basename(wheels[-1])}
     if importlib.util.find_spec("megatron") is None:
         mcore = sorted(glob.glob(os.path.join(MCORE_WHEELS, "megatron_core-*.whl")))
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
-                        "--target", site, *mcore[-1:]], check=True, timeout=120)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", site, *mcore[-1:]],
+            check=True,
+            timeout=120,
+        )
         info["megatron_core"] = os.path.basename(mcore[-1]) if mcore else None
     return info
 
@@ -120,10 +123,17 @@ def _child(mode: str, rank: int, world: int, port: int, site: str, results, dead
 
         if backend.uccl_ep() is not deep_ep:
             raise ImportError("the backend resolved another deep_ep than UCCL's Python layer")
-        report("result", key="versions", value={
-            "torch": torch.__version__, "device": torch.cuda.get_device_name(0),
-            "uccl_ep_file": uccl.ep.__file__, "deep_ep_file": deep_ep.__file__,
-            "is_sm90_compiled": deep_ep.Buffer.is_sm90_compiled()})
+        report(
+            "result",
+            key="versions",
+            value={
+                "torch": torch.__version__,
+                "device": torch.cuda.get_device_name(0),
+                "uccl_ep_file": uccl.ep.__file__,
+                "deep_ep_file": deep_ep.__file__,
+                "is_sm90_compiled": deep_ep.Buffer.is_sm90_compiled(),
+            },
+        )
         if mode == "ep1":
             _ep1(backend, deep_ep, stage, report)
         else:
@@ -143,9 +153,15 @@ def _ep1(backend, deep_ep, stage, report) -> None:
     num_nvl_bytes = config.get_nvl_buffer_size_hint(1024, 1)
     start = time.time()
     buffer = deep_ep.Buffer(dist.group.WORLD, num_nvl_bytes, 0, explicitly_destroy=True)
-    report("result", key="construct", value={
-        "available": bool(buffer.runtime.is_available()), "num_nvl_bytes": num_nvl_bytes,
-        "seconds": round(time.time() - start, 2)})
+    report(
+        "result",
+        key="construct",
+        value={
+            "available": bool(buffer.runtime.is_available()),
+            "num_nvl_bytes": num_nvl_bytes,
+            "seconds": round(time.time() - start, 2),
+        },
+    )
     stage("destroy")
     buffer.destroy()
     stage("backend_check_group")
@@ -172,9 +188,15 @@ def _ep2(backend, device, stage, report, deadline: float) -> None:
     # One buffer for every case: the widest rows (fp32 combine adds index and weight columns).
     widest = max(c.hidden + c.topk + 1 for c in CASES)
     comm.allocate_buffer(group, widest, torch.float32)
-    report("result", key="construct", value={
-        "available": bool(comm.buffer.runtime.is_available()), "num_nvl_bytes": comm.buffer.num_nvl_bytes,
-        "seconds": round(time.time() - start, 2)})
+    report(
+        "result",
+        key="construct",
+        value={
+            "available": bool(comm.buffer.runtime.is_available()),
+            "num_nvl_bytes": comm.buffer.num_nvl_bytes,
+            "seconds": round(time.time() - start, 2),
+        },
+    )
     _second_buffer(backend, comm, group, widest, stage, report)
     report("result", key="planned_cases", value=2 * len(CASES) * len(FACES))
     for dtype in ("bf16", "fp32"):
@@ -192,9 +214,18 @@ def _ep2(backend, device, stage, report, deadline: float) -> None:
                 sent = sum(deepep_suite.gather(result["sent_pairs"]))
                 ok = received == sent and all(e[k] <= TOLERANCE[dtype] for e in errors for k in e)
                 if dist.get_rank() == 0:
-                    report("case", name=name, value={
-                        "ok": ok, "errors_per_rank": errors, "received_pairs": received,
-                        "sent_pairs": sent, "tol": TOLERANCE[dtype], "seconds": round(time.time() - start, 3)})
+                    report(
+                        "case",
+                        name=name,
+                        value={
+                            "ok": ok,
+                            "errors_per_rank": errors,
+                            "received_pairs": received,
+                            "sent_pairs": sent,
+                            "tol": TOLERANCE[dtype],
+                            "seconds": round(time.time() - start, 3),
+                        },
+                    )
     stage("release")
     comm.release_buffers()
 
@@ -220,9 +251,16 @@ def _second_buffer(backend, comm, group, hidden: int, stage, report) -> None:
     after_release = bool(second.buffer.runtime.is_available())
     second.release_buffers()
     comm.allocate_buffer(group, hidden, torch.float32)
-    report("result", key="second_buffer", value={
-        "raised": raised, "ranks_raised": kinds, "after_release_available": after_release,
-        "ok": kinds == ["ValueError"] * len(kinds) and after_release})
+    report(
+        "result",
+        key="second_buffer",
+        value={
+            "raised": raised,
+            "ranks_raised": kinds,
+            "after_release_available": after_release,
+            "ok": kinds == ["ValueError"] * len(kinds) and after_release,
+        },
+    )
 
 
 def _launch(mode: str, world: int, site: str, limit_s: float) -> dict:
@@ -231,8 +269,10 @@ def _launch(mode: str, world: int, site: str, limit_s: float) -> dict:
     results = ctx.Queue()
     end = time.time() + limit_s
     port = _free_port()
-    procs = [ctx.Process(target=_child, args=(mode, r, world, port, site, results, end - TEARDOWN_S),
-                         daemon=True) for r in range(world)]
+    procs = [
+        ctx.Process(target=_child, args=(mode, r, world, port, site, results, end - TEARDOWN_S), daemon=True)
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     out = {"world_size": world}
@@ -287,16 +327,19 @@ def collect(procs, results, out: dict, end: float, label: str, shorten=None) -> 
 
 def _gpu_mode() -> str:
     try:
-        return subprocess.run(["nvidia-smi", "--query-gpu=name,compute_mode,driver_version",
-                               "--format=csv,noheader"], capture_output=True, text=True, timeout=15).stdout.strip()
+        return subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,compute_mode,driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=15,
+        ).stdout.strip()
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"nvidia-smi: {exc}"
 
 
 def main() -> None:
     begin = time.time()
-    record = {"command": COMMAND, "date": datetime.datetime.now(datetime.UTC).isoformat(),
-              "gpu": _gpu_mode()}
+    record = {"command": COMMAND, "date": datetime.datetime.now(datetime.UTC).isoformat(), "gpu": _gpu_mode()}
     try:
         with open(os.path.join(LAYER, "SOURCE.json")) as f:
             record["uccl"] = json.load(f)
@@ -317,12 +360,21 @@ def main() -> None:
     second = ep2.get("results", {}).get("second_buffer", {})
     errors = [e for launch in ("ep1", "ep2") for e in record.get(launch, {}).get("errors", {}).values()]
     record["summary"] = {
-        "passed": sum(c["ok"] for c in cases.values()), "failed": sum(not c["ok"] for c in cases.values()),
+        "passed": sum(c["ok"] for c in cases.values()),
+        "failed": sum(not c["ok"] for c in cases.values()),
         "not_run": None if planned is None else planned - len(cases),
-        "first_error": next((text.strip().splitlines()[-1] for text in
-                             [e["text"] for e in errors] + [record.get("setup_error", "")] if text.strip()), None),
+        "first_error": next(
+            (
+                text.strip().splitlines()[-1]
+                for text in [e["text"] for e in errors] + [record.get("setup_error", "")]
+                if text.strip()
+            ),
+            None,
+        ),
         "second_buffer_ok": all(v["ok"] for v in second.values()) if second else False,
-        "ep2_timed_out": ep2.get("timed_out"), "seconds": round(time.time() - begin, 1)}
+        "ep2_timed_out": ep2.get("timed_out"),
+        "seconds": round(time.time() - begin, 1),
+    }
     out_dir = os.environ.get("OUT", "./outputs")
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "uccl_real_h200.json")

@@ -68,8 +68,9 @@ def init_megatron() -> None:
     else:
         torch.cuda.set_device(0)
     if not dist.is_initialized():
-        dist.init_process_group("gloo" if DEVICE == "cpu" else "nccl", init_method="tcp://127.0.0.1:29561",
-                                rank=0, world_size=1)
+        dist.init_process_group(
+            "gloo" if DEVICE == "cpu" else "nccl", init_method="tcp://127.0.0.1:29561", rank=0, world_size=1
+        )
     parallel_state.initialize_model_parallel()
     model_parallel_cuda_manual_seed(1234)
 
@@ -90,8 +91,9 @@ def check_te_double() -> dict:
     expected = out.cpu().clone()
     args = ([None] * len(splits), torch.float32)
     kwargs = {"layout": "NT", "m_splits": splits, "grad": True, "accumulate": True, "use_split_accumulator": True}
-    double.general_grouped_gemm(list(dy.cpu().split(splits)), list(x.cpu().split(splits)),
-                                list(expected.unbind(0)), *args, **kwargs)
+    double.general_grouped_gemm(
+        list(dy.cpu().split(splits)), list(x.cpu().split(splits)), list(expected.unbind(0)), *args, **kwargs
+    )
     te.gemm(list(dy.split(splits)), list(x.split(splits)), list(out.unbind(0)), *args, **kwargs)
     if DEVICE == "cuda":
         torch.cuda.synchronize()
@@ -115,13 +117,14 @@ def check_double() -> dict:
         cu = torch.tensor([0, 200, 200, 500, 650], dtype=torch.int32, device=DEVICE)
         x = torch.randn(total, k, device=DEVICE, generator=gen).bfloat16()
         dy = torch.randn(total, n, device=DEVICE, generator=gen).bfloat16()
-        idx = torch.randperm(total, device=DEVICE, generator=gen)[:sum(counts)].to(torch.int32) if gather else None
+        idx = torch.randperm(total, device=DEVICE, generator=gen)[: sum(counts)].to(torch.int32) if gather else None
         if gather:  # B has one row per gathered column of A
-            dy = dy[:sum(counts)].contiguous()
+            dy = dy[: sum(counts)].contiguous()
         out = torch.randn(len(counts), k, n, device=DEVICE, generator=gen)
         expected = out.cpu().clone()
-        quack_gemm.gemm_add_inplace(x.cpu().T, dy.cpu(), expected, cu_seqlens_k=cu.cpu(),
-                                    A_idx=None if idx is None else idx.cpu())
+        quack_gemm.gemm_add_inplace(
+            x.cpu().T, dy.cpu(), expected, cu_seqlens_k=cu.cpu(), A_idx=None if idx is None else idx.cpu()
+        )
         q.gemm_add_inplace(x.T, dy, out, cu_seqlens_k=cu, A_idx=idx, dynamic_scheduler=True, tuned=False)
         if DEVICE == "cuda":
             torch.cuda.synchronize()
@@ -157,13 +160,24 @@ def build(shape: dict, fusion: bool, impl: str, dtype=torch.bfloat16):
     from megatron_moe_ext.megatron.experts import GroupedGemmExperts
 
     config = TransformerConfig(
-        num_layers=1, hidden_size=shape["hidden"], num_attention_heads=shape["hidden"] // 64,
-        num_moe_experts=shape["experts"], moe_router_topk=min(8, shape["experts"]), moe_ffn_hidden_size=shape["ffn"],
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-        params_dtype=dtype, bf16=dtype == torch.bfloat16, gradient_accumulation_fusion=fusion,
-        bias_activation_fusion=False, use_cpu_initialization=DEVICE == "cpu")
-    experts = GroupedGemmExperts(shape["experts"], config, pg_collection=get_default_pg_collection(),
-                                 expert_mlp_impl=impl)
+        num_layers=1,
+        hidden_size=shape["hidden"],
+        num_attention_heads=shape["hidden"] // 64,
+        num_moe_experts=shape["experts"],
+        moe_router_topk=min(8, shape["experts"]),
+        moe_ffn_hidden_size=shape["ffn"],
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        gradient_accumulation_fusion=fusion,
+        bias_activation_fusion=False,
+        use_cpu_initialization=DEVICE == "cpu",
+    )
+    experts = GroupedGemmExperts(
+        shape["experts"], config, pg_collection=get_default_pg_collection(), expert_mlp_impl=impl
+    )
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), experts)
     return experts, ddp
 
@@ -174,8 +188,9 @@ def make_batches(shape: dict, budget: bool, seed: int = 0):
     batches = []
     for _ in range(MICRO_BATCHES):
         # Uneven but dropless routing: multinomial counts over the local experts.
-        picks = torch.multinomial(torch.rand(e, device=DEVICE, generator=gen) + 0.5, rows, replacement=True,
-                                  generator=gen)
+        picks = torch.multinomial(
+            torch.rand(e, device=DEVICE, generator=gen) + 0.5, rows, replacement=True, generator=gen
+        )
         counts = torch.bincount(picks, minlength=e)
         total = rows + (rows // 10 if budget else 0)
         x = torch.randn(total, shape["hidden"], device=DEVICE, generator=gen).bfloat16()
@@ -287,13 +302,14 @@ def case(shape_name: str, budget: bool, impl: str, iters: int) -> dict:
         del experts, ddp
         torch.cuda.empty_cache()
     record["on_vs_off_rel"] = [rel(a, b) for a, b in zip(grads["fusion_on"], grads["fusion_off"])]
-    record["speedup"] = (record["fusion_off"]["backward_ms_4mb_median"]
-                         / record["fusion_on"]["backward_ms_4mb_median"])
+    record["speedup"] = record["fusion_off"]["backward_ms_4mb_median"] / record["fusion_on"]["backward_ms_4mb_median"]
     on, off = record["fusion_on"], record["fusion_off"]
-    record["ok"] = (on["grad_added_to_main_grad"] == [True, True]
-                    and off["grad_added_to_main_grad"] == [False, False]
-                    and all(f <= 2 * u + 1e-6 for f, u in zip(on["rel_error_vs_fp32"], off["rel_error_vs_fp32"]))
-                    and record.get("graph", {"ok": True})["ok"])
+    record["ok"] = (
+        on["grad_added_to_main_grad"] == [True, True]
+        and off["grad_added_to_main_grad"] == [False, False]
+        and all(f <= 2 * u + 1e-6 for f, u in zip(on["rel_error_vs_fp32"], off["rel_error_vs_fp32"]))
+        and record.get("graph", {"ok": True})["ok"]
+    )
     return record
 
 
@@ -316,9 +332,13 @@ def main() -> None:
         fused.set_quack_backend(fused.QuackBackend(quack_gemm, None, any_device=True))
         wgrad.set_te_grouped_gemm(wgrad.TEGroupedGemm(te_grouped_gemm.general_grouped_gemm, None, any_device=True))
 
-    result = {"command": "python3 bench/gpu/wgrad_fusion_check.py " + " ".join(sys.argv[1:]),
-              "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__,
-              "quack": quack_backend().reason or "importable", "cases": []}
+    result = {
+        "command": "python3 bench/gpu/wgrad_fusion_check.py " + " ".join(sys.argv[1:]),
+        "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "quack": quack_backend().reason or "importable",
+        "cases": [],
+    }
     from megatron_moe_ext.experts.wgrad import te_grouped_gemm
 
     result["te"] = te_grouped_gemm().reason or "importable"
@@ -332,11 +352,20 @@ def main() -> None:
         failed |= any(not r.get("ok", True) for r in result[name].values() if isinstance(r, dict))
         failed |= "error" in result[name]
     both = quack_backend().module is not None and te_grouped_gemm().gemm is not None
-    impls = (["grouped_mm"] + (["grouped_mm/te"] if both else [])
-             + (["fused"] if quack_backend().module is not None else []))
-    cases = [({"shape": shape_name, "routing": "budget" if budget else "dropless", "impl": impl},
-              functools.partial(case, shape_name, budget, impl, args.iters))
-             for shape_name in args.shapes.split(",") for budget in (False, True) for impl in impls]
+    impls = (
+        ["grouped_mm"]
+        + (["grouped_mm/te"] if both else [])
+        + (["fused"] if quack_backend().module is not None else [])
+    )
+    cases = [
+        (
+            {"shape": shape_name, "routing": "budget" if budget else "dropless", "impl": impl},
+            functools.partial(case, shape_name, budget, impl, args.iters),
+        )
+        for shape_name in args.shapes.split(",")
+        for budget in (False, True)
+        for impl in impls
+    ]
     run_cases(result, cases, "wgrad_fusion_check.json", failed)
 
 

@@ -127,56 +127,94 @@ class TokenDispatcherConfig:
             fail("moe_router_topk", topk, f"expected 1 <= topk <= num_moe_experts ({self.num_moe_experts})")
         check_sm_count("moe_deepep_num_sms", self.moe_deepep_num_sms, even=True)
         check_sm_count("moe_hybridep_num_sms", self.moe_hybridep_num_sms)
-        check_sm_count("moe_hybridep_num_sms_preprocessing", self.moe_hybridep_num_sms_preprocessing,
-                       optional=True)
-        for field in ("moe_hybridep_num_blocks_permute", "moe_hybridep_num_blocks_unpermute",
-                      "moe_router_expert_pad_multiple"):
+        check_sm_count("moe_hybridep_num_sms_preprocessing", self.moe_hybridep_num_sms_preprocessing, optional=True)
+        for field in (
+            "moe_hybridep_num_blocks_permute",
+            "moe_hybridep_num_blocks_unpermute",
+            "moe_router_expert_pad_multiple",
+        ):
             check_positive_int(field, getattr(self, field), optional=True)
-        for field in ("moe_expert_capacity_factor", "moe_hybridep_capacity_factor",
-                      "moe_expert_rank_capacity_factor"):
+        for field in (
+            "moe_expert_capacity_factor",
+            "moe_hybridep_capacity_factor",
+            "moe_expert_rank_capacity_factor",
+        ):
             value = getattr(self, field)
             if field == "moe_expert_rank_capacity_factor" and value == AUTO_FACTOR:
                 continue
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or not 0 < value < math.inf):
-                fail(field, value, "expected a finite capacity factor > 0, or None for dropless"
-                     + (", or 'auto'" if field == "moe_expert_rank_capacity_factor" else ""))
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf
+            ):
+                fail(
+                    field,
+                    value,
+                    "expected a finite capacity factor > 0, or None for dropless"
+                    + (", or 'auto'" if field == "moe_expert_rank_capacity_factor" else ""),
+                )
         if self.moe_expert_rank_overflow_policy not in OVERFLOW_POLICIES:
-            fail("moe_expert_rank_overflow_policy", self.moe_expert_rank_overflow_policy,
-                 f"allowed values are {OVERFLOW_POLICIES}")
+            fail(
+                "moe_expert_rank_overflow_policy",
+                self.moe_expert_rank_overflow_policy,
+                f"allowed values are {OVERFLOW_POLICIES}",
+            )
         if self.moe_router_dtype not in ROUTER_DTYPES:
             fail("moe_router_dtype", self.moe_router_dtype, f"allowed values are {ROUTER_DTYPES}")
 
         plan = registry.plan_of(self)  # the combinations
         row = plan.row
         if row.requires is not None and not getattr(self, row.requires):
-            fail(row.requires, False, f"backend {backend!r} needs {row.requires}=True; "
-                 "choose moe_flex_dispatcher_backend='torch' to run without DeepEP")
+            fail(
+                row.requires,
+                False,
+                f"backend {backend!r} needs {row.requires}=True; "
+                "choose moe_flex_dispatcher_backend='torch' to run without DeepEP",
+            )
         if plan.mode != "dropless" and plan.mode not in row.modes:
-            fail(plan.field, plan.factor, f"the {plan.mode} mode exists for backends "
-                 f"{registry.backends_running(plan.mode)}, backend is {backend!r}")
+            fail(
+                plan.field,
+                plan.factor,
+                f"the {plan.mode} mode exists for backends "
+                f"{registry.backends_running(plan.mode)}, backend is {backend!r}",
+            )
         if plan.mode == "capacity" and self.moe_expert_capacity_factor is not None:
-            fail("moe_expert_capacity_factor", self.moe_expert_capacity_factor,
-                 "token dropping cannot be combined with moe_hybridep_capacity_factor "
-                 "(capacity mode never drops: it raises on overflow); set one of them to None")
+            fail(
+                "moe_expert_capacity_factor",
+                self.moe_expert_capacity_factor,
+                "token dropping cannot be combined with moe_hybridep_capacity_factor "
+                "(capacity mode never drops: it raises on overflow); set one of them to None",
+            )
         if plan.mode == "budget":
             for other in ("moe_expert_capacity_factor", "moe_hybridep_capacity_factor"):
                 if getattr(self, other) is not None:
-                    fail(other, getattr(self, other), "cannot be combined with "
-                         "moe_expert_rank_capacity_factor (the sync-free budget mode); set it to None")
+                    fail(
+                        other,
+                        getattr(self, other),
+                        "cannot be combined with "
+                        "moe_expert_rank_capacity_factor (the sync-free budget mode); set it to None",
+                    )
             if backend == "hybridep" and not self.moe_hybridep_equal_token_counts:
-                fail("moe_hybridep_equal_token_counts", False,
-                     "the sync-free budget mode (moe_expert_rank_capacity_factor) on 'hybridep' needs "
-                     "it: otherwise the ranks agree on HybridEP's per-rank token count in an "
-                     "all-reduce read on the host; set it to True (every rank the same batch shape)")
+                fail(
+                    "moe_hybridep_equal_token_counts",
+                    False,
+                    "the sync-free budget mode (moe_expert_rank_capacity_factor) on 'hybridep' needs "
+                    "it: otherwise the ranks agree on HybridEP's per-rank token count in an "
+                    "all-reduce read on the host; set it to True (every rank the same batch shape)",
+                )
         self._check_backend_options(backend, row)
         if self.moe_benchmark_static_routing and self.moe_expert_capacity_factor is not None:
-            fail("moe_benchmark_static_routing", True,
-                 "static routing pins a fixed token count, which token dropping "
-                 "(moe_expert_capacity_factor) changes from step to step; set it to None")
+            fail(
+                "moe_benchmark_static_routing",
+                True,
+                "static routing pins a fixed token count, which token dropping "
+                "(moe_expert_capacity_factor) changes from step to step; set it to None",
+            )
         if self.moe_deepep_async_dispatch and not row.async_dispatch:
-            fail("moe_deepep_async_dispatch", True, f"async dispatch exists for "
-                 f"{registry.backends_with(async_dispatch=True)} only, backend is {backend!r}")
+            fail(
+                "moe_deepep_async_dispatch",
+                True,
+                f"async dispatch exists for "
+                f"{registry.backends_with(async_dispatch=True)} only, backend is {backend!r}",
+            )
         object.__setattr__(self, "_plan", plan)
 
     def _check_backend_options(self, backend: str, row: registry.BackendRow) -> None:
@@ -185,13 +223,19 @@ class TokenDispatcherConfig:
         for other, other_row in registry.BACKENDS.items():
             for field in other_row.options:
                 if field not in row.options and getattr(self, field) != defaults[field]:
-                    fail(field, getattr(self, field),
-                         f"only the {other!r} backend has this option, backend is {backend!r}")
+                    fail(
+                        field,
+                        getattr(self, field),
+                        f"only the {other!r} backend has this option, backend is {backend!r}",
+                    )
         field = "moe_deepep_num_sms"
         if row.sms_field != field and self.moe_deepep_num_sms != defaults[field]:
-            fail(field, self.moe_deepep_num_sms,
-                 f"only the {registry.backends_with(sms_field=field)} backends use it, backend is "
-                 f"{backend!r}" + (f"; use {row.sms_field}" if row.sms_field else ""))
+            fail(
+                field,
+                self.moe_deepep_num_sms,
+                f"only the {registry.backends_with(sms_field=field)} backends use it, backend is "
+                f"{backend!r}" + (f"; use {row.sms_field}" if row.sms_field else ""),
+            )
 
     @property
     def plan(self) -> registry.DispatchPlan:
@@ -203,9 +247,12 @@ class TokenDispatcherConfig:
         """Checks that need the expert-parallel group size (and the dispatched hidden size,
         where known: a layer's build)."""
         if self.num_moe_experts % ep_size:
-            fail("num_moe_experts", self.num_moe_experts,
-                 f"must be divisible by the expert-parallel size ({ep_size}): set it to a multiple "
-                 f"of {ep_size}, or an expert-parallel size that divides it")
+            fail(
+                "num_moe_experts",
+                self.num_moe_experts,
+                f"must be divisible by the expert-parallel size ({ep_size}): set it to a multiple "
+                f"of {ep_size}, or an expert-parallel size that divides it",
+            )
         check_hidden = self.plan.row.check_hidden
         if hidden_size is not None and check_hidden is not None:
             check_hidden(hidden_size)
@@ -214,8 +261,10 @@ class TokenDispatcherConfig:
         """What every rank of a layer's group must agree on (`checks.agree_at_build`), as it
         reads in a message: each environment variable the package reads (raises ValueError
         naming one it refuses) and each field."""
-        variables = {f"environment variable {name}": "unset" if value is None else repr(value)
-                     for name, value in env.read_every_variable().items()}
+        variables = {
+            f"environment variable {name}": "unset" if value is None else repr(value)
+            for name, value in env.read_every_variable().items()
+        }
         return {**variables, **{name: repr(value) for name, value in dataclasses.asdict(self).items()}}
 
     def replace(self, **changes: Any) -> TokenDispatcherConfig:
@@ -232,15 +281,21 @@ class TokenDispatcherConfig:
         flex = getattr(config, "moe_token_dispatcher_type", "alltoall") == "flex"
         backend = getattr(config, "moe_flex_dispatcher_backend", "deepep") if flex else "torch"
         if backend not in BACKENDS:
-            fail("moe_flex_dispatcher_backend", backend,
-                 f"megatron_moe_ext supports {BACKENDS}; Megatron's {backend!r} is not wrapped")
+            fail(
+                "moe_flex_dispatcher_backend",
+                backend,
+                f"megatron_moe_ext supports {BACKENDS}; Megatron's {backend!r} is not wrapped",
+            )
         row = registry.BACKENDS[backend]
         _refuse_unhonoured_megatron_settings(config, backend, row)
         pad_multiple = None
         # Under FP8/FP4 each expert's rows are padded for the quantized GEMMs, as Megatron's HybridEP
         # dispatcher pads them (TEGroupedMLP then skips its own padding for that backend).
-        if (getattr(config, "moe_router_padding_for_quantization", False) or getattr(config, "fp8", None)
-                or getattr(config, "fp4", None)):
+        if (
+            getattr(config, "moe_router_padding_for_quantization", False)
+            or getattr(config, "fp8", None)
+            or getattr(config, "fp4", None)
+        ):
             from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
 
             pad_multiple = get_align_size_for_quantization(config)
@@ -286,8 +341,10 @@ def budget_from_environment(megatron_factor: float | None) -> dict[str, Any]:
     factor = env.env_float(BUDGET_FACTOR_ENV, None, above=0, words=(AUTO_FACTOR,))
     policy = env.env_choice(OVERFLOW_POLICY_ENV, OVERFLOW_POLICIES, None)
     if factor is not None and megatron_factor is not None and factor != megatron_factor:
-        raise ValueError(f"{BUDGET_FACTOR_ENV}={factor} contradicts Megatron's "
-                         f"moe_expert_rank_capacity_factor={megatron_factor}: set one of them")
+        raise ValueError(
+            f"{BUDGET_FACTOR_ENV}={factor} contradicts Megatron's "
+            f"moe_expert_rank_capacity_factor={megatron_factor}: set one of them"
+        )
     values = {"moe_expert_rank_capacity_factor": factor, "moe_expert_rank_overflow_policy": policy}
     return {field: value for field, value in values.items() if value is not None}
 
@@ -300,12 +357,18 @@ env.register((BUDGET_FACTOR_ENV, OVERFLOW_POLICY_ENV), lambda: budget_from_envir
 # leaves the dispatcher's own capacity drop off instead of paying a second [T, E] pass.)
 _UNHONOURED_MEGATRON_SETTINGS = {
     "moe_pad_expert_input_to_capacity": (
-        False, "the flex dispatcher sends only the routed rows, so expert inputs are never padded "
-        "to capacity; for static shapes use moe_hybridep_capacity_factor (TokenDispatcherConfig)"),
+        False,
+        "the flex dispatcher sends only the routed rows, so expert inputs are never padded "
+        "to capacity; for static shapes use moe_hybridep_capacity_factor (TokenDispatcherConfig)",
+    ),
     "moe_hybridep_pad_uneven_dispatch_inputs": (
-        False, "use TokenDispatcherConfig(moe_hybridep_equal_token_counts=True) instead"),
+        False,
+        "use TokenDispatcherConfig(moe_hybridep_equal_token_counts=True) instead",
+    ),
     "moe_pad_experts_for_cuda_graph_inference": (
-        False, "padded inference experts for CUDA graphs are not implemented"),
+        False,
+        "padded inference experts for CUDA graphs are not implemented",
+    ),
 }
 
 
@@ -316,10 +379,12 @@ def _refuse_unhonoured_megatron_settings(config: Any, backend: str, row: registr
         if value != off:
             fail(field, value, f"not supported by megatron_moe_ext's MoE layer ({why}); set it to {off!r}")
     if getattr(config, "moe_permute_fusion", False) and not row.permute_fusion:
-        fail("moe_permute_fusion", True,
-             f"the {backend!r} backend has no fused permutation kernel, so the flag would be "
-             f"ignored; drop --moe-permute-fusion (fused on: {registry.backends_with(permute_fusion=True)})")
+        fail(
+            "moe_permute_fusion",
+            True,
+            f"the {backend!r} backend has no fused permutation kernel, so the flag would be "
+            f"ignored; drop --moe-permute-fusion (fused on: {registry.backends_with(permute_fusion=True)})",
+        )
     field = "moe_permute_fusion_into_hybridep"
     if getattr(config, field, False) and field not in dict(row.megatron_fields):
-        fail(field, True, f"only the 'hybridep' backend fuses the permutation into dispatch, "
-             f"backend is {backend!r}")
+        fail(field, True, f"only the 'hybridep' backend fuses the permutation into dispatch, backend is {backend!r}")

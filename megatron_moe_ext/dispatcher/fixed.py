@@ -52,9 +52,11 @@ class RaiseOnOverflow:
     def receive_overflow(self, manager: FixedShapeManager, capacity: int):
         """The communicator's receive-side check: whether the received `[R, K]` routing needs
         more permuted rows than `capacity` (a send overflow is the communicator's own)."""
+
         def needs_more(indices_RK, probs_RK) -> torch.Tensor:
             routing_Re, _ = P.indices_to_multihot(indices_RK, probs_RK, manager.num_local_experts)
             return P.align_up(routing_Re.sum(0), manager.pad_multiple or 1).sum() > capacity
+
         return needs_more
 
     def permuted(self, counts_e: torch.Tensor, capacity: int, pairs: torch.Tensor, slot_of_row_RK, slots: int):
@@ -105,21 +107,41 @@ class FixedShapeManager(FixedShapeEngine, TopKManager):
         send_capacity, capacity = sizes
         try:
             rows, dispatched = self.comm.dispatch(
-                hidden_states, routing.token_indices, routing.token_probs, num_experts=self.num_experts,
-                group=self.group, send_capacity=send_capacity,
-                receive_overflow=self.overflow.receive_overflow(self, capacity), **flags)
+                hidden_states,
+                routing.token_indices,
+                routing.token_probs,
+                num_experts=self.num_experts,
+                group=self.group,
+                send_capacity=send_capacity,
+                receive_overflow=self.overflow.receive_overflow(self, capacity),
+                **flags,
+            )
         except checks.CapacityOverflowError as exc:  # every rank's sizes are the same: name them
-            exc.args = (f"{exc} (send capacity {send_capacity} rows per rank pair, capacity "
-                        f"{capacity} permuted rows per rank)",)
+            exc.args = (
+                f"{exc} (send capacity {send_capacity} rows per rank pair, capacity "
+                f"{capacity} permuted rows per rank)",
+            )
             raise
-        return rows, FixedDispatched(dispatched.handle, dispatched.dispatched_indices, dispatched.dispatched_probs,
-                                     dispatched.counts, send_capacity, capacity, None)
+        return rows, FixedDispatched(
+            dispatched.handle,
+            dispatched.dispatched_indices,
+            dispatched.dispatched_probs,
+            dispatched.counts,
+            send_capacity,
+            capacity,
+            None,
+        )
 
     def announce_input_error(self, word: int, like=None) -> None:
         """In the fixed splits every rank agreed on (None before the sizing, or dropless); a
         budget not agreed yet on a backend without equal splits: in its token exchange."""
-        if (self.fixed_shape and isinstance(self.sizing, Budget) and self.sizing.tokens is None
-                and not self.comm.fixed_equal_splits and dist.get_world_size(self.group) > 1):
+        if (
+            self.fixed_shape
+            and isinstance(self.sizing, Budget)
+            and self.sizing.tokens is None
+            and not self.comm.fixed_equal_splits
+            and dist.get_world_size(self.group) > 1
+        ):
             self.sizing.exchange_tokens(self, 0, word)
             return
         send_capacity = self.sizing.agreed_send_capacity() if self.fixed_shape else None
@@ -128,8 +150,10 @@ class FixedShapeManager(FixedShapeEngine, TopKManager):
     def check_rows(self, hidden_states) -> None:
         dtypes = self.comm.fixed_dtypes
         if dtypes is not None and hidden_states.dtype not in dtypes:
-            raise ValueError(f"hidden_states: the sync-free {self.comm.name} dispatch takes {dtypes} rows "
-                             f"(its combine kernel has no other), got {hidden_states.dtype}")
+            raise ValueError(
+                f"hidden_states: the sync-free {self.comm.name} dispatch takes {dtypes} rows "
+                f"(its combine kernel has no other), got {hidden_states.dtype}"
+            )
 
     def permute(self, dispatched, hidden_states, indexed: bool = False):
         """The fixed layout (`P.fixed_layout`), its padded counts and overflow in the stage."""
@@ -138,9 +162,11 @@ class FixedShapeManager(FixedShapeEngine, TopKManager):
         d = dispatched
         pairs = (d.dispatched_indices >= 0).sum()
         probs_P, padded_e, row_of_slot_P, slot_of_row_RK = P.fixed_layout(
-            d.dispatched_indices, d.dispatched_probs, self.num_local_experts, d.capacity, self.pad_multiple)
-        counts_e, overflow = self.overflow.permuted(padded_e, d.capacity, pairs, slot_of_row_RK,
-                                                    d.send_capacity * self.router_topk)
+            d.dispatched_indices, d.dispatched_probs, self.num_local_experts, d.capacity, self.pad_multiple
+        )
+        counts_e, overflow = self.overflow.permuted(
+            padded_e, d.capacity, pairs, slot_of_row_RK, d.send_capacity * self.router_topk
+        )
         permuted = FixedPermuted(d.handle, counts_e, slot_of_row_RK, d.capacity, overflow)
         probs_P = self.handed_probs(probs_P)
         if indexed:

@@ -39,8 +39,10 @@ def _with_probs(call: str, stage, field: str, given: torch.Tensor | None):
     if given is None or given is held:
         return stage
     if given.shape != held.shape:
-        raise checks.bad_input("probs", f"{call} expects the probs the previous step returned "
-                               f"({tuple(held.shape)}), got {tuple(given.shape)}")
+        raise checks.bad_input(
+            "probs",
+            f"{call} expects the probs the previous step returned ({tuple(held.shape)}), got {tuple(given.shape)}",
+        )
     return dataclasses.replace(stage, **{field: given})
 
 
@@ -76,8 +78,10 @@ class _OverlapFace(_Preprocessed):
 
     def __setattr__(self, name: str, value) -> None:
         if name not in ("token_probs", "dispatched_probs") or self._dispatcher.flight is None:
-            raise AttributeError(f"{name}: Megatron's overlap callables set only token_probs and "
-                                 "dispatched_probs, of a dispatch in flight")
+            raise AttributeError(
+                f"{name}: Megatron's overlap callables set only token_probs and "
+                "dispatched_probs, of a dispatch in flight"
+            )
         super().__setattr__(name, value)
 
     def get_number_of_tokens_per_expert(self) -> torch.Tensor:
@@ -155,16 +159,22 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         cfg.validate_for_group(self.ep_size)
         plan = cfg.plan
         if cfg.moe_benchmark_static_routing and not plan.row.static_routing:
-            raise checks.bad_input("moe_benchmark_static_routing", f"backend {plan.backend!r} would ignore it; "
-                                   f"backends {registry.backends_with(static_routing=True)} have static "
-                                   "routing: set it to False or choose one of them")
+            raise checks.bad_input(
+                "moe_benchmark_static_routing",
+                f"backend {plan.backend!r} would ignore it; "
+                f"backends {registry.backends_with(static_routing=True)} have static "
+                "routing: set it to False or choose one of them",
+            )
         expected_local = cfg.num_moe_experts // self.ep_size
         if e != expected_local:
-            raise checks.bad_input("num_local_experts", f"{e} does not match "
-                                   f"num_moe_experts/ep_size = {expected_local}")
+            raise checks.bad_input(
+                "num_local_experts", f"{e} does not match num_moe_experts/ep_size = {expected_local}"
+            )
         if len(self.local_expert_indices) != e:
-            raise checks.bad_input("local_expert_indices", f"has {len(self.local_expert_indices)} entries, "
-                                   f"expected num_local_experts={e}")
+            raise checks.bad_input(
+                "local_expert_indices",
+                f"has {len(self.local_expert_indices)} entries, expected num_local_experts={e}",
+            )
         checks.check_local_expert_indices(self.local_expert_indices, get_pg_rank(self.ep_group), e)
 
     @staticmethod
@@ -185,9 +195,12 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
     def hand_indexed_rows(self, value: bool) -> None:
         plan = self.dispatcher_config.plan
         if value and not plan.row.indexed_rows:
-            raise checks.bad_input("hand_indexed_rows", f"backend {plan.backend!r} permutes inside its "
-                                   f"communication; backends {registry.backends_with(indexed_rows=True)} "
-                                   "can hand IndexedRows")
+            raise checks.bad_input(
+                "hand_indexed_rows",
+                f"backend {plan.backend!r} permutes inside its "
+                f"communication; backends {registry.backends_with(indexed_rows=True)} "
+                "can hand IndexedRows",
+            )
         self._hand_indexed_rows = bool(value)
 
     @property
@@ -214,12 +227,12 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         again: the warm-up and capture of a CUDA graph of Megatron's router and preprocess), as
         is one a recompute left; one whose rows are out is refused."""
         flight = self.flight
-        if (flight is not None and Step.TOKEN_DISPATCH < flight.next < Step.DONE
-                and not flight.in_recompute):
+        if flight is not None and Step.TOKEN_DISPATCH < flight.next < Step.DONE and not flight.in_recompute:
             raise RuntimeError(
                 f"dispatch started while this dispatcher's previous dispatch is still in flight "
                 f"(its next step is {flight.next.call}): a dispatcher holds one dispatch at a "
-                "time; combine it first, or give each layer its own dispatcher")
+                "time; combine it first, or give each layer its own dispatcher"
+            )
         self._last_shape = hidden_shape
         in_recompute = checks.in_backward()
         routing = None if setup is None else self._step("setup", setup)
@@ -233,8 +246,10 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         flight = self.flight
         if flight is None or flight.next != Step.TOKEN_DISPATCH:
             if self._last_shape is None:
-                raise RuntimeError("no dispatch_preprocess has run on this dispatcher: a CUDA graph "
-                                   "replay of the preprocess needs its capture first")
+                raise RuntimeError(
+                    "no dispatch_preprocess has run on this dispatcher: a CUDA graph "
+                    "replay of the preprocess needs its capture first"
+                )
             self._begin(self._last_shape)
         return _Preprocessed(self)
 
@@ -246,18 +261,23 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         """
         flight = self.flight
         if flight is None or flight.next == Step.DONE:
-            raise RuntimeError(f"{step.call} called without a dispatch in flight on this dispatcher: "
-                               "call dispatch_preprocess and token_dispatch first")
+            raise RuntimeError(
+                f"{step.call} called without a dispatch in flight on this dispatcher: "
+                "call dispatch_preprocess and token_dispatch first"
+            )
         if flight.next != step:
-            raise RuntimeError(f"{step.call} called out of order: the dispatch in flight needs "
-                               f"{flight.next.call} next")
+            raise RuntimeError(
+                f"{step.call} called out of order: the dispatch in flight needs {flight.next.call} next"
+            )
         if rows_TH is not None:
             hidden_size = flight.hidden_shape[-1]
             rows = rows_TH.shape[0] if num_rows is None else num_rows
             if rows_TH.dim() != 2 or rows_TH.shape != (rows, hidden_size):
                 expected = rows if num_rows is not None else "T"
-                raise checks.bad_input("hidden_states", f"{step.call} expects [{expected}, H={hidden_size}] "
-                                       f"({what}), got {tuple(rows_TH.shape)}")
+                raise checks.bad_input(
+                    "hidden_states",
+                    f"{step.call} expects [{expected}, H={hidden_size}] ({what}), got {tuple(rows_TH.shape)}",
+                )
         return flight
 
     # ---- input checks (megatron_moe_ext/dispatcher/common/checks.py; no device sync) ----------
@@ -311,7 +331,7 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         e, tp = self.num_local_experts, self.tp_size
         rank, local = token_indices // e, token_indices % e
         offsets = torch.arange(tp, device=token_indices.device)
-        expanded = ((rank[..., None] * tp + offsets) * e + local[..., None])
+        expanded = (rank[..., None] * tp + offsets) * e + local[..., None]
         expanded = torch.where(token_indices[..., None] >= 0, expanded, -1)
         probs = token_probs[..., None].expand(-1, -1, tp)
         return expanded.flatten(1), probs.flatten(1)
@@ -345,16 +365,26 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         flight = self._advance(Step.TOKEN_DISPATCH, hidden_states, None, "the output of dispatch_preprocess")
         routing = _with_probs("token_dispatch", flight.stage, "token_probs", probs)
         try:
-            rows, dispatched = self._step("dispatch", lambda replay=None: self.manager.dispatch(
-                routing, hidden_states, async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream,
-                replay=replay), routing, hidden_states)
+            rows, dispatched = self._step(
+                "dispatch",
+                lambda replay=None: self.manager.dispatch(
+                    routing,
+                    hidden_states,
+                    async_finish=async_finish,
+                    allocate_on_comm_stream=allocate_on_comm_stream,
+                    replay=replay,
+                ),
+                routing,
+                hidden_states,
+            )
         except checks.AgreedError:
             # Every rank raised it (a peer's error word): the dispatch is abandoned on every
             # rank, and the next step starts afresh.
             self.flight = None
             raise
-        self.flight = dataclasses.replace(flight, next=Step.DISPATCH_POSTPROCESS, stage=dispatched,
-                                          num_rows=rows.shape[0])
+        self.flight = dataclasses.replace(
+            flight, next=Step.DISPATCH_POSTPROCESS, stage=dispatched, num_rows=rows.shape[0]
+        )
         if self.shared_experts is not None:
             self.shared_experts.pre_forward_comm(hidden_states, wait_current_stream=False)
             self.shared_experts.linear_fc1_forward_and_act(rows)
@@ -366,18 +396,24 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         flight = self._advance(Step.DISPATCH_POSTPROCESS)
         dispatched = _with_probs("dispatch_postprocess", flight.stage, "dispatched_probs", probs)
         indexed = flight.indexed_rows
-        out, permuted = self._step("permute", lambda: self.manager.permute(dispatched, hidden_states, indexed),
-                                   dispatched)
+        out, permuted = self._step(
+            "permute", lambda: self.manager.permute(dispatched, hidden_states, indexed), dispatched
+        )
         num_permuted = out.num_permuted if indexed else out[0].shape[0]
-        self.flight = dataclasses.replace(flight, next=Step.COMBINE_PREPROCESS, stage=permuted,
-                                          num_permuted=num_permuted)
+        self.flight = dataclasses.replace(
+            flight, next=Step.COMBINE_PREPROCESS, stage=permuted, num_permuted=num_permuted
+        )
         return (out, out.tokens_per_expert, out.probs_P) if indexed else out
 
     def combine_preprocess(self, hidden_states):
         """Expert outputs `[P, H]` -> `[R, H]`, one row per row the dispatch delivered."""
         checks.check_expert_output_dtype(hidden_states)
-        flight = self._advance(Step.COMBINE_PREPROCESS, hidden_states, self.flight and self.flight.num_permuted,
-                               "one row per permuted row handed to the experts")
+        flight = self._advance(
+            Step.COMBINE_PREPROCESS,
+            hidden_states,
+            self.flight and self.flight.num_permuted,
+            "one row per permuted row handed to the experts",
+        )
         permuted = flight.stage
         rows = self._step("restore", lambda: self.manager.restore(permuted, hidden_states), permuted, hidden_states)
         self.flight = dataclasses.replace(flight, next=Step.TOKEN_COMBINE)
@@ -387,19 +423,32 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
         """`[R, H]` restored rows -> `[T, H]` (asynchronous by default, as `token_dispatch`)."""
         if self.shared_experts is not None:
             self.shared_experts.wait_current_stream()
-        flight = self._advance(Step.TOKEN_COMBINE, hidden_states, self.flight and self.flight.num_rows,
-                               "one row per row the dispatch delivered")
+        flight = self._advance(
+            Step.TOKEN_COMBINE,
+            hidden_states,
+            self.flight and self.flight.num_rows,
+            "one row per row the dispatch delivered",
+        )
         permuted = flight.stage
-        out = self._step("combine", lambda: self.manager.combine(
-            permuted, hidden_states, async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream),
-            permuted, hidden_states)
+        out = self._step(
+            "combine",
+            lambda: self.manager.combine(
+                permuted, hidden_states, async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream
+            ),
+            permuted,
+            hidden_states,
+        )
         self.flight = dataclasses.replace(flight, next=Step.COMBINE_POSTPROCESS)
         return out
 
     def combine_postprocess(self, hidden_states):
         flight = self.flight
-        if (is_graph_capturing() and self.shared_experts is None and self._last_shape is not None
-                and (flight is None or flight.next != Step.COMBINE_POSTPROCESS)):
+        if (
+            is_graph_capturing()
+            and self.shared_experts is None
+            and self._last_shape is not None
+            and (flight is None or flight.next != Step.COMBINE_POSTPROCESS)
+        ):
             # Megatron's local CUDA graphs capture the postprocess stage on its own (warm-up and
             # capture run it on recorded inputs, no dispatch): it only restores the shape.
             return hidden_states.view(self._last_shape)
@@ -421,8 +470,9 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
                 token_indices = self._check_topk(token_probs, token_indices, tokens)
             if self.tp_size > 1:
                 token_indices, token_probs = self._expand_topk_for_tp(token_indices, token_probs)
-            flight = self._begin(hidden_states.shape, lambda: self.manager.setup_from_indices(
-                token_indices, token_probs))
+            flight = self._begin(
+                hidden_states.shape, lambda: self.manager.setup_from_indices(token_indices, token_probs)
+            )
         if hidden_states.dim() != 2:  # [T, H] as it is: no view (and no autograd node) to make
             hidden_states = hidden_states.reshape(tokens, hidden_states.shape[-1])
         return hidden_states, flight.stage.token_probs
@@ -435,7 +485,8 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
     def token_permutation_topk(self, hidden_states, num_local_tokens, token_probs, token_indices):
         """Top-k routing -> `(tokens [P, H], tokens_per_expert [e], permuted_probs [P])`."""
         return self._dispatch_and_permute(
-            self.dispatch_preprocess_topk(hidden_states, num_local_tokens, token_probs, token_indices)[0])
+            self.dispatch_preprocess_topk(hidden_states, num_local_tokens, token_probs, token_indices)[0]
+        )
 
     def _dispatch_and_permute(self, hidden):
         async_mode = self.dispatcher_config.moe_deepep_async_dispatch

@@ -29,20 +29,24 @@ class DispatchHook:
     def setup(self, run: Callable[[], Any]) -> Any:  # `run()` returns the routing stage
         return run()
 
-    def dispatch(self, run: Callable[..., tuple[torch.Tensor, Dispatched]], routing: Any,
-                 hidden_states: torch.Tensor) -> tuple[torch.Tensor, Dispatched]:
+    def dispatch(
+        self, run: Callable[..., tuple[torch.Tensor, Dispatched]], routing: Any, hidden_states: torch.Tensor
+    ) -> tuple[torch.Tensor, Dispatched]:
         """`run(replay=None)` dispatches `hidden_states` along `routing`; `replay`: a kept
         `Dispatched` of this routing, whose layout the manager reuses."""
         return run()
 
-    def permute(self, run: Callable[[], tuple[tuple | IndexedRows, Permuted]],
-                dispatched: Dispatched) -> tuple[tuple | IndexedRows, Permuted]:
+    def permute(
+        self, run: Callable[[], tuple[tuple | IndexedRows, Permuted]], dispatched: Dispatched
+    ) -> tuple[tuple | IndexedRows, Permuted]:
         return run()
 
-    def restore(self, run: Callable[[], torch.Tensor], permuted: Permuted,
-                hidden_states: torch.Tensor) -> torch.Tensor:
+    def restore(
+        self, run: Callable[[], torch.Tensor], permuted: Permuted, hidden_states: torch.Tensor
+    ) -> torch.Tensor:
         return run()
 
-    def combine(self, run: Callable[[], torch.Tensor], permuted: Permuted,
-                hidden_states: torch.Tensor) -> torch.Tensor:
+    def combine(
+        self, run: Callable[[], torch.Tensor], permuted: Permuted, hidden_states: torch.Tensor
+    ) -> torch.Tensor:
         return run()

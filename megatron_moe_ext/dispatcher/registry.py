@@ -135,9 +135,14 @@ def _build_uccl(*args):
 
 
 _HYBRIDEP_OPTIONS = (
-    "moe_hybridep_compact_routing", "moe_hybridep_equal_token_counts", "moe_hybridep_permute_fusion",
-    "moe_permute_fusion", "moe_hybridep_num_sms", "moe_hybridep_num_sms_preprocessing",
-    "moe_hybridep_num_blocks_permute", "moe_hybridep_num_blocks_unpermute",
+    "moe_hybridep_compact_routing",
+    "moe_hybridep_equal_token_counts",
+    "moe_hybridep_permute_fusion",
+    "moe_permute_fusion",
+    "moe_hybridep_num_sms",
+    "moe_hybridep_num_sms_preprocessing",
+    "moe_hybridep_num_blocks_permute",
+    "moe_hybridep_num_blocks_unpermute",
 )
 
 
@@ -153,33 +158,59 @@ def _check_hybridep_hidden(hidden_size: int) -> None:
     check_hidden_size(hidden_size, "hidden_size")
 
 
-_DEEPEP_KERNELS: dict[str, Any] = dict(sms_field="moe_deepep_num_sms", async_dispatch=True,
-                       error_flag="the dispatch: a failed rank sends one token per rank whose weight "
-                                  "is its word (DeepEPCommunicator.announce_input_error)")
+_DEEPEP_KERNELS: dict[str, Any] = dict(
+    sms_field="moe_deepep_num_sms",
+    async_dispatch=True,
+    error_flag="the dispatch: a failed rank sends one token per rank whose weight "
+    "is its word (DeepEPCommunicator.announce_input_error)",
+)
 
 #: The backend table (the order is the one error messages list).
 BACKENDS: dict[str, BackendRow] = {
-    "deepep": BackendRow(_build_deepep, frozenset({"dropless", "budget"}), graph_capture=True, indexed_rows=True,
-                         requires="moe_enable_deepep", **_DEEPEP_KERNELS),
+    "deepep": BackendRow(
+        _build_deepep,
+        frozenset({"dropless", "budget"}),
+        graph_capture=True,
+        indexed_rows=True,
+        requires="moe_enable_deepep",
+        **_DEEPEP_KERNELS,
+    ),
     "hybridep": BackendRow(
-        _build_hybridep, frozenset(MODES), graph_capture=True, static_routing=True,
-        sms_field="moe_hybridep_num_sms", permute_fusion=True, options=_HYBRIDEP_OPTIONS,
-        megatron_fields=(("moe_hybridep_num_sms_preprocessing", "moe_hybridep_num_sms_preprocessing"),
-                         ("moe_permute_fusion_into_hybridep", "moe_hybridep_permute_fusion")),
-        preprocess_outputs=("token_probs", "routing_map"), check_hidden=_check_hybridep_hidden,
+        _build_hybridep,
+        frozenset(MODES),
+        graph_capture=True,
+        static_routing=True,
+        sms_field="moe_hybridep_num_sms",
+        permute_fusion=True,
+        options=_HYBRIDEP_OPTIONS,
+        megatron_fields=(
+            ("moe_hybridep_num_sms_preprocessing", "moe_hybridep_num_sms_preprocessing"),
+            ("moe_permute_fusion_into_hybridep", "moe_hybridep_permute_fusion"),
+        ),
+        preprocess_outputs=("token_probs", "routing_map"),
+        check_hidden=_check_hybridep_hidden,
         error_flag="the token-count all-reduce (one word per rank); with a pinned count, the "
-                   "dispatch, as DeepEP's (HybridEPManager.announce_input_error)"),
+        "dispatch, as DeepEP's (HybridEPManager.announce_input_error)",
+    ),
     "uccl_ep": BackendRow(_build_uccl, frozenset({"dropless"}), indexed_rows=True, **_DEEPEP_KERNELS),
-    "torch": BackendRow(_build_torch, frozenset(MODES), graph_capture=True, indexed_rows=True,
-                        error_flag="the counts all-to-all (dropless, calibration, budget-mode T), else "
-                                   "the sync-free routing all-to-all (torch_a2a.announce_input_error)"),
+    "torch": BackendRow(
+        _build_torch,
+        frozenset(MODES),
+        graph_capture=True,
+        indexed_rows=True,
+        error_flag="the counts all-to-all (dropless, calibration, budget-mode T), else "
+        "the sync-free routing all-to-all (torch_a2a.announce_input_error)",
+    ),
 }
 
 
 def backends_with(**capabilities) -> tuple[str, ...]:
     """Names of the backends whose row has every given capability value (for messages)."""
-    return tuple(name for name, row in BACKENDS.items()
-                 if all(getattr(row, key) == value for key, value in capabilities.items()))
+    return tuple(
+        name
+        for name, row in BACKENDS.items()
+        if all(getattr(row, key) == value for key, value in capabilities.items())
+    )
 
 
 def backends_running(mode: str) -> tuple[str, ...]:

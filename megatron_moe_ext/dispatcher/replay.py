@@ -251,9 +251,17 @@ class RecomputeReplay(DispatchHook):
         # Each tensor views the same contiguous bytes as one of `route`'s outputs (a reshape of
         # it), so it holds the same values; a host-side test, no kernel.
         routed = self._routing.tensors
-        handed = routed is not None and all(any(
-            t.data_ptr() == r.data_ptr() and t.dtype == r.dtype and t.numel() == r.numel()
-            and t.is_contiguous() and r.is_contiguous() for r in routed) for t in routing)
+        handed = routed is not None and all(
+            any(
+                t.data_ptr() == r.data_ptr()
+                and t.dtype == r.dtype
+                and t.numel() == r.numel()
+                and t.is_contiguous()
+                and r.is_contiguous()
+                for r in routed
+            )
+            for t in routing
+        )
         self._routing = dataclasses.replace(self._routing, handed=handed)
         return handed and self._replays_routing()
 
@@ -286,7 +294,8 @@ class RecomputeReplay(DispatchHook):
             raise RoutingChangedError(
                 f"the recomputed MoE forward routes {tuple(indices_TK.shape)} top-k slots, the "
                 f"original forward routed {tuple(recorded.token_indices.shape)}: recomputes must run "
-                "in the order of their forwards, on the same tokens")
+                "in the order of their forwards, on the same tokens"
+            )
         # Routing is a set of (expert, weight) pairs per token: a router may return tied pairs
         # in another order. Each recorded expert is looked up among the token's recomputed ones
         # (`[T, K, K]`, no sort or gather: the recompute moves no data) and the weights are
@@ -319,8 +328,9 @@ class RecomputeReplay(DispatchHook):
             raise RoutingChangedError(ROUTING_CHANGED)
 
     # ---- communication and permutation ---------------------------------------------------
-    def dispatch(self, run: Callable[..., tuple[torch.Tensor, Dispatched]], routing: TopKRouting,
-                 hidden_states: torch.Tensor) -> tuple[torch.Tensor, Dispatched]:
+    def dispatch(
+        self, run: Callable[..., tuple[torch.Tensor, Dispatched]], routing: TopKRouting, hidden_states: torch.Tensor
+    ) -> tuple[torch.Tensor, Dispatched]:
         kept = self._current  # a recompute's, taken by its setup
         if kept is None:
             recording = self._phase is not Phase.OFF and not in_backward()
@@ -331,7 +341,8 @@ class RecomputeReplay(DispatchHook):
                     dataclasses.replace(routing, token_probs=routing.token_probs.detach()),
                     dataclasses.replace(dispatched, dispatched_probs=dispatched.dispatched_probs.detach()),
                     self._phase is Phase.RECORD_OUTPUTS,
-                    tree_map_only(torch.Tensor, _leaf, self._routing.out) if self._routing.kept else None)
+                    tree_map_only(torch.Tensor, _leaf, self._routing.out) if self._routing.kept else None,
+                )
                 self._records.setdefault(self._call, deque()).append(self._current)
             self._routing = _NO_ROUTING
             return rows, dispatched
@@ -340,14 +351,16 @@ class RecomputeReplay(DispatchHook):
         with _kept_saved_tensors():
             return run(replay=kept.dispatched)
 
-    def permute(self, run: Callable[[], tuple[tuple | IndexedRows, Permuted]],
-                dispatched: Dispatched) -> tuple[tuple | IndexedRows, Permuted]:
+    def permute(
+        self, run: Callable[[], tuple[tuple | IndexedRows, Permuted]], dispatched: Dispatched
+    ) -> tuple[tuple | IndexedRows, Permuted]:
         kept = self._current
         if self._skipping:
             handed, kept.expert_inputs = kept.expert_inputs, None  # backward holds them from here on
             if isinstance(handed, IndexedRows):  # the received rows and the maps, no permuted copy
-                return dataclasses.replace(handed, rows_RH=_leaf(handed.rows_RH),
-                                           probs_P=_leaf(handed.probs_P)), kept.permuted
+                return dataclasses.replace(
+                    handed, rows_RH=_leaf(handed.rows_RH), probs_P=_leaf(handed.probs_P)
+                ), kept.permuted
             rows_PH, tokens_per_expert, probs_P = handed
             return (_leaf(rows_PH), tokens_per_expert, _leaf(probs_P)), kept.permuted
         with _kept_saved_tensors(kept is not None):
@@ -356,16 +369,18 @@ class RecomputeReplay(DispatchHook):
             kept.permuted, kept.expert_inputs = permuted, out
         return out, permuted
 
-    def restore(self, run: Callable[[], torch.Tensor], permuted: Permuted,
-                hidden_states: torch.Tensor) -> torch.Tensor:
+    def restore(
+        self, run: Callable[[], torch.Tensor], permuted: Permuted, hidden_states: torch.Tensor
+    ) -> torch.Tensor:
         kept = self._current
         if self._skipping and kept.combined is not None:  # the combine returns what it kept
             return _stand_in(hidden_states, kept.dispatched.dispatched_indices.shape[0])
         with _kept_saved_tensors(kept is not None):
             return run()
 
-    def combine(self, run: Callable[[], torch.Tensor], permuted: Permuted,
-                hidden_states: torch.Tensor) -> torch.Tensor:
+    def combine(
+        self, run: Callable[[], torch.Tensor], permuted: Permuted, hidden_states: torch.Tensor
+    ) -> torch.Tensor:
         kept, skipping = self._current, self._skipping
         self._current = None
         if skipping and kept.combined is not None:

@@ -70,19 +70,32 @@ class TopKManager(DispatchManager):
             token_indices = token_indices.long()
         if self.capacity_factor is not None:
             token_indices = P.drop_tokens_over_capacity(
-                token_indices, token_probs, self.num_experts, self.capacity_factor)
+                token_indices, token_probs, self.num_experts, self.capacity_factor
+            )
         # DeepEP takes fp32 weights only; fp32 also keeps the weighted sum stable.
         return TopKRouting(token_indices, token_probs if token_probs.dtype == torch.float32 else token_probs.float())
 
     # ---- communication ----------------------------------------------------------------
     def dispatch(self, routing, hidden_states, *, async_finish=False, allocate_on_comm_stream=False, replay=None):
-        return self.comm.dispatch(hidden_states, routing.token_indices, routing.token_probs,
-                                  num_experts=self.num_experts, group=self.group, previous=replay,
-                                  async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream)
+        return self.comm.dispatch(
+            hidden_states,
+            routing.token_indices,
+            routing.token_probs,
+            num_experts=self.num_experts,
+            group=self.group,
+            previous=replay,
+            async_finish=async_finish,
+            allocate_on_comm_stream=allocate_on_comm_stream,
+        )
 
     def combine(self, permuted, hidden_states, *, async_finish=False, allocate_on_comm_stream=False):
-        return self.comm.combine(hidden_states, permuted.handle, group=self.group, async_finish=async_finish,
-                                 allocate_on_comm_stream=allocate_on_comm_stream)
+        return self.comm.combine(
+            hidden_states,
+            permuted.handle,
+            group=self.group,
+            async_finish=async_finish,
+            allocate_on_comm_stream=allocate_on_comm_stream,
+        )
 
     def tokens_per_expert(self, stage) -> torch.Tensor:
         """`[e]` int64 counts (padded ones once permuted): host counts as a CPU tensor, the
@@ -98,14 +111,18 @@ class TopKManager(DispatchManager):
         routing_map, probs = P.indices_to_multihot(indices_RK, dispatched.dispatched_probs, self.num_local_experts)
         if indexed:
             probs_P, counts, row_of_slot_P, slot_of_row_RK = P.dropless_layout(
-                routing_map, probs, indices_RK, dispatched.counts, self.pad_multiple)
+                routing_map, probs, indices_RK, dispatched.counts, self.pad_multiple
+            )
             permuted = Permuted(dispatched.handle, counts, slot_of_row_RK)
-            return indexed_rows(hidden_states, self.handed_probs(probs_P), row_of_slot_P, slot_of_row_RK,
-                                P.host_counts_tensor(counts)), permuted
+            return indexed_rows(
+                hidden_states, self.handed_probs(probs_P), row_of_slot_P, slot_of_row_RK, P.host_counts_tensor(counts)
+            ), permuted
         rows_PH, probs_P, counts, permutation = P.permute_to_experts(
-            hidden_states, routing_map, probs, dispatched.counts, self.pad_multiple)
+            hidden_states, routing_map, probs, dispatched.counts, self.pad_multiple
+        )
         return (rows_PH, P.host_counts_tensor(counts), self.handed_probs(probs_P)), Permuted(
-            dispatched.handle, counts, permutation)
+            dispatched.handle, counts, permutation
+        )
 
     def handed_probs(self, probs_P: torch.Tensor) -> torch.Tensor:  # in the router's dtype
         return probs_P.double() if self.router_dtype == "fp64" else probs_P

@@ -25,8 +25,7 @@ def is_gated_activation(activation: str) -> bool:
     """Whether `activation` needs a gate and an up projection (`[e, H, 2I]` weights): True but for
     relu2 and gelu."""
     if activation not in ACTIVATIONS:
-        raise ValueError(f"expert_activation={activation!r} is invalid: allowed values are "
-                         f"{ACTIVATIONS}")
+        raise ValueError(f"expert_activation={activation!r} is invalid: allowed values are {ACTIVATIONS}")
     return activation not in NON_GATED_ACTIVATIONS
 
 
@@ -34,8 +33,10 @@ def _split_gate_up(x: torch.Tensor, name: str, limit: float, interleaved: bool =
     """Gate and up halves of `x` (`[gate | up]` in fp32, or interleaved in x's dtype), the gate
     clamped above at `limit` and up to `[-limit, limit]` (`limit <= 0`: no clamp)."""
     if x.shape[-1] % 2:
-        raise ValueError(f"{name}: x has {x.shape[-1]} columns; a gated activation needs an even "
-                         "count ([gate | up], or interleaved)")
+        raise ValueError(
+            f"{name}: x has {x.shape[-1]} columns; a gated activation needs an even "
+            "count ([gate | up], or interleaved)"
+        )
     gate, up = (x[..., ::2], x[..., 1::2]) if interleaved else (h.float() for h in x.chunk(2, dim=-1))
     if limit > 0:
         gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
@@ -61,16 +62,22 @@ def swiglu_clamped(x: torch.Tensor, permuted_probs: torch.Tensor, limit: float) 
     return _swiglu_torch(x, permuted_probs, limit)
 
 
-def swiglu_oai(x: torch.Tensor, permuted_probs: torch.Tensor, alpha: float = 1.702,
-               limit: float = 7.0) -> torch.Tensor:
+def swiglu_oai(
+    x: torch.Tensor, permuted_probs: torch.Tensor, alpha: float = 1.702, limit: float = 7.0
+) -> torch.Tensor:
     """SwiGLU-OAI (GPT-OSS): `g * sigmoid(alpha * g) * (u + 1) * prob` in fp32, `[gate | up]`
     clamped as in `swiglu_clamped`. `x [P, 2I]`, probs `[P, 1]` -> `[P, I]` in x's dtype."""
     gate, up = _split_gate_up(x, "swiglu_oai", limit)
     return (gate * torch.sigmoid(alpha * gate) * (up + 1.0) * permuted_probs).to(x.dtype)
 
 
-def quick_geglu(x: torch.Tensor, permuted_probs: torch.Tensor, alpha: float = 1.702,
-                limit: float = 7.0, linear_offset: float = 1.0) -> torch.Tensor:
+def quick_geglu(
+    x: torch.Tensor,
+    permuted_probs: torch.Tensor,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    linear_offset: float = 1.0,
+) -> torch.Tensor:
     """Quick-GEGLU: `g * sigmoid(alpha * g) * (u + linear_offset) * prob`, gate = `x[:, ::2]`,
     up = `x[:, 1::2]`, clamped as in `swiglu_oai`; `x [P, 2I]`, probs `[P, 1]` -> `[P, I]`. The
     GLU runs in x's dtype (as the checkpoints using this layout were trained), the prob in fp32.

@@ -35,8 +35,9 @@ def chunk_counts(counts_e: torch.Tensor, first: int, last: int) -> torch.Tensor:
     return ends_e.clamp(first, last) - starts_e.clamp(first, last)
 
 
-def _segment_reduce_bias_grad(grad_output: torch.Tensor, token_counts: torch.Tensor,
-                              accumulation_dtype: torch.dtype) -> torch.Tensor:
+def _segment_reduce_bias_grad(
+    grad_output: torch.Tensor, token_counts: torch.Tensor, accumulation_dtype: torch.dtype
+) -> torch.Tensor:
     """`[P, D]` rows grouped by expert, `[e]` int64 counts on their device -> `[e, D]` segment
     sums in `accumulation_dtype` (rows past the segments ignored)."""
     rows, experts = grad_output.shape[0], token_counts.numel()
@@ -44,14 +45,13 @@ def _segment_reduce_bias_grad(grad_output: torch.Tensor, token_counts: torch.Ten
     # segment_reduce needs no host-side check (`unsafe=True` skips its sync).
     tail = (rows - token_counts.sum()).reshape(1)
     lengths = torch.cat([token_counts, tail])
-    sums = torch.segment_reduce(grad_output.to(accumulation_dtype), "sum", lengths=lengths,
-                                axis=0, unsafe=True)
+    sums = torch.segment_reduce(grad_output.to(accumulation_dtype), "sum", lengths=lengths, axis=0, unsafe=True)
     return sums[:experts]
 
 
-def _reduce_bias_grad_chunked_fallback(grad_output: torch.Tensor, token_counts: torch.Tensor,
-                                       probs: torch.Tensor | None,
-                                       output_dtype: torch.dtype) -> torch.Tensor:
+def _reduce_bias_grad_chunked_fallback(
+    grad_output: torch.Tensor, token_counts: torch.Tensor, probs: torch.Tensor | None, output_dtype: torch.dtype
+) -> torch.Tensor:
     """`_segment_reduce_bias_grad` of `[P, D]` rows times the optional `[P, 1]` probs, in float64
     over `_BIAS_CHUNK_ROWS` chunks (no full-size intermediates); `[e, D]` in `output_dtype`."""
     rows, hidden = grad_output.shape
@@ -61,13 +61,13 @@ def _reduce_bias_grad_chunked_fallback(grad_output: torch.Tensor, token_counts: 
         chunk = grad_output[first:last].to(torch.float64)
         if probs is not None:
             chunk = chunk * probs[first:last].to(torch.float64)
-        total += _segment_reduce_bias_grad(chunk, chunk_counts(token_counts, first, last),
-                                           torch.float64)
+        total += _segment_reduce_bias_grad(chunk, chunk_counts(token_counts, first, last), torch.float64)
     return total.to(output_dtype)
 
 
-def reduce_bias_grad(grad_output: torch.Tensor, token_counts: torch.Tensor,
-                      probs: torch.Tensor | None, output_dtype: torch.dtype) -> torch.Tensor:
+def reduce_bias_grad(
+    grad_output: torch.Tensor, token_counts: torch.Tensor, probs: torch.Tensor | None, output_dtype: torch.dtype
+) -> torch.Tensor:
     if _use_triton(grad_output):
         offsets_e1 = torch.nn.functional.pad(torch.cumsum(token_counts, 0), (1, 0))
         return bias_triton.reduce_bias_grad(grad_output, offsets_e1, probs, output_dtype)
@@ -78,8 +78,7 @@ class _DeterministicBiasRepeatInterleave(torch.autograd.Function):
     """Expand expert biases over their row groups; reduce the gradient deterministically."""
 
     @staticmethod
-    def forward(ctx, bias: torch.Tensor, token_counts: torch.Tensor,
-                output_size: int) -> torch.Tensor:
+    def forward(ctx, bias: torch.Tensor, token_counts: torch.Tensor, output_size: int) -> torch.Tensor:
         """bias `[e, D]`, token_counts `[e]` int64 on its device -> `[P, D]` fp32 (0 on padding):
         fp32 so the incoming (prob-weighted) gradient is reduced before any rounding."""
         ctx.save_for_backward(token_counts)
@@ -105,8 +104,14 @@ class _ChunkedBiasAdd(torch.autograd.Function):
     """Add (prob-weighted) expert bias without materialising the expanded `[P, D]` bias."""
 
     @staticmethod
-    def forward(ctx, value: torch.Tensor, bias: torch.Tensor, token_counts: torch.Tensor,
-                probs: torch.Tensor | None = None, reuse_input: bool = False) -> torch.Tensor:
+    def forward(
+        ctx,
+        value: torch.Tensor,
+        bias: torch.Tensor,
+        token_counts: torch.Tensor,
+        probs: torch.Tensor | None = None,
+        reuse_input: bool = False,
+    ) -> torch.Tensor:
         """`value + prob * bias[expert(row)]` `[P, D]` in fp32 math (arguments as `apply_bias`)."""
         expert_ids_P = _row_expert_ids(token_counts, value.shape[0])
         if reuse_input and value.is_contiguous():
@@ -140,9 +145,13 @@ class _ChunkedBiasAdd(torch.autograd.Function):
         return grad_output, grad_bias, None, grad_probs, None
 
 
-def apply_bias(value: torch.Tensor, bias: torch.Tensor, tokens_per_expert: TokenCounts,
-                permuted_probs: torch.Tensor | None = None,
-                reuse_input: bool = False) -> torch.Tensor:
+def apply_bias(
+    value: torch.Tensor,
+    bias: torch.Tensor,
+    tokens_per_expert: TokenCounts,
+    permuted_probs: torch.Tensor | None = None,
+    reuse_input: bool = False,
+) -> torch.Tensor:
     """Add each expert's bias to its rows of grouped GEMM output: `value + prob * bias`.
 
     Arguments:
@@ -156,15 +165,16 @@ def apply_bias(value: torch.Tensor, bias: torch.Tensor, tokens_per_expert: Token
         `[P, D]` in value's dtype; rows past `sum(tokens_per_expert)` are value unchanged.
     """
     if value.dim() != 2 or bias.dim() != 2 or bias.shape[1] != value.shape[1]:
-        raise ValueError(f"apply_bias: value {tuple(value.shape)} and bias {tuple(bias.shape)} "
-                         "must be [P, D] and [e, D]")
+        raise ValueError(
+            f"apply_bias: value {tuple(value.shape)} and bias {tuple(bias.shape)} must be [P, D] and [e, D]"
+        )
     counts_e = counts_on(tokens_per_expert, value.device)
     if counts_e.numel() != bias.shape[0]:
-        raise ValueError(f"apply_bias: tokens_per_expert has {counts_e.numel()} entries, "
-                         f"bias has {bias.shape[0]} experts")
+        raise ValueError(
+            f"apply_bias: tokens_per_expert has {counts_e.numel()} entries, bias has {bias.shape[0]} experts"
+        )
     if permuted_probs is not None and permuted_probs.shape != (value.shape[0], 1):
-        raise ValueError(f"apply_bias: permuted_probs {tuple(permuted_probs.shape)} must be "
-                         f"[{value.shape[0]}, 1]")
+        raise ValueError(f"apply_bias: permuted_probs {tuple(permuted_probs.shape)} must be [{value.shape[0]}, 1]")
     if value.shape[0] > _BIAS_CHUNK_THRESHOLD:
         return _ChunkedBiasAdd.apply(value, bias, counts_e, permuted_probs, reuse_input)
     expanded = _DeterministicBiasRepeatInterleave.apply(bias, counts_e, value.shape[0])

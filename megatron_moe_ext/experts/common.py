@@ -44,8 +44,10 @@ def resolve_ep_group(ep_mesh) -> ExpertParallel:
         group = ep_mesh
     elif hasattr(ep_mesh, "get_group"):
         if ep_mesh.ndim != 1:
-            raise ValueError(f"ep_mesh: expected a 1-D expert-parallel DeviceMesh, got {ep_mesh.ndim} "
-                             f"dimensions {tuple(ep_mesh.mesh_dim_names or ())}")
+            raise ValueError(
+                f"ep_mesh: expected a 1-D expert-parallel DeviceMesh, got {ep_mesh.ndim} "
+                f"dimensions {tuple(ep_mesh.mesh_dim_names or ())}"
+            )
         group = ep_mesh.get_group()
     else:
         raise ValueError(f"ep_mesh: expected a DeviceMesh, a ProcessGroup or None, got {type(ep_mesh).__name__}")
@@ -57,12 +59,15 @@ def local_expert_range(n_experts: int, ep: ExpertParallel, n_local_now: int | No
     """`[start, end)` global ids of this rank's experts; E must divide evenly, and a module
     holding `n_local_now` experts can only go from all E to this slice."""
     if n_experts % ep.size:
-        raise ValueError(f"n_routed_experts={n_experts} is invalid: must be divisible by the "
-                         f"expert-parallel size ({ep.size})")
+        raise ValueError(
+            f"n_routed_experts={n_experts} is invalid: must be divisible by the expert-parallel size ({ep.size})"
+        )
     per_rank = n_experts // ep.size
     if n_local_now not in (None, n_experts, per_rank):
-        raise RuntimeError("init_token_dispatcher was already called with a different "
-                           f"expert-parallel size ({n_experts // n_local_now})")
+        raise RuntimeError(
+            "init_token_dispatcher was already called with a different "
+            f"expert-parallel size ({n_experts // n_local_now})"
+        )
     return ep.rank * per_rank, (ep.rank + 1) * per_rank
 
 
@@ -103,8 +108,7 @@ class StackedExperts(nn.Module):
         if (end - start) != self.n_local_experts:
             for name in stacked_shapes(self.config, 1):
                 full = getattr(self, name)
-                setattr(self, name, nn.Parameter(full.detach()[start:end].clone(),
-                                                 requires_grad=full.requires_grad))
+                setattr(self, name, nn.Parameter(full.detach()[start:end].clone(), requires_grad=full.requires_grad))
         self.ep = ep
         self.n_local_experts = end - start
         self.experts_start_idx, self.experts_end_idx = start, end
@@ -119,8 +123,9 @@ class StackedExperts(nn.Module):
             setattr(self, name, nn.Parameter(value, requires_grad=param.requires_grad))
 
 
-def check_expert_inputs(config: ExpertsConfig, x: torch.Tensor, token_mask: torch.Tensor,
-                        weights: torch.Tensor, indices: torch.Tensor) -> None:
+def check_expert_inputs(
+    config: ExpertsConfig, x: torch.Tensor, token_mask: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
+) -> None:
     """Shapes and dtypes of `forward`'s inputs; the id range too where `MOE_EXT_INPUT_CHECKS`
     checks values at once (host tensors, or every tensor under ``sync``)."""
     if x.dim() != 2 or x.shape[1] != config.dim:
@@ -129,20 +134,26 @@ def check_expert_inputs(config: ExpertsConfig, x: torch.Tensor, token_mask: torc
         raise ValueError(f"x: expected a floating-point tensor, got {x.dtype}")
     tokens = x.shape[0]
     if token_mask.shape != (tokens,) or token_mask.dtype != torch.bool:
-        raise ValueError(f"token_mask: expected a bool tensor of shape [T={tokens}], got "
-                         f"{token_mask.dtype} {tuple(token_mask.shape)}")
+        raise ValueError(
+            f"token_mask: expected a bool tensor of shape [T={tokens}], got "
+            f"{token_mask.dtype} {tuple(token_mask.shape)}"
+        )
     if indices.dim() != 2 or indices.shape[0] != tokens:
         raise ValueError(f"indices: expected [T={tokens}, K], got shape {tuple(indices.shape)}")
     if indices.dtype.is_floating_point or indices.dtype == torch.bool:
         raise ValueError(f"indices: expected an integer tensor of global expert ids, got {indices.dtype}")
     if weights.shape != indices.shape or not weights.dtype.is_floating_point:
-        raise ValueError(f"weights: expected a float tensor of the shape of indices "
-                         f"{tuple(indices.shape)}, got {weights.dtype} {tuple(weights.shape)}")
+        raise ValueError(
+            f"weights: expected a float tensor of the shape of indices "
+            f"{tuple(indices.shape)}, got {weights.dtype} {tuple(weights.shape)}"
+        )
     if indices.numel() and checks_values_now(indices):  # device values: see dispatcher/common/checks.py
         lo, hi = int(indices.min()), int(indices.max())
         if lo < -1 or hi >= config.n_routed_experts:
-            raise ValueError(f"indices: values must be in [-1, {config.n_routed_experts - 1}] "
-                             f"(-1 = unused slot), got min {lo}, max {hi}")
+            raise ValueError(
+                f"indices: values must be in [-1, {config.n_routed_experts - 1}] "
+                f"(-1 = unused slot), got min {lo}, max {hi}"
+            )
 
 
 @dataclass(frozen=True)
@@ -156,9 +167,14 @@ class LocalPermutation:
     state: PermutationState
 
 
-def permute_local(x_TH: torch.Tensor, token_mask_T: torch.Tensor, weights_TK: torch.Tensor,
-                  indices_TK: torch.Tensor, experts_start_idx: int,
-                  n_local_experts: int) -> LocalPermutation:
+def permute_local(
+    x_TH: torch.Tensor,
+    token_mask_T: torch.Tensor,
+    weights_TK: torch.Tensor,
+    indices_TK: torch.Tensor,
+    experts_start_idx: int,
+    n_local_experts: int,
+) -> LocalPermutation:
     """Group the tokens routed to experts `[start, start + e)` by expert, as a dispatch at EP=1.
 
     Arguments:
@@ -172,7 +188,6 @@ def permute_local(x_TH: torch.Tensor, token_mask_T: torch.Tensor, weights_TK: to
     """
     local_TK = indices_TK.long() - experts_start_idx
     routed_TK = (local_TK >= 0) & (local_TK < n_local_experts) & token_mask_T[:, None]
-    routing_map_Te, probs_Te = indices_to_multihot(
-        torch.where(routed_TK, local_TK, -1), weights_TK, n_local_experts)
+    routing_map_Te, probs_Te = indices_to_multihot(torch.where(routed_TK, local_TK, -1), weights_TK, n_local_experts)
     counts = routing_map_Te.sum(0).tolist()
     return LocalPermutation(*permute_to_experts(x_TH, routing_map_Te, probs_Te, counts))

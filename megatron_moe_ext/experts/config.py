@@ -59,8 +59,11 @@ class ExpertsConfig:
         for field in ("n_routed_experts", "n_activated_experts", "dim", "moe_inter_dim"):
             check_positive_int(field, getattr(self, field))
         if self.n_activated_experts > self.n_routed_experts:
-            fail("n_activated_experts", self.n_activated_experts,
-                 f"expected <= n_routed_experts ({self.n_routed_experts})")
+            fail(
+                "n_activated_experts",
+                self.n_activated_experts,
+                f"expected <= n_routed_experts ({self.n_routed_experts})",
+            )
         if not isinstance(self.expert_activation, str) or self.expert_activation not in ACTIVATIONS:
             fail("expert_activation", self.expert_activation, f"allowed values are {ACTIVATIONS}")
         for field in ("expert_bias", "use_torch_mm"):
@@ -69,11 +72,9 @@ class ExpertsConfig:
         if not _is_real(self.activation_alpha) or not 0 < self.activation_alpha < math.inf:
             fail("activation_alpha", self.activation_alpha, "expected a finite number > 0")
         if not _is_real(self.activation_limit) or not 0 <= self.activation_limit < math.inf:
-            fail("activation_limit", self.activation_limit, "expected a finite number >= 0 "
-                 "(0 disables clamping)")
+            fail("activation_limit", self.activation_limit, "expected a finite number >= 0 (0 disables clamping)")
         if not isinstance(self.dtype, torch.dtype) or self.dtype not in PARAM_DTYPES:
             fail("dtype", self.dtype, f"expected a torch.dtype, one of {PARAM_DTYPES}")
         if type(self.expert_mlp_chunk_bytes) is not int or self.expert_mlp_chunk_bytes < 0:
-            fail("expert_mlp_chunk_bytes", self.expert_mlp_chunk_bytes,
-                 "expected an int >= 0 (0 turns chunking off)")
+            fail("expert_mlp_chunk_bytes", self.expert_mlp_chunk_bytes, "expected an int >= 0 (0 turns chunking off)")
         check_expert_mlp_impl(self.expert_mlp_impl)

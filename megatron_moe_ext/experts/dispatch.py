@@ -50,8 +50,9 @@ class ExpertDispatch:
         self.n_local_experts, self.experts_start_idx = end - start, start
         self.dispatcher = None
         if ep.group is not None:
-            self.dispatcher = MoEFlexTokenDispatcher(end - start, list(range(start, end)),
-                                                     dispatcher_config, ep.group)
+            self.dispatcher = MoEFlexTokenDispatcher(
+                end - start, list(range(start, end)), dispatcher_config, ep.group
+            )
             self.dispatcher.allocate_buffers(config.dim, config.dtype)
         self._local: LocalPermutation | None = None
 
@@ -61,10 +62,12 @@ class ExpertDispatch:
         indices = indices.masked_fill(~token_mask[:, None], -1)
         if self.dispatcher is not None:
             rows_PH, tokens_per_expert, probs_P = self.dispatcher.token_permutation_topk(
-                x, x.shape[0], weights.float(), indices)
+                x, x.shape[0], weights.float(), indices
+            )
         else:
-            local = self._local = permute_local(x, token_mask, weights.float(), indices,
-                                                self.experts_start_idx, self.n_local_experts)
+            local = self._local = permute_local(
+                x, token_mask, weights.float(), indices, self.experts_start_idx, self.n_local_experts
+            )
             rows_PH, tokens_per_expert, probs_P = local.rows_PH, local.tokens_per_expert, local.probs_P
         return rows_PH, tokens_per_expert, _stabilize_empty_routing_probs_dtype(probs_P, rows_PH.dtype)
 
@@ -74,8 +77,7 @@ class ExpertDispatch:
             return self.dispatcher.token_unpermutation(rows_PH)
         local, self._local = self._local, None
         if local is None:
-            raise RuntimeError("ExpertDispatch.combine: no dispatch to combine (each dispatch "
-                               "is combined once)")
+            raise RuntimeError("ExpertDispatch.combine: no dispatch to combine (each dispatch is combined once)")
         return unpermute_from_experts(rows_PH, local.state)
 
 
@@ -83,8 +85,17 @@ class FlexDispatchedExperts:
     """What `GroupedExpertsFlex` and `GroupedExpertsTE` share: `forward` is dispatch ->
     `self._grouped_mlp(rows_PH, probs_P, tokens_per_expert)` -> combine."""
 
-    def _init_dispatch(self, config: ExpertsConfig, ep: ExpertParallel, backend: str, num_sms: int, share: bool,
-                       async_dispatch: bool, static_routing: bool, **options) -> None:
+    def _init_dispatch(
+        self,
+        config: ExpertsConfig,
+        ep: ExpertParallel,
+        backend: str,
+        num_sms: int,
+        share: bool,
+        async_dispatch: bool,
+        static_routing: bool,
+        **options,
+    ) -> None:
         """The flex dispatcher's config (validated here, at construction) and the dispatch at `ep`."""
         self.dispatcher_config = TokenDispatcherConfig(
             moe_flex_dispatcher_backend=backend,
@@ -105,8 +116,9 @@ class FlexDispatchedExperts:
             return ()
         return dispatcher.get_pipeline_runtime_initializers(self.config.dim, self.config.dtype)
 
-    def forward(self, x: torch.Tensor, token_mask: torch.Tensor, weights: torch.Tensor,
-                indices: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, token_mask: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
+    ) -> torch.Tensor:
         """As `GroupedExperts.forward`: `x [T, H]`, `token_mask [T]`, `weights`/`indices [T, K]`
         -> `[T, H]`."""
         check_expert_inputs(self.config, x, token_mask, weights, indices)
@@ -131,14 +143,29 @@ class GroupedExpertsFlex(FlexDispatchedExperts, StackedExperts):
     EP=1 (local permutation) until `init_token_dispatcher(ep_mesh)` builds the dispatcher.
     """
 
-    def __init__(self, config: ExpertsConfig, dispatcher_backend: str = "deepep",
-                 dispatcher_num_sms: int = 20, dispatcher_share_token_dispatcher: bool = True,
-                 dispatcher_async_dispatch: bool = False, *, static_routing: bool = False,
-                 device: torch.device | str | None = None, **dispatcher_options):
+    def __init__(
+        self,
+        config: ExpertsConfig,
+        dispatcher_backend: str = "deepep",
+        dispatcher_num_sms: int = 20,
+        dispatcher_share_token_dispatcher: bool = True,
+        dispatcher_async_dispatch: bool = False,
+        *,
+        static_routing: bool = False,
+        device: torch.device | str | None = None,
+        **dispatcher_options,
+    ):
         super().__init__(config, device)
-        self._init_dispatch(config, self.ep, dispatcher_backend, dispatcher_num_sms,
-                            dispatcher_share_token_dispatcher, dispatcher_async_dispatch, static_routing,
-                            **dispatcher_options)
+        self._init_dispatch(
+            config,
+            self.ep,
+            dispatcher_backend,
+            dispatcher_num_sms,
+            dispatcher_share_token_dispatcher,
+            dispatcher_async_dispatch,
+            static_routing,
+            **dispatcher_options,
+        )
 
     def init_token_dispatcher(self, ep_mesh) -> None:
         """Join the EP group (DeviceMesh or ProcessGroup), keep the local experts, build the
@@ -148,9 +175,18 @@ class GroupedExpertsFlex(FlexDispatchedExperts, StackedExperts):
 
     def _grouped_mlp(self, rows_PH: torch.Tensor, probs_P: torch.Tensor, tokens_per_expert) -> torch.Tensor:
         return run_grouped_expert_mlp(
-            rows_PH, self.gate_and_up_projs, self.down_projs, self.gate_up_proj_bias, self.down_proj_bias,
-            tokens_per_expert, probs_P.reshape(-1, 1), self.expert_activation, self.config.expert_mlp_chunk_bytes,
-            expert_mlp_impl=self.config.expert_mlp_impl, experts_config=self.config)
+            rows_PH,
+            self.gate_and_up_projs,
+            self.down_projs,
+            self.gate_up_proj_bias,
+            self.down_proj_bias,
+            tokens_per_expert,
+            probs_P.reshape(-1, 1),
+            self.expert_activation,
+            self.config.expert_mlp_chunk_bytes,
+            expert_mlp_impl=self.config.expert_mlp_impl,
+            experts_config=self.config,
+        )
 
 
 #: The seed API's name of `GroupedExpertsFlex`.

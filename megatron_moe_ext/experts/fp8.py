@@ -69,20 +69,31 @@ def fp8_recipe_of(config) -> Fp8Recipe | None:
     recipe = getattr(config, "fp8_recipe", None)
     recipe = getattr(recipe, "value", recipe)
     refused = {
-        "fp8": (config.fp8, "e4m3", "'hybrid' has E5M2 gradients, which torch._scaled_grouped_mm "
-                                    "does not take"),
-        "fp8_recipe": (recipe, "tensorwise", "no graph-safe FP8 grouped GEMM follows the other recipes "
-                                             "at the installed versions (megatron_moe_ext/experts/fp8.py)"),
-        "fp8_param": (bool(getattr(config, "fp8_param", False)), False,
-                      "the experts keep BF16 parameters and FP32 main grads, as for TE's FP8 experts"),
-        "first_last_layers_bf16": (bool(getattr(config, "first_last_layers_bf16", False)), False,
-                                   "the experts do not know their layer's number"),
+        "fp8": (config.fp8, "e4m3", "'hybrid' has E5M2 gradients, which torch._scaled_grouped_mm does not take"),
+        "fp8_recipe": (
+            recipe,
+            "tensorwise",
+            "no graph-safe FP8 grouped GEMM follows the other recipes "
+            "at the installed versions (megatron_moe_ext/experts/fp8.py)",
+        ),
+        "fp8_param": (
+            bool(getattr(config, "fp8_param", False)),
+            False,
+            "the experts keep BF16 parameters and FP32 main grads, as for TE's FP8 experts",
+        ),
+        "first_last_layers_bf16": (
+            bool(getattr(config, "first_last_layers_bf16", False)),
+            False,
+            "the experts do not know their layer's number",
+        ),
     }
     for field, (value, allowed, why) in refused.items():
         if value != allowed:
-            raise ValueError(f"GroupedGemmExperts: {field}={value!r} is not supported with FP8; allowed: "
-                             f"{allowed!r} ({why}); Megatron's TEGroupedMLP (moe_grouped_gemm with the "
-                             "TE spec) computes the other FP8 settings")
+            raise ValueError(
+                f"GroupedGemmExperts: {field}={value!r} is not supported with FP8; allowed: "
+                f"{allowed!r} ({why}); Megatron's TEGroupedMLP (moe_grouped_gemm with the "
+                "TE spec) computes the other FP8 settings"
+            )
     return Fp8Recipe(power_2_scales=os.environ.get("NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES", "0") == "1")
 
 
@@ -90,8 +101,10 @@ def check_fp8_widths(hidden: int, intermediate: int) -> None:
     """FP8 operands need 16-byte rows: every GEMM width a multiple of 16 (ValueError otherwise)."""
     for field, width in (("hidden_size", hidden), ("moe_ffn_hidden_size", intermediate)):
         if width % FP8_GROUP_ALIGN:
-            raise ValueError(f"GroupedGemmExperts: {field}={width} is not supported with FP8; allowed: "
-                             f"a multiple of {FP8_GROUP_ALIGN} (the FP8 GEMMs' 16-byte rows)")
+            raise ValueError(
+                f"GroupedGemmExperts: {field}={width} is not supported with FP8; allowed: "
+                f"a multiple of {FP8_GROUP_ALIGN} (the FP8 GEMMs' 16-byte rows)"
+            )
 
 
 def _scales(amax: torch.Tensor, recipe: Fp8Recipe) -> torch.Tensor:
@@ -127,7 +140,8 @@ def quantize_groups(x_PK: torch.Tensor, group_P: torch.Tensor, groups: int, reci
         (`[P, K]` float8_e4m3fn, `[G]` fp32 dequantization scales, 1 / scale).
     """
     amax_G = torch.zeros(groups, dtype=torch.float32, device=x_PK.device).scatter_reduce_(
-        0, group_P, x_PK.abs().amax(dim=1).float(), "amax")
+        0, group_P, x_PK.abs().amax(dim=1).float(), "amax"
+    )
     scale_G = _scales(amax_G, recipe)
     return _cast(x_PK, scale_G[group_P, None]), scale_G.reciprocal()
 
@@ -156,9 +170,15 @@ class _Fp8GroupedMm(torch.autograd.Function):
             return x_PK.new_zeros(0, width)
         xq_PK, sx_G = quantize_groups(x_PK, group_P, experts + 1, recipe)
         wq_eKN, sw_e = quantize_experts(w_eKN, recipe)
-        out_PN = scaled_grouped_mm(xq_PK, _column_major(wq_eKN), sx_G[group_P],
-                                   sw_e[:, None].expand(experts, width).contiguous(), offs=offsets_e,
-                                   out_dtype=x_PK.dtype, use_fast_accum=True)
+        out_PN = scaled_grouped_mm(
+            xq_PK,
+            _column_major(wq_eKN),
+            sx_G[group_P],
+            sw_e[:, None].expand(experts, width).contiguous(),
+            offs=offsets_e,
+            out_dtype=x_PK.dtype,
+            use_fast_accum=True,
+        )
         ctx.save_for_backward(xq_PK, sx_G, wq_eKN, sw_e, offsets_e, group_P)
         return out_PN
 
@@ -171,19 +191,31 @@ class _Fp8GroupedMm(torch.autograd.Function):
         experts, depth, width = wq_eKN.shape
         gq_PN, sg_G = quantize_groups(grad_PN.contiguous(), group_P, experts + 1, ctx.recipe)
         # dgrad: B = w^T per expert, [e, N, K]; the transpose of the row-major [e, K, N] is column-major.
-        grad_x = scaled_grouped_mm(gq_PN, wq_eKN.transpose(1, 2), sg_G[group_P],
-                                   sw_e[:, None].expand(experts, depth).contiguous(), offs=offsets_e,
-                                   out_dtype=ctx.dtypes[0], use_fast_accum=False)
+        grad_x = scaled_grouped_mm(
+            gq_PN,
+            wq_eKN.transpose(1, 2),
+            sg_G[group_P],
+            sw_e[:, None].expand(experts, depth).contiguous(),
+            offs=offsets_e,
+            out_dtype=ctx.dtypes[0],
+            use_fast_accum=False,
+        )
         # wgrad: groups along the contraction (rows): x^T [K, P] row-major, grad [P, N] column-major.
-        grad_w = scaled_grouped_mm(xq_PK.t().contiguous(), _column_major(gq_PN),
-                                   sx_G[:experts].repeat_interleave(depth),
-                                   sg_G[:experts].repeat_interleave(width), offs=offsets_e,
-                                   out_dtype=ctx.dtypes[0], use_fast_accum=False)
+        grad_w = scaled_grouped_mm(
+            xq_PK.t().contiguous(),
+            _column_major(gq_PN),
+            sx_G[:experts].repeat_interleave(depth),
+            sg_G[:experts].repeat_interleave(width),
+            offs=offsets_e,
+            out_dtype=ctx.dtypes[0],
+            use_fast_accum=False,
+        )
         return grad_x, grad_w.to(ctx.dtypes[1]), None, None, None
 
 
-def fp8_grouped_mm(x_PK: torch.Tensor, w_eKN: torch.Tensor, offsets_e: torch.Tensor,
-                   recipe: Fp8Recipe) -> torch.Tensor:
+def fp8_grouped_mm(
+    x_PK: torch.Tensor, w_eKN: torch.Tensor, offsets_e: torch.Tensor, recipe: Fp8Recipe
+) -> torch.Tensor:
     """`torch._grouped_mm(x, w, offs)` in FP8 per `recipe` (its autograd too). Rows past
     `offsets_e[-1]` form a group of their own, never computed: their output and input gradient are
     left unwritten, as `torch._grouped_mm` leaves them (the caller zeroes them).

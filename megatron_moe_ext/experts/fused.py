@@ -41,6 +41,7 @@ AUTO_MIN_HIDDEN_X_FFN = math.inf
 
 # --- the QuACK module -------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class QuackBackend:
     """The functions of `quack.gemm_interface` this path calls (`module`) and the epilogue
@@ -62,14 +63,13 @@ def _load_quack() -> QuackBackend:
         from quack import gemm_interface
         from quack.epilogue import library
     except Exception as exc:  # ImportError, or a CUDA/driver error raised while importing
-        return QuackBackend(None, f"QuACK is not importable ({type(exc).__name__}: {exc}); "
-                                  "install the `quack` extra")
+        return QuackBackend(None, f"QuACK is not importable ({type(exc).__name__}: {exc}); install the `quack` extra")
     version = getattr(quack, "__version__", "unknown")
     if version.split(".")[:2] != VERIFIED_QUACK.split(".")[:2]:
-        return QuackBackend(None, f"quack-kernels {version} is installed; this path is verified "
-                                  f"against {VERIFIED_QUACK}")
-    return QuackBackend(gemm_interface, None, epilogues=library,
-                        auto_min_hidden_x_ffn=AUTO_MIN_HIDDEN_X_FFN)
+        return QuackBackend(
+            None, f"quack-kernels {version} is installed; this path is verified against {VERIFIED_QUACK}"
+        )
+    return QuackBackend(gemm_interface, None, epilogues=library, auto_min_hidden_x_ffn=AUTO_MIN_HIDDEN_X_FFN)
 
 
 #: `quack_backend()`: the QuACK functions (imported once), or the reason they are unavailable;
@@ -80,17 +80,23 @@ set_quack_backend = quack_backend.set
 
 # --- what is supported --------------------------------------------------------------------------
 
-def activation_unsupported_reason(expert_activation: str, activation_alpha: float,
-                                  activation_limit: float) -> str | None:
+
+def activation_unsupported_reason(
+    expert_activation: str, activation_alpha: float, activation_limit: float
+) -> str | None:
     """Why QuACK's epilogues cannot compute this activation exactly, or None."""
     if expert_activation not in QUACK_ACTIVATIONS:
         return f"expert_activation={expert_activation!r} has no QuACK epilogue"
     if expert_activation in ("swiglu_clamped", "swiglu_oai", "quick_geglu") and activation_limit > 0:
-        return (f"{expert_activation} with activation_limit={activation_limit}: QuACK 0.6.5's gated "
-                "forward epilogue has no clamp")
+        return (
+            f"{expert_activation} with activation_limit={activation_limit}: QuACK 0.6.5's gated "
+            "forward epilogue has no clamp"
+        )
     if expert_activation in ("swiglu_oai", "quick_geglu") and activation_alpha != _QUACK_OAI_ALPHA:
-        return (f"{expert_activation} with activation_alpha={activation_alpha}: QuACK's swiglu_oai "
-                f"fixes alpha at {_QUACK_OAI_ALPHA}")
+        return (
+            f"{expert_activation} with activation_alpha={activation_alpha}: QuACK's swiglu_oai "
+            f"fixes alpha at {_QUACK_OAI_ALPHA}"
+        )
     return None
 
 
@@ -114,32 +120,35 @@ def device_unsupported_reason(device: torch.device, dtype: torch.dtype) -> str |
 def shape_unsupported_reason(hidden: int, inter: int) -> str | None:
     """Why QuACK's TMA loads cannot take these widths (16-byte rows), or None."""
     if hidden % 8 or inter % 8:
-        return (f"hidden {hidden} and intermediate {inter} must be multiples of 8 (16-byte "
-                "rows for QuACK's TMA loads)")
+        return f"hidden {hidden} and intermediate {inter} must be multiples of 8 (16-byte rows for QuACK's TMA loads)"
     return None
 
 
-def fused_unsupported_reason(config, device: torch.device | str | None = None,
-                             dtype: torch.dtype | None = None) -> str | None:
+def fused_unsupported_reason(
+    config, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+) -> str | None:
     """Why `config` (an `ExpertsConfig`) would not run the fused path with rows of `dtype`
     (default `config.dtype`) on `device` (default: the current CUDA device, else CPU), or None."""
     if config.expert_mlp_impl == "grouped_mm":
         return "expert_mlp_impl='grouped_mm'"
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-    return case_unsupported_reason(config.expert_mlp_impl, config, config.dim, config.moe_inter_dim,
-                                   torch.device(device), dtype or config.dtype)
+    return case_unsupported_reason(
+        config.expert_mlp_impl, config, config.dim, config.moe_inter_dim, torch.device(device), dtype or config.dtype
+    )
 
 
-def case_unsupported_reason(expert_mlp_impl: str, config, hidden: int, inter: int,
-                            device: torch.device, dtype: torch.dtype) -> str | None:
+def case_unsupported_reason(
+    expert_mlp_impl: str, config, hidden: int, inter: int, device: torch.device, dtype: torch.dtype
+) -> str | None:
     """Why `expert_mlp_impl` ("auto" or "fused") does not run the fused path for `config`'s
     activation at these widths, on `device` in `dtype`, or None when it does."""
-    return (activation_unsupported_reason(config.expert_activation, config.activation_alpha,
-                                          config.activation_limit)
-            or shape_unsupported_reason(hidden, inter)
-            or device_unsupported_reason(device, dtype)
-            or auto_declined_reason(expert_mlp_impl, hidden, inter))
+    return (
+        activation_unsupported_reason(config.expert_activation, config.activation_alpha, config.activation_limit)
+        or shape_unsupported_reason(hidden, inter)
+        or device_unsupported_reason(device, dtype)
+        or auto_declined_reason(expert_mlp_impl, hidden, inter)
+    )
 
 
 def auto_declined_reason(expert_mlp_impl: str, hidden: int, inter: int) -> str | None:
@@ -147,7 +156,12 @@ def auto_declined_reason(expert_mlp_impl: str, hidden: int, inter: int) -> str |
     least = quack_backend().auto_min_hidden_x_ffn
     if expert_mlp_impl != "auto" or hidden * inter >= least:
         return None
-    where = ("at every width measured so far" if least == math.inf
-             else f"where hidden * FFN ({hidden} * {inter}) < {least}")
-    return (f"expert_mlp_impl='auto' keeps the torch path {where}: it measured faster "
-            "(fused.AUTO_MIN_HIDDEN_X_FFN); expert_mlp_impl='fused' runs the fused path anyway")
+    where = (
+        "at every width measured so far"
+        if least == math.inf
+        else f"where hidden * FFN ({hidden} * {inter}) < {least}"
+    )
+    return (
+        f"expert_mlp_impl='auto' keeps the torch path {where}: it measured faster "
+        "(fused.AUTO_MIN_HIDDEN_X_FFN); expert_mlp_impl='fused' runs the fused path anyway"
+    )

@@ -71,6 +71,7 @@ from megatron_moe_ext.utils.env import quack_tuned
 
 # --- layout -------------------------------------------------------------------------------------
 
+
 def _interleave_gate_up(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`[gate | up]` along the last dim -> gate `2j`, up `2j + 1`, cast to `dtype`, one copy
     (a Triton pass on CUDA, `kernels/interleave_triton.py` says why)."""
@@ -119,25 +120,38 @@ class _FusedExpertMLP(torch.autograd.Function):
     docstring for the kernels)."""
 
     @staticmethod
-    def forward(ctx, rows_NH: torch.Tensor, gate_and_up_projs: torch.Tensor,
-                down_projs: torch.Tensor, gate_up_proj_bias: torch.Tensor | None,
-                probs_P1: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    def forward(
+        ctx,
+        rows_NH: torch.Tensor,
+        gate_and_up_projs: torch.Tensor,
+        down_projs: torch.Tensor,
+        gate_up_proj_bias: torch.Tensor | None,
+        probs_P1: torch.Tensor,
+        plan: _Plan,
+    ) -> torch.Tensor:
         dtype, q = rows_NH.dtype, plan.backend
-        w1 = (_interleave_gate_up(gate_and_up_projs, dtype) if plan.interleave
-              else gate_and_up_projs.to(dtype))
+        w1 = _interleave_gate_up(gate_and_up_projs, dtype) if plan.interleave else gate_and_up_projs.to(dtype)
         b1 = None
         if gate_up_proj_bias is not None:  # fp32: QuACK's rowvec port takes it as is
-            b1 = (_interleave_gate_up(gate_up_proj_bias, torch.float32) if plan.interleave
-                  else gate_up_proj_bias.float())
+            b1 = (
+                _interleave_gate_up(gate_up_proj_bias, torch.float32)
+                if plan.interleave
+                else gate_up_proj_bias.float()
+            )
         act = q.gemm_gated if plan.gated else q.gemm_act
-        preact_PN, postact_PI = act(rows_NH, w1, bias=b1, activation=plan.activation,
-                                    cu_seqlens_m=plan.cu_seqlens_e1, A_idx=plan.row_of_slot_P,
-                                    tuned=quack_tuned())
+        preact_PN, postact_PI = act(
+            rows_NH,
+            w1,
+            bias=b1,
+            activation=plan.activation,
+            cu_seqlens_m=plan.cu_seqlens_e1,
+            A_idx=plan.row_of_slot_P,
+            tuned=quack_tuned(),
+        )
         del w1
         out_PH = _row_scaled_gemm(plan, postact_PI, down_projs.to(dtype), probs_P1)
         ctx.plan = plan
-        ctx.save_for_backward(rows_NH, gate_and_up_projs, down_projs, gate_up_proj_bias,
-                              probs_P1, preact_PN)
+        ctx.save_for_backward(rows_NH, gate_and_up_projs, down_projs, gate_up_proj_bias, probs_P1, preact_PN)
         return zero_padding_rows_(out_PH, plan.total_1)
 
     @staticmethod
@@ -150,13 +164,20 @@ class _FusedExpertMLP(torch.autograd.Function):
         # dpreact = dact(preact, prob * dout W2^T); scaled = prob * act(preact) (the down GEMM's
         # input); dprob = sum_n act(preact) * (dout W2^T).
         dpreact_PN, scaled_PI, dprob_P = dact(
-            dout_PH, down_projs.to(dtype).mT, preact_PN, activation=plan.activation,
-            colvec_scale=probs_P1[:, 0].float().contiguous(), colvec_reduce=True,
-            cu_seqlens_m=plan.cu_seqlens_e1, tuned=tuned)
+            dout_PH,
+            down_projs.to(dtype).mT,
+            preact_PN,
+            activation=plan.activation,
+            colvec_scale=probs_P1[:, 0].float().contiguous(),
+            colvec_reduce=True,
+            cu_seqlens_m=plan.cu_seqlens_e1,
+            tuned=tuned,
+        )
         grads = [None] * 6
         if ctx.needs_input_grad[2]:
-            grads[2] = quack_weight_grad(q, scaled_PI.T, dout_PH, plan.cu_seqlens_e1, down_projs.dtype,
-                                         plan.wgrad and plan.wgrad[1])
+            grads[2] = quack_weight_grad(
+                q, scaled_PI.T, dout_PH, plan.cu_seqlens_e1, down_projs.dtype, plan.wgrad and plan.wgrad[1]
+            )
         del scaled_PI
         if ctx.needs_input_grad[4]:
             grads[4] = zero_padding_rows_(dprob_P[:, None].contiguous(), plan.total_1).to(probs_P1.dtype)
@@ -166,22 +187,41 @@ class _FusedExpertMLP(torch.autograd.Function):
             # no weight-sized copy.
             dpreact_PN = _deinterleave_gate_up(dpreact_PN)
         if ctx.needs_input_grad[1]:
-            grads[1] = quack_weight_grad(q, rows_NH.T, dpreact_PN, plan.cu_seqlens_e1,
-                                         gate_and_up_projs.dtype, plan.wgrad and plan.wgrad[0],
-                                         plan.row_of_slot_P)
+            grads[1] = quack_weight_grad(
+                q,
+                rows_NH.T,
+                dpreact_PN,
+                plan.cu_seqlens_e1,
+                gate_and_up_projs.dtype,
+                plan.wgrad and plan.wgrad[0],
+                plan.row_of_slot_P,
+            )
         if ctx.needs_input_grad[3]:  # False where there is no bias
             grads[3] = reduce_bias_grad(dpreact_PN, plan.counts_e, None, gate_up_proj_bias.dtype)
         if ctx.needs_input_grad[0]:
-            dx_PH = zero_padding_rows_(q.gemm(dpreact_PN, gate_and_up_projs.to(dtype).mT,
-                                              cu_seqlens_m=plan.cu_seqlens_e1,
-                                              dynamic_scheduler=True, tuned=tuned), plan.total_1)
+            dx_PH = zero_padding_rows_(
+                q.gemm(
+                    dpreact_PN,
+                    gate_and_up_projs.to(dtype).mT,
+                    cu_seqlens_m=plan.cu_seqlens_e1,
+                    dynamic_scheduler=True,
+                    tuned=tuned,
+                ),
+                plan.total_1,
+            )
             grads[0] = dx_PH if plan.pos_RJ is None else gather_sum(dx_PH, plan.pos_RJ)
         return tuple(grads)
 
 
-def quack_weight_grad(q: ModuleType, a_KN: torch.Tensor, b_NM: torch.Tensor, cu_seqlens_e1: torch.Tensor,
-                      dtype: torch.dtype, target: WgradTarget | None = None,
-                      A_idx: torch.Tensor | None = None) -> torch.Tensor | None:
+def quack_weight_grad(
+    q: ModuleType,
+    a_KN: torch.Tensor,
+    b_NM: torch.Tensor,
+    cu_seqlens_e1: torch.Tensor,
+    dtype: torch.dtype,
+    target: WgradTarget | None = None,
+    A_idx: torch.Tensor | None = None,
+) -> torch.Tensor | None:
     """A weight gradient `a[:, seg_e] @ b[seg_e]` per expert segment (QuACK's varlen-K GEMM, rows
     past the segments unread), `[e, K, M]` in `dtype`; with `target`, `gemm_add_inplace` adds it
     into `target.main_grad` in that buffer's dtype (fp32 accumulator, no other pass over it) and
@@ -199,23 +239,30 @@ def quack_weight_grad(q: ModuleType, a_KN: torch.Tensor, b_NM: torch.Tensor, cu_
     return target.finish()
 
 
-def _row_scaled_gemm(plan: _Plan, a_PI: torch.Tensor, w_eIH: torch.Tensor,
-                     probs_P1: torch.Tensor) -> torch.Tensor:
+def _row_scaled_gemm(plan: _Plan, a_PI: torch.Tensor, w_eIH: torch.Tensor, probs_P1: torch.Tensor) -> torch.Tensor:
     """`probs * (a W)` per expert segment, `[P, H]` in `a`'s dtype: QuACK's `norm_act_mod`
     epilogue scales the fp32 accumulator by the prob (`mColVecBroadcast`), so the prob costs
     no pass over `a` and the output one rounding; rows past the segments stay unwritten."""
-    mod = plan.epilogues.norm_act_mod(None, gated=False, has_c=False, has_rowvec=False,
-                                      has_colvec=True)
+    mod = plan.epilogues.norm_act_mod(None, gated=False, has_c=False, has_rowvec=False, has_colvec=True)
     out_PH = torch.empty(a_PI.shape[0], w_eIH.shape[-1], dtype=a_PI.dtype, device=a_PI.device)
     if a_PI.shape[0] == 0:
         return out_PH
-    mod(a_PI, w_eIH, None, out={"mAuxOut": out_PH}, store_d=False, tuned=quack_tuned(),
-        cu_seqlens_m=plan.cu_seqlens_e1, mColVecBroadcast=probs_P1[:, 0].float().contiguous())
+    mod(
+        a_PI,
+        w_eIH,
+        None,
+        out={"mAuxOut": out_PH},
+        store_d=False,
+        tuned=quack_tuned(),
+        cu_seqlens_m=plan.cu_seqlens_e1,
+        mColVecBroadcast=probs_P1[:, 0].float().contiguous(),
+    )
     return out_PH
 
 
-def _segment_offsets(tokens_per_expert: TokenCounts, rows: int,
-                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def _segment_offsets(
+    tokens_per_expert: TokenCounts, rows: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`(cu_seqlens int32 [e + 1], counts int64 [e], total_1 or None)` on `device`, without a
     host sync; total_1 (rows in segments, `[1]`) is None when the host counts fill all rows."""
     host = host_counts(tokens_per_expert)
@@ -225,11 +272,17 @@ def _segment_offsets(tokens_per_expert: TokenCounts, rows: int,
     return cu_e1, counts_e, total_1
 
 
-def fused_expert_mlp(hidden: torch.Tensor | IndexedRows, gate_and_up_projs: torch.Tensor,
-                     down_projs: torch.Tensor, gate_up_proj_bias: torch.Tensor | None,
-                     down_proj_bias: torch.Tensor | None, tokens_per_expert: TokenCounts,
-                     permuted_probs_P1: torch.Tensor, expert_activation: str,
-                     wgrad: tuple[WgradTarget, WgradTarget] | None = None) -> torch.Tensor:
+def fused_expert_mlp(
+    hidden: torch.Tensor | IndexedRows,
+    gate_and_up_projs: torch.Tensor,
+    down_projs: torch.Tensor,
+    gate_up_proj_bias: torch.Tensor | None,
+    down_proj_bias: torch.Tensor | None,
+    tokens_per_expert: TokenCounts,
+    permuted_probs_P1: torch.Tensor,
+    expert_activation: str,
+    wgrad: tuple[WgradTarget, WgradTarget] | None = None,
+) -> torch.Tensor:
     """The expert MLP on QuACK (callers check support first: `fused_unsupported_reason`,
     `device_unsupported_reason`; `mlp.run_grouped_expert_mlp` does).
 
@@ -257,19 +310,33 @@ def fused_expert_mlp(hidden: torch.Tensor | IndexedRows, gate_and_up_projs: torc
         # Padding positions may carry garbage probs; the varlen GEMMs never read those rows,
         # but the down bias's `prob * bias` would turn a NaN prob into a NaN output.
         permuted_probs_P1 = torch.where(
-            (torch.arange(rows, device=rows_NH.device) < total_1)[:, None], permuted_probs_P1, 0)
+            (torch.arange(rows, device=rows_NH.device) < total_1)[:, None], permuted_probs_P1, 0
+        )
     backend = quack_backend()
-    plan = _Plan(backend.module, backend.epilogues or backend.module, name, gated,
-                 gated and not stored_interleaved, cu_e1, counts_e, total_1, row_of_slot_P, pos_RJ, wgrad)
-    out_PH = _FusedExpertMLP.apply(rows_NH.contiguous(), gate_and_up_projs, down_projs,
-                                   gate_up_proj_bias, permuted_probs_P1, plan)
+    plan = _Plan(
+        backend.module,
+        backend.epilogues or backend.module,
+        name,
+        gated,
+        gated and not stored_interleaved,
+        cu_e1,
+        counts_e,
+        total_1,
+        row_of_slot_P,
+        pos_RJ,
+        wgrad,
+    )
+    out_PH = _FusedExpertMLP.apply(
+        rows_NH.contiguous(), gate_and_up_projs, down_projs, gate_up_proj_bias, permuted_probs_P1, plan
+    )
     if down_proj_bias is not None:
         out_PH = apply_bias(out_PH, down_proj_bias, counts_e, permuted_probs_P1)
     return out_PH
 
 
-def warmup_fused_expert_mlp(config, device: torch.device | str, dtype: torch.dtype | None = None,
-                            indexed: bool = True) -> None:
+def warmup_fused_expert_mlp(
+    config, device: torch.device | str, dtype: torch.dtype | None = None, indexed: bool = True
+) -> None:
     """Compile QuACK's kernels for `config` before a CUDA graph capture (or a timed region):
     one forward and backward on a few rows. Kernels are compiled per variant (dtypes,
     layouts, activation, bias, gather), not per shape, so these cover every later shape.
@@ -290,16 +357,25 @@ def warmup_fused_expert_mlp(config, device: torch.device | str, dtype: torch.dty
     up = (2 if gated else 1) * inter
     counts = torch.tensor([3, 2], device=device)
     biases = ((e, up), (e, hidden)) if config.expert_bias else ()
-    params = [torch.randn(e, hidden, up, device=device, dtype=dtype, requires_grad=True),
-              torch.randn(e, inter, hidden, device=device, dtype=dtype, requires_grad=True),
-              *(torch.zeros(shape, device=device, dtype=dtype, requires_grad=True) for shape in biases)]
+    params = [
+        torch.randn(e, hidden, up, device=device, dtype=dtype, requires_grad=True),
+        torch.randn(e, inter, hidden, device=device, dtype=dtype, requires_grad=True),
+        *(torch.zeros(shape, device=device, dtype=dtype, requires_grad=True) for shape in biases),
+    ]
     params += [None] * (4 - len(params))
     probs = torch.rand(6, 1, device=device, requires_grad=True)
     rows = torch.randn(6, hidden, device=device, dtype=dtype, requires_grad=True)
     inputs = [rows]
     if indexed:
-        inputs.append(IndexedRows(rows, torch.arange(6, device=device, dtype=torch.int32),
-                                  torch.arange(6, device=device)[:, None], counts, probs[:, 0]))
+        inputs.append(
+            IndexedRows(
+                rows,
+                torch.arange(6, device=device, dtype=torch.int32),
+                torch.arange(6, device=device)[:, None],
+                counts,
+                probs[:, 0],
+            )
+        )
     for hidden_in in inputs:
         out = fused_expert_mlp(hidden_in, *params, counts, probs, config.expert_activation)
         out.float().sum().backward()

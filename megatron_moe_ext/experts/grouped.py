@@ -82,8 +82,9 @@ class GroupedExperts(StackedExperts):
         """`forward`'s `[T, ...]` inputs of every rank -> rank-major `[N, ...]` ones plus the
         host list of every rank's T; x and weights stay differentiable."""
         lens = torch.zeros(ep_size, dtype=torch.int64, device=x.device)
-        dist.all_gather_into_tensor(lens, torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device),
-                                    group=ep_group)
+        dist.all_gather_into_tensor(
+            lens, torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device), group=ep_group
+        )
         gathered_lens = lens.tolist()
         max_len = max(gathered_lens)
         x_all = _AllGatherConcatVarlenFn.apply(x, ep_group, gathered_lens, max_len)
@@ -93,8 +94,9 @@ class GroupedExperts(StackedExperts):
         meta_all = _all_gather_varlen(meta, ep_group, gathered_lens, max_len)
         return x_all, meta_all[:, -1].bool(), weights_all, meta_all[:, :-1], gathered_lens
 
-    def forward(self, x: torch.Tensor, token_mask: torch.Tensor, weights: torch.Tensor,
-                indices: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, token_mask: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
+    ) -> torch.Tensor:
         """Apply the routed experts.
 
         Arguments:
@@ -109,31 +111,71 @@ class GroupedExperts(StackedExperts):
         group = self.ep.group
         if group is not None:
             x, token_mask, weights, indices, lens = self._gather_ep_inputs(
-                x, token_mask, weights, indices, group, self.ep.size)
+                x, token_mask, weights, indices, group, self.ep.size
+            )
         params = (self.gate_and_up_projs, self.down_projs, self.gate_up_proj_bias, self.down_proj_bias)
         if self.config.use_torch_mm:
-            out = self._forward_grouped_mm(x, token_mask, weights, indices, *params,
-                                           self.n_local_experts, self.experts_start_idx)
+            out = self._forward_grouped_mm(
+                x, token_mask, weights, indices, *params, self.n_local_experts, self.experts_start_idx
+            )
         else:
-            out = self._forward_loop(x, weights, indices, token_mask, *params, self.n_local_experts,
-                                     self.experts_start_idx, self.experts_end_idx)
+            out = self._forward_loop(
+                x,
+                weights,
+                indices,
+                token_mask,
+                *params,
+                self.n_local_experts,
+                self.experts_start_idx,
+                self.experts_end_idx,
+            )
         if group is not None:
             out = _AllReduceNarrowFn.apply(out, group, lens)
         return out
 
-    def _forward_grouped_mm(self, x, token_mask, weights, indices, gate_and_up_projs, down_projs,
-                            gate_up_proj_bias, down_proj_bias, n_local_experts, experts_start_idx):
+    def _forward_grouped_mm(
+        self,
+        x,
+        token_mask,
+        weights,
+        indices,
+        gate_and_up_projs,
+        down_projs,
+        gate_up_proj_bias,
+        down_proj_bias,
+        n_local_experts,
+        experts_start_idx,
+    ):
         perm = permute_local(x, token_mask, weights.float(), indices, experts_start_idx, n_local_experts)
         out_PH = run_grouped_expert_mlp(
-            perm.rows_PH, gate_and_up_projs, down_projs, gate_up_proj_bias, down_proj_bias,
-            perm.tokens_per_expert, perm.probs_P[:, None], self.expert_activation,
-            self.config.expert_mlp_chunk_bytes, expert_mlp_impl=self.config.expert_mlp_impl,
-            experts_config=self.config)
+            perm.rows_PH,
+            gate_and_up_projs,
+            down_projs,
+            gate_up_proj_bias,
+            down_proj_bias,
+            perm.tokens_per_expert,
+            perm.probs_P[:, None],
+            self.expert_activation,
+            self.config.expert_mlp_chunk_bytes,
+            expert_mlp_impl=self.config.expert_mlp_impl,
+            experts_config=self.config,
+        )
         return unpermute_from_experts(out_PH.to(x.dtype), perm.state)
 
-    def _forward_loop(self, x, weights, indices, token_mask, gate_and_up_projs, down_projs,
-                      gate_up_proj_bias, down_proj_bias, n_local_experts, experts_start_idx,
-                      experts_end_idx):
+    def _forward_loop(
+        self,
+        x,
+        weights,
+        indices,
+        token_mask,
+        gate_and_up_projs,
+        down_projs,
+        gate_up_proj_bias,
+        down_proj_bias,
+        n_local_experts,
+        experts_start_idx,
+        experts_end_idx,
+    ):
         # Every local expert runs, even with no tokens, so each one's parameters get a (zero) gradient.
         out = x.new_zeros(x.shape)
         routed_TK = indices.ge(experts_start_idx) & indices.lt(experts_end_idx) & token_mask[:, None]

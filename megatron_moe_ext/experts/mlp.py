@@ -83,21 +83,33 @@ class _ZeroGradOnPadding(torch.autograd.Function):
 WgradKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "list[int] | None", WgradTarget], None]
 
 
-def _quack_add_wgrad(x_PK: torch.Tensor, dy_PN: torch.Tensor, offsets_e: torch.Tensor,
-                     host: list[int] | None, target: WgradTarget) -> None:
+def _quack_add_wgrad(
+    x_PK: torch.Tensor, dy_PN: torch.Tensor, offsets_e: torch.Tensor, host: list[int] | None, target: WgradTarget
+) -> None:
     """`main_grad[e] += x_e^T dy_e` by QuACK's varlen-K GEMM (device offsets: sync-free)."""
-    quack_weight_grad(quack_backend().module, x_PK.T, dy_PN, torch.nn.functional.pad(offsets_e, (1, 0)),
-                      x_PK.dtype, target)
+    quack_weight_grad(
+        quack_backend().module, x_PK.T, dy_PN, torch.nn.functional.pad(offsets_e, (1, 0)), x_PK.dtype, target
+    )
 
 
-def _te_add_wgrad(x_PK: torch.Tensor, dy_PN: torch.Tensor, offsets_e: torch.Tensor,
-                  host: list[int] | None, target: WgradTarget) -> None:
+def _te_add_wgrad(
+    x_PK: torch.Tensor, dy_PN: torch.Tensor, offsets_e: torch.Tensor, host: list[int] | None, target: WgradTarget
+) -> None:
     """`main_grad[e] += x_e^T dy_e` by TE's grouped GEMM (cuBLAS, `beta = 1`) over the host
     counts, as TE's `GroupedLinear` accumulates its own (layout "NT": `D = B^T A`)."""
     experts = len(host)
-    te_grouped_gemm().gemm(list(dy_PN.split(host)), list(x_PK.split(host)), list(target.main_grad.unbind(0)),
-                           [None] * experts, target.main_grad.dtype, layout="NT", m_splits=host, grad=True,
-                           accumulate=True, use_split_accumulator=True)
+    te_grouped_gemm().gemm(
+        list(dy_PN.split(host)),
+        list(x_PK.split(host)),
+        list(target.main_grad.unbind(0)),
+        [None] * experts,
+        target.main_grad.dtype,
+        layout="NT",
+        m_splits=host,
+        grad=True,
+        accumulate=True,
+        use_split_accumulator=True,
+    )
 
 
 class _GroupedMmIntoMainGrad(torch.autograd.Function):
@@ -106,8 +118,15 @@ class _GroupedMmIntoMainGrad(torch.autograd.Function):
     gradient in the rows' dtype, no separate add)."""
 
     @staticmethod
-    def forward(ctx, x_PK: torch.Tensor, weight_eKN: torch.Tensor, offsets_e: torch.Tensor,
-                target: WgradTarget, add_wgrad: WgradKernel, host: list[int] | None) -> torch.Tensor:
+    def forward(
+        ctx,
+        x_PK: torch.Tensor,
+        weight_eKN: torch.Tensor,
+        offsets_e: torch.Tensor,
+        target: WgradTarget,
+        add_wgrad: WgradKernel,
+        host: list[int] | None,
+    ) -> torch.Tensor:
         x_PK = x_PK.contiguous()
         ctx.save_for_backward(x_PK, weight_eKN, offsets_e)
         ctx.target, ctx.add_wgrad, ctx.host = target, add_wgrad, host
@@ -124,23 +143,30 @@ class _GroupedMmIntoMainGrad(torch.autograd.Function):
         return dx_PK, ctx.target.finish(), None, None, None, None
 
 
-def wgrad_kernel(device: torch.device, dtype: torch.dtype, hidden: int, inter: int,
-                 host_counts_known: bool, fp8: bool = False) -> tuple[WgradKernel | None, str]:
+def wgrad_kernel(
+    device: torch.device, dtype: torch.dtype, hidden: int, inter: int, host_counts_known: bool, fp8: bool = False
+) -> tuple[WgradKernel | None, str]:
     """The GEMM that adds the torch path's weight gradients into `main_grad` (QuACK's with any
     counts, else TE's with host counts; none under `fp8`), or None, and a line saying which or why none."""
     if fp8:
-        return None, ("under fp8 no GEMM adds into main_grad (torch._scaled_grouped_mm cannot add into its output): "
-                      "each expert weight gradient is computed, then added into main_grad in backward")
+        return None, (
+            "under fp8 no GEMM adds into main_grad (torch._scaled_grouped_mm cannot add into its output): "
+            "each expert weight gradient is computed, then added into main_grad in backward"
+        )
     shape = shape_unsupported_reason(hidden, inter)
     quack = shape or device_unsupported_reason(device, dtype)
     if quack is None:
         return _quack_add_wgrad, "QuACK's varlen-K GEMM adds them into main_grad (gemm_add_inplace)"
     te = shape or te_unsupported_reason(device, dtype)
     if te is None and host_counts_known:
-        return _te_add_wgrad, ("TE's grouped GEMM adds them into main_grad (general_grouped_gemm, accumulate) "
-                               "with host counts; with device counts (budget mode) each is added in backward")
-    return None, (f"no GEMM here adds into main_grad ({quack}; {te or 'TE needs host counts'}): each "
-                  "expert weight gradient is computed, then added into main_grad in backward")
+        return _te_add_wgrad, (
+            "TE's grouped GEMM adds them into main_grad (general_grouped_gemm, accumulate) "
+            "with host counts; with device counts (budget mode) each is added in backward"
+        )
+    return None, (
+        f"no GEMM here adds into main_grad ({quack}; {te or 'TE needs host counts'}): each "
+        "expert weight gradient is computed, then added into main_grad in backward"
+    )
 
 
 def _pad_dims(t: torch.Tensor, multiple: int, dims: tuple[int, ...]) -> torch.Tensor:
@@ -151,9 +177,14 @@ def _pad_dims(t: torch.Tensor, multiple: int, dims: tuple[int, ...]) -> torch.Te
     return torch.nn.functional.pad(t, pad) if any(pad) else t
 
 
-def _grouped_mm_any_width(x_PK: torch.Tensor, w_eKN: torch.Tensor, offsets_e: torch.Tensor,
-                          total_1: torch.Tensor | None, into: tuple | None = None,
-                          fp8: Fp8Recipe | None = None) -> torch.Tensor:
+def _grouped_mm_any_width(
+    x_PK: torch.Tensor,
+    w_eKN: torch.Tensor,
+    offsets_e: torch.Tensor,
+    total_1: torch.Tensor | None,
+    into: tuple | None = None,
+    fp8: Fp8Recipe | None = None,
+) -> torch.Tensor:
     """`torch._grouped_mm(x, w, offs)` for any K and N (see "Feature padding"); with `into`
     (`(target, add_wgrad, host)`, at 16-byte widths: no padding) the weight gradient goes into
     `target.main_grad`. Under `fp8` (never with `into`), its FP8 counterpart (`experts/fp8.py`:
@@ -165,17 +196,27 @@ def _grouped_mm_any_width(x_PK: torch.Tensor, w_eKN: torch.Tensor, offsets_e: to
     multiple = max(1, 16 // x_PK.element_size())  # elements per 16 bytes
     width = w_eKN.shape[2]
     out = _GroupedMmOutput.apply(
-        torch._grouped_mm(_pad_dims(x_PK, multiple, (-1,)), _pad_dims(w_eKN, multiple, (-2, -1)),
-                          offs=offsets_e), total_1)
+        torch._grouped_mm(_pad_dims(x_PK, multiple, (-1,)), _pad_dims(w_eKN, multiple, (-2, -1)), offs=offsets_e),
+        total_1,
+    )
     return out if out.shape[1] == width else out[:, :width].contiguous()
 
 
-def _grouped_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor, down_projs: torch.Tensor,
-                 gate_up_proj_bias: torch.Tensor | None, down_proj_bias: torch.Tensor | None,
-                 tokens_per_expert: TokenCounts, permuted_probs_P1: torch.Tensor,
-                 activation_fn: Activation, apply_router_weight_after_down: bool,
-                 activation_checkpoint=None, wgrad: tuple[WgradTarget, WgradTarget] | None = None,
-                 add_wgrad: WgradKernel | None = None, fp8: Fp8Recipe | None = None) -> torch.Tensor:
+def _grouped_mlp(
+    hidden_PH: torch.Tensor,
+    gate_and_up_projs: torch.Tensor,
+    down_projs: torch.Tensor,
+    gate_up_proj_bias: torch.Tensor | None,
+    down_proj_bias: torch.Tensor | None,
+    tokens_per_expert: TokenCounts,
+    permuted_probs_P1: torch.Tensor,
+    activation_fn: Activation,
+    apply_router_weight_after_down: bool,
+    activation_checkpoint=None,
+    wgrad: tuple[WgradTarget, WgradTarget] | None = None,
+    add_wgrad: WgradKernel | None = None,
+    fp8: Fp8Recipe | None = None,
+) -> torch.Tensor:
     """The grouped MLP in one shot (arguments as `run_grouped_expert_mlp`, unchecked;
     `apply_router_weight_after_down`: `prob * (act(x W1 + b1) W2 + b2)`; `wgrad`: the weight
     gradients go into these `main_grad`s by `add_wgrad`). Returns `[P, H]`."""
@@ -183,17 +224,28 @@ def _grouped_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor, down_
     host = host_counts(tokens_per_expert)
     if host is not None and sum(host) < rows:
         valid = sum(host)
-        out = _grouped_mlp(hidden_PH[:valid], gate_and_up_projs, down_projs, gate_up_proj_bias,
-                           down_proj_bias, host, permuted_probs_P1[:valid], activation_fn,
-                           apply_router_weight_after_down, activation_checkpoint, wgrad, add_wgrad, fp8)
+        out = _grouped_mlp(
+            hidden_PH[:valid],
+            gate_and_up_projs,
+            down_projs,
+            gate_up_proj_bias,
+            down_proj_bias,
+            host,
+            permuted_probs_P1[:valid],
+            activation_fn,
+            apply_router_weight_after_down,
+            activation_checkpoint,
+            wgrad,
+            add_wgrad,
+            fp8,
+        )
         return torch.nn.functional.pad(out, (0, 0, 0, rows - valid))
     total_1 = None
     if host is not None:
         # Offsets summed on the host: one small copy (asynchronous for the host) instead of
         # a cumsum and a cast kernel.
         counts_e = host
-        offsets_e = torch.tensor(list(accumulate(host)), dtype=torch.int32).to(
-            hidden_PH.device, non_blocking=True)
+        offsets_e = torch.tensor(list(accumulate(host)), dtype=torch.int32).to(hidden_PH.device, non_blocking=True)
     else:
         counts_e = counts_on(tokens_per_expert, hidden_PH.device)
         offsets_e = torch.cumsum(counts_e, 0, dtype=torch.int32)
@@ -202,7 +254,8 @@ def _grouped_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor, down_
         total_1 = offsets_e[-1:]
         hidden_PH = _ZeroGradOnPadding.apply(hidden_PH, total_1)
         permuted_probs_P1 = torch.where(
-            (torch.arange(rows, device=hidden_PH.device) < total_1)[:, None], permuted_probs_P1, 0)
+            (torch.arange(rows, device=hidden_PH.device) < total_1)[:, None], permuted_probs_P1, 0
+        )
     act_probs_P1 = torch.ones_like(permuted_probs_P1) if apply_router_weight_after_down else permuted_probs_P1
     up_into = down_into = None
     if wgrad is None:  # cast fp32 masters here; `_GroupedMmIntoMainGrad` casts inside
@@ -212,8 +265,11 @@ def _grouped_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor, down_
     up_PI = _grouped_mm_any_width(hidden_PH, gate_and_up_projs, offsets_e, None, up_into, fp8)
     if gate_up_proj_bias is not None:
         up_PI = apply_bias(up_PI, gate_up_proj_bias, counts_e)
-    act_PI = (activation_fn(up_PI, act_probs_P1) if activation_checkpoint is None
-              else activation_checkpoint.checkpoint(activation_fn, up_PI, act_probs_P1))
+    act_PI = (
+        activation_fn(up_PI, act_probs_P1)
+        if activation_checkpoint is None
+        else activation_checkpoint.checkpoint(activation_fn, up_PI, act_probs_P1)
+    )
     out_PH = _grouped_mm_any_width(act_PI, down_projs, offsets_e, total_1, down_into, fp8)
     if activation_checkpoint is not None:  # act_PI is freed now, recomputed in backward
         activation_checkpoint.discard_output_and_register_recompute(out_PH)
@@ -226,12 +282,18 @@ def _grouped_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor, down_
     return out_PH
 
 
-def _checkpointed_chunked_expert_mlp(hidden_states: torch.Tensor, gate_and_up_projs: torch.Tensor,
-                                     down_projs: torch.Tensor, gate_up_proj_bias: torch.Tensor | None,
-                                     down_proj_bias: torch.Tensor | None, tokens_per_expert: TokenCounts,
-                                     permuted_probs: torch.Tensor, activation_fn: Activation,
-                                     apply_router_weight_after_down: bool = False,
-                                     chunk_bytes: int | None = None) -> torch.Tensor:
+def _checkpointed_chunked_expert_mlp(
+    hidden_states: torch.Tensor,
+    gate_and_up_projs: torch.Tensor,
+    down_projs: torch.Tensor,
+    gate_up_proj_bias: torch.Tensor | None,
+    down_proj_bias: torch.Tensor | None,
+    tokens_per_expert: TokenCounts,
+    permuted_probs: torch.Tensor,
+    activation_fn: Activation,
+    apply_router_weight_after_down: bool = False,
+    chunk_bytes: int | None = None,
+) -> torch.Tensor:
     """The grouped expert MLP in checkpointed row chunks, each about `chunk_bytes` of `[rows, 2I]`
     intermediate (default `EXPERT_MLP_CHUNK_BYTES`); chunks may cut through an expert's rows.
 
@@ -249,12 +311,21 @@ def _checkpointed_chunked_expert_mlp(hidden_states: torch.Tensor, gate_and_up_pr
     for first in range(0, rows, chunk_rows):
         last = min(first + chunk_rows, rows)
         out_PH[first:last] = checkpoint(
-            _grouped_mlp, hidden_states[first:last], gate_and_up_projs, down_projs, gate_up_proj_bias,
-            down_proj_bias, chunk_counts(counts_e, first, last), permuted_probs[first:last], activation_fn,
-            apply_router_weight_after_down, use_reentrant=False,
+            _grouped_mlp,
+            hidden_states[first:last],
+            gate_and_up_projs,
+            down_projs,
+            gate_up_proj_bias,
+            down_proj_bias,
+            chunk_counts(counts_e, first, last),
+            permuted_probs[first:last],
+            activation_fn,
+            apply_router_weight_after_down,
+            use_reentrant=False,
             # No random numbers here, and no RNG state to stash: a CUDA graph capture can
             # neither read nor set the CUDA generator's state.
-            preserve_rng_state=False)
+            preserve_rng_state=False,
+        )
     return out_PH
 
 
@@ -265,49 +336,59 @@ def _rows_of(hidden_PH: torch.Tensor | IndexedRows) -> tuple[torch.Tensor, int]:
     return hidden_PH, hidden_PH.shape[0]
 
 
-def _validate(hidden_PH: torch.Tensor | IndexedRows, gate_and_up_projs: torch.Tensor,
-              down_projs: torch.Tensor, gate_up_proj_bias: torch.Tensor | None,
-              down_proj_bias: torch.Tensor | None, tokens_per_expert: TokenCounts,
-              permuted_probs_P1: torch.Tensor) -> None:
+def _validate(
+    hidden_PH: torch.Tensor | IndexedRows,
+    gate_and_up_projs: torch.Tensor,
+    down_projs: torch.Tensor,
+    gate_up_proj_bias: torch.Tensor | None,
+    down_proj_bias: torch.Tensor | None,
+    tokens_per_expert: TokenCounts,
+    permuted_probs_P1: torch.Tensor,
+) -> None:
     rows_NH, rows = _rows_of(hidden_PH)
     if rows_NH.dim() != 2:
-        name = ("hidden_PH must be [P, H]" if rows_NH is hidden_PH
-                else "IndexedRows.rows_RH must be [R, H]")
+        name = "hidden_PH must be [P, H]" if rows_NH is hidden_PH else "IndexedRows.rows_RH must be [R, H]"
         raise ValueError(f"{name}, got shape {tuple(rows_NH.shape)}")
     hidden, experts = rows_NH.shape[1], gate_and_up_projs.shape[0]
     if gate_and_up_projs.dim() != 3 or gate_and_up_projs.shape[1] != hidden:
-        raise ValueError(f"gate_and_up_projs must be [e, {hidden}, 2I or I], got "
-                         f"{tuple(gate_and_up_projs.shape)}")
+        raise ValueError(f"gate_and_up_projs must be [e, {hidden}, 2I or I], got {tuple(gate_and_up_projs.shape)}")
     if down_projs.dim() != 3 or down_projs.shape[0] != experts or down_projs.shape[2] != hidden:
-        raise ValueError(f"down_projs must be [{experts}, I, {hidden}], got "
-                         f"{tuple(down_projs.shape)}")
+        raise ValueError(f"down_projs must be [{experts}, I, {hidden}], got {tuple(down_projs.shape)}")
     if permuted_probs_P1.shape != (rows, 1):
-        raise ValueError(f"permuted_probs_P1 must be [{rows}, 1], got "
-                         f"{tuple(permuted_probs_P1.shape)}")
-    count_len = (tokens_per_expert.numel() if isinstance(tokens_per_expert, torch.Tensor)
-                 else len(tokens_per_expert))
+        raise ValueError(f"permuted_probs_P1 must be [{rows}, 1], got {tuple(permuted_probs_P1.shape)}")
+    count_len = tokens_per_expert.numel() if isinstance(tokens_per_expert, torch.Tensor) else len(tokens_per_expert)
     if count_len != experts:
-        raise ValueError(f"tokens_per_expert has {count_len} entries; expected one per local "
-                         f"expert ({experts})")
+        raise ValueError(f"tokens_per_expert has {count_len} entries; expected one per local expert ({experts})")
     host = host_counts(tokens_per_expert)
     if host is not None and (min(host, default=0) < 0 or sum(host) > rows):
-        raise ValueError(f"tokens_per_expert={host} is invalid: counts must be >= 0 and sum to at "
-                         f"most the {rows} rows")
-    for name, bias, width in (("gate_up_proj_bias", gate_up_proj_bias, gate_and_up_projs.shape[2]),
-                              ("down_proj_bias", down_proj_bias, hidden)):
+        raise ValueError(
+            f"tokens_per_expert={host} is invalid: counts must be >= 0 and sum to at most the {rows} rows"
+        )
+    for name, bias, width in (
+        ("gate_up_proj_bias", gate_up_proj_bias, gate_and_up_projs.shape[2]),
+        ("down_proj_bias", down_proj_bias, hidden),
+    ):
         if bias is not None and tuple(bias.shape) != (experts, width):
             raise ValueError(f"{name} must be [{experts}, {width}], got {tuple(bias.shape)}")
 
 
-def run_grouped_expert_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Tensor,
-                           down_projs: torch.Tensor, gate_up_proj_bias: torch.Tensor | None,
-                           down_proj_bias: torch.Tensor | None, tokens_per_expert: TokenCounts,
-                           permuted_probs_P1: torch.Tensor, activation_fn: Activation,
-                           chunk_bytes: int | None = None,
-                           activation_checkpoint=None, *, expert_mlp_impl: str = "grouped_mm",
-                           experts_config=None,
-                           wgrad: tuple[WgradTarget, WgradTarget] | None = None,
-                           fp8: Fp8Recipe | None = None) -> torch.Tensor:
+def run_grouped_expert_mlp(
+    hidden_PH: torch.Tensor,
+    gate_and_up_projs: torch.Tensor,
+    down_projs: torch.Tensor,
+    gate_up_proj_bias: torch.Tensor | None,
+    down_proj_bias: torch.Tensor | None,
+    tokens_per_expert: TokenCounts,
+    permuted_probs_P1: torch.Tensor,
+    activation_fn: Activation,
+    chunk_bytes: int | None = None,
+    activation_checkpoint=None,
+    *,
+    expert_mlp_impl: str = "grouped_mm",
+    experts_config=None,
+    wgrad: tuple[WgradTarget, WgradTarget] | None = None,
+    fp8: Fp8Recipe | None = None,
+) -> torch.Tensor:
     """The expert MLP the modules call: QuACK's fused kernels (`fused_mlp.py`) where
     `expert_mlp_impl` allows and the case is supported, else `torch._grouped_mm`: single
     shot, or checkpointed chunks when the `[P, 2I]` intermediate would exceed `chunk_bytes`.
@@ -338,40 +419,68 @@ def run_grouped_expert_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Ten
     Returns:
         `[P, H]` in the rows' dtype.
     """
-    _validate(hidden_PH, gate_and_up_projs, down_projs, gate_up_proj_bias, down_proj_bias,
-              tokens_per_expert, permuted_probs_P1)
+    _validate(
+        hidden_PH,
+        gate_and_up_projs,
+        down_projs,
+        gate_up_proj_bias,
+        down_proj_bias,
+        tokens_per_expert,
+        permuted_probs_P1,
+    )
     chunk_bytes = EXPERT_MLP_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     rows_NH, rows = _rows_of(hidden_PH)
     intermediate_bytes = rows * gate_and_up_projs.shape[-1] * rows_NH.element_size()
     chunked = bool(chunk_bytes) and intermediate_bytes > chunk_bytes
     if fp8 is not None and (chunked or expert_mlp_impl != "grouped_mm"):
-        raise ValueError(f"fp8: the FP8 expert MLP runs single shot on torch._scaled_grouped_mm; got "
-                         f"expert_mlp_impl={expert_mlp_impl!r}, chunk_bytes={chunk_bytes}")
+        raise ValueError(
+            f"fp8: the FP8 expert MLP runs single shot on torch._scaled_grouped_mm; got "
+            f"expert_mlp_impl={expert_mlp_impl!r}, chunk_bytes={chunk_bytes}"
+        )
     host = host_counts(tokens_per_expert)
     if fp8 is not None and host is not None and any(n % FP8_GROUP_ALIGN for n in host):
-        raise ValueError(f"tokens_per_expert={host} is invalid with fp8: each expert's rows must be a multiple "
-                         f"of {FP8_GROUP_ALIGN} (the dispatcher's moe_router_expert_pad_multiple pads them)")
+        raise ValueError(
+            f"tokens_per_expert={host} is invalid with fp8: each expert's rows must be a multiple "
+            f"of {FP8_GROUP_ALIGN} (the dispatcher's moe_router_expert_pad_multiple pads them)"
+        )
     if expert_mlp_impl != "grouped_mm" and check_expert_mlp_impl(expert_mlp_impl):
         if experts_config is None:
-            raise ValueError(f"expert_mlp_impl={expert_mlp_impl!r} needs experts_config (the "
-                             "ExpertsConfig naming the activation)")
-        reason = ((f"the [P, 2I] intermediate ({intermediate_bytes} bytes) exceeds chunk_bytes "
-                   f"({chunk_bytes}): the checkpointed chunked torch path bounds its memory") if chunked
-                  else case_unsupported_reason(expert_mlp_impl, experts_config, rows_NH.shape[1],
-                                               down_projs.shape[1], rows_NH.device, rows_NH.dtype))
+            raise ValueError(
+                f"expert_mlp_impl={expert_mlp_impl!r} needs experts_config (the ExpertsConfig naming the activation)"
+            )
+        reason = (
+            (
+                f"the [P, 2I] intermediate ({intermediate_bytes} bytes) exceeds chunk_bytes "
+                f"({chunk_bytes}): the checkpointed chunked torch path bounds its memory"
+            )
+            if chunked
+            else case_unsupported_reason(
+                expert_mlp_impl, experts_config, rows_NH.shape[1], down_projs.shape[1], rows_NH.device, rows_NH.dtype
+            )
+        )
         if reason is None:
-            return fused_expert_mlp(hidden_PH, gate_and_up_projs, down_projs, gate_up_proj_bias,
-                                    down_proj_bias, tokens_per_expert, permuted_probs_P1,
-                                    experts_config.expert_activation, wgrad)
+            return fused_expert_mlp(
+                hidden_PH,
+                gate_and_up_projs,
+                down_projs,
+                gate_up_proj_bias,
+                down_proj_bias,
+                tokens_per_expert,
+                permuted_probs_P1,
+                experts_config.expert_activation,
+                wgrad,
+            )
         if expert_mlp_impl == "fused":
             raise RuntimeError(f"expert_mlp_impl='fused' is not possible here: {reason}")
     add_wgrad = None
     if wgrad is not None and not chunked:
-        add_wgrad, _ = wgrad_kernel(rows_NH.device, rows_NH.dtype, rows_NH.shape[1], down_projs.shape[1],
-                                    host is not None, fp8 is not None)
+        add_wgrad, _ = wgrad_kernel(
+            rows_NH.device, rows_NH.dtype, rows_NH.shape[1], down_projs.shape[1], host is not None, fp8 is not None
+        )
     if wgrad is not None and add_wgrad is None:
-        gate_and_up_projs, down_projs = (IntoMainGrad.apply(w, t) for w, t in
-                                         zip((gate_and_up_projs, down_projs), wgrad))
+        gate_and_up_projs, down_projs = (
+            IntoMainGrad.apply(w, t) for w, t in zip((gate_and_up_projs, down_projs), wgrad)
+        )
         wgrad = None
     if isinstance(hidden_PH, IndexedRows):
         # The permuted copy; its backward sums each received row's positions (no atomics).
@@ -379,8 +488,28 @@ def run_grouped_expert_mlp(hidden_PH: torch.Tensor, gate_and_up_projs: torch.Ten
         hidden_PH = GatherRows.apply(rows_NH, hidden_PH.row_of_slot_P.long(), pos_RJ)
     if chunked:
         return _checkpointed_chunked_expert_mlp(
-            hidden_PH, gate_and_up_projs, down_projs, gate_up_proj_bias, down_proj_bias,
-            tokens_per_expert, permuted_probs_P1, activation_fn, chunk_bytes=chunk_bytes)
-    return _grouped_mlp(hidden_PH, gate_and_up_projs, down_projs, gate_up_proj_bias, down_proj_bias,
-                        tokens_per_expert, permuted_probs_P1, activation_fn, False, activation_checkpoint,
-                        wgrad, add_wgrad, fp8)
+            hidden_PH,
+            gate_and_up_projs,
+            down_projs,
+            gate_up_proj_bias,
+            down_proj_bias,
+            tokens_per_expert,
+            permuted_probs_P1,
+            activation_fn,
+            chunk_bytes=chunk_bytes,
+        )
+    return _grouped_mlp(
+        hidden_PH,
+        gate_and_up_projs,
+        down_projs,
+        gate_up_proj_bias,
+        down_proj_bias,
+        tokens_per_expert,
+        permuted_probs_P1,
+        activation_fn,
+        False,
+        activation_checkpoint,
+        wgrad,
+        add_wgrad,
+        fp8,
+    )

@@ -23,8 +23,12 @@ from megatron_moe_ext.experts.dispatch import ExpertDispatch, FlexDispatchedExpe
 from megatron_moe_ext.utils.optional import require
 
 # Stacked checkpoint key -> (GroupedLinear attribute, parameter kind there).
-_STACKED = {"gate_and_up_projs": ("gate_up_linear", "weight"), "down_projs": ("down_linear", "weight"),
-            "gate_up_proj_bias": ("gate_up_linear", "bias"), "down_proj_bias": ("down_linear", "bias")}
+_STACKED = {
+    "gate_and_up_projs": ("gate_up_linear", "weight"),
+    "down_projs": ("down_linear", "weight"),
+    "gate_up_proj_bias": ("gate_up_linear", "bias"),
+    "down_proj_bias": ("down_linear", "bias"),
+}
 _LINEARS = ("gate_up_linear", "down_linear")
 
 
@@ -50,11 +54,20 @@ class GroupedExpertsTE(FlexDispatchedExperts, nn.Module):
     (not its grouped-tensor path), and FP8 padding reads them here (`Fp8Padding` takes lists).
     """
 
-    def __init__(self, config: ExpertsConfig, dispatcher_backend: str = "deepep",
-                 dispatcher_num_sms: int = 20, dispatcher_share_token_dispatcher: bool = True,
-                 dispatcher_async_dispatch: bool = False, *, static_routing: bool = False,
-                 fp8_align_size: int | None = None, device: torch.device | str | None = None,
-                 te=None, **dispatcher_options):
+    def __init__(
+        self,
+        config: ExpertsConfig,
+        dispatcher_backend: str = "deepep",
+        dispatcher_num_sms: int = 20,
+        dispatcher_share_token_dispatcher: bool = True,
+        dispatcher_async_dispatch: bool = False,
+        *,
+        static_routing: bool = False,
+        fp8_align_size: int | None = None,
+        device: torch.device | str | None = None,
+        te=None,
+        **dispatcher_options,
+    ):
         super().__init__()
         self._uses_te = te is None
         if self._uses_te:
@@ -72,17 +85,31 @@ class GroupedExpertsTE(FlexDispatchedExperts, nn.Module):
         self.ep_rank, self.num_local_experts = 0, config.n_routed_experts
         device = device if device is not None else "cuda" if torch.cuda.is_available() else "cpu"
         self._build_linears(config.n_routed_experts, torch.device(device))
-        self._init_dispatch(config, resolve_ep_group(None), dispatcher_backend, dispatcher_num_sms,
-                            dispatcher_share_token_dispatcher, dispatcher_async_dispatch, static_routing,
-                            **dispatcher_options)
+        self._init_dispatch(
+            config,
+            resolve_ep_group(None),
+            dispatcher_backend,
+            dispatcher_num_sms,
+            dispatcher_share_token_dispatcher,
+            dispatcher_async_dispatch,
+            static_routing,
+            **dispatcher_options,
+        )
 
     def _build_linears(self, num_experts: int, device: torch.device) -> None:
         config, te = self.config, self._te
         up = stacked_shapes(config, 1)["gate_and_up_projs"][2]
-        self.gate_up_linear = te.GroupedLinear(num_experts, config.dim, up, bias=config.expert_bias,
-                                               params_dtype=config.dtype, device=device)
-        self.down_linear = te.GroupedLinear(num_experts, config.moe_inter_dim, config.dim,
-                                            bias=config.expert_bias, params_dtype=config.dtype, device=device)
+        self.gate_up_linear = te.GroupedLinear(
+            num_experts, config.dim, up, bias=config.expert_bias, params_dtype=config.dtype, device=device
+        )
+        self.down_linear = te.GroupedLinear(
+            num_experts,
+            config.moe_inter_dim,
+            config.dim,
+            bias=config.expert_bias,
+            params_dtype=config.dtype,
+            device=device,
+        )
         self.fp8_padding = te.Fp8Padding(num_experts, self.fp8_align_size)
         self.fp8_unpadding = te.Fp8Unpadding(num_experts, self.fp8_align_size)
 
@@ -144,8 +171,9 @@ class GroupedExpertsTE(FlexDispatchedExperts, nn.Module):
                 out[prefix + name] = value.detach().contiguous()
         return out
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                              unexpected_keys, error_msgs):
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
         """Load the stacked layout by expanding it into the GroupedLinears' `weight{i}` /
         `bias{i}` keys before they load (TE's own per-expert keys load unchanged too)."""
         for name, (child, kind) in _STACKED.items():
@@ -158,9 +186,11 @@ class GroupedExpertsTE(FlexDispatchedExperts, nn.Module):
                 unexpected_keys.append(key)
                 continue
             if tuple(stacked.shape) != tuple(expected.shape):
-                error_msgs.append(f"size mismatch for {key}: copying a param with shape "
-                                  f"{tuple(stacked.shape)} from checkpoint, the shape in current "
-                                  f"model is {tuple(expected.shape)}.")
+                error_msgs.append(
+                    f"size mismatch for {key}: copying a param with shape "
+                    f"{tuple(stacked.shape)} from checkpoint, the shape in current "
+                    f"model is {tuple(expected.shape)}."
+                )
                 continue
             for i in range(stacked.shape[0]):
                 state_dict[f"{prefix}{child}.{kind}{i}"] = stacked[i] if kind == "bias" else stacked[i].t()
@@ -169,14 +199,19 @@ class GroupedExpertsTE(FlexDispatchedExperts, nn.Module):
             extra_key = f"{prefix}{child}._extra_state"
             if extra_key not in state_dict:
                 state_dict[extra_key] = getattr(self, child).get_extra_state()
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
-                                      unexpected_keys, error_msgs)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
 
     def _linears(self, rows: torch.Tensor, m_splits) -> torch.Tensor:
         """gate/up GEMM (+ b1) -> activation -> down GEMM (+ b2), the prob left out (1)."""
+
         def compute_dtype():  # a surrounding autocast region is left alone when the dtypes match
-            return (contextlib.nullcontext() if rows.dtype == self.config.dtype
-                    else torch.autocast(rows.device.type, dtype=rows.dtype))
+            return (
+                contextlib.nullcontext()
+                if rows.dtype == self.config.dtype
+                else torch.autocast(rows.device.type, dtype=rows.dtype)
+            )
 
         with compute_dtype():
             up = self.gate_up_linear(rows, m_splits)
@@ -184,15 +219,20 @@ class GroupedExpertsTE(FlexDispatchedExperts, nn.Module):
         with compute_dtype():
             return self.down_linear(hidden, m_splits)
 
-    def _grouped_mlp(self, rows_PH: torch.Tensor, probs_P: torch.Tensor,
-                     tokens_per_expert: TokenCounts) -> torch.Tensor:
+    def _grouped_mlp(
+        self, rows_PH: torch.Tensor, probs_P: torch.Tensor, tokens_per_expert: TokenCounts
+    ) -> torch.Tensor:
         """`prob * (act(x W1 + b1) W2 + b2)` per row; capacity padding rows come out 0 and add
         nothing to any gradient. With device counts they join the last expert's group (zeroed,
         prob 0), so the splits cover every row without a host read."""
         rows = rows_PH.shape[0]
-        pad_groups = self.fp8_align_size is not None or self._uses_te and require(
-            "transformer_engine.pytorch.quantization", "GroupedExpertsTE FP8 padding"
-        ).FP8GlobalStateManager.is_fp8_enabled()
+        pad_groups = (
+            self.fp8_align_size is not None
+            or self._uses_te
+            and require(
+                "transformer_engine.pytorch.quantization", "GroupedExpertsTE FP8 padding"
+            ).FP8GlobalStateManager.is_fp8_enabled()
+        )
         # Static routing (benchmark-only: the same counts every microbatch) reads device counts
         # once and caches the list; Fp8Padding needs host splits.
         host = self._static_m_splits or host_counts(tokens_per_expert)
@@ -203,8 +243,7 @@ class GroupedExpertsTE(FlexDispatchedExperts, nn.Module):
         if host is not None:
             routed = sum(host)
             if routed > rows:
-                raise ValueError(f"tokens_per_expert sums to {routed} but only {rows} rows were "
-                                 "dispatched")
+                raise ValueError(f"tokens_per_expert sums to {routed} but only {rows} rows were dispatched")
             valid_PH = rows_PH[:routed]
             if pad_groups:
                 padded_PH, padded_splits = self.fp8_padding(valid_PH, host)

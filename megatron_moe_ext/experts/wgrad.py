@@ -40,8 +40,12 @@ class WgradTarget:
         if not hasattr(self.param, "grad_added_to_main_grad"):
             return None
         self.param.grad_added_to_main_grad = True
-        return _dummy_grad(self.main_grad.shape, self.param.dtype, self.main_grad.device,
-                           getattr(self.param, "zero_out_wgrad", False))
+        return _dummy_grad(
+            self.main_grad.shape,
+            self.param.dtype,
+            self.main_grad.device,
+            getattr(self.param, "zero_out_wgrad", False),
+        )
 
 
 _DUMMY_GRADS: dict[tuple, torch.Tensor] = {}
@@ -102,8 +106,10 @@ def _load_te() -> TEGroupedGemm:
         return TEGroupedGemm(None, f"Transformer Engine is not importable ({type(exc).__name__})")
     version = getattr(transformer_engine, "__version__", "unknown")
     if version.split(".")[:2] != VERIFIED_TE.split("."):
-        return TEGroupedGemm(None, f"transformer-engine {version} is installed; its grouped weight-gradient "
-                                   f"GEMM was read at {VERIFIED_TE}")
+        return TEGroupedGemm(
+            None,
+            f"transformer-engine {version} is installed; its grouped weight-gradient GEMM was read at {VERIFIED_TE}",
+        )
     return TEGroupedGemm(general_grouped_gemm, None)
 
 

@@ -54,8 +54,7 @@ def grouped_gemm_experts(config, spec_experts, te_choice: str | None = None):
     """
     te_choice = TE_GROUPED_EXPERTS if te_choice is None else te_choice
     if te_choice not in TE_GROUPED_EXPERTS_CHOICES:
-        raise ValueError(f"te_choice={te_choice!r} is invalid: allowed values are "
-                         f"{TE_GROUPED_EXPERTS_CHOICES}")
+        raise ValueError(f"te_choice={te_choice!r} is invalid: allowed values are {TE_GROUPED_EXPERTS_CHOICES}")
     if not config.moe_grouped_gemm:
         return None
     cls = spec_experts.func if isinstance(spec_experts, functools.partial) else spec_experts
@@ -94,12 +93,14 @@ def low_precision_setting(config) -> str | None:
 def _note_slower_than_native(setting: str) -> None:
     """Say once per process and setting that the layer keeps experts slower than native's."""
     log_single_rank(
-        logger, logging.WARNING,
+        logger,
+        logging.WARNING,
         f"megatron_moe_ext: under {setting} FlexMoELayer keeps Megatron's TEGroupedMLP behind this "
         "package's dispatcher, which ran at 0.78x Megatron's native FP8 MoE layer on one H200. "
         "Alternatives: fp8='e4m3' with fp8_recipe='tensorwise' (this package's FP8 "
         "GroupedGemmExperts), Megatron's native MoE layer for this run (leave out the package's "
-        "--spec / patches.apply()), or BF16 with this package's GroupedGemmExperts.")
+        "--spec / patches.apply()), or BF16 with this package's GroupedGemmExperts.",
+    )
 
 
 def check_experts_take_rows(config, dispatcher_config, experts) -> None:
@@ -121,10 +122,12 @@ def check_experts_take_rows(config, dispatcher_config, experts) -> None:
     """
     pad = dispatcher_config.moe_router_expert_pad_multiple
     if getattr(experts, "fp8_recipe", None) is not None and (pad or 1) % FP8_GROUP_ALIGN:
-        raise ValueError(f"moe_router_expert_pad_multiple={pad!r} is invalid with "
-                         f"{low_precision_setting(config)}: the FP8 grouped GEMMs need each expert's rows padded "
-                         f"to a multiple of {FP8_GROUP_ALIGN} (TokenDispatcherConfig.from_transformer_config "
-                         "pads them under fp8)")
+        raise ValueError(
+            f"moe_router_expert_pad_multiple={pad!r} is invalid with "
+            f"{low_precision_setting(config)}: the FP8 grouped GEMMs need each expert's rows padded "
+            f"to a multiple of {FP8_GROUP_ALIGN} (TokenDispatcherConfig.from_transformer_config "
+            "pads them under fp8)"
+        )
     plan = dispatcher_config.plan
     if plan.mode == "dropless" or not isinstance(experts, (SequentialMLP, TEGroupedMLP)):
         return
@@ -136,8 +139,11 @@ def check_experts_take_rows(config, dispatcher_config, experts) -> None:
             "that compute in it, reads token counts on the host and returns only the counted rows "
             f"of the {mode} mode's fixed rows; allowed: fp8='e4m3' with fp8_recipe='tensorwise' or BF16, "
             f"with moe_grouped_gemm=True (this package's GroupedGemmExperts take the fixed rows), or leave "
-            f"{field} unset (dropless)")
+            f"{field} unset (dropless)"
+        )
     name = type(experts).__name__
-    raise ValueError(f"{setting} is invalid with Megatron's {name} experts, which need as many rows as "
-                     "the counts sum to: set moe_grouped_gemm=True (this package's GroupedGemmExperts "
-                     f"take {mode} mode's fixed rows) or leave {field} unset (dropless)")
+    raise ValueError(
+        f"{setting} is invalid with Megatron's {name} experts, which need as many rows as "
+        "the counts sum to: set moe_grouped_gemm=True (this package's GroupedGemmExperts "
+        f"take {mode} mode's fixed rows) or leave {field} unset (dropless)"
+    )

@@ -62,10 +62,13 @@ def _check_gelu_settings(config) -> None:
     # bias_activation_fusion: SequentialMLP (MLP with per_token_scale) and TEGroupedMLP fuse only
     # swiglu and quick_gelu with the routing prob; their fused bias_gelu_impl is tanh-approximated.
     for field, fix, why in (
-            ("bias_activation_fusion", " (--no-bias-gelu-fusion)",
-             "Megatron's expert MLPs have no fused weighted GELU and raise at their first forward"),
-            ("use_te_activation_func", "",
-             "TE's GELU op is tanh-approximated; these experts compute exact erf GELU")):
+        (
+            "bias_activation_fusion",
+            " (--no-bias-gelu-fusion)",
+            "Megatron's expert MLPs have no fused weighted GELU and raise at their first forward",
+        ),
+        ("use_te_activation_func", "", "TE's GELU op is tanh-approximated; these experts compute exact erf GELU"),
+    ):
         if getattr(config, field):
             raise _unsupported(field, True, f"set {field}=False{fix} for non-gated gelu experts ({why})")
 
@@ -94,7 +97,8 @@ def experts_config_from_transformer_config(config, expert_mlp_impl: str = "auto"
             "activation_func/gated_linear_unit/glu_linear_offset/activation_func_clamp_value",
             (getattr(act, "__name__", act), gated, offset, clamp),
             "allowed: gated silu with offset 0 (optionally clamped), gated quick_gelu with "
-            "offset 1, or non-gated squared_relu or gelu without clamp")
+            "offset 1, or non-gated squared_relu or gelu without clamp",
+        )
     return ExpertsConfig(
         n_routed_experts=config.num_moe_experts,
         n_activated_experts=config.moe_router_topk,
@@ -116,26 +120,51 @@ _EXPERT_OFFLOAD_MODULES = {"expert_fc1", "moe_act", "fused_group_mlp"}
 def _check_megatron_features(config) -> None:
     """Refuse Megatron expert features this module does not implement, at construction."""
     refused = {
-        "expert_tensor_parallel_size": (config.expert_tensor_parallel_size or 1, 1,
-                                        "expert tensor parallelism is not implemented"),
-        "moe_apply_probs_on_input": (bool(config.moe_apply_probs_on_input), False,
-                                     "the routing prob is applied inside the activation"),
+        "expert_tensor_parallel_size": (
+            config.expert_tensor_parallel_size or 1,
+            1,
+            "expert tensor parallelism is not implemented",
+        ),
+        "moe_apply_probs_on_input": (
+            bool(config.moe_apply_probs_on_input),
+            False,
+            "the routing prob is applied inside the activation",
+        ),
         "moe_latent_size": (config.moe_latent_size, None, "latent experts are not implemented"),
         "fp4": (config.fp4, None, "use the TE experts for FP4"),
-        "delay_wgrad_compute": (bool(config.delay_wgrad_compute), False,
-                                "weight gradients are computed in the ordinary backward"),
-        "moe_mlp_glu_interleave_size": (getattr(config, "moe_mlp_glu_interleave_size", None), None,
-                                        "fc1 stores gate and up as two halves"),
-        "moe_single_grouped_weight": (bool(getattr(config, "moe_single_grouped_weight", False)), False,
-                                      "the experts' weights are stacked tensors"),
-        "moe_single_grouped_bias": (bool(getattr(config, "moe_single_grouped_bias", False)), False,
-                                    "the experts' biases are stacked tensors"),
-        "moe_paged_stash": (bool(getattr(config, "moe_paged_stash", False)), False,
-                            "expert activations are saved as autograd saves them"),
+        "delay_wgrad_compute": (
+            bool(config.delay_wgrad_compute),
+            False,
+            "weight gradients are computed in the ordinary backward",
+        ),
+        "moe_mlp_glu_interleave_size": (
+            getattr(config, "moe_mlp_glu_interleave_size", None),
+            None,
+            "fc1 stores gate and up as two halves",
+        ),
+        "moe_single_grouped_weight": (
+            bool(getattr(config, "moe_single_grouped_weight", False)),
+            False,
+            "the experts' weights are stacked tensors",
+        ),
+        "moe_single_grouped_bias": (
+            bool(getattr(config, "moe_single_grouped_bias", False)),
+            False,
+            "the experts' biases are stacked tensors",
+        ),
+        "moe_paged_stash": (
+            bool(getattr(config, "moe_paged_stash", False)),
+            False,
+            "expert activations are saved as autograd saves them",
+        ),
         # Megatron's expert activation offloading hooks live inside its own expert classes.
-        "offload_modules": (sorted(set(config.offload_modules or ()) & _EXPERT_OFFLOAD_MODULES)
-                            if config.fine_grained_activation_offloading else [], [],
-                            "expert activations are not offloaded; recompute them with moe_act"),
+        "offload_modules": (
+            sorted(set(config.offload_modules or ()) & _EXPERT_OFFLOAD_MODULES)
+            if config.fine_grained_activation_offloading
+            else [],
+            [],
+            "expert activations are not offloaded; recompute them with moe_act",
+        ),
     }
     for field, (value, allowed, why) in refused.items():
         if value != allowed:
@@ -159,17 +188,24 @@ class GroupedGemmExperts(MegatronModule):
             else "auto".
     """
 
-    def __init__(self, num_local_experts: int, config, *, pg_collection=None,
-                 name: str | None = None, init_like: str = "sequential_mlp",
-                 expert_mlp_impl: str | None = None):
+    def __init__(
+        self,
+        num_local_experts: int,
+        config,
+        *,
+        pg_collection=None,
+        name: str | None = None,
+        init_like: str = "sequential_mlp",
+        expert_mlp_impl: str | None = None,
+    ):
         super().__init__(config=config)
         if init_like not in _INIT_ORDERS:
-            raise ValueError(f"GroupedGemmExperts: init_like={init_like!r} is invalid: allowed "
-                             f"values are {tuple(_INIT_ORDERS)}")
+            raise ValueError(
+                f"GroupedGemmExperts: init_like={init_like!r} is invalid: allowed values are {tuple(_INIT_ORDERS)}"
+            )
         self.init_like = init_like
         if pg_collection is None:
-            raise ValueError("GroupedGemmExperts: pg_collection is required (it names the ep and "
-                             "expt_dp groups)")
+            raise ValueError("GroupedGemmExperts: pg_collection is required (it names the ep and expt_dp groups)")
         _check_megatron_features(config)
         if expert_mlp_impl is None:
             expert_mlp_impl = _expert_mlp_impl_from_env()
@@ -179,8 +215,11 @@ class GroupedGemmExperts(MegatronModule):
         if self.fp8_recipe is not None:
             check_fp8_widths(config.hidden_size, config.moe_ffn_hidden_size)
             if expert_mlp_impl == "fused":
-                raise _unsupported("expert_mlp_impl", expert_mlp_impl, "allowed under fp8: 'auto' or "
-                                   "'grouped_mm' (QuACK's fused path computes in BF16 only)")
+                raise _unsupported(
+                    "expert_mlp_impl",
+                    expert_mlp_impl,
+                    "allowed under fp8: 'auto' or 'grouped_mm' (QuACK's fused path computes in BF16 only)",
+                )
             expert_mlp_impl = "grouped_mm"
         self.experts_config = experts_config_from_transformer_config(config, expert_mlp_impl)
         self.num_local_experts = num_local_experts
@@ -190,16 +229,17 @@ class GroupedGemmExperts(MegatronModule):
         self.gated = is_gated_activation(self.experts_config.expert_activation)
         self.activation_fn = get_expert_activation(self.experts_config)
         # Megatron's "moe_act": the activation output is freed after fc2, recomputed in backward.
-        self.activation_recompute = (config.recompute_granularity == "selective"
-                                     and "moe_act" in config.recompute_modules)
+        self.activation_recompute = (
+            config.recompute_granularity == "selective" and "moe_act" in config.recompute_modules
+        )
 
-        device = (torch.device("cpu") if config.use_cpu_initialization
-                  else torch.cuda.current_device())
+        device = torch.device("cpu") if config.use_cpu_initialization else torch.cuda.current_device()
         # The stacked layout of every expert module of the package (experts/common.py).
         for param_name, shape in stacked_shapes(self.experts_config, num_local_experts).items():
             init = torch.zeros if param_name.endswith("bias") else torch.empty
-            self.register_parameter(param_name, torch.nn.Parameter(
-                init(shape, device=device, dtype=config.params_dtype)))
+            self.register_parameter(
+                param_name, torch.nn.Parameter(init(shape, device=device, dtype=config.params_dtype))
+            )
         if not config.add_bias_linear:
             self.gate_up_proj_bias = self.down_proj_bias = None
         if config.perform_initialization:
@@ -214,8 +254,7 @@ class GroupedGemmExperts(MegatronModule):
             # and moved to the current GPU afterwards.
             reason = fused_unsupported_reason(self.experts_config, None, config.params_dtype)
             if reason is not None:
-                raise RuntimeError(f"GroupedGemmExperts: expert_mlp_impl='fused' is not possible: "
-                                   f"{reason}")
+                raise RuntimeError(f"GroupedGemmExperts: expert_mlp_impl='fused' is not possible: {reason}")
         self._decide_expert_mlp_path()
 
     def _decide_expert_mlp_path(self) -> None:
@@ -238,9 +277,14 @@ class GroupedGemmExperts(MegatronModule):
         is off): which kernel adds the weight gradients into `main_grad`."""
         if not self.config.gradient_accumulation_fusion:
             return None
-        _, line = wgrad_kernel(self.gate_and_up_projs.device, self.config.params_dtype,
-                               self.experts_config.dim, self.experts_config.moe_inter_dim, True,
-                               self.fp8_recipe is not None)
+        _, line = wgrad_kernel(
+            self.gate_and_up_projs.device,
+            self.config.params_dtype,
+            self.experts_config.dim,
+            self.experts_config.moe_inter_dim,
+            True,
+            self.fp8_recipe is not None,
+        )
         return f"GroupedGemmExperts: gradient_accumulation_fusion: expert weight gradients: {line}"
 
     def _apply(self, fn, *args, **kwargs):
@@ -252,8 +296,7 @@ class GroupedGemmExperts(MegatronModule):
     @property
     def expert_mlp_fallback_reason(self) -> str | None:
         """Why the fused (QuACK) path does not run where the weights are now, or None."""
-        return fused_unsupported_reason(self.experts_config, self.gate_and_up_projs.device,
-                                        self.config.params_dtype)
+        return fused_unsupported_reason(self.experts_config, self.gate_and_up_projs.device, self.config.params_dtype)
 
     @property
     def accepts_indexed_rows(self) -> bool:
@@ -270,10 +313,16 @@ class GroupedGemmExperts(MegatronModule):
         fc2 = [(w, cfg.output_layer_init_method) for w in self.down_projs]
         on_cpu = cfg.use_cpu_initialization
         for weight_IO, init_method in _INIT_ORDERS[self.init_like](fc1, fc2):
-            master_OI = torch.empty(weight_IO.shape[::-1], dtype=torch.float32 if on_cpu else weight_IO.dtype,
-                                    device="cpu" if on_cpu else weight_IO.device)
-            with (contextlib.nullcontext() if on_cpu
-                  else get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name())):
+            master_OI = torch.empty(
+                weight_IO.shape[::-1],
+                dtype=torch.float32 if on_cpu else weight_IO.dtype,
+                device="cpu" if on_cpu else weight_IO.device,
+            )
+            with (
+                contextlib.nullcontext()
+                if on_cpu
+                else get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name())
+            ):
                 init_method(master_OI)
             weight_IO.copy_(master_OI.t())
 
@@ -282,8 +331,12 @@ class GroupedGemmExperts(MegatronModule):
         if self.accepts_indexed_rows:
             warmup_fused_expert_mlp(self.experts_config, self.gate_and_up_projs.device, self.config.params_dtype)
 
-    def forward(self, dispatched_input: torch.Tensor | IndexedRows, tokens_per_expert: torch.Tensor,
-                permuted_probs: torch.Tensor):
+    def forward(
+        self,
+        dispatched_input: torch.Tensor | IndexedRows,
+        tokens_per_expert: torch.Tensor,
+        permuted_probs: torch.Tensor,
+    ):
         """Run every local expert on its contiguous block of rows.
 
         Arguments:
@@ -298,13 +351,25 @@ class GroupedGemmExperts(MegatronModule):
         # "moe_act" as Megatron's TEGroupedMLP does it (fp8=None: the activation is never TE's).
         checkpoint = CheckpointWithoutOutput(fp8=None) if self.activation_recompute else None
         return run_grouped_expert_mlp(
-            dispatched_input, self.gate_and_up_projs, self.down_projs, self.gate_up_proj_bias,
-            self.down_proj_bias, tokens_per_expert, permuted_probs.unsqueeze(-1), self.activation_fn,
-            self.experts_config.expert_mlp_chunk_bytes, checkpoint,
-            expert_mlp_impl=self._expert_mlp_path, experts_config=self.experts_config,
-            wgrad=(wgrad_targets(self.gate_and_up_projs, self.down_projs)
-                   if self.config.gradient_accumulation_fusion else None),
-            fp8=self.fp8_recipe), None
+            dispatched_input,
+            self.gate_and_up_projs,
+            self.down_projs,
+            self.gate_up_proj_bias,
+            self.down_proj_bias,
+            tokens_per_expert,
+            permuted_probs.unsqueeze(-1),
+            self.activation_fn,
+            self.experts_config.expert_mlp_chunk_bytes,
+            checkpoint,
+            expert_mlp_impl=self._expert_mlp_path,
+            experts_config=self.experts_config,
+            wgrad=(
+                wgrad_targets(self.gate_and_up_projs, self.down_projs)
+                if self.config.gradient_accumulation_fusion
+                else None
+            ),
+            fp8=self.fp8_recipe,
+        ), None
 
     def backward_dw(self) -> None:
         """Nothing is deferred: weight gradients come with the ordinary backward
@@ -313,7 +378,8 @@ class GroupedGemmExperts(MegatronModule):
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
         """SequentialMLP's keys and global shapes (`checkpoint.grouped_experts_sharded_state_dict`)."""
         return _checkpoint.grouped_experts_sharded_state_dict(
-            self, prefix=prefix, sharded_offsets=sharded_offsets, metadata=metadata)
+            self, prefix=prefix, sharded_offsets=sharded_offsets, metadata=metadata
+        )
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # SequentialMLP's per-expert keys are accepted too, so a plain (non-distributed)

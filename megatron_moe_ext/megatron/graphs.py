@@ -37,19 +37,25 @@ def check_capturable(config, dispatcher_config) -> None:
     modules, impl = _modules(config), getattr(config, "cuda_graph_impl", "none")
     backend = dispatcher_config.moe_flex_dispatcher_backend
     partial = impl in ("local", "transformer_engine") and "moe_router" in modules
-    if (partial and "moe_preprocess" in modules and backend == "hybridep"
-            and not dispatcher_config.moe_hybridep_equal_token_counts):
+    if (
+        partial
+        and "moe_preprocess" in modules
+        and backend == "hybridep"
+        and not dispatcher_config.moe_hybridep_equal_token_counts
+    ):
         raise ValueError(
             f"cuda_graph_modules={modules!r} captures the MoE preprocess, where the 'hybridep' "
             "dispatcher agrees on the token count in an all-reduce read on the host; set "
             "moe_hybridep_equal_token_counts=True (fixed-shape batches) or leave moe_preprocess "
-            "out of cuda_graph_modules")
+            "out of cuda_graph_modules"
+        )
     if partial and impl == "local" and getattr(config, "moe_shared_expert_overlap", False):
         raise ValueError(
             f"cuda_graph_modules={modules!r} with cuda_graph_impl='local' captures the MoE "
             "postprocess, which with moe_shared_expert_overlap joins the shared experts' stream "
             "begun in the dispatch; turn moe_shared_expert_overlap off or use "
-            "cuda_graph_impl='transformer_engine'")
+            "cuda_graph_impl='transformer_engine'"
+        )
     if captures_moe_layer(config) and dispatcher_config.plan.mode != "budget":
         raise ValueError(
             f"cuda_graph_impl={config.cuda_graph_impl!r} with cuda_graph_modules="
@@ -59,7 +65,8 @@ def check_capturable(config, dispatcher_config) -> None:
             f"(from the command line MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR; backends "
             f"{registry.backends_with(graph_capture=True)}), or graph less: "
             "cuda_graph_impl='transformer_engine' with cuda_graph_modules attn moe_router "
-            "moe_preprocess (with 'local', 'attn' graphs the whole TransformerLayer)")
+            "moe_preprocess (with 'local', 'attn' graphs the whole TransformerLayer)"
+        )
 
 
 def cudagraph_attrs(plan: registry.DispatchPlan) -> list[str]:

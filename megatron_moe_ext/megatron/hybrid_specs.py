@@ -20,9 +20,9 @@ from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
 from megatron_moe_ext.megatron.specs import DeferredSpec, install_step_boundary, use_flex_moe_layer, use_te
 
 
-def use_flex_moe_in_hybrid_stack(stack_spec: ModuleSpec,
-                                 dispatcher_config: TokenDispatcherConfig | None = None,
-                                 experts=None) -> ModuleSpec:
+def use_flex_moe_in_hybrid_stack(
+    stack_spec: ModuleSpec, dispatcher_config: TokenDispatcherConfig | None = None, experts=None
+) -> ModuleSpec:
     """Return a copy of a `HybridStack` spec whose MoE layer's MLP is `FlexMoELayer`.
 
     Arguments:
@@ -33,13 +33,12 @@ def use_flex_moe_in_hybrid_stack(stack_spec: ModuleSpec,
     Returns:
         A new `ModuleSpec`; `stack_spec` is not modified.
     """
-    if not (isinstance(stack_spec, ModuleSpec)
-            and isinstance(stack_spec.submodules, HybridStackSubmodules)):
-        raise ValueError(f"stack_spec: expected a ModuleSpec of HybridStack with "
-                         f"HybridStackSubmodules, got {stack_spec!r:.200}")
+    if not (isinstance(stack_spec, ModuleSpec) and isinstance(stack_spec.submodules, HybridStackSubmodules)):
+        raise ValueError(
+            f"stack_spec: expected a ModuleSpec of HybridStack with HybridStackSubmodules, got {stack_spec!r:.200}"
+        )
     moe_layer = use_flex_moe_layer(stack_spec.submodules.moe_layer, dispatcher_config, experts)
-    return dataclasses.replace(stack_spec, submodules=dataclasses.replace(stack_spec.submodules,
-                                                                          moe_layer=moe_layer))
+    return dataclasses.replace(stack_spec, submodules=dataclasses.replace(stack_spec.submodules, moe_layer=moe_layer))
 
 
 def local_hybrid_stack_spec(moe_grouped_gemm: bool = True) -> ModuleSpec:
@@ -48,21 +47,33 @@ def local_hybrid_stack_spec(moe_grouped_gemm: bool = True) -> ModuleSpec:
     half, each with the GPT layer's own norm."""
     gpt_layer = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=1, moe_grouped_gemm=moe_grouped_gemm)
     parts = gpt_layer.submodules
-    attention_layer = dataclasses.replace(gpt_layer, submodules=dataclasses.replace(
-        parts, pre_mlp_layernorm=IdentityOp, mlp=IdentityOp, mlp_bda=IdentityFuncOp))
+    attention_layer = dataclasses.replace(
+        gpt_layer,
+        submodules=dataclasses.replace(parts, pre_mlp_layernorm=IdentityOp, mlp=IdentityOp, mlp_bda=IdentityFuncOp),
+    )
     # The GPT local layer's checkpoint key map (its norms under TE's fused-norm names) goes
     # to both halves, so they save and load under the GPT layer's keys.
-    moe_layer = ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
-        pre_mlp_layernorm=parts.pre_mlp_layernorm, mlp=parts.mlp, mlp_bda=get_bias_dropout_add,
-        sharded_state_dict_keys_map=parts.sharded_state_dict_keys_map))
-    return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(
-        attention_layer=attention_layer, moe_layer=moe_layer))
+    moe_layer = ModuleSpec(
+        module=MoETransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            pre_mlp_layernorm=parts.pre_mlp_layernorm,
+            mlp=parts.mlp,
+            mlp_bda=get_bias_dropout_add,
+            sharded_state_dict_keys_map=parts.sharded_state_dict_keys_map,
+        ),
+    )
+    return ModuleSpec(
+        module=HybridStack, submodules=HybridStackSubmodules(attention_layer=attention_layer, moe_layer=moe_layer)
+    )
 
 
-def get_flex_hybrid_stack_spec(use_transformer_engine: bool | None = None, *,
-                               moe_grouped_gemm: bool = True,
-                               dispatcher_config: TokenDispatcherConfig | None = None,
-                               experts=None) -> ModuleSpec:
+def get_flex_hybrid_stack_spec(
+    use_transformer_engine: bool | None = None,
+    *,
+    moe_grouped_gemm: bool = True,
+    dispatcher_config: TokenDispatcherConfig | None = None,
+    experts=None,
+) -> ModuleSpec:
     """A `HybridStack` spec with `FlexMoELayer` in its `E` layers.
 
     Arguments:
@@ -76,8 +87,11 @@ def get_flex_hybrid_stack_spec(use_transformer_engine: bool | None = None, *,
     Returns:
         `ModuleSpec(module=HybridStack, ...)` for `HybridModel(hybrid_stack_spec=...)`.
     """
-    stack = (hybrid_layer_specs.hybrid_stack_spec if use_te(use_transformer_engine)
-             else local_hybrid_stack_spec(moe_grouped_gemm))
+    stack = (
+        hybrid_layer_specs.hybrid_stack_spec
+        if use_te(use_transformer_engine)
+        else local_hybrid_stack_spec(moe_grouped_gemm)
+    )
     install_step_boundary(dispatcher_config)
     return use_flex_moe_in_hybrid_stack(stack, dispatcher_config, experts)
 

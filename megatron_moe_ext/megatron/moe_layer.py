@@ -27,8 +27,7 @@ from megatron_moe_ext.megatron.expert_choice import check_experts_take_rows, gro
 from megatron_moe_ext.recompute import RecomputeReplay, attach_replay
 
 # The names under which Megatron's MoELayer.__init__ looks up its dispatcher classes.
-_MEGATRON_DISPATCHER_NAMES = (
-    "MoEAllGatherTokenDispatcher", "MoEAlltoAllTokenDispatcher", "MoEFlexTokenDispatcher")
+_MEGATRON_DISPATCHER_NAMES = ("MoEAllGatherTokenDispatcher", "MoEAlltoAllTokenDispatcher", "MoEFlexTokenDispatcher")
 EXPECTED_MEGATRON_CORE = "megatron-core 0.19.x"
 _swap_lock = threading.Lock()
 
@@ -45,7 +44,8 @@ def _check_megatron_target() -> None:
             f"megatron_moe_ext.megatron.moe_layer expects {EXPECTED_MEGATRON_CORE}, where "
             f"MoELayer.__init__ builds its token dispatcher from the module globals "
             f"{_MEGATRON_DISPATCHER_NAMES} of megatron.core.transformer.moe.moe_layer; the "
-            f"installed megatron-core {__version__} lacks {missing or unread}")
+            f"installed megatron-core {__version__} lacks {missing or unread}"
+        )
 
 
 _check_megatron_target()
@@ -75,16 +75,22 @@ def _refuse_unreplayable_recompute(dispatcher_config: TokenDispatcherConfig) -> 
     routing, so a routing changed before the recompute would train on gradients of another
     routing, unnoticed: refused, on every rank, naming the setting to change."""
     plan = dispatcher_config.plan
-    remedy = (f"leave {plan.field} unset (dropless, whose recompute replays it)" if plan.field else
-              "use a backend whose recompute replays it (torch, deepep, uccl_ep)")
-    raise ValueError(f"{plan.setting} is invalid under Megatron's recompute of the MoE layer "
-                     "(recompute_granularity='full', or 'selective' with 'moe' in recompute_modules): "
-                     f"its recompute cannot replay the forward's routing; {remedy} or recompute "
-                     "other modules")
+    remedy = (
+        f"leave {plan.field} unset (dropless, whose recompute replays it)"
+        if plan.field
+        else "use a backend whose recompute replays it (torch, deepep, uccl_ep)"
+    )
+    raise ValueError(
+        f"{plan.setting} is invalid under Megatron's recompute of the MoE layer "
+        "(recompute_granularity='full', or 'selective' with 'moe' in recompute_modules): "
+        f"its recompute cannot replay the forward's routing; {remedy} or recompute "
+        "other modules"
+    )
 
 
-def _agree_on_settings(config, dispatcher_config: TokenDispatcherConfig | None, pg_collection
-                       ) -> TokenDispatcherConfig:
+def _agree_on_settings(
+    config, dispatcher_config: TokenDispatcherConfig | None, pg_collection
+) -> TokenDispatcherConfig:
     """The layer's dispatcher config (`layer_dispatcher_config`) after every check of its
     settings that Megatron's constructor would otherwise meet first (experts divisible by the
     expert-parallel size, the hidden size the backend moves), agreed over the group like the
@@ -97,16 +103,16 @@ def _agree_on_settings(config, dispatcher_config: TokenDispatcherConfig | None, 
     try:
         dispatcher_config = layer_dispatcher_config(config, dispatcher_config)
         settings = dispatcher_config.settings()
-        dispatcher_config.validate_for_group(get_pg_size(pg_collection.ep),
-                                             config.moe_latent_size or config.hidden_size)
+        dispatcher_config.validate_for_group(
+            get_pg_size(pg_collection.ep), config.moe_latent_size or config.hidden_size
+        )
     except ValueError as exc:
         error = exc
     checks.agree_at_build(getattr(pg_collection, "tp_ep", None) or pg_collection.ep, settings, error)
     return dispatcher_config
 
 
-def layer_dispatcher_config(config, dispatcher_config: TokenDispatcherConfig | None = None
-                            ) -> TokenDispatcherConfig:
+def layer_dispatcher_config(config, dispatcher_config: TokenDispatcherConfig | None = None) -> TokenDispatcherConfig:
     """The dispatcher config of a `FlexMoELayer` built from Megatron's `config`
     (`dispatcher_config`, or the one derived from `config`), after the layer's checks of the
     pair that need no process group, GPU or backend library; raises ValueError naming the
@@ -128,28 +134,47 @@ class FlexMoELayer(MoELayer, overflow.OverflowCounter):
             `config.moe_grouped_gemm` the grouped-GEMM experts of `expert_choice.py`).
     """
 
-    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None,
-                 is_mtp_layer=False, name=None,
-                 dispatcher_config: TokenDispatcherConfig | None = None, experts=None):
+    def __init__(
+        self,
+        config,
+        submodules=None,
+        layer_number=None,
+        pg_collection=None,
+        is_mtp_layer=False,
+        name=None,
+        dispatcher_config: TokenDispatcherConfig | None = None,
+        experts=None,
+    ):
         if experts is None and submodules is not None:
             experts = grouped_gemm_experts(config, submodules.experts)
         if experts is not None:
             if submodules is None:
-                raise ValueError("experts: needs the layer's submodules (MoESubmodules) to replace "
-                                 "their experts; build the layer from an MoE spec")
+                raise ValueError(
+                    "experts: needs the layer's submodules (MoESubmodules) to replace "
+                    "their experts; build the layer from an MoE spec"
+                )
             submodules = dataclasses.replace(submodules, experts=experts)
         dispatcher_config = _agree_on_settings(config, dispatcher_config, pg_collection)
         factory = functools.partial(MoEFlexTokenDispatcher, dispatcher_config=dispatcher_config)
         with _megatron_builds_dispatcher(factory):
-            super().__init__(config, submodules=submodules, layer_number=layer_number,
-                             pg_collection=pg_collection, is_mtp_layer=is_mtp_layer, name=name)
+            super().__init__(
+                config,
+                submodules=submodules,
+                layer_number=layer_number,
+                pg_collection=pg_collection,
+                is_mtp_layer=is_mtp_layer,
+                name=name,
+            )
         self.dispatcher_config = dispatcher_config
         self.token_dispatcher.cudagraph_attrs = graphs.cudagraph_attrs(dispatcher_config.plan)
         # Megatron's 1F1B A2A overlap frees what its schedule nodes were given once their
         # forward is done: the dispatch's input where it expects the alltoall dispatcher's
         # permuted copy, the experts' input where it expects a permuted copy of the received rows.
-        self._overlap_frees = {node: config.overlap_moe_expert_parallel_comm and should_free_input(
-            node, True, config, self.num_local_experts) for node in ("moe_dispatch", "mlp")}
+        self._overlap_frees = {
+            node: config.overlap_moe_expert_parallel_comm
+            and should_free_input(node, True, config, self.num_local_experts)
+            for node in ("moe_dispatch", "mlp")
+        }
         self._backend_hands_indexed_rows = dispatcher_config.plan.row.indexed_rows and not self._overlap_frees["mlp"]
         self._decide_expert_path()
         check_experts_take_rows(config, dispatcher_config, self.experts)
@@ -173,8 +198,9 @@ class FlexMoELayer(MoELayer, overflow.OverflowCounter):
         them. Whether they can depends on where the weights are, so it is decided at build and
         again whenever the layer moves (`_apply`: a model built under `use_cpu_initialization`
         moves to the GPU after construction), never per forward."""
-        self.token_dispatcher.hand_indexed_rows = (
-            self._backend_hands_indexed_rows and getattr(self.experts, "accepts_indexed_rows", False))
+        self.token_dispatcher.hand_indexed_rows = self._backend_hands_indexed_rows and getattr(
+            self.experts, "accepts_indexed_rows", False
+        )
 
     def _apply(self, fn, *args, **kwargs):
         module = super()._apply(fn, *args, **kwargs)
@@ -213,8 +239,11 @@ class FlexMoELayer(MoELayer, overflow.OverflowCounter):
             return super().forward(hidden_states, *args, **kwargs)
         # Under FP8/FP4 Megatron's full recompute runs Transformer Engine's checkpoint, which sets
         # no flag: its forward shows only as a no-grad one.
-        te_checkpoint = (self.config.recompute_granularity == "full" and bool(self.config.fp8 or self.config.fp4)
-                         and not torch.is_grad_enabled())
+        te_checkpoint = (
+            self.config.recompute_granularity == "full"
+            and bool(self.config.fp8 or self.config.fp4)
+            and not torch.is_grad_enabled()
+        )
         recomputed = self.training and (self.moe_layer_recompute or is_checkpointing() or te_checkpoint)
         with replay.recording(recomputed):
             return super().forward(hidden_states, *args, **kwargs)

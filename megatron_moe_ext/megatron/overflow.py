@@ -78,10 +78,12 @@ class OverflowReport:
     def describe(self) -> str:
         ratio = self.rows_needed / self.budget if self.budget else float("inf")
         name = self.layer if self.layer == f"layer {self.number}" else f"{self.layer} (layer {self.number})"
-        return (f"{name}: needed {self.rows_needed} permuted rows on one rank, budget "
-                f"{self.budget} ({ratio:.2f}x, {self.rows_needed - self.budget:+d} rows); "
-                f"{self.dropped_pairs} (token, expert) pairs dropped; factor "
-                f"{self.factor_needed:.2f} holds it")
+        return (
+            f"{name}: needed {self.rows_needed} permuted rows on one rank, budget "
+            f"{self.budget} ({ratio:.2f}x, {self.rows_needed - self.budget:+d} rows); "
+            f"{self.dropped_pairs} (token, expert) pairs dropped; factor "
+            f"{self.factor_needed:.2f} holds it"
+        )
 
 
 #: Dispatches a layer keeps unsettled counts for between two reads, at least (see `_ring_rows`).
@@ -161,7 +163,8 @@ class OverflowCounter:
                 raise RuntimeError(
                     f"layer {self.layer_number}: {self.moe_unread_dispatches} budget-mode dispatches since its "
                     "overflow was last read, so an overflow could go unnoticed; call check_overflow(model) once "
-                    "per step (Megatron-LM's training loop does, or megatron.rerun.run_step_with_rerun)")
+                    "per step (Megatron-LM's training loop does, or megatron.rerun.run_step_with_rerun)"
+                )
         self.moe_overflow_budget = permuted.capacity
         if manager.defers_overflow:
             ring = self.moe_overflow_pending
@@ -187,7 +190,8 @@ class OverflowCounter:
             raise RuntimeError(
                 f"{name}: {rows} budget-mode dispatches since its overflow was last read, more than the "
                 f"{ring.shape[0]} it keeps counts for; call check_overflow(model) once per step (Megatron-LM's "
-                "training loop does) or read layer.overflow() at least that often")
+                "training loop does) or read layer.overflow() at least that often"
+            )
         if rows:
             manager = self.token_dispatcher.manager
             self._add_stats(manager.settle_overflow(ring[:rows, :-1].clone(), ring[:rows, -1]))
@@ -222,8 +226,9 @@ def _take_local(layers) -> tuple[torch.Tensor, list[int]]:
     return stats_L3, dropless_L
 
 
-def read_overflow(layers: list[tuple[str, torch.nn.Module]], group=None, gather: bool = True,
-                  num_layers: int | None = None) -> list[OverflowReport]:
+def read_overflow(
+    layers: list[tuple[str, torch.nn.Module]], group=None, gather: bool = True, num_layers: int | None = None
+) -> list[OverflowReport]:
     """Read the layers' counters once and reset them; with `gather`, combined over `group`
     (a collective: every rank must call, also one holding no layer).
 
@@ -240,10 +245,19 @@ def read_overflow(layers: list[tuple[str, torch.nn.Module]], group=None, gather:
         return []
     local_L3, dropless_L = _take_local(layers)
     if not gather:
-        return [OverflowReport(name, dropped, needed, layer.moe_overflow_budget, layer.moe_overflow_policy,
-                               factor / 100, dropless / 100, int(layer.layer_number))
-                for (name, layer), (dropped, needed, factor), dropless
-                in zip(layers, local_L3.tolist(), dropless_L)]
+        return [
+            OverflowReport(
+                name,
+                dropped,
+                needed,
+                layer.moe_overflow_budget,
+                layer.moe_overflow_policy,
+                factor / 100,
+                dropless / 100,
+                int(layer.layer_number),
+            )
+            for (name, layer), (dropped, needed, factor), dropless in zip(layers, local_L3.tolist(), dropless_L)
+        ]
     numbers = [int(layer.layer_number) for _, layer in layers]
     device = local_L3.device if layers else flag_device(group)
     size = max([num_layers or 0, *numbers])
@@ -256,9 +270,14 @@ def read_overflow(layers: list[tuple[str, torch.nn.Module]], group=None, gather:
         index_L = torch.tensor([n - 1 for n in numbers], device=device)
         present_N[index_L] = 1
         dropped_N[index_L] = local_L3[:, 0]
-        extra_L3 = torch.tensor([[layer.moe_overflow_budget, dropless, _POLICIES.index(layer.moe_overflow_policy)]
-                                 for (_, layer), dropless in zip(layers, dropless_L)],
-                                dtype=torch.int64, device=device)
+        extra_L3 = torch.tensor(
+            [
+                [layer.moe_overflow_budget, dropless, _POLICIES.index(layer.moe_overflow_policy)]
+                for (_, layer), dropless in zip(layers, dropless_L)
+            ],
+            dtype=torch.int64,
+            device=device,
+        )
         max_N5[index_L] = torch.cat([local_L3[:, 1:], extra_L3], dim=1)
     # One fixed shape on every rank: SUM of [present, dropped] and MAX of the rest.
     summed_2N = torch.stack([present_N, dropped_N])
@@ -270,8 +289,18 @@ def read_overflow(layers: list[tuple[str, torch.nn.Module]], group=None, gather:
     for i in range(size):
         if present[i]:
             rows, factor, budget, dropless, policy = maxima[i]
-            reports.append(OverflowReport(here.get(i + 1, f"layer {i + 1}"), dropped[i], rows, budget,
-                                          _POLICIES[policy], factor / 100, dropless / 100, i + 1))
+            reports.append(
+                OverflowReport(
+                    here.get(i + 1, f"layer {i + 1}"),
+                    dropped[i],
+                    rows,
+                    budget,
+                    _POLICIES[policy],
+                    factor / 100,
+                    dropless / 100,
+                    i + 1,
+                )
+            )
     return reports
 
 
@@ -283,9 +312,12 @@ def model_chunks(model) -> list[torch.nn.Module]:
 def budget_layers(model) -> list[tuple[str, torch.nn.Module]]:
     """`(name, layer)` of every sync-free `FlexMoELayer` in `model` (a module or Megatron's list
     of model chunks)."""
-    return [(name or f"layer {layer.layer_number}", layer)
-            for module in model_chunks(model) for name, layer in module.named_modules()
-            if isinstance(layer, OverflowCounter) and layer.moe_overflow_stats is not None]
+    return [
+        (name or f"layer {layer.layer_number}", layer)
+        for module in model_chunks(model)
+        for name, layer in module.named_modules()
+        if isinstance(layer, OverflowCounter) and layer.moe_overflow_stats is not None
+    ]
 
 
 def _num_layers(model) -> int | None:
@@ -336,8 +368,13 @@ def check_overflow(model, group=None, rerun: bool = False) -> list[OverflowRepor
             + "; ".join(r.describe() for r in errors)
             + f". Set moe_expert_rank_capacity_factor (from the command line: "
             f"MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR) to at least {needed:.2f}, or the policy to 'drop'"
-            + ("" if errors[0].policy == "error" else
-               ", or run the step through megatron_moe_ext.megatron.rerun.run_step_with_rerun") + ".")
+            + (
+                ""
+                if errors[0].policy == "error"
+                else ", or run the step through megatron_moe_ext.megatron.rerun.run_step_with_rerun"
+            )
+            + "."
+        )
     return reports
 
 
@@ -370,9 +407,12 @@ class AutoFactor:
             manager.sizing.factor, manager.dropless = factor, False
             if hasattr(manager, "comm"):  # agree on T here, not in the first budget step (a capture)
                 manager.sizing.size(manager, getattr(layer, "moe_dropless_tokens", 0))
-        log_single_rank(logger, logging.WARNING,
-                        f"MoE budget factor auto: {factor:.2f} (moe_expert_rank_capacity_factor from now on; "
-                        f"the dropless warm-up needed {measured:.2f}x the balanced load)")
+        log_single_rank(
+            logger,
+            logging.WARNING,
+            f"MoE budget factor auto: {factor:.2f} (moe_expert_rank_capacity_factor from now on; "
+            f"the dropless warm-up needed {measured:.2f}x the balanced load)",
+        )
 
 
 def auto_factor(measured: float) -> float:

@@ -37,8 +37,10 @@ from megatron_moe_ext.megatron import overflow
 def _rng_states() -> tuple:
     """Torch's CPU and CUDA generators and Megatron's CUDA RNG tracker."""
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    states = {name: state.get_state() if isinstance(state, torch.Generator) else state.clone()
-              for name, state in get_cuda_rng_tracker().get_states().items()}
+    states = {
+        name: state.get_state() if isinstance(state, torch.Generator) else state.clone()
+        for name, state in get_cuda_rng_tracker().get_states().items()
+    }
     return torch.get_rng_state(), cuda, states
 
 
@@ -78,8 +80,13 @@ def _router_buffers(model) -> list[torch.Tensor]:
     attempt found it."""
     from megatron.core.transformer.moe.router import Router
 
-    return [buffer for chunk in overflow.model_chunks(model)
-            for module in chunk.modules() if isinstance(module, Router) for buffer in module.buffers(recurse=False)]
+    return [
+        buffer
+        for chunk in overflow.model_chunks(model)
+        for module in chunk.modules()
+        if isinstance(module, Router)
+        for buffer in module.buffers(recurse=False)
+    ]
 
 
 def _moe_metrics() -> dict:
@@ -98,9 +105,12 @@ def dropless(model):
     `_should_call_local_cudagraph` / `_should_call_te_cudagraph` whether to replay, which an
     instance attribute answers False here; the captured graphs are kept for the next step."""
     managers = [layer.token_dispatcher.manager for _, layer in overflow.budget_layers(model)]
-    graphed = [module for chunk in overflow.model_chunks(model)
-               for module in chunk.modules()
-               if hasattr(module, "cudagraph_manager") or getattr(module, "cuda_graphs", None)]
+    graphed = [
+        module
+        for chunk in overflow.model_chunks(model)
+        for module in chunk.modules()
+        if hasattr(module, "cudagraph_manager") or getattr(module, "cuda_graphs", None)
+    ]
     before = [manager.dropless for manager in managers]
     try:
         for manager in managers:
@@ -116,8 +126,9 @@ def dropless(model):
                 module.__dict__.pop(name, None)
 
 
-def run_step_with_rerun(step: Callable[[], Any], model, optimizer=None, group=None,
-                        forward_only: bool = False) -> Any:
+def run_step_with_rerun(
+    step: Callable[[], Any], model, optimizer=None, group=None, forward_only: bool = False
+) -> Any:
     """Run `step` and apply the overflow policies; rerun it dropless where policy "rerun" asks.
 
     Arguments:
@@ -146,8 +157,12 @@ def run_step_with_rerun(step: Callable[[], Any], model, optimizer=None, group=No
         return result
     worst = max(over, key=lambda r: r.factor_needed)
     kind = "evaluation" if forward_only else "training"
-    log_single_rank(overflow.logger, logging.WARNING, f"MoE budget rerun: the {kind} step runs again dropless "
-                    f"({worst.describe()}; {len(over)} layer(s) overflowed)")
+    log_single_rank(
+        overflow.logger,
+        logging.WARNING,
+        f"MoE budget rerun: the {kind} step runs again dropless "
+        f"({worst.describe()}; {len(over)} layer(s) overflowed)",
+    )
     if not forward_only:
         _discard_gradients(model, optimizer)
     _set_rng_states(saved)
@@ -175,6 +190,7 @@ def _saved_microbatches(data_iterator, num_microbatches: int):
     def fresh():
         made = [None if batch is None else iter(batch) for batch in lists]
         return made if isinstance(data_iterator, list) else made[0]
+
     return fresh
 
 
@@ -185,14 +201,18 @@ def _budget_mode(model) -> bool:
     from megatron_moe_ext.dispatcher.config import BUDGET_FACTOR_ENV
 
     configs = [getattr(chunk, "config", None) for chunk in overflow.model_chunks(model)]
-    return (os.environ.get(BUDGET_FACTOR_ENV) is not None or bool(_installed and _installed["budget"])
-            or any(getattr(c, "moe_expert_rank_capacity_factor", None) is not None for c in configs)
-            or bool(overflow.budget_layers(model)))
+    return (
+        os.environ.get(BUDGET_FACTOR_ENV) is not None
+        or bool(_installed and _installed["budget"])
+        or any(getattr(c, "moe_expert_rank_capacity_factor", None) is not None for c in configs)
+        or bool(overflow.budget_layers(model))
+    )
 
 
 def _runs_with_rerun(call, eager=None):
     """Megatron's `call(**kwargs)` (a schedule, or a full-iteration graph's call) run by
     `run_step_with_rerun` with its micro-batches kept; a rerun calls `eager` (default `call`)."""
+
     def forward_backward(**kwargs):
         global _active
         if _active or overflow.capturing() or not _budget_mode(kwargs["model"]):
@@ -204,11 +224,13 @@ def _runs_with_rerun(call, eager=None):
             target = eager if attempts and eager is not None else call
             attempts.append(target)
             return target(**{**kwargs, "data_iterator": fresh()})
+
         _active = True
         try:
             return run_step_with_rerun(step, kwargs["model"], forward_only=kwargs.get("forward_only", False))
         finally:
             _active = False
+
     return forward_backward
 
 
@@ -237,18 +259,24 @@ def install(budget: bool = False) -> None:
     def get_rerunning_schedule(*args, **kwargs):
         return _runs_with_rerun(get_schedule(*args, **kwargs))
 
-    _installed = {"module": training, "budget": budget, "get_forward_backward_func": get_schedule,
-                  "FullCudaGraphWrapper": getattr(training, "FullCudaGraphWrapper", None)}
+    _installed = {
+        "module": training,
+        "budget": budget,
+        "get_forward_backward_func": get_schedule,
+        "FullCudaGraphWrapper": getattr(training, "FullCudaGraphWrapper", None),
+    }
     training.get_forward_backward_func = get_rerunning_schedule
     full_graph = _installed["FullCudaGraphWrapper"]
     if full_graph is not None:
+
         class RerunningFullCudaGraphWrapper(full_graph):
             """The graph replays the first attempt; a rerun runs the schedule itself, eagerly,
             and leaves the captured graph (and every buffer it reads) as it was."""
 
             def __call__(self, **kwargs):
-                return _runs_with_rerun(functools.partial(full_graph.__call__, self),
-                                        eager=self.forward_backward_func)(**kwargs)
+                return _runs_with_rerun(
+                    functools.partial(full_graph.__call__, self), eager=self.forward_backward_func
+                )(**kwargs)
 
         training.FullCudaGraphWrapper = RerunningFullCudaGraphWrapper
 

@@ -38,11 +38,14 @@ def install_step_boundary(dispatcher_config: TokenDispatcherConfig | None = None
 
 def _flex_kwargs(dispatcher_config, experts) -> dict:
     if dispatcher_config is not None and not isinstance(dispatcher_config, TokenDispatcherConfig):
-        raise ValueError(f"dispatcher_config: expected a TokenDispatcherConfig or None, "
-                         f"got {type(dispatcher_config).__name__}")
+        raise ValueError(
+            f"dispatcher_config: expected a TokenDispatcherConfig or None, got {type(dispatcher_config).__name__}"
+        )
     if experts is not None and not callable(experts):
-        raise ValueError(f"experts: expected an ExpertsBuilder (a callable "
-                         f"(num_local_experts, config, *, pg_collection, name)), got {experts!r}")
+        raise ValueError(
+            f"experts: expected an ExpertsBuilder (a callable "
+            f"(num_local_experts, config, *, pg_collection, name)), got {experts!r}"
+        )
     given = {"dispatcher_config": dispatcher_config, "experts": experts}
     return {name: value for name, value in given.items() if value is not None}
 
@@ -91,8 +94,10 @@ def use_flex_moe_layer(spec, dispatcher_config: TokenDispatcherConfig | None = N
     if isinstance(spec, ModuleSpec) and hasattr(spec.submodules, "mlp"):
         mlp = flex_moe_builder(spec.submodules.mlp, dispatcher_config, experts)
         return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=mlp))
-    raise ValueError(f"spec: expected TransformerBlockSubmodules, a transformer-layer ModuleSpec "
-                     f"or a list of them, got {type(spec).__name__}")
+    raise ValueError(
+        f"spec: expected TransformerBlockSubmodules, a transformer-layer ModuleSpec "
+        f"or a list of them, got {type(spec).__name__}"
+    )
 
 
 def _transformer_config(config) -> TransformerConfig:
@@ -100,8 +105,10 @@ def _transformer_config(config) -> TransformerConfig:
     inner = config if isinstance(config, TransformerConfig) else getattr(config, "transformer", None)
     if isinstance(inner, TransformerConfig):
         return inner
-    raise ValueError(f"config: expected a TransformerConfig (or a model config holding one in "
-                     f".transformer), got {type(config).__name__}")
+    raise ValueError(
+        f"config: expected a TransformerConfig (or a model config holding one in "
+        f".transformer), got {type(config).__name__}"
+    )
 
 
 def use_te(use_transformer_engine: bool | None, auto: bool = True) -> bool:
@@ -109,16 +116,22 @@ def use_te(use_transformer_engine: bool | None, auto: bool = True) -> bool:
     if use_transformer_engine is None:
         return HAVE_TE and auto
     if use_transformer_engine and not HAVE_TE:
-        raise ValueError("use_transformer_engine: True needs Transformer Engine, which is not "
-                         "importable here; pass False (or None to choose automatically)")
+        raise ValueError(
+            "use_transformer_engine: True needs Transformer Engine, which is not "
+            "importable here; pass False (or None to choose automatically)"
+        )
     return use_transformer_engine
 
 
-def get_flex_decoder_block_spec(config, vp_stage: int | None = None, *,
-                                use_transformer_engine: bool | None = None,
-                                dispatcher_config: TokenDispatcherConfig | None = None,
-                                experts=None,
-                                pp_rank: int | None = None) -> TransformerBlockSubmodules:
+def get_flex_decoder_block_spec(
+    config,
+    vp_stage: int | None = None,
+    *,
+    use_transformer_engine: bool | None = None,
+    dispatcher_config: TokenDispatcherConfig | None = None,
+    experts=None,
+    pp_rank: int | None = None,
+) -> TransformerBlockSubmodules:
     """Megatron's GPT decoder block spec with `FlexMoELayer` in every MoE layer.
 
     Arguments:
@@ -134,17 +147,25 @@ def get_flex_decoder_block_spec(config, vp_stage: int | None = None, *,
     config = _transformer_config(config)
     install_step_boundary(dispatcher_config)
     block = gpt_layer_specs.get_gpt_decoder_block_spec(
-        config, use_transformer_engine=use_te(use_transformer_engine,
-                                               config.transformer_impl == "transformer_engine"),
-        normalization=config.normalization, qk_l2_norm=config.qk_l2_norm,
-        vp_stage=vp_stage, pp_rank=pp_rank)
+        config,
+        use_transformer_engine=use_te(use_transformer_engine, config.transformer_impl == "transformer_engine"),
+        normalization=config.normalization,
+        qk_l2_norm=config.qk_l2_norm,
+        vp_stage=vp_stage,
+        pp_rank=pp_rank,
+    )
     return use_flex_moe_layer(block, dispatcher_config, experts)
 
 
-def get_flex_layer_spec(num_experts: int, moe_grouped_gemm: bool = False, *,
-                        use_transformer_engine: bool | None = None,
-                        dispatcher_config: TokenDispatcherConfig | None = None,
-                        experts=None, **layer_kwargs) -> ModuleSpec:
+def get_flex_layer_spec(
+    num_experts: int,
+    moe_grouped_gemm: bool = False,
+    *,
+    use_transformer_engine: bool | None = None,
+    dispatcher_config: TokenDispatcherConfig | None = None,
+    experts=None,
+    **layer_kwargs,
+) -> ModuleSpec:
     """One GPT transformer-layer spec with `FlexMoELayer` as its MLP (as Megatron's
     `get_gpt_layer_local_spec(num_experts=...)` / `..._with_transformer_engine_spec`).
 
@@ -160,8 +181,11 @@ def get_flex_layer_spec(num_experts: int, moe_grouped_gemm: bool = False, *,
     """
     if not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"num_experts: expected an int >= 1 for an MoE layer, got {num_experts!r}")
-    builder = (gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec if use_te(use_transformer_engine)
-               else gpt_layer_specs.get_gpt_layer_local_spec)
+    builder = (
+        gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec
+        if use_te(use_transformer_engine)
+        else gpt_layer_specs.get_gpt_layer_local_spec
+    )
     spec = builder(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm, **layer_kwargs)
     install_step_boundary(dispatcher_config)
     return use_flex_moe_layer(spec, dispatcher_config, experts)
@@ -183,9 +207,14 @@ class DeferredSpec(ModuleSpec):
 
 
 for _field in dataclasses.fields(ModuleSpec):
-    setattr(DeferredSpec, _field.name, property(
-        lambda self, name=_field.name: getattr(self._spec, name),
-        lambda self, value, name=_field.name: setattr(self._spec, name, value)))
+    setattr(
+        DeferredSpec,
+        _field.name,
+        property(
+            lambda self, name=_field.name: getattr(self._spec, name),
+            lambda self, value, name=_field.name: setattr(self._spec, name, value),
+        ),
+    )
 
 # For `--spec megatron_moe_ext.megatron.specs flex_moe_layer_spec`; the layer takes its expert
 # count from the config.

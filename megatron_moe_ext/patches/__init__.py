@@ -49,7 +49,8 @@ def _check_megatron_target() -> None:
             f"megatron_moe_ext.patches expects {EXPECTED_MEGATRON_CORE}, whose "
             f"megatron.core.models.gpt.moe_module_specs builds MoE layers from its module "
             f"global MoELayer in {_READERS}; the installed megatron-core {__version__} "
-            f"does not ({stale})")
+            f"does not ({stale})"
+        )
 
 
 _check_megatron_target()
@@ -72,18 +73,26 @@ def apply(dispatcher_config: TokenDispatcherConfig | None = None, experts=None) 
     builder = flex_layer_builder(dispatcher_config, experts)
     with _lock:
         if _applied is not None:
-            for field, same in (("dispatcher_config", _applied["dispatcher_config"] == dispatcher_config),
-                                ("experts", _applied["experts"] is experts)):
+            for field, same in (
+                ("dispatcher_config", _applied["dispatcher_config"] == dispatcher_config),
+                ("experts", _applied["experts"] is experts),
+            ):
                 if not same:
-                    raise ValueError(f"{field}: patches are already applied with {_applied[field]!r}; "
-                                     "call revert() before applying different settings")
+                    raise ValueError(
+                        f"{field}: patches are already applied with {_applied[field]!r}; "
+                        "call revert() before applying different settings"
+                    )
             return
         from megatron.core.models.hybrid import hybrid_layer_specs
 
         stacks = (hybrid_layer_specs.hybrid_stack_spec, hybrid_layer_specs.hybrid_inference_stack_spec)
         slots = [stack.submodules.moe_layer.submodules for stack in stacks]
-        _applied = {"original": _moe_module_specs.MoELayer, "dispatcher_config": dispatcher_config,
-                    "experts": experts, "hybrid": [(slot, slot.mlp) for slot in slots]}
+        _applied = {
+            "original": _moe_module_specs.MoELayer,
+            "dispatcher_config": dispatcher_config,
+            "experts": experts,
+            "hybrid": [(slot, slot.mlp) for slot in slots],
+        }
         _moe_module_specs.MoELayer = builder
         for slot in slots:
             slot.mlp = flex_moe_builder(slot.mlp, dispatcher_config, experts)

@@ -40,8 +40,11 @@ def env_flag(name: str, default: bool, *, fallback: str | None = None) -> bool:
         return True
     if raw.lower() in FALSE_SPELLINGS:
         return False
-    raise _fail(name, raw, f"allowed values are {'/'.join(TRUE_SPELLINGS)} (on) or "
-                           f"{'/'.join(FALSE_SPELLINGS)} (off), case-insensitive")
+    raise _fail(
+        name,
+        raw,
+        f"allowed values are {'/'.join(TRUE_SPELLINGS)} (on) or {'/'.join(FALSE_SPELLINGS)} (off), case-insensitive",
+    )
 
 
 def env_choice(name: str, choices: tuple[str, ...], default: _Default) -> str | _Default:
@@ -68,8 +71,9 @@ def env_int(name: str, default: _Default, *, minimum: int | None = None) -> int 
     return value
 
 
-def env_float(name: str, default: _Default, *, above: float | None = None,
-              words: tuple[str, ...] = ()) -> float | str | _Default:
+def env_float(
+    name: str, default: _Default, *, above: float | None = None, words: tuple[str, ...] = ()
+) -> float | str | _Default:
     """A finite number, greater than `above` where given (`above=0`: a factor that must be
     positive), or one of `words` (lower-case, matched case-insensitively)."""
     raw = _raw(name)
@@ -82,8 +86,13 @@ def env_float(name: str, default: _Default, *, above: float | None = None,
     except ValueError:
         value = math.nan
     if not math.isfinite(value) or (above is not None and value <= above):
-        raise _fail(name, raw, "expected a finite number" + ("" if above is None else f" > {above}")
-                    + "".join(f" or {word!r}" for word in words))
+        raise _fail(
+            name,
+            raw,
+            "expected a finite number"
+            + ("" if above is None else f" > {above}")
+            + "".join(f" or {word!r}" for word in words),
+        )
     return value
 
 

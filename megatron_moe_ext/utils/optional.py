@@ -13,8 +13,10 @@ from types import ModuleType
 
 #: How to get the portable torch backend instead, in Python and on Megatron's command line
 #: (whose --moe-flex-dispatcher-backend cannot name it).
-_USE_TORCH = ("or use the portable torch backend: TokenDispatcherConfig(moe_flex_dispatcher_backend='torch') "
-              "in Python, --moe-token-dispatcher-type alltoall on Megatron's command line")
+_USE_TORCH = (
+    "or use the portable torch backend: TokenDispatcherConfig(moe_flex_dispatcher_backend='torch') "
+    "in Python, --moe-token-dispatcher-type alltoall on Megatron's command line"
+)
 
 INSTALL_HINTS = {
     "deep_ep": (
@@ -52,8 +54,10 @@ def require(name: str, feature: str) -> ModuleType:
         return importlib.import_module(name)
     except Exception as exc:  # noqa: BLE001
         hint = INSTALL_HINTS.get(name, f"install {name}")
-        raise ImportError(f"{feature} needs the '{name}' package, which is not importable "
-                          f"({type(exc).__name__}: {exc}). To fix: {hint}.") from exc
+        raise ImportError(
+            f"{feature} needs the '{name}' package, which is not importable "
+            f"({type(exc).__name__}: {exc}). To fix: {hint}."
+        ) from exc
 
 
 class Loaded[Interface]:

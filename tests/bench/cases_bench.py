@@ -23,8 +23,9 @@ def _flex_grouped_layer(shape: dict, pg):
 
     config = moe_slice_bench.slice_config(shape, "flex_grouped_mm", cpu=True)
     local = get_moe_module_spec(use_te=False, num_experts=shape["experts"]).keywords["submodules"]
-    layer = FlexMoELayer(config=config, submodules=local, experts=GroupedGemmExperts, pg_collection=pg,
-                         layer_number=1)
+    layer = FlexMoELayer(
+        config=config, submodules=local, experts=GroupedGemmExperts, pg_collection=pg, layer_number=1
+    )
     layer.router.set_layer_number(1)
     return layer
 
@@ -67,10 +68,13 @@ def run_slice_replay_and_compare() -> dict:
         with torch.no_grad():
             other.experts.down_projs[0].mul_(1.5)
         changed = moe_slice_bench.relative_differences(other, reference, x, grad)
-        return dict(replay_equal=replay_equal,
-                    replay_leaves=all(t.grad_fn is None for t in leaves),
-                    replay_input_needs_grad=leaves[0].requires_grad,
-                    equal=equal, changed=changed)
+        return dict(
+            replay_equal=replay_equal,
+            replay_leaves=all(t.grad_fn is None for t in leaves),
+            replay_input_needs_grad=leaves[0].requires_grad,
+            equal=equal,
+            changed=changed,
+        )
     finally:
         megatron_cpu.uninstall()
 
@@ -93,9 +97,12 @@ def run_fused_slice_on_the_double() -> dict:
         fused_layer = moe_slice_bench.build_variant("flex_fused", shape, pg, "cpu", cpu=True)
         x, grad = _inputs(shape)
         args, replay_equal = _replay(fused_layer, x, grad)
-        return dict(handoff=type(args[0]).__name__, replay_equal=replay_equal,
-                    fallback=fused_layer.experts.expert_mlp_fallback_reason,
-                    diffs=moe_slice_bench.compare_with_reference(fused_layer, grouped, x, grad))
+        return dict(
+            handoff=type(args[0]).__name__,
+            replay_equal=replay_equal,
+            fallback=fused_layer.experts.expert_mlp_fallback_reason,
+            diffs=moe_slice_bench.compare_with_reference(fused_layer, grouped, x, grad),
+        )
     finally:
         megatron_cpu.uninstall()
         fused.set_quack_backend(previous)
@@ -133,8 +140,10 @@ def run_profiled_labels_on_megatron_gpt() -> dict:
             optimizer.step()
         kernel_breakdown.remove_labels(labels)
         table = kernel_breakdown.breakdown(prof.events(), device="cpu")
-        return dict(labels=sorted(k for k, v in table["labels"].items() if v["ms"] > 0),
-                    experts=pretrain_profiled.describe_experts([chunk]))
+        return dict(
+            labels=sorted(k for k, v in table["labels"].items() if v["ms"] > 0),
+            experts=pretrain_profiled.describe_experts([chunk]),
+        )
     finally:
         megatron_cpu.uninstall()
 
@@ -146,8 +155,9 @@ def _run_over_lines(code: str, lines: list[str]) -> dict:
     import subprocess
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    done = subprocess.run([sys.executable, "-c", code], cwd=root, input="\n".join(lines), capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, input="\n".join(lines), capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.splitlines()[-1])
 

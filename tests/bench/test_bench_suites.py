@@ -10,8 +10,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _bench(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "bench", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "bench", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_no_argument_lists_every_suite_in_one_line_each():
@@ -47,9 +48,18 @@ def test_commands():
 
 
 def test_no_script_or_test_names_a_removed_probe():
-    removed = ("graph_probe.py", "hybridep_probe.py", "hybridep_spawn_probe.py", "wgrad_probe.py",
-               "probe_round.sh", "graph_train_bisect.sh", "graph_fault.sh", "run_all.sh", "experts_profile.py",
-               "experts_suite.sh")
+    removed = (
+        "graph_probe.py",
+        "hybridep_probe.py",
+        "hybridep_spawn_probe.py",
+        "wgrad_probe.py",
+        "probe_round.sh",
+        "graph_train_bisect.sh",
+        "graph_fault.sh",
+        "run_all.sh",
+        "experts_profile.py",
+        "experts_suite.sh",
+    )
     # bench/gpu/h200_round.sh, the GPU sessions' runner, is left as it is (its tasks that ran them fail).
     users = []
     for folder in ("bench", "tests", "scripts", "examples", "megatron_moe_ext"):

@@ -88,9 +88,12 @@ def test_pretrain_wrapper_labels_megatron_module_names():
                 x = child(x)
             return x
 
-    layer = Tree({"self_attention": Tree({"linear_qkv": torch.nn.Linear(8, 8),
-                                          "core_attention": torch.nn.Linear(8, 8)}),
-                  "mlp": Tree({"router": torch.nn.Linear(8, 8), "experts": torch.nn.Linear(8, 8)})})
+    layer = Tree(
+        {
+            "self_attention": Tree({"linear_qkv": torch.nn.Linear(8, 8), "core_attention": torch.nn.Linear(8, 8)}),
+            "mlp": Tree({"router": torch.nn.Linear(8, 8), "experts": torch.nn.Linear(8, 8)}),
+        }
+    )
     model = Tree({"decoder": Tree({"layers": Tree({"0": layer})}), "output_layer": torch.nn.Linear(8, 8)})
 
     class Optimizer:
@@ -108,10 +111,19 @@ def test_pretrain_wrapper_labels_megatron_module_names():
     table = kernel_breakdown.breakdown(_profiled(step), device="cpu")
     kernel_breakdown.remove_labels(labels)
     assert {"attention_core", "attention_other", "router", "experts", "lm_head_loss", "optimizer"} <= set(
-        table["labels"])
+        table["labels"]
+    )
     cats = pretrain_profiled.categories(table)
-    assert set(cats) == {"attention", "router", "permutation_gather", "lm_head_loss", "optimizer", "other",
-                         "expert_gemms", "expert_other"}
+    assert set(cats) == {
+        "attention",
+        "router",
+        "permutation_gather",
+        "lm_head_loss",
+        "optimizer",
+        "other",
+        "expert_gemms",
+        "expert_other",
+    }
     assert cats["attention"] > 0 and cats["optimizer"] > 0
 
 
@@ -124,13 +136,23 @@ def test_slice_replay_and_comparison(dist_pools):
     assert result["changed"]["output"] > 1e-3 and result["changed"]["grad_gate_and_up_projs"] > 1e-3
 
 
-@pytest.mark.skipif("expert_mlp_impl" not in inspect.signature(
-    __import__("megatron_moe_ext.megatron.experts", fromlist=["x"]).GroupedGemmExperts).parameters,
-    reason="GroupedGemmExperts(expert_mlp_impl=...) is not on this branch yet (quack branch)")
+@pytest.mark.skipif(
+    "expert_mlp_impl"
+    not in inspect.signature(
+        __import__("megatron_moe_ext.megatron.experts", fromlist=["x"]).GroupedGemmExperts
+    ).parameters,
+    reason="GroupedGemmExperts(expert_mlp_impl=...) is not on this branch yet (quack branch)",
+)
 def test_slice_bench_smoke_runs_on_cpu(tmp_path):
     env = dict(os.environ, OUT=str(tmp_path))
-    done = subprocess.run([sys.executable, "bench/moe_slice_bench.py", "--smoke"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "bench/moe_slice_bench.py", "--smoke"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     data = json.load(open(tmp_path / "moe_slice_smoke.json"))
     for key in ("smoke/balanced", "smoke/skewed"):
@@ -150,16 +172,33 @@ def test_slice_bench_budget_variant_matches_dropless_on_cpu(tmp_path):
     """The budget-mode variant at EP 1 holds every pair: its output and gradients are the
     dropless layer's bits, with the unfused router (the flag that lets it run without TE)."""
     env = dict(os.environ, OUT=str(tmp_path))
-    done = subprocess.run([sys.executable, "bench/moe_slice_bench.py", "--smoke", "--no-router-fusion",
-                           "--variants", "flex_grouped_mm", "flex_budget"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "bench/moe_slice_bench.py",
+            "--smoke",
+            "--no-router-fusion",
+            "--variants",
+            "flex_grouped_mm",
+            "flex_budget",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     data = json.load(open(tmp_path / "moe_slice_smoke.json"))
     for key in ("smoke/balanced", "smoke/skewed"):
         budget = data["results"][key]["flex_budget"]
         assert budget["router_follows_routing"] and budget["layer"]["queued_ms"] > 0, key
-        assert budget["vs_flex_grouped_mm"] == {"output": 0.0, "input_grad": 0.0, "grad_gate_and_up_projs": 0.0,
-                                                "grad_down_projs": 0.0}, key
+        assert budget["vs_flex_grouped_mm"] == {
+            "output": 0.0,
+            "input_grad": 0.0,
+            "grad_gate_and_up_projs": 0.0,
+            "grad_down_projs": 0.0,
+        }, key
         assert "queued_layer_flex_budget_speedup_vs_flex_grouped_mm" in data["summary"][key]
 
 
@@ -173,11 +212,17 @@ def test_gpu_gaps_of_a_trace():
     def ev(cat, name, ts, dur, tid=1, **args):
         return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "args": args}
 
-    trace = {"traceEvents": [
-        ev("kernel", "k1", 0, 10, tid=7, correlation=1), ev("kernel", "k2", 50, 10, tid=7, correlation=2),
-        ev("kernel", "k3", 200, 10, tid=7, correlation=3),
-        ev("cpu_op", "aten::outer", 15, 135), ev("cpu_op", "aten::inner", 20, 20),
-        ev("cpu_op", "aten::mm", 185, 10), ev("cuda_runtime", "cudaLaunchKernel", 190, 2, correlation=3)]}
+    trace = {
+        "traceEvents": [
+            ev("kernel", "k1", 0, 10, tid=7, correlation=1),
+            ev("kernel", "k2", 50, 10, tid=7, correlation=2),
+            ev("kernel", "k3", 200, 10, tid=7, correlation=3),
+            ev("cpu_op", "aten::outer", 15, 135),
+            ev("cpu_op", "aten::inner", 20, 20),
+            ev("cpu_op", "aten::mm", 185, 10),
+            ev("cuda_runtime", "cudaLaunchKernel", 190, 2, correlation=3),
+        ]
+    }
     gaps = host_profile.gpu_gaps(trace, steps=2)
     assert gaps["idle_us_per_step"] == 90.0 and gaps["gaps_per_step"] == 1.0
     first, second = gaps["gaps"]
@@ -192,10 +237,12 @@ def _fake_megatron_log(losses, ms, tflops, timers) -> str:
     """Lines as Megatron's training_log and Timers.log print them (log interval 1, minmax)."""
     lines = ["building GPT model ...", "  num_layers ...................................... 8"]
     for i, (loss, t, tf) in enumerate(zip(losses, ms, tflops), start=1):
-        lines.append(f" [2026-12-03 11:00:00] iteration {i:8d}/{len(losses):8d} | consumed samples: {8 * i:12d} | "
-                     f"elapsed time per iteration (ms): {t:.1f} | throughput per GPU (TFLOP/s/GPU): {tf:.1f} | "
-                     f"learning rate: 3.000000E-04 | global batch size:     8 | lm loss: {loss:.6E} | "
-                     "loss scale: 1.0 | grad norm: 1.000 | number of skipped iterations:   0 |")
+        lines.append(
+            f" [2026-12-03 11:00:00] iteration {i:8d}/{len(losses):8d} | consumed samples: {8 * i:12d} | "
+            f"elapsed time per iteration (ms): {t:.1f} | throughput per GPU (TFLOP/s/GPU): {tf:.1f} | "
+            f"learning rate: 3.000000E-04 | global batch size:     8 | lm loss: {loss:.6E} | "
+            "loss scale: 1.0 | grad norm: 1.000 | number of skipped iterations:   0 |"
+        )
         lines.append("(min, max) time across ranks (ms):")
         for name, value in timers.items():
             lines.append("    {}: ({:.2f}, {:.2f})".format((name + " ").ljust(48, "."), value * i, value * i))
@@ -217,8 +264,9 @@ def test_parse_leaves_out_the_profiled_iteration_and_compares_runs(tmp_path):
         base = tmp_path / f"pretrain_megatron_lm_{name}"
         (base.with_suffix(".cmd")).write_text(f"pretrain_gpt.py --seq-length 4096 --num-layers 8 # {name}")
         (base.with_suffix(".rc")).write_text("0")
-        (base.with_suffix(".log")).write_text(_fake_megatron_log(
-            losses, ms, [1e5 / t for t in ms], {"forward-backward": 400.0, "optimizer": 20.0}))
+        (base.with_suffix(".log")).write_text(
+            _fake_megatron_log(losses, ms, [1e5 / t for t in ms], {"forward-backward": 400.0, "optimizer": 20.0})
+        )
     kernels = dict(iteration=n, categories_ms={"expert_gemms": 100.0}, labels={}, total_ms=100.0, top_kernels=[])
     (tmp_path / "pretrain_megatron_lm_slice_ext.kernels.json").write_text(json.dumps(kernels))
     parse.main(str(tmp_path))
@@ -238,19 +286,25 @@ def test_parse_leaves_out_the_profiled_iteration_and_compares_runs(tmp_path):
 
 
 def test_slice_run_lists_parse_with_megatron_arguments(tmp_path):
-    runs = ("slice_native slice_ext slice_ext_grouped_mm det_slice_ext det_slice_ext_repeat "
-            "det_slice_ext_grouped_mm det_slice_native det_slice_native_unfused_swiglu")
+    runs = (
+        "slice_native slice_ext slice_ext_grouped_mm det_slice_ext det_slice_ext_repeat "
+        "det_slice_ext_grouped_mm det_slice_native det_slice_native_unfused_swiglu"
+    )
     env = dict(os.environ, DRY_RUN="1", RUNS=runs, OUT=str(tmp_path))
-    lines = subprocess.run(["bash", "bench/gpu/pretrain_megatron_lm.sh"], cwd=ROOT, env=env, check=True,
-                           capture_output=True, text=True).stdout.splitlines()
+    lines = subprocess.run(
+        ["bash", "bench/gpu/pretrain_megatron_lm.sh"], cwd=ROOT, env=env, check=True, capture_output=True, text=True
+    ).stdout.splitlines()
     assert sorted(line.split()[0] for line in lines) == sorted(runs.split())  # det runs go side by side
-    args = cases_bench.megatron_args_of_dry_run(lines, """
+    args = cases_bench.megatron_args_of_dry_run(
+        lines,
+        """
         layers=a.num_layers, experts=a.num_experts, topk=a.moe_router_topk, ffn=a.moe_ffn_hidden_size,
         spec=a.spec, det=a.deterministic_mode, ce_fusion=a.cross_entropy_loss_fusion,
         permute_fusion=a.moe_permute_fusion, router_fusion=a.moe_router_fusion,
         timing=a.timing_log_level, iters=a.train_iters, seq=a.seq_length, gbs=a.global_batch_size,
         force_balance=a.moe_router_force_load_balancing, swiglu_fusion=a.bias_swiglu_fusion,
-        profiled="pretrain_profiled.py" in line""")
+        profiled="pretrain_profiled.py" in line""",
+    )
     for name, a in args.items():
         assert (a["experts"], a["topk"], a["ffn"], a["seq"], a["gbs"]) == (16, 8, 768, 4096, 8)
         assert a["layers"] == (8 if a["det"] else 16)
@@ -263,8 +317,10 @@ def test_slice_run_lists_parse_with_megatron_arguments(tmp_path):
         assert a["swiglu_fusion"] == (not name.endswith("unfused_swiglu"))
 
 
-@pytest.mark.skipif(importlib.util.find_spec("tests.doubles.quack_gemm") is None,
-                    reason="the fused expert path and its QuACK double are not on this branch yet (quack branch)")
+@pytest.mark.skipif(
+    importlib.util.find_spec("tests.doubles.quack_gemm") is None,
+    reason="the fused expert path and its QuACK double are not on this branch yet (quack branch)",
+)
 def test_fused_slice_variant_on_the_quack_double(dist_pools):
     result = dist_pools(1).run(cases_bench.run_fused_slice_on_the_double)[0]
     assert result["fallback"] is None  # the fused path runs (through the double)
@@ -283,9 +339,13 @@ def test_replayed_inputs_are_leaves_through_indexed_rows():
 
     rows = torch.randn(3, 4, requires_grad=True) * 2  # not a leaf
     probs = torch.rand(5, requires_grad=True) + 0
-    handoff = IndexedRows(rows_RH=rows, row_of_slot_P=torch.tensor([0, 1, 2, 0, 1], dtype=torch.int32),
-                          slot_of_row_RJ=torch.tensor([[0, 3], [1, 4], [2, -1]]), tokens_per_expert=[3, 2],
-                          probs_P=probs)
+    handoff = IndexedRows(
+        rows_RH=rows,
+        row_of_slot_P=torch.tensor([0, 1, 2, 0, 1], dtype=torch.int32),
+        slot_of_row_RJ=torch.tensor([[0, 3], [1, 4], [2, -1]]),
+        tokens_per_expert=[3, 2],
+        probs_P=probs,
+    )
     (leaf, counts), kwargs = moe_slice_bench._as_leaves(((handoff, torch.tensor([3, 2])), {"probs": probs}))
     assert isinstance(leaf, IndexedRows) and leaf.tokens_per_expert == [3, 2]
     assert leaf.rows_RH.is_leaf and leaf.rows_RH.requires_grad and torch.equal(leaf.rows_RH, rows)
@@ -298,7 +358,16 @@ def test_profiled_pretrain_labels_find_megatron_gpt_parts(dist_pools):
     result = dist_pools(1).run(cases_bench.run_profiled_labels_on_megatron_gpt)[0]
     # Every part of the step is found by its Megatron module name (moe_layer_freq (1, 0, 1):
     # two MoE layers and a dense one).
-    assert set(result["labels"]) >= {"attention_core", "attention_other", "router", "experts",
-                                     "permutation_gather", "dense_mlp", "lm_head_loss",
-                                     "embedding", "optimizer", "other"}, result["labels"]
+    assert set(result["labels"]) >= {
+        "attention_core",
+        "attention_other",
+        "router",
+        "experts",
+        "permutation_gather",
+        "dense_mlp",
+        "lm_head_loss",
+        "embedding",
+        "optimizer",
+        "other",
+    }, result["labels"]
     assert sum(result["experts"].values()) == 2, result["experts"]

@@ -28,13 +28,18 @@ from tests.bench import cases_bench  # noqa: E402
 
 
 def _event(device: str, name: str, start: float, end: float, annotation: bool = False):
-    return SimpleNamespace(device_type=SimpleNamespace(name=device), name=name, is_user_annotation=annotation,
-                           time_range=SimpleNamespace(start=start, end=end))
+    return SimpleNamespace(
+        device_type=SimpleNamespace(name=device),
+        name=name,
+        is_user_annotation=annotation,
+        time_range=SimpleNamespace(start=start, end=end),
+    )
 
 
 def test_gpu_activity_counts_overlapping_kernels_once():
     events = [
-        _event("CUDA", "gemm_a", 0, 100), _event("CUDA", "gemm_a", 300, 400),
+        _event("CUDA", "gemm_a", 0, 100),
+        _event("CUDA", "gemm_a", 300, 400),
         _event("CUDA", "a2a_side_stream", 50, 150),  # overlaps gemm_a on another stream
         _event("CUDA", "small", 120, 130),  # inside the side-stream kernel
         _event("CUDA", "Memcpy HtoD (Pageable -> Device)", 200, 250),
@@ -61,10 +66,15 @@ def test_profiled_wrapper_options_gate_and_overflow(tmp_path):
     assert options == dict(busy_only=True, gate="/tmp/x", exact=False, expert_loads=False)
     assert rest == ["12", "out.json", "p.py", "--bf16"]
     assert pretrain_profiled.parse_options(["--exact", "--expert-loads", "5", "o", "p.py"]) == (
-        dict(busy_only=False, gate=None, exact=True, expert_loads=True), ["5", "o", "p.py"])
+        dict(busy_only=False, gate=None, exact=True, expert_loads=True),
+        ["5", "o", "p.py"],
+    )
     result = ({"lm loss": torch.tensor(2.5), "load_balancing_loss": torch.tensor(1.0 / 3)}, 0, 0, 0, 0, 0.75, None)
-    assert pretrain_profiled._exact(result) == {"lm loss": (2.5).hex(), "load_balancing_loss": float(
-        torch.tensor(1.0 / 3)).hex(), "grad_norm": (0.75).hex()}
+    assert pretrain_profiled._exact(result) == {
+        "lm loss": (2.5).hex(),
+        "load_balancing_loss": float(torch.tensor(1.0 / 3)).hex(),
+        "grad_norm": (0.75).hex(),
+    }
 
     import graphed_slice
 
@@ -104,8 +114,13 @@ def test_profiled_wrapper_options_gate_and_overflow(tmp_path):
         assert layers[0].moe_overflow_stats.tolist() == [0, 0, 0]  # the check reset them
     finally:
         overflow_module.check_overflow = check
-    assert overflow.report() == dict(layers=2, dropped_pairs_per_iteration=[0, 7, 1], max_rows_needed=4004,
-                                     rerun_attempt_dropped_pairs_per_iteration=[0, 0, 0], budget_rows=4096)
+    assert overflow.report() == dict(
+        layers=2,
+        dropped_pairs_per_iteration=[0, 7, 1],
+        max_rows_needed=4004,
+        rerun_attempt_dropped_pairs_per_iteration=[0, 0, 0],
+        budget_rows=4096,
+    )
     # Under policy "rerun" the step runner passes rerun=True through the wrapped check, and an
     # overflowed attempt's pairs are not counted as dropped in training.
     for layer in layers:
@@ -149,23 +164,58 @@ def test_expert_loads_give_the_budget_factor_each_ep_size_needs():
 
 def test_graphed_slice_run_list_parses_with_megatron_arguments(tmp_path):
     env = dict(os.environ, DRY_RUN="1", OUT=str(tmp_path), WORK="/w")
-    lines = subprocess.run(["bash", "bench/gpu/graphed_slice.sh"], cwd=ROOT, env=env, check=True,
-                           capture_output=True, text=True).stdout.splitlines()
+    lines = subprocess.run(
+        ["bash", "bench/gpu/graphed_slice.sh"], cwd=ROOT, env=env, check=True, capture_output=True, text=True
+    ).stdout.splitlines()
     names = [line.split()[0] for line in lines]
-    assert names == ["native_eager", "native_attn", "native_recipe", "native_dnp100", "native_dnp125", "ext_eager",
-                     "ext_attn", "ext_recipe", "ext_recipe_local", "ext_budget_eager", "ext_budget_local",
-                     "ext_budget_te", "ext_budget_local_fused", "ext_budget_full", "ext_budget_full_auto",
-                     "ext_budget_full_fused", "dsv3_native_attn", "dsv3_native_recipe", "dsv3_native_dnp125",
-                     "dsv3_ext_budget_local", "dsv3_ext_budget_full", "dsv3_ext_budget_full_auto",
-                     "det_ext_budget_eager",
-                     "det_ext_budget_local", "det_ext_budget_full", "det_aux_ext_budget_eager",
-                     "det_aux_ext_budget_local", "loads_ext_budget_eager",
-                     "aux_loads_ext_budget_eager", "det_ext_eager", "det_native_eager",
-                     "det_native_unfused_eager", "det_dense_eager", "det_dense_local", "det_dense_full"]
-    picked = subprocess.run(["bash", "bench/gpu/graphed_slice.sh"], cwd=ROOT, capture_output=True, text=True,
-                            env=dict(env, RUNS="ext_budget_te native_eager")).stdout.splitlines()
+    assert names == [
+        "native_eager",
+        "native_attn",
+        "native_recipe",
+        "native_dnp100",
+        "native_dnp125",
+        "ext_eager",
+        "ext_attn",
+        "ext_recipe",
+        "ext_recipe_local",
+        "ext_budget_eager",
+        "ext_budget_local",
+        "ext_budget_te",
+        "ext_budget_local_fused",
+        "ext_budget_full",
+        "ext_budget_full_auto",
+        "ext_budget_full_fused",
+        "dsv3_native_attn",
+        "dsv3_native_recipe",
+        "dsv3_native_dnp125",
+        "dsv3_ext_budget_local",
+        "dsv3_ext_budget_full",
+        "dsv3_ext_budget_full_auto",
+        "det_ext_budget_eager",
+        "det_ext_budget_local",
+        "det_ext_budget_full",
+        "det_aux_ext_budget_eager",
+        "det_aux_ext_budget_local",
+        "loads_ext_budget_eager",
+        "aux_loads_ext_budget_eager",
+        "det_ext_eager",
+        "det_native_eager",
+        "det_native_unfused_eager",
+        "det_dense_eager",
+        "det_dense_local",
+        "det_dense_full",
+    ]
+    picked = subprocess.run(
+        ["bash", "bench/gpu/graphed_slice.sh"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=dict(env, RUNS="ext_budget_te native_eager"),
+    ).stdout.splitlines()
     assert [line.split()[0] for line in picked] == ["native_eager", "ext_budget_te"]
-    args = cases_bench.megatron_args_of_dry_run(lines, """
+    args = cases_bench.megatron_args_of_dry_run(
+        lines,
+        """
         layers=a.num_layers, experts=a.num_experts, topk=a.moe_router_topk, ffn=a.moe_ffn_hidden_size,
         hidden=a.hidden_size, heads=a.num_attention_heads, groups=a.num_query_groups, kv=a.kv_channels,
         spec=a.spec, ce_fusion=a.cross_entropy_loss_fusion, ce_impl=a.cross_entropy_fusion_impl,
@@ -177,24 +227,37 @@ def test_graphed_slice_run_list_parses_with_megatron_arguments(tmp_path):
         deterministic=a.deterministic_mode, nan_check=a.check_for_nan_in_loss_and_grad,
         wgrad=a.gradient_accumulation_fusion, mock=a.mock_data, data=a.data_path,
         capacity=a.moe_expert_capacity_factor, pad=a.moe_pad_expert_input_to_capacity,
-        drop_policy=a.moe_token_drop_policy""")
-    graphs = {"eager": ("none", []), "attn": ("transformer_engine", ["attn"]),
-              "recipe": ("transformer_engine", ["attn", "moe_router", "moe_preprocess"]),
-              "recipe_local": ("local", ["attn", "moe_router", "moe_preprocess"]),
-              "budget_eager": ("none", []), "budget_local": ("local", []), "budget_te": ("transformer_engine", []),
-              "budget_local_fused": ("local", []), "budget_full": ("full_iteration", []),
-              "budget_full_auto": ("full_iteration", []), "dnp100": ("transformer_engine", ["attn", "moe"]),
-              "dnp125": ("transformer_engine", ["attn", "moe"]),
-              "budget_full_fused": ("full_iteration", []), "dense_eager": ("none", []),
-              "dense_local": ("local", []), "dense_full": ("full_iteration", []), "unfused_eager": ("none", [])}
+        drop_policy=a.moe_token_drop_policy""",
+    )
+    graphs = {
+        "eager": ("none", []),
+        "attn": ("transformer_engine", ["attn"]),
+        "recipe": ("transformer_engine", ["attn", "moe_router", "moe_preprocess"]),
+        "recipe_local": ("local", ["attn", "moe_router", "moe_preprocess"]),
+        "budget_eager": ("none", []),
+        "budget_local": ("local", []),
+        "budget_te": ("transformer_engine", []),
+        "budget_local_fused": ("local", []),
+        "budget_full": ("full_iteration", []),
+        "budget_full_auto": ("full_iteration", []),
+        "dnp100": ("transformer_engine", ["attn", "moe"]),
+        "dnp125": ("transformer_engine", ["attn", "moe"]),
+        "budget_full_fused": ("full_iteration", []),
+        "dense_eager": ("none", []),
+        "dense_local": ("local", []),
+        "dense_full": ("full_iteration", []),
+        "unfused_eager": ("none", []),
+    }
     for line in lines:
         name, words = line.split()[0], shlex.split(line)[1:]
         a = args[name]
         dsv3, det, dense = name.startswith("dsv3_"), name.startswith("det_"), name.startswith("det_dense_")
         assert (a["experts"], a["topk"], a["seq"], a["gbs"], a["iters"]) == (
-            (None, 2, 4096, 8, 12) if dense else (16, 8, 4096, 8, 12)), name  # 2: Megatron's default
+            (None, 2, 4096, 8, 12) if dense else (16, 8, 4096, 8, 12)
+        ), name  # 2: Megatron's default
         assert (a["hidden"], a["heads"], a["groups"], a["kv"], a["ffn"], a["layers"]) == (
-            (7168, 56, 8, 128, 2048, 4) if dsv3 else (2048, 32, 4, 128, None if dense else 768, 16)), name
+            (7168, 56, 8, 128, 2048, 4) if dsv3 else (2048, 32, 4, 128, None if dense else 768, 16)
+        ), name
         assert a["impl"] == "transformer_engine" and a["timing"] == 0 and a["throughput"], name
         # Deterministic mode refuses the loss fusion; full-iteration graphs refuse the NaN check.
         assert a["ce_fusion"] == (not det) and a["router_fusion"] == (not dense), name
@@ -208,8 +271,12 @@ def test_graphed_slice_run_list_parses_with_megatron_arguments(tmp_path):
         else:
             key = name.removeprefix("aux_").removeprefix("loads_").split("_", 1)[1]
         assert (a["graphs"], a["modules"]) == graphs[key], name
-        assert {"NCCL_GRAPH_REGISTER=0", "NVTE_FUSED_ATTN=1", "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
-                "CUDA_DEVICE_MAX_CONNECTIONS=1"} <= set(words), name
+        assert {
+            "NCCL_GRAPH_REGISTER=0",
+            "NVTE_FUSED_ATTN=1",
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+            "CUDA_DEVICE_MAX_CONNECTIONS=1",
+        } <= set(words), name
         auto = name.endswith("_auto")  # the factor the package picks; every budget run reruns an over-budget step
         assert ("MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR=1.25" in words) == ("budget" in name and not auto), name
         assert ("MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR=auto" in words) == auto, name
@@ -218,16 +285,24 @@ def test_graphed_slice_run_list_parses_with_megatron_arguments(tmp_path):
         assert a["wgrad"] == (auto or "_dnp" in name), name
         dnp = name.rsplit("_dnp", 1)[-1] if "_dnp" in name else None
         assert (a["capacity"], a["pad"], a["drop_policy"]) == (
-            ({"100": 1.0, "125": 1.25}[dnp], True, "probs") if dnp else (None, False, "probs")), name
+            ({"100": 1.0, "125": 1.25}[dnp], True, "probs") if dnp else (None, False, "probs")
+        ), name
         assert a["mock"] and a["data"] is None, name
         assert dense == all(not w.startswith("--moe-") for w in words), name
         impl = [w for w in words if w.startswith("MOE_EXT_EXPERT_MLP_IMPL=")]
-        assert impl == ([] if native else ["MOE_EXT_EXPERT_MLP_IMPL=fused" if name.endswith("fused")
-                                           else "MOE_EXT_EXPERT_MLP_IMPL=grouped_mm"]), name
+        assert impl == (
+            []
+            if native
+            else ["MOE_EXT_EXPERT_MLP_IMPL=fused" if name.endswith("fused") else "MOE_EXT_EXPERT_MLP_IMPL=grouped_mm"]
+        ), name
         wrapper = words.index("bench/gpu/pretrain_profiled.py")
-        expected = (["--busy-only"] + (["--exact"] if det else []) + (["--expert-loads"] if "loads_" in name else [])
-                    + ["--gate", f"/w/{name}", "12", f"/w/{name}.kernels.json"])
-        assert words[wrapper + 1:wrapper + 1 + len(expected)] == expected, name
+        expected = (
+            ["--busy-only"]
+            + (["--exact"] if det else [])
+            + (["--expert-loads"] if "loads_" in name else [])
+            + ["--gate", f"/w/{name}", "12", f"/w/{name}.kernels.json"]
+        )
+        assert words[wrapper + 1 : wrapper + 1 + len(expected)] == expected, name
         assert ("NVTE_ALLOW_NONDETERMINISTIC_ALGO=0" in words) == det, name
 
 
@@ -290,20 +365,50 @@ def test_driver_runs_fails_times_out_and_writes_the_json(tmp_path):
     work.mkdir()
 
     def line(name, env, timeout=60):
-        return (f"{name}\t0\t{timeout}\tenv {env} {sys.executable} {fake} --busy-only --gate {work}/{name} 8 "
-                f"{work}/{name}.kernels.json /mlm/pretrain_gpt.py --train-iters 8 --seq-length 4096")
+        return (
+            f"{name}\t0\t{timeout}\tenv {env} {sys.executable} {fake} --busy-only --gate {work}/{name} 8 "
+            f"{work}/{name}.kernels.json /mlm/pretrain_gpt.py --train-iters 8 --seq-length 4096"
+        )
 
-    (work / "runs.tsv").write_text("\n".join([
-        line("native_eager", "FAKE_MS=200"), line("native_recipe", "FAKE_MS=150 FAKE_STARTUP_S=0.5"),
-        line("ext_eager", "FAKE=fail"), line("ext_attn", "FAKE=hang", timeout=4),
-        line("ext_budget_local", "FAKE_MS=100")]) + "\n")
+    (work / "runs.tsv").write_text(
+        "\n".join(
+            [
+                line("native_eager", "FAKE_MS=200"),
+                line("native_recipe", "FAKE_MS=150 FAKE_STARTUP_S=0.5"),
+                line("ext_eager", "FAKE=fail"),
+                line("ext_attn", "FAKE=hang", timeout=4),
+                line("ext_budget_local", "FAKE_MS=100"),
+            ]
+        )
+        + "\n"
+    )
     t0 = time.time()
-    graphed_slice.main(["run", "--table", str(work / "runs.tsv"), "--work", str(work), "--out", str(out),
-                        "--tag", "a", "--median-from", "4", "--settings", json.dumps({"iters": 8})])
+    graphed_slice.main(
+        [
+            "run",
+            "--table",
+            str(work / "runs.tsv"),
+            "--work",
+            str(work),
+            "--out",
+            str(out),
+            "--tag",
+            "a",
+            "--median-from",
+            "4",
+            "--settings",
+            json.dumps({"iters": 8}),
+        ]
+    )
     assert time.time() - t0 < 40
     data = json.load(open(out / "graphed_slice_gpu_a.json"))
-    assert data["graphed_slice"] and data["order"] == ["native_eager", "native_recipe", "ext_eager", "ext_attn",
-                                                       "ext_budget_local"]
+    assert data["graphed_slice"] and data["order"] == [
+        "native_eager",
+        "native_recipe",
+        "ext_eager",
+        "ext_attn",
+        "ext_budget_local",
+    ]
     assert data["settings"] == {"iters": 8, "overlap": 1}
     runs = data["runs"]
     native = runs["native_eager"]
@@ -335,7 +440,11 @@ def test_driver_runs_fails_times_out_and_writes_the_json(tmp_path):
     assert budget["budget_factor_auto"] == dict(line="1.375 (from the first step's loads)", factor=1.375)
     row = data["summary"][-1]
     assert (row["run"], row["reruns"], row["budget_factor_auto"], row["lm_loss_last"]) == (
-        "ext_budget_local", 1, 1.375, 11.2)
+        "ext_budget_local",
+        1,
+        1.375,
+        11.2,
+    )
     assert budget["speedup_vs"] == {"native_eager": 2.0, "native_recipe": 1.5}
     assert [row["run"] for row in data["summary"]] == data["order"]
     with tarfile.open(out / "graphed_slice_logs_a.tar.gz") as tar:
@@ -347,12 +456,27 @@ def test_driver_runs_fails_times_out_and_writes_the_json(tmp_path):
     assert leftover == []
 
     # A second call's JSON (another tag) merges with the first; a later file's run wins.
-    (work / "runs.tsv").write_text(line("dsv3_native_recipe", "FAKE_MS=400") + "\n"
-                                   + line("dsv3_ext_budget_local", "FAKE_MS=300") + "\n")
-    graphed_slice.main(["run", "--table", str(work / "runs.tsv"), "--work", str(work), "--out", str(out),
-                        "--tag", "b", "--overlap", "0"])
-    merged = graphed_slice.merge([str(out / "graphed_slice_gpu_a.json"), str(out / "graphed_slice_gpu_b.json")],
-                                 str(tmp_path / "merged.json"))
+    (work / "runs.tsv").write_text(
+        line("dsv3_native_recipe", "FAKE_MS=400") + "\n" + line("dsv3_ext_budget_local", "FAKE_MS=300") + "\n"
+    )
+    graphed_slice.main(
+        [
+            "run",
+            "--table",
+            str(work / "runs.tsv"),
+            "--work",
+            str(work),
+            "--out",
+            str(out),
+            "--tag",
+            "b",
+            "--overlap",
+            "0",
+        ]
+    )
+    merged = graphed_slice.merge(
+        [str(out / "graphed_slice_gpu_a.json"), str(out / "graphed_slice_gpu_b.json")], str(tmp_path / "merged.json")
+    )
     data = json.load(open(merged))
     assert data["order"][-2:] == ["dsv3_native_recipe", "dsv3_ext_budget_local"]
     assert data["runs"]["dsv3_ext_budget_local"]["speedup_vs"] == {"dsv3_native_recipe": round(400 / 300, 3)}
@@ -366,9 +490,16 @@ def test_driver_deadline_skips_and_ends_runs(tmp_path):
     fake.write_text(FAKE_PRETRAIN)
     work = tmp_path / "work"
     work.mkdir()
-    runs = [graphed_slice.Run(name, False, 60, f"env FAKE={mode} {sys.executable} {fake} --busy-only --gate "
-                              f"{work}/{name} 8 {work}/{name}.kernels.json /p/pretrain_gpt.py --train-iters 8")
-            for name, mode in (("a", "hang"), ("b", "ok"))]
+    runs = [
+        graphed_slice.Run(
+            name,
+            False,
+            60,
+            f"env FAKE={mode} {sys.executable} {fake} --busy-only --gate "
+            f"{work}/{name} 8 {work}/{name}.kernels.json /p/pretrain_gpt.py --train-iters 8",
+        )
+        for name, mode in (("a", "hang"), ("b", "ok"))
+    ]
     t0 = time.time()
     # 29 s before the deadline: `a` runs until 25 s before it (4 s), `b` is not released.
     graphed_slice.drive(runs, str(work), overlap=1, deadline=t0 + graphed_slice.DEADLINE_MARGIN_S + 4, min_run_s=0)
@@ -386,9 +517,16 @@ def test_driver_starts_runs_early_up_to_the_depth_and_heavy_ones_alone(tmp_path)
     fake.write_text(FAKE_PRETRAIN)
     work = tmp_path / "work"
     work.mkdir()
-    runs = [graphed_slice.Run(name, name.startswith("h"), 60, f"env FAKE_MS=10 {sys.executable} {fake} --busy-only "
-                              f"--gate {work}/{name} 5 {work}/{name}.kernels.json /p/pretrain_gpt.py --train-iters 5")
-            for name in ("l1", "l2", "h1", "l3", "h2", "l4")]
+    runs = [
+        graphed_slice.Run(
+            name,
+            name.startswith("h"),
+            60,
+            f"env FAKE_MS=10 {sys.executable} {fake} --busy-only "
+            f"--gate {work}/{name} 5 {work}/{name}.kernels.json /p/pretrain_gpt.py --train-iters 5",
+        )
+        for name in ("l1", "l2", "h1", "l3", "h2", "l4")
+    ]
     graphed_slice.drive(runs, str(work), overlap=2, deadline=None)
     early = {run.name: json.load(open(work / f"{run.name}.driver.json"))["started_early"] for run in runs}
     # l1 releases: l2 starts, h1 (two ahead) does not; l2: h1 right behind it; h1 (heavy): nothing;
@@ -397,8 +535,10 @@ def test_driver_starts_runs_early_up_to_the_depth_and_heavy_ones_alone(tmp_path)
     assert all(json.load(open(work / f"{run.name}.driver.json"))["rc"] == 0 for run in runs)
 
 
-REAL_RUNS = ("native_recipe native_dnp100 native_dnp125 ext_recipe ext_budget_full ext_budget_full_auto "
-             "dsv3_native_recipe dsv3_native_dnp125 dsv3_ext_budget_full_auto")
+REAL_RUNS = (
+    "native_recipe native_dnp100 native_dnp125 ext_recipe ext_budget_full ext_budget_full_auto "
+    "dsv3_native_recipe dsv3_native_dnp125 dsv3_ext_budget_full_auto"
+)
 
 
 def _dry_run(runs: str, **switches) -> subprocess.CompletedProcess:
@@ -414,31 +554,45 @@ def test_real_settings_switches_give_flags_that_megatron_accepts():
     aux loss alone, the gradient-accumulation fusion on; Megatron's own validate_args and
     TransformerConfig accept every such run, drop-and-pad graphed whole (and refuse it, as a
     control, without the padding)."""
-    done = _dry_run(REAL_RUNS, DATA="text", TEXT_DATA="/d/pydoc", BALANCE="aux", FUSION_WGRAD="1", DSV3_LAYERS="3",
-                    DSV3_VOCAB="32768")
+    done = _dry_run(
+        REAL_RUNS,
+        DATA="text",
+        TEXT_DATA="/d/pydoc",
+        BALANCE="aux",
+        FUSION_WGRAD="1",
+        DSV3_LAYERS="3",
+        DSV3_VOCAB="32768",
+    )
     lines = done.stdout.splitlines()
     assert [line.split()[0] for line in lines] == REAL_RUNS.split(), done.stderr
-    args = cases_bench.megatron_args_of_dry_run(lines, """
+    args = cases_bench.megatron_args_of_dry_run(
+        lines,
+        """
         wgrad=a.gradient_accumulation_fusion, mock=a.mock_data, data=a.data_path, split=a.split,
         cache=a.data_cache_path, tokenizer=a.tokenizer_type, vocab=a.vocab_size,
         force=a.moe_router_force_load_balancing, balance=a.moe_router_load_balancing_type,
-        aux=a.moe_aux_loss_coeff, layers=a.num_layers""")
+        aux=a.moe_aux_loss_coeff, layers=a.num_layers""",
+    )
     for name, a in args.items():
         assert a["wgrad"] and not a["mock"] and a["data"] == ["/d/pydoc"] and a["split"] == "100,0,0", name
         assert a["cache"] == f"/w/{name}.data_cache" and a["tokenizer"] == "NullTokenizer", name
         assert not a["force"] and a["balance"] == ["aux_loss"] and a["aux"] == [1e-3], name
         assert (a["vocab"], a["layers"]) == ((32768, 3) if name.startswith("dsv3_") else (151936, 16)), name
-    configs = cases_bench.megatron_config_of_dry_run(lines, """
+    configs = cases_bench.megatron_config_of_dry_run(
+        lines,
+        """
         impl=c.cuda_graph_impl, modules=[m.name for m in c.cuda_graph_modules], capacity=c.moe_expert_capacity_factor,
-        pad=c.moe_pad_expert_input_to_capacity, wgrad=c.gradient_accumulation_fusion""")
+        pad=c.moe_pad_expert_input_to_capacity, wgrad=c.gradient_accumulation_fusion""",
+    )
     for name, c in configs.items():
         assert isinstance(c, dict) and c["wgrad"], (name, c)
         dnp = name.rsplit("_dnp", 1)[-1] if "_dnp" in name else None
         assert (c["capacity"], c["pad"]) == (({"100": 1.0, "125": 1.25}[dnp], True) if dnp else (None, False)), name
         if dnp:
             assert (c["impl"], c["modules"]) == ("transformer_engine", ["attn", "moe"]), name
-    unpadded = [line.replace(" --moe-pad-expert-input-to-capacity", "") for line in lines
-                if line.startswith("native_dnp125 ")]
+    unpadded = [
+        line.replace(" --moe-pad-expert-input-to-capacity", "") for line in lines if line.startswith("native_dnp125 ")
+    ]
     refused = cases_bench.megatron_config_of_dry_run(unpadded, "ok=True")["native_dnp125"]
     assert isinstance(refused, str) and "drop-padding" in refused
 
@@ -458,12 +612,29 @@ def test_round_tasks_of_the_real_settings_table(tmp_path):
     env = dict(os.environ, ROUND=str(tmp_path), DRY_RUN="1", WORK="/w")
     for name in ("DATA", "BALANCE", "FUSION_WGRAD", "TEXT_DATA", "OVERLAP", "RUNS"):
         env.pop(name, None)
-    subprocess.run(["bash", "bench/gpu/h200_round.sh", "real_text", "real_force", "real_dsv3"], cwd=ROOT, env=env,
-                   check=True, capture_output=True, text=True)
-    expected = {"real_text": (["native_recipe", "native_dnp125", "ext_budget_full_auto"], 200),
-                "real_force": (["native_recipe", "native_dnp100", "native_dnp125", "ext_recipe", "ext_budget_full",
-                                "ext_budget_full_auto"], 12),
-                "real_dsv3": (["dsv3_native_recipe", "dsv3_native_dnp125", "dsv3_ext_budget_full_auto"], 12)}
+    subprocess.run(
+        ["bash", "bench/gpu/h200_round.sh", "real_text", "real_force", "real_dsv3"],
+        cwd=ROOT,
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    expected = {
+        "real_text": (["native_recipe", "native_dnp125", "ext_budget_full_auto"], 200),
+        "real_force": (
+            [
+                "native_recipe",
+                "native_dnp100",
+                "native_dnp125",
+                "ext_recipe",
+                "ext_budget_full",
+                "ext_budget_full_auto",
+            ],
+            12,
+        ),
+        "real_dsv3": (["dsv3_native_recipe", "dsv3_native_dnp125", "dsv3_ext_budget_full_auto"], 12),
+    }
     for task, (names, iters) in expected.items():
         lines = [line for line in open(tmp_path / "out" / f"{task}.log") if "pretrain_gpt.py" in line]
         assert [line.split()[0] for line in lines] == names, task
@@ -514,33 +685,56 @@ def test_real_settings_end_to_end_on_a_stand_in_gpu_machine(tmp_path):
     python.write_text(FAKE_PYTHON)
     (tmp_path / "bin").mkdir()
     smi = tmp_path / "bin" / "nvidia-smi"  # an 80 GB H100
-    smi.write_text('#!/usr/bin/env bash\n'
-                   'case "$*" in *memory.total*) echo 81559 ;; *) echo "NVIDIA H100 80GB HBM3" ;; esac\n')
+    smi.write_text(
+        '#!/usr/bin/env bash\ncase "$*" in *memory.total*) echo 81559 ;; *) echo "NVIDIA H100 80GB HBM3" ;; esac\n'
+    )
     for tool in (python, smi):
         tool.chmod(0o755)
     data = tmp_path / "data" / "pydoc"
     data.parent.mkdir()
     for suffix, text in ((".bin", ""), (".idx", ""), (".json", json.dumps(dict(vocab_size=32000)))):
         (tmp_path / "data" / f"pydoc{suffix}").write_text(text)
-    env = dict(os.environ, PYTHON=str(python), REAL_PYTHON=sys.executable, DATASETS=str(tmp_path / "datasets"),
-               FAKE_PRETRAIN=str(tmp_path / "fake_pretrain.py"), MLM=str(mlm), OUT=str(tmp_path / "out"),
-               WORK=str(tmp_path / "work"), FUSION_WGRAD="1", DATA="text", BALANCE="aux", TEXT_DATA=str(data),
-               OVERLAP="auto", TAG="real_text", RUNS="native_dnp125 ext_budget_full_auto",
-               PATH=f"{tmp_path}/bin:{os.environ['PATH']}")
+    env = dict(
+        os.environ,
+        PYTHON=str(python),
+        REAL_PYTHON=sys.executable,
+        DATASETS=str(tmp_path / "datasets"),
+        FAKE_PRETRAIN=str(tmp_path / "fake_pretrain.py"),
+        MLM=str(mlm),
+        OUT=str(tmp_path / "out"),
+        WORK=str(tmp_path / "work"),
+        FUSION_WGRAD="1",
+        DATA="text",
+        BALANCE="aux",
+        TEXT_DATA=str(data),
+        OVERLAP="auto",
+        TAG="real_text",
+        RUNS="native_dnp125 ext_budget_full_auto",
+        PATH=f"{tmp_path}/bin:{os.environ['PATH']}",
+    )
     env.pop("DRY_RUN", None)
 
     def run(**extra):
-        return subprocess.run(["bash", "bench/gpu/graphed_slice.sh", "--iters", "6"], cwd=ROOT,
-                              env=dict(env, **extra), capture_output=True, text=True, timeout=120)
+        return subprocess.run(
+            ["bash", "bench/gpu/graphed_slice.sh", "--iters", "6"],
+            cwd=ROOT,
+            env=dict(env, **extra),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     done = run()
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "OVERLAP=auto: 0 (81559 MiB card)" in done.stdout  # an 80 GB card: one run at a time
     result = json.load(open(tmp_path / "out" / "graphed_slice_h100_real_text.json"))
     assert result["card"] == "h100"
-    assert {k: result["settings"][k] for k in ("data", "text_data", "balance", "fusion_wgrad", "budget_policy",
-                                               "overlap", "iters")} == dict(
-        data="text", text_data=str(data), balance="aux", fusion_wgrad="1", budget_policy="rerun", overlap=0, iters=6)
+    assert {
+        k: result["settings"][k]
+        for k in ("data", "text_data", "balance", "fusion_wgrad", "budget_policy", "overlap", "iters")
+    } == dict(
+        data="text", text_data=str(data), balance="aux", fusion_wgrad="1", budget_policy="rerun", overlap=0, iters=6
+    )
     assert [row["run"] for row in result["summary"]] == ["native_dnp125", "ext_budget_full_auto"]
     assert all(row["rc"] == 0 for row in result["summary"]) and result["summary"][1]["reruns"] == 1
     assert f"--data-path {data} --split 100,0,0" in result["runs"]["native_dnp125"]["command"]
@@ -561,14 +755,21 @@ def test_the_fastest_native_drop_and_pad_run_is_a_reference():
     def run(ms):
         return dict(median_ms_per_iter=ms, lm_loss=[10.0])
 
-    runs = {"native_recipe": run(1200.0), "native_dnp100": run(800.0), "native_dnp125": run(900.0),
-            "ext_budget_full_auto": run(1000.0), "dsv3_native_dnp125": run(None),
-            "dsv3_ext_budget_full_auto": run(500.0)}
+    runs = {
+        "native_recipe": run(1200.0),
+        "native_dnp100": run(800.0),
+        "native_dnp125": run(900.0),
+        "ext_budget_full_auto": run(1000.0),
+        "dsv3_native_dnp125": run(None),
+        "dsv3_ext_budget_full_auto": run(500.0),
+    }
     graphed_slice.compare(runs)
     assert runs["ext_budget_full_auto"]["speedup_vs"] == {"native_recipe": 1.2, "native_dnp100": 0.8}
     assert runs["ext_budget_full_auto"]["native_dnp_best"] == "native_dnp100"
-    assert runs["native_dnp125"]["speedup_vs"] == {"native_recipe": round(1200 / 900, 3),
-                                                   "native_dnp100": round(800 / 900, 3)}
+    assert runs["native_dnp125"]["speedup_vs"] == {
+        "native_recipe": round(1200 / 900, 3),
+        "native_dnp100": round(800 / 900, 3),
+    }
     assert "native_dnp100" not in runs["native_dnp100"]["speedup_vs"]
     assert "speedup_vs" not in runs["dsv3_ext_budget_full_auto"]  # its family's drop-and-pad run has no time
 
@@ -578,18 +779,33 @@ def test_plot_graphed_slice(tmp_path):
     from plot_results import plot_graphed_slice
 
     def run(ms, busy, tflops):
-        return dict(rc=0 if ms else 1, median_ms_per_iter=ms, gpu_busy_ms=busy,
-                    gpu_busy_share=busy / ms if ms else None, median_tflops_per_gpu=tflops)
+        return dict(
+            rc=0 if ms else 1,
+            median_ms_per_iter=ms,
+            gpu_busy_ms=busy,
+            gpu_busy_share=busy / ms if ms else None,
+            median_tflops_per_gpu=tflops,
+        )
 
-    data = dict(graphed_slice=True, device="NVIDIA H200", order=["native_eager", "ext_recipe", "dsv3_native_recipe"],
-                runs={"native_eager": run(2100.0, 900.0, 139.0), "ext_recipe": run(None, None, None),
-                      "dsv3_native_recipe": run(1500.0, 1400.0, 300.0)})
+    data = dict(
+        graphed_slice=True,
+        device="NVIDIA H200",
+        order=["native_eager", "ext_recipe", "dsv3_native_recipe"],
+        runs={
+            "native_eager": run(2100.0, 900.0, 139.0),
+            "ext_recipe": run(None, None, None),
+            "dsv3_native_recipe": run(1500.0, 1400.0, 300.0),
+        },
+    )
     bars = tmp_path / "bars.json"
     bars.write_text(json.dumps(data))
     bars_only = os.path.getsize(plot_graphed_slice(str(bars)))
     for name in ("native_eager", "dsv3_native_recipe"):  # 200 iterations logged: loss and grad norm curves too
-        data["runs"][name].update(iteration=list(range(1, 201)), lm_loss=[12.0 - i / 50 for i in range(200)],
-                                  grad_norm=[None] + [2.0 / i for i in range(1, 200)])
+        data["runs"][name].update(
+            iteration=list(range(1, 201)),
+            lm_loss=[12.0 - i / 50 for i in range(200)],
+            grad_norm=[None] + [2.0 / i for i in range(1, 200)],
+        )
     data["settings"] = dict(data="text", balance="aux", fusion_wgrad="1")
     path = tmp_path / "g.json"
     path.write_text(json.dumps(data))
@@ -601,15 +817,19 @@ def test_graphed_runs_are_held_bit_for_bit_against_their_eager_twin():
     import graphed_slice
 
     def run(exact):
-        return dict(median_ms_per_iter=100.0, lm_loss=[],
-                    exact=[{"lm loss": v, "grad_norm": "0x1p+0"} for v in exact])
+        return dict(
+            median_ms_per_iter=100.0, lm_loss=[], exact=[{"lm loss": v, "grad_norm": "0x1p+0"} for v in exact]
+        )
 
-    runs = {"det_ext_budget_eager": run(["0x1.8p+1", "0x1.4p+1", "0x1.2p+1"]),
-            "det_ext_budget_full": run(["0x1.8p+1", "0x1.4p+1", "0x1.2p+1"]),
-            "det_ext_budget_local": run(["0x1.8p+1", "0x1.4p+1", "0x1.20001p+1"])}
+    runs = {
+        "det_ext_budget_eager": run(["0x1.8p+1", "0x1.4p+1", "0x1.2p+1"]),
+        "det_ext_budget_full": run(["0x1.8p+1", "0x1.4p+1", "0x1.2p+1"]),
+        "det_ext_budget_local": run(["0x1.8p+1", "0x1.4p+1", "0x1.20001p+1"]),
+    }
     graphed_slice.compare(runs)
     assert runs["det_ext_budget_full"]["exact_vs_eager"] == dict(
-        run="det_ext_budget_eager", steps=3, bitwise_equal_steps=3, first_differing_step=None)
+        run="det_ext_budget_eager", steps=3, bitwise_equal_steps=3, first_differing_step=None
+    )
     assert runs["det_ext_budget_local"]["exact_vs_eager"]["first_differing_step"] == 3
     assert "exact_vs_eager" not in runs["det_ext_budget_eager"]
 
@@ -620,8 +840,12 @@ def test_budget_mode_is_held_to_megatrons_rounding_spread():
     def run(losses):
         return dict(median_ms_per_iter=100.0, lm_loss=losses)
 
-    runs = {"det_ext_eager": run([10.0, 9.0, 8.0]), "det_ext_budget_eager": run([10.0, 9.001, 8.1]),
-            "det_native_eager": run([10.0, 9.0, 8.0]), "det_native_unfused_eager": run([10.0, 9.0, 8.0])}
+    runs = {
+        "det_ext_eager": run([10.0, 9.0, 8.0]),
+        "det_ext_budget_eager": run([10.0, 9.001, 8.1]),
+        "det_native_eager": run([10.0, 9.0, 8.0]),
+        "det_native_unfused_eager": run([10.0, 9.0, 8.0]),
+    }
     graphed_slice.compare(runs)
     budget = runs["det_ext_budget_eager"]["rounding_spread"]
     assert budget["reference"] == "det_ext_eager" and budget["first_iteration_over_tol"] == 3

@@ -46,8 +46,21 @@ def _read_back(prefix: str):
 
 def test_bytes_dataset_reads_back_as_the_documents_utf8(source, tmp_path):
     prefix = str(tmp_path / "out" / "bytes")
-    subprocess.run([sys.executable, "bench/data/build_text_dataset.py", "--source", str(source), "--tokenizer",
-                    "bytes", "--out", prefix], cwd=ROOT, check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "bench/data/build_text_dataset.py",
+            "--source",
+            str(source),
+            "--tokenizer",
+            "bytes",
+            "--out",
+            prefix,
+        ],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
     info = json.load(open(prefix + ".json"))
     data = _read_back(prefix)
     assert len(data) == len(DOCS) == info["documents"]
@@ -78,11 +91,20 @@ def test_bpe_dataset_decodes_to_the_documents_and_feeds_gptdataset(source, tmp_p
     from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
 
     seq, vocab = 128, 151936  # the Qwen3 slice's vocab: the dataset's 600 ids leave rows unused
-    config = GPTDatasetConfig(random_seed=1234, sequence_length=seq, blend=([prefix], None), split="100,0,0",
-                              path_to_cache=str(tmp_path / "cache"), tokenizer=NullTokenizer(vocab),
-                              reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False)
-    train, valid, test = BlendedMegatronDatasetBuilder(GPTDataset, [3 * info["tokens"] // seq, None, None],
-                                                       lambda: True, config).build()
+    config = GPTDatasetConfig(
+        random_seed=1234,
+        sequence_length=seq,
+        blend=([prefix], None),
+        split="100,0,0",
+        path_to_cache=str(tmp_path / "cache"),
+        tokenizer=NullTokenizer(vocab),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+    )
+    train, valid, test = BlendedMegatronDatasetBuilder(
+        GPTDataset, [3 * info["tokens"] // seq, None, None], lambda: True, config
+    ).build()
     assert valid is None and test is None and len(train) >= 3 * info["tokens"] // seq  # epochs repeat
     stream = numpy.concatenate([data[i] for i in range(len(DOCS))]).astype(numpy.int64).tobytes()
     for index in (0, 1, len(train) - 1):

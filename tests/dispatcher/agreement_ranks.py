@@ -31,15 +31,24 @@ from tests.harness import COLLECTIVE_TIMEOUT_S, bounded_group
 from tests.reference import apply_local_experts, dense_moe_reference, topk_to_dense, toy_expert_params
 
 E, K, T = 8, 2, 12
-INSTALLERS = {"deepep": deep_ep_buffer.install, "uccl_ep": uccl_ep.install,
-              "hybridep": hybrid_ep_buffer.install}
+INSTALLERS = {"deepep": deep_ep_buffer.install, "uccl_ep": uccl_ep.install, "hybridep": hybrid_ep_buffer.install}
 #: The dispatcher settings of each mode.
-MODES = {"dropless": {}, "capacity": {"moe_hybridep_capacity_factor": 1.5},
-         "budget": {"moe_expert_rank_capacity_factor": 2.0}}
+MODES = {
+    "dropless": {},
+    "capacity": {"moe_hybridep_capacity_factor": 1.5},
+    "budget": {"moe_expert_rank_capacity_factor": 2.0},
+}
 #: Every (backend, mode) that runs on CPU.
-BACKEND_MODES = [("torch", "dropless"), ("torch", "capacity"), ("torch", "budget"),
-                 ("deepep", "dropless"), ("deepep", "budget"), ("uccl_ep", "dropless"),
-                 ("hybridep", "dropless"), ("hybridep", "capacity")]
+BACKEND_MODES = [
+    ("torch", "dropless"),
+    ("torch", "capacity"),
+    ("torch", "budget"),
+    ("deepep", "dropless"),
+    ("deepep", "budget"),
+    ("uccl_ep", "dropless"),
+    ("hybridep", "dropless"),
+    ("hybridep", "capacity"),
+]
 #: Largest error of a clean step against the dense reference, per row dtype.
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 6e-2}
 
@@ -51,8 +60,9 @@ def _row_format(backend: str, mode: str) -> tuple[torch.dtype, int]:
     return (torch.bfloat16 if mode == "budget" and backend == "deepep" else torch.float32), 16
 
 
-def dispatcher(backend: str, mode: str = "dropless", group=None, local_expert_indices=None,
-               **overrides) -> MoEFlexTokenDispatcher:
+def dispatcher(
+    backend: str, mode: str = "dropless", group=None, local_expert_indices=None, **overrides
+) -> MoEFlexTokenDispatcher:
     """The seed's constructor on `group` (default: the world group), with this rank's
     contiguous experts unless given."""
     group = dist.group.WORLD if group is None else group
@@ -60,8 +70,14 @@ def dispatcher(backend: str, mode: str = "dropless", group=None, local_expert_in
         INSTALLERS[backend]()
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
     e = E // ep
-    cfg = TokenDispatcherConfig(moe_flex_dispatcher_backend=backend, num_moe_experts=E, moe_router_topk=K,
-                                moe_share_token_dispatcher=False, **MODES[mode], **overrides)
+    cfg = TokenDispatcherConfig(
+        moe_flex_dispatcher_backend=backend,
+        num_moe_experts=E,
+        moe_router_topk=K,
+        moe_share_token_dispatcher=False,
+        **MODES[mode],
+        **overrides,
+    )
     local = list(range(rank * e, rank * e + e)) if local_expert_indices is None else local_expert_indices
     return MoEFlexTokenDispatcher(e, local, cfg, group)
 
@@ -258,8 +274,7 @@ def topk_tie_on_recompute() -> dict:
         calls.clear()
         x, w = x0.clone().requires_grad_(), w_router_HE.clone().requires_grad_()
         if checkpointed:
-            y = recompute.checkpoint_moe(block, x, w, replays=recompute.replays_in([disp]),
-                                         policy="recompute_all")
+            y = recompute.checkpoint_moe(block, x, w, replays=recompute.replays_in([disp]), policy="recompute_all")
         else:
             y = block(x, w)
         (y * g_TH).sum().backward()
@@ -317,13 +332,17 @@ def zero_prob_slot_vs_megatron_alltoall(backend: str) -> dict:
         if backend in INSTALLERS:
             INSTALLERS[backend]()
         dispatcher_config = TokenDispatcherConfig.from_transformer_config(
-            config, moe_flex_dispatcher_backend=backend, moe_share_token_dispatcher=False)
-        flex = run(MoEFlexTokenDispatcher(e, local, config=config, pg_collection=pg,
-                                          dispatcher_config=dispatcher_config))
+            config, moe_flex_dispatcher_backend=backend, moe_share_token_dispatcher=False
+        )
+        flex = run(
+            MoEFlexTokenDispatcher(e, local, config=config, pg_collection=pg, dispatcher_config=dispatcher_config)
+        )
         names = ("y", "grad_x", "grad_probs")
         return {name: float((a - b).abs().max()) for name, a, b in zip(names, flex, megatron)} | {
             "zero_prob_grad_megatron": megatron[2][zero_TE].tolist(),
-            "zero_prob_grad_flex": flex[2][zero_TE].tolist(), "tol": TOLERANCE[dtype]}
+            "zero_prob_grad_flex": flex[2][zero_TE].tolist(),
+            "tol": TOLERANCE[dtype],
+        }
     finally:
         megatron_cpu.uninstall()
 
@@ -341,7 +360,8 @@ def assert_agreed_error(results: list[dict], error_type: str, bad_rank: int, cau
         assert r["type"] == error_type, f"rank {rank} ended with {r['type']}, not {error_type}: {r['message']}"
         assert r["agreed"], f"rank {rank}'s error is no AgreedError: {r['message']}"
         assert names_rank(r["message"], bad_rank), (
-            f"rank {rank}'s error does not name rank {bad_rank}: {r['message']}")
+            f"rank {rank}'s error does not name rank {bad_rank}: {r['message']}"
+        )
         for cause in causes:
             assert cause in r["message"], f"rank {rank}'s error does not name {cause!r}: {r['message']}"
 
@@ -351,4 +371,5 @@ def assert_refused(outcomes: list[dict], names: tuple[str, ...]) -> None:
     for rank, r in enumerate(outcomes):
         assert r["type"] == "ValueError", f"rank {rank} ended with {r['type']}, not ValueError: {r['message']}"
         assert any(name in r["message"] for name in names), (
-            f"rank {rank}'s error names none of {names}: {r['message']}")
+            f"rank {rank}'s error names none of {names}: {r['message']}"
+        )

@@ -38,10 +38,12 @@ class HostReadCounter:
         def counted(tensor, *args, **kwargs):
             code = sys._getframe(1).f_code
             # The dispatcher value-checks CPU tensors only (on GPU the checks defer to the device).
-            if (code.co_name not in self.ignore_callers
-                    and not code.co_filename.endswith("dispatcher/common/checks.py")):
+            if code.co_name not in self.ignore_callers and not code.co_filename.endswith(
+                "dispatcher/common/checks.py"
+            ):
                 self.calls.append(f"{name} in {code.co_name}")
             return fn(tensor, *args, **kwargs)
+
         return counted
 
 

@@ -40,16 +40,21 @@ CASES = [
     RoutingCase("wider", tokens_per_rank=(40, 33, 17, 25), hidden=24, num_experts=16, topk=4),
 ]
 # The capacity-mode suites (HybridEP, torch capacity) run the four-rank cases with room to drop.
-CAPACITY_CASES = [c for c in CASES if c.name in
-                  ("uneven_with_empty_rank", "masked_slots", "all_to_one_expert", "wider")]
+CAPACITY_CASES = [
+    c for c in CASES if c.name in ("uneven_with_empty_rank", "masked_slots", "all_to_one_expert", "wider")
+]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TOLERANCE = {"fp32": 1e-5, "bf16": 3e-2}
 
 
 def build_dispatcher(case: RoutingCase, backend: str, **cfg_overrides) -> MoEFlexTokenDispatcher:
     ep, rank = dist.get_world_size(), dist.get_rank()
-    cfg = TokenDispatcherConfig(moe_flex_dispatcher_backend=backend, num_moe_experts=case.num_experts,
-                                moe_router_topk=case.topk, **cfg_overrides)
+    cfg = TokenDispatcherConfig(
+        moe_flex_dispatcher_backend=backend,
+        num_moe_experts=case.num_experts,
+        moe_router_topk=case.topk,
+        **cfg_overrides,
+    )
     e = case.num_experts // ep
     return MoEFlexTokenDispatcher(e, list(range(rank * e, (rank + 1) * e)), cfg, dist.group.WORLD)
 
@@ -94,9 +99,16 @@ def run_dense_reference_case_deferred_checks(*args, **kwargs):
             os.environ[CHECK_MODE_ENV] = old
 
 
-def run_dense_reference_case(case: RoutingCase, face: str, dtype: str, backend: str = "torch",
-                             patch_backend: str | None = None, cfg_overrides: dict | None = None,
-                             repeats: int = 1, device: str = "cpu"):
+def run_dense_reference_case(
+    case: RoutingCase,
+    face: str,
+    dtype: str,
+    backend: str = "torch",
+    patch_backend: str | None = None,
+    cfg_overrides: dict | None = None,
+    repeats: int = 1,
+    device: str = "cpu",
+):
     """`repeats` > 1 runs the same batch again through the same dispatcher (modes that
     calibrate or pin on the first dispatch) and reports the worst errors over all runs.
     `device` holds the dispatcher's inputs (a real GPU library); the reference stays on CPU."""
@@ -114,8 +126,9 @@ def _one_dense_reference_run(disp, case: RoutingCase, face: str, dtype: str, dev
     g = torch.randn(x.shape, generator=torch.Generator().manual_seed(99 + rank))
 
     x1, p1 = x.to(device, copy=True).requires_grad_(), probs.to(device, copy=True).requires_grad_()
-    y, tpe = run_through_dispatcher(disp, face, x1, indices.to(device), p1, case.num_experts,
-                                    tuple(p.to(device) for p in params))
+    y, tpe = run_through_dispatcher(
+        disp, face, x1, indices.to(device), p1, case.num_experts, tuple(p.to(device) for p in params)
+    )
     assert y.shape == x.shape and y.dtype == x.dtype, (y.shape, y.dtype)
     (y.float() * g.to(device)).sum().backward()
 

@@ -38,8 +38,12 @@ def reference_capacity_drop(indices_TK, probs_TK, num_experts: int, factor: floa
     capacity = math.ceil(num_tokens * topk / num_experts * factor)
     kept = indices_TK.clone()
     for expert in range(num_experts):
-        slots = [(float(probs_TK[t, k]), t, k) for t in range(num_tokens) for k in range(topk)
-                 if int(indices_TK[t, k]) == expert]
+        slots = [
+            (float(probs_TK[t, k]), t, k)
+            for t in range(num_tokens)
+            for k in range(topk)
+            if int(indices_TK[t, k]) == expert
+        ]
         for _, t, k in sorted(slots, reverse=True)[capacity:]:
             kept[t, k] = -1
     return kept
@@ -61,8 +65,7 @@ def capacity_drop_case(case, dtype: str, factor: float, backend: str = "deepep",
     g = torch.randn(x.shape, generator=torch.Generator().manual_seed(7 + rank))
 
     x1, p1 = (t.clone().to(device).requires_grad_() for t in (x, probs))
-    y, tpe = run_through_dispatcher(disp, "topk", x1, indices.to(device), p1, case.num_experts,
-                                    _on(device, *params))
+    y, tpe = run_through_dispatcher(disp, "topk", x1, indices.to(device), p1, case.num_experts, _on(device, *params))
     (y.float() * g.to(device)).sum().backward()
     y, x1, p1 = y.cpu(), x1.grad.cpu(), p1.grad.cpu()
 
@@ -73,7 +76,8 @@ def capacity_drop_case(case, dtype: str, factor: float, backend: str = "deepep",
     (y_ref * g).sum().backward()
     dropped = (indices >= 0) & (kept < 0)
     return {
-        "y": _max_err(y, y_ref), "grad_x": _max_err(x1, x2.grad),
+        "y": _max_err(y, y_ref),
+        "grad_x": _max_err(x1, x2.grad),
         "grad_probs": _max_err(p1, p2.grad),
         "dropped_slots": int(dropped.sum()),
         "max_grad_at_dropped": float(p1[dropped].abs().max()) if dropped.any() else 0.0,
@@ -98,7 +102,7 @@ def pad_multiple_case(case, dtype: str, multiple: int, backend: str = "deepep", 
     per_expert = torch.bincount(indices[indices >= 0], minlength=case.num_experts)
     dist.all_reduce(per_expert)
     e = case.num_experts // world
-    true_counts = per_expert[rank * e:(rank + 1) * e].tolist()
+    true_counts = per_expert[rank * e : (rank + 1) * e].tolist()
 
     from tests.reference import apply_local_experts
 
@@ -109,11 +113,17 @@ def pad_multiple_case(case, dtype: str, multiple: int, backend: str = "deepep", 
 
     pad_rows_zero, start = True, 0
     for count, true in zip(counts, true_counts):
-        pad_rows_zero &= bool((rows[start + true:start + count] == 0).all())
-        pad_rows_zero &= bool((pprobs[start + true:start + count] == 0).all())
+        pad_rows_zero &= bool((rows[start + true : start + count] == 0).all())
+        pad_rows_zero &= bool((pprobs[start + true : start + count] == 0).all())
         start += count
-    return {"counts": counts, "true_counts": true_counts, "rows": int(rows.shape[0]),
-            "pad_rows_zero": pad_rows_zero, "y": _max_err(y, y_ref), "tol": TOLERANCE[dtype]}
+    return {
+        "counts": counts,
+        "true_counts": true_counts,
+        "rows": int(rows.shape[0]),
+        "pad_rows_zero": pad_rows_zero,
+        "y": _max_err(y, y_ref),
+        "tol": TOLERANCE[dtype],
+    }
 
 
 def refused_group_size(backend: str, group_ranks: list[int] | None, num_experts: int):
@@ -126,8 +136,7 @@ def refused_group_size(backend: str, group_ranks: list[int] | None, num_experts:
         return None
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     e = num_experts // size
-    cfg = TokenDispatcherConfig(moe_flex_dispatcher_backend=backend, num_moe_experts=num_experts,
-                                moe_router_topk=2)
+    cfg = TokenDispatcherConfig(moe_flex_dispatcher_backend=backend, num_moe_experts=num_experts, moe_router_topk=2)
     try:
         MoEFlexTokenDispatcher(e, list(range(rank * e, (rank + 1) * e)), cfg, group)
     except ValueError as exc:
@@ -220,9 +229,13 @@ def buffer_lifecycle(backend: str):
     if one_at_a_time:
         comm.release_buffers()
     more_sms.allocate_buffer(group, 32, torch.bfloat16)
-    log["more_sms"] = (more_sms is not comm, more_sms.buffer.num_nvl_bytes > log["after_allocate"][1],
-                       more_sms._dispatch_config.num_sms, comm._dispatch_config.num_sms,
-                       buffer_cls.num_sms == global_sms)
+    log["more_sms"] = (
+        more_sms is not comm,
+        more_sms.buffer.num_nvl_bytes > log["after_allocate"][1],
+        more_sms._dispatch_config.num_sms,
+        comm._dispatch_config.num_sms,
+        buffer_cls.num_sms == global_sms,
+    )
     more_sms.release_buffers()
     comm.release_buffers()
     log["released"] = (comm.buffer is None, delta("buffers_destroyed"))
@@ -239,10 +252,16 @@ def buffer_lifecycle(backend: str):
     from tests.reference import RoutingCase
 
     case = RoutingCase("x", (4,))
-    owners = [build_dispatcher(case, backend, **kw).manager.comm for kw in
-              ({}, {}, {"moe_share_token_dispatcher": False}, {"moe_deepep_num_sms": 40})]
-    log["owners"] = (owners[0] is owners[1] is comm, owners[2] is not comm, owners[3] is not comm,
-                     owners[3] is not owners[2])
+    owners = [
+        build_dispatcher(case, backend, **kw).manager.comm
+        for kw in ({}, {}, {"moe_share_token_dispatcher": False}, {"moe_deepep_num_sms": 40})
+    ]
+    log["owners"] = (
+        owners[0] is owners[1] is comm,
+        owners[2] is not comm,
+        owners[3] is not comm,
+        owners[3] is not owners[2],
+    )
     for owner in owners:
         owner.allocate_buffer(group, 16, torch.float32)
         if one_at_a_time:
@@ -256,15 +275,20 @@ def buffer_lifecycle(backend: str):
     x = torch.randn(4, 64).bfloat16()
     layout = small.get_dispatch_layout(torch.randint(0, 8, (4, 2)), 8)
     try:
-        small.dispatch(x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
-                       num_tokens_per_expert=layout[2])
+        small.dispatch(x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3], num_tokens_per_expert=layout[2])
         log["small_buffer"] = "accepted"
     except RuntimeError as exc:
         log["small_buffer"] = str(exc)
     small.destroy()
-    log["hidden_bytes"] = [comm.hidden_bytes_for(hidden, dtype) for hidden, dtype in
-                           ((64, torch.float16), (12, torch.bfloat16), (7168, torch.bfloat16),
-                            (7168, torch.float32))]
+    log["hidden_bytes"] = [
+        comm.hidden_bytes_for(hidden, dtype)
+        for hidden, dtype in (
+            (64, torch.float16),
+            (12, torch.bfloat16),
+            (7168, torch.bfloat16),
+            (7168, torch.float32),
+        )
+    ]
     return log
 
 
@@ -276,8 +300,13 @@ def async_mode_events(backend: str, face: str, async_dispatch: bool):
 
     INSTALLERS[backend]()
     before = dict(deep_ep_buffer.STATS)
-    result = run_dense_reference_case(RoutingCase("async", (9, 4), topk=3), face, "bf16", backend,
-                                      cfg_overrides={"moe_deepep_async_dispatch": async_dispatch})
+    result = run_dense_reference_case(
+        RoutingCase("async", (9, 4), topk=3),
+        face,
+        "bf16",
+        backend,
+        cfg_overrides={"moe_deepep_async_dispatch": async_dispatch},
+    )
     for key in ("events_recorded", "events_waited"):
         result[key] = deep_ep_buffer.STATS[key] - before.get(key, 0)
     return result
@@ -301,7 +330,8 @@ def matches_torch_backend(backend: str, dtype: str, hidden: int = 16):
     same = {
         "rows": torch.equal(rows_got, rows_want),
         "indices": torch.equal(got.dispatched_indices, want.dispatched_indices),
-        "probs": torch.equal(got.dispatched_probs, want.dispatched_probs), "counts": got.counts == want.counts,
+        "probs": torch.equal(got.dispatched_probs, want.dispatched_probs),
+        "counts": got.counts == want.counts,
     }
     y_got = comm.combine(rows_got, got.handle, group=group)
     y_want = torch_a2a.combine(rows_want, want.handle, group=group)
@@ -345,8 +375,11 @@ def uccl_second_buffer(how: str):
         raised = "nothing"
     except (Exception, uccl_ep.ProcessAbort) as exc:  # noqa: BLE001 - the test reads which
         raised = f"{type(exc).__name__}: {exc}"
-    out = {"raised": raised, "library_constructor_ran": uccl_ep.STATS["uccl_proxies_started"] > started,
-           "device": uccl_ep._device_index()}
+    out = {
+        "raised": raised,
+        "library_constructor_ran": uccl_ep.STATS["uccl_proxies_started"] > started,
+        "device": uccl_ep._device_index(),
+    }
     seen = [None] * dist.get_world_size()
     dist.all_gather_object(seen, raised.split(":")[0])
     out["peers_raised"] = seen

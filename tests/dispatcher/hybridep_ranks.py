@@ -114,11 +114,14 @@ def static_pin_sequence(pin: bool):
         before = dict(hybrid_ep_buffer.CALLS)
         with count_all_reduces() as calls:
             _step(disp, x, indices, probs, params)
-        steps.append({
-            "all_reduces": len(calls),
-            "target": manager._pinned_tokens,
-            "non_blocking": hybrid_ep_buffer.CALLS["dispatch_non_blocking"] - before.get("dispatch_non_blocking", 0),
-        })
+        steps.append(
+            {
+                "all_reduces": len(calls),
+                "target": manager._pinned_tokens,
+                "non_blocking": hybrid_ep_buffer.CALLS["dispatch_non_blocking"]
+                - before.get("dispatch_non_blocking", 0),
+            }
+        )
     hybridep_manager._STATIC_ROUTING_PAD_PIN = True
     return steps
 
@@ -158,14 +161,18 @@ def padding_gets_no_gradient():
 
 def double_refuses_bad_counts(tokens_by_rank):
     """The test double itself refuses unequal or TMA-unaligned per-rank counts."""
-    buffer = hybrid_ep_buffer.HybridEPBuffer(group=dist.group.WORLD, hidden_dim=CASE.hidden,
-                                             max_num_of_tokens_per_rank=16, num_local_experts=2)
+    buffer = hybrid_ep_buffer.HybridEPBuffer(
+        group=dist.group.WORLD, hidden_dim=CASE.hidden, max_num_of_tokens_per_rank=16, num_local_experts=2
+    )
     tokens = tokens_by_rank[dist.get_rank()]
     experts = 2 * dist.get_world_size()
     try:
-        buffer.dispatch_with_permute(hidden=torch.zeros(tokens, CASE.hidden, dtype=torch.bfloat16),
-                                     routing_map=torch.ones(tokens, experts, dtype=torch.bool),
-                                     probs=torch.ones(tokens, experts), num_of_experts_per_rank=2)
+        buffer.dispatch_with_permute(
+            hidden=torch.zeros(tokens, CASE.hidden, dtype=torch.bfloat16),
+            routing_map=torch.ones(tokens, experts, dtype=torch.bool),
+            probs=torch.ones(tokens, experts),
+            num_of_experts_per_rank=2,
+        )
     except RuntimeError as exc:
         return str(exc)
     return None
@@ -181,8 +188,10 @@ def prepare_grows_only():
     for tokens in (100, 200, 600, 300):
         before = hybrid_ep_buffer.CALLS["combine"]
         init.prepare(tokens, torch.device(DEVICE))
-        out[tokens] = {"ran": hybrid_ep_buffer.CALLS["combine"] > before,
-                       "published": hybridep_runtime._PUBLISHED[key][1]}
+        out[tokens] = {
+            "ran": hybrid_ep_buffer.CALLS["combine"] > before,
+            "published": hybridep_runtime._PUBLISHED[key][1],
+        }
     for bad in (0, -3):
         try:
             init.prepare(bad, torch.device(DEVICE))
@@ -267,9 +276,13 @@ def capacity_pins_token_count():
                 error = None
             except ValueError as exc:
                 error = str(exc)
-        out.setdefault("steps", []).append({
-            "all_reduces": len(calls), "error": error,
-            "non_blocking": hybrid_ep_buffer.CALLS["dispatch_non_blocking"] - before})
+        out.setdefault("steps", []).append(
+            {
+                "all_reduces": len(calls),
+                "error": error,
+                "non_blocking": hybrid_ep_buffer.CALLS["dispatch_non_blocking"] - before,
+            }
+        )
     return out
 
 
@@ -285,8 +298,10 @@ def capacity_per_layer():
         for _ in range(2):
             _step(disp, x, idx, probs, params)
     managers = [d.manager for d in layers]
-    return {"capacities": [m._calibrated_capacity() for m in managers],
-            "same_buffer": managers[0]._buffer(CASE.hidden, 16) is managers[1]._buffer(CASE.hidden, 16)}
+    return {
+        "capacities": [m._calibrated_capacity() for m in managers],
+        "same_buffer": managers[0]._buffer(CASE.hidden, 16) is managers[1]._buffer(CASE.hidden, 16),
+    }
 
 
 def indices_to_map_behaviour(with_weights: bool, masked: bool):
@@ -294,18 +309,23 @@ def indices_to_map_behaviour(with_weights: bool, masked: bool):
     use_backend()
     import deep_ep
 
-    buffer = deep_ep.HybridEPBuffer(group=dist.group.WORLD, hidden_dim=CASE.hidden, max_num_of_tokens_per_rank=16,
-                                    num_local_experts=4)
+    buffer = deep_ep.HybridEPBuffer(
+        group=dist.group.WORLD, hidden_dim=CASE.hidden, max_num_of_tokens_per_rank=16, num_local_experts=4
+    )
     experts = 4 * dist.get_world_size()
     idx = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0]], device=DEVICE)
     if masked:
         idx[1, 1] = -1
     weights = torch.rand(4, 2, device=DEVICE) if with_weights else None
     try:
-        out = buffer.dispatch_with_permute(hidden=torch.ones(4, CASE.hidden, dtype=torch.bfloat16, device=DEVICE),
-                                           topk_idx=idx, topk_weights=weights, num_of_experts=experts,
-                                           probs=torch.ones(4, experts, device=DEVICE),
-                                           num_of_experts_per_rank=4)
+        out = buffer.dispatch_with_permute(
+            hidden=torch.ones(4, CASE.hidden, dtype=torch.bfloat16, device=DEVICE),
+            topk_idx=idx,
+            topk_weights=weights,
+            num_of_experts=experts,
+            probs=torch.ones(4, experts, device=DEVICE),
+            num_of_experts_per_rank=4,
+        )
     except (RuntimeError, IndexError) as exc:
         return {"error": str(exc)}
     return {"error": None, "probs_none": out[1] is None, "rows": int(out[0].shape[0])}
@@ -326,8 +346,9 @@ def small_hidden_refused(hidden: int, equal_token_counts: bool = False) -> dict:
     except ValueError as exc:
         out["layer"] = str(exc)
     try:
-        hybrid_ep_buffer.HybridEPBuffer(group=dist.group.WORLD, hidden_dim=hidden,
-                                        max_num_of_tokens_per_rank=16, num_local_experts=2)
+        hybrid_ep_buffer.HybridEPBuffer(
+            group=dist.group.WORLD, hidden_dim=hidden, max_num_of_tokens_per_rank=16, num_local_experts=2
+        )
     except RuntimeError as exc:
         out["double"] = str(exc)
     return out

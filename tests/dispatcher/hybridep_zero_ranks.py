@@ -31,8 +31,9 @@ MODES = {
 
 def _dispatcher(mode: str, group) -> MoEFlexTokenDispatcher:
     hybrid_ep_buffer.install()
-    cfg = TokenDispatcherConfig(moe_flex_dispatcher_backend="hybridep", num_moe_experts=EXPERTS,
-                                moe_router_topk=TOPK, **MODES[mode])
+    cfg = TokenDispatcherConfig(
+        moe_flex_dispatcher_backend="hybridep", num_moe_experts=EXPERTS, moe_router_topk=TOPK, **MODES[mode]
+    )
     e, rank = EXPERTS // dist.get_world_size(group), dist.get_rank(group)
     return MoEFlexTokenDispatcher(e, list(range(rank * e, (rank + 1) * e)), cfg, group)
 
@@ -40,8 +41,11 @@ def _dispatcher(mode: str, group) -> MoEFlexTokenDispatcher:
 def _inputs(tokens: int, seed: int, device: str = "cpu"):
     gen = torch.Generator().manual_seed(seed + dist.get_rank())
     x = torch.randn(tokens, HIDDEN, generator=gen).to(device, torch.bfloat16).requires_grad_()
-    indices = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOPK] for _ in range(tokens)]) \
-        if tokens else torch.zeros(0, TOPK, dtype=torch.long)
+    indices = (
+        torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOPK] for _ in range(tokens)])
+        if tokens
+        else torch.zeros(0, TOPK, dtype=torch.long)
+    )
     probs = torch.rand(tokens, TOPK, generator=gen).to(device).requires_grad_()
     return x, indices.to(device), probs
 
@@ -62,13 +66,24 @@ def every_rank_empty(mode: str, device: str = "cpu", timeout_s: float = COLLECTI
     for step in range(2):
         x, indices, probs = _inputs(0, step, device)
         y = _step(disp, x, indices, probs)
-        out.append({"y": tuple(y.shape), "dtype": str(y.dtype), "x_grad": tuple(x.grad.shape),
-                    "probs_grad": tuple(probs.grad.shape)})
+        out.append(
+            {
+                "y": tuple(y.shape),
+                "dtype": str(y.dtype),
+                "x_grad": tuple(x.grad.shape),
+                "probs_grad": tuple(probs.grad.shape),
+            }
+        )
     return {"steps": out}
 
 
-def refused_input_at_tokens(mode: str, tokens: tuple[int, ...], bad_dtype: bool = False,
-                            device: str = "cpu", timeout_s: float = COLLECTIVE_TIMEOUT_S) -> dict:
+def refused_input_at_tokens(
+    mode: str,
+    tokens: tuple[int, ...],
+    bad_dtype: bool = False,
+    device: str = "cpu",
+    timeout_s: float = COLLECTIVE_TIMEOUT_S,
+) -> dict:
     """Step 1: `tokens[0]` tokens on every rank (a pin or calibration there; None: no step 1). Step 2: rank r
     has `tokens[1][r]` tokens and the last rank's input is refused (float token ids, or with
     `bad_dtype` fp32 rows, which HybridEP cannot send): every rank raises the agreed error."""
@@ -93,13 +108,20 @@ def refused_input_at_tokens(mode: str, tokens: tuple[int, ...], bad_dtype: bool 
 
 def double_passes_zero_tokens() -> dict:
     """The double at 0 tokens on every rank, as the library's Python layer passes it through."""
-    buffer = hybrid_ep_buffer.HybridEPBuffer(group=dist.group.WORLD, hidden_dim=HIDDEN,
-                                             max_num_of_tokens_per_rank=16, num_local_experts=2)
+    buffer = hybrid_ep_buffer.HybridEPBuffer(
+        group=dist.group.WORLD, hidden_dim=HIDDEN, max_num_of_tokens_per_rank=16, num_local_experts=2
+    )
     experts = 2 * dist.get_world_size()
     rows, probs, _, counts, handle = buffer.dispatch_with_permute(
         hidden=torch.zeros(0, HIDDEN, dtype=torch.bfloat16),
-        routing_map=torch.zeros(0, experts, dtype=torch.bool), probs=torch.zeros(0, experts),
-        num_of_experts_per_rank=2)
+        routing_map=torch.zeros(0, experts, dtype=torch.bool),
+        probs=torch.zeros(0, experts),
+        num_of_experts_per_rank=2,
+    )
     y, y_probs = buffer.combine_with_unpermute(hidden=rows, probs=probs, handle=handle)
-    return {"rows": tuple(rows.shape), "counts": counts.tolist(), "y": tuple(y.shape),
-            "y_probs": tuple(y_probs.shape)}
+    return {
+        "rows": tuple(rows.shape),
+        "counts": counts.tolist(),
+        "y": tuple(y.shape),
+        "y_probs": tuple(y_probs.shape),
+    }

@@ -30,8 +30,7 @@ def _max_err(a, b) -> float:
 class _Layer:
     """One MoE layer's dispatcher, toy experts and inputs on this rank, driven one step at a time."""
 
-    def __init__(self, case: RoutingCase, backend: str, face: str, dtype: str, expert_seed: int,
-                 device: str = "cpu"):
+    def __init__(self, case: RoutingCase, backend: str, face: str, dtype: str, expert_seed: int, device: str = "cpu"):
         self.case, self.face = case, face
         self.disp = build_dispatcher(case, backend)
         self.params = tuple(p.to(device) for p in toy_expert_params(case.num_experts, case.hidden, seed=expert_seed))
@@ -63,12 +62,21 @@ class _Layer:
         mask_TE, probs_TE = topk_to_dense(self.indices.cpu(), probs, self.case.num_experts)
         y_ref = dense_moe_reference(x, mask_TE, probs_TE, tuple(p.cpu() for p in self.params))
         (y_ref * grad_y).sum().backward()
-        return {"y": _max_err(self.y, y_ref), "grad_x": _max_err(self.x.grad, x.grad),
-                "grad_probs": _max_err(self.probs.grad, probs.grad)}
+        return {
+            "y": _max_err(self.y, y_ref),
+            "grad_x": _max_err(self.x.grad, x.grad),
+            "grad_probs": _max_err(self.probs.grad, probs.grad),
+        }
 
 
-def two_layers_in_flight(backend: str, patch_backend: str | None, face: str, dtype: str,
-                         layers: tuple[RoutingCase, RoutingCase] = (LAYER_A, LAYER_B), device: str = "cpu"):
+def two_layers_in_flight(
+    backend: str,
+    patch_backend: str | None,
+    face: str,
+    dtype: str,
+    layers: tuple[RoutingCase, RoutingCase] = (LAYER_A, LAYER_B),
+    device: str = "cpu",
+):
     """Layer A dispatches, layer B dispatches, B combines, A combines (the order Megatron's
     1F1B A2A overlap can produce); both layers' outputs and gradients against the reference.
     `layers` sets the two layers' routing (HybridEP needs hidden >= 128); `device` holds the
@@ -119,8 +127,13 @@ def misuse_errors():
 
 
 # Ops whose result size or value the host must read: each is a device->host sync on the GPU.
-_SYNCING_OPS = ("aten.nonzero.default", "aten.masked_select.default", "aten._local_scalar_dense.default",
-                "aten.unique", "aten._unique2.default")
+_SYNCING_OPS = (
+    "aten.nonzero.default",
+    "aten.masked_select.default",
+    "aten._local_scalar_dense.default",
+    "aten.unique",
+    "aten._unique2.default",
+)
 
 
 class _OpLog(TorchDispatchMode):
@@ -163,5 +176,10 @@ def ep1_work(face: str, dtype: str):
         layer.dispatch()
         layer.combine()
         (layer.y.float() * grad_y).sum().backward()
-    return {"collectives": ops.collectives, "syncing_ops": ops.syncing, "host_reads": reads.calls,
-            **layer.errors(grad_y), "tol": tolerance(dtype, case.hidden)}
+    return {
+        "collectives": ops.collectives,
+        "syncing_ops": ops.syncing,
+        "host_reads": reads.calls,
+        **layer.errors(grad_y),
+        "tol": tolerance(dtype, case.hidden),
+    }

@@ -88,6 +88,7 @@ class _RecomputeOps(TorchDispatchMode):
                 return fn(*args, **kwargs)
             finally:
                 self._region = outer
+
         return wrapped
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -129,9 +130,16 @@ def _block(disp, params, x_TH, state):
     return x_TH + y_TH if state.get("residual") else F.silu(y_TH)
 
 
-def recompute_case(backend: str, mode: str, perturb: bool = False, dtype: str = "fp32",
-                   steps: int = 1, residual: bool = False, count_ops: bool = False,
-                   route: bool = False) -> dict:
+def recompute_case(
+    backend: str,
+    mode: str,
+    perturb: bool = False,
+    dtype: str = "fp32",
+    steps: int = 1,
+    residual: bool = False,
+    count_ops: bool = False,
+    route: bool = False,
+) -> dict:
     """`steps` forward+backward passes of the block on this rank under `mode`:
     "none", "reentrant" (Megatron-style: the forward runs without grad and is recorded),
     "save_dispatch_outputs" or "recompute_all" (`checkpoint_moe`'s policies), "selective"
@@ -149,16 +157,21 @@ def recompute_case(backend: str, mode: str, perturb: bool = False, dtype: str = 
         deep_ep_buffer.install()
     world, rank = dist.get_world_size(), dist.get_rank()
     local = NUM_EXPERTS // world
-    cfg = TokenDispatcherConfig(num_moe_experts=NUM_EXPERTS, moe_router_topk=TOPK,
-                                moe_flex_dispatcher_backend=backend, moe_share_token_dispatcher=False)
-    disp = MoEFlexTokenDispatcher(local, list(range(rank * local, (rank + 1) * local)), cfg,
-                                  ep_group=dist.group.WORLD)
+    cfg = TokenDispatcherConfig(
+        num_moe_experts=NUM_EXPERTS,
+        moe_router_topk=TOPK,
+        moe_flex_dispatcher_backend=backend,
+        moe_share_token_dispatcher=False,
+    )
+    disp = MoEFlexTokenDispatcher(
+        local, list(range(rank * local, (rank + 1) * local)), cfg, ep_group=dist.group.WORLD
+    )
     replay = recompute.attach_replay(disp)
     assert replay is not None
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     gen = torch.Generator().manual_seed(3)  # parameters equal on every rank
     w_router_HE = torch.randn(HIDDEN, NUM_EXPERTS, generator=gen).requires_grad_()
-    w_eHH = (torch.randn(NUM_EXPERTS, HIDDEN, HIDDEN, generator=gen) / 4)[rank * local:(rank + 1) * local]
+    w_eHH = (torch.randn(NUM_EXPERTS, HIDDEN, HIDDEN, generator=gen) / 4)[rank * local : (rank + 1) * local]
     w_eHH.requires_grad_()
     state = {"expert_bias_E": torch.zeros(NUM_EXPERTS), "residual": residual, "route": route}
     x_TH = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(10 + rank))
@@ -173,8 +186,7 @@ def recompute_case(backend: str, mode: str, perturb: bool = False, dtype: str = 
     recompute_ops, block, stack = _RecomputeOps(), _block, contextlib.ExitStack()
     if count_ops:
         block = recompute_ops.wrap(_block, "other")
-        state.update(router=recompute_ops.wrap(_router, "router"),
-                     experts=recompute_ops.wrap(_experts, "experts"))
+        state.update(router=recompute_ops.wrap(_router, "router"), experts=recompute_ops.wrap(_experts, "experts"))
         for name in ("token_permutation2", "token_unpermutation"):
             setattr(disp, name, recompute_ops.wrap(getattr(disp, name), "dispatcher"))
         stack.enter_context(mock.patch.dict(os.environ, MOE_EXT_INPUT_CHECKS="deferred"))  # the GPU's checks
@@ -184,11 +196,9 @@ def recompute_case(backend: str, mode: str, perturb: bool = False, dtype: str = 
             y = block(disp, params, x_TH, state)
         elif mode == "reentrant":
             with replay.recording():
-                y = torch.utils.checkpoint.checkpoint(block, disp, params, x_TH, state,
-                                                      use_reentrant=True)
+                y = torch.utils.checkpoint.checkpoint(block, disp, params, x_TH, state, use_reentrant=True)
         else:
-            y = recompute.checkpoint_moe(block, disp, params, x_TH, state,
-                                         replays=[replay], policy=_policy(mode))
+            y = recompute.checkpoint_moe(block, disp, params, x_TH, state, replays=[replay], policy=_policy(mode))
         forward_counts = (counter.layout, counter.data)
         counter.reset()
         if perturb:  # as a load-balancing update between forward and backward would
@@ -204,10 +214,14 @@ def recompute_case(backend: str, mode: str, perturb: bool = False, dtype: str = 
         replay.check()
     except recompute.RoutingChangedError as exc:
         error = str(exc)
-    return dict(grads=[t.grad.detach().clone() for t in (x_TH, w_router_HE, w_eHH)],
-                forward_counts=forward_counts, backward_counts=backward_counts,
-                pending_records=replay.num_records, error=error,
-                recompute_ops={k: dict(v) for k, v in recompute_ops.ops.items()})
+    return dict(
+        grads=[t.grad.detach().clone() for t in (x_TH, w_router_HE, w_eHH)],
+        forward_counts=forward_counts,
+        backward_counts=backward_counts,
+        pending_records=replay.num_records,
+        error=error,
+        recompute_ops={k: dict(v) for k, v in recompute_ops.ops.items()},
+    )
 
 
 def _policy(mode: str):
@@ -224,8 +238,7 @@ def recompute_step(disp, replay, params, x_TH, g_TH, state, mode: str) -> None:
         with replay.recording():
             y = torch.utils.checkpoint.checkpoint(_block, disp, params, x_TH, state, use_reentrant=True)
     else:
-        y = recompute.checkpoint_moe(_block, disp, params, x_TH, state, replays=[replay],
-                                     policy=_policy(mode))
+        y = recompute.checkpoint_moe(_block, disp, params, x_TH, state, replays=[replay], policy=_policy(mode))
     (y * g_TH).sum().backward()
 
 
@@ -245,18 +258,26 @@ def _expert_mlp_probe(experts, calls: collections.Counter, act_outputs: list):
             if name == "act":
                 act_outputs.append(out)
             return out
+
         return wrapped
 
-    with mock.patch.object(mlp, "_grouped_mlp", counted("mlp", mlp._grouped_mlp)), \
-            mock.patch.object(mlp, "_checkpointed_chunked_expert_mlp",
-                              counted("chunked", mlp._checkpointed_chunked_expert_mlp)), \
-            mock.patch.object(mlp, "EXPERT_MLP_CHUNK_BYTES", 1), \
-            mock.patch.object(experts, "activation_fn", counted("act", experts.activation_fn)):
+    with (
+        mock.patch.object(mlp, "_grouped_mlp", counted("mlp", mlp._grouped_mlp)),
+        mock.patch.object(
+            mlp, "_checkpointed_chunked_expert_mlp", counted("chunked", mlp._checkpointed_chunked_expert_mlp)
+        ),
+        mock.patch.object(mlp, "EXPERT_MLP_CHUNK_BYTES", 1),
+        mock.patch.object(experts, "activation_fn", counted("act", experts.activation_fn)),
+    ):
         yield
 
 
-def megatron_layer_case(recompute_granularity: str | None, perturb: bool = False,
-                        modules: tuple[str, ...] = ("moe",), grouped_gemm: bool = False) -> dict:
+def megatron_layer_case(
+    recompute_granularity: str | None,
+    perturb: bool = False,
+    modules: tuple[str, ...] = ("moe",),
+    grouped_gemm: bool = False,
+) -> dict:
     """`FlexMoELayer` (torch backend) under Megatron's own recompute flags ("selective" of
     `modules`, "full"), or under `checkpoint_moe` with a policy ("save_dispatch_outputs",
     "recompute_all"): gradients, the collectives issued during backward, the router's calls
@@ -280,8 +301,9 @@ def megatron_layer_case(recompute_granularity: str | None, perturb: bool = False
         g = torch.randn(case.seq, case.batch, case.hidden, generator=gen)
         counter = _Counter("torch")
         expert_calls, act_outputs = collections.Counter(), []
-        probe = (_expert_mlp_probe(layer.experts, expert_calls, act_outputs) if grouped_gemm
-                 else contextlib.nullcontext())
+        probe = (
+            _expert_mlp_probe(layer.experts, expert_calls, act_outputs) if grouped_gemm else contextlib.nullcontext()
+        )
         with probe:
             try:
                 out = layer_forward(layer, x, recompute_granularity)
@@ -301,10 +323,17 @@ def megatron_layer_case(recompute_granularity: str | None, perturb: bool = False
             error = str(exc)
         grads = {n: p.grad.detach().clone() for n, p in layer.named_parameters() if p.grad is not None}
         grads["x"] = x.grad.detach().clone()
-        return dict(grads=grads, backward_counts=counts, error=error, replayed=replayed, out=out.detach(),
-                    expert_calls=dict(expert_calls), act_freed=act_freed,
-                    experts=type(layer.experts).__name__,
-                    router_calls_in_backward=sum(router_calls_in_backward),
-                    tokens_per_expert=layer.router.local_tokens_per_expert.clone())
+        return dict(
+            grads=grads,
+            backward_counts=counts,
+            error=error,
+            replayed=replayed,
+            out=out.detach(),
+            expert_calls=dict(expert_calls),
+            act_freed=act_freed,
+            experts=type(layer.experts).__name__,
+            router_calls_in_backward=sum(router_calls_in_backward),
+            tokens_per_expert=layer.router.local_tokens_per_expert.clone(),
+        )
     finally:
         megatron_cpu.uninstall()

@@ -68,6 +68,7 @@ class LibraryHostReads(HostReadCounter):
             if not in_double and not in_checks and caller.f_code.co_name != "_check_topk":
                 self.calls.append(f"{name} in {caller.f_code.co_name}")
             return fn(tensor, *args, **kwargs)
+
         return counted
 
 
@@ -91,8 +92,14 @@ def _step(disp, x, indices, probs, params, counter=None, device="cpu"):
     with counter:
         y = disp.token_unpermutation(out)
         (y.float() * torch.linspace(-1, 1, y.shape[1], device=y.device)).sum().backward()
-    return dict(y=y.detach().cpu(), gx=x.grad.cpu(), gp=probs.grad.cpu(), rows=rows.shape[0],
-                stats=None if stats is None else stats.cpu(), tpe=torch.as_tensor(tpe))
+    return dict(
+        y=y.detach().cpu(),
+        gx=x.grad.cpu(),
+        gp=probs.grad.cpu(),
+        rows=rows.shape[0],
+        stats=None if stats is None else stats.cpu(),
+        tpe=torch.as_tensor(tpe),
+    )
 
 
 def _agreed(disp, x, indices, probs, params, device="cpu"):
@@ -124,8 +131,9 @@ def syncfree_vs_blocking(backend: str = "torch", dtype: str = "fp32", device: st
     case, dtype, overrides = _backend_setup(backend, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
     factor = 2.0
     blocking = build_dispatcher(case, backend, moe_share_token_dispatcher=False, **overrides)
-    budget = build_dispatcher(case, backend, moe_share_token_dispatcher=False,
-                              moe_expert_rank_capacity_factor=factor, **overrides)
+    budget = build_dispatcher(
+        case, backend, moe_share_token_dispatcher=False, moe_expert_rank_capacity_factor=factor, **overrides
+    )
     params = toy_expert_params(E, case.hidden)
     x, indices, probs = make_routing(case, rank, dtype)
     ref = _step(blocking, x, indices, probs, params, device=device)
@@ -134,11 +142,16 @@ def syncfree_vs_blocking(backend: str = "torch", dtype: str = "fp32", device: st
     release_buffers()
     return dict(
         diffs={k: _err(got[k], ref[k]) for k in ("y", "gx", "gp")},
-        rows=got["rows"], budget=int(T * K * factor), world=world,
-        stats=got["stats"].tolist(), pairs=int(sum(ref["tpe"].tolist())),
+        rows=got["rows"],
+        budget=int(T * K * factor),
+        world=world,
+        stats=got["stats"].tolist(),
+        pairs=int(sum(ref["tpe"].tolist())),
         counts_equal=got["tpe"].tolist() == ref["tpe"].tolist(),
         counts_device=got["tpe"].device.type == torch.device(device).type,
-        host_reads=counter.calls, rows_needed=int(sum(ref["tpe"].tolist())), **_sizes(budget),
+        host_reads=counter.calls,
+        rows_needed=int(sum(ref["tpe"].tolist())),
+        **_sizes(budget),
     )
 
 
@@ -169,8 +182,9 @@ def syncfree_overflow_then_fit(backend: str = "torch", device: str = "cpu"):
     # At EP 1 every pair lands on the one rank: only a factor below 1 can overflow.
     factor = 1.0 if world > 1 else 0.5
     budget_rows = int(T * K * factor)
-    disp = build_dispatcher(case, backend, moe_share_token_dispatcher=False,
-                            moe_expert_rank_capacity_factor=factor, **overrides)
+    disp = build_dispatcher(
+        case, backend, moe_share_token_dispatcher=False, moe_expert_rank_capacity_factor=factor, **overrides
+    )
     params = toy_expert_params(E, case.hidden)
     x, _, _ = make_routing(case, rank, dtype)
     counter = LibraryHostReads()
@@ -183,9 +197,13 @@ def syncfree_overflow_then_fit(backend: str = "torch", device: str = "cpu"):
     kept = torch.where(order_TK < budget_rows, indices, -1)
     ref = _dense(x, kept, probs, params)
     needed = sum(k // e == rank for k in range(K)) * world * T
-    skew = dict(stats=got["stats"].tolist(), diffs={k: _err(got[k], ref[k]) for k in ("y", "gx", "gp")},
-                expected_dropped=max(needed - budget_rows, 0), expected_needed=needed,
-                kept_pairs=int((kept >= 0).sum()))
+    skew = dict(
+        stats=got["stats"].tolist(),
+        diffs={k: _err(got[k], ref[k]) for k in ("y", "gx", "gp")},
+        expected_dropped=max(needed - budget_rows, 0),
+        expected_needed=needed,
+        kept_pairs=int((kept >= 0).sum()),
+    )
 
     # Then random routing with one slot per token: at most T*K/2 <= budget pairs on average,
     # and at EP 1 exactly T = budget.
@@ -196,8 +214,14 @@ def syncfree_overflow_then_fit(backend: str = "torch", device: str = "cpu"):
     ref = _dense(x, indices, probs, params)
     fit = dict(stats=got["stats"].tolist(), diffs={k: _err(got[k], ref[k]) for k in ("y", "gx", "gp")})
     release_buffers()
-    return dict(skew=skew, fit=fit, host_reads=counter.calls, budget=budget_rows, **_sizes(disp),
-                tol=TOLERANCE["bf16" if dtype == torch.bfloat16 else "fp32"])
+    return dict(
+        skew=skew,
+        fit=fit,
+        host_reads=counter.calls,
+        budget=budget_rows,
+        **_sizes(disp),
+        tol=TOLERANCE["bf16" if dtype == torch.bfloat16 else "fp32"],
+    )
 
 
 def accumulate_ops_in_budget_step(backend: str = "torch"):
@@ -218,8 +242,7 @@ def accumulate_ops_in_budget_step(backend: str = "torch"):
                     self.ops.append(str(func))
             return func(*args, **kwargs)
 
-    budget = build_dispatcher(CASE, backend, moe_share_token_dispatcher=False,
-                              moe_expert_rank_capacity_factor=2.0)
+    budget = build_dispatcher(CASE, backend, moe_share_token_dispatcher=False, moe_expert_rank_capacity_factor=2.0)
     x, indices, probs = make_routing(CASE, dist.get_rank(), torch.float32)
     x, probs = x.clone().requires_grad_(), probs.clone().requires_grad_()
     recorder = Recorder()
@@ -235,8 +258,18 @@ class LibraryCollectives:
     """Counts the torch.distributed collectives the package's code calls while entered (those
     inside a test double stand for the real library's own communication)."""
 
-    NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_to_all", "all_to_all_single",
-             "broadcast", "reduce_scatter_tensor", "barrier", "send", "recv")
+    NAMES = (
+        "all_reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "all_to_all",
+        "all_to_all_single",
+        "broadcast",
+        "reduce_scatter_tensor",
+        "barrier",
+        "send",
+        "recv",
+    )
 
     def __init__(self):
         self.calls: list[str] = []
@@ -257,6 +290,7 @@ class LibraryCollectives:
             if LibraryHostReads._DOUBLES not in frame.f_code.co_filename:
                 self.calls.append(f"{name} in {frame.f_code.co_name}")
             return fn(*args, **kwargs)
+
         return counted
 
 
@@ -265,8 +299,9 @@ def hybridep_budget_collectives(device: str = "cpu") -> dict:
     collectives the package calls itself (a CUDA graph over gloo could hold none: gloo copies
     through the host) and whether it asked HybridEP for its own all-gather of the routing map."""
     case, dtype, overrides = _backend_setup("hybridep", torch.bfloat16)
-    disp = build_dispatcher(case, "hybridep", moe_share_token_dispatcher=False,
-                            moe_expert_rank_capacity_factor=2.0, **overrides)
+    disp = build_dispatcher(
+        case, "hybridep", moe_share_token_dispatcher=False, moe_expert_rank_capacity_factor=2.0, **overrides
+    )
     x, indices, probs = make_routing(case, dist.get_rank(), dtype)
     params = toy_expert_params(E, case.hidden)
     collectives = LibraryCollectives()
@@ -274,8 +309,7 @@ def hybridep_budget_collectives(device: str = "cpu") -> dict:
         _step(disp, x, indices, probs, params, device=device)
     custom = disp.manager._buffer_owner.buffer.init_kwargs.get("enable_custom_allgather")
     release_buffers()
-    return dict(calls=[c for c in collectives.calls if not c.endswith("in settle_overflow")],
-                custom_allgather=custom)
+    return dict(calls=[c for c in collectives.calls if not c.endswith("in settle_overflow")], custom_allgather=custom)
 
 
 def unequal_token_counts(backend: str, later: bool = False):
@@ -284,8 +318,9 @@ def unequal_token_counts(backend: str, later: bool = False):
     `moe_expert_rank_capacity_factor`, none may wait or overrun a buffer."""
     rank = dist.get_rank()
     case, dtype, overrides = _backend_setup(backend, torch.float32)
-    disp = build_dispatcher(case, backend, moe_share_token_dispatcher=False,
-                            moe_expert_rank_capacity_factor=2.0, **overrides)
+    disp = build_dispatcher(
+        case, backend, moe_share_token_dispatcher=False, moe_expert_rank_capacity_factor=2.0, **overrides
+    )
     params = toy_expert_params(E, case.hidden)
     x, indices, probs = make_routing(case, rank, dtype)
     try:

@@ -45,8 +45,9 @@ def test_bad_input_on_one_rank_with_hybridep_static_routing(dist_pools):
     """Item 1 with HybridEP's static-routing pin (`moe_benchmark_static_routing`): the rank that
     failed must not pin its token count from the exchange that carried its error, or it would
     skip the next step's count exchange while its peers wait in it."""
-    results = dist_pools(2).run(ranks.bad_input_on_one_rank, "hybridep", "dropless", BAD_RANK,
-                                moe_benchmark_static_routing=True)
+    results = dist_pools(2).run(
+        ranks.bad_input_on_one_rank, "hybridep", "dropless", BAD_RANK, moe_benchmark_static_routing=True
+    )
     ranks.assert_agreed_error(results, "ValueError", BAD_RANK, ("token_indices",))
     _assert_clean_step(results)
 

@@ -27,7 +27,8 @@ from tests.reference import RoutingCase
 
 pytestmark = pytest.mark.skipif(
     _real_library_importable("deep_ep"),
-    reason="real deep_ep present: run bench/gpu/deepep_suite.py (same cases, NCCL, real library)")
+    reason="real deep_ep present: run bench/gpu/deepep_suite.py (same cases, NCCL, real library)",
+)
 
 DOUBLE = {"deepep": "tests.doubles.deep_ep_buffer.install", "uccl_ep": "tests.doubles.uccl_ep.install"}
 
@@ -56,8 +57,9 @@ def test_device_path_checks_take_a_rank_without_tokens(dist_pools, backend, face
     """The device-path checks (those of CUDA tensors) on a rank with 0 tokens: on the H200,
     Megatron's face reshaped the empty routing map to `[0, -1]` and raised."""
     case = next(c for c in CASES if c.name == "uneven_with_empty_rank")
-    results = dist_pools(2).run(run_dense_reference_case_deferred_checks, case, face, "fp32", backend,
-                                DOUBLE.get(backend))
+    results = dist_pools(2).run(
+        run_dense_reference_case_deferred_checks, case, face, "fp32", backend, DOUBLE.get(backend)
+    )
     check(results, 2)
 
 
@@ -197,5 +199,6 @@ def test_uccl_double_aborts_on_a_second_library_buffer(dist_pools):
     """The double follows UCCL's engine: the second `Buffer` of a process on a device aborts
     in `register_proxies` (SIGABRT on the real library), on every rank."""
     for r in dist_pools(2).run(uccl_second_buffer, "library"):
-        assert r["raised"] == ("ProcessAbort: WARNING: overwriting existing proxies for device "
-                               f"{r['device']} (high-throughput mode)"), r
+        assert r["raised"] == (
+            f"ProcessAbort: WARNING: overwriting existing proxies for device {r['device']} (high-throughput mode)"
+        ), r

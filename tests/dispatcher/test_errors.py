@@ -23,37 +23,45 @@ CONFIG_ERRORS = [
     (dict(moe_hybridep_num_sms=-1), "moe_hybridep_num_sms"),
     (dict(moe_hybridep_num_sms_preprocessing=0), "moe_hybridep_num_sms_preprocessing"),
     (dict(moe_expert_capacity_factor=0.0), "moe_expert_capacity_factor"),
-    (dict(moe_hybridep_capacity_factor=-0.5, moe_flex_dispatcher_backend="hybridep"),
-     "moe_hybridep_capacity_factor"),
+    (dict(moe_hybridep_capacity_factor=-0.5, moe_flex_dispatcher_backend="hybridep"), "moe_hybridep_capacity_factor"),
     (dict(moe_router_expert_pad_multiple=0), "moe_router_expert_pad_multiple"),
     (dict(moe_router_dtype="bf16"), "moe_router_dtype"),
-    (dict(moe_hybridep_capacity_factor=1.5, moe_flex_dispatcher_backend="deepep"),
-     "moe_hybridep_capacity_factor"),
-    (dict(moe_hybridep_capacity_factor=1.5, moe_expert_capacity_factor=1.0,
-          moe_flex_dispatcher_backend="hybridep"), "moe_expert_capacity_factor"),
-    (dict(moe_hybridep_compact_routing=True, moe_flex_dispatcher_backend="torch"),
-     "moe_hybridep_compact_routing"),
+    (dict(moe_hybridep_capacity_factor=1.5, moe_flex_dispatcher_backend="deepep"), "moe_hybridep_capacity_factor"),
+    (
+        dict(
+            moe_hybridep_capacity_factor=1.5, moe_expert_capacity_factor=1.0, moe_flex_dispatcher_backend="hybridep"
+        ),
+        "moe_expert_capacity_factor",
+    ),
+    (dict(moe_hybridep_compact_routing=True, moe_flex_dispatcher_backend="torch"), "moe_hybridep_compact_routing"),
     (dict(moe_benchmark_static_routing=True, moe_expert_capacity_factor=1.0), "moe_benchmark_static_routing"),
     (dict(moe_deepep_async_dispatch=True, moe_flex_dispatcher_backend="torch"), "moe_deepep_async_dispatch"),
     (dict(moe_enable_deepep=False, moe_flex_dispatcher_backend="deepep"), "moe_enable_deepep"),
     (dict(moe_expert_capacity_factor=float("inf")), "moe_expert_capacity_factor"),
     (dict(moe_expert_capacity_factor=float("nan")), "moe_expert_capacity_factor"),
-    (dict(moe_hybridep_capacity_factor=float("inf"), moe_flex_dispatcher_backend="hybridep"),
-     "moe_hybridep_capacity_factor"),
+    (
+        dict(moe_hybridep_capacity_factor=float("inf"), moe_flex_dispatcher_backend="hybridep"),
+        "moe_hybridep_capacity_factor",
+    ),
     (dict(moe_deepep_num_sms=10**9), "moe_deepep_num_sms"),
     (dict(moe_hybridep_num_sms=10**9, moe_flex_dispatcher_backend="hybridep"), "moe_hybridep_num_sms"),
-    (dict(moe_hybridep_num_sms_preprocessing=10**9, moe_flex_dispatcher_backend="hybridep"),
-     "moe_hybridep_num_sms_preprocessing"),
+    (
+        dict(moe_hybridep_num_sms_preprocessing=10**9, moe_flex_dispatcher_backend="hybridep"),
+        "moe_hybridep_num_sms_preprocessing",
+    ),
     (dict(moe_share_token_dispatcher="no"), "moe_share_token_dispatcher"),
     (dict(moe_deepep_async_dispatch=1), "moe_deepep_async_dispatch"),
-    (dict(moe_hybridep_compact_routing="False", moe_flex_dispatcher_backend="hybridep"),
-     "moe_hybridep_compact_routing"),
+    (
+        dict(moe_hybridep_compact_routing="False", moe_flex_dispatcher_backend="hybridep"),
+        "moe_hybridep_compact_routing",
+    ),
     # Options that mean nothing on the chosen backend.
     (dict(moe_hybridep_num_sms=8, moe_flex_dispatcher_backend="deepep"), "moe_hybridep_num_sms"),
-    (dict(moe_hybridep_num_blocks_permute=4, moe_flex_dispatcher_backend="torch"),
-     "moe_hybridep_num_blocks_permute"),
-    (dict(moe_hybridep_num_sms_preprocessing=4, moe_flex_dispatcher_backend="uccl_ep"),
-     "moe_hybridep_num_sms_preprocessing"),
+    (dict(moe_hybridep_num_blocks_permute=4, moe_flex_dispatcher_backend="torch"), "moe_hybridep_num_blocks_permute"),
+    (
+        dict(moe_hybridep_num_sms_preprocessing=4, moe_flex_dispatcher_backend="uccl_ep"),
+        "moe_hybridep_num_sms_preprocessing",
+    ),
     (dict(moe_deepep_num_sms=32, moe_flex_dispatcher_backend="hybridep"), "moe_deepep_num_sms"),
     (dict(moe_deepep_num_sms=32, moe_flex_dispatcher_backend="torch"), "moe_deepep_num_sms"),
     (dict(moe_permute_fusion=True, moe_flex_dispatcher_backend="torch"), "moe_permute_fusion"),
@@ -66,10 +74,16 @@ def test_bad_config_names_the_field(kwargs, field):
         TokenDispatcherConfig(**kwargs)
 
 
-@pytest.mark.parametrize("field,value", [("moe_router_topk", 0), ("moe_flex_dispatcher_backend", "bogus"),
-                                         ("moe_share_token_dispatcher", "no"),
-                                         ("moe_expert_capacity_factor", float("inf")),
-                                         ("moe_hybridep_num_blocks_unpermute", 2)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("moe_router_topk", 0),
+        ("moe_flex_dispatcher_backend", "bogus"),
+        ("moe_share_token_dispatcher", "no"),
+        ("moe_expert_capacity_factor", float("inf")),
+        ("moe_hybridep_num_blocks_unpermute", 2),
+    ],
+)
 def test_assignment_revalidates_and_is_undone(field, value):
     cfg = TokenDispatcherConfig(moe_flex_dispatcher_backend="torch", num_moe_experts=8)
     before = cfg.replace()
@@ -91,12 +105,17 @@ def test_sm_count_bound_is_the_gpus():
         TokenDispatcherConfig(moe_deepep_num_sms=largest_even + 2)
 
 
-@pytest.mark.parametrize("backend,num_sms,field", [("deepep", 23, "moe_deepep_num_sms"),
-                                                   ("hybridep", 16, "moe_hybridep_num_sms")])
+@pytest.mark.parametrize(
+    "backend,num_sms,field", [("deepep", 23, "moe_deepep_num_sms"), ("hybridep", 16, "moe_hybridep_num_sms")]
+)
 def test_flex_dispatcher_num_sms_maps_to_the_backend_and_errors_under_its_own_name(backend, num_sms, field):
-    megatron_like = types.SimpleNamespace(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend=backend,
-                                          moe_router_topk=2, num_moe_experts=8,
-                                          moe_flex_dispatcher_num_sms=num_sms)
+    megatron_like = types.SimpleNamespace(
+        moe_token_dispatcher_type="flex",
+        moe_flex_dispatcher_backend=backend,
+        moe_router_topk=2,
+        num_moe_experts=8,
+        moe_flex_dispatcher_num_sms=num_sms,
+    )
     if num_sms % 2:
         with pytest.raises(ValueError, match="^moe_flex_dispatcher_num_sms="):
             TokenDispatcherConfig.from_transformer_config(megatron_like)
@@ -106,8 +125,9 @@ def test_flex_dispatcher_num_sms_maps_to_the_backend_and_errors_under_its_own_na
 
 
 def test_transformer_config_with_unsupported_backend():
-    megatron_like = types.SimpleNamespace(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="ncclep",
-                                          moe_router_topk=2, num_moe_experts=8)
+    megatron_like = types.SimpleNamespace(
+        moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="ncclep", moe_router_topk=2, num_moe_experts=8
+    )
     with pytest.raises(ValueError, match="moe_flex_dispatcher_backend"):
         TokenDispatcherConfig.from_transformer_config(megatron_like)
 
@@ -117,8 +137,9 @@ def _dispatcher(num_experts=8, topk=2, num_local=None, local=None):
 
     ep, rank = dist.get_world_size(), dist.get_rank()
     e = num_experts // ep if num_local is None else num_local
-    cfg = TokenDispatcherConfig(moe_flex_dispatcher_backend="torch", num_moe_experts=num_experts,
-                                moe_router_topk=topk)
+    cfg = TokenDispatcherConfig(
+        moe_flex_dispatcher_backend="torch", num_moe_experts=num_experts, moe_router_topk=topk
+    )
     local_ids = list(range(rank * e, rank * e + e)) if local is None else local(rank, e)
     return MoEFlexTokenDispatcher(e, local_ids, cfg, dist.group.WORLD)
 
@@ -161,8 +182,9 @@ def bad_input_case(name):
     if name == "dense_probs_shape":
         return _expect(lambda: disp.token_permutation(x, 6, torch.rand(6, 7)), "probs")
     if name == "routing_map_shape":
-        return _expect(lambda: disp.dispatch_preprocess(x, torch.ones(6, 4, dtype=torch.bool),
-                                                        torch.rand(6, 8)), "routing_map")
+        return _expect(
+            lambda: disp.dispatch_preprocess(x, torch.ones(6, 4, dtype=torch.bool), torch.rand(6, 8)), "routing_map"
+        )
     if name == "topk_wider_than_experts":
         wide = torch.zeros(6, 9, dtype=torch.long)
         return _expect(lambda: disp.token_permutation2(x, 6, torch.rand(6, 9), wide), "token_indices")
@@ -187,11 +209,13 @@ def bad_input_case(name):
         dup[4] = dup[4, 0]
         return _expect(lambda: disp.token_permutation2(x, 6, probs, dup), "token_indices")
     if name == "local_expert_indices_reversed":
-        return _expect(lambda: _dispatcher(local=lambda r, e: list(range(r * e, r * e + e))[::-1]),
-                       "local_expert_indices")
+        return _expect(
+            lambda: _dispatcher(local=lambda r, e: list(range(r * e, r * e + e))[::-1]), "local_expert_indices"
+        )
     if name == "local_expert_indices_other_rank":
-        return _expect(lambda: _dispatcher(local=lambda r, e: list(range((1 - r) * e, (1 - r) * e + e))),
-                       "local_expert_indices")
+        return _expect(
+            lambda: _dispatcher(local=lambda r, e: list(range((1 - r) * e, (1 - r) * e + e))), "local_expert_indices"
+        )
     if name == "integer_expert_outputs":
         rows, _, _ = disp.token_permutation2(x, 6, probs, idx)
         return _expect(lambda: disp.token_unpermutation((rows * 100).long()), "hidden_states")
@@ -205,12 +229,30 @@ def _dense_routing(idx, probs):
     return mask, torch.zeros(idx.shape[0], 8).scatter_(1, idx, probs)
 
 
-BAD_INPUTS = ["experts_not_divisible", "num_local_experts", "probs_indices_shape", "indices_dtype",
-              "probs_dtype", "indices_out_of_range", "indices_below_minus_one", "num_local_tokens",
-              "dense_probs_shape", "routing_map_shape", "topk_wider_than_experts", "combine_hidden_mismatch",
-              "hidden_not_2d", "transposed_probs", "transposed_routing_map", "integer_routing_map",
-              "routes_above_topk", "duplicate_expert", "local_expert_indices_reversed",
-              "local_expert_indices_other_rank", "integer_expert_outputs", "integer_hidden"]
+BAD_INPUTS = [
+    "experts_not_divisible",
+    "num_local_experts",
+    "probs_indices_shape",
+    "indices_dtype",
+    "probs_dtype",
+    "indices_out_of_range",
+    "indices_below_minus_one",
+    "num_local_tokens",
+    "dense_probs_shape",
+    "routing_map_shape",
+    "topk_wider_than_experts",
+    "combine_hidden_mismatch",
+    "hidden_not_2d",
+    "transposed_probs",
+    "transposed_routing_map",
+    "integer_routing_map",
+    "routes_above_topk",
+    "duplicate_expert",
+    "local_expert_indices_reversed",
+    "local_expert_indices_other_rank",
+    "integer_expert_outputs",
+    "integer_hidden",
+]
 
 
 @pytest.mark.parametrize("name", BAD_INPUTS)
@@ -283,8 +325,11 @@ def test_an_error_every_rank_raises_together_is_a_type():
     onto it; a rank's own error is not one."""
     from megatron_moe_ext.dispatcher.common import checks
 
-    for cause, base in (("token_indices", ValueError), ("overflow", checks.CapacityOverflowError),
-                        ("routing", checks.RoutingChangedError)):
+    for cause, base in (
+        ("token_indices", ValueError),
+        ("overflow", checks.CapacityOverflowError),
+        ("routing", checks.RoutingChangedError),
+    ):
         error = checks.agreed_error([checks.error_word(cause, 1)])
         assert isinstance(error, checks.AgreedError) and isinstance(error, base), (cause, type(error))
         assert not hasattr(error, "agreed")

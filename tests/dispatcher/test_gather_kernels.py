@@ -24,8 +24,10 @@ from megatron_moe_ext.dispatcher.common import permute as P
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = torch.cuda.is_available()
 DEVICE = "cpu" if INTERPRET or not CUDA else "cuda"
-kernels = pytest.mark.skipif(DEVICE == "cpu" and not INTERPRET,
-                             reason="needs CUDA or TRITON_INTERPRET=1 (see test_gather_kernels_in_interpreter)")
+kernels = pytest.mark.skipif(
+    DEVICE == "cpu" and not INTERPRET,
+    reason="needs CUDA or TRITON_INTERPRET=1 (see test_gather_kernels_in_interpreter)",
+)
 cuda_only = pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA")
 
 if DEVICE == "cuda" or INTERPRET:
@@ -34,8 +36,15 @@ if DEVICE == "cuda" or INTERPRET:
 DTYPES = [torch.bfloat16, torch.float32, torch.float16, torch.float64]
 # (N source rows, R output rows, J slots, H width): H not a multiple of the kernel's column
 # block (1100 takes two blocks, the second partial), J=1, and empty sources and outputs.
-SHAPES = [(40, 16, 4, 37), (30, 12, 3, 1100), (9, 9, 1, 8), (20, 0, 4, 16), (0, 6, 3, 16),
-          (12, 5, 6, 1), (0, 0, 2, 5)]
+SHAPES = [
+    (40, 16, 4, 37),
+    (30, 12, 3, 1100),
+    (9, 9, 1, 8),
+    (20, 0, 4, 16),
+    (0, 6, 3, 16),
+    (12, 5, 6, 1),
+    (0, 0, 2, 5),
+]
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -47,8 +56,10 @@ def assert_bitwise(got: torch.Tensor, expected: torch.Tensor) -> None:
     assert got.shape == expected.shape and got.dtype == expected.dtype
     if not torch.equal(bits(got.cpu()), bits(expected.cpu())):
         diff = (bits(got.cpu()) != bits(expected.cpu())).nonzero()[:5].tolist()
-        raise AssertionError(f"bits differ at {diff}: got {[got[tuple(i)].item() for i in diff]}, "
-                             f"expected {[expected[tuple(i)].item() for i in diff]}")
+        raise AssertionError(
+            f"bits differ at {diff}: got {[got[tuple(i)].item() for i in diff]}, "
+            f"expected {[expected[tuple(i)].item() for i in diff]}"
+        )
 
 
 def random_positions(num_rows: int, out_rows: int, slots: int, gen: torch.Generator) -> torch.Tensor:
@@ -61,7 +72,7 @@ def random_positions(num_rows: int, out_rows: int, slots: int, gen: torch.Genera
     real_RJ[1:][-1:] = False
     real_slots = real_RJ.flatten().nonzero().squeeze(1)[:num_rows]
     pos_S = torch.full((out_rows * slots,), num_rows, dtype=torch.int64)
-    pos_S[real_slots] = torch.randperm(num_rows, generator=gen)[:real_slots.numel()]
+    pos_S[real_slots] = torch.randperm(num_rows, generator=gen)[: real_slots.numel()]
     pos_RJ, _ = torch.sort(pos_S.view(out_rows, slots), dim=1)
     return pos_RJ
 
@@ -133,16 +144,22 @@ def test_kernels_take_strided_and_multidim_inputs(dtype):
     rows_NH = random_rows(24, 50, dtype, gen).to(DEVICE)[:, 5:42]
     pos_strided_RJ = pos_RJ.t().contiguous().t()
     grad_RH = torch.randn(1, 37, generator=gen).to(dtype).to(DEVICE).expand(10, 37)
-    for got, ref in zip(grads_of(G.gather_sum, (rows_NH, pos_strided_RJ), grad_RH),
-                        grads_of(P._gather_sum_torch, (rows_NH, pos_strided_RJ), grad_RH)):
+    for got, ref in zip(
+        grads_of(G.gather_sum, (rows_NH, pos_strided_RJ), grad_RH),
+        grads_of(P._gather_sum_torch, (rows_NH, pos_strided_RJ), grad_RH),
+    ):
         assert_bitwise(got, ref)
     # The torch path takes 2-D rows only: compared on the flattened rows.
     x_RH, grad_NH = random_rows(10, 12, dtype, gen).to(DEVICE), random_rows(24, 12, dtype, gen).to(DEVICE)
-    for got, ref in zip(grads_of(G.gather_rows, (x_RH.view(10, 3, 4), src_N, pos_RJ), grad_NH.view(24, 3, 4)),
-                        grads_of(P.GatherRows.apply, (x_RH, src_N, pos_RJ), grad_NH)):
+    for got, ref in zip(
+        grads_of(G.gather_rows, (x_RH.view(10, 3, 4), src_N, pos_RJ), grad_NH.view(24, 3, 4)),
+        grads_of(P.GatherRows.apply, (x_RH, src_N, pos_RJ), grad_NH),
+    ):
         assert_bitwise(got.flatten(1), ref)
-    for got, ref in zip(grads_of(G.gather_sum, (grad_NH.view(24, 3, 4), pos_RJ), x_RH.view(10, 3, 4)),
-                        grads_of(P._gather_sum_torch, (grad_NH, pos_RJ), x_RH)):
+    for got, ref in zip(
+        grads_of(G.gather_sum, (grad_NH.view(24, 3, 4), pos_RJ), x_RH.view(10, 3, 4)),
+        grads_of(P._gather_sum_torch, (grad_NH, pos_RJ), x_RH),
+    ):
         assert_bitwise(got.flatten(1), ref)
 
 
@@ -200,11 +217,15 @@ def test_permute_routes_to_the_kernels_with_the_same_bits(dtype, monkeypatch):
     rows_NH, pos_RJ, grad_RH = (t.to(DEVICE) for t in case((40, 16, 4, 37), dtype))
     src_N = inverse_of(pos_RJ.cpu(), 40).to(DEVICE)
     monkeypatch.setattr(P, "_use_kernels", lambda t: False)
-    ref = [grads_of(P.gather_sum, (rows_NH, pos_RJ), grad_RH),
-           grads_of(P.gather_rows, (grad_RH, src_N, pos_RJ), rows_NH)]
+    ref = [
+        grads_of(P.gather_sum, (rows_NH, pos_RJ), grad_RH),
+        grads_of(P.gather_rows, (grad_RH, src_N, pos_RJ), rows_NH),
+    ]
     monkeypatch.setattr(P, "_use_kernels", lambda t: True)
-    got = [grads_of(P.gather_sum, (rows_NH, pos_RJ), grad_RH),
-           grads_of(P.gather_rows, (grad_RH, src_N, pos_RJ), rows_NH)]
+    got = [
+        grads_of(P.gather_sum, (rows_NH, pos_RJ), grad_RH),
+        grads_of(P.gather_rows, (grad_RH, src_N, pos_RJ), rows_NH),
+    ]
     for g, r in zip(got, ref):
         assert_bitwise(g[0], r[0])
         assert_bitwise(g[1], r[1])
@@ -227,8 +248,9 @@ def test_budget_step_through_the_kernels_matches_the_torch_path(dtype, factor, m
 
     def step(use_kernels):
         monkeypatch.setattr(P, "_use_kernels", lambda t: use_kernels)
-        disp = build_dispatcher(routing, "torch", moe_share_token_dispatcher=False,
-                                moe_expert_rank_capacity_factor=factor)
+        disp = build_dispatcher(
+            routing, "torch", moe_share_token_dispatcher=False, moe_expert_rank_capacity_factor=factor
+        )
         x, indices, probs = make_routing(routing, 0, dtype)
         x, probs = x.clone().requires_grad_(), probs.clone().requires_grad_()
         rows, _, permuted_probs = disp.token_permutation2(x, x.shape[0], probs, indices)
@@ -266,8 +288,7 @@ def _slot_positions_brute_force(indices_RK, padded_offsets_e, capacity) -> torch
 
 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if CUDA and not INTERPRET else []))
-@pytest.mark.parametrize("rows,experts,topk,pad", [(300, 8, 4, 1), (257, 16, 3, 4), (0, 4, 2, 1),
-                                                    (64, 1, 1, 8)])
+@pytest.mark.parametrize("rows,experts,topk,pad", [(300, 8, 4, 1), (257, 16, 3, 4), (0, 4, 2, 1), (64, 1, 1, 8)])
 def test_slot_positions_match_a_brute_force_count(device, rows, experts, topk, pad):
     """The positions of a brute-force count, with repeats, masked slots (-1) and capacities
     below, at and above the rows needed."""
@@ -290,8 +311,10 @@ def test_cpu_path_is_the_torch_path(dtype, shape):
     """On CPU tensors permute keeps its torch ops (the kernels are CUDA-only there)."""
     rows_NH, pos_RJ, grad_RH = case(shape, dtype)
     for k in (0, 1):
-        assert_bitwise(grads_of(P.gather_sum, (rows_NH, pos_RJ), grad_RH)[k],
-                       grads_of(P._gather_sum_torch, (rows_NH, pos_RJ), grad_RH)[k])
+        assert_bitwise(
+            grads_of(P.gather_sum, (rows_NH, pos_RJ), grad_RH)[k],
+            grads_of(P._gather_sum_torch, (rows_NH, pos_RJ), grad_RH)[k],
+        )
     assert not P._use_kernels(rows_NH)
 
 
@@ -383,9 +406,25 @@ def test_gather_kernels_in_interpreter():
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore",
-         "tests/dispatcher/test_gather_kernels.py", "-k", "not in_interpreter"],
-        cwd=root, env=env, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-W",
+            "ignore",
+            "tests/dispatcher/test_gather_kernels.py",
+            "-k",
+            "not in_interpreter",
+        ],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     print(proc.stdout[-3000:])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout and "failed" not in proc.stdout

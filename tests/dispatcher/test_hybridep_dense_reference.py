@@ -21,8 +21,10 @@ MODES = {
     "capacity_padded": (dict(moe_hybridep_capacity_factor=1.25, moe_router_expert_pad_multiple=8), 2),
     "static": (dict(moe_benchmark_static_routing=True), 3),
     "compact": (dict(moe_hybridep_compact_routing=True), 1),
-    "compact_fused_capacity": (dict(moe_hybridep_compact_routing=True, moe_permute_fusion=True,
-                                    moe_hybridep_capacity_factor=1.0), 2),
+    "compact_fused_capacity": (
+        dict(moe_hybridep_compact_routing=True, moe_permute_fusion=True, moe_hybridep_capacity_factor=1.0),
+        2,
+    ),
 }
 
 
@@ -40,18 +42,29 @@ def check(results):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_hybridep_matches_dense_reference(dist_pools, world, mode, face, case):
     overrides, repeats = MODES[mode]
-    results = dist_pools(world).run(run_dense_reference_case, case, face, "bf16", "hybridep",
-                                    BACKEND, overrides, repeats, DEVICE)
+    results = dist_pools(world).run(
+        run_dense_reference_case, case, face, "bf16", "hybridep", BACKEND, overrides, repeats, DEVICE
+    )
     check(results)
 
 
 @pytest.mark.parametrize("world", WORLDS[:1])
 @pytest.mark.parametrize("case", CASES[:2], ids=lambda c: c.name)
 def test_hybridep_equal_token_counts(dist_pools, world, case):
-    fixed = hybridep_case(RoutingCase(case.name, tokens_per_rank=(6,), topk=case.topk,
-                                      masked_fraction=case.masked_fraction))
-    results = dist_pools(world).run(run_dense_reference_case, fixed, "dense", "bf16", "hybridep", BACKEND,
-                                    dict(moe_hybridep_equal_token_counts=True), 1, DEVICE)
+    fixed = hybridep_case(
+        RoutingCase(case.name, tokens_per_rank=(6,), topk=case.topk, masked_fraction=case.masked_fraction)
+    )
+    results = dist_pools(world).run(
+        run_dense_reference_case,
+        fixed,
+        "dense",
+        "bf16",
+        "hybridep",
+        BACKEND,
+        dict(moe_hybridep_equal_token_counts=True),
+        1,
+        DEVICE,
+    )
     check(results)
 
 
@@ -61,6 +74,7 @@ def test_hybridep_equal_token_counts(dist_pools, world, case):
 def test_hybridep_dense_probs_face(dist_pools, world, mode, case):
     """The seed's `token_permutation(hidden, T, probs[T, E])` face (routing = nonzero top-k)."""
     overrides, repeats = MODES[mode]
-    results = dist_pools(world).run(run_dense_reference_case, case, "dense", "bf16", "hybridep",
-                                    BACKEND, overrides, repeats, DEVICE)
+    results = dist_pools(world).run(
+        run_dense_reference_case, case, "dense", "bf16", "hybridep", BACKEND, overrides, repeats, DEVICE
+    )
     check(results)

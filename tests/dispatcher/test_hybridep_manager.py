@@ -168,18 +168,29 @@ def test_hidden_it_cannot_take_refused_on_every_rank_with_equal_token_counts(dis
         assert r["layer"].startswith("hidden_states:") and "multiple of 16 and at least 128" in r["layer"], r
 
 
-@pytest.mark.parametrize("env, pinned", [
-    ({}, True),
-    ({"MOE_EXT_STATIC_ROUTING_PAD_PIN": "0"}, False),
-    ({"NEMO_STATIC_ROUTING_PAD_PIN": "0"}, False),  # the seed's name, kept as an alias
-    ({"MOE_EXT_STATIC_ROUTING_PAD_PIN": "1", "NEMO_STATIC_ROUTING_PAD_PIN": "0"}, True),
-])
+@pytest.mark.parametrize(
+    "env, pinned",
+    [
+        ({}, True),
+        ({"MOE_EXT_STATIC_ROUTING_PAD_PIN": "0"}, False),
+        ({"NEMO_STATIC_ROUTING_PAD_PIN": "0"}, False),  # the seed's name, kept as an alias
+        ({"MOE_EXT_STATIC_ROUTING_PAD_PIN": "1", "NEMO_STATIC_ROUTING_PAD_PIN": "0"}, True),
+    ],
+)
 def test_static_routing_pad_pin_reads_the_new_name_then_the_seed_name(env, pinned):
     """Read at import, so each case imports the module in a fresh interpreter."""
     base = {k: v for k, v in os.environ.items() if not k.endswith("STATIC_ROUTING_PAD_PIN")}
     done = subprocess.run(
-        [sys.executable, "-c", "from megatron_moe_ext.dispatcher.hybridep import manager as m; "
-                               "print(m._STATIC_ROUTING_PAD_PIN)"],
-        env={**base, **env}, capture_output=True, text=True, timeout=240, cwd=ROOT)
+        [
+            sys.executable,
+            "-c",
+            "from megatron_moe_ext.dispatcher.hybridep import manager as m; print(m._STATIC_ROUTING_PAD_PIN)",
+        ],
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == str(pinned)

@@ -15,8 +15,12 @@ MODES = tuple(ranks.MODES)
 def test_every_rank_at_zero_tokens_gives_empty_outputs(dist_pools, mode):
     for r in dist_pools(2).run(ranks.every_rank_empty, mode, timeout=120):
         for step in r["steps"]:
-            assert step == {"y": (0, ranks.HIDDEN), "dtype": "torch.bfloat16", "x_grad": (0, ranks.HIDDEN),
-                            "probs_grad": (0, ranks.TOPK)}
+            assert step == {
+                "y": (0, ranks.HIDDEN),
+                "dtype": "torch.bfloat16",
+                "x_grad": (0, ranks.HIDDEN),
+                "probs_grad": (0, ranks.TOPK),
+            }
 
 
 def _assert_agreed(results, field):
@@ -30,29 +34,30 @@ def _assert_agreed(results, field):
 def test_refused_input_on_a_zero_token_rank_reaches_every_rank(dist_pools, mode):
     """Every rank at 0 tokens (the step before pins or calibrates there), then the last rank's
     token ids are refused: every rank raises the same error naming that rank."""
-    _assert_agreed(dist_pools(2).run(ranks.refused_input_at_tokens, mode, (0, (0, 0)), timeout=120),
-                   "token_indices")
+    _assert_agreed(dist_pools(2).run(ranks.refused_input_at_tokens, mode, (0, (0, 0)), timeout=120), "token_indices")
 
 
 def test_refused_input_at_zero_tokens_with_equal_counts_does_not_hang(dist_pools):
     """The issue's case: equal counts, 0 tokens, the first step's input refused on one rank."""
-    _assert_agreed(dist_pools(2).run(ranks.refused_input_at_tokens, "equal_token_counts", (None, (0, 0)),
-                                     timeout=120), "token_indices")
+    _assert_agreed(
+        dist_pools(2).run(ranks.refused_input_at_tokens, "equal_token_counts", (None, (0, 0)), timeout=120),
+        "token_indices",
+    )
 
 
 @pytest.mark.parametrize("mode", ["capacity", "static_pin"])
 def test_refused_input_on_a_zero_token_rank_after_a_pin(dist_pools, mode):
     """Pinned at 8 tokens, then one rank has 8 tokens and the refusing rank 0."""
-    _assert_agreed(dist_pools(2).run(ranks.refused_input_at_tokens, mode, (8, (8, 0)), timeout=120),
-                   "token_indices")
+    _assert_agreed(dist_pools(2).run(ranks.refused_input_at_tokens, mode, (8, (8, 0)), timeout=120), "token_indices")
 
 
 @pytest.mark.parametrize("mode", ["equal_token_counts", "capacity"])
 def test_refused_fp32_rows_reach_every_rank(dist_pools, mode):
     """Rows HybridEP cannot send (fp32) are refused; the announcement still goes out in 16-bit
     rows (it used to return without sending, leaving the peers in their dispatch)."""
-    _assert_agreed(dist_pools(2).run(ranks.refused_input_at_tokens, mode, (4, (4, 4)), True, timeout=120),
-                   "hidden_states")
+    _assert_agreed(
+        dist_pools(2).run(ranks.refused_input_at_tokens, mode, (4, (4, 4)), True, timeout=120), "hidden_states"
+    )
 
 
 def test_double_passes_zero_tokens_through(dist_pools):

@@ -33,8 +33,14 @@ def test_two_hybridep_layers_in_flight_match_dense_reference(dist_pools, world, 
     """The same over the HybridEP double (bf16, hidden 128: HybridEP's limits);
     bench/gpu/ep_on_one_gpu.py runs it on the real library at EP8 on one GPU."""
     layers = tuple(hybridep_case(c) for c in (protocol_ranks.LAYER_A, protocol_ranks.LAYER_B))
-    results = dist_pools(world).run(protocol_ranks.two_layers_in_flight, "hybridep",
-                                    "tests.doubles.hybrid_ep_buffer.install", face, "bf16", layers)
+    results = dist_pools(world).run(
+        protocol_ranks.two_layers_in_flight,
+        "hybridep",
+        "tests.doubles.hybrid_ep_buffer.install",
+        face,
+        "bf16",
+        layers,
+    )
     check_both_layers(results)
 
 
@@ -42,8 +48,10 @@ def test_misuse_raises_naming_the_problem(dist_pools):
     for r in dist_pools(2).run(protocol_ranks.misuse_errors, timeout=60):
         assert r["combine_without_dispatch"].startswith("RuntimeError: token_combine called without a dispatch"), r
         assert r["unpermutation_without_dispatch"].startswith("RuntimeError: combine_preprocess called without"), r
-        assert r["second_dispatch"].startswith("RuntimeError: dispatch started while") and \
-            "token_combine" not in r["second_dispatch"].split("next step is")[0], r
+        assert (
+            r["second_dispatch"].startswith("RuntimeError: dispatch started while")
+            and "token_combine" not in r["second_dispatch"].split("next step is")[0]
+        ), r
         assert "still in flight" in r["second_dispatch"], r
         for key in ("too_few_rows", "too_many_rows", "combine_wrong_rows"):
             assert r[key].startswith("ValueError: hidden_states:"), (key, r)

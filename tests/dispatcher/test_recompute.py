@@ -19,20 +19,34 @@ from tests.dispatcher.recompute_ranks import megatron_layer_case, recompute_case
 
 # (mode, data exchanges in backward: gradients of dispatch x + metadata + combine = 3,
 #  plus the recompute's own). Torch backend: dispatch = x + metadata, combine = 1.
-TORCH_BACKWARD_DATA = {"none": 3, "reentrant": 6, "recompute_all": 6, "selective": 6,
-                       "save_dispatch_outputs": 3}
+TORCH_BACKWARD_DATA = {"none": 3, "reentrant": 6, "recompute_all": 6, "selective": 6, "save_dispatch_outputs": 3}
 # DeepEP double (bf16): backward = combine (dispatch's grad) + cached dispatch (combine's grad);
 # the recompute adds a cached dispatch and a combine unless saved (not visible to SAC).
 DEEPEP_BACKWARD_DATA = {"none": 2, "reentrant": 4}
 
-TORCH_CASES = ([(w, m, False) for w in (1, 2, 4)
-                for m in ("reentrant", "recompute_all", "selective", "save_dispatch_outputs")]
-               + [(w, "save_dispatch_outputs", True) for w in (1, 2, 4)]
-               + [(2, m, True) for m in ("reentrant", "recompute_all", "selective")])
+TORCH_CASES = (
+    [(w, m, False) for w in (1, 2, 4) for m in ("reentrant", "recompute_all", "selective", "save_dispatch_outputs")]
+    + [(w, "save_dispatch_outputs", True) for w in (1, 2, 4)]
+    + [(2, m, True) for m in ("reentrant", "recompute_all", "selective")]
+)
 # Ops that move or permute rows (the dispatcher's custom ops too: all_to_all_rows, permute_rows).
-DATA_PATH_OPS = {"index_select", "index", "index_put", "index_add", "index_copy", "gather", "scatter",
-                 "scatter_add", "scatter_add_", "nonzero", "nonzero_static", "sort", "argsort", "cat",
-                 "where"}
+DATA_PATH_OPS = {
+    "index_select",
+    "index",
+    "index_put",
+    "index_add",
+    "index_copy",
+    "gather",
+    "scatter",
+    "scatter_add",
+    "scatter_add_",
+    "nonzero",
+    "nonzero_static",
+    "sort",
+    "argsort",
+    "cat",
+    "where",
+}
 # What the dispatcher may run in a recompute that replays the router's kept outputs: views and
 # the stand-ins of skipped steps (no value check, routing conversion or compare), and at one
 # rank without a residual the restore (the unpermutation: the region reads the combined rows).
@@ -62,8 +76,16 @@ def test_torch_recompute_matches_and_reuses_layout(dist_pools, world, mode, rout
 
 
 @pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("mode,route", [("reentrant", False), ("recompute_all", False), ("selective", False),
-                                        ("save_dispatch_outputs", False), ("save_dispatch_outputs", True)])
+@pytest.mark.parametrize(
+    "mode,route",
+    [
+        ("reentrant", False),
+        ("recompute_all", False),
+        ("selective", False),
+        ("save_dispatch_outputs", False),
+        ("save_dispatch_outputs", True),
+    ],
+)
 def test_torch_recompute_twice_on_one_dispatcher(dist_pools, world, mode, route):
     """Non-reentrant checkpointing stops a recompute once it has what it needs (within one
     rank: before the combine): the next step's dispatch on the same layer must still work."""
@@ -86,8 +108,9 @@ def test_save_dispatch_outputs_recompute_runs_experts_only(dist_pools, world, re
     take the device path, as on GPU."""
     pool = dist_pools(world)
     reference = pool.run(recompute_case, "torch", "none", residual=residual)
-    results = pool.run(recompute_case, "torch", "save_dispatch_outputs", residual=residual, count_ops=True,
-                       route=route)
+    results = pool.run(
+        recompute_case, "torch", "save_dispatch_outputs", residual=residual, count_ops=True, route=route
+    )
     full = pool.run(recompute_case, "torch", "recompute_all", residual=residual, count_ops=True, route=route)
     _assert_same_grads(results, reference)
     restored = set() if residual or world > 1 else {"index_put"}
@@ -123,12 +146,19 @@ def test_deepep_double_refuses_selective_policies(dist_pools):
         dist_pools(2).run(recompute_case, "deepep", "recompute_all", dtype="bf16")
 
 
-@pytest.mark.parametrize("backend,mode,world,route", [
-    ("torch", "reentrant", 2, False), ("torch", "recompute_all", 4, False),
-    ("torch", "save_dispatch_outputs", 2, False), ("deepep", "reentrant", 2, False),
-    # `route` keeps the router's outputs under save_dispatch_outputs only: elsewhere the
-    # router is recomputed, and checked.
-    ("torch", "reentrant", 2, True), ("torch", "recompute_all", 2, True)])
+@pytest.mark.parametrize(
+    "backend,mode,world,route",
+    [
+        ("torch", "reentrant", 2, False),
+        ("torch", "recompute_all", 4, False),
+        ("torch", "save_dispatch_outputs", 2, False),
+        ("deepep", "reentrant", 2, False),
+        # `route` keeps the router's outputs under save_dispatch_outputs only: elsewhere the
+        # router is recomputed, and checked.
+        ("torch", "reentrant", 2, True),
+        ("torch", "recompute_all", 2, True),
+    ],
+)
 def test_routing_change_between_forward_and_recompute_raises(dist_pools, backend, mode, world, route):
     dtype = "bf16" if backend == "deepep" else "fp32"
     results = dist_pools(world).run(recompute_case, backend, mode, perturb=True, dtype=dtype, route=route)
@@ -176,8 +206,9 @@ GROUPED_GEMM_RUNS = {
 
 
 @pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("granularity,modules", list(GROUPED_GEMM_RUNS),
-                         ids=["moe_act", "moe", "moe+moe_act", "full"])
+@pytest.mark.parametrize(
+    "granularity,modules", list(GROUPED_GEMM_RUNS), ids=["moe_act", "moe", "moe+moe_act", "full"]
+)
 def test_grouped_gemm_experts_under_megatron_recompute_flags(dist_pools, world, granularity, modules):
     """`FlexMoELayer` with GroupedGemmExperts (`moe_grouped_gemm`): Megatron's flags alone decide
     what is recomputed. "moe_act" frees the activation output after the forward and recomputes

@@ -136,8 +136,13 @@ def deferred_checks_case(backend: str) -> dict:
         step(disp, x, indices, probs, params)  # rank 0's bad slots again
         second = outcome(lambda: check_model_input_errors(torch.nn.Sequential(layer)))
         third = outcome(disp.check_input_errors)
-    return {"topk_err": topk_err, "first": first, "second": second, "third": third,
-            "clean_step_err": clean_step_error(disp, 300 + rank, H)}
+    return {
+        "topk_err": topk_err,
+        "first": first,
+        "second": second,
+        "third": third,
+        "clean_step_err": clean_step_error(disp, 300 + rank, H),
+    }
 
 
 def negative_probs_megatron_face() -> dict:
@@ -167,9 +172,11 @@ def nan_prob_with_capacity_factor(factor: float) -> dict:
     y = megatron_step(disp, x, mask, probs_TE, params)
     kept_probs, kept_map = apply_router_token_dropping(probs_TE, mask, K, factor)
     y_ref = dense_moe_reference(x, kept_map, kept_probs, params)
-    return {"same": bool(torch.allclose(y, y_ref, atol=1e-5, equal_nan=True)),
-            "nan_rows": torch.isnan(y).any(-1).nonzero().flatten().tolist(),
-            "dropped": int(mask.sum() - kept_map.sum())}
+    return {
+        "same": bool(torch.allclose(y, y_ref, atol=1e-5, equal_nan=True)),
+        "nan_rows": torch.isnan(y).any(-1).nonzero().flatten().tolist(),
+        "dropped": int(mask.sum() - kept_map.sum()),
+    }
 
 
 def rank0_fails_rank1_waits() -> None:
@@ -233,16 +240,21 @@ def test_duplicate_expert_rejected_on_every_rank(dist_pools, case):
 @pytest.mark.parametrize("kind", ["out_of_range", "integer_routing_map", "transposed_probs"])
 def test_error_seen_by_one_rank_raises_on_every_rank(dist_pools, kind):
     results = dist_pools(2).run(bad_input_on_some_ranks, "torch", kind, (1,), {}, False)
-    field = {"out_of_range": "token_indices", "integer_routing_map": "routing_map",
-             "transposed_probs": "routing_map"}[kind]
+    field = {
+        "out_of_range": "token_indices",
+        "integer_routing_map": "routing_map",
+        "transposed_probs": "routing_map",
+    }[kind]
     assert results[1]["type"] == "ValueError" and results[1]["message"].startswith(field), results[1]
     assert results[0]["type"] == "ValueError" and "rank(s) [1]" in results[0]["message"], results[0]
     assert all(r["clean_step_err"] < 1e-5 for r in results), results
 
 
-@pytest.mark.parametrize("backend,cfg,warm", [("torch", {"moe_hybridep_capacity_factor": 1.5}, True),
-                                              ("deepep", {}, False), ("uccl_ep", {}, False)],
-                         ids=["torch-capacity", "deepep", "uccl_ep"])
+@pytest.mark.parametrize(
+    "backend,cfg,warm",
+    [("torch", {"moe_hybridep_capacity_factor": 1.5}, True), ("deepep", {}, False), ("uccl_ep", {}, False)],
+    ids=["torch-capacity", "deepep", "uccl_ep"],
+)
 def test_peer_of_a_failed_rank_waits_at_most_the_group_timeout(dist_pools, backend, cfg, warm):
     results = dist_pools(2).run(one_rank_errors_with_bounded_wait, backend, cfg, warm, 2.0, grace=60)
     assert results[0]["type"] == "ValueError" and "twice" in results[0]["message"], results[0]

@@ -20,9 +20,17 @@ from megatron_moe_ext.megatron import graphs
 from tests.dispatcher import syncfree_ranks
 
 
-@pytest.mark.parametrize("tokens,topk,factor,multiple", [
-    (16, 2, 1.0, None), (10, 3, 1.25, None), (10, 3, 1.25, 16), (7, 8, 0.3, None), (0, 2, 1.5, None),
-    (4096, 8, 1.1, 128)])
+@pytest.mark.parametrize(
+    "tokens,topk,factor,multiple",
+    [
+        (16, 2, 1.0, None),
+        (10, 3, 1.25, None),
+        (10, 3, 1.25, 16),
+        (7, 8, 0.3, None),
+        (0, 2, 1.5, None),
+        (4096, 8, 1.1, 128),
+    ],
+)
 def test_rank_budget_is_megatrons_formula(tokens, topk, factor, multiple):
     # Megatron's HybridEPManager.setup_metadata: int(T * K * f), then up to the pad multiple.
     expected = int(tokens * topk * factor)
@@ -30,9 +38,19 @@ def test_rank_budget_is_megatrons_formula(tokens, topk, factor, multiple):
     assert P.rank_budget(tokens, topk, factor, multiple) == expected
 
 
-@pytest.mark.parametrize("world,backend,dtype", [
-    (1, "torch", "fp32"), (2, "torch", "fp32"), (4, "torch", "fp32"), (2, "torch", "bf16"),
-    (2, "deepep", "bf16"), (4, "deepep", "bf16"), (2, "hybridep", "bf16"), (4, "hybridep", "bf16")])
+@pytest.mark.parametrize(
+    "world,backend,dtype",
+    [
+        (1, "torch", "fp32"),
+        (2, "torch", "fp32"),
+        (4, "torch", "fp32"),
+        (2, "torch", "bf16"),
+        (2, "deepep", "bf16"),
+        (4, "deepep", "bf16"),
+        (2, "hybridep", "bf16"),
+        (4, "hybridep", "bf16"),
+    ],
+)
 def test_syncfree_equals_blocking_within_budget(dist_pools, world, backend, dtype):
     for r in dist_pools(world).run(syncfree_ranks.syncfree_vs_blocking, backend, dtype):
         assert r["diffs"] == {"y": 0.0, "gx": 0.0, "gp": 0.0}, r
@@ -43,8 +61,10 @@ def test_syncfree_equals_blocking_within_budget(dist_pools, world, backend, dtyp
         assert r["host_reads"] == [], r
 
 
-@pytest.mark.parametrize("world,backend", [(1, "torch"), (2, "torch"), (4, "torch"),
-                                           (2, "deepep"), (4, "deepep"), (2, "hybridep"), (4, "hybridep")])
+@pytest.mark.parametrize(
+    "world,backend",
+    [(1, "torch"), (2, "torch"), (4, "torch"), (2, "deepep"), (4, "deepep"), (2, "hybridep"), (4, "hybridep")],
+)
 def test_syncfree_overflow_counted_and_dropped_then_fits(dist_pools, world, backend):
     results = dist_pools(world).run(syncfree_ranks.syncfree_overflow_then_fit, backend)
     assert results[0]["skew"]["expected_dropped"] > 0
@@ -61,8 +81,11 @@ def test_syncfree_overflow_counted_and_dropped_then_fits(dist_pools, world, back
 
 
 def test_budget_mode_refused_on_backends_without_it():
-    with pytest.raises(ValueError, match=r"moe_expert_rank_capacity_factor.*backends \('deepep', 'hybridep', "
-                                         r"'torch'\), backend is 'uccl_ep'"):
+    with pytest.raises(
+        ValueError,
+        match=r"moe_expert_rank_capacity_factor.*backends \('deepep', 'hybridep', "
+        r"'torch'\), backend is 'uccl_ep'",
+    ):
         TokenDispatcherConfig(moe_flex_dispatcher_backend="uccl_ep", moe_expert_rank_capacity_factor=1.5)
 
 
@@ -72,39 +95,63 @@ def test_hybridep_budget_mode_needs_equal_token_counts():
     HybridEP budget mode sends the counts as they are)."""
     with pytest.raises(ValueError, match="moe_hybridep_equal_token_counts=False.*budget mode"):
         TokenDispatcherConfig(moe_flex_dispatcher_backend="hybridep", moe_expert_rank_capacity_factor=1.5)
-    TokenDispatcherConfig(moe_flex_dispatcher_backend="hybridep", moe_expert_rank_capacity_factor=1.5,
-                          moe_hybridep_equal_token_counts=True)
-    megatron = types.SimpleNamespace(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep",
-                                     moe_router_topk=2, num_moe_experts=8, moe_expert_rank_capacity_factor=1.5)
+    TokenDispatcherConfig(
+        moe_flex_dispatcher_backend="hybridep",
+        moe_expert_rank_capacity_factor=1.5,
+        moe_hybridep_equal_token_counts=True,
+    )
+    megatron = types.SimpleNamespace(
+        moe_token_dispatcher_type="flex",
+        moe_flex_dispatcher_backend="hybridep",
+        moe_router_topk=2,
+        num_moe_experts=8,
+        moe_expert_rank_capacity_factor=1.5,
+    )
     cfg = TokenDispatcherConfig.from_transformer_config(megatron)
     assert cfg.moe_hybridep_equal_token_counts and cfg.moe_expert_rank_capacity_factor == 1.5
 
 
-@pytest.mark.parametrize("changes,field", [
-    (dict(moe_expert_rank_capacity_factor=0.0), "moe_expert_rank_capacity_factor"),
-    (dict(moe_expert_rank_capacity_factor=-1), "moe_expert_rank_capacity_factor"),
-    (dict(moe_expert_rank_capacity_factor=1.0, moe_expert_rank_overflow_policy="ignore"),
-     "moe_expert_rank_overflow_policy"),
-    (dict(moe_expert_rank_capacity_factor=1.0, moe_expert_capacity_factor=1.0), "moe_expert_capacity_factor"),
-    (dict(moe_expert_rank_capacity_factor=1.0, moe_hybridep_capacity_factor=1.0),
-     "moe_hybridep_capacity_factor"),
-])
+@pytest.mark.parametrize(
+    "changes,field",
+    [
+        (dict(moe_expert_rank_capacity_factor=0.0), "moe_expert_rank_capacity_factor"),
+        (dict(moe_expert_rank_capacity_factor=-1), "moe_expert_rank_capacity_factor"),
+        (
+            dict(moe_expert_rank_capacity_factor=1.0, moe_expert_rank_overflow_policy="ignore"),
+            "moe_expert_rank_overflow_policy",
+        ),
+        (dict(moe_expert_rank_capacity_factor=1.0, moe_expert_capacity_factor=1.0), "moe_expert_capacity_factor"),
+        (dict(moe_expert_rank_capacity_factor=1.0, moe_hybridep_capacity_factor=1.0), "moe_hybridep_capacity_factor"),
+    ],
+)
 def test_bad_budget_settings_raise(changes, field):
     with pytest.raises(ValueError, match=field):
         TokenDispatcherConfig(moe_flex_dispatcher_backend="torch", **changes)
 
 
 def test_from_transformer_config_maps_megatrons_rank_capacity_factor():
-    config = types.SimpleNamespace(moe_token_dispatcher_type="alltoall", moe_router_topk=2,
-                                   num_moe_experts=8, moe_expert_rank_capacity_factor=1.25)
+    config = types.SimpleNamespace(
+        moe_token_dispatcher_type="alltoall",
+        moe_router_topk=2,
+        num_moe_experts=8,
+        moe_expert_rank_capacity_factor=1.25,
+    )
     cfg = TokenDispatcherConfig.from_transformer_config(config)
     assert cfg.moe_expert_rank_capacity_factor == 1.25 and cfg.moe_expert_rank_overflow_policy == "rerun"
 
 
-@pytest.mark.parametrize("impl,modules,captured", [
-    ("local", [], True), ("local", ["moe"], True), ("transformer_engine", [], True),
-    ("full_iteration", [], True), ("local", ["attn"], True), ("local", ["moe_router"], False),
-    ("none", [], False)])
+@pytest.mark.parametrize(
+    "impl,modules,captured",
+    [
+        ("local", [], True),
+        ("local", ["moe"], True),
+        ("transformer_engine", [], True),
+        ("full_iteration", [], True),
+        ("local", ["attn"], True),
+        ("local", ["moe_router"], False),
+        ("none", [], False),
+    ],
+)
 def test_capture_without_budget_raises(impl, modules, captured):
     from megatron.core.transformer.enums import CudaGraphModule
 
@@ -138,8 +185,10 @@ def test_gather_sum_and_gather_rows_equal_the_accumulate(dtype):
             if j < 10:
                 ref_RH[r] += rows_NH[j]
     got_RH = P.gather_sum(rows_NH, pos_RJ)
-    assert torch.equal(got_RH.view(torch.int16) if dtype == torch.bfloat16 else got_RH,
-                       ref_RH.view(torch.int16) if dtype == torch.bfloat16 else ref_RH)
+    assert torch.equal(
+        got_RH.view(torch.int16) if dtype == torch.bfloat16 else got_RH,
+        ref_RH.view(torch.int16) if dtype == torch.bfloat16 else ref_RH,
+    )
 
     # gather_rows is the adjoint pick: row r of x feeds the output rows in pos_RJ[r].
     x_RH = torch.randn(5, 5, generator=g, dtype=torch.float32, requires_grad=True)

@@ -21,8 +21,7 @@ MODES = {
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_torch_capacity_matches_dense_reference(dist_pools, world, mode, face, dtype, case):
-    results = dist_pools(world).run(run_dense_reference_case, case, face, dtype, "torch", None,
-                                    MODES[mode], 3)
+    results = dist_pools(world).run(run_dense_reference_case, case, face, dtype, "torch", None, MODES[mode], 3)
     for rank, r in enumerate(results):
         for key in ("y", "grad_x", "grad_probs"):
             assert r[key] <= r["tol"], f"rank {rank}: {key} error {r[key]:.3g} > {r['tol']}"
@@ -57,6 +56,7 @@ def test_the_plan_names_the_capacity_mode_and_its_factor():
     after HybridEP (`moe_hybridep_capacity_factor`)."""
     from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
 
-    cfg = TokenDispatcherConfig(num_moe_experts=8, moe_router_topk=2, moe_flex_dispatcher_backend="torch",
-                                moe_hybridep_capacity_factor=1.5)
+    cfg = TokenDispatcherConfig(
+        num_moe_experts=8, moe_router_topk=2, moe_flex_dispatcher_backend="torch", moe_hybridep_capacity_factor=1.5
+    )
     assert (cfg.plan.mode, cfg.plan.factor) == ("capacity", 1.5)

@@ -79,12 +79,19 @@ class EventOverlap:
 
 
 class Config:
-    def __init__(self, num_sms: int = 20, num_max_nvl_chunked_send_tokens: int = 6,
-                 num_max_nvl_chunked_recv_tokens: int = 256, num_max_rdma_chunked_send_tokens: int = 6,
-                 num_max_rdma_chunked_recv_tokens: int = 256):
+    def __init__(
+        self,
+        num_sms: int = 20,
+        num_max_nvl_chunked_send_tokens: int = 6,
+        num_max_nvl_chunked_recv_tokens: int = 256,
+        num_max_rdma_chunked_send_tokens: int = 6,
+        num_max_rdma_chunked_recv_tokens: int = 256,
+    ):
         _assert(num_sms >= 0, "num_sms >= 0")
-        _assert(0 < num_max_nvl_chunked_send_tokens < num_max_nvl_chunked_recv_tokens,
-                "0 < nvl send tokens < nvl recv tokens")
+        _assert(
+            0 < num_max_nvl_chunked_send_tokens < num_max_nvl_chunked_recv_tokens,
+            "0 < nvl send tokens < nvl recv tokens",
+        )
         self.num_sms = num_sms
         self.num_max_nvl_chunked_send_tokens = num_max_nvl_chunked_send_tokens
         self.num_max_nvl_chunked_recv_tokens = num_max_nvl_chunked_recv_tokens
@@ -127,7 +134,7 @@ def _unpack(packed: torch.Tensor, like: list[tuple[torch.dtype, tuple]]) -> list
     out, start, n = [], 0, packed.shape[0]
     for dtype, row_shape in like:
         width = torch.empty(row_shape, dtype=dtype).numel() * torch.empty((), dtype=dtype).element_size()
-        column = packed[:, start:start + width].clone(memory_format=torch.contiguous_format)
+        column = packed[:, start : start + width].clone(memory_format=torch.contiguous_format)
         out.append(column.view(dtype).reshape((n,) + tuple(row_shape)))
         start += width
     return out
@@ -138,11 +145,20 @@ class Buffer:
 
     num_sms: int = 20
 
-    def __init__(self, group, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
-                 low_latency_mode: bool = False, num_qps_per_rank: int = 24,
-                 allow_nvlink_for_normal_mode: bool = True, allow_nvlink_for_low_latency_mode: bool = True,
-                 allow_mnnvl: bool = False, use_fabric: bool = False, explicitly_destroy: bool = False,
-                 comm=None):
+    def __init__(
+        self,
+        group,
+        num_nvl_bytes: int = 0,
+        num_rdma_bytes: int = 0,
+        low_latency_mode: bool = False,
+        num_qps_per_rank: int = 24,
+        allow_nvlink_for_normal_mode: bool = True,
+        allow_nvlink_for_low_latency_mode: bool = True,
+        allow_mnnvl: bool = False,
+        use_fabric: bool = False,
+        explicitly_destroy: bool = False,
+        comm=None,
+    ):
         if group is None:
             raise ValueError("Either 'group' or 'comm' must be provided.")
         if low_latency_mode or not allow_nvlink_for_normal_mode:
@@ -150,8 +166,10 @@ class Buffer:
         self._init_common(group, num_nvl_bytes, num_rdma_bytes, explicitly_destroy)
 
     def _init_common(self, group, num_nvl_bytes, num_rdma_bytes, explicitly_destroy):
-        _assert(num_nvl_bytes % NUM_BUFFER_ALIGNMENT_BYTES == 0 and num_nvl_bytes <= _INT_MAX,
-                "num_nvl_bytes % NUM_BUFFER_ALIGNMENT_BYTES == 0")
+        _assert(
+            num_nvl_bytes % NUM_BUFFER_ALIGNMENT_BYTES == 0 and num_nvl_bytes <= _INT_MAX,
+            "num_nvl_bytes % NUM_BUFFER_ALIGNMENT_BYTES == 0",
+        )
         _assert(num_rdma_bytes % NUM_BUFFER_ALIGNMENT_BYTES == 0, "num_rdma_bytes alignment")
         self.group = group
         self.rank = dist.get_rank(group)
@@ -212,8 +230,7 @@ class Buffer:
         dist.all_to_all_single(recv_counts, counts, group=self.group)
         width = rows_per_dest[0].shape[1]
         recv = torch.empty(int(recv_counts.sum()), width, dtype=torch.uint8)
-        dist.all_to_all_single(recv, torch.cat(rows_per_dest), recv_counts.tolist(), send_counts,
-                               group=self.group)
+        dist.all_to_all_single(recv, torch.cat(rows_per_dest), recv_counts.tolist(), send_counts, group=self.group)
         return list(torch.split(recv, recv_counts.tolist()))
 
     def _exchange_ints(self, rows_WN: torch.Tensor) -> torch.Tensor:
@@ -232,8 +249,9 @@ class Buffer:
             counts_WC[:, c] = in_rank_TW[channel_T == c].sum(0)
         return counts_WC.cumsum(1).int()
 
-    def _make_handle(self, rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx,
-                     is_token_in_rank, send_head) -> tuple:
+    def _make_handle(
+        self, rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, is_token_in_rank, send_head
+    ) -> tuple:
         return (rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, is_token_in_rank, send_head)
 
     def _split_handle(self, handle: tuple):
@@ -241,8 +259,14 @@ class Buffer:
         return rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, in_rank, send_head
 
     # ---- the API ----------------------------------------------------------------------
-    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event=None,
-                            async_finish: bool = False, allocate_on_comm_stream: bool = False):
+    def get_dispatch_layout(
+        self,
+        topk_idx: torch.Tensor,
+        num_experts: int,
+        previous_event=None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
         event = self._begin(previous_event, async_finish, allocate_on_comm_stream)
         _assert(topk_idx.dim() == 2 and topk_idx.is_contiguous(), "topk_idx is a contiguous 2D tensor")
         _assert(topk_idx.dtype == torch.int64, "topk_idx dtype int64")
@@ -251,18 +275,30 @@ class Buffer:
         experts_per_rank = num_experts // self.group_size
         valid = topk_idx >= 0
         safe = topk_idx.clamp(min=0)
-        per_expert = torch.zeros(num_experts, dtype=torch.int64).index_add_(
-            0, safe.flatten(), valid.flatten().long())
+        per_expert = torch.zeros(num_experts, dtype=torch.int64).index_add_(0, safe.flatten(), valid.flatten().long())
         in_rank_TW = torch.zeros(num_tokens, self.group_size, dtype=torch.bool)
         rows = torch.arange(num_tokens)[:, None].expand_as(topk_idx)
         in_rank_TW[rows[valid], (topk_idx[valid] // experts_per_rank)] = True
         per_rank = in_rank_TW.sum(0).int()
         return per_rank, None, per_expert.int(), in_rank_TW, event
 
-    def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
-                 is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
-                 expert_alignment: int = 1, num_worst_tokens: int = 0, config: Config | None = None,
-                 previous_event=None, async_finish: bool = False, allocate_on_comm_stream: bool = False):
+    def dispatch(
+        self,
+        x,
+        handle=None,
+        num_tokens_per_rank=None,
+        num_tokens_per_rdma_rank=None,
+        is_token_in_rank=None,
+        num_tokens_per_expert=None,
+        topk_idx=None,
+        topk_weights=None,
+        expert_alignment: int = 1,
+        num_worst_tokens: int = 0,
+        config: Config | None = None,
+        previous_event=None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
         if isinstance(x, tuple):
             raise NotImplementedError("the DeepEP test double does not model FP8/NVFP4 inputs")
         config = self.get_dispatch_config(self.group_size) if config is None else config
@@ -272,8 +308,10 @@ class Buffer:
         _assert(x.dim() == 2 and x.is_contiguous(), "x.dim() == 2 and x.is_contiguous()")
         _assert(x.shape[1] * x.element_size() % 16 == 0, "(x.size(1) * x.element_size()) % sizeof(int4) == 0")
         hidden_int4 = x.shape[1] * x.element_size() // 16
-        _assert(hidden_int4 % 2 == 0 and hidden_int4 // 2 * 16 + 8 <= 8192,
-                "device: hidden_int4 % 2 == 0 and half_hidden_bytes + sizeof(uint64_t) <= kNumTMABytesPerWarp")
+        _assert(
+            hidden_int4 % 2 == 0 and hidden_int4 // 2 * 16 + 8 <= 8192,
+            "device: hidden_int4 % 2 == 0 and half_hidden_bytes + sizeof(uint64_t) <= kNumTMABytesPerWarp",
+        )
         world, rank, num_tokens, hidden = self.group_size, self.rank, x.shape[0], x.shape[1]
         num_channels = config.num_sms // 2
 
@@ -283,29 +321,46 @@ class Buffer:
             rank_prefix, channel_prefix, _, recv_src_idx, is_token_in_rank, _ = self._split_handle(handle)
             num_topk, experts_per_rank = 0, 0
         else:
-            _assert(num_tokens_per_rank is not None and is_token_in_rank is not None
-                    and num_tokens_per_expert is not None, "layout tensors are given")
-            _assert(num_tokens_per_rank.dtype == torch.int32 and num_tokens_per_rank.numel() == world,
-                    "num_tokens_per_rank is [num_ranks] int32")
-            _assert(num_tokens_per_expert.dtype == torch.int32 and num_tokens_per_expert.numel() % world == 0,
-                    "num_tokens_per_expert is [num_experts] int32")
+            _assert(
+                num_tokens_per_rank is not None
+                and is_token_in_rank is not None
+                and num_tokens_per_expert is not None,
+                "layout tensors are given",
+            )
+            _assert(
+                num_tokens_per_rank.dtype == torch.int32 and num_tokens_per_rank.numel() == world,
+                "num_tokens_per_rank is [num_ranks] int32",
+            )
+            _assert(
+                num_tokens_per_expert.dtype == torch.int32 and num_tokens_per_expert.numel() % world == 0,
+                "num_tokens_per_expert is [num_experts] int32",
+            )
             _assert((topk_idx is None) == (topk_weights is None), "topk_idx and topk_weights together")
             experts_per_rank = num_tokens_per_expert.numel() // world
             num_topk = 0 if topk_idx is None else topk_idx.shape[1]
             if topk_idx is not None:
                 _assert(num_topk <= 32, "device: num_topk <= 32")
                 _assert(topk_idx.dtype == torch.int64 and topk_idx.shape[0] == num_tokens, "topk_idx [T, K] int64")
-                _assert(topk_weights.dtype == torch.float32 and topk_weights.shape == topk_idx.shape,
-                        "topk_weights [T, K] float32")
+                _assert(
+                    topk_weights.dtype == torch.float32 and topk_weights.shape == topk_idx.shape,
+                    "topk_weights [T, K] float32",
+                )
             _assert(world * (world + experts_per_rank) * 4 <= self.num_nvl_bytes, "meta fits num_nvl_bytes")
-        _assert(is_token_in_rank.dtype == torch.bool and tuple(is_token_in_rank.shape) == (num_tokens, world),
-                "is_token_in_rank is [T, num_ranks] bool")
+        _assert(
+            is_token_in_rank.dtype == torch.bool and tuple(is_token_in_rank.shape) == (num_tokens, world),
+            "is_token_in_rank is [T, num_ranks] bool",
+        )
         slots = num_channels * world
-        needed = (world * world * 4 + slots * 4 * 4
-                  + slots * config.num_max_nvl_chunked_recv_tokens
-                  * (hidden * x.element_size() + 4 + num_topk * 8 + num_topk * 4))
-        _assert(needed <= self.num_nvl_bytes, f"dispatch needs {needed} NVL bytes <= num_nvl_bytes "
-                f"({self.num_nvl_bytes})")
+        needed = (
+            world * world * 4
+            + slots * 4 * 4
+            + slots
+            * config.num_max_nvl_chunked_recv_tokens
+            * (hidden * x.element_size() + 4 + num_topk * 8 + num_topk * 4)
+        )
+        _assert(
+            needed <= self.num_nvl_bytes, f"dispatch needs {needed} NVL bytes <= num_nvl_bytes ({self.num_nvl_bytes})"
+        )
 
         send_tokens = [torch.nonzero(is_token_in_rank[:, j]).flatten() for j in range(world)]
         columns_per_dest = []
@@ -333,16 +388,21 @@ class Buffer:
 
         # One fixed-size int row per rank pair: counts, per-expert counts, channel prefix.
         channel_prefix = self._channel_prefix(is_token_in_rank, num_channels)
-        meta_WN = torch.cat([num_tokens_per_rank.long()[:, None],
-                             num_tokens_per_expert.long().view(world, experts_per_rank),
-                             channel_prefix.long()], dim=1)
+        meta_WN = torch.cat(
+            [
+                num_tokens_per_rank.long()[:, None],
+                num_tokens_per_expert.long().view(world, experts_per_rank),
+                channel_prefix.long(),
+            ],
+            dim=1,
+        )
         recv_meta_WN = self._exchange_ints(meta_WN)
         all_counts = [torch.empty(world, dtype=torch.int64) for _ in range(world)]
         dist.all_gather(all_counts, num_tokens_per_rank.long(), group=self.group)
         rank_prefix_WW = torch.stack(all_counts).cumsum(0).int()
         _assert(int(recv_meta_WN[:, 0].sum()) == recv_x.shape[0], "received rows match the layouts")
-        recv_channel_prefix = recv_meta_WN[:, 1 + experts_per_rank:].int()
-        per_expert = recv_meta_WN[:, 1:1 + experts_per_rank].sum(0)
+        recv_channel_prefix = recv_meta_WN[:, 1 + experts_per_rank :].int()
+        per_expert = recv_meta_WN[:, 1 : 1 + experts_per_rank].sum(0)
         per_expert = (per_expert + expert_alignment - 1) // expert_alignment * expert_alignment
 
         recv_topk_idx = recv_topk_weights = None
@@ -360,21 +420,34 @@ class Buffer:
             # leaves the other tails uninitialised (NaN / INT32_MAX here, so misuse shows).
             # More received rows than that is an out-of-bounds write in the real kernel.
             _assert(num_topk > 0, "num_worst_tokens > 0 needs topk_idx and topk_weights")
-            _assert(recv_x.shape[0] <= num_worst_tokens,
-                    f"device: {recv_x.shape[0]} received rows fit num_worst_tokens={num_worst_tokens}")
+            _assert(
+                recv_x.shape[0] <= num_worst_tokens,
+                f"device: {recv_x.shape[0]} received rows fit num_worst_tokens={num_worst_tokens}",
+            )
             tail = num_worst_tokens - recv_x.shape[0]
             recv_x = torch.cat([recv_x, recv_x.new_full((tail, hidden), float("nan"))])
             recv_src = torch.cat([recv_src, recv_src.new_full((tail,), torch.iinfo(torch.int32).max)])
             recv_topk_idx = torch.cat([recv_topk_idx, recv_topk_idx.new_full((tail, num_topk), -1)])
-            recv_topk_weights = torch.cat([recv_topk_weights,
-                                           recv_topk_weights.new_full((tail, num_topk), float("nan"))])
+            recv_topk_weights = torch.cat(
+                [recv_topk_weights, recv_topk_weights.new_full((tail, num_topk), float("nan"))]
+            )
             per_expert_list = []
-        handle = self._make_handle(rank_prefix_WW, channel_prefix, recv_channel_prefix,
-                                   recv_src, is_token_in_rank, send_head)
+        handle = self._make_handle(
+            rank_prefix_WW, channel_prefix, recv_channel_prefix, recv_src, is_token_in_rank, send_head
+        )
         return recv_x, recv_topk_idx, recv_topk_weights, per_expert_list, handle, event
 
-    def combine(self, x, handle, topk_weights=None, bias=None, config: Config | None = None,
-                previous_event=None, async_finish: bool = False, allocate_on_comm_stream: bool = False):
+    def combine(
+        self,
+        x,
+        handle,
+        topk_weights=None,
+        bias=None,
+        config: Config | None = None,
+        previous_event=None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
         config = self.get_combine_config(self.group_size) if config is None else config
         event = self._begin(previous_event, async_finish, allocate_on_comm_stream)
         self._check_kernel_ranks()
@@ -385,16 +458,22 @@ class Buffer:
         world, rank, hidden = self.group_size, self.rank, x.shape[1]
         num_topk = 0
         if topk_weights is not None:
-            _assert(topk_weights.dim() == 2 and topk_weights.is_contiguous()
-                    and topk_weights.shape[0] == x.shape[0] and topk_weights.dtype == torch.float32,
-                    "topk_weights is [num_tokens, K] float32")
+            _assert(
+                topk_weights.dim() == 2
+                and topk_weights.is_contiguous()
+                and topk_weights.shape[0] == x.shape[0]
+                and topk_weights.dtype == torch.float32,
+                "topk_weights is [num_tokens, K] float32",
+            )
             num_topk = topk_weights.shape[1]
             _assert(num_topk <= 32, "device: num_topk <= 32")
         slots = (config.num_sms // 2) * world
         needed = slots * 4 * 2 + slots * config.num_max_nvl_chunked_recv_tokens * (
-            hidden * x.element_size() + 4 + num_topk * 4)
-        _assert(needed <= self.num_nvl_bytes, f"combine needs {needed} NVL bytes <= num_nvl_bytes "
-                f"({self.num_nvl_bytes})")
+            hidden * x.element_size() + 4 + num_topk * 4
+        )
+        _assert(
+            needed <= self.num_nvl_bytes, f"combine needs {needed} NVL bytes <= num_nvl_bytes ({self.num_nvl_bytes})"
+        )
         num_out = send_head.shape[0]
         biases = [] if bias is None else ([bias] if isinstance(bias, torch.Tensor) else list(bias))
         for b in biases:

@@ -80,17 +80,31 @@ def indices_to_map(topk_idx, topk_weights, num_of_tokens: int, num_of_experts: i
 class _HybridEPBufferDouble:
     """Same constructor and call signatures as `deep_ep.HybridEPBuffer`."""
 
-    def __init__(self, group, hidden_dim: int, max_num_of_tokens_per_rank: int,
-                 num_local_experts: int, use_fp8: bool = False, num_sms_dispatch_api=None,
-                 num_sms_combine_api=None, num_sms_preprocessing_api=None, num_blocks_permute=None,
-                 num_blocks_unpermute=None, load_cached_kernels: bool = False,
-                 use_shared_buffer: bool = True, enable_custom_allgather: bool = False,
-                 num_of_hybrid_ep_ranks_per_nvlink_domain=None, use_mnnvl=None):
+    def __init__(
+        self,
+        group,
+        hidden_dim: int,
+        max_num_of_tokens_per_rank: int,
+        num_local_experts: int,
+        use_fp8: bool = False,
+        num_sms_dispatch_api=None,
+        num_sms_combine_api=None,
+        num_sms_preprocessing_api=None,
+        num_blocks_permute=None,
+        num_blocks_unpermute=None,
+        load_cached_kernels: bool = False,
+        use_shared_buffer: bool = True,
+        enable_custom_allgather: bool = False,
+        num_of_hybrid_ep_ranks_per_nvlink_domain=None,
+        use_mnnvl=None,
+    ):
         if hidden_dim < 128:
-            raise RuntimeError("CU error encountered at: file=csrc/hybrid_ep/allocator/allocator.cu, "
-                               "call='cuMemGetAddressRange(NULL, &size, (CUdeviceptr)ptr)' Reason=named "
-                               f"symbol not found (hidden_dim={hidden_dim} // 128 = 0 scale columns: a "
-                               "0-byte buffer)")
+            raise RuntimeError(
+                "CU error encountered at: file=csrc/hybrid_ep/allocator/allocator.cu, "
+                "call='cuMemGetAddressRange(NULL, &size, (CUdeviceptr)ptr)' Reason=named "
+                f"symbol not found (hidden_dim={hidden_dim} // 128 = 0 scale columns: a "
+                "0-byte buffer)"
+            )
         self.group = group
         self.rank = group.rank()
         self.group_size = group.size()
@@ -114,8 +128,10 @@ class _HybridEPBufferDouble:
             raise RuntimeError(f"HybridEP needs the same token count on every rank, got {gathered}")
         remainder = num_tokens % _CHUNK
         if remainder and (remainder * self.group_size * 4) % 16:
-            raise RuntimeError(f"TMA 16B alignment error: tma_load_size = remainder_chunk({remainder}) "
-                               f"* ranks_per_node({self.group_size}) * 4, must be multiple of 16B.")
+            raise RuntimeError(
+                f"TMA 16B alignment error: tma_load_size = remainder_chunk({remainder}) "
+                f"* ranks_per_node({self.group_size}) * 4, must be multiple of 16B."
+            )
 
     @staticmethod
     def _check_hidden(hidden: torch.Tensor) -> None:
@@ -125,12 +141,26 @@ class _HybridEPBufferDouble:
             raise AssertionError("The config is not valid.")
 
     # ---- dispatch ---------------------------------------------------------------------
-    def dispatch_with_permute(self, *, hidden, topk_idx=None, topk_weights=None,
-                              num_of_experts_per_rank=None, num_of_experts=None, use_fp8=None,
-                              routing_map=None, probs=None, scaling_factor=None,
-                              num_permuted_tokens=None, pad_multiple=None, handle=None,
-                              non_blocking=False, fuse_permute_dispatch=False,
-                              num_dispatched_tokens=None, use_host_meta=None):
+    def dispatch_with_permute(
+        self,
+        *,
+        hidden,
+        topk_idx=None,
+        topk_weights=None,
+        num_of_experts_per_rank=None,
+        num_of_experts=None,
+        use_fp8=None,
+        routing_map=None,
+        probs=None,
+        scaling_factor=None,
+        num_permuted_tokens=None,
+        pad_multiple=None,
+        handle=None,
+        non_blocking=False,
+        fuse_permute_dispatch=False,
+        num_dispatched_tokens=None,
+        use_host_meta=None,
+    ):
         self._check_hidden(hidden)
         if use_host_meta is not None:
             non_blocking = not use_host_meta
@@ -138,8 +168,10 @@ class _HybridEPBufferDouble:
             if num_permuted_tokens is None or num_permuted_tokens < 0:
                 raise AssertionError("The num_permuted_tokens is required for non-blocking mode.")
             if pad_multiple and num_permuted_tokens % pad_multiple:
-                raise AssertionError(f"num_permuted_tokens ({num_permuted_tokens}) must be a multiple "
-                                     f"of pad_multiple ({pad_multiple}) in non-blocking mode.")
+                raise AssertionError(
+                    f"num_permuted_tokens ({num_permuted_tokens}) must be a multiple "
+                    f"of pad_multiple ({pad_multiple}) in non-blocking mode."
+                )
         if num_permuted_tokens is not None and not isinstance(num_permuted_tokens, int):
             raise TypeError("num_permuted_tokens must be a host int")
         if handle is not None:
@@ -148,8 +180,7 @@ class _HybridEPBufferDouble:
         if routing_map is None and topk_idx is not None:
             if num_of_experts is None:
                 raise AssertionError("The number of experts should be provided on index-based routing.")
-            routing_map, probs = indices_to_map(topk_idx, topk_weights, num_tokens, num_of_experts,
-                                                hidden.device)
+            routing_map, probs = indices_to_map(topk_idx, topk_weights, num_tokens, num_of_experts, hidden.device)
         if routing_map is None:
             raise AssertionError("The handle and routing_map should not be both None")
         if routing_map.dtype != torch.bool or routing_map.shape[0] != num_tokens:
@@ -160,11 +191,11 @@ class _HybridEPBufferDouble:
         self.update_template_config(hidden_dim=hidden.shape[1], num_of_tokens_per_rank=num_tokens)
         e = num_of_experts_per_rank or self.num_local_experts
 
-        global_map = _all_gather_rows(routing_map, self.group)[:, self.rank * e:(self.rank + 1) * e]
+        global_map = _all_gather_rows(routing_map, self.group)[:, self.rank * e : (self.rank + 1) * e]
         global_x = _all_gather_rows(hidden, self.group)
         global_probs = None
         if probs is not None:
-            global_probs = _all_gather_rows(probs.detach(), self.group)[:, self.rank * e:(self.rank + 1) * e]
+            global_probs = _all_gather_rows(probs.detach(), self.group)[:, self.rank * e : (self.rank + 1) * e]
 
         valid = global_map.sum(0).tolist()
         limit = num_permuted_tokens if num_permuted_tokens is not None else float("inf")
@@ -198,9 +229,19 @@ class _HybridEPBufferDouble:
         if non_blocking:
             tokens_per_expert = tokens_per_expert.to(hidden.device)
         overflow_flag = torch.tensor([int(bool(overflow))], dtype=torch.int32, device=hidden.device)
-        new_handle = (row_N, dest_N, None, torch.tensor([global_map.any(1).sum()], dtype=torch.int32),
-                      global_map, None, expert_N, torch.tensor(kept, dtype=torch.int32), num_tokens,
-                      {"e": e, "padded_total": sum(padded)}, overflow_flag)
+        new_handle = (
+            row_N,
+            dest_N,
+            None,
+            torch.tensor([global_map.any(1).sum()], dtype=torch.int32),
+            global_map,
+            None,
+            expert_N,
+            torch.tensor(kept, dtype=torch.int32),
+            num_tokens,
+            {"e": e, "padded_total": sum(padded)},
+            overflow_flag,
+        )
         return out, out_probs, None, tokens_per_expert, new_handle
 
     def _dispatch_with_handle(self, hidden, handle, num_permuted_tokens):
@@ -213,8 +254,16 @@ class _HybridEPBufferDouble:
         return out, None, None, None, handle
 
     # ---- combine ----------------------------------------------------------------------
-    def combine_with_unpermute(self, *, hidden, probs=None, handle=None, pad_multiple=None,
-                               fuse_unpermute_combine=False, num_dispatched_tokens=None):
+    def combine_with_unpermute(
+        self,
+        *,
+        hidden,
+        probs=None,
+        handle=None,
+        pad_multiple=None,
+        fuse_unpermute_combine=False,
+        num_dispatched_tokens=None,
+    ):
         if handle is None:
             raise AssertionError("The handle is necessary in the combine pass.")
         self._check_hidden(hidden)

@@ -75,17 +75,32 @@ def _varlen_m_acc(A, B, cu_seqlens_m, A_idx):
     return acc
 
 
-def gemm(A, B, out=None, bias=None, alpha=1.0, out_dtype=None, cu_seqlens_m=None,
-         cu_seqlens_k=None, A_idx=None, dynamic_scheduler=False, tuned=True,
-         concat_layout=None):
+def gemm(
+    A,
+    B,
+    out=None,
+    bias=None,
+    alpha=1.0,
+    out_dtype=None,
+    cu_seqlens_m=None,
+    cu_seqlens_k=None,
+    A_idx=None,
+    dynamic_scheduler=False,
+    tuned=True,
+    concat_layout=None,
+):
     """`out = A @ B (+ bias)`, dense, varlen M or varlen K (see the module docstring)."""
     assert concat_layout is None and alpha == 1.0 and out is None, "not used by the fused path"
     out_dtype = A.dtype if out_dtype is None else out_dtype
     if A.numel() == 0:  # gemm()'s empty-input fast path returns before any operand check
         rows = A_idx.shape[0] if A_idx is not None else A.shape[0]
-        shape = ((rows, B.shape[-1]) if cu_seqlens_m is not None else
-                 (cu_seqlens_k.shape[0] - 1, A.shape[0], B.shape[-1]) if cu_seqlens_k is not None
-                 else (A.shape[0], B.shape[-1]))
+        shape = (
+            (rows, B.shape[-1])
+            if cu_seqlens_m is not None
+            else (cu_seqlens_k.shape[0] - 1, A.shape[0], B.shape[-1])
+            if cu_seqlens_k is not None
+            else (A.shape[0], B.shape[-1])
+        )
         out = torch.zeros(shape, dtype=out_dtype)
         return out if bias is None else out + bias.to(out_dtype)
     _check_operands(A, B, cu_seqlens_m, cu_seqlens_k, A_idx)
@@ -107,10 +122,25 @@ def gemm(A, B, out=None, bias=None, alpha=1.0, out_dtype=None, cu_seqlens_m=None
     return (acc if bias is None else acc + bias.float()).to(out_dtype)
 
 
-def gemm_act(A, B, C=None, bias=None, activation=None, alpha=1.0, preact_out=None,
-             postact_out=None, out_dtype=None, postact_dtype=None, cu_seqlens_m=None,
-             A_idx=None, store_preact=True, dynamic_scheduler=False, tuned=True, config=None,
-             concat_layout=None):
+def gemm_act(
+    A,
+    B,
+    C=None,
+    bias=None,
+    activation=None,
+    alpha=1.0,
+    preact_out=None,
+    postact_out=None,
+    out_dtype=None,
+    postact_dtype=None,
+    cu_seqlens_m=None,
+    A_idx=None,
+    store_preact=True,
+    dynamic_scheduler=False,
+    tuned=True,
+    config=None,
+    concat_layout=None,
+):
     """`(preact, postact)`: `preact = A @ B + bias` (D), `postact = act(preact)` (gated:
     interleaved gate/up pairs, postact half as wide), both from the fp32 epilogue value."""
     assert C is None and alpha == 1.0 and preact_out is None and postact_out is None
@@ -120,8 +150,10 @@ def gemm_act(A, B, C=None, bias=None, activation=None, alpha=1.0, preact_out=Non
     rows = A_idx.shape[0] if A_idx is not None else A.shape[0]
     if rows == 0 or A.numel() == 0:  # gemm_act's empty-input fast path: zeros, no checks
         width = B.shape[-1]
-        return (torch.zeros(rows, width, dtype=out_dtype) if store_preact else None,
-                torch.zeros(rows, width // 2 if activation in _GATED else width, dtype=postact_dtype))
+        return (
+            torch.zeros(rows, width, dtype=out_dtype) if store_preact else None,
+            torch.zeros(rows, width // 2 if activation in _GATED else width, dtype=postact_dtype),
+        )
     _check_operands(A, B, cu_seqlens_m, None, A_idx)
     x = gemm(A, B, bias=bias, cu_seqlens_m=cu_seqlens_m, A_idx=A_idx, out_dtype=torch.float32)
     if activation in _GATED:
@@ -134,9 +166,23 @@ def gemm_act(A, B, C=None, bias=None, activation=None, alpha=1.0, preact_out=Non
 gemm_gated = gemm_act
 
 
-def gemm_dact(A, B, PreAct, activation=None, dx_out=None, postact_out=None, out_dtype=None,
-              postact_dtype=None, colvec_scale=None, colvec_reduce=False, cu_seqlens_m=None,
-              A_idx=None, dynamic_scheduler=True, tuned=True, config=None):
+def gemm_dact(
+    A,
+    B,
+    PreAct,
+    activation=None,
+    dx_out=None,
+    postact_out=None,
+    out_dtype=None,
+    postact_dtype=None,
+    colvec_scale=None,
+    colvec_reduce=False,
+    cu_seqlens_m=None,
+    A_idx=None,
+    dynamic_scheduler=True,
+    tuned=True,
+    config=None,
+):
     """`(dx, postact[, colvec_reduce])` as `dact_mod` / `dgated_mod` compute them (see the
     module docstring)."""
     assert dx_out is None and postact_out is None and cu_seqlens_m is not None
@@ -146,8 +192,10 @@ def gemm_dact(A, B, PreAct, activation=None, dx_out=None, postact_out=None, out_
     rows = A_idx.shape[0] if A_idx is not None else A.shape[0]
     if rows == 0 or A.numel() == 0:  # gemm_dact's empty-input fast path: zeros, no checks
         width = B.shape[-1]
-        results = [torch.zeros(rows, width * (2 if gated else 1), dtype=out_dtype),
-                   torch.zeros(rows, width, dtype=postact_dtype)]
+        results = [
+            torch.zeros(rows, width * (2 if gated else 1), dtype=out_dtype),
+            torch.zeros(rows, width, dtype=postact_dtype),
+        ]
         return tuple(results + [torch.zeros(rows)] if colvec_reduce else results)
     _check_operands(A, B, cu_seqlens_m, None, A_idx)
     assert PreAct.shape == (rows, B.shape[-1] * (2 if gated else 1)), "PreAct must match the output"
@@ -172,9 +220,23 @@ def gemm_dact(A, B, PreAct, activation=None, dx_out=None, postact_out=None, out_
 gemm_dgated = gemm_dact
 
 
-def gemm_add_inplace(A, B, out, bias=None, alpha=1.0, beta=1.0, cu_seqlens_m=None, cu_seqlens_k=None,
-                     A_idx=None, batch_idx_permute=None, dynamic_scheduler=False, tuned=True,
-                     concat_layout=None, split_k=1, split_k_mode=0):
+def gemm_add_inplace(
+    A,
+    B,
+    out,
+    bias=None,
+    alpha=1.0,
+    beta=1.0,
+    cu_seqlens_m=None,
+    cu_seqlens_k=None,
+    A_idx=None,
+    batch_idx_permute=None,
+    dynamic_scheduler=False,
+    tuned=True,
+    concat_layout=None,
+    split_k=1,
+    split_k_mode=0,
+):
     """`out += alpha * A @ B` in place, the form the weight-gradient fusion uses (varlen K)."""
     assert bias is None and beta == 1.0 and batch_idx_permute is None and concat_layout is None
     assert cu_seqlens_k is not None and cu_seqlens_m is None and split_k == 1, "the fused path's form"
@@ -191,8 +253,9 @@ def norm_act_mod(activation, *, gated, has_c, has_rowvec, has_colvec, sr=False, 
     """library.norm_act_mod's mod for the form the fused path uses (see the module docstring)."""
     assert activation is None and not (gated or has_c or has_rowvec or sr or has_alpha) and has_colvec
 
-    def mod(A, B, C, *, out, store_d, cu_seqlens_m, mColVecBroadcast, tuned=True,
-            dynamic_scheduler=False, config=None):
+    def mod(
+        A, B, C, *, out, store_d, cu_seqlens_m, mColVecBroadcast, tuned=True, dynamic_scheduler=False, config=None
+    ):
         assert C is None and not store_d and set(out) == {"mAuxOut"}, "the fused path's form"
         aux = out["mAuxOut"]
         assert mColVecBroadcast.dtype == torch.float32 and mColVecBroadcast.shape == (aux.shape[0],)

@@ -35,11 +35,14 @@ def _col_major(t: torch.Tensor) -> bool:
     return t.stride(-2) == 1 and t.stride(-1) > 1
 
 
-def scaled_grouped_mm(mat_a, mat_b, scale_a, scale_b, offs=None, bias=None, scale_result=None,
-                      out_dtype=None, use_fast_accum=False):
+def scaled_grouped_mm(
+    mat_a, mat_b, scale_a, scale_b, offs=None, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False
+):
     out_dtype = out_dtype or torch.bfloat16
-    _check(mat_a.dtype == torch.float8_e4m3fn and mat_b.dtype == torch.float8_e4m3fn,
-           f"Expected inputs of float8_e4m3fn type but got {mat_a.dtype}, {mat_b.dtype}")
+    _check(
+        mat_a.dtype == torch.float8_e4m3fn and mat_b.dtype == torch.float8_e4m3fn,
+        f"Expected inputs of float8_e4m3fn type but got {mat_a.dtype}, {mat_b.dtype}",
+    )
     _check(_row_major(mat_a), f"Expected mat_a tensor to be row major, got strides {mat_a.stride()}")
     _check(_col_major(mat_b), f"Expected mat_b tensor to be column major, got strides {mat_b.stride()}")
     _check(scale_a.dtype == torch.float32 and scale_b.dtype == torch.float32, "scales must be float32")
@@ -58,16 +61,20 @@ def scaled_grouped_mm(mat_a, mat_b, scale_a, scale_b, offs=None, bias=None, scal
             rows = a[s:e] * scale_a[s:e, None]
             out[s:e] = (rows @ (mat_b[g].float() * scale_b[g][None, :])).to(out_dtype)
         return out
-    _check(mat_a.dim() == 2 and mat_b.dim() == 2 and mat_a.shape[1] == mat_b.shape[0],
-           "2d x 2d: mat_a [M, K] and mat_b [K, N] with the same K")
+    _check(
+        mat_a.dim() == 2 and mat_b.dim() == 2 and mat_a.shape[1] == mat_b.shape[0],
+        "2d x 2d: mat_a [M, K] and mat_b [K, N] with the same K",
+    )
     groups, m, n = len(ends), mat_a.shape[0], mat_b.shape[1]
-    _check(tuple(scale_a.shape) == (groups * m,) and tuple(scale_b.shape) == (groups * n,),
-           "2d x 2d: scale_a must be [G * M] and scale_b [G * N]")
+    _check(
+        tuple(scale_a.shape) == (groups * m,) and tuple(scale_b.shape) == (groups * n,),
+        "2d x 2d: scale_a must be [G * M] and scale_b [G * N]",
+    )
     _check(ends[-1] <= mat_a.shape[1], "offs do not fit the contraction")
     _check(all(v % _ALIGN == 0 for v in ends), f"2d x 2d: every offset must be a multiple of {_ALIGN}, got {ends}")
     b = mat_b.float()
     out = torch.empty(groups, m, n, dtype=out_dtype, device=mat_a.device)
     for g, (s, e) in enumerate(zip(starts, ends)):
-        sa, sb = scale_a[g * m:(g + 1) * m, None], scale_b[g * n:(g + 1) * n][None, :]
+        sa, sb = scale_a[g * m : (g + 1) * m, None], scale_b[g * n : (g + 1) * n][None, :]
         out[g] = ((a[:, s:e] * sa) @ (b[s:e] * sb)).to(out_dtype)
     return out

@@ -22,9 +22,23 @@ from __future__ import annotations
 import torch
 
 
-def general_grouped_gemm(A, B, out, quantization_params, out_dtype, layout="TN", m_splits=None, gelu=False,
-                         grad=False, accumulate=False, bias=None, use_bias=False, use_split_accumulator=False,
-                         D_dtype=None, single_output=False):
+def general_grouped_gemm(
+    A,
+    B,
+    out,
+    quantization_params,
+    out_dtype,
+    layout="TN",
+    m_splits=None,
+    gelu=False,
+    grad=False,
+    accumulate=False,
+    bias=None,
+    use_bias=False,
+    use_split_accumulator=False,
+    D_dtype=None,
+    single_output=False,
+):
     """The grouped GEMM of the module docstring."""
     assert not (gelu or use_bias or single_output) and D_dtype is None, "the weight-gradient form"
     assert all(q is None for q in quantization_params) and len(A) == len(B) == len(out)

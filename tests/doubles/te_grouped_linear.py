@@ -43,19 +43,40 @@ _DEFAULT_ALIGN_SIZE = 16
 class GroupedLinear(nn.Module):
     """`y_i = x_i W_i^T + b_i` for consecutive row groups of `inp` (TE 2.20.2 semantics, no FP8)."""
 
-    def __init__(self, num_gemms: int, in_features: int, out_features: int,
-                 sequence_parallel: bool = False, fuse_wgrad_accumulation: bool = False,
-                 tp_group=None, tp_size: int = 1, get_rng_state_tracker=None,
-                 rng_tracker_name: str | None = None, init_method=None, bias: bool = True,
-                 return_bias: bool = False, params_dtype: torch.dtype | None = None,
-                 parallel_mode: str | None = None, device: torch.device | str = "cuda",
-                 **unsupported):
+    def __init__(
+        self,
+        num_gemms: int,
+        in_features: int,
+        out_features: int,
+        sequence_parallel: bool = False,
+        fuse_wgrad_accumulation: bool = False,
+        tp_group=None,
+        tp_size: int = 1,
+        get_rng_state_tracker=None,
+        rng_tracker_name: str | None = None,
+        init_method=None,
+        bias: bool = True,
+        return_bias: bool = False,
+        params_dtype: torch.dtype | None = None,
+        parallel_mode: str | None = None,
+        device: torch.device | str = "cuda",
+        **unsupported,
+    ):
         super().__init__()
-        active = {k: v for k, v in dict(
-            sequence_parallel=sequence_parallel, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
-            tp_group=tp_group, tp_size=tp_size, get_rng_state_tracker=get_rng_state_tracker,
-            return_bias=return_bias, parallel_mode=parallel_mode, **unsupported).items()
-            if v not in (None, False, 1, "")}
+        active = {
+            k: v
+            for k, v in dict(
+                sequence_parallel=sequence_parallel,
+                fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+                tp_group=tp_group,
+                tp_size=tp_size,
+                get_rng_state_tracker=get_rng_state_tracker,
+                return_bias=return_bias,
+                parallel_mode=parallel_mode,
+                **unsupported,
+            ).items()
+            if v not in (None, False, 1, "")
+        }
         if active:
             raise NotImplementedError(f"the GroupedLinear test double does not model {sorted(active)}")
         self.num_gemms = num_gemms
@@ -65,11 +86,14 @@ class GroupedLinear(nn.Module):
         self.params_dtype = torch.get_default_dtype() if params_dtype is None else params_dtype
         self.init_method = init_method
         for i in range(num_gemms):
-            self.register_parameter(f"weight{i}", nn.Parameter(
-                torch.empty(out_features, in_features, device=device, dtype=self.params_dtype)))
+            self.register_parameter(
+                f"weight{i}",
+                nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=self.params_dtype)),
+            )
             if bias:
-                self.register_parameter(f"bias{i}", nn.Parameter(
-                    torch.empty(out_features, device=device, dtype=self.params_dtype)))
+                self.register_parameter(
+                    f"bias{i}", nn.Parameter(torch.empty(out_features, device=device, dtype=self.params_dtype))
+                )
             else:
                 setattr(self, f"bias{i}", torch.Tensor().to(dtype=self.params_dtype, device=device))
         if torch.device(device).type != "meta":
@@ -91,8 +115,10 @@ class GroupedLinear(nn.Module):
             return torch.get_autocast_dtype(inp.device.type)
         for name, param in self.named_parameters():
             if param.dtype != inp.dtype:
-                raise TypeError("Data types for parameters must match when outside of autocasted "
-                                f"region. Found input dtype: {inp.dtype} and {name!r} dtype: {param.dtype}")
+                raise TypeError(
+                    "Data types for parameters must match when outside of autocasted "
+                    f"region. Found input dtype: {inp.dtype} and {name!r} dtype: {param.dtype}"
+                )
         return inp.dtype
 
     def forward(self, inp: torch.Tensor, m_splits, is_first_microbatch=None) -> torch.Tensor:
@@ -101,8 +127,10 @@ class GroupedLinear(nn.Module):
         elif m_splits.dtype != torch.int64:
             m_splits = m_splits.to(dtype=torch.int64)
         if m_splits.size() != (self.num_gemms,):
-            raise ValueError(f"Shape of splits tensor ({tuple(m_splits.size())}) "
-                             f"does not match number of GEMMs ({self.num_gemms}).")
+            raise ValueError(
+                f"Shape of splits tensor ({tuple(m_splits.size())}) "
+                f"does not match number of GEMMs ({self.num_gemms})."
+            )
         dtype = self._activation_dtype(inp)
         parts = torch.split(inp.reshape(-1, self.in_features).to(dtype), m_splits.tolist())
         outs = []
@@ -133,7 +161,7 @@ def _move_groups(inp: torch.Tensor, src_splits: list[int], dst_splits: list[int]
     src = dst = 0
     for n_src, n_dst in zip(src_splits, dst_splits):
         n = min(n_src, n_dst)
-        out[dst:dst + n] = inp[src:src + n]
+        out[dst : dst + n] = inp[src : src + n]
         src, dst = src + n_src, dst + n_dst
     return out
 

@@ -85,8 +85,17 @@ def _device_index() -> int:
     return torch.cuda.current_device() if torch.cuda.is_available() else 0
 
 
-def initialize_uccl(scratch_ptr, scratch_nbytes, rank, num_ranks, group, num_experts=0,
-                    is_intranode=None, use_normal_mode=False, rdma_buffer_is_host_allocated=False):
+def initialize_uccl(
+    scratch_ptr,
+    scratch_nbytes,
+    rank,
+    num_ranks,
+    group,
+    num_experts=0,
+    is_intranode=None,
+    use_normal_mode=False,
+    rdma_buffer_is_host_allocated=False,
+):
     proxies = [_Proxy(use_normal_mode)]
     metadata = [None] * num_ranks  # the real one gathers node tokens and proxy metadata first
     dist.all_gather_object(metadata, rank, group=group)
@@ -106,14 +115,23 @@ def destroy_uccl(proxies, workers) -> None:
 class Buffer(_deepep.Buffer):
     num_sms: int = 20
 
-    def __init__(self, group, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
-                 low_latency_mode: bool = False, num_qps_per_rank: int = 24,
-                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
-                 explicitly_destroy: bool = False, is_intranode=None):
+    def __init__(
+        self,
+        group,
+        num_nvl_bytes: int = 0,
+        num_rdma_bytes: int = 0,
+        low_latency_mode: bool = False,
+        num_qps_per_rank: int = 24,
+        allow_nvlink_for_low_latency_mode: bool = True,
+        allow_mnnvl: bool = False,
+        explicitly_destroy: bool = False,
+        is_intranode=None,
+    ):
         if low_latency_mode:
             raise NotImplementedError("the UCCL-EP test double models intranode normal mode only")
-        self.proxies, self.workers = initialize_uccl(None, num_rdma_bytes, group.rank(), group.size(), group,
-                                                     use_normal_mode=True, is_intranode=is_intranode)
+        self.proxies, self.workers = initialize_uccl(
+            None, num_rdma_bytes, group.rank(), group.size(), group, use_normal_mode=True, is_intranode=is_intranode
+        )
         self._init_common(group, num_nvl_bytes, num_rdma_bytes, explicitly_destroy)
 
     def destroy(self) -> None:
@@ -138,12 +156,12 @@ class Buffer(_deepep.Buffer):
     def get_combine_config(num_ranks: int) -> Config:
         return _with_sms(_deepep.Buffer.get_combine_config(num_ranks), Buffer.num_sms)
 
-    def _make_handle(self, rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx,
-                     is_token_in_rank, send_head) -> tuple:
+    def _make_handle(
+        self, rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, is_token_in_rank, send_head
+    ) -> tuple:
         num_recv = int(recv_src_idx.shape[0])
         stored = recv_src_idx if num_recv > 0 else recv_src_idx.new_empty((1,))
-        return (rank_prefix, channel_prefix, recv_channel_prefix, num_recv, stored,
-                is_token_in_rank, send_head)
+        return (rank_prefix, channel_prefix, recv_channel_prefix, num_recv, stored, is_token_in_rank, send_head)
 
     def _split_handle(self, handle: tuple):
         rank_prefix, channel_prefix, recv_channel_prefix, num_recv, src_idx, in_rank, send_head = handle
@@ -151,8 +169,13 @@ class Buffer(_deepep.Buffer):
 
 
 def _with_sms(config: Config, num_sms: int) -> Config:
-    return Config(num_sms, config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
-                  config.num_max_rdma_chunked_send_tokens, config.num_max_rdma_chunked_recv_tokens)
+    return Config(
+        num_sms,
+        config.num_max_nvl_chunked_send_tokens,
+        config.num_max_nvl_chunked_recv_tokens,
+        config.num_max_rdma_chunked_send_tokens,
+        config.num_max_rdma_chunked_recv_tokens,
+    )
 
 
 def install() -> bool:

@@ -104,17 +104,24 @@ def build_module(case: ModuleCase, **overrides):
     overrides = {"device": case_device(case), **dict(case.dispatcher_options), **overrides}
     _, param_dtype = DTYPES[case.dtype]
     config = ExpertsConfig(
-        n_routed_experts=case.experts, n_activated_experts=case.topk, dim=case.hidden,
-        moe_inter_dim=case.inter, expert_activation=case.activation, expert_bias=case.bias,
-        activation_alpha=ALPHA, activation_limit=case.limit, dtype=param_dtype,
-        use_torch_mm=case.module != "grouped_loop", expert_mlp_chunk_bytes=case.expert_mlp_chunk_bytes)
+        n_routed_experts=case.experts,
+        n_activated_experts=case.topk,
+        dim=case.hidden,
+        moe_inter_dim=case.inter,
+        expert_activation=case.activation,
+        expert_bias=case.bias,
+        activation_alpha=ALPHA,
+        activation_limit=case.limit,
+        dtype=param_dtype,
+        use_torch_mm=case.module != "grouped_loop",
+        expert_mlp_chunk_bytes=case.expert_mlp_chunk_bytes,
+    )
     if case.module in ("grouped_loop", "grouped_mm"):
         return GroupedExperts(config, **overrides)
     if case.module == "deepep":
         return GroupedExpertsDeepEP(config, dispatcher_backend=case.backend, **overrides)
     overrides.setdefault("te", te_module())
-    return GroupedExpertsTE(config, dispatcher_backend=case.backend, fp8_align_size=case.fp8_align_size,
-                            **overrides)
+    return GroupedExpertsTE(config, dispatcher_backend=case.backend, fp8_align_size=case.fp8_align_size, **overrides)
 
 
 def setup_ep(module, ep_mode: str) -> None:
@@ -132,8 +139,8 @@ def global_weights(case: ModuleCase) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(4321 + case.seed)
     up = case.inter * (1 if case.activation in ("relu2", "gelu") else 2)
     out = {
-        "gate_and_up_projs": torch.randn(case.experts, case.hidden, up, generator=g) * 1.5 / case.hidden ** 0.5,
-        "down_projs": torch.randn(case.experts, case.inter, case.hidden, generator=g) / case.inter ** 0.5,
+        "gate_and_up_projs": torch.randn(case.experts, case.hidden, up, generator=g) * 1.5 / case.hidden**0.5,
+        "down_projs": torch.randn(case.experts, case.inter, case.hidden, generator=g) / case.inter**0.5,
     }
     if case.bias:
         out["gate_up_proj_bias"] = torch.randn(case.experts, up, generator=g) * 0.5
@@ -163,11 +170,11 @@ def reference_activation(name: str, h: torch.Tensor, limit: float) -> torch.Tens
     if name == "relu2":
         return F.relu(h) ** 2
     if name == "gelu":  # exact (erf) GELU
-        return 0.5 * h * (1.0 + torch.erf(h / 2.0 ** 0.5))
+        return 0.5 * h * (1.0 + torch.erf(h / 2.0**0.5))
     if name == "quick_geglu":
         gate, up = h[:, 0::2], h[:, 1::2]
     else:
-        gate, up = h[:, : h.shape[1] // 2], h[:, h.shape[1] // 2:]
+        gate, up = h[:, : h.shape[1] // 2], h[:, h.shape[1] // 2 :]
     if name == "swiglu":
         return F.silu(gate) * up
     if limit > 0:
@@ -191,11 +198,10 @@ def dense_reference(case: ModuleCase, x, token_mask, weights, indices, params) -
         if case.bias:
             h = h + params["gate_up_proj_bias"][e]
         h = h.to(DTYPES[case.dtype][0]).float()
-        o = torch.einsum("ti,tih->th", reference_activation(case.activation, h, case.limit),
-                         params["down_projs"][e])
+        o = torch.einsum("ti,tih->th", reference_activation(case.activation, h, case.limit), params["down_projs"][e])
         if case.bias:
             o = o + params["down_proj_bias"][e]
-        y = y + valid * weights[:, k:k + 1] * o
+        y = y + valid * weights[:, k : k + 1] * o
     return y
 
 
@@ -265,8 +271,9 @@ def run_module_case(case: ModuleCase) -> dict:
         ref_loss = ref_loss + (dense_reference(case, xr, mr, wr, ir, ref_params) * gr).sum()
         ref_x.append(xr)
         ref_w.append(wr)
-    y_ref = dense_reference(case, ref_x[rank].detach(), token_mask, weights, indices,
-                            {k: v.detach() for k, v in ref_params.items()})
+    y_ref = dense_reference(
+        case, ref_x[rank].detach(), token_mask, weights, indices, {k: v.detach() for k, v in ref_params.items()}
+    )
     ref_loss.backward()
 
     tol = TOLERANCE[act_dtype]
@@ -287,8 +294,9 @@ def run_module_case(case: ModuleCase) -> dict:
         "tol": tol,
         "y_dtype": str(y.dtype),
         "y_shape": tuple(y.shape),
-        "masked_exact_zero": bool((y[masked] == 0).all() and (x_grad[masked] == 0).all()
-                                  and (w_grad[masked] == 0).all()),
+        "masked_exact_zero": bool(
+            (y[masked] == 0).all() and (x_grad[masked] == 0).all() and (w_grad[masked] == 0).all()
+        ),
         "params_without_grad": [n for n, p in module.named_parameters() if p.grad is None],
         "local_tokens_per_expert": [int((indices[token_mask] == i).sum()) for i in range(case.experts)],
         "tail_rows": tail_rows,
@@ -317,8 +325,9 @@ def run_state_dict_interop(case: ModuleCase) -> dict:
     previous one's `state_dict`, every hop is bit-exact, and all give the same outputs."""
     world, rank = dist.get_world_size(), dist.get_rank()
     act_dtype, _ = DTYPES[case.dtype]
-    chain = [build_module(dataclasses.replace(case, module=m))
-             for m in ("grouped_mm", "te", "deepep", "grouped_loop")]
+    chain = [
+        build_module(dataclasses.replace(case, module=m)) for m in ("grouped_mm", "te", "deepep", "grouped_loop")
+    ]
     for module in chain:
         setup_ep(module, "group")
     torch.manual_seed(77 + rank)
@@ -356,8 +365,10 @@ def run_all_gather_varlen(lengths: tuple[int, ...]) -> dict:
     out.backward(grads[rank])
     start = sum(lengths[:rank])
     expected_grad = sum(grads).narrow(0, start, lengths[rank])
-    return {"forward": bool(torch.equal(out, torch.cat(local))),
-            "backward": bool(torch.allclose(x.grad, expected_grad, atol=1e-6))}
+    return {
+        "forward": bool(torch.equal(out, torch.cat(local))),
+        "backward": bool(torch.allclose(x.grad, expected_grad, atol=1e-6)),
+    }
 
 
 def run_deepep_buffer_at_setup(module_name: str) -> dict:
@@ -391,7 +402,7 @@ def run_duplicate_expert_id(case: ModuleCase, bad_ranks: tuple[int, ...]) -> dic
     setup_ep(module, case.ep_mode)
     e = case.experts // world
     params = global_weights(case)
-    module.load_state_dict({k: v[rank * e:(rank + 1) * e] for k, v in params.items()}, strict=True)
+    module.load_state_dict({k: v[rank * e : (rank + 1) * e] for k, v in params.items()}, strict=True)
     x, token_mask, weights, indices, _ = make_inputs(case, rank)
     if rank in bad_ranks:
         indices = indices.clone()

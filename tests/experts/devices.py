@@ -26,8 +26,10 @@ TE_DEVICE = "cuda" if TE_REAL else "cpu"
 TE_FP32_TF32_TOL = 2e-3 if TE_REAL else None
 
 TE_MULTI_RANK_SKIP = pytest.mark.skipif(
-    TE_REAL, reason="real Transformer Engine needs CUDA tensors and the gloo test ranks move CPU "
-                    "tensors only (EP2 needs two GPUs with NCCL: bench/gpu/experts_modules_check.py)")
+    TE_REAL,
+    reason="real Transformer Engine needs CUDA tensors and the gloo test ranks move CPU "
+    "tensors only (EP2 needs two GPUs with NCCL: bench/gpu/experts_modules_check.py)",
+)
 
 
 def te_module():

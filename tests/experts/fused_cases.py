@@ -46,10 +46,22 @@ class Case:
         return sum(self.counts)
 
 
-def make_case(tokens: int, experts: int, topk: int, hidden: int, inter: int, *,
-              activation: str = "swiglu", bias: bool = False, skew: float = 0.0, pad: int = 0,
-              empty_experts: tuple[int, ...] = (), device="cpu", dtype=torch.bfloat16,
-              seed: int = 0) -> Case:
+def make_case(
+    tokens: int,
+    experts: int,
+    topk: int,
+    hidden: int,
+    inter: int,
+    *,
+    activation: str = "swiglu",
+    bias: bool = False,
+    skew: float = 0.0,
+    pad: int = 0,
+    empty_experts: tuple[int, ...] = (),
+    device="cpu",
+    dtype=torch.bfloat16,
+    seed: int = 0,
+) -> Case:
     """A routed batch on `device` (see the module docstring).
 
     Arguments:
@@ -58,14 +70,23 @@ def make_case(tokens: int, experts: int, topk: int, hidden: int, inter: int, *,
         pad: capacity padding positions after the routed ones.
     """
     gen = torch.Generator(device=device).manual_seed(seed)
-    config = ExpertsConfig(experts, topk, hidden, inter, expert_activation=activation,
-                           expert_bias=bias, activation_limit=0.0, dtype=dtype)
+    config = ExpertsConfig(
+        experts,
+        topk,
+        hidden,
+        inter,
+        expert_activation=activation,
+        expert_bias=bias,
+        activation_limit=0.0,
+        dtype=dtype,
+    )
 
     def randn(*shape, scale=1.0):
         return (torch.randn(*shape, generator=gen, device=device) * scale).to(dtype)
 
-    logits = (torch.rand(tokens, experts, generator=gen, device=device)
-              + torch.linspace(0, skew, experts, device=device))
+    logits = torch.rand(tokens, experts, generator=gen, device=device) + torch.linspace(
+        0, skew, experts, device=device
+    )
     logits[:, list(empty_experts)] = -1.0
     expert_TK = logits.topk(topk, dim=1).indices
     probs_TK = torch.rand(tokens, topk, generator=gen, device=device)
@@ -75,25 +96,36 @@ def make_case(tokens: int, experts: int, topk: int, hidden: int, inter: int, *,
     slot_of_row[order] = torch.arange(order.numel(), device=device)
     nan = torch.full((pad,), float("nan"), device=device)
     up = (2 if is_gated_activation(activation) else 1) * inter
-    params = {"w1": randn(experts, hidden, up, scale=hidden ** -0.5),
-              "w2": randn(experts, inter, hidden, scale=inter ** -0.5)}
+    params = {
+        "w1": randn(experts, hidden, up, scale=hidden**-0.5),
+        "w2": randn(experts, inter, hidden, scale=inter**-0.5),
+    }
     if bias:
         params["b1"] = randn(experts, up, scale=0.1)
         params["b2"] = randn(experts, hidden, scale=0.1)
-    return Case(config, randn(tokens, hidden),
-                torch.cat([order // topk, torch.zeros(pad, dtype=torch.long, device=device)]).int(),
-                slot_of_row.view(tokens, topk), counts,
-                torch.cat([probs_TK.flatten()[order], nan])[:, None], params,
-                randn(order.numel() + pad, hidden))
+    return Case(
+        config,
+        randn(tokens, hidden),
+        torch.cat([order // topk, torch.zeros(pad, dtype=torch.long, device=device)]).int(),
+        slot_of_row.view(tokens, topk),
+        counts,
+        torch.cat([probs_TK.flatten()[order], nan])[:, None],
+        params,
+        randn(order.numel() + pad, hidden),
+    )
 
 
 def case_to(case: Case, device) -> Case:
     """The same case with its tensors on `device`."""
     return dataclasses.replace(
-        case, tokens_RH=case.tokens_RH.to(device), row_of_slot_P=case.row_of_slot_P.to(device),
-        slot_of_row_RJ=case.slot_of_row_RJ.to(device), probs_P1=case.probs_P1.to(device),
+        case,
+        tokens_RH=case.tokens_RH.to(device),
+        row_of_slot_P=case.row_of_slot_P.to(device),
+        slot_of_row_RJ=case.slot_of_row_RJ.to(device),
+        probs_P1=case.probs_P1.to(device),
         params={k: v.to(device) for k, v in case.params.items()},
-        grad_out_PH=case.grad_out_PH.to(device))
+        grad_out_PH=case.grad_out_PH.to(device),
+    )
 
 
 def _leaves(case: Case, indexed: bool, dtype=None):
@@ -102,9 +134,12 @@ def _leaves(case: Case, indexed: bool, dtype=None):
     tokens = case.tokens_RH if dtype is None else case.tokens_RH.to(dtype)
     if not indexed:
         tokens = tokens[case.row_of_slot_P.long()]
-        tokens[case.valid:] = float("nan")
-    leaves = {"rows": tokens, "probs": case.probs_P1,
-              **{k: v if dtype is None else v.to(dtype) for k, v in case.params.items()}}
+        tokens[case.valid :] = float("nan")
+    leaves = {
+        "rows": tokens,
+        "probs": case.probs_P1,
+        **{k: v if dtype is None else v.to(dtype) for k, v in case.params.items()},
+    }
     return {k: v.detach().clone().requires_grad_(True) for k, v in leaves.items()}
 
 
@@ -118,14 +153,31 @@ def run_path(case: Case, impl: str, indexed: bool, device_counts: bool | torch.T
     `device_counts`: True (copy the counts to the device here), False (host list) or the
     device tensor itself."""
     leaves = _leaves(case, indexed)
-    counts = (device_counts if isinstance(device_counts, torch.Tensor) else
-              device_counts_of(case) if device_counts else list(case.counts))
-    hidden = (IndexedRows(leaves["rows"], case.row_of_slot_P, case.slot_of_row_RJ, counts,
-                          leaves["probs"][:, 0]) if indexed else leaves["rows"])
+    counts = (
+        device_counts
+        if isinstance(device_counts, torch.Tensor)
+        else device_counts_of(case)
+        if device_counts
+        else list(case.counts)
+    )
+    hidden = (
+        IndexedRows(leaves["rows"], case.row_of_slot_P, case.slot_of_row_RJ, counts, leaves["probs"][:, 0])
+        if indexed
+        else leaves["rows"]
+    )
     out = run_grouped_expert_mlp(
-        hidden, leaves["w1"], leaves["w2"], leaves.get("b1"), leaves.get("b2"), counts,
-        leaves["probs"], get_expert_activation(case.config), 0, expert_mlp_impl=impl,
-        experts_config=case.config)
+        hidden,
+        leaves["w1"],
+        leaves["w2"],
+        leaves.get("b1"),
+        leaves.get("b2"),
+        counts,
+        leaves["probs"],
+        get_expert_activation(case.config),
+        0,
+        expert_mlp_impl=impl,
+        experts_config=case.config,
+    )
     out.backward(case.grad_out_PH)
     return out.detach(), {k: v.grad for k, v in leaves.items()}
 
@@ -189,11 +241,16 @@ def compare(case: Case, indexed: bool, device_counts: bool) -> dict:
             got = {impl: value[:valid] for impl, value in got.items()}
             ref = ref[:valid]
         fused, torch_err = _rel_err(got["fused"], ref), _rel_err(got["grouped_mm"], ref)
-        errors[name] = {"fused": fused, "torch": torch_err,
-                        "ratio": fused / torch_err if torch_err else float("inf") if fused else 1.0}
+        errors[name] = {
+            "fused": fused,
+            "torch": torch_err,
+            "ratio": fused / torch_err if torch_err else float("inf") if fused else 1.0,
+        }
     out, grads = runs["fused"]
-    padding_ok = bool((out[valid:] == 0).all() and (grads["probs"][valid:] == 0).all()
-                      and all(torch.isfinite(g).all() for g in grads.values()))
-    within = all(e["fused"] <= ROUNDING_FACTOR * e["torch"] or e["fused"] <= ERROR_FLOOR
-                 for e in errors.values())
+    padding_ok = bool(
+        (out[valid:] == 0).all()
+        and (grads["probs"][valid:] == 0).all()
+        and all(torch.isfinite(g).all() for g in grads.values())
+    )
+    within = all(e["fused"] <= ROUNDING_FACTOR * e["torch"] or e["fused"] <= ERROR_FLOOR for e in errors.values())
     return {"errors": errors, "padding_ok": padding_ok, "passed": within and padding_ok}

@@ -156,8 +156,15 @@ def test_limit_zero_disables_clamping():
 def test_config_selects_activation_and_binds_constants():
     x, probs = _inputs(4, 16, torch.float32, "cpu")
     for name in KINDS:
-        config = ExpertsConfig(n_routed_experts=4, n_activated_experts=2, dim=8, moe_inter_dim=8,
-                               expert_activation=name, activation_alpha=ALPHA, activation_limit=LIMIT)
+        config = ExpertsConfig(
+            n_routed_experts=4,
+            n_activated_experts=2,
+            dim=8,
+            moe_inter_dim=8,
+            expert_activation=name,
+            activation_alpha=ALPHA,
+            activation_limit=LIMIT,
+        )
         fn = get_expert_activation(config)
         torch.testing.assert_close(fn(x, probs), _under_test(name)(x, probs))
         assert is_gated_activation(name) == (name not in NON_GATED)

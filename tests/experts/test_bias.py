@@ -109,12 +109,10 @@ def test_segment_sizes_reduce_to_reference(weighted, device):
     grad = torch.randn(rows, 40, generator=gen)
     probs = torch.rand(rows, 1, generator=gen) if weighted else None
     counts = torch.tensor(SEGMENT_SIZES, device=device)
-    got = bias.reduce_bias_grad(grad.to(device), counts, None if probs is None else probs.to(device),
-                                 torch.float32)
+    got = bias.reduce_bias_grad(grad.to(device), counts, None if probs is None else probs.to(device), torch.float32)
     expected = reference_bias_grad(grad, SEGMENT_SIZES, probs)
     torch.testing.assert_close(got.cpu().double(), expected, rtol=1e-6, atol=1e-5)
-    fallback = bias._reduce_bias_grad_chunked_fallback(grad, torch.tensor(SEGMENT_SIZES), probs,
-                                                       torch.float32)
+    fallback = bias._reduce_bias_grad_chunked_fallback(grad, torch.tensor(SEGMENT_SIZES), probs, torch.float32)
     torch.testing.assert_close(got.cpu(), fallback, rtol=1e-6, atol=1e-5)
 
 
@@ -144,9 +142,23 @@ def test_triton_kernels_in_interpreter():
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore",
-         "tests/experts/test_kernels.py"],
-        cwd=root, env=env, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-W",
+            "ignore",
+            "tests/experts/test_kernels.py",
+        ],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     print(proc.stdout[-3000:])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "skipped" not in proc.stdout and " passed" in proc.stdout

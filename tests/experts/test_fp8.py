@@ -42,7 +42,7 @@ def _reference(x, w, grad, counts, power_2):
     """Per expert: out = q(x_g) q(w_g); dx = q(grad_g) q(w_g)^T; dw = q(x_g)^T q(grad_g)."""
     outs, dxs, dws, start = [], [], [], 0
     for g, n in enumerate(counts):
-        xg, gg, wg = x[start:start + n], grad[start:start + n], _dequantized(w[g], power_2)
+        xg, gg, wg = x[start : start + n], grad[start : start + n], _dequantized(w[g], power_2)
         qx, qg = _dequantized(xg, power_2), _dequantized(gg, power_2)
         outs.append(qx @ wg)
         dxs.append(qg @ wg.t())
@@ -55,7 +55,7 @@ def _operands(counts, seed=0, tail=0):
     gen = torch.Generator().manual_seed(seed)
     rows = sum(counts) + tail
     x = torch.randn(rows, K, generator=gen) * torch.logspace(-2, 1, rows)[:, None]  # groups of unlike scale
-    w_scale = torch.tensor([0.02, 1.0, 30.0, 0.5][:len(counts)])[:, None, None]
+    w_scale = torch.tensor([0.02, 1.0, 30.0, 0.5][: len(counts)])[:, None, None]
     w = torch.randn(len(counts), K, N, generator=gen) * w_scale
     grad = torch.randn(rows, N, generator=gen) * 1e-3
     return x.bfloat16(), w.bfloat16(), grad.bfloat16()
@@ -80,13 +80,14 @@ def test_grouped_mm_forward_and_gradients_match_the_dequantized_reference(counts
     # The same quantized operands: only the bf16 rounding of the results differs (and the fp32
     # accumulation, where terms cancel: atol a bf16 ulp of the largest result).
     for got, ref in ((out, ref_out), (x_.grad, ref_dx), (w_.grad, ref_dw)):
-        atol = 2 ** -8 * float(ref.abs().max()) if ref.numel() else 0.0
-        torch.testing.assert_close(got.double(), ref, rtol=2 ** -8, atol=atol)
+        atol = 2**-8 * float(ref.abs().max()) if ref.numel() else 0.0
+        torch.testing.assert_close(got.double(), ref, rtol=2**-8, atol=atol)
     if not sum(counts):
         return
     # And the unquantized math within FP8 E4M3's error (3 mantissa bits: <= 2^-4 per operand).
-    exact = torch.cat([x[s - n:s].double() @ w[g].double() for g, (n, s) in
-                       enumerate(zip(counts, offsets.tolist()))])
+    exact = torch.cat(
+        [x[s - n : s].double() @ w[g].double() for g, (n, s) in enumerate(zip(counts, offsets.tolist()))]
+    )
     assert _rel(out, exact) < 0.08
 
 
@@ -99,7 +100,7 @@ def test_scales_follow_te_current_scaling():
     assert torch.all(q[16:32].float() == 448.0)  # the amax maps onto E4M3's largest value
     _, scale_inv_2 = fp8.quantize_groups(x, group, 3, fp8.Fp8Recipe(power_2_scales=True))
     exponent = torch.log2(scale_inv_2)
-    assert torch.equal(exponent, exponent.round()) and scale_inv_2[1] == 2.0 ** -7  # 448/3 -> 128
+    assert torch.equal(exponent, exponent.round()) and scale_inv_2[1] == 2.0**-7  # 448/3 -> 128
 
 
 def _mlp(x, w1, w2, probs, counts, fp8_recipe, device_counts: bool):
@@ -115,8 +116,8 @@ def test_expert_mlp_with_device_counts_equals_host_counts_and_ignores_padding_ro
     x = torch.randn(rows, K, generator=gen).bfloat16()
     x[-tail:] = float("nan")
     probs = torch.rand(rows, 1, generator=gen)
-    w1 = (torch.randn(3, K, 2 * inter, generator=gen) / K ** 0.5).bfloat16()
-    w2 = (torch.randn(3, inter, K, generator=gen) / inter ** 0.5).bfloat16()
+    w1 = (torch.randn(3, K, 2 * inter, generator=gen) / K**0.5).bfloat16()
+    w2 = (torch.randn(3, inter, K, generator=gen) / inter**0.5).bfloat16()
     grad = torch.randn(rows, K, generator=gen).bfloat16()
     results = []
     for device_counts in (False, True):
@@ -126,8 +127,12 @@ def test_expert_mlp_with_device_counts_equals_host_counts_and_ignores_padding_ro
         results.append([out] + [t.grad for t in leaves])
     valid = sum(counts)
     for host, dev in zip(*results):
-        torch.testing.assert_close(dev[:valid] if dev.shape[0] == rows else dev,
-                                   host[:valid] if host.shape[0] == rows else host, rtol=0, atol=0)
+        torch.testing.assert_close(
+            dev[:valid] if dev.shape[0] == rows else dev,
+            host[:valid] if host.shape[0] == rows else host,
+            rtol=0,
+            atol=0,
+        )
     out, dx, _, _, dprobs = results[1]
     assert torch.all(out[valid:] == 0) and torch.all(dx[valid:] == 0) and torch.all(dprobs[valid:] == 0)
     bf16_out = _mlp(x, w1, w2, probs, counts, None, False)
@@ -137,5 +142,15 @@ def test_expert_mlp_with_device_counts_equals_host_counts_and_ignores_padding_ro
 def test_unaligned_groups_are_refused():
     x, w, _ = _operands([8, 8])
     with pytest.raises(ValueError, match="multiple of 16"):
-        mlp.run_grouped_expert_mlp(x, w, w[:, :, :K].transpose(1, 2).contiguous()[:, :, :K], None, None,
-                                   [8, 8], torch.ones(16, 1), swiglu, 0, fp8=fp8.Fp8Recipe())
+        mlp.run_grouped_expert_mlp(
+            x,
+            w,
+            w[:, :, :K].transpose(1, 2).contiguous()[:, :, :K],
+            None,
+            None,
+            [8, 8],
+            torch.ones(16, 1),
+            swiglu,
+            0,
+            fp8=fp8.Fp8Recipe(),
+        )

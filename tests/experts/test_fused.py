@@ -25,8 +25,11 @@ from tests.doubles import quack_gemm
 from tests.experts.fused_cases import compare, device_counts_of, make_case, run_path
 
 DOUBLE = fused.QuackBackend(quack_gemm, None, any_device=True)
-QUACK_REAL = (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
-              and fused._load_quack().module is not None)
+QUACK_REAL = (
+    torch.cuda.is_available()
+    and torch.cuda.get_device_capability()[0] >= 9
+    and fused._load_quack().module is not None
+)
 
 
 @pytest.fixture(params=["double", "quack"])
@@ -41,8 +44,7 @@ def fused_device(request):
 
 def _assert_passed(result: dict) -> None:
     assert result["padding_ok"], "padding rows leak (non-zero output / prob grad, or NaN grads)"
-    assert result["passed"], {k: {n: f"{v:.3g}" for n, v in e.items()}
-                              for k, e in result["errors"].items()}
+    assert result["passed"], {k: {n: f"{v:.3g}" for n, v in e.items()} for k, e in result["errors"].items()}
 
 
 CASES = [  # (activation, bias, pad, empty experts, skew)
@@ -58,10 +60,22 @@ CASES = [  # (activation, bias, pad, empty experts, skew)
 @pytest.mark.parametrize("activation,bias,pad,empty,skew", CASES)
 @pytest.mark.parametrize("indexed", [True, False], ids=["indexed", "permuted"])
 @pytest.mark.parametrize("device_counts", [True, False], ids=["device_counts", "host_counts"])
-def test_matches_torch_path_within_bf16_rounding(fused_device, activation, bias, pad, empty, skew,
-                                                 indexed, device_counts):
-    case = make_case(48, 6, 2, 32, 16, activation=activation, bias=bias, pad=pad,
-                     empty_experts=empty, skew=skew, device=fused_device)
+def test_matches_torch_path_within_bf16_rounding(
+    fused_device, activation, bias, pad, empty, skew, indexed, device_counts
+):
+    case = make_case(
+        48,
+        6,
+        2,
+        32,
+        16,
+        activation=activation,
+        bias=bias,
+        pad=pad,
+        empty_experts=empty,
+        skew=skew,
+        device=fused_device,
+    )
     _assert_passed(compare(case, indexed, device_counts))
 
 
@@ -78,8 +92,7 @@ def test_real_shapes_within_bf16_rounding(fused_device, shape, indexed):
     if fused_device == "cpu":
         pytest.skip("full model shapes run against real QuACK on the GPU only")
     tokens, experts, topk, hidden, inter = SHAPES[shape]
-    case = make_case(tokens, experts, topk, hidden, inter, pad=128, empty_experts=(3,),
-                     device=fused_device)
+    case = make_case(tokens, experts, topk, hidden, inter, pad=128, empty_experts=(3,), device=fused_device)
     _assert_passed(compare(case, indexed, device_counts=True))
 
 
@@ -102,15 +115,18 @@ def _config(**changes) -> ExpertsConfig:
     return dataclasses.replace(ExpertsConfig(4, 2, 32, 16, activation_limit=0.0), **changes)
 
 
-@pytest.mark.parametrize("changes,named", [
-    ({"expert_activation": "swiglu_clamped", "activation_limit": 7.0}, "clamp"),
-    ({"expert_activation": "swiglu_oai", "activation_limit": 7.0}, "clamp"),
-    ({"expert_activation": "swiglu_oai", "activation_alpha": 1.0}, "alpha"),
-    ({"expert_activation": "gelu"}, "'gelu' has no QuACK epilogue"),
-    ({"dim": 36}, "multiples of 8"),
-    ({"dtype": torch.float32}, "bf16 or fp16"),
-    ({"expert_mlp_impl": "grouped_mm"}, "grouped_mm"),
-])
+@pytest.mark.parametrize(
+    "changes,named",
+    [
+        ({"expert_activation": "swiglu_clamped", "activation_limit": 7.0}, "clamp"),
+        ({"expert_activation": "swiglu_oai", "activation_limit": 7.0}, "clamp"),
+        ({"expert_activation": "swiglu_oai", "activation_alpha": 1.0}, "alpha"),
+        ({"expert_activation": "gelu"}, "'gelu' has no QuACK epilogue"),
+        ({"dim": 36}, "multiples of 8"),
+        ({"dtype": torch.float32}, "bf16 or fp16"),
+        ({"expert_mlp_impl": "grouped_mm"}, "grouped_mm"),
+    ],
+)
 def test_unsupported_cases_name_their_reason(changes, named):
     previous = fused.set_quack_backend(DOUBLE)
     try:
@@ -144,8 +160,9 @@ def test_without_quack_auto_runs_torch_path_and_fused_refuses():
         fused.set_quack_backend(previous)
 
 
-@pytest.mark.parametrize("activation,limit,named", [("swiglu_clamped", 7.0, "no clamp"),
-                                                     ("gelu", 0.0, "no QuACK epilogue")])
+@pytest.mark.parametrize(
+    "activation,limit,named", [("swiglu_clamped", 7.0, "no clamp"), ("gelu", 0.0, "no QuACK epilogue")]
+)
 def test_unsupported_activation_auto_falls_back_fused_raises(fused_device, activation, limit, named):
     case = make_case(32, 4, 2, 32, 16, activation=activation, device=fused_device)
     case.config = dataclasses.replace(case.config, activation_limit=limit)
@@ -162,11 +179,23 @@ def test_chunk_threshold_keeps_the_torch_path(fused_device):
     case = make_case(32, 4, 2, 32, 16, device=fused_device)
     probs = case.probs_P1.detach()
     rows = case.tokens_RH[case.row_of_slot_P.long()]
-    args = (rows, case.params["w1"], case.params["w2"], None, None, case.counts, probs,
-            get_expert_activation(case.config), 64)
+    args = (
+        rows,
+        case.params["w1"],
+        case.params["w2"],
+        None,
+        None,
+        case.counts,
+        probs,
+        get_expert_activation(case.config),
+        64,
+    )
     torch.testing.assert_close(
         run_grouped_expert_mlp(*args, expert_mlp_impl="auto", experts_config=case.config),
-        run_grouped_expert_mlp(*args, expert_mlp_impl="grouped_mm"), rtol=0, atol=0)
+        run_grouped_expert_mlp(*args, expert_mlp_impl="grouped_mm"),
+        rtol=0,
+        atol=0,
+    )
     with pytest.raises(RuntimeError, match="chunk_bytes"):
         run_grouped_expert_mlp(*args, expert_mlp_impl="fused", experts_config=case.config)
 
@@ -180,19 +209,21 @@ def test_invalid_impl_is_refused():
 
 def test_warmup_runs_every_kernel(fused_device):
     # "fused": at these widths real QuACK's "auto" keeps the torch path (AUTO_MIN_HIDDEN_X_FFN).
-    fused_mlp.warmup_fused_expert_mlp(_config(dtype=torch.bfloat16, expert_bias=True, expert_mlp_impl="fused"),
-                                  fused_device)
+    fused_mlp.warmup_fused_expert_mlp(
+        _config(dtype=torch.bfloat16, expert_bias=True, expert_mlp_impl="fused"), fused_device
+    )
     with pytest.raises(RuntimeError, match="clamp"):
         fused_mlp.warmup_fused_expert_mlp(
-            _config(expert_activation="swiglu_clamped", activation_limit=7.0, expert_mlp_impl="fused"),
-            fused_device)
+            _config(expert_activation="swiglu_clamped", activation_limit=7.0, expert_mlp_impl="fused"), fused_device
+        )
 
 
 def test_warmup_does_nothing_where_auto_keeps_the_torch_path(monkeypatch):
     """Below `auto_min_hidden_x_ffn`, "auto" never calls QuACK, so there is nothing to compile;
     "fused" still warms up."""
-    previous = fused.set_quack_backend(fused.QuackBackend(quack_gemm, None, any_device=True,
-                                                          auto_min_hidden_x_ffn=1 << 40))
+    previous = fused.set_quack_backend(
+        fused.QuackBackend(quack_gemm, None, any_device=True, auto_min_hidden_x_ffn=1 << 40)
+    )
     calls = []
     original = quack_gemm.gemm_gated
     monkeypatch.setattr(quack_gemm, "gemm_gated", lambda *a, **k: calls.append(1) or original(*a, **k))
@@ -235,9 +266,10 @@ def test_indexed_rows_fallback_makes_the_permuted_copy():
     case = make_case(24, 3, 2, 32, 16, pad=2)
     out_i, grads_i = run_path(case, "grouped_mm", True, device_counts=False)
     out_p, grads_p = run_path(case, "grouped_mm", False, device_counts=False)
-    assert torch.equal(out_i[:case.valid], out_p[:case.valid])
+    assert torch.equal(out_i[: case.valid], out_p[: case.valid])
     summed = torch.zeros_like(grads_i["rows"]).index_add_(
-        0, case.row_of_slot_P[:case.valid].long(), grads_p["rows"][:case.valid].float().to(grads_i["rows"].dtype))
+        0, case.row_of_slot_P[: case.valid].long(), grads_p["rows"][: case.valid].float().to(grads_i["rows"].dtype)
+    )
     torch.testing.assert_close(grads_i["rows"], summed, rtol=1e-2, atol=1e-2)
 
 
@@ -249,15 +281,19 @@ def test_cuda_graph_replay_equals_eager(fused_device):
     case = make_case(64, 4, 2, 64, 32, pad=8, device="cuda")
     fused_mlp.warmup_fused_expert_mlp(dataclasses.replace(case.config, expert_mlp_impl="fused"), "cuda")
     counts = torch.tensor(case.counts, device="cuda")
-    leaves = {"rows": case.tokens_RH.detach().clone().requires_grad_(True),
-              "probs": case.probs_P1.detach().clone().requires_grad_(True),
-              **{k: v.detach().clone().requires_grad_(True) for k, v in case.params.items()}}
-    indexed = IndexedRows(leaves["rows"], case.row_of_slot_P, case.slot_of_row_RJ, counts,
-                          leaves["probs"][:, 0].detach())
+    leaves = {
+        "rows": case.tokens_RH.detach().clone().requires_grad_(True),
+        "probs": case.probs_P1.detach().clone().requires_grad_(True),
+        **{k: v.detach().clone().requires_grad_(True) for k, v in case.params.items()},
+    }
+    indexed = IndexedRows(
+        leaves["rows"], case.row_of_slot_P, case.slot_of_row_RJ, counts, leaves["probs"][:, 0].detach()
+    )
 
     def step():
-        out = fused_mlp.fused_expert_mlp(indexed, leaves["w1"], leaves["w2"], None, None, counts,
-                                     leaves["probs"], "swiglu")
+        out = fused_mlp.fused_expert_mlp(
+            indexed, leaves["w1"], leaves["w2"], None, None, counts, leaves["probs"], "swiglu"
+        )
         out.backward(case.grad_out_PH)
         return out
 
@@ -290,25 +326,43 @@ def test_no_rows_for_any_local_expert(fused_device):
     w2 = torch.randn(4, 16, 32, device=fused_device).bfloat16().requires_grad_(True)
     probs = torch.zeros(0, 1, device=fused_device, requires_grad=True)
     counts = torch.zeros(4, dtype=torch.long, device=fused_device)
-    indexed = IndexedRows(rows, torch.zeros(0, dtype=torch.int32, device=fused_device),
-                          torch.full((3, 2), -1, device=fused_device), counts, probs[:, 0].detach())
-    out = run_grouped_expert_mlp(indexed, w1, w2, None, None, counts, probs,
-                                 get_expert_activation(config), 0, expert_mlp_impl="fused",
-                                 experts_config=config)
+    indexed = IndexedRows(
+        rows,
+        torch.zeros(0, dtype=torch.int32, device=fused_device),
+        torch.full((3, 2), -1, device=fused_device),
+        counts,
+        probs[:, 0].detach(),
+    )
+    out = run_grouped_expert_mlp(
+        indexed,
+        w1,
+        w2,
+        None,
+        None,
+        counts,
+        probs,
+        get_expert_activation(config),
+        0,
+        expert_mlp_impl="fused",
+        experts_config=config,
+    )
     out.sum().backward()
     assert out.shape == (0, 32)
     for t in (rows, w1, w2, probs):
         assert t.grad is not None and not t.grad.any()
 
 
-@pytest.mark.parametrize("least,impl,hidden,inter,declined", [
-    # QuACK's threshold: the torch path measured faster at both widths (moe_slice_h200.json)
-    (fused.AUTO_MIN_HIDDEN_X_FFN, "auto", 2048, 768, "at every width measured"),
-    (fused.AUTO_MIN_HIDDEN_X_FFN, "auto", 7168, 2048, "at every width measured"),
-    (fused.AUTO_MIN_HIDDEN_X_FFN, "fused", 2048, 768, None),  # "fused" is not a preference
-    (4 << 20, "auto", 2048, 768, "hidden * FFN (2048 * 768) < 4194304"),  # a finite threshold
-    (4 << 20, "auto", 7168, 2048, None),
-])
+@pytest.mark.parametrize(
+    "least,impl,hidden,inter,declined",
+    [
+        # QuACK's threshold: the torch path measured faster at both widths (moe_slice_h200.json)
+        (fused.AUTO_MIN_HIDDEN_X_FFN, "auto", 2048, 768, "at every width measured"),
+        (fused.AUTO_MIN_HIDDEN_X_FFN, "auto", 7168, 2048, "at every width measured"),
+        (fused.AUTO_MIN_HIDDEN_X_FFN, "fused", 2048, 768, None),  # "fused" is not a preference
+        (4 << 20, "auto", 2048, 768, "hidden * FFN (2048 * 768) < 4194304"),  # a finite threshold
+        (4 << 20, "auto", 7168, 2048, None),
+    ],
+)
 def test_auto_keeps_the_torch_path_below_the_measured_width(least, impl, hidden, inter, declined):
     previous = fused.set_quack_backend(dataclasses.replace(DOUBLE, auto_min_hidden_x_ffn=least))
     try:

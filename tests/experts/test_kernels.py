@@ -22,8 +22,7 @@ from tests.experts.bias_cases import (
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
-pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not INTERPRET,
-                                reason="needs CUDA or TRITON_INTERPRET=1")
+pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not INTERPRET, reason="needs CUDA or TRITON_INTERPRET=1")
 TAIL = 5
 
 
@@ -38,12 +37,12 @@ def test_bias_grad_kernel_matches_reference_and_fallback(dtype, weighted):
     rows = sum(SEGMENT_SIZES) + TAIL
     grad = torch.randn(rows, 40, generator=gen).to(dtype)
     probs = torch.rand(rows, 1, generator=gen) if weighted else None
-    got = bias_triton.reduce_bias_grad(grad.to(DEVICE), _offsets(SEGMENT_SIZES),
-                                       None if probs is None else probs.to(DEVICE), torch.float32)
+    got = bias_triton.reduce_bias_grad(
+        grad.to(DEVICE), _offsets(SEGMENT_SIZES), None if probs is None else probs.to(DEVICE), torch.float32
+    )
     expected = reference_bias_grad(grad, SEGMENT_SIZES, probs)
     torch.testing.assert_close(got.cpu().double(), expected, rtol=1e-6, atol=1e-5)
-    fallback = bias._reduce_bias_grad_chunked_fallback(grad, torch.tensor(SEGMENT_SIZES), probs,
-                                                       torch.float32)
+    fallback = bias._reduce_bias_grad_chunked_fallback(grad, torch.tensor(SEGMENT_SIZES), probs, torch.float32)
     torch.testing.assert_close(got.cpu(), fallback, rtol=1e-6, atol=1e-5)
     assert got[0].abs().sum() == 0  # the empty segment
 
@@ -52,8 +51,7 @@ def test_bias_grad_kernel_compensates_cancellation():
     rows = cancellation_case()
     expected = rows.double().sum(0).float()
     assert not torch.equal(naive_fp32_sum(rows), expected)
-    got = bias_triton.reduce_bias_grad(rows.to(DEVICE), _offsets([rows.shape[0]]), None,
-                                       torch.float32)
+    got = bias_triton.reduce_bias_grad(rows.to(DEVICE), _offsets([rows.shape[0]]), None, torch.float32)
     assert torch.equal(got[0].cpu(), expected)
     fallback = bias._reduce_bias_grad_chunked_fallback(rows, torch.tensor([rows.shape[0]]), None, rows.dtype)
     assert torch.equal(got[0].cpu(), fallback[0])
@@ -64,11 +62,11 @@ def test_bias_grad_kernel_bitwise_deterministic_and_takes_strided_rows():
     counts = [129, 0, 300, 64]
     base = torch.randn(sum(counts) + TAIL, 96, generator=gen).to(DEVICE)
     strided = base[:, ::2]  # non-contiguous: column stride 2
-    runs = [bias_triton.reduce_bias_grad(strided, _offsets(counts), None, torch.float32)
-            for _ in range(10)]
+    runs = [bias_triton.reduce_bias_grad(strided, _offsets(counts), None, torch.float32) for _ in range(10)]
     assert all(torch.equal(run, runs[0]) for run in runs[1:])
-    torch.testing.assert_close(runs[0].cpu().double(),
-                               reference_bias_grad(strided.cpu(), counts, None), rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(
+        runs[0].cpu().double(), reference_bias_grad(strided.cpu(), counts, None), rtol=1e-6, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("weighted", [False, True])
@@ -81,14 +79,16 @@ def test_weighted_bias_add_and_probs_grad_kernels(weighted):
     probs = torch.rand(rows, 1, generator=gen) if weighted else None
     expert_ids = bias._row_expert_ids(torch.tensor(counts, device=DEVICE), rows)
     out = torch.empty_like(value, device=DEVICE)
-    bias_triton.weighted_bias_add(value.to(DEVICE), b.to(DEVICE), expert_ids,
-                                  None if probs is None else probs.to(DEVICE), out)
+    bias_triton.weighted_bias_add(
+        value.to(DEVICE), b.to(DEVICE), expert_ids, None if probs is None else probs.to(DEVICE), out
+    )
     expected = reference_bias_add(value.float(), b, counts, probs).to(torch.bfloat16)
     torch.testing.assert_close(out.cpu(), expected, rtol=1e-2, atol=1e-2)
     grad = torch.randn(rows, 72, generator=gen)
     grad_probs = bias_triton.weighted_bias_probs_grad(grad.to(DEVICE), b.to(DEVICE), expert_ids)
-    torch.testing.assert_close(grad_probs.cpu().double(), reference_probs_grad(grad, b, counts, rows),
-                               rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(
+        grad_probs.cpu().double(), reference_probs_grad(grad, b, counts, rows), rtol=1e-5, atol=1e-4
+    )
 
 
 @pytest.mark.parametrize("chunked", [False, True])
@@ -151,9 +151,12 @@ def test_zero_rows_kernel_zeroes_only_padding_rows(dtype, start, max_programs, m
     out = rows_triton.zero_rows_from_(x, torch.tensor([start], dtype=torch.int32, device=DEVICE))
     assert out.data_ptr() == x.data_ptr()
     torch.testing.assert_close(x.cpu(), expected, rtol=0, atol=0)
-    torch.testing.assert_close(base[:, :3].cpu(), torch.randn(13, 1100, generator=torch.Generator()
-                                                              .manual_seed(5)).to(dtype)[:, :3],
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        base[:, :3].cpu(),
+        torch.randn(13, 1100, generator=torch.Generator().manual_seed(5)).to(dtype)[:, :3],
+        rtol=0,
+        atol=0,
+    )
 
 
 @pytest.mark.parametrize("shape", [(3, 5, 12), (2, 2200), (4, 1, 2)])

@@ -29,7 +29,7 @@ def _ref_activation(kind, h, probs):
         gate, up = h[:, 0::2].clamp(max=7.0), h[:, 1::2].clamp(-7.0, 7.0)
         return gate * torch.sigmoid(1.702 * gate) * (up + 1.0) * probs
     if kind == "gelu":  # exact (erf) GELU
-        return 0.5 * h * (1.0 + torch.erf(h / 2.0 ** 0.5)) * probs
+        return 0.5 * h * (1.0 + torch.erf(h / 2.0**0.5)) * probs
     return F.relu(h) ** 2 * probs
 
 
@@ -43,8 +43,8 @@ def _case(kind, with_bias, seed=0, counts=COUNTS, tail=TAIL, param_dtype=torch.f
     tensors = {
         "x": torch.randn(rows, HIDDEN, generator=gen),
         "probs": torch.rand(rows, 1, generator=gen),
-        "w1": torch.randn(experts, HIDDEN, width, generator=gen) / HIDDEN ** 0.5,
-        "w2": torch.randn(experts, INTER, HIDDEN, generator=gen) / INTER ** 0.5,
+        "w1": torch.randn(experts, HIDDEN, width, generator=gen) / HIDDEN**0.5,
+        "w2": torch.randn(experts, INTER, HIDDEN, generator=gen) / INTER**0.5,
     }
     if with_bias:
         tensors["b1"] = torch.randn(experts, width, generator=gen)
@@ -82,8 +82,17 @@ def _reference(kind, tensors, grad_out, counts, after_down=False):
 
 def _run(fn, tensors, grad_out, counts, device, kind, **kwargs):
     leaves = {k: v.detach().to(device, copy=True).requires_grad_(True) for k, v in tensors.items()}
-    out = fn(leaves["x"], leaves["w1"], leaves["w2"], leaves.get("b1"), leaves.get("b2"), counts,
-             leaves["probs"], ACTIVATIONS[kind], **kwargs)
+    out = fn(
+        leaves["x"],
+        leaves["w1"],
+        leaves["w2"],
+        leaves.get("b1"),
+        leaves.get("b2"),
+        counts,
+        leaves["probs"],
+        ACTIVATIONS[kind],
+        **kwargs,
+    )
     out.backward(grad_out.to(device=device, dtype=out.dtype))
     return out.detach().cpu(), {k: v.grad.cpu() for k, v in leaves.items()}
 
@@ -135,16 +144,16 @@ def test_bf16_compute_with_fp32_master_weights(device):
     tensors, grad_out = _case("swiglu", True)
     leaves = {k: v.detach().to(device, copy=True).requires_grad_(True) for k, v in tensors.items()}
     x_bf16 = leaves["x"].to(torch.bfloat16)
-    out = mlp.run_grouped_expert_mlp(x_bf16, leaves["w1"], leaves["w2"], leaves["b1"], leaves["b2"],
-                                     COUNTS, leaves["probs"], swiglu)
+    out = mlp.run_grouped_expert_mlp(
+        x_bf16, leaves["w1"], leaves["w2"], leaves["b1"], leaves["b2"], COUNTS, leaves["probs"], swiglu
+    )
     assert out.dtype == torch.bfloat16
     out.backward(grad_out.to(device=device, dtype=torch.bfloat16))
     ref_out, ref_grads = _reference("swiglu", tensors, grad_out, COUNTS)
-    torch.testing.assert_close(out[:sum(COUNTS)].cpu().double(), ref_out, rtol=5e-2, atol=5e-2)
+    torch.testing.assert_close(out[: sum(COUNTS)].cpu().double(), ref_out, rtol=5e-2, atol=5e-2)
     for name in ("w1", "w2", "b1", "b2", "probs"):
         assert leaves[name].grad.dtype == torch.float32
-        torch.testing.assert_close(leaves[name].grad.cpu().double(), ref_grads[name], rtol=5e-2,
-                                   atol=1e-1, msg=name)
+        torch.testing.assert_close(leaves[name].grad.cpu().double(), ref_grads[name], rtol=5e-2, atol=1e-1, msg=name)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -153,8 +162,9 @@ def test_sum_loss_zero_stride_gradient(device):
     backward rejects unless the MLP makes it contiguous."""
     tensors, _ = _case("swiglu", False, tail=0)
     leaves = {k: v.detach().to(device, copy=True).requires_grad_(True) for k, v in tensors.items()}
-    mlp.run_grouped_expert_mlp(leaves["x"], leaves["w1"], leaves["w2"], None, None, COUNTS,
-                               leaves["probs"], swiglu).sum().backward()
+    mlp.run_grouped_expert_mlp(
+        leaves["x"], leaves["w1"], leaves["w2"], None, None, COUNTS, leaves["probs"], swiglu
+    ).sum().backward()
     ones = torch.ones(sum(COUNTS), HIDDEN)
     _, ref_grads = _reference("swiglu", tensors, ones, COUNTS)
     torch.testing.assert_close(leaves["w1"].grad.cpu().double(), ref_grads["w1"], rtol=1e-4, atol=1e-4)
@@ -169,8 +179,16 @@ def test_chunked_equals_unchunked(chunk_rows, after_down, device, counts_on):
     tensors, grad_out = _case("swiglu", True, seed=5)
     chunk_bytes = chunk_rows * 2 * INTER * 4
     counts = _counts(counts_on, device)
-    out, grads = _run(mlp._checkpointed_chunked_expert_mlp, tensors, grad_out, counts, device,
-                      "swiglu", apply_router_weight_after_down=after_down, chunk_bytes=chunk_bytes)
+    out, grads = _run(
+        mlp._checkpointed_chunked_expert_mlp,
+        tensors,
+        grad_out,
+        counts,
+        device,
+        "swiglu",
+        apply_router_weight_after_down=after_down,
+        chunk_bytes=chunk_bytes,
+    )
     if after_down:
         ref_out, ref_grads = _reference("swiglu", tensors, grad_out, COUNTS, after_down=True)
         _check(out, grads, ref_out, ref_grads, sum(COUNTS), dict(rtol=1e-4, atol=1e-4))
@@ -184,8 +202,9 @@ def test_chunked_equals_unchunked(chunk_rows, after_down, device, counts_on):
 def test_run_grouped_switches_to_chunks_above_budget(monkeypatch):
     calls = []
     chunked = mlp._checkpointed_chunked_expert_mlp
-    monkeypatch.setattr(mlp, "_checkpointed_chunked_expert_mlp",
-                        lambda *args, **kwargs: calls.append(1) or chunked(*args, **kwargs))
+    monkeypatch.setattr(
+        mlp, "_checkpointed_chunked_expert_mlp", lambda *args, **kwargs: calls.append(1) or chunked(*args, **kwargs)
+    )
     tensors, grad_out = _case("swiglu", True)
     full_out, full_grads = _run(_run_grouped, tensors, grad_out, COUNTS, "cpu", "swiglu")
     assert not calls
@@ -200,8 +219,7 @@ def test_run_grouped_switches_to_chunks_above_budget(monkeypatch):
 def _peak_extra_bytes(fn, tensors, counts, **kwargs):
     leaves = {k: v.detach().clone().requires_grad_(True) for k, v in tensors.items()}
     with LiveStorageTracker() as tracker:
-        out = fn(leaves["x"], leaves["w1"], leaves["w2"], None, None, counts, leaves["probs"],
-                 swiglu, **kwargs)
+        out = fn(leaves["x"], leaves["w1"], leaves["w2"], None, None, counts, leaves["probs"], swiglu, **kwargs)
         (out * 1).sum().backward()
         del out
     return tracker.peak_bytes
@@ -220,12 +238,13 @@ def test_chunked_peak_memory_stays_bounded():
         "w2": torch.randn(experts, inter, hidden, generator=gen),
     }
     bound = 3 * rows * 2 * inter * 4
-    chunked = _peak_extra_bytes(mlp._checkpointed_chunked_expert_mlp, tensors, counts,
-                                chunk_bytes=1 << 20)
+    chunked = _peak_extra_bytes(mlp._checkpointed_chunked_expert_mlp, tensors, counts, chunk_bytes=1 << 20)
     single = _peak_extra_bytes(_run_grouped, tensors, counts)
-    print(f"\npeak extra memory at {rows} rows (H {hidden}, 2I {2 * inter}, fp32): chunked "
-          f"{chunked / 2**20:.1f} MiB, single-shot {single / 2**20:.1f} MiB, bound "
-          f"{bound / 2**20:.1f} MiB")
+    print(
+        f"\npeak extra memory at {rows} rows (H {hidden}, 2I {2 * inter}, fp32): chunked "
+        f"{chunked / 2**20:.1f} MiB, single-shot {single / 2**20:.1f} MiB, bound "
+        f"{bound / 2**20:.1f} MiB"
+    )
     assert chunked < bound
     assert single > chunked  # the tracker sees the intermediates the chunks avoid
 
@@ -253,9 +272,16 @@ def test_no_routed_rows_still_gives_zero_gradients(rows, device, counts_on):
     """A rank that received nothing (or only padding) still produces every gradient, as zeros."""
     tensors, _ = _case("swiglu", True, counts=[0, 0, 0], tail=rows)
     leaves = {k: v.detach().to(device, copy=True).requires_grad_(True) for k, v in tensors.items()}
-    out = mlp.run_grouped_expert_mlp(leaves["x"], leaves["w1"], leaves["w2"], leaves["b1"],
-                                     leaves["b2"], _counts(counts_on, device, [0, 0, 0]),
-                                     leaves["probs"], swiglu)
+    out = mlp.run_grouped_expert_mlp(
+        leaves["x"],
+        leaves["w1"],
+        leaves["w2"],
+        leaves["b1"],
+        leaves["b2"],
+        _counts(counts_on, device, [0, 0, 0]),
+        leaves["probs"],
+        swiglu,
+    )
     assert out.shape == (rows, HIDDEN) and torch.all(out == 0)
     out.sum().backward()
     for name, leaf in leaves.items():
@@ -286,8 +312,16 @@ def test_bf16_forward_with_host_counts_never_waits_for_the_gpu(with_bias):
     leaves["x"].requires_grad_(True)
 
     def forward():
-        return mlp.run_grouped_expert_mlp(leaves["x"], leaves["w1"], leaves["w2"], leaves.get("b1"),
-                                          leaves.get("b2"), COUNTS, leaves["probs"], swiglu)
+        return mlp.run_grouped_expert_mlp(
+            leaves["x"],
+            leaves["w1"],
+            leaves["w2"],
+            leaves.get("b1"),
+            leaves.get("b2"),
+            COUNTS,
+            leaves["probs"],
+            swiglu,
+        )
 
     reference = forward().detach()  # compiles the Triton kernels before the checked call
     out = []
@@ -308,5 +342,12 @@ def test_chunked_recompute_touches_no_rng_state(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_rng_state", refuse)
     monkeypatch.setattr(torch.cuda, "set_rng_state", refuse)
     tensors, grad_out = _case("swiglu", True, seed=5)
-    _run(mlp._checkpointed_chunked_expert_mlp, tensors, grad_out, COUNTS, "cpu", "swiglu",
-         chunk_bytes=7 * 2 * INTER * 4)
+    _run(
+        mlp._checkpointed_chunked_expert_mlp,
+        tensors,
+        grad_out,
+        COUNTS,
+        "cpu",
+        "swiglu",
+        chunk_bytes=7 * 2 * INTER * 4,
+    )

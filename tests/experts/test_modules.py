@@ -22,58 +22,162 @@ from tests.experts.cases_modules import (
 from tests.experts.devices import TE_MULTI_RANK_SKIP
 
 CASES = [
-    ModuleCase("loop_swiglu_fp32_bias_ep2_empty_rank", "grouped_loop", "swiglu", "fp32", True, 2,
-               tokens_per_rank=(0, 7), empty_expert=2),
+    ModuleCase(
+        "loop_swiglu_fp32_bias_ep2_empty_rank",
+        "grouped_loop",
+        "swiglu",
+        "fp32",
+        True,
+        2,
+        tokens_per_rank=(0, 7),
+        empty_expert=2,
+    ),
     ModuleCase("mm_clamped_bf16master_ep2", "grouped_mm", "swiglu_clamped", "bf16_fp32_master", False, 2),
     ModuleCase("mm_quick_geglu_fp32_bias_ep1", "grouped_mm", "quick_geglu", "fp32", True, 1),
-    ModuleCase("deepep_oai_fp32_bias_ep2_empty_rank", "deepep", "swiglu_oai", "fp32", True, 2,
-               tokens_per_rank=(5, 0)),
+    ModuleCase(
+        "deepep_oai_fp32_bias_ep2_empty_rank", "deepep", "swiglu_oai", "fp32", True, 2, tokens_per_rank=(5, 0)
+    ),
     ModuleCase("deepep_relu2_bf16_no_group", "deepep", "relu2", "bf16", False, 1, ep_mode="none"),
-    ModuleCase("te_swiglu_bf16master_bias_ep2_empty_expert", "te", "swiglu", "bf16_fp32_master", True, 2,
-               empty_expert=1),
+    ModuleCase(
+        "te_swiglu_bf16master_bias_ep2_empty_expert", "te", "swiglu", "bf16_fp32_master", True, 2, empty_expert=1
+    ),
     ModuleCase("te_relu2_fp32_ep1", "te", "relu2", "fp32", False, 1),
-    ModuleCase("te_quick_geglu_fp32_bias_ep2_fp8_padding", "te", "quick_geglu", "fp32", True, 2,
-               fp8_align_size=8, tokens_per_rank=(9, 6)),
+    ModuleCase(
+        "te_quick_geglu_fp32_bias_ep2_fp8_padding",
+        "te",
+        "quick_geglu",
+        "fp32",
+        True,
+        2,
+        fp8_align_size=8,
+        tokens_per_rank=(9, 6),
+    ),
     ModuleCase("loop_oai_bf16_bias_no_group", "grouped_loop", "swiglu_oai", "bf16", True, 1, ep_mode="none"),
-    ModuleCase("deepep_clamped_fp32_bias_ep2_mesh", "deepep", "swiglu_clamped", "fp32", True, 2,
-               ep_mode="mesh", unused_fraction=0.3),
-    ModuleCase("mm_relu2_fp32_bias_ep2_mesh_empty_expert", "grouped_mm", "relu2", "fp32", True, 2,
-               ep_mode="mesh", empty_expert=3, unused_fraction=0.3),
+    ModuleCase(
+        "deepep_clamped_fp32_bias_ep2_mesh",
+        "deepep",
+        "swiglu_clamped",
+        "fp32",
+        True,
+        2,
+        ep_mode="mesh",
+        unused_fraction=0.3,
+    ),
+    ModuleCase(
+        "mm_relu2_fp32_bias_ep2_mesh_empty_expert",
+        "grouped_mm",
+        "relu2",
+        "fp32",
+        True,
+        2,
+        ep_mode="mesh",
+        empty_expert=3,
+        unused_fraction=0.3,
+    ),
     # TE at EP 1 (these also run against real TE on one GPU): fp32 masters under bf16 rows,
     # TE's Fp8Padding / Fp8Unpadding outside FP8, an empty expert, no tokens at all.
-    ModuleCase("te_swiglu_bf16master_bias_ep1_fp8_padding", "te", "swiglu", "bf16_fp32_master", True, 1,
-               fp8_align_size=16, tokens_per_rank=(11,)),
+    ModuleCase(
+        "te_swiglu_bf16master_bias_ep1_fp8_padding",
+        "te",
+        "swiglu",
+        "bf16_fp32_master",
+        True,
+        1,
+        fp8_align_size=16,
+        tokens_per_rank=(11,),
+    ),
     ModuleCase("te_oai_bf16_bias_ep1_empty_expert", "te", "swiglu_oai", "bf16", True, 1, empty_expert=1),
-    ModuleCase("te_quick_geglu_fp32_bias_ep1_no_tokens", "te", "quick_geglu", "fp32", True, 1,
-               tokens_per_rank=(0,)),
+    ModuleCase("te_quick_geglu_fp32_bias_ep1_no_tokens", "te", "quick_geglu", "fp32", True, 1, tokens_per_rank=(0,)),
     ModuleCase("te_clamped_bf16_bias_no_group", "te", "swiglu_clamped", "bf16", True, 1, ep_mode="none"),
-    ModuleCase("deepep_quick_geglu_bf16master_bias_ep2", "deepep", "quick_geglu", "bf16_fp32_master", True, 2,
-               experts=8, topk=3, tokens_per_rank=(11, 4)),
+    ModuleCase(
+        "deepep_quick_geglu_bf16master_bias_ep2",
+        "deepep",
+        "quick_geglu",
+        "bf16_fp32_master",
+        True,
+        2,
+        experts=8,
+        topk=3,
+        tokens_per_rank=(11, 4),
+    ),
     ModuleCase("loop_relu2_bf16_ep2_no_limit", "grouped_loop", "relu2", "bf16", False, 2, limit=0.0),
-    ModuleCase("mm_oai_fp32_no_limit_ep2_all_masked_rank", "grouped_mm", "swiglu_oai", "fp32", False, 2,
-               limit=0.0, tokens_per_rank=(6, 3), masked_fraction=0.5),
-    ModuleCase("deepep_torch_capacity_swiglu_fp32_bias_ep2", "deepep", "swiglu", "fp32", True, 2,
-               repeats=2, dispatcher_options=(("moe_hybridep_capacity_factor", 2.0),)),
-    ModuleCase("te_torch_capacity_relu2_fp32_bias_ep2", "te", "relu2", "fp32", True, 2, repeats=2,
-               dispatcher_options=(("moe_hybridep_capacity_factor", 2.0),), tokens_per_rank=(8, 3)),
-    ModuleCase("deepep_on_deepep_backend_swiglu_bf16_bias_ep2", "deepep", "swiglu", "bf16", True, 2,
-               backend="deepep"),
+    ModuleCase(
+        "mm_oai_fp32_no_limit_ep2_all_masked_rank",
+        "grouped_mm",
+        "swiglu_oai",
+        "fp32",
+        False,
+        2,
+        limit=0.0,
+        tokens_per_rank=(6, 3),
+        masked_fraction=0.5,
+    ),
+    ModuleCase(
+        "deepep_torch_capacity_swiglu_fp32_bias_ep2",
+        "deepep",
+        "swiglu",
+        "fp32",
+        True,
+        2,
+        repeats=2,
+        dispatcher_options=(("moe_hybridep_capacity_factor", 2.0),),
+    ),
+    ModuleCase(
+        "te_torch_capacity_relu2_fp32_bias_ep2",
+        "te",
+        "relu2",
+        "fp32",
+        True,
+        2,
+        repeats=2,
+        dispatcher_options=(("moe_hybridep_capacity_factor", 2.0),),
+        tokens_per_rank=(8, 3),
+    ),
+    ModuleCase(
+        "deepep_on_deepep_backend_swiglu_bf16_bias_ep2", "deepep", "swiglu", "bf16", True, 2, backend="deepep"
+    ),
     # Capacity mode: the dispatcher hands over rows past sum(tokens_per_expert).
-    ModuleCase("deepep_on_hybridep_capacity_clamped_bf16_bias_ep2", "deepep", "swiglu_clamped", "bf16", True, 2,
-               backend="hybridep", repeats=2, hidden=128,
-               dispatcher_options=(("moe_hybridep_capacity_factor", 2.0),)),
-    ModuleCase("te_on_hybridep_capacity_oai_bf16master_bias_ep2", "te", "swiglu_oai", "bf16_fp32_master", True, 2,
-               backend="hybridep", repeats=2, hidden=128,
-               dispatcher_options=(("moe_hybridep_capacity_factor", 2.0),)),
-    ModuleCase("mm_swiglu_fp32_bias_ep2_no_tokens_anywhere", "grouped_mm", "swiglu", "fp32", True, 2,
-               tokens_per_rank=(0, 0)),
+    ModuleCase(
+        "deepep_on_hybridep_capacity_clamped_bf16_bias_ep2",
+        "deepep",
+        "swiglu_clamped",
+        "bf16",
+        True,
+        2,
+        backend="hybridep",
+        repeats=2,
+        hidden=128,
+        dispatcher_options=(("moe_hybridep_capacity_factor", 2.0),),
+    ),
+    ModuleCase(
+        "te_on_hybridep_capacity_oai_bf16master_bias_ep2",
+        "te",
+        "swiglu_oai",
+        "bf16_fp32_master",
+        True,
+        2,
+        backend="hybridep",
+        repeats=2,
+        hidden=128,
+        dispatcher_options=(("moe_hybridep_capacity_factor", 2.0),),
+    ),
+    ModuleCase(
+        "mm_swiglu_fp32_bias_ep2_no_tokens_anywhere", "grouped_mm", "swiglu", "fp32", True, 2, tokens_per_rank=(0, 0)
+    ),
     # Rows that are not a multiple of 16 bytes (torch._grouped_mm's stride rule): padded inside.
     ModuleCase("mm_swiglu_bf16_bias_hidden12_ep1", "grouped_mm", "swiglu", "bf16", True, 1, hidden=12),
-    ModuleCase("deepep_relu2_fp32_bias_hidden10_inter5_ep2", "deepep", "relu2", "fp32", True, 2,
-               hidden=10, inter=5),
+    ModuleCase("deepep_relu2_fp32_bias_hidden10_inter5_ep2", "deepep", "relu2", "fp32", True, 2, hidden=10, inter=5),
     ModuleCase("mm_oai_fp32_inter3_ep2", "grouped_mm", "swiglu_oai", "fp32", False, 2, inter=3),
-    ModuleCase("deepep_clamped_bf16master_hidden12_inter6_ep1", "deepep", "swiglu_clamped",
-               "bf16_fp32_master", True, 1, hidden=12, inter=6),
+    ModuleCase(
+        "deepep_clamped_bf16master_hidden12_inter6_ep1",
+        "deepep",
+        "swiglu_clamped",
+        "bf16_fp32_master",
+        True,
+        1,
+        hidden=12,
+        inter=6,
+    ),
     # Megatron's default non-gated GELU ([e, H, I] gate/up weights).
     ModuleCase("mm_gelu_fp32_bias_ep2_empty_expert", "grouped_mm", "gelu", "fp32", True, 2, empty_expert=0),
     ModuleCase("te_gelu_bf16master_ep1", "te", "gelu", "bf16_fp32_master", False, 1),
@@ -122,8 +226,10 @@ def test_all_gather_concat_varlen(dist_pools, lengths):
         assert r == {"forward": True, "backward": True}
 
 
-@pytest.mark.skipif(try_import("deep_ep") is not None and not getattr(try_import("deep_ep"), "IS_TEST_DOUBLE", False),
-                    reason="counts buffers through the DeepEP test double")
+@pytest.mark.skipif(
+    try_import("deep_ep") is not None and not getattr(try_import("deep_ep"), "IS_TEST_DOUBLE", False),
+    reason="counts buffers through the DeepEP test double",
+)
 @pytest.mark.parametrize("module_name", ["deepep", pytest.param("te", marks=TE_MULTI_RANK_SKIP)])
 def test_deepep_buffer_is_allocated_at_setup(dist_pools, module_name):
     for r in dist_pools(2).run(run_deepep_buffer_at_setup, module_name):
@@ -133,8 +239,10 @@ def test_deepep_buffer_is_allocated_at_setup(dist_pools, module_name):
 @pytest.mark.parametrize("module_name", ["deepep", pytest.param("te", marks=TE_MULTI_RANK_SKIP)])
 def test_pipeline_runtime_initializers_come_from_the_dispatcher(dist_pools, module_name):
     assert dist_pools(2).run(run_pipeline_initializers, module_name, "torch") == [[], []]
-    assert dist_pools(2).run(run_pipeline_initializers, module_name, "hybridep") == [
-        ["HybridEPPipelineRuntimeInitializer"]] * 2
+    assert (
+        dist_pools(2).run(run_pipeline_initializers, module_name, "hybridep")
+        == [["HybridEPPipelineRuntimeInitializer"]] * 2
+    )
 
 
 DUPLICATE_ID_CASES = [
@@ -145,11 +253,15 @@ DUPLICATE_ID_CASES = [
 ]
 
 
-@pytest.mark.parametrize("module_name,backend,bad_ranks", DUPLICATE_ID_CASES,
-                         ids=lambda v: "-".join(map(str, v)) if isinstance(v, tuple) else str(v))
+@pytest.mark.parametrize(
+    "module_name,backend,bad_ranks",
+    DUPLICATE_ID_CASES,
+    ids=lambda v: "-".join(map(str, v)) if isinstance(v, tuple) else str(v),
+)
 def test_duplicate_expert_id_rejected_on_every_rank_at_ep2(dist_pools, module_name, backend, bad_ranks):
-    case = ModuleCase(f"{module_name}_duplicate", module_name, "swiglu", "fp32", False, 2, backend=backend,
-                      masked_fraction=0.0)
+    case = ModuleCase(
+        f"{module_name}_duplicate", module_name, "swiglu", "fp32", False, 2, backend=backend, masked_fraction=0.0
+    )
     for rank, r in enumerate(dist_pools(2).run(run_duplicate_expert_id, case, bad_ranks)):
         assert r["type"] == "AgreedValueError", (rank, r)  # a ValueError every rank raises together
         assert "twice" in r["message"] or f"rank(s) {list(bad_ranks)}" in r["message"], (rank, r)

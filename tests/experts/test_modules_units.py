@@ -176,8 +176,13 @@ def test_expert_mlp_chunk_bytes_sets_the_modules_chunking(monkeypatch, module_na
     module default lowered to 1 byte."""
     entered = []
     chunked = mlp._checkpointed_chunked_expert_mlp
-    monkeypatch.setattr(mlp, "_checkpointed_chunked_expert_mlp", lambda *args, chunk_bytes, **kwargs: (
-        entered.append(chunk_bytes) or chunked(*args, chunk_bytes=chunk_bytes, **kwargs)))
+    monkeypatch.setattr(
+        mlp,
+        "_checkpointed_chunked_expert_mlp",
+        lambda *args, chunk_bytes, **kwargs: (
+            entered.append(chunk_bytes) or chunked(*args, chunk_bytes=chunk_bytes, **kwargs)
+        ),
+    )
     x, mask, w, idx, g = make_inputs(CASE, 0)
 
     def step(**fields):
@@ -193,8 +198,10 @@ def test_expert_mlp_chunk_bytes_sets_the_modules_chunking(monkeypatch, module_na
     # Scale-relative, as the dense-reference tests measure: chunking reorders each weight
     # gradient's fp32 sum, and an entry that cancels to near 0 cannot meet a tolerance
     # relative to itself (the GPU machine's CPU BLAS showed it).
-    errors = {name: rel_err(grad, one_shot[name], torch.float32)
-              for name, grad in step(expert_mlp_chunk_bytes=three_rows).items()}
+    errors = {
+        name: rel_err(grad, one_shot[name], torch.float32)
+        for name, grad in step(expert_mlp_chunk_bytes=three_rows).items()
+    }
     assert all(err <= 1e-5 for err in errors.values()), errors
     assert entered == [three_rows]
     monkeypatch.setattr(mlp, "EXPERT_MLP_CHUNK_BYTES", 1)
@@ -206,8 +213,9 @@ def test_expert_mlp_chunk_bytes_sets_the_modules_chunking(monkeypatch, module_na
 @pytest.mark.parametrize("value", [-1, 1.5, True, None, "512MiB"])
 def test_expert_mlp_chunk_bytes_must_be_an_int_at_least_zero(value):
     with pytest.raises(ValueError, match=r"^expert_mlp_chunk_bytes=.* is invalid"):
-        ExpertsConfig(n_routed_experts=4, n_activated_experts=2, dim=16, moe_inter_dim=8,
-                      expert_mlp_chunk_bytes=value)
+        ExpertsConfig(
+            n_routed_experts=4, n_activated_experts=2, dim=16, moe_inter_dim=8, expert_mlp_chunk_bytes=value
+        )
 
 
 @pytest.mark.parametrize("module_name", ["grouped_loop", "grouped_mm", "deepep", "te"])
@@ -233,8 +241,10 @@ def test_bad_inputs_raise_value_error_naming_the_field(monkeypatch, module_name)
 
 def test_init_weights_materialises_meta_parameters():
     case = dataclasses.replace(CASE, module="grouped_mm")
-    for module in (build_module(case, device="meta"),
-                   build_module(dataclasses.replace(case, module="deepep"), device="meta")):
+    for module in (
+        build_module(case, device="meta"),
+        build_module(dataclasses.replace(case, module="deepep"), device="meta"),
+    ):
         module.init_weights(torch.device("cpu"), init_std=0.5)
         for name, p in module.named_parameters():
             assert p.device.type == "cpu" and torch.isfinite(p).all(), name
@@ -320,8 +330,23 @@ def test_grouped_linear_positional_arguments_follow_te():
     te_pt = te_grouped_linear_module()
     device = torch.device("cuda" if TE_REAL else "cpu")
     init = lambda w: torch.nn.init.constant_(w, 0.5)  # noqa: E731
-    linear = te_pt.GroupedLinear(2, 3, 4, False, False, None, 1, None, None, init, False, False,
-                                 torch.float64 if not TE_REAL else torch.bfloat16, None, device)
+    linear = te_pt.GroupedLinear(
+        2,
+        3,
+        4,
+        False,
+        False,
+        None,
+        1,
+        None,
+        None,
+        init,
+        False,
+        False,
+        torch.float64 if not TE_REAL else torch.bfloat16,
+        None,
+        device,
+    )
     assert not linear.use_bias and linear.weight1.shape == (4, 3)
     assert linear.weight0.dtype == (torch.float64 if not TE_REAL else torch.bfloat16)
     assert bool((linear.weight1 == 0.5).all())

@@ -37,14 +37,17 @@ def main() -> None:
     case = load_case()
     try:
         results = get_pool(case.world_size).run(
-            train_native_and_ext, case_fields(case), case.ep_size, case.train_iters, case.backend)
+            train_native_and_ext, case_fields(case), case.ep_size, case.train_iters, case.backend
+        )
     finally:
         shutdown_pools()
     with open(path, "w") as f:
         json.dump(golden_values_json(results[0]["ext"], case.metrics), f, indent=4)
         f.write("\n")
-    print(f"wrote {path}: lm loss {results[0]['ext']['lm_loss'][0]:.4f} -> "
-          f"{results[0]['ext']['lm_loss'][-1]:.4f} over {case.train_iters} steps")
+    print(
+        f"wrote {path}: lm loss {results[0]['ext']['lm_loss'][0]:.4f} -> "
+        f"{results[0]['ext']['lm_loss'][-1]:.4f} over {case.train_iters} steps"
+    )
 
 
 if __name__ == "__main__":

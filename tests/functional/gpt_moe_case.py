@@ -43,16 +43,25 @@ def stored_golden_values() -> list[str]:
     rounding: an AVX-512 Intel Xeon (2026-12-06) gives the AVX2 file's 576 zeros at step 19, the
     machine that wrote GOLDEN_VALUES 577; each file is one machine's exact run."""
     first = cpu_golden_values()
-    return [first] + sorted(p for p in glob.glob(os.path.join(CASE_DIR, "golden_values_cpu_fp32*.json"))
-                            if p != first)
+    return [first] + sorted(
+        p for p in glob.glob(os.path.join(CASE_DIR, "golden_values_cpu_fp32*.json")) if p != first
+    )
+
 
 # Megatron's MODEL_ARGS names -> GPTMoEConfig fields (the rest are the run's shape).
 _MODEL_ARG_FIELDS = {
-    "num-layers": "num_layers", "hidden-size": "hidden_size",
-    "num-attention-heads": "num_attention_heads", "moe-ffn-hidden-size": "moe_ffn_hidden_size",
-    "num-experts": "num_moe_experts", "moe-router-topk": "moe_router_topk",
-    "moe-aux-loss-coeff": "moe_aux_loss_coeff", "vocab-size": "vocab_size",
-    "seq-length": "seq_length", "micro-batch-size": "micro_batch_size", "lr": "lr", "seed": "seed",
+    "num-layers": "num_layers",
+    "hidden-size": "hidden_size",
+    "num-attention-heads": "num_attention_heads",
+    "moe-ffn-hidden-size": "moe_ffn_hidden_size",
+    "num-experts": "num_moe_experts",
+    "moe-router-topk": "moe_router_topk",
+    "moe-aux-loss-coeff": "moe_aux_loss_coeff",
+    "vocab-size": "vocab_size",
+    "seq-length": "seq_length",
+    "micro-batch-size": "micro_batch_size",
+    "lr": "lr",
+    "seed": "seed",
 }
 # Megatron's names of the metrics this loop logs (tests/functional_tests/python_test_utils).
 METRIC_KEYS = {"lm loss": "lm_loss", "num-zeros": "num_zeros"}
@@ -82,11 +91,14 @@ def load_case(path: str = MODEL_CONFIG) -> FunctionalCase:
     if not isinstance(metrics, list) or not set(metrics) <= set(METRIC_KEYS):
         raise ValueError(f"{path}: METRICS must be a list of {sorted(METRIC_KEYS)}, got {metrics!r}")
     flex = args["moe-token-dispatcher-type"] == "flex"
-    return FunctionalCase(model=GPTMoEConfig(**fields), train_iters=args["train-iters"],
-                          world_size=args["global-batch-size"] // args["micro-batch-size"],
-                          ep_size=args["expert-model-parallel-size"],
-                          backend=args["moe-flex-dispatcher-backend"] if flex else "torch",
-                          metrics=tuple(metrics))
+    return FunctionalCase(
+        model=GPTMoEConfig(**fields),
+        train_iters=args["train-iters"],
+        world_size=args["global-batch-size"] // args["micro-batch-size"],
+        ep_size=args["expert-model-parallel-size"],
+        backend=args["moe-flex-dispatcher-backend"] if flex else "torch",
+        metrics=tuple(metrics),
+    )
 
 
 def load_golden_values(path: str | None = None) -> dict[str, list]:
@@ -107,16 +119,19 @@ def golden_values_json(run: dict, metrics: tuple[str, ...]) -> dict:
     out = {}
     for name in metrics:
         values = run[METRIC_KEYS[name]]
-        out[name] = {"start_step": 1, "end_step": len(values), "step_interval": 1,
-                     "values": {str(i + 1): round(v, GOLDEN_DECIMALS) for i, v in enumerate(values)}}
+        out[name] = {
+            "start_step": 1,
+            "end_step": len(values),
+            "step_interval": 1,
+            "values": {str(i + 1): round(v, GOLDEN_DECIMALS) for i, v in enumerate(values)},
+        }
     return out
 
 
 def _moe_layer_kinds(model) -> list[tuple[str, str]]:
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    return [(type(m).__name__, type(m.token_dispatcher).__name__)
-            for m in model.modules() if isinstance(m, MoELayer)]
+    return [(type(m).__name__, type(m.token_dispatcher).__name__) for m in model.modules() if isinstance(m, MoELayer)]
 
 
 def train_native_and_ext(model_fields: dict, ep_size: int, steps: int, backend: str = "torch") -> dict:
@@ -145,14 +160,20 @@ def train_native_and_ext(model_fields: dict, ep_size: int, steps: int, backend: 
     runs = {name: train(model, cfg, steps) for name, model in (("native", native), ("ext", ext))}
     # The loss is a blunt instrument (1% off in one expert moves it ~1e-5); the trained
     # weights show any difference in any gradient, tensor by tensor.
-    param_rel_diff = {n: ((p - native_params[n]).norm() / native_params[n].norm().clamp_min(1e-12)).item()
-                      for n, p in ext.named_parameters()}
+    param_rel_diff = {
+        n: ((p - native_params[n]).norm() / native_params[n].norm().clamp_min(1e-12)).item()
+        for n, p in ext.named_parameters()
+    }
     worst = max(param_rel_diff, key=param_rel_diff.get)
     return dict(
-        same_init=same_init, max_param_rel_diff=(worst, param_rel_diff[worst]),
-        native_layers=_moe_layer_kinds(native), ext_layers=_moe_layer_kinds(ext),
-        **{name: dict(lm_loss=log.losses, num_zeros=log.num_zeros, tokens_per_expert=log.tokens_per_expert)
-           for name, log in runs.items()},
+        same_init=same_init,
+        max_param_rel_diff=(worst, param_rel_diff[worst]),
+        native_layers=_moe_layer_kinds(native),
+        ext_layers=_moe_layer_kinds(ext),
+        **{
+            name: dict(lm_loss=log.losses, num_zeros=log.num_zeros, tokens_per_expert=log.tokens_per_expert)
+            for name, log in runs.items()
+        },
     )
 
 

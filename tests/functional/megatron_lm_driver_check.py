@@ -19,8 +19,7 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     dist.init_process_group("gloo", rank=0, world_size=1)
     from tests.shims import megatron_cpu
 
@@ -39,12 +38,23 @@ def main() -> None:
     loss, num_tokens, report = loss_fn(output)
     (loss / num_tokens).backward()
     grads = [p.grad is not None for m in layers for p in m.parameters()]
-    print("DRIVER_CHECK " + json.dumps(dict(
-        moe_layers=[type(m).__name__ for m in layers],
-        backends=[getattr(getattr(m, "dispatcher_config", None), "moe_flex_dispatcher_backend", None)
-                  for m in layers],
-        train_iters=cfg.train.train_iters, lm_loss=(loss / num_tokens).item(),
-        num_tokens=int(num_tokens), report_keys=sorted(report), all_moe_params_have_grad=all(grads))))
+    print(
+        "DRIVER_CHECK "
+        + json.dumps(
+            dict(
+                moe_layers=[type(m).__name__ for m in layers],
+                backends=[
+                    getattr(getattr(m, "dispatcher_config", None), "moe_flex_dispatcher_backend", None)
+                    for m in layers
+                ],
+                train_iters=cfg.train.train_iters,
+                lm_loss=(loss / num_tokens).item(),
+                num_tokens=int(num_tokens),
+                report_keys=sorted(report),
+                all_moe_params_have_grad=all(grads),
+            )
+        )
+    )
     dist.destroy_process_group()
 
 

@@ -31,7 +31,8 @@ EXT_VS_NATIVE_RTOL = 1e-4
 def case_run(dist_pools):
     case = load_case()
     results = dist_pools(case.world_size).run(
-        train_native_and_ext, case_fields(case), case.ep_size, case.train_iters, case.backend)
+        train_native_and_ext, case_fields(case), case.ep_size, case.train_iters, case.backend
+    )
     return case, results
 
 
@@ -62,8 +63,9 @@ def test_metrics_match_golden_values_exactly(case_run):
         if not failures[os.path.basename(path)]:
             break
     else:
-        raise AssertionError(f"Megatron's exact check fails against every stored platform, at "
-                             f"(step, got, golden): {failures}")
+        raise AssertionError(
+            f"Megatron's exact check fails against every stored platform, at (step, got, golden): {failures}"
+        )
     # The case must learn: a flat curve would match a flat golden file just as well.
     loss = results[0]["ext"]["lm_loss"]
     assert loss[-1] < 0.5 * loss[0]
@@ -73,8 +75,11 @@ def test_lm_loss_matches_megatron_native_layer(case_run):
     case, results = case_run
     native, ext = results[0]["native"], results[0]["ext"]
     assert ext["tokens_per_expert"][0] == native["tokens_per_expert"][0]
-    bad = [(step + 1, e, n) for step, (e, n) in enumerate(zip(ext["lm_loss"], native["lm_loss"]))
-           if not math.isclose(e, n, rel_tol=EXT_VS_NATIVE_RTOL, abs_tol=0.0)]
+    bad = [
+        (step + 1, e, n)
+        for step, (e, n) in enumerate(zip(ext["lm_loss"], native["lm_loss"]))
+        if not math.isclose(e, n, rel_tol=EXT_VS_NATIVE_RTOL, abs_tol=0.0)
+    ]
     assert not bad, f"ext vs native lm loss differ by > {EXT_VS_NATIVE_RTOL} relative (step, ext, native): {bad}"
     name, diff = results[0]["max_param_rel_diff"]
     assert diff <= EXT_VS_NATIVE_RTOL, f"trained {name} differs from the native layer's by {diff:.2e}"

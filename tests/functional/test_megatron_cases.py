@@ -21,13 +21,26 @@ import pytest
 from tests.functional.megatron_yaml import model_args_argv, read_flat_yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CASES = sorted(glob.glob(os.path.join(ROOT, "tests", "functional_tests", "test_cases", "moe", "*",
-                                      "model_config.yaml")))
-EXPECTED_CASES = {"gpt_moe_flex_dropless_grouped_gemm_local", "gpt_moe_flex_capacity_drop_local",
-                  "gpt_moe_flex_hybridep_dropless_te"}
+CASES = sorted(
+    glob.glob(os.path.join(ROOT, "tests", "functional_tests", "test_cases", "moe", "*", "model_config.yaml"))
+)
+EXPECTED_CASES = {
+    "gpt_moe_flex_dropless_grouped_gemm_local",
+    "gpt_moe_flex_capacity_drop_local",
+    "gpt_moe_flex_hybridep_dropless_te",
+}
 # Megatron-LM's CHECK_THRESHOLDS keys (test_pretraining_regular_pipeline.py, core_r0.19.0).
-MEGATRON_METRICS = {"iteration-time", "mem-allocated-bytes", "mem-max-allocated-bytes", "lm loss",
-                    "mtp_1 loss", "num-zeros", "generated_tokens", "logprobs", "total loss"}
+MEGATRON_METRICS = {
+    "iteration-time",
+    "mem-allocated-bytes",
+    "mem-max-allocated-bytes",
+    "lm loss",
+    "mtp_1 loss",
+    "num-zeros",
+    "generated_tokens",
+    "logprobs",
+    "total loss",
+}
 GOLDEN = "golden_values_dev_dgx_h100.json"
 
 
@@ -76,8 +89,11 @@ def build_case(path, monkeypatch, tmp_path):
         dispatcher_config = layer_dispatcher_config(config)
         dispatcher_config.validate_for_group(args.expert_model_parallel_size)
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - any refusal fails the case, named
-        pytest.fail(f"functional-test case {_case_name(path)} cannot build: its MODEL_ARGS are refused: "
-                    f"{type(exc).__name__}: {exc}", pytrace=False)
+        pytest.fail(
+            f"functional-test case {_case_name(path)} cannot build: its MODEL_ARGS are refused: "
+            f"{type(exc).__name__}: {exc}",
+            pytrace=False,
+        )
     return args, config, dispatcher_config
 
 
@@ -89,16 +105,24 @@ def test_the_stored_cases_are_the_three_named():
 def test_gpu_script_dry_run_lists_every_stored_case():
     """bench/gpu/megatron_functional.sh runs what is stored: its dry run (no set-up, no GPU)
     lists the three cases and the pretrain_gpt.py command of each."""
-    run = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu", "megatron_functional.sh"), "functional",
-                          "--dry-run"], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHON": sys.executable, "PYTHONPATH": ROOT})
+    run = subprocess.run(
+        ["bash", os.path.join(ROOT, "bench", "gpu", "megatron_functional.sh"), "functional", "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHON": sys.executable, "PYTHONPATH": ROOT},
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     listed = {line.split(":", 1)[0] for line in run.stdout.splitlines() if line.startswith("gpt_moe_")}
     assert listed == EXPECTED_CASES and run.stdout.rstrip().endswith("3 case(s)")
     commands = [line for line in run.stdout.splitlines() if "pretrain_gpt.py" in line]
     assert len(commands) == 3
-    assert any("--moe-flex-dispatcher-backend hybridep" in c and "--transformer-impl transformer_engine" in c
-               and "--moe-expert-rank-capacity-factor" not in c for c in commands)
+    assert any(
+        "--moe-flex-dispatcher-backend hybridep" in c
+        and "--transformer-impl transformer_engine" in c
+        and "--moe-expert-rank-capacity-factor" not in c
+        for c in commands
+    )
 
 
 @pytest.mark.parametrize("path", CASES, ids=_case_name)
@@ -132,15 +156,25 @@ def test_a_case_the_package_refuses_fails_naming_case_and_error(monkeypatch, tmp
     """A HybridEP case with a Megatron setting the package does not honour (expert inputs
     padded to capacity, which Megatron admits for hybridep) fails the build check."""
     pytest.importorskip("megatron.training.arguments")
-    source = os.path.join(ROOT, "tests", "functional_tests", "test_cases", "moe",
-                          "gpt_moe_flex_hybridep_dropless_te", "model_config.yaml")
+    source = os.path.join(
+        ROOT,
+        "tests",
+        "functional_tests",
+        "test_cases",
+        "moe",
+        "gpt_moe_flex_hybridep_dropless_te",
+        "model_config.yaml",
+    )
     case = tmp_path / "gpt_moe_flex_hybridep_padded_te" / "model_config.yaml"
     case.parent.mkdir()
     shutil.copy(source, case)
     with open(case, "a") as f:
         f.write("  --moe-expert-capacity-factor: 1.0\n  --moe-pad-expert-input-to-capacity: true\n")
-    with pytest.raises(pytest.fail.Exception, match=r"gpt_moe_flex_hybridep_padded_te cannot build.*"
-                       r"ValueError: moe_pad_expert_input_to_capacity=True is invalid"):
+    with pytest.raises(
+        pytest.fail.Exception,
+        match=r"gpt_moe_flex_hybridep_padded_te cannot build.*"
+        r"ValueError: moe_pad_expert_input_to_capacity=True is invalid",
+    ):
         build_case(str(case), monkeypatch, tmp_path)
 
 
@@ -154,10 +188,12 @@ def test_stored_golden_values_are_megatron_extractor_output_from_an_h200(path, m
         build_case(path, monkeypatch, tmp_path)
         name = _case_name(path)
         folder = os.path.relpath(os.path.dirname(path), ROOT)
-        pytest.skip(f"{name} builds, but its golden values must be generated on the GPU: "
-                    f"`bash bench/gpu/megatron_functional.sh functional {name}` (Transformer Engine and "
-                    f".gpu/hybridep where the case needs them) writes $OUT/megatron_functional/{name}/"
-                    f"{GOLDEN} and its .provenance.json; copy both into {folder}/")
+        pytest.skip(
+            f"{name} builds, but its golden values must be generated on the GPU: "
+            f"`bash bench/gpu/megatron_functional.sh functional {name}` (Transformer Engine and "
+            f".gpu/hybridep where the case needs them) writes $OUT/megatron_functional/{name}/"
+            f"{GOLDEN} and its .provenance.json; copy both into {folder}/"
+        )
     with open(golden) as f:
         values = json.load(f)
     config = read_flat_yaml(path)

@@ -12,23 +12,35 @@ import pytest
 pytestmark = pytest.mark.slow  # a fresh process importing megatron.training
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TINY = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
-        "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 2 --train-iters 3 "
-        "--lr 1e-3 --num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 1 --mock-data "
-        "--tokenizer-type NullTokenizer --vocab-size 128 --transformer-impl local "
-        "--use-cpu-initialization --no-gradient-accumulation-fusion --no-persist-layer-norm "
-        "--swiglu --disable-bias-linear").split()
+TINY = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+    "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 2 --train-iters 3 "
+    "--lr 1e-3 --num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 1 --mock-data "
+    "--tokenizer-type NullTokenizer --vocab-size 128 --transformer-impl local "
+    "--use-cpu-initialization --no-gradient-accumulation-fusion --no-persist-layer-norm "
+    "--swiglu --disable-bias-linear"
+).split()
 
 
 def _check(*flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tests.functional.megatron_lm_driver_check", *TINY, *flags],
-                          cwd=ROOT, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.run(
+        [sys.executable, "-m", "tests.functional.megatron_lm_driver_check", *TINY, *flags],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
 
 
 def test_driver_builds_flex_layers_from_spec():
-    run = _check("--spec", "megatron_moe_ext.megatron.specs", "get_flex_decoder_block_spec",
-                 "--moe-token-dispatcher-type", "alltoall")
+    run = _check(
+        "--spec",
+        "megatron_moe_ext.megatron.specs",
+        "get_flex_decoder_block_spec",
+        "--moe-token-dispatcher-type",
+        "alltoall",
+    )
     line = [x for x in run.stdout.splitlines() if x.startswith("DRIVER_CHECK ")]
     assert run.returncode == 0 and line, run.stdout[-3000:] + run.stderr[-3000:]
     built = json.loads(line[0].removeprefix("DRIVER_CHECK "))
@@ -42,14 +54,20 @@ def test_driver_builds_flex_layers_from_spec():
     assert built["all_moe_params_have_grad"]
 
 
-
 def test_driver_deepep_command_line_parses_and_names_missing_deep_ep():
     from megatron_moe_ext.utils.optional import try_import
 
     if try_import("deep_ep") is not None:
         pytest.skip("deep_ep is importable here; bench/gpu/pretrain_ep2.sh runs this command line")
-    run = _check("--spec", "megatron_moe_ext.megatron.specs", "get_flex_decoder_block_spec",
-                 "--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "deepep")
+    run = _check(
+        "--spec",
+        "megatron_moe_ext.megatron.specs",
+        "get_flex_decoder_block_spec",
+        "--moe-token-dispatcher-type",
+        "flex",
+        "--moe-flex-dispatcher-backend",
+        "deepep",
+    )
     # Megatron's argument validation accepts the recipe; the build then refuses clearly.
     assert run.returncode != 0
     assert "end of arguments" in run.stdout + run.stderr

@@ -35,8 +35,13 @@ def build_error(case: LayerCase, environment: dict[int, dict[str, str]], dispatc
             dcfg = TokenDispatcherConfig(num_moe_experts=case.num_experts, moe_router_topk=case.topk, **dispatcher)
         spec = get_moe_module_spec(use_te=False, num_experts=case.num_experts)
         try:
-            FlexMoELayer(config, submodules=spec.keywords["submodules"], pg_collection=pg, layer_number=1,
-                         dispatcher_config=dcfg)
+            FlexMoELayer(
+                config,
+                submodules=spec.keywords["submodules"],
+                pg_collection=pg,
+                layer_number=1,
+                dispatcher_config=dcfg,
+            )
         except ValueError as exc:
             return str(exc)
         return ""

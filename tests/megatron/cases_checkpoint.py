@@ -29,15 +29,14 @@ ACTIVATIONS = {  # name -> TransformerConfig fields of Megatron's expert MLP
     "relu2": dict(gated_linear_unit=False, activation_func="squared_relu"),
     "gelu": dict(gated_linear_unit=False, activation_func=F.gelu),  # Megatron's default
     # Clamps small enough for the tiny model's activations to reach them.
-    "swiglu_clamped": dict(gated_linear_unit=True, activation_func=F.silu,
-                           activation_func_clamp_value=0.05),
-    "swiglu_oai": dict(gated_linear_unit=True, activation_func="quick_gelu", glu_linear_offset=1.0,
-                       activation_func_clamp_value=0.05),
+    "swiglu_clamped": dict(gated_linear_unit=True, activation_func=F.silu, activation_func_clamp_value=0.05),
+    "swiglu_oai": dict(
+        gated_linear_unit=True, activation_func="quick_gelu", glu_linear_offset=1.0, activation_func_clamp_value=0.05
+    ),
 }
 
 
-def _config(activation: str = "swiglu", bias: bool = False, experts: int = EXPERTS,
-            cpu_init: bool = True):
+def _config(activation: str = "swiglu", bias: bool = False, experts: int = EXPERTS, cpu_init: bool = True):
     """TransformerConfig of the tiny model, on the parallel state set up by `init(ep)`."""
     from megatron.core import activations
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -46,13 +45,24 @@ def _config(activation: str = "swiglu", bias: bool = False, experts: int = EXPER
     if isinstance(act["activation_func"], str):
         act["activation_func"] = getattr(activations, act["activation_func"])
     return TransformerConfig(
-        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
+        num_layers=LAYERS,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
         ffn_hidden_size=4 * HIDDEN,
-        num_moe_experts=experts, moe_router_topk=TOPK, moe_ffn_hidden_size=FFN,
+        num_moe_experts=experts,
+        moe_router_topk=TOPK,
+        moe_ffn_hidden_size=FFN,
         expert_model_parallel_size=_ep_size(),
-        add_bias_linear=bias, bias_activation_fusion=False, use_cpu_initialization=cpu_init,
-        moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0,
-        hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32, **act)
+        add_bias_linear=bias,
+        bias_activation_fusion=False,
+        use_cpu_initialization=cpu_init,
+        moe_token_dispatcher_type="alltoall",
+        moe_aux_loss_coeff=0.0,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=torch.float32,
+        **act,
+    )
 
 
 def _ep_size() -> int:
@@ -77,12 +87,17 @@ def init(ep: int) -> None:
 
 
 def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-        else torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def build_gpt(kind: str, activation: str = "swiglu", bias: bool = False, seed: int = 1234,
-              experts: int = EXPERTS, cpu_init: bool = True):
+def build_gpt(
+    kind: str,
+    activation: str = "swiglu",
+    bias: bool = False,
+    seed: int = 1234,
+    experts: int = EXPERTS,
+    cpu_init: bool = True,
+):
     """A 2-layer GPT-MoE on this rank, with seeded initialisation: "native", "ext", or
     "ext_experts" (Megatron's own MoELayer and dispatcher with GroupedGemmExperts)."""
     from megatron.core.models.gpt import GPTModel
@@ -98,11 +113,12 @@ def build_gpt(kind: str, activation: str = "swiglu", bias: bool = False, seed: i
     spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False)
     if kind in ("ext", "ext_experts"):
         native_mlp = spec.submodules.mlp
-        moe_submodules = dataclasses.replace(native_mlp.keywords["submodules"],
-                                             experts=GroupedGemmExperts)
+        moe_submodules = dataclasses.replace(native_mlp.keywords["submodules"], experts=GroupedGemmExperts)
         layer = FlexMoELayer if kind == "ext" else native_mlp.func
-        spec = dataclasses.replace(spec, submodules=dataclasses.replace(
-            spec.submodules, mlp=functools.partial(layer, submodules=moe_submodules)))
+        spec = dataclasses.replace(
+            spec,
+            submodules=dataclasses.replace(spec.submodules, mlp=functools.partial(layer, submodules=moe_submodules)),
+        )
     elif kind != "native":
         raise ValueError(f"kind={kind!r}: expected 'native', 'ext' or 'ext_experts'")
     # By default initialised on the CPU generator (use_cpu_initialization), so the weights do
@@ -182,8 +198,7 @@ def _global_expert_state(model, state: dict | None = None) -> dict:
 
 
 def _non_expert_state(model) -> dict:
-    return {k: v.clone() for k, v in _expert_view(model.state_dict()).items()
-            if "local_experts." not in k}
+    return {k: v.clone() for k, v in _expert_view(model.state_dict()).items() if "local_experts." not in k}
 
 
 # ---- test_experts_builder --------------------------------------------------------------
@@ -193,11 +208,16 @@ def _non_expert_state(model) -> dict:
 # weighted bias in place ("a view ... is being modified inplace"); so biases are checked at EP 2.
 # "ext": FlexMoELayer + GroupedGemmExperts; "ext_experts": Megatron's own MoELayer and
 # alltoall dispatcher (host tokens_per_expert) + GroupedGemmExperts.
-FORWARD_CASES = [(1, "swiglu", False, "ext"), (1, "relu2", False, "ext"),
-                 (2, "swiglu", False, "ext"), (2, "swiglu", True, "ext"),
-                 (2, "relu2", False, "ext"),
-                 (2, "swiglu_clamped", False, "ext"), (2, "swiglu_oai", True, "ext"),
-                 (2, "swiglu", True, "ext_experts")]
+FORWARD_CASES = [
+    (1, "swiglu", False, "ext"),
+    (1, "relu2", False, "ext"),
+    (2, "swiglu", False, "ext"),
+    (2, "swiglu", True, "ext"),
+    (2, "relu2", False, "ext"),
+    (2, "swiglu_clamped", False, "ext"),
+    (2, "swiglu_oai", True, "ext"),
+    (2, "swiglu", True, "ext_experts"),
+]
 
 
 def native_vs_ext_forward_backward(ep: int, activation: str, bias: bool, kind: str = "ext") -> dict:
@@ -280,7 +300,7 @@ def tokens_per_expert_forms(activation: str, bias: bool) -> dict:
     ref = []
     start = 0
     for i, n in enumerate(counts):
-        xi = x_PH[start:start + n]
+        xi = x_PH[start : start + n]
         h = xi @ experts.gate_and_up_projs[i].detach()
         if bias:
             h = h + experts.gate_up_proj_bias[i].detach()
@@ -289,9 +309,9 @@ def tokens_per_expert_forms(activation: str, bias: bool) -> dict:
             h = act(gate) * up
         else:
             h = act(h)
-        y = (h * probs_P[start:start + n, None]) @ experts.down_projs[i].detach()
+        y = (h * probs_P[start : start + n, None]) @ experts.down_projs[i].detach()
         if bias:
-            y = y + probs_P[start:start + n, None] * experts.down_proj_bias[i].detach()
+            y = y + probs_P[start : start + n, None] * experts.down_proj_bias[i].detach()
         ref.append(y)
         start += n
     ref = torch.cat(ref)
@@ -322,19 +342,26 @@ def plain_state_dict_roundtrip() -> dict:
     missing = [k for k in missing if not k.endswith("_extra_state")]
     back = build_gpt("ext", bias=True, seed=7)
     back.load_state_dict(native.state_dict(), strict=True)  # SequentialMLP keys, via the hook
-    differ = [k for k, v in back.state_dict().items()
-              if v is not None and not torch.equal(v, ext_state[k])]
+    differ = [k for k, v in back.state_dict().items() if v is not None and not torch.equal(v, ext_state[k])]
     native_view = _expert_view(native.state_dict())
     differ += [k for k, v in _expert_view(ext_state).items() if not torch.equal(v, native_view[k])]
-    broken = {k: v for k, v in native.state_dict().items()
-              if k != "decoder.layers.1.mlp.experts.local_experts.2.linear_fc2.weight"}
+    broken = {
+        k: v
+        for k, v in native.state_dict().items()
+        if k != "decoder.layers.1.mlp.experts.local_experts.2.linear_fc2.weight"
+    }
     try:
         sequential_mlp_to_grouped(broken, EXPERTS, "decoder.layers.1.mlp.experts.")
         error = None
     except ValueError as exc:
         error = str(exc)
-    return {"differ": differ, "missing": list(missing), "unexpected": list(unexpected),
-            "num_tensors": len(ext_state), "error": error}
+    return {
+        "differ": differ,
+        "missing": list(missing),
+        "unexpected": list(unexpected),
+        "num_tensors": len(ext_state),
+        "error": error,
+    }
 
 
 def unsupported_config_error(field: str, value, **also) -> str | None:
@@ -356,6 +383,7 @@ def unsupported_config_error(field: str, value, **also) -> str | None:
 
 
 # ---- test_checkpoint_interop ------------------------------------------------------------
+
 
 @contextlib.contextmanager
 def _cpu_checkpoint_io():
@@ -381,8 +409,9 @@ def _cpu_checkpoint_io():
         torch.cuda.synchronize = synchronize
 
 
-def save_checkpoint(kind: str, ep: int, ckpt_dir: str, drop_key: str | None = None,
-                    experts: int = EXPERTS, bias: bool = False) -> dict:
+def save_checkpoint(
+    kind: str, ep: int, ckpt_dir: str, drop_key: str | None = None, experts: int = EXPERTS, bias: bool = False
+) -> dict:
     """Build a seeded model with `experts` experts per layer, save it as a Megatron distributed
     checkpoint, return its weights (global expert view) and the loss of this rank's batch.
     `drop_key` leaves every shard of that sharded key out of the checkpoint."""
@@ -395,9 +424,11 @@ def save_checkpoint(kind: str, ep: int, ckpt_dir: str, drop_key: str | None = No
     sharded = model.sharded_state_dict()
     if drop_key is not None:
         apply_factories(sharded)
-        sharded = {k: v for k, v in sharded.items()
-                   if not any(getattr(t, "key", None) == drop_key
-                              for t in (v if isinstance(v, list) else [v]))}
+        sharded = {
+            k: v
+            for k, v in sharded.items()
+            if not any(getattr(t, "key", None) == drop_key for t in (v if isinstance(v, list) else [v]))
+        }
     os.makedirs(ckpt_dir, exist_ok=True)
     with _cpu_checkpoint_io():
         dist_checkpointing.save(sharded, ckpt_dir)
@@ -419,8 +450,7 @@ def load_checkpoint(kind: str, ep: int, ckpt_dir: str, bias: bool = False) -> di
         loaded = dist_checkpointing.load(model.sharded_state_dict(), ckpt_dir)
     model.load_state_dict(loaded)
     loss, _ = forward_backward(model)
-    return {"experts": _global_expert_state(model), "rest": _non_expert_state(model), "loss": loss,
-            "before": before}
+    return {"experts": _global_expert_state(model), "rest": _non_expert_state(model), "loss": loss, "before": before}
 
 
 def _adam_sharded_state_dict(model, optimizer, model_sharded: dict) -> dict:
@@ -433,7 +463,8 @@ def _adam_sharded_state_dict(model, optimizer, model_sharded: dict) -> dict:
     )
 
     id_to_sharded = get_param_id_to_sharded_param_map(
-        model_sharded, (p for g in optimizer.param_groups for p in g["params"]))
+        model_sharded, (p for g in optimizer.param_groups for p in g["params"])
+    )
     state = optimizer.state_dict()
     optim_state_to_sharding_state(state, id_to_sharded, exclude_keys=("step",))
     return state
@@ -441,9 +472,10 @@ def _adam_sharded_state_dict(model, optimizer, model_sharded: dict) -> dict:
 
 def _adam_moments(model, optimizer) -> dict:
     """{'exp_avg' | 'exp_avg_sq': global expert view of that Adam moment}."""
-    return {m: _global_expert_state(model, {n: optimizer.state[p][m]
-                                            for n, p in model.named_parameters()})
-            for m in ("exp_avg", "exp_avg_sq")}
+    return {
+        m: _global_expert_state(model, {n: optimizer.state[p][m] for n, p in model.named_parameters()})
+        for m in ("exp_avg", "exp_avg_sq")
+    }
 
 
 def _average_replica_grads(model) -> None:
@@ -453,8 +485,11 @@ def _average_replica_grads(model) -> None:
     from megatron.core import parallel_state
 
     for name, p in model.named_parameters():
-        group = (parallel_state.get_expert_data_parallel_group() if ".mlp.experts." in name
-                 else parallel_state.get_data_parallel_group())
+        group = (
+            parallel_state.get_expert_data_parallel_group()
+            if ".mlp.experts." in name
+            else parallel_state.get_data_parallel_group()
+        )
         dist.all_reduce(p.grad, group=group)
         p.grad /= dist.get_world_size(group)
 
@@ -500,8 +535,9 @@ def load_with_optimizer(kind: str, ep: int, ckpt_dir: str) -> dict:
     return _adam_moments(model, optimizer)
 
 
-def sharded_layout(kind: str, ep: int, singleton_local_shards: bool = False,
-                   activation: str = "swiglu", bias: bool = False) -> list:
+def sharded_layout(
+    kind: str, ep: int, singleton_local_shards: bool = False, activation: str = "swiglu", bias: bool = False
+) -> list:
     """(sharded key, global shape, global offset, axis fragmentations, replica id, local
     values) of every expert ShardedTensor and ShardedObject this rank would save, with factories
     applied: the on-disk layout, compared between native and ext."""
@@ -527,8 +563,9 @@ def sharded_layout(kind: str, ep: int, singleton_local_shards: bool = False,
         if "experts" not in v.key:
             continue
         if isinstance(v, ShardedTensor):
-            layout.append((v.key, v.global_shape, v.global_offset, v.axis_fragmentations,
-                           v.replica_id, v.data.detach().cpu()))
+            layout.append(
+                (v.key, v.global_shape, v.global_offset, v.axis_fragmentations, v.replica_id, v.data.detach().cpu())
+            )
         elif isinstance(v, ShardedObject):
             layout.append((v.key, v.global_shape, v.global_offset, None, v.replica_id, v.data))
     return sorted(layout, key=lambda t: (t[0], t[2]))

@@ -54,9 +54,11 @@ def _describe(model) -> dict:
     return dict(
         layers=[type(m).__name__ for m in layers],
         dispatchers=[type(m.token_dispatcher).__name__ for m in layers],
-        backends=[getattr(getattr(m, "dispatcher_config", None), "moe_flex_dispatcher_backend", None)
-                  for m in layers],
-        experts=[type(m.experts).__name__ for m in layers])
+        backends=[
+            getattr(getattr(m, "dispatcher_config", None), "moe_flex_dispatcher_backend", None) for m in layers
+        ],
+        experts=[type(m.experts).__name__ for m in layers],
+    )
 
 
 def build_and_compare(entry: str, grouped_gemm: bool, transformer_impl: str = "local") -> dict:
@@ -70,11 +72,11 @@ def build_and_compare(entry: str, grouped_gemm: bool, transformer_impl: str = "l
         megatron_cpu.init_parallel_state(dist.get_world_size())
         layout = (1, 1, 1) if entry == "spec_object" else (1, 0, 1)
         # SwiGLU: the activation of today's MoE models, and one the grouped experts compute.
-        base = dataclasses.replace(gpt_config(dist.get_world_size(), moe_layer_freq=layout),
-                                   gated_linear_unit=True, activation_func=F.silu)
+        base = dataclasses.replace(
+            gpt_config(dist.get_world_size(), moe_layer_freq=layout), gated_linear_unit=True, activation_func=F.silu
+        )
         native = _gpt(base, _spec("megatron", base))
-        config = dataclasses.replace(base, moe_grouped_gemm=grouped_gemm,
-                                     transformer_impl=transformer_impl)
+        config = dataclasses.replace(base, moe_grouped_gemm=grouped_gemm, transformer_impl=transformer_impl)
         if entry == "patches":
             patches.apply()
             try:
@@ -133,8 +135,7 @@ def position_drop_parity() -> dict:
         config.moe_token_drop_policy = "position"
         spec = get_moe_module_spec(use_te=False, num_experts=4)
         native = spec(config=config, pg_collection=pg, layer_number=1)
-        flex = FlexMoELayer(config, submodules=spec.keywords["submodules"], pg_collection=pg,
-                            layer_number=1)
+        flex = FlexMoELayer(config, submodules=spec.keywords["submodules"], pg_collection=pg, layer_number=1)
         for layer in (native, flex):
             layer.set_layer_number(1)
         flex.load_state_dict(native.state_dict(), strict=True)
@@ -150,14 +151,19 @@ def position_drop_parity() -> dict:
         for name, layer in (("native", native), ("flex", flex)):
             counts = []
             layer.experts.register_forward_pre_hook(
-                lambda module, args, counts=counts: counts.append(int(torch.as_tensor(args[1]).sum())))
+                lambda module, args, counts=counts: counts.append(int(torch.as_tensor(args[1]).sum()))
+            )
             seen[name] = (_forward_backward(layer, x, g), counts)
         (out_n, gx_n, _, _), received_n = seen["native"]
         (out_f, gx_f, _, _), received_f = seen["flex"]
-        return dict(out=_rel_err(out_f, out_n), grad_x=_rel_err(gx_f, gx_n),
-                    received=(received_n, received_f), routed=8 * 2 * 2,
-                    second_drops=len(second_drops),
-                    dispatcher_capacity_factor=flex.token_dispatcher.dispatcher_config.moe_expert_capacity_factor)
+        return dict(
+            out=_rel_err(out_f, out_n),
+            grad_x=_rel_err(gx_f, gx_n),
+            received=(received_n, received_f),
+            routed=8 * 2 * 2,
+            second_drops=len(second_drops),
+            dispatcher_capacity_factor=flex.token_dispatcher.dispatcher_config.moe_expert_capacity_factor,
+        )
     finally:
         permute.drop_tokens_over_capacity = real_drop
         megatron_cpu.uninstall()

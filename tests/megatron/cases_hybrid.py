@@ -41,8 +41,11 @@ def _moe_layers(model) -> list[tuple[str, str, str]]:
     """(MoE layer class, dispatcher class, experts class) of every MoE layer."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    return [(type(m).__name__, type(m.token_dispatcher).__name__, type(m.experts).__name__)
-            for m in model.modules() if isinstance(m, MoELayer)]
+    return [
+        (type(m).__name__, type(m.token_dispatcher).__name__, type(m.experts).__name__)
+        for m in model.modules()
+        if isinstance(m, MoELayer)
+    ]
 
 
 def build_hybrid(kind: str, seed: int, pattern: str = PATTERN):
@@ -62,8 +65,14 @@ def build_hybrid(kind: str, seed: int, pattern: str = PATTERN):
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     config = dataclasses.replace(_config(), num_layers=len(pattern))
-    model = HybridModel(config, stack, vocab_size=VOCAB, max_sequence_length=SEQ,
-                        hybrid_layer_pattern=pattern, position_embedding_type="learned_absolute")
+    model = HybridModel(
+        config,
+        stack,
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        hybrid_layer_pattern=pattern,
+        position_embedding_type="learned_absolute",
+    )
     return model.to("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -89,8 +98,7 @@ def _train(model, steps: int, lr: float) -> list[float]:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    groups = {True: parallel_state.get_data_parallel_group(),
-              False: parallel_state.get_expert_data_parallel_group()}
+    groups = {True: parallel_state.get_data_parallel_group(), False: parallel_state.get_expert_data_parallel_group()}
     losses = []
     for _ in range(steps):
         loss_BS, _ = forward_backward(model)
@@ -160,9 +168,13 @@ def load_into_hybrid_ext(ep: int, ckpt_dir: str) -> dict:
     with _cpu_checkpoint_io():
         loaded = dist_checkpointing.load(sharded, ckpt_dir)
     result = model.load_state_dict(loaded, strict=True)
-    return {"logits": _logits(model), "before": before, "layers": _moe_layers(model),
-            "missing": list(result.missing_keys),
-            "unexpected": list(result.unexpected_keys)}
+    return {
+        "logits": _logits(model),
+        "before": before,
+        "layers": _moe_layers(model),
+        "missing": list(result.missing_keys),
+        "unexpected": list(result.unexpected_keys),
+    }
 
 
 def patched_megatron_hybrid_stack() -> dict:
@@ -181,5 +193,8 @@ def patched_megatron_hybrid_stack() -> dict:
         same_submodules = submodules.mlp.keywords == original.keywords
     finally:
         patches.revert()
-    return {"applied": applied, "same_submodules": same_submodules,
-            "restored": submodules.mlp is original and inference.mlp is original_inference}
+    return {
+        "applied": applied,
+        "same_submodules": same_submodules,
+        "restored": submodules.mlp is original and inference.mlp is original_inference,
+    }

@@ -66,27 +66,44 @@ def layer_config(case: LayerCase, ep_size: int):
     else:
         extra.update(moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
     if case.shared_expert_size:
-        extra.update(moe_shared_expert_intermediate_size=case.shared_expert_size,
-                     moe_shared_expert_overlap=case.shared_overlap)
+        extra.update(
+            moe_shared_expert_intermediate_size=case.shared_expert_size, moe_shared_expert_overlap=case.shared_overlap
+        )
     if case.topk == 1:
         extra.update(moe_router_pre_softmax=True)  # Megatron requires it for top-1
     if case.recompute or case.recompute_modules:
-        extra.update(recompute_granularity="selective",
-                     recompute_modules=["moe"] * case.recompute + list(case.recompute_modules))
+        extra.update(
+            recompute_granularity="selective",
+            recompute_modules=["moe"] * case.recompute + list(case.recompute_modules),
+        )
     swiglu = (case.activation or ("swiglu" if case.grouped_gemm else "gelu")) == "swiglu"
     if swiglu:
         extra.update(activation_func=F.silu)
     if case.capacity_factor is not None:
-        extra.update(moe_expert_capacity_factor=case.capacity_factor,
-                     moe_token_drop_policy="probs",
-                     moe_pad_expert_input_to_capacity=case.pad_to_capacity)
+        extra.update(
+            moe_expert_capacity_factor=case.capacity_factor,
+            moe_token_drop_policy="probs",
+            moe_pad_expert_input_to_capacity=case.pad_to_capacity,
+        )
     return TransformerConfig(
-        num_layers=1, hidden_size=case.hidden, num_attention_heads=2, ffn_hidden_size=case.ffn,
-        num_moe_experts=case.num_experts, moe_router_topk=case.topk, moe_ffn_hidden_size=case.ffn,
-        moe_token_dispatcher_type="alltoall", expert_model_parallel_size=ep_size,
-        moe_grouped_gemm=case.grouped_gemm, gated_linear_unit=case.gated or swiglu,
-        add_bias_linear=False, use_cpu_initialization=True,
-        params_dtype=DTYPES[case.dtype], bf16=case.dtype == "bf16", fp16=False, **extra)
+        num_layers=1,
+        hidden_size=case.hidden,
+        num_attention_heads=2,
+        ffn_hidden_size=case.ffn,
+        num_moe_experts=case.num_experts,
+        moe_router_topk=case.topk,
+        moe_ffn_hidden_size=case.ffn,
+        moe_token_dispatcher_type="alltoall",
+        expert_model_parallel_size=ep_size,
+        moe_grouped_gemm=case.grouped_gemm,
+        gated_linear_unit=case.gated or swiglu,
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+        params_dtype=DTYPES[case.dtype],
+        bf16=case.dtype == "bf16",
+        fp16=False,
+        **extra,
+    )
 
 
 def _record_tokens_per_expert(layer) -> list:
@@ -108,8 +125,7 @@ def _forward_backward(layer, x, g):
     out, bias = layer(x)
     assert bias is None
     (out * g).sum().backward()
-    aux = {name: float(entry.values.sum()) for name, entry in tracker.metrics.items()
-           if entry.values is not None}
+    aux = {name: float(entry.values.sum()) for name, entry in tracker.metrics.items() if entry.values is not None}
     grads = {n: p.grad.detach().clone() for n, p in layer.named_parameters() if p.grad is not None}
     return out.detach(), x.grad.detach(), grads, aux
 
@@ -143,13 +159,20 @@ def run_layer_parity(case: LayerCase) -> dict:
         native = spec(config=config, pg_collection=pg, layer_number=1)
         dispatcher_config, flex_config = None, config
         if case.backend_from_flags:
-            flex_config = dataclasses.replace(config, moe_token_dispatcher_type="flex",
-                                              moe_flex_dispatcher_backend=case.backend)
+            flex_config = dataclasses.replace(
+                config, moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend=case.backend
+            )
         elif case.backend != "torch":
             dispatcher_config = TokenDispatcherConfig.from_transformer_config(
-                config, moe_flex_dispatcher_backend=case.backend)
-        flex = FlexMoELayer(flex_config, submodules=spec.keywords["submodules"], pg_collection=pg,
-                            layer_number=1, dispatcher_config=dispatcher_config)
+                config, moe_flex_dispatcher_backend=case.backend
+            )
+        flex = FlexMoELayer(
+            flex_config,
+            submodules=spec.keywords["submodules"],
+            pg_collection=pg,
+            layer_number=1,
+            dispatcher_config=dispatcher_config,
+        )
         for layer in (native, flex):
             layer.set_layer_number(1)  # as TransformerLayer does; the aux-loss tracker needs it
         assert isinstance(native.token_dispatcher, MoEAlltoAllTokenDispatcher)
@@ -174,8 +197,10 @@ def run_layer_parity(case: LayerCase) -> dict:
             grad_x=_rel_err(gx_f, gx_n),
             grads={n: _rel_err(grads_f[n], grads_n[n]) for n in grads_n},
             grad_norms={n: float(grads_n[n].norm()) for n in grads_n},
-            aux_native=aux_n, aux_flex=aux_f,
-            tokens_native=seen_native, tokens_flex=seen_flex,
+            aux_native=aux_n,
+            aux_flex=aux_f,
+            tokens_native=seen_native,
+            tokens_flex=seen_flex,
             routed_slots=case.seq * case.batch * case.topk,
             recompute=(native.moe_layer_recompute, flex.moe_layer_recompute),
             shared_overlap=(native.shared_expert_overlap, flex.shared_expert_overlap),
@@ -193,12 +218,25 @@ def gpt_config(ep_size: int, moe_layer_freq=(1, 0, 1)):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
-        num_layers=len(moe_layer_freq), hidden_size=16, num_attention_heads=2, ffn_hidden_size=24,
-        num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=12, moe_layer_freq=list(moe_layer_freq),
-        moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="aux_loss",
-        moe_aux_loss_coeff=0.01, expert_model_parallel_size=ep_size, transformer_impl="local",
-        add_bias_linear=False, use_cpu_initialization=True, params_dtype=torch.float32,
-        hidden_dropout=0.0, attention_dropout=0.0)
+        num_layers=len(moe_layer_freq),
+        hidden_size=16,
+        num_attention_heads=2,
+        ffn_hidden_size=24,
+        num_moe_experts=4,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=12,
+        moe_layer_freq=list(moe_layer_freq),
+        moe_token_dispatcher_type="alltoall",
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=0.01,
+        expert_model_parallel_size=ep_size,
+        transformer_impl="local",
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
 
 
 def _gpt(config, spec):
@@ -258,8 +296,12 @@ def run_gpt_spec_paths(ep_size: int | None = None) -> dict:
         state = native.state_dict()
         loss_n, grads_n = _gpt_loss_and_grads(native, rank)
         result = dict(kinds={}, loss_err={}, grad_err={}, grad_names={})
-        for name, model in (("native", native), ("patched", patched), ("reverted", reverted),
-                            ("spec_fn", from_spec_fn)):
+        for name, model in (
+            ("native", native),
+            ("patched", patched),
+            ("reverted", reverted),
+            ("spec_fn", from_spec_fn),
+        ):
             result["kinds"][name] = _mlp_kinds(model)
             if model is native:
                 continue
@@ -275,7 +317,8 @@ def run_gpt_spec_paths(ep_size: int | None = None) -> dict:
         # which holds the TransformerConfig in `.transformer`.
         wrapped = get_flex_decoder_block_spec(types.SimpleNamespace(transformer=config), vp_stage=None)
         result["kinds"]["model_config_spec"] = [
-            getattr(layer.submodules.mlp, "func", None).__name__ for layer in wrapped.layer_specs]
+            getattr(layer.submodules.mlp, "func", None).__name__ for layer in wrapped.layer_specs
+        ]
         result["spec_object_loss_finite"] = bool(torch.isfinite(object_loss).all())
         result["num_grads"] = len(grads_n)
         return result
@@ -298,10 +341,15 @@ def run_patched_layer_with_experts() -> dict:
         ep = dist.get_world_size()
         pg = megatron_cpu.init_parallel_state(ep)
         config = layer_config(LayerCase("experts_override"), ep)
-        experts = functools.partial(_MarkedExperts, submodules=MLPSubmodules(
-            linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
-        dcfg = TokenDispatcherConfig(moe_flex_dispatcher_backend="torch", num_moe_experts=4,
-                                     moe_router_topk=2, moe_share_token_dispatcher=False)
+        experts = functools.partial(
+            _MarkedExperts, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+        )
+        dcfg = TokenDispatcherConfig(
+            moe_flex_dispatcher_backend="torch",
+            num_moe_experts=4,
+            moe_router_topk=2,
+            moe_share_token_dispatcher=False,
+        )
         patches.apply(dispatcher_config=dcfg, experts=experts)
         try:
             layer = get_moe_module_spec(use_te=False, num_experts=4)(config=config, pg_collection=pg)
@@ -310,11 +358,14 @@ def run_patched_layer_with_experts() -> dict:
         x = torch.randn(4, 2, 16, generator=torch.Generator().manual_seed(dist.get_rank()))
         out, _ = layer(x)
         out.square().mean().backward()
-        return dict(layer=type(layer).__name__, experts=type(layer.experts).__name__,
-                    is_sequential=isinstance(layer.experts, SequentialMLP),
-                    same_config=layer.dispatcher_config is dcfg,
-                    dispatcher_share=layer.token_dispatcher.dispatcher_config.moe_share_token_dispatcher,
-                    router_grad=float(layer.router.weight.grad.norm()))
+        return dict(
+            layer=type(layer).__name__,
+            experts=type(layer.experts).__name__,
+            is_sequential=isinstance(layer.experts, SequentialMLP),
+            same_config=layer.dispatcher_config is dcfg,
+            dispatcher_share=layer.token_dispatcher.dispatcher_config.moe_share_token_dispatcher,
+            router_grad=float(layer.router.weight.grad.norm()),
+        )
     finally:
         megatron_cpu.uninstall()
 

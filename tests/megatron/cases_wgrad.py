@@ -56,14 +56,15 @@ def _batches(device_counts: bool, rank: int, fp8: bool = False):
         probs = torch.rand(rows)
         dout = torch.randn(rows, HIDDEN).bfloat16()
         if device_counts:  # padding rows: garbage the experts must not read
-            x[sum(counts):] = float("nan")
-            probs[sum(counts):] = float("nan")
+            x[sum(counts) :] = float("nan")
+            probs[sum(counts) :] = float("nan")
         batches.append((x, counts, probs, dout))
     return batches
 
 
-def accumulate(fusion: bool, kernel: str, device_counts: bool, wrap: str = "ddp",
-               overlap_grad_reduce: bool = False) -> dict:
+def accumulate(
+    fusion: bool, kernel: str, device_counts: bool, wrap: str = "ddp", overlap_grad_reduce: bool = False
+) -> dict:
     """Two micro-batches through GroupedGemmExperts, then what the gradients became.
 
     Arguments:
@@ -104,32 +105,44 @@ def accumulate(fusion: bool, kernel: str, device_counts: bool, wrap: str = "ddp"
     double = type("QuackDouble", (), {})()
     double.__dict__.update({k: getattr(quack_gemm, k) for k in dir(quack_gemm) if not k.startswith("_")})
     double.gemm_add_inplace = counted
-    backend = (fused.QuackBackend(None, "QuACK is not importable (test)") if kernel in ("torch", "torch+te")
-               else fused.QuackBackend(double, None, any_device=True, epilogues=double))
+    backend = (
+        fused.QuackBackend(None, "QuACK is not importable (test)")
+        if kernel in ("torch", "torch+te")
+        else fused.QuackBackend(double, None, any_device=True, epilogues=double)
+    )
     shortcuts = [(module, module.host_counts) for module in (mlp, fused_mlp)]
     if device_counts:
         for module, _ in shortcuts:
             module.host_counts = lambda counts: None
     previous = fused.set_quack_backend(backend)
     previous_te = wgrad.set_te_grouped_gemm(
-        wgrad.TEGroupedGemm(counted_te, None, any_device=True) if kernel in ("torch+te", "fp8")
-        else wgrad.TEGroupedGemm(None, "Transformer Engine is not importable (test)"))
+        wgrad.TEGroupedGemm(counted_te, None, any_device=True)
+        if kernel in ("torch+te", "fp8")
+        else wgrad.TEGroupedGemm(None, "Transformer Engine is not importable (test)")
+    )
     patched = mock.patch.object(fp8, "scaled_grouped_mm", scaled_grouped_mm.scaled_grouped_mm)
     patched.start()
     try:
-        config = dataclasses.replace(_config("swiglu"), params_dtype=torch.bfloat16,
-                                     gradient_accumulation_fusion=fusion)
+        config = dataclasses.replace(
+            _config("swiglu"), params_dtype=torch.bfloat16, gradient_accumulation_fusion=fusion
+        )
         if kernel == "fp8":  # set after the config's own checks, which ask for TE's version
             config = dataclasses.replace(config, moe_ffn_hidden_size=FP8_FFN)
             config.fp8, config.fp8_recipe = "e4m3", "tensorwise"
-        experts = GroupedGemmExperts(EXPERTS, config, pg_collection=get_default_pg_collection(),
-                                     expert_mlp_impl="fused" if kernel == "fused" else "grouped_mm")
+        experts = GroupedGemmExperts(
+            EXPERTS,
+            config,
+            pg_collection=get_default_pg_collection(),
+            expert_mlp_impl="fused" if kernel == "fused" else "grouped_mm",
+        )
         w1, w2 = experts.gate_and_up_projs.detach().clone(), experts.down_projs.detach().clone()
         model = experts
         if wrap != "none":
             model = DistributedDataParallel(
-                config, DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                                      overlap_grad_reduce=overlap_grad_reduce), experts)
+                config,
+                DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce),
+                experts,
+            )
             model.zero_grad_buffer()
             if wrap == "zero_out":
                 for p in experts.parameters():
@@ -151,11 +164,14 @@ def accumulate(fusion: bool, kernel: str, device_counts: bool, wrap: str = "ddp"
         # DDP's gradient is the mean over the ranks; each rank's data is known from its seed.
         refs = [reference_wgrads(w1, w2, _batches(device_counts, r, kernel == "fp8")) for r in range(world)]
         ref = [sum(parts) / world for parts in zip(*refs)]
-        return {"errors": [((g.double() - r).norm() / r.norm()).item() for g, r in zip(got, ref)],
-                "dtypes": [str(g.dtype) for g in got],
-                "added": added, "calls": calls["accumulating GEMMs"],
-                "grads_left": [p.grad is not None for p in experts.parameters()],
-                "wgrad_accumulation": experts.wgrad_accumulation}
+        return {
+            "errors": [((g.double() - r).norm() / r.norm()).item() for g, r in zip(got, ref)],
+            "dtypes": [str(g.dtype) for g in got],
+            "added": added,
+            "calls": calls["accumulating GEMMs"],
+            "grads_left": [p.grad is not None for p in experts.parameters()],
+            "wgrad_accumulation": experts.wgrad_accumulation,
+        }
     finally:
         patched.stop()
         fused.set_quack_backend(previous)

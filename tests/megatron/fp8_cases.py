@@ -30,10 +30,30 @@ class _TEGroupedLinear(te.GroupedLinear):
     double: `(num_gemms, in, out, *, config, init_method, bias, skip_bias_add, ...)` built, and
     `forward(x, m_splits) -> (out, bias or None)`."""
 
-    def __init__(self, num_gemms, input_size, output_size, *, config, init_method, bias, skip_bias_add,
-                 is_expert, tp_comm_buffer_name, pg_collection, name=None):
-        super().__init__(num_gemms, input_size, output_size, bias=bias, init_method=init_method,
-                         params_dtype=config.params_dtype, device="cpu")
+    def __init__(
+        self,
+        num_gemms,
+        input_size,
+        output_size,
+        *,
+        config,
+        init_method,
+        bias,
+        skip_bias_add,
+        is_expert,
+        tp_comm_buffer_name,
+        pg_collection,
+        name=None,
+    ):
+        super().__init__(
+            num_gemms,
+            input_size,
+            output_size,
+            bias=bias,
+            init_method=init_method,
+            params_dtype=config.params_dtype,
+            device="cpu",
+        )
 
     def forward(self, x, m_splits):
         return super().forward(x, m_splits), None
@@ -61,13 +81,19 @@ def _spec():
     from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
 
     submodules = get_moe_module_spec(use_te=False, num_experts=E).keywords["submodules"]
-    experts = functools.partial(TEGroupedMLP, submodules=GroupedMLPSubmodules(
-        linear_fc1=_TEGroupedLinear, linear_fc2=_TEGroupedLinear))
+    experts = functools.partial(
+        TEGroupedMLP, submodules=GroupedMLPSubmodules(linear_fc1=_TEGroupedLinear, linear_fc2=_TEGroupedLinear)
+    )
     return dataclasses.replace(submodules, experts=experts)
 
 
-def te_grouped_mlp_layer(fp8_recipe: str | None, budget_factor: float | None, steps: int = 1,
-                         backend: str = "torch", **dispatcher_overrides) -> dict:
+def te_grouped_mlp_layer(
+    fp8_recipe: str | None,
+    budget_factor: float | None,
+    steps: int = 1,
+    backend: str = "torch",
+    **dispatcher_overrides,
+) -> dict:
     """Build a `FlexMoELayer` whose spec's experts are `TEGroupedMLP` (fp8 'e4m3' with
     `fp8_recipe`, or BF16 for None, where `FlexMoELayer` is asked for them: the default choice
     keeps them only under FP8), in budget mode with `budget_factor` (None: dropless); run
@@ -95,35 +121,50 @@ def te_grouped_mlp_layer(fp8_recipe: str | None, budget_factor: float | None, st
     try:
         pg = megatron_cpu.init_parallel_state(dist.get_world_size())
         hidden = HIDDEN[backend]
-        config = layer_config(LayerCase("fp8", num_experts=E, topk=K, hidden=hidden, ffn=FFN, seq=SEQ,
-                                        batch=BATCH, gated=True, dtype="bf16"), dist.get_world_size())
+        config = layer_config(
+            LayerCase(
+                "fp8", num_experts=E, topk=K, hidden=hidden, ffn=FFN, seq=SEQ, batch=BATCH, gated=True, dtype="bf16"
+            ),
+            dist.get_world_size(),
+        )
         if backend == "hybridep":
             from tests.dispatcher.hybridep_ranks import use_backend
 
             use_backend()
-            dispatcher_overrides.update(moe_flex_dispatcher_backend="hybridep",
-                                        moe_hybridep_equal_token_counts=True)
+            dispatcher_overrides.update(moe_flex_dispatcher_backend="hybridep", moe_hybridep_equal_token_counts=True)
         config.moe_grouped_gemm = True
         config.activation_func = torch.nn.functional.silu  # swiglu
         config.bias_activation_fusion = False  # Megatron's fused weighted SwiGLU is a CUDA kernel
         if fp8_recipe is not None:
             config.fp8, config.fp8_recipe = "e4m3", fp8_recipe
         dcfg = TokenDispatcherConfig.from_transformer_config(
-            config, moe_expert_rank_capacity_factor=budget_factor, moe_share_token_dispatcher=False,
-            **dispatcher_overrides)
+            config,
+            moe_expert_rank_capacity_factor=budget_factor,
+            moe_share_token_dispatcher=False,
+            **dispatcher_overrides,
+        )
         result: dict = {}
-        with mock.patch.multiple(megatron_experts, HAVE_TE=True, Fp8Padding=te.Fp8Padding,
-                                 Fp8Unpadding=te.Fp8Unpadding), \
-                mock.patch.object(fp8, "scaled_grouped_mm", scaled_grouped_mm.scaled_grouped_mm):
+        with (
+            mock.patch.multiple(
+                megatron_experts, HAVE_TE=True, Fp8Padding=te.Fp8Padding, Fp8Unpadding=te.Fp8Unpadding
+            ),
+            mock.patch.object(fp8, "scaled_grouped_mm", scaled_grouped_mm.scaled_grouped_mm),
+        ):
             try:
                 submodules = _spec()
-                layer = FlexMoELayer(config, submodules=submodules, pg_collection=pg, layer_number=1,
-                                     dispatcher_config=dcfg,
-                                     experts=None if fp8_recipe else submodules.experts)
+                layer = FlexMoELayer(
+                    config,
+                    submodules=submodules,
+                    pg_collection=pg,
+                    layer_number=1,
+                    dispatcher_config=dcfg,
+                    experts=None if fp8_recipe else submodules.experts,
+                )
             except ValueError as exc:
                 return dict(build=str(exc), logged=logged)
-            result.update(experts=type(layer.experts).__name__, logged=logged,
-                          pad_multiple=dcfg.moe_router_expert_pad_multiple)
+            result.update(
+                experts=type(layer.experts).__name__, logged=logged, pad_multiple=dcfg.moe_router_expert_pad_multiple
+            )
             try:
                 runs = [_step(layer, step) for step in range(steps)]
                 result["forward"] = tuple(runs[-1][0].shape)

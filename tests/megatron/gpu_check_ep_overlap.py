@@ -43,9 +43,13 @@ def main() -> int:
             name = f"{backend}{'_grouped' * grouped_gemm}{'_budget' * bool(budget)}"
             try:
                 r = run_overlap_parity(backend, grouped_gemm, False, budget)
-                passed = (r["out"] <= TOL and r["grad_x"] <= TOL and r["router_grad"] > 0
-                          and r["grad_names"][0] == r["grad_names"][1]
-                          and all(err <= TOL for err in r["grads"].values()))
+                passed = (
+                    r["out"] <= TOL
+                    and r["grad_x"] <= TOL
+                    and r["router_grad"] > 0
+                    and r["grad_names"][0] == r["grad_names"][1]
+                    and all(err <= TOL for err in r["grads"].values())
+                )
                 results[name] = {"passed": passed, **r}
             except Exception:  # noqa: BLE001 - every backend is reported
                 passed, results[name] = False, {"passed": False, "error": traceback.format_exc()}

@@ -63,8 +63,7 @@ def _optimizer_case(src, src_ep, dst, dst_ep, root):
     saved = cases.save_with_optimizer(src, src_ep, path)
     _release_dispatchers()
     loaded = cases.load_with_optimizer(dst, dst_ep, path)
-    differ = [f"{m} {k}" for m in saved for k, v in saved[m].items()
-              if not torch.equal(v, loaded[m][k])]
+    differ = [f"{m} {k}" for m in saved for k, v in saved[m].items() if not torch.equal(v, loaded[m][k])]
     return not differ, {"differ": differ, "tensors": sum(len(v) for v in saved.values())}
 
 
@@ -74,8 +73,7 @@ def _layout_case(ep, singleton):
     ext = cases.sharded_layout("ext", ep, singleton)
     same_meta = [t[:5] for t in native] == [t[:5] for t in ext]
     same_values = all(tn[5] is None or torch.equal(tn[5], tx[5]) for tn, tx in zip(native, ext))
-    return same_meta and same_values, {"entries": len(native), "same_meta": same_meta,
-                                       "same_values": same_values}
+    return same_meta and same_values, {"entries": len(native), "same_meta": same_meta, "same_values": same_values}
 
 
 def main() -> int:
@@ -86,21 +84,31 @@ def main() -> int:
     root = [tempfile.mkdtemp(prefix="moe_ext_ckpt_") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(root)
     # The CPU test's cases (Megatron's SequentialMLP cannot run expert biases at EP 1).
-    plan = [(f"fwd_bwd {kind} ep={ep} {act} bias={bias}", _forward_backward_case,
-             (ep, act, bias, kind)) for ep, act, bias, kind in cases.FORWARD_CASES]
-    plan += [(f"checkpoint {s}{se} -> {d}{de}", _roundtrip_case, (s, se, d, de, root[0]))
-             for s, se, d, de in [("native", 2, "ext", 1), ("ext", 2, "native", 1),
-                                  ("ext", 2, "ext", 1), ("native", 1, "ext", 2)]]
-    plan += [(f"optimizer {s}{se} -> {d}{de}", _optimizer_case, (s, se, d, de, root[0]))
-             for s, se, d, de in [("native", 2, "ext", 1), ("ext", 1, "native", 2)]]
-    plan += [(f"layout ep={ep} singleton={sg}", _layout_case, (ep, sg))
-             for ep, sg in [(2, False), (1, False), (2, True)]]
+    plan = [
+        (f"fwd_bwd {kind} ep={ep} {act} bias={bias}", _forward_backward_case, (ep, act, bias, kind))
+        for ep, act, bias, kind in cases.FORWARD_CASES
+    ]
+    plan += [
+        (f"checkpoint {s}{se} -> {d}{de}", _roundtrip_case, (s, se, d, de, root[0]))
+        for s, se, d, de in [
+            ("native", 2, "ext", 1),
+            ("ext", 2, "native", 1),
+            ("ext", 2, "ext", 1),
+            ("native", 1, "ext", 2),
+        ]
+    ]
+    plan += [
+        (f"optimizer {s}{se} -> {d}{de}", _optimizer_case, (s, se, d, de, root[0]))
+        for s, se, d, de in [("native", 2, "ext", 1), ("ext", 1, "native", 2)]
+    ]
+    plan += [
+        (f"layout ep={ep} singleton={sg}", _layout_case, (ep, sg)) for ep, sg in [(2, False), (1, False), (2, True)]
+    ]
     results = []
     for name, fn, args in plan:
         try:
             ok, detail = fn(*args)
-            detail = {k: v for k, v in detail.items()
-                      if isinstance(v, (int, float, str, bool, list))}
+            detail = {k: v for k, v in detail.items() if isinstance(v, (int, float, str, bool, list))}
         except Exception:  # noqa: BLE001 - one failing case must not hide the others
             ok, detail = False, {"error": traceback.format_exc()}
         _release_dispatchers()
@@ -115,8 +123,11 @@ def main() -> int:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "megatron_experts_gpu.json"), "w") as f:
             device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-            json.dump({"passed": passed, "device": device,
-                       "world_size": dist.get_world_size(), "results": results}, f, indent=2)
+            json.dump(
+                {"passed": passed, "device": device, "world_size": dist.get_world_size(), "results": results},
+                f,
+                indent=2,
+            )
     dist.destroy_process_group()
     return 0 if passed else 1
 

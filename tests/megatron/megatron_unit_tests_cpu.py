@@ -19,8 +19,9 @@ import torch.distributed as dist
 
 def _load_shims():
     repo = os.environ["MOE_EXT_REPO"]
-    spec = importlib.util.spec_from_file_location("moe_ext_megatron_cpu",
-                                                  os.path.join(repo, "tests", "shims", "megatron_cpu.py"))
+    spec = importlib.util.spec_from_file_location(
+        "moe_ext_megatron_cpu", os.path.join(repo, "tests", "shims", "megatron_cpu.py")
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -29,15 +29,33 @@ def _config(ep: int, backend: str, grouped_gemm: bool, shared: bool):
 
     # The torch backend is what Megatron's command line gets with the alltoall dispatcher type
     # (its flex backends cannot name it); bf16: Megatron's overlap needs a bf16 or fp16 model.
-    flags = (dict(moe_token_dispatcher_type="alltoall") if backend == "torch" else
-             dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend=backend))
+    flags = (
+        dict(moe_token_dispatcher_type="alltoall")
+        if backend == "torch"
+        else dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend=backend)
+    )
     return TransformerConfig(
-        num_layers=1, hidden_size=128, num_attention_heads=2, ffn_hidden_size=32, num_moe_experts=4,
-        moe_router_topk=2, moe_ffn_hidden_size=32, expert_model_parallel_size=ep,
-        moe_grouped_gemm=grouped_gemm, moe_shared_expert_intermediate_size=32 if shared else None, **flags,
-        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01, add_bias_linear=False,
-        use_cpu_initialization=True, params_dtype=torch.bfloat16, bf16=True, hidden_dropout=0.0,
-        attention_dropout=0.0, overlap_moe_expert_parallel_comm=True)
+        num_layers=1,
+        hidden_size=128,
+        num_attention_heads=2,
+        ffn_hidden_size=32,
+        num_moe_experts=4,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=32,
+        expert_model_parallel_size=ep,
+        moe_grouped_gemm=grouped_gemm,
+        moe_shared_expert_intermediate_size=32 if shared else None,
+        **flags,
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=0.01,
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+        params_dtype=torch.bfloat16,
+        bf16=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        overlap_moe_expert_parallel_comm=True,
+    )
 
 
 def _layer(config, pg):
@@ -80,8 +98,10 @@ def _overlapped(layer, inputs, grads):
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     state.is_mtp, state.attention_mask = False, _causal_mask(inputs[0].shape[0])
     state.model = types.SimpleNamespace(decoder=types.SimpleNamespace(final_layernorm=None))
-    plans = [TransformerLayerSchedulePlan(layer, torch.cuda.Event(), state, get_comp_stream, get_comm_stream)
-             for _ in inputs]
+    plans = [
+        TransformerLayerSchedulePlan(layer, torch.cuda.Event(), state, get_comp_stream, get_comm_stream)
+        for _ in inputs
+    ]
     inputs = [x.clone().requires_grad_() for x in inputs]
     outputs, input_grads = [TransformerLayerSchedulePlan.run(plans[0], None, f_input=inputs[0])[0]], []
     sync()
@@ -107,8 +127,9 @@ def _init_gpu(ep: int):
     return get_default_pg_collection()
 
 
-def run_overlap_parity(backend: str, grouped_gemm: bool = False, shared: bool = False,
-                       budget_factor: str | None = None) -> dict:
+def run_overlap_parity(
+    backend: str, grouped_gemm: bool = False, shared: bool = False, budget_factor: str | None = None
+) -> dict:
     """Build the layer on this rank, run both schedules, return the largest differences (on
     the GPU where CUDA is there, with the real libraries; else on CPU over the test doubles).
     `budget_factor`: the sync-free budget mode, as the command line sets it (its variable)."""
@@ -146,13 +167,15 @@ def _overlap_parity(backend: str, grouped_gemm: bool, shared: bool) -> dict:
         def err(a, b):
             return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12))
 
-        return dict(out=max(err(a, b) for a, b in zip(out_ovl, out_ref)),
-                    grad_x=max(err(a, b) for a, b in zip(grad_x_ovl, grad_x_ref)),
-                    experts=type(layer.mlp.experts).__name__,
-                    budget=layer.mlp.dispatcher_config.moe_expert_rank_capacity_factor,
-                    grad_names=(sorted(grads_ovl), sorted(grads_ref)),
-                    grads={n: err(grads_ovl[n], grads_ref[n]) for n in grads_ref if n in grads_ovl},
-                    router_grad=float(grads_ref["mlp.router.weight"].float().norm()))
+        return dict(
+            out=max(err(a, b) for a, b in zip(out_ovl, out_ref)),
+            grad_x=max(err(a, b) for a, b in zip(grad_x_ovl, grad_x_ref)),
+            experts=type(layer.mlp.experts).__name__,
+            budget=layer.mlp.dispatcher_config.moe_expert_rank_capacity_factor,
+            grad_names=(sorted(grads_ovl), sorted(grads_ref)),
+            grads={n: err(grads_ovl[n], grads_ref[n]) for n in grads_ref if n in grads_ovl},
+            router_grad=float(grads_ref["mlp.router.weight"].float().norm()),
+        )
     finally:
         if not gpu:
             megatron_cpu.uninstall()

@@ -28,9 +28,13 @@ from tests.shims import megatron_cpu
 E = 8
 
 
-def build_flex_layer(case: LayerCase, recompute_granularity: str | None = None,
-                     recompute_modules: tuple[str, ...] = ("moe",), timeout_s: float | None = None,
-                     dispatcher_overrides: dict | None = None):
+def build_flex_layer(
+    case: LayerCase,
+    recompute_granularity: str | None = None,
+    recompute_modules: tuple[str, ...] = ("moe",),
+    timeout_s: float | None = None,
+    dispatcher_overrides: dict | None = None,
+):
     """`FlexMoELayer` of `case` from Megatron's MoE module spec (TopKRouter with an expert bias,
     sigmoid scores; parameters drawn after `torch.manual_seed(5)`) on Megatron groups of EP =
     world size.
@@ -57,31 +61,51 @@ def build_flex_layer(case: LayerCase, recompute_granularity: str | None = None,
     elif recompute_granularity == "full":
         extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     config = dataclasses.replace(config, **extra)
-    dispatcher_config = (None if dispatcher_overrides is None
-                         else TokenDispatcherConfig.from_transformer_config(config, **dispatcher_overrides))
+    dispatcher_config = (
+        None
+        if dispatcher_overrides is None
+        else TokenDispatcherConfig.from_transformer_config(config, **dispatcher_overrides)
+    )
     spec = get_moe_module_spec(use_te=False, num_experts=case.num_experts)
     torch.manual_seed(5)
-    layer = FlexMoELayer(config, submodules=spec.keywords["submodules"], pg_collection=pg, layer_number=1,
-                         dispatcher_config=dispatcher_config)
+    layer = FlexMoELayer(
+        config,
+        submodules=spec.keywords["submodules"],
+        pg_collection=pg,
+        layer_number=1,
+        dispatcher_config=dispatcher_config,
+    )
     layer.set_layer_number(1)
     return layer
 
 
-def _build(recompute_granularity: str | None = None, mode: str = "dropless", grouped_gemm: bool = False,
-           backend: str = "torch"):
+def _build(
+    recompute_granularity: str | None = None,
+    mode: str = "dropless",
+    grouped_gemm: bool = False,
+    backend: str = "torch",
+):
     """`(layer, case)`: `build_flex_layer` under Megatron's recompute flag ("moe": selective
     recompute of the MoE layer, "full": the whole layer), with collectives that wait at most
     `COLLECTIVE_TIMEOUT_S`, its dispatcher on `backend` (its double installed) in `mode`."""
     # HybridEP moves rows at least 128 wide (refused at build otherwise).
-    case = LayerCase("recompute_safety", num_experts=E, topk=2, grouped_gemm=grouped_gemm,
-                     hidden=128 if backend == "hybridep" else LayerCase.hidden)
+    case = LayerCase(
+        "recompute_safety",
+        num_experts=E,
+        topk=2,
+        grouped_gemm=grouped_gemm,
+        hidden=128 if backend == "hybridep" else LayerCase.hidden,
+    )
     if backend in INSTALLERS:
         INSTALLERS[backend]()
     layer = build_flex_layer(
-        case, "selective" if recompute_granularity == "moe" else recompute_granularity,
+        case,
+        "selective" if recompute_granularity == "moe" else recompute_granularity,
         timeout_s=COLLECTIVE_TIMEOUT_S,
-        dispatcher_overrides=dict(moe_share_token_dispatcher=False, moe_flex_dispatcher_backend=backend,
-                                  **MODES[mode]))
+        dispatcher_overrides=dict(
+            moe_share_token_dispatcher=False, moe_flex_dispatcher_backend=backend, **MODES[mode]
+        ),
+    )
     return layer, case
 
 
@@ -100,8 +124,9 @@ def layer_forward(layer, x, granularity: str | None):
 
         return tensor_parallel.checkpoint(layer, False, x)[0]
     if granularity in recompute.POLICIES:
-        return recompute.checkpoint_moe(lambda h: layer(h)[0], x, replays=recompute.replays_in(layer),
-                                        policy=granularity)
+        return recompute.checkpoint_moe(
+            lambda h: layer(h)[0], x, replays=recompute.replays_in(layer), policy=granularity
+        )
     return layer(x)[0]
 
 
@@ -247,8 +272,11 @@ def abandoned_forward_records() -> dict:
             layer(h)
             raise RuntimeError("abandoned after the dispatch")
 
-        result = {"checkpoint_moe": outcome(lambda: recompute.checkpoint_moe(
-            forward_then_fail, x.clone().requires_grad_(), replays=replays))}
+        result = {
+            "checkpoint_moe": outcome(
+                lambda: recompute.checkpoint_moe(forward_then_fail, x.clone().requires_grad_(), replays=replays)
+            )
+        }
         result["checkpoint_moe_records"] = replays[0].num_records
         megatron_layer, _ = _build("moe")
         megatron_layer(x.clone().requires_grad_())  # its backward never runs

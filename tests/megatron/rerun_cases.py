@@ -37,6 +37,7 @@ def _microbatches(dims_list, hidden: int, dtype) -> list[torch.Tensor]:
 def _train_step(model, layer, batches, calls):
     """Forward and backward of every micro-batch; a random draw per micro-batch (CPU
     generator) stands in for dropout, so a rerun with other RNG states would differ."""
+
     def step():
         calls.append(1)
         losses = []
@@ -47,6 +48,7 @@ def _train_step(model, layer, batches, calls):
             loss.backward()
             losses.append(loss.detach())
         return losses
+
     return step
 
 
@@ -66,8 +68,10 @@ def run_rerun_equals_dropless(backend: str) -> dict:
         hidden, dtype = budget.router.weight.shape[1], budget.config.params_dtype
         batches = _microbatches([_over_dims(), _fit_dims()], hidden, dtype)
         models = [torch.nn.ModuleDict({"decoder": torch.nn.ModuleDict({"mlp": m})}) for m in (budget, twin)]
+
         def count_tokens(module, args, output):  # router state a forward updates (as expert-bias counts)
             module.seen_tokens.add_(args[0].shape[0])
+
         for m in (budget, twin):
             m.router.register_buffer("seen_tokens", torch.zeros(()))
             m.router.register_forward_hook(count_tokens)
@@ -81,11 +85,14 @@ def run_rerun_equals_dropless(backend: str) -> dict:
         after = overflow.check_overflow(models[0])  # the rerun counted nothing
         manager = budget.token_dispatcher.manager
         result = dict(
-            calls=len(calls), equal_losses=all(torch.equal(a, b) for a, b in zip(losses, twin_losses)),
+            calls=len(calls),
+            equal_losses=all(torch.equal(a, b) for a, b in zip(losses, twin_losses)),
             losses=[float(x) for x in losses],
             unequal_grads=[n for n in grads if grads[n] is None or not torch.equal(grads[n], twin_grads[n])],
-            after=[(r.dropped_pairs, r.rows_needed) for r in after], dropless_after=manager.dropless,
-            router_state=[float(m.router.seen_tokens) for m in (budget, twin)])
+            after=[(r.dropped_pairs, r.rows_needed) for r in after],
+            dropless_after=manager.dropless,
+            router_state=[float(m.router.seen_tokens) for m in (budget, twin)],
+        )
         for p in budget.parameters():
             p.grad = None
         calls.clear()
@@ -103,10 +110,15 @@ class _Counter(OverflowCounter, torch.nn.Module):
     def __init__(self, number: int, policy: str, stats):
         torch.nn.Module.__init__(self)
         self.layer_number = number
-        dcfg = TokenDispatcherConfig(moe_flex_dispatcher_backend="torch", num_moe_experts=8,
-                                     moe_expert_rank_capacity_factor=1.0, moe_expert_rank_overflow_policy=policy)
-        self._init_overflow_counter(SimpleNamespace(use_cpu_initialization=True), dcfg,
-                                    SimpleNamespace(defers_overflow=False))
+        dcfg = TokenDispatcherConfig(
+            moe_flex_dispatcher_backend="torch",
+            num_moe_experts=8,
+            moe_expert_rank_capacity_factor=1.0,
+            moe_expert_rank_overflow_policy=policy,
+        )
+        self._init_overflow_counter(
+            SimpleNamespace(use_cpu_initialization=True), dcfg, SimpleNamespace(defers_overflow=False)
+        )
         self.moe_overflow_budget = 32
         self.moe_overflow_stats.add_(torch.tensor(stats))
 
@@ -149,9 +161,15 @@ def run_auto(backend: str) -> dict:
         (report,) = overflow.check_overflow(model)
         rows = 2 * T * dist.get_world_size() if dist.get_world_size() > 1 else 64
         padded = P.align_up(T, 4) if backend == "hybridep" else T
-        result.update(factor=factor, dropless_after=manager.dropless, dropped=report.dropped_pairs,
-                      budget=report.budget, holds=P.rank_budget(padded, K, factor, 8) >= rows,
-                      rows=report.rows_needed, expected_rows=rows if dist.get_rank() == 0 else None)
+        result.update(
+            factor=factor,
+            dropless_after=manager.dropless,
+            dropped=report.dropped_pairs,
+            budget=report.budget,
+            holds=P.rank_budget(padded, K, factor, 8) >= rows,
+            rows=report.rows_needed,
+            expected_rows=rows if dist.get_rank() == 0 else None,
+        )
         return result
     finally:
         release_all()
@@ -202,8 +220,11 @@ def run_construction_changes_nothing() -> dict:
         before = [dict(vars(m)) for m in (training, pipeline_parallel)]
         layer_cases._build("rerun", "torch")
         after = [dict(vars(m)) for m in (training, pipeline_parallel)]
-        return dict(changed=[name for b, a in zip(before, after) for name in set(b) | set(a)
-                             if b.get(name) is not a.get(name)])
+        return dict(
+            changed=[
+                name for b, a in zip(before, after) for name in set(b) | set(a) if b.get(name) is not a.get(name)
+            ]
+        )
     finally:
         release_all()
         megatron_cpu.uninstall()
@@ -226,8 +247,10 @@ def run_evaluation_steps(backend: str, steps: int, ring_rows: int) -> dict:
         def schedule(**kwargs):
             reruns.append(layer.token_dispatcher.manager.dropless)
             with torch.no_grad():
-                return [layer(next(kwargs["data_iterator"]))[0].float().sum()
-                        for _ in range(kwargs["num_microbatches"])]
+                return [
+                    layer(next(kwargs["data_iterator"]))[0].float().sum() for _ in range(kwargs["num_microbatches"])
+                ]
+
         evaluate = rerun._runs_with_rerun(schedule)
         try:
             for _ in range(steps):

@@ -35,13 +35,15 @@ def _schedule_on_cpu():
             if str(kwargs.get("device", "")).startswith("cuda"):
                 kwargs["device"] = "cpu"
             return factory(*args, **kwargs)
+
         return make
 
     proxy = types.SimpleNamespace(**{n: getattr(torch, n) for n in dir(torch) if not n.startswith("__")})
     for name in ("zeros", "empty", "ones", "tensor", "full"):
         setattr(proxy, name, on_cpu(getattr(torch, name)))
-    proxy.cuda = types.SimpleNamespace(**{n: getattr(torch.cuda, n) for n in dir(torch.cuda)
-                                          if not n.startswith("__")})
+    proxy.cuda = types.SimpleNamespace(
+        **{n: getattr(torch.cuda, n) for n in dir(torch.cuda) if not n.startswith("__")}
+    )
     proxy.cuda.synchronize = lambda *args, **kwargs: None
     saved = schedules.torch, p2p_communication.torch
     schedules.torch = p2p_communication.torch = proxy
@@ -71,18 +73,30 @@ def one_step(cfg, factor, device: str = "cpu"):
     model_parallel_cuda_manual_seed(cfg.seed, force_reset_rng=True)
     config = dataclasses.replace(demo.transformer_config(cfg, 1), pipeline_model_parallel_size=2)
     dcfg = TokenDispatcherConfig.from_transformer_config(
-        config, moe_flex_dispatcher_backend="torch", moe_expert_rank_capacity_factor=factor,
-        moe_expert_rank_overflow_policy="rerun", moe_router_expert_pad_multiple=16, moe_share_token_dispatcher=False)
-    spec = use_flex_moe_layer(get_gpt_layer_local_spec(num_experts=cfg.num_moe_experts), dispatcher_config=dcfg,
-                              experts=GroupedGemmExperts)
-    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=cfg.vocab_size,
-                     max_sequence_length=cfg.seq_length, pre_process=parallel_state.is_pipeline_first_stage(),
-                     post_process=parallel_state.is_pipeline_last_stage()).to(device)
+        config,
+        moe_flex_dispatcher_backend="torch",
+        moe_expert_rank_capacity_factor=factor,
+        moe_expert_rank_overflow_policy="rerun",
+        moe_router_expert_pad_multiple=16,
+        moe_share_token_dispatcher=False,
+    )
+    spec = use_flex_moe_layer(
+        get_gpt_layer_local_spec(num_experts=cfg.num_moe_experts), dispatcher_config=dcfg, experts=GroupedGemmExperts
+    )
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.seq_length,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+    ).to(device)
     reran = []
     for layer in model.modules():
         if isinstance(layer, FlexMoELayer):  # the twin's dropless manager has no switch
             layer.register_forward_pre_hook(
-                lambda m, args: reran.append(getattr(m.token_dispatcher.manager, "dropless", False)))
+                lambda m, args: reran.append(getattr(m.token_dispatcher.manager, "dropless", False))
+            )
     mask = demo.causal_mask(cfg.seq_length, device)
     position_ids = torch.arange(cfg.seq_length, device=device).expand(cfg.micro_batch_size, -1)
 
@@ -92,12 +106,20 @@ def one_step(cfg, factor, device: str = "cpu"):
         def loss_func(output):
             loss = output.float().mean()
             return loss, {"lm loss": loss.detach()}
+
         return model(tokens, position_ids, mask, labels=labels), loss_func
 
     schedule = rerun._runs_with_rerun(get_forward_backward_func())
     batches = [demo.synthetic_batch(cfg, i, 0) for i in range(2)]
-    losses = schedule(forward_step_func=forward_step, data_iterator=iter(batches), model=[model], num_microbatches=2,
-                      seq_length=cfg.seq_length, micro_batch_size=cfg.micro_batch_size, forward_only=False)
+    losses = schedule(
+        forward_step_func=forward_step,
+        data_iterator=iter(batches),
+        model=[model],
+        num_microbatches=2,
+        seq_length=cfg.seq_length,
+        micro_batch_size=cfg.micro_batch_size,
+        forward_only=False,
+    )
     grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
     return [d["lm loss"] for d in losses], grads, any(reran)
 
@@ -125,10 +147,13 @@ def run_pipeline_rerun() -> dict:
         with _schedule_on_cpu():
             losses, grads, reran = one_step(cfg, 1.0)
             twin_losses, twin_grads, twin_reran = one_step(cfg, None)
-        return dict(reran=reran, twin_reran=twin_reran, losses=len(losses),
-                    equal_losses=all(torch.equal(a, b) for a, b in zip(losses, twin_losses)),
-                    equal_grads=all((a is None and b is None) or torch.equal(a, b)
-                                    for a, b in zip(grads, twin_grads)))
+        return dict(
+            reran=reran,
+            twin_reran=twin_reran,
+            losses=len(losses),
+            equal_losses=all(torch.equal(a, b) for a, b in zip(losses, twin_losses)),
+            equal_grads=all((a is None and b is None) or torch.equal(a, b) for a, b in zip(grads, twin_grads)),
+        )
     finally:
         MoEAuxLossAutoScaler.main_loss_backward_scale = None
         parallel_state.destroy_model_parallel()

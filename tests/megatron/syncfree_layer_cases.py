@@ -37,8 +37,19 @@ def _build(policy: str, backend: str = "torch", factor=1.0, seq: int = SEQ):
 
     ep, hidden = dist.get_world_size(), HIDDEN[backend]
     pg = megatron_cpu.init_parallel_state(ep)
-    config = layer_config(LayerCase("syncfree", num_experts=E, topk=K, hidden=hidden, seq=seq, batch=BATCH,
-                                    gated=True, dtype="fp32" if backend == "torch" else "bf16"), ep)
+    config = layer_config(
+        LayerCase(
+            "syncfree",
+            num_experts=E,
+            topk=K,
+            hidden=hidden,
+            seq=seq,
+            batch=BATCH,
+            gated=True,
+            dtype="fp32" if backend == "torch" else "bf16",
+        ),
+        ep,
+    )
     config.activation_func = torch.nn.functional.silu  # swiglu, what GroupedGemmExperts computes
     overrides = {}
     if backend == "hybridep":
@@ -47,11 +58,22 @@ def _build(policy: str, backend: str = "torch", factor=1.0, seq: int = SEQ):
         use_backend()
         overrides = dict(moe_flex_dispatcher_backend="hybridep", moe_hybridep_equal_token_counts=True)
     dcfg = TokenDispatcherConfig.from_transformer_config(
-        config, moe_expert_rank_capacity_factor=factor, moe_expert_rank_overflow_policy=policy,
-        moe_router_expert_pad_multiple=8, moe_share_token_dispatcher=False, **overrides)
+        config,
+        moe_expert_rank_capacity_factor=factor,
+        moe_expert_rank_overflow_policy=policy,
+        moe_router_expert_pad_multiple=8,
+        moe_share_token_dispatcher=False,
+        **overrides,
+    )
     spec = get_moe_module_spec(use_te=False, num_experts=E)
-    layer = FlexMoELayer(config, submodules=spec.keywords["submodules"], pg_collection=pg,
-                         layer_number=3, dispatcher_config=dcfg, experts=GroupedGemmExperts)
+    layer = FlexMoELayer(
+        config,
+        submodules=spec.keywords["submodules"],
+        pg_collection=pg,
+        layer_number=3,
+        dispatcher_config=dcfg,
+        experts=GroupedGemmExperts,
+    )
     layer.set_layer_number(3)
     with torch.no_grad():
         weight = torch.zeros(E, hidden)
@@ -102,7 +124,8 @@ def run_policy(policy: str, backend: str = "torch") -> dict:
         result["expected"] = dict(
             dropped=16 if world == 1 else 2 * T * world - 32,
             needed=64 if world == 1 else 2 * T * world,
-            local_dropped=16 if world == 1 else (2 * T * world - 32 if rank == 0 else 0))
+            local_dropped=16 if world == 1 else (2 * T * world - 32 if rank == 0 else 0),
+        )
         result["ring"] = None if layer.moe_overflow_pending is None else int(layer.moe_overflow_next)
         return result
     finally:
@@ -127,8 +150,9 @@ def run_unread_steps(steps: int, ring_rows: int) -> dict:
             (report,) = overflow.check_overflow(model)
         except RuntimeError as exc:
             return dict(error=str(exc), ring=int(layer.moe_overflow_next))
-        return dict(dropped=report.dropped_pairs, needed=report.rows_needed,
-                    per_step=2 * T * dist.get_world_size() - 32)
+        return dict(
+            dropped=report.dropped_pairs, needed=report.rows_needed, per_step=2 * T * dist.get_world_size() - 32
+        )
     finally:
         overflow.MIN_PENDING_DISPATCHES = saved  # the pool's process runs other tests next
         release_all()
@@ -267,8 +291,18 @@ def run_partial_graph_pattern(impl: str, backend: str = "torch") -> dict:
         world, rank = dist.get_world_size(), dist.get_rank()
         pg = megatron_cpu.init_parallel_state(world)
         hidden, (seq, batch) = HIDDEN[backend], ((SEQ, BATCH) if backend == "torch" else (5, 3))
-        config = layer_config(LayerCase("partial", num_experts=E, topk=K, hidden=hidden, seq=seq, batch=batch,
-                                        dtype="fp32" if backend == "torch" else "bf16"), world)
+        config = layer_config(
+            LayerCase(
+                "partial",
+                num_experts=E,
+                topk=K,
+                hidden=hidden,
+                seq=seq,
+                batch=batch,
+                dtype="fp32" if backend == "torch" else "bf16",
+            ),
+            world,
+        )
         dcfg = None
         if backend == "hybridep":
             from megatron_moe_ext.dispatcher.config import TokenDispatcherConfig
@@ -276,10 +310,12 @@ def run_partial_graph_pattern(impl: str, backend: str = "torch") -> dict:
 
             use_backend()
             dcfg = TokenDispatcherConfig.from_transformer_config(
-                config, moe_flex_dispatcher_backend="hybridep", moe_hybridep_equal_token_counts=True)
+                config, moe_flex_dispatcher_backend="hybridep", moe_hybridep_equal_token_counts=True
+            )
         spec = get_moe_module_spec(use_te=False, num_experts=E)
-        layer = FlexMoELayer(config, submodules=spec.keywords["submodules"], pg_collection=pg, layer_number=1,
-                             dispatcher_config=dcfg)
+        layer = FlexMoELayer(
+            config, submodules=spec.keywords["submodules"], pg_collection=pg, layer_number=1, dispatcher_config=dcfg
+        )
         g = torch.Generator().manual_seed(5 + rank)
         x = torch.randn(seq, batch, hidden, generator=g).to(config.params_dtype)
 
@@ -299,8 +335,9 @@ def run_partial_graph_pattern(impl: str, backend: str = "torch") -> dict:
             try:
                 for _ in range(3):  # TE's warm-up runs and its capture, each with its backward
                     outs = layer(x.clone().requires_grad_())
-                    torch.autograd.backward([t for t in outs if t.requires_grad],
-                                            [torch.ones_like(t) for t in outs if t.requires_grad])
+                    torch.autograd.backward(
+                        [t for t in outs if t.requires_grad], [torch.ones_like(t) for t in outs if t.requires_grad]
+                    )
                 # The replay's forward: the captured part's outputs (with their backward), no
                 # Python of it afterwards (the layer only sees what Megatron hands back).
                 hidden, probs, *attrs = layer(x_in)
@@ -360,10 +397,13 @@ def run_partial_graph_pattern(impl: str, backend: str = "torch") -> dict:
         replayed = float((replay_again().detach() - ref_out).abs().max())
         config.cuda_graph_impl, config.cuda_graph_modules = "none", []
         again_out, again_grad = eager()  # the dispatcher is idle again afterwards
-        return dict(out=float((out.detach() - ref_out).abs().max()), grad=float((grad - ref_grad).abs().max()),
-                    again=float((again_out - ref_out).abs().max()) + float((again_grad - ref_grad).abs().max()),
-                    replayed=replayed,
-                    names=list(names))
+        return dict(
+            out=float((out.detach() - ref_out).abs().max()),
+            grad=float((grad - ref_grad).abs().max()),
+            again=float((again_out - ref_out).abs().max()) + float((again_grad - ref_grad).abs().max()),
+            replayed=replayed,
+            names=list(names),
+        )
     finally:
         megatron_cpu.uninstall()
 

@@ -37,14 +37,17 @@ def _assert_same_model(saved, loaded, bias):
 
 # Native models with expert biases only at EP 2: Megatron's SequentialMLP cannot run its
 # forward with biases at EP 1 / TP 1 (see test_experts_builder.py).
-@pytest.mark.parametrize("src,src_ep,dst,dst_ep,bias", [
-    ("native", 2, "ext", 1, False),
-    ("ext", 2, "native", 1, False),
-    ("ext", 2, "ext", 1, False),
-    ("native", 1, "ext", 2, False),
-    ("native", 2, "ext", 1, True),
-    ("ext", 1, "native", 2, True),
-])
+@pytest.mark.parametrize(
+    "src,src_ep,dst,dst_ep,bias",
+    [
+        ("native", 2, "ext", 1, False),
+        ("ext", 2, "native", 1, False),
+        ("ext", 2, "ext", 1, False),
+        ("native", 1, "ext", 2, False),
+        ("native", 2, "ext", 1, True),
+        ("ext", 1, "native", 2, True),
+    ],
+)
 def test_checkpoint_roundtrip(dist_pools, tmp_path, src, src_ep, dst, dst_ep, bias):
     pool = dist_pools(WORLD)
     ckpt = str(tmp_path / "ckpt")
@@ -53,9 +56,16 @@ def test_checkpoint_roundtrip(dist_pools, tmp_path, src, src_ep, dst, dst_ep, bi
     _assert_same_model(saved, loaded, bias)
 
 
-@pytest.mark.parametrize("ep,singleton,activation,bias", [
-    (2, False, "swiglu", False), (1, False, "swiglu", False), (2, True, "swiglu", True),
-    (2, False, "swiglu", True), (2, False, "relu2", True)])
+@pytest.mark.parametrize(
+    "ep,singleton,activation,bias",
+    [
+        (2, False, "swiglu", False),
+        (1, False, "swiglu", False),
+        (2, True, "swiglu", True),
+        (2, False, "swiglu", True),
+        (2, False, "relu2", True),
+    ],
+)
 def test_ext_writes_sequential_mlp_layout(dist_pools, ep, singleton, activation, bias):
     """Same weights: every expert ShardedTensor / ShardedObject the ext model saves equals the
     native one in key, global shape, offset, fragmentation, replica id and values (also with
@@ -84,8 +94,7 @@ def test_missing_expert_tensor_fails_naming_the_key(dist_pools, tmp_path):
         pool.run(load_checkpoint, "ext", 1, ckpt)
 
 
-@pytest.mark.parametrize("src,src_ep,dst,dst_ep",
-                         [("native", 2, "ext", 1), ("ext", 1, "native", 2)])
+@pytest.mark.parametrize("src,src_ep,dst,dst_ep", [("native", 2, "ext", 1), ("ext", 1, "native", 2)])
 def test_optimizer_state_moves_with_the_model(dist_pools, tmp_path, src, src_ep, dst, dst_ep):
     """Adam moments saved through Megatron's optimizer sharding (model factories reused for the
     optimizer states) load bit-identically into the other MoE implementation and EP size."""

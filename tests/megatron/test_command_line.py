@@ -50,8 +50,9 @@ def _always_reverted():
     patches.revert()
 
 
-@pytest.mark.parametrize("entry,grouped,impl,layer,experts", COMBINATIONS,
-                         ids=[f"{c[0]}-gg{int(c[1])}-{c[2]}" for c in COMBINATIONS])
+@pytest.mark.parametrize(
+    "entry,grouped,impl,layer,experts", COMBINATIONS, ids=[f"{c[0]}-gg{int(c[1])}-{c[2]}" for c in COMBINATIONS]
+)
 def test_flags_build_the_expected_layer_and_experts(dist_pools, entry, grouped, impl, layer, experts):
     from megatron.core.extensions.transformer_engine import HAVE_TE
 
@@ -73,19 +74,31 @@ def test_flags_build_the_expected_layer_and_experts(dist_pools, entry, grouped, 
 
 
 def _megatron_config(**moe):
-    return TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, num_moe_experts=4,
-                             moe_router_topk=2, moe_ffn_hidden_size=8, **moe)
+    return TransformerConfig(
+        num_layers=1,
+        hidden_size=16,
+        num_attention_heads=2,
+        num_moe_experts=4,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=8,
+        **moe,
+    )
 
 
-@pytest.mark.parametrize("flags,backend", [
-    (dict(moe_token_dispatcher_type="alltoall"), "torch"),
-    (dict(moe_token_dispatcher_type="allgather"), "torch"),
-    (dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep"), "deepep"),
-    (dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep"), "hybridep"),
-])
+@pytest.mark.parametrize(
+    "flags,backend",
+    [
+        (dict(moe_token_dispatcher_type="alltoall"), "torch"),
+        (dict(moe_token_dispatcher_type="allgather"), "torch"),
+        (dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep"), "deepep"),
+        (dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep"), "hybridep"),
+    ],
+)
 def test_dispatcher_flags_select_the_backend(flags, backend):
-    assert TokenDispatcherConfig.from_transformer_config(
-        _megatron_config(**flags)).moe_flex_dispatcher_backend == backend
+    assert (
+        TokenDispatcherConfig.from_transformer_config(_megatron_config(**flags)).moe_flex_dispatcher_backend
+        == backend
+    )
 
 
 # field, value, flags that make it meaningful (set before it).
@@ -163,19 +176,24 @@ def _run_isolated(code: str, cwd: str) -> str:
     site hooks (`-S`: an editable install's import finder is not loaded)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
     env["PYTHONPATH"] = os.pathsep.join([ROOT, sysconfig.get_paths()["purelib"]])
-    done = subprocess.run([sys.executable, "-S", "-c", code], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=240)
+    done = subprocess.run(
+        [sys.executable, "-S", "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=240
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout.strip().splitlines()[-1]
 
 
 def test_patches_import_from_a_source_checkout(tmp_path):
-    where = _run_isolated("import os, megatron_moe_ext.patches as p; "
-                          "print(os.path.realpath(p.__file__))", str(tmp_path))
+    where = _run_isolated(
+        "import os, megatron_moe_ext.patches as p; print(os.path.realpath(p.__file__))", str(tmp_path)
+    )
     assert where == os.path.join(os.path.realpath(ROOT), "megatron_moe_ext", "patches", "__init__.py")
     # The top-level `patches` of the layout is the same module's functions.
-    same = _run_isolated("import patches, megatron_moe_ext.patches as p; "
-                         "print(patches.apply is p.apply and patches.revert is p.revert)", str(tmp_path))
+    same = _run_isolated(
+        "import patches, megatron_moe_ext.patches as p; "
+        "print(patches.apply is p.apply and patches.revert is p.revert)",
+        str(tmp_path),
+    )
     assert same == "True"
 
 
@@ -189,5 +207,7 @@ def test_importing_specs_builds_no_spec(tmp_path):
         "before = len(calls)\n"
         "from megatron.core.transformer.spec_utils import import_module\n"
         "spec = import_module(('megatron_moe_ext.megatron.specs', 'flex_moe_layer_spec'))\n"
-        "print(before, len(calls), spec.submodules.mlp.func.__name__, len(calls))", str(tmp_path))
+        "print(before, len(calls), spec.submodules.mlp.func.__name__, len(calls))",
+        str(tmp_path),
+    )
     assert out == "0 0 FlexMoELayer 1", out

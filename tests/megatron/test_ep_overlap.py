@@ -8,14 +8,26 @@ import pytest
 from tests.megatron.overlap_ranks import run_overlap_parity
 
 # (backend, grouped-GEMM experts, a shared expert, the budget mode's factor)
-CASES = [("torch", False, False, None), ("torch", True, False, None), ("deepep", False, False, None),
-         ("uccl_ep", False, False, None), ("hybridep", False, False, None), ("deepep", True, False, None),
-         ("torch", False, True, None), ("hybridep", True, True, None),
-         ("torch", True, False, "4"), ("deepep", True, False, "4"), ("hybridep", True, False, "4")]
+CASES = [
+    ("torch", False, False, None),
+    ("torch", True, False, None),
+    ("deepep", False, False, None),
+    ("uccl_ep", False, False, None),
+    ("hybridep", False, False, None),
+    ("deepep", True, False, None),
+    ("torch", False, True, None),
+    ("hybridep", True, True, None),
+    ("torch", True, False, "4"),
+    ("deepep", True, False, "4"),
+    ("hybridep", True, False, "4"),
+]
 
 
-@pytest.mark.parametrize("backend, grouped_gemm, shared, budget", CASES,
-                         ids=[f"{b}{'_grouped' * g}{'_shared' * s}{'_budget' * bool(f)}" for b, g, s, f in CASES])
+@pytest.mark.parametrize(
+    "backend, grouped_gemm, shared, budget",
+    CASES,
+    ids=[f"{b}{'_grouped' * g}{'_shared' * s}{'_budget' * bool(f)}" for b, g, s, f in CASES],
+)
 def test_overlap_schedule_matches_plain_forward_backward(dist_pools, backend, grouped_gemm, shared, budget):
     for rank, r in enumerate(dist_pools(2).run(run_overlap_parity, backend, grouped_gemm, shared, budget)):
         where = f"{backend} rank {rank} ({r['experts']})"

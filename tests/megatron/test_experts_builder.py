@@ -53,8 +53,10 @@ def te_order_weights() -> dict:
 
     def drawn(order):
         torch.manual_seed(11)
-        shapes = {"fc1": (2 * config.moe_ffn_hidden_size, config.hidden_size),
-                  "fc2": (config.hidden_size, config.moe_ffn_hidden_size)}
+        shapes = {
+            "fc1": (2 * config.moe_ffn_hidden_size, config.hidden_size),
+            "fc2": (config.hidden_size, config.moe_ffn_hidden_size),
+        }
         methods = {"fc1": config.init_method, "fc2": config.output_layer_init_method}
         weights = {}
         for key in order:
@@ -67,12 +69,12 @@ def te_order_weights() -> dict:
     result = {}
     for init_like in ("te_grouped_mlp", "sequential_mlp"):
         torch.manual_seed(11)
-        experts = GroupedGemmExperts(EXPERTS, config, pg_collection=get_default_pg_collection(),
-                                     init_like=init_like)
+        experts = GroupedGemmExperts(EXPERTS, config, pg_collection=get_default_pg_collection(), init_like=init_like)
         built = {("fc1", i): experts.gate_and_up_projs[i].t() for i in range(EXPERTS)}
         built.update({("fc2", i): experts.down_projs[i].t() for i in range(EXPERTS)})
-        result[init_like] = {ref: all(torch.equal(built[k], w[k]) for k in w)
-                             for ref, w in (("te", te), ("seq", seq))}
+        result[init_like] = {
+            ref: all(torch.equal(built[k], w[k]) for k in w) for ref, w in (("te", te), ("seq", seq))
+        }
     try:
         GroupedGemmExperts(EXPERTS, config, pg_collection=get_default_pg_collection(), init_like="te")
     except ValueError as exc:
@@ -106,21 +108,25 @@ def test_plain_state_dict_conversion_roundtrip(dist_pools):
     assert r["error"] is not None and "local_experts.2.linear_fc2.weight" in r["error"], r["error"]
 
 
-@pytest.mark.parametrize("field,value,named", [
-    ("activation_func", "gelu", "activation_func"),
-    ("glu_linear_offset", 1.0, "glu_linear_offset"),
-    ("moe_apply_probs_on_input", True, "moe_apply_probs_on_input"),
-    ("delay_wgrad_compute", True, "delay_wgrad_compute"),
-    ("moe_latent_size", 8, "moe_latent_size"),
-    ("offload_modules", ["moe_act"], "offload_modules"),
-    ("moe_mlp_glu_interleave_size", 32, "moe_mlp_glu_interleave_size"),
-    ("moe_single_grouped_weight", True, "moe_single_grouped_weight"),
-    ("moe_single_grouped_bias", True, "moe_single_grouped_bias"),
-    ("moe_paged_stash", True, "moe_paged_stash"),
-])
+@pytest.mark.parametrize(
+    "field,value,named",
+    [
+        ("activation_func", "gelu", "activation_func"),
+        ("glu_linear_offset", 1.0, "glu_linear_offset"),
+        ("moe_apply_probs_on_input", True, "moe_apply_probs_on_input"),
+        ("delay_wgrad_compute", True, "delay_wgrad_compute"),
+        ("moe_latent_size", 8, "moe_latent_size"),
+        ("offload_modules", ["moe_act"], "offload_modules"),
+        ("moe_mlp_glu_interleave_size", 32, "moe_mlp_glu_interleave_size"),
+        ("moe_single_grouped_weight", True, "moe_single_grouped_weight"),
+        ("moe_single_grouped_bias", True, "moe_single_grouped_bias"),
+        ("moe_paged_stash", True, "moe_paged_stash"),
+    ],
+)
 def test_unsupported_megatron_settings_raise_naming_the_field(dist_pools, field, value, named):
     if value == "gelu":
         import torch.nn.functional as F
+
         value = F.gelu
     also = {"fine_grained_activation_offloading": True} if field == "offload_modules" else {}
     (message,) = dist_pools(1).run(unsupported_config_error, field, value, **also)
@@ -133,8 +139,9 @@ def test_gelu_settings_megatron_does_not_compute_exactly_raise(dist_pools, field
     routing prob) and TE's (tanh-approximated) activation op, naming the field and the fix."""
     import torch.nn.functional as F
 
-    (message,) = dist_pools(1).run(unsupported_config_error, field, True, activation_func=F.gelu,
-                                   gated_linear_unit=False)
+    (message,) = dist_pools(1).run(
+        unsupported_config_error, field, True, activation_func=F.gelu, gated_linear_unit=False
+    )
     assert message is not None and f"{field}=True" in message and f"set {field}=False" in message, message
 
 
@@ -152,8 +159,9 @@ def odd_size_experts(hidden: int, ffn: int, dtype_name: str) -> dict:
     init(1)
     torch.manual_seed(5)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
-    config = dataclasses.replace(_config("swiglu", bias=True), hidden_size=hidden,
-                                 moe_ffn_hidden_size=ffn, params_dtype=dtype)
+    config = dataclasses.replace(
+        _config("swiglu", bias=True), hidden_size=hidden, moe_ffn_hidden_size=ffn, params_dtype=dtype
+    )
     experts = GroupedGemmExperts(EXPERTS, config, pg_collection=get_default_pg_collection())
     with torch.no_grad():
         experts.gate_up_proj_bias.normal_(0.0, 0.1)
@@ -169,12 +177,13 @@ def odd_size_experts(hidden: int, ffn: int, dtype_name: str) -> dict:
     x_ref = x.detach().float().requires_grad_()
     ref, start = [], 0
     for i, n in enumerate(counts):
-        h = x_ref[start:start + n] @ params["gate_and_up_projs"][i] + params["gate_up_proj_bias"][i]
+        h = x_ref[start : start + n] @ params["gate_and_up_projs"][i] + params["gate_up_proj_bias"][i]
         h = h.to(dtype).float()  # the module's GEMM output is rounded to its dtype
         gate, up = torch.chunk(h, 2, dim=-1)
-        p = probs[start:start + n, None]
-        ref.append((torch.nn.functional.silu(gate) * up * p) @ params["down_projs"][i]
-                   + p * params["down_proj_bias"][i])
+        p = probs[start : start + n, None]
+        ref.append(
+            (torch.nn.functional.silu(gate) * up * p) @ params["down_projs"][i] + p * params["down_proj_bias"][i]
+        )
         start += n
     ref = torch.cat(ref)
     (ref * grad_out).sum().backward()
@@ -188,11 +197,14 @@ def odd_size_experts(hidden: int, ffn: int, dtype_name: str) -> dict:
     return errors
 
 
-@pytest.mark.parametrize("hidden,ffn,dtype_name,tol", [
-    (12, 8, "bf16", 2e-2),   # 24-byte hidden rows
-    (10, 5, "fp32", 1e-5),   # 40-byte hidden rows, 2I = 10 and I = 5 columns
-    (16, 3, "bf16", 2e-2),   # 12-byte intermediate rows
-])
+@pytest.mark.parametrize(
+    "hidden,ffn,dtype_name,tol",
+    [
+        (12, 8, "bf16", 2e-2),  # 24-byte hidden rows
+        (10, 5, "fp32", 1e-5),  # 40-byte hidden rows, 2I = 10 and I = 5 columns
+        (16, 3, "bf16", 2e-2),  # 12-byte intermediate rows
+    ],
+)
 def test_grouped_gemm_experts_take_any_hidden_and_ffn_size(dist_pools, hidden, ffn, dtype_name, tol):
     (errors,) = dist_pools(1).run(odd_size_experts, hidden, ffn, dtype_name)
     assert all(e <= tol for e in errors.values()), errors

@@ -23,8 +23,13 @@ def test_budget_mode_with_te_grouped_mlp_under_fp8_refused_at_build(dist_pools, 
     and unpadded each expert's rows for FP8 and returned only the counted rows)."""
     for r in dist_pools(world).run(cases.te_grouped_mlp_layer, "blockwise", 1.25):
         assert "build" in r, r
-        for words in ("fp8='e4m3'", "fp8_recipe='blockwise'", "moe_expert_rank_capacity_factor=1.25",
-                      "fp8_recipe='tensorwise'", "dropless"):
+        for words in (
+            "fp8='e4m3'",
+            "fp8_recipe='blockwise'",
+            "moe_expert_rank_capacity_factor=1.25",
+            "fp8_recipe='tensorwise'",
+            "dropless",
+        ):
             assert words in r["build"], r
 
 
@@ -63,12 +68,18 @@ def test_tensorwise_fp8_experts_behind_hybridep(dist_pools, budget):
         assert all(0 < err < 0.1 for err in r["rel_err"]), r
 
 
-@pytest.mark.parametrize("field,value", [("fp8_recipe", "blockwise"), ("fp8_recipe", "delayed"),
-                                         ("fp8", "hybrid"), ("fp8_param", True),
-                                         ("first_last_layers_bf16", True)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("fp8_recipe", "blockwise"),
+        ("fp8_recipe", "delayed"),
+        ("fp8", "hybrid"),
+        ("fp8_param", True),
+        ("first_last_layers_bf16", True),
+    ],
+)
 def test_fp8_settings_the_experts_cannot_follow_are_refused_naming_them(field, value):
-    config = types.SimpleNamespace(fp8="e4m3", fp8_recipe="tensorwise", fp8_param=False,
-                                   first_last_layers_bf16=False)
+    config = types.SimpleNamespace(fp8="e4m3", fp8_recipe="tensorwise", fp8_param=False, first_last_layers_bf16=False)
     setattr(config, field, value)
     with pytest.raises(ValueError, match=f"{field}={value!r}.*allowed"):
         fp8.fp8_recipe_of(config)
@@ -89,11 +100,14 @@ def test_fp8_experts_refuse_a_dispatcher_that_does_not_pad_their_groups(dist_poo
     assert "moe_router_expert_pad_multiple=None" in r["build"] and "multiple of 16" in r["build"], r
 
 
-@pytest.mark.parametrize("also,named", [
-    (dict(fp8_recipe="blockwise"), "fp8_recipe='blockwise'"),
-    (dict(fp8_recipe="tensorwise"), "moe_ffn_hidden_size=8"),  # FP8 rows need 16-byte widths
-    (dict(fp8_recipe="tensorwise", moe_ffn_hidden_size=16), None),
-])
+@pytest.mark.parametrize(
+    "also,named",
+    [
+        (dict(fp8_recipe="blockwise"), "fp8_recipe='blockwise'"),
+        (dict(fp8_recipe="tensorwise"), "moe_ffn_hidden_size=8"),  # FP8 rows need 16-byte widths
+        (dict(fp8_recipe="tensorwise", moe_ffn_hidden_size=16), None),
+    ],
+)
 def test_grouped_gemm_experts_under_fp8_build_or_name_the_setting(dist_pools, also, named):
     (error,) = dist_pools(1).run(unsupported_config_error, "fp8", "e4m3", **also)
     assert (error is None) if named is None else (named in error and "allowed" in error), error

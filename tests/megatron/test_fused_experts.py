@@ -61,8 +61,7 @@ def _fused_experts_module(mode: str) -> dict:
             error = None
         except RuntimeError as exc:
             error = str(exc)
-        return {"accepts": auto.accepts_indexed_rows, "reason": auto.expert_mlp_fallback_reason,
-                "error": error}
+        return {"accepts": auto.accepts_indexed_rows, "reason": auto.expert_mlp_fallback_reason, "error": error}
     if mode == "layer":
         return _layer_decides_when_moved(config)
     if mode == "invalid":
@@ -82,32 +81,36 @@ def _fused_experts_module(mode: str) -> dict:
     # 10 positions over 6 received rows, 2 positions of capacity padding.
     row_of_slot = torch.tensor([0, 2, 5, 1, 2, 3, 4, 5, 0, 3, 0, 0], device=device, dtype=torch.int32)
     slot_of_row = torch.full((tokens, topk), -1, device=device, dtype=torch.long)
-    for pos, row in enumerate(row_of_slot[:sum(counts)].tolist()):
+    for pos, row in enumerate(row_of_slot[: sum(counts)].tolist()):
         slot_of_row[row, int((slot_of_row[row] >= 0).sum())] = pos
     rows = torch.randn(tokens, HIDDEN, device=device).bfloat16().requires_grad_(True)
     probs = torch.rand(12, device=device).requires_grad_(True)
     grad = torch.randn(12, HIDDEN, device=device).bfloat16()
     counts_t = torch.tensor(counts, device=device)
-    out_f, _ = fused_experts(IndexedRows(rows, row_of_slot, slot_of_row, counts_t, probs.detach()),
-                             counts_t, probs)
+    out_f, _ = fused_experts(IndexedRows(rows, row_of_slot, slot_of_row, counts_t, probs.detach()), counts_t, probs)
     out_f.backward(grad)
-    grads_f = [rows.grad.clone(), probs.grad.clone(), fused_experts.gate_and_up_projs.grad,
-               fused_experts.down_projs.grad]
+    grads_f = [
+        rows.grad.clone(),
+        probs.grad.clone(),
+        fused_experts.gate_and_up_projs.grad,
+        fused_experts.down_projs.grad,
+    ]
     rows.grad = probs.grad = None
     permuted = rows[row_of_slot.long()]
     out_t, _ = torch_experts(permuted, counts_t, probs)
     out_t.backward(grad)
-    grads_t = [rows.grad, probs.grad, torch_experts.gate_and_up_projs.grad,
-               torch_experts.down_projs.grad]
+    grads_t = [rows.grad, probs.grad, torch_experts.gate_and_up_projs.grad, torch_experts.down_projs.grad]
 
     def err(a, b):
         return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
     valid = sum(counts)
-    return {"accepts": fused_experts.accepts_indexed_rows,
-            "reason": fused_experts.expert_mlp_fallback_reason,
-            "padding_zero": bool((out_f[valid:] == 0).all()),
-            "errors": [err(out_f[:valid], out_t[:valid])] + [err(a, b) for a, b in zip(grads_f, grads_t)]}
+    return {
+        "accepts": fused_experts.accepts_indexed_rows,
+        "reason": fused_experts.expert_mlp_fallback_reason,
+        "padding_zero": bool((out_f[valid:] == 0).all()),
+        "errors": [err(out_f[:valid], out_t[:valid])] + [err(a, b) for a, b in zip(grads_f, grads_t)],
+    }
 
 
 def _layer_decides_when_moved(config) -> list[str]:
@@ -129,9 +132,13 @@ def _layer_decides_when_moved(config) -> list[str]:
     double = fused.QuackBackend(quack_gemm, None, any_device=True)
     fused.set_quack_backend(fused.QuackBackend(None, "QuACK is not importable (test)"))
     submodules = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts).keywords["submodules"]
-    layer = FlexMoELayer(config, submodules=submodules, pg_collection=get_default_pg_collection(),
-                         experts=functools.partial(GroupedGemmExperts, expert_mlp_impl="auto"),
-                         layer_number=1)
+    layer = FlexMoELayer(
+        config,
+        submodules=submodules,
+        pg_collection=get_default_pg_collection(),
+        experts=functools.partial(GroupedGemmExperts, expert_mlp_impl="auto"),
+        layer_number=1,
+    )
     seen = []
     layer.experts.register_forward_pre_hook(lambda _m, args: seen.append(type(args[0]).__name__))
     x = torch.randn(6, 1, config.hidden_size, dtype=torch.bfloat16)
@@ -143,8 +150,11 @@ def _layer_decides_when_moved(config) -> list[str]:
     return seen
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the QuACK double on a CPU-built Megatron; on the "
-                    "GPU machine bench/moe_slice_bench.py runs the layer with real QuACK")
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="the QuACK double on a CPU-built Megatron; on the "
+    "GPU machine bench/moe_slice_bench.py runs the layer with real QuACK",
+)
 def test_layer_hands_indexed_rows_once_moved_where_its_experts_can(dist_pools):
     (seen,) = dist_pools(1).run(fused_experts_module, "layer")
     assert seen == ["Tensor", "Tensor", "IndexedRows"], seen

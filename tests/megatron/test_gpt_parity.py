@@ -34,13 +34,17 @@ def test_gpt_moe_loss_curve_matches_native_layer(dist_pools, ep_size):
         assert {kind for kind in r["native_layers"]} == {("MoELayer", "MoEAlltoAllTokenDispatcher")}
         native, ext = r["native"]["lm_loss"], r["ext"]["lm_loss"]
         assert len(ext) == len(native) == STEPS
-        bad = [(step + 1, e, n) for step, (e, n) in enumerate(zip(ext, native))
-               if not math.isclose(e, n, rel_tol=RTOL, abs_tol=0.0)]
+        bad = [
+            (step + 1, e, n)
+            for step, (e, n) in enumerate(zip(ext, native))
+            if not math.isclose(e, n, rel_tol=RTOL, abs_tol=0.0)
+        ]
         assert not bad, f"rank {rank}, EP {ep_size}: (step, ext, native) beyond {RTOL} relative: {bad}"
         name, diff = r["max_param_rel_diff"]
         assert diff <= RTOL, f"rank {rank}, EP {ep_size}: trained {name} differs by {diff:.2e} (relative norm)"
         # Same routing at step 1 (same weights, same data), and the model actually trains.
         assert r["ext"]["tokens_per_expert"][0] == r["native"]["tokens_per_expert"][0]
         assert sum(r["ext"]["tokens_per_expert"][0]) == (
-            WORLD_SIZE * model.micro_batch_size * model.seq_length * model.moe_router_topk * model.num_layers)
+            WORLD_SIZE * model.micro_batch_size * model.seq_length * model.moe_router_topk * model.num_layers
+        )
         assert ext[-1] < ext[0] - 0.5

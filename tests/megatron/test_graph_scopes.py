@@ -50,15 +50,15 @@ def test_hybridep_preprocess_graph_needs_equal_counts():
     with pytest.raises(ValueError, match=r"cuda_graph_modules=.*moe_hybridep_equal_token_counts=True"):
         graphs.check_capturable(_config("transformer_engine", ["moe_router", "moe_preprocess"]), dcfg)
     graphs.check_capturable(_config("transformer_engine", ["moe_router"]), dcfg)
-    graphs.check_capturable(_config("local", ["moe_router", "moe_preprocess"]),
-                            dcfg.replace(moe_hybridep_equal_token_counts=True))
+    graphs.check_capturable(
+        _config("local", ["moe_router", "moe_preprocess"]), dcfg.replace(moe_hybridep_equal_token_counts=True)
+    )
 
 
 def test_local_postprocess_graph_refuses_shared_expert_overlap():
     with pytest.raises(ValueError, match=r"cuda_graph_modules=.*moe_shared_expert_overlap"):
         graphs.check_capturable(_config("local", ["moe_router"], moe_shared_expert_overlap=True), _dcfg())
-    graphs.check_capturable(_config("transformer_engine", ["moe_router"], moe_shared_expert_overlap=True),
-                            _dcfg())
+    graphs.check_capturable(_config("transformer_engine", ["moe_router"], moe_shared_expert_overlap=True), _dcfg())
 
 
 def _megatron_config(**kw):
@@ -79,13 +79,16 @@ def test_budget_mode_from_the_environment(monkeypatch):
     assert TokenDispatcherConfig.from_transformer_config(_megatron_config()).moe_expert_rank_capacity_factor is None
 
 
-@pytest.mark.parametrize("name, value, allowed", [
-    ("MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR", "0", "> 0"),
-    ("MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR", "lots", "> 0"),
-    ("MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR", "nan", "> 0"),
-    ("MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR", "automatic", "'auto'"),
-    ("MOE_EXT_EXPERT_RANK_OVERFLOW_POLICY", "ignore", "'rerun', 'error', 'drop'"),
-])
+@pytest.mark.parametrize(
+    "name, value, allowed",
+    [
+        ("MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR", "0", "> 0"),
+        ("MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR", "lots", "> 0"),
+        ("MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR", "nan", "> 0"),
+        ("MOE_EXT_EXPERT_RANK_CAPACITY_FACTOR", "automatic", "'auto'"),
+        ("MOE_EXT_EXPERT_RANK_OVERFLOW_POLICY", "ignore", "'rerun', 'error', 'drop'"),
+    ],
+)
 def test_budget_environment_refuses_bad_values(monkeypatch, name, value, allowed):
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=rf"{name}={value!r} is invalid.*{allowed}"):

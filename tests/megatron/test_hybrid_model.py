@@ -75,6 +75,7 @@ def test_spec_entry_point_for_pretrain_hybrid():
     for field in dataclasses.fields(swapped.submodules):
         if field.name != "moe_layer":
             assert getattr(swapped.submodules, field.name) is getattr(
-                hybrid_layer_specs.hybrid_stack_spec.submodules, field.name)
+                hybrid_layer_specs.hybrid_stack_spec.submodules, field.name
+            )
     with pytest.raises(ValueError, match="stack_spec"):
         use_flex_moe_in_hybrid_stack(swapped.submodules.moe_layer)

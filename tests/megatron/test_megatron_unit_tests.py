@@ -28,10 +28,15 @@ pytestmark = pytest.mark.slow  # two torchrun ranks importing Megatron
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MIRROR = os.environ.get("MEGATRON_LM_MIRROR", "/work/.mirror/NVIDIA+Megatron-LM/repo")
 REF = "core_r0.19.0"
-FILES = ("tests/__init__.py", "tests/unit_tests/__init__.py", "tests/unit_tests/test_utilities.py",
-         "tests/unit_tests/transformer/__init__.py", "tests/unit_tests/transformer/moe/__init__.py",
-         "tests/unit_tests/transformer/moe/test_moe_layer.py",
-         "tests/unit_tests/transformer/moe/test_token_dispatcher.py")
+FILES = (
+    "tests/__init__.py",
+    "tests/unit_tests/__init__.py",
+    "tests/unit_tests/test_utilities.py",
+    "tests/unit_tests/transformer/__init__.py",
+    "tests/unit_tests/transformer/moe/__init__.py",
+    "tests/unit_tests/transformer/moe/test_moe_layer.py",
+    "tests/unit_tests/transformer/moe/test_token_dispatcher.py",
+)
 WORLD = 2
 EXPECTED_PASSING = 25  # on 2 CPU ranks without TE, DeepEP or HybridEP
 
@@ -54,8 +59,10 @@ def generated(tmp_path_factory):
     for path in FILES:
         text = _source_text(path)
         if text is None:
-            pytest.skip(f"no Megatron-LM source for {path} (set MEGATRON_LM_SRC to a core_r0.19.0 "
-                        f"checkout; CI has none, so Megatron's tests are not run there)")
+            pytest.skip(
+                f"no Megatron-LM source for {path} (set MEGATRON_LM_SRC to a core_r0.19.0 "
+                f"checkout; CI has none, so Megatron's tests are not run there)"
+            )
         os.makedirs(root / os.path.dirname(path), exist_ok=True)
         (root / path).write_text(text.replace("not torch.cuda.is_available()", "False"))
     return root
@@ -76,14 +83,37 @@ def _outcomes(stream: str) -> dict[str, tuple[str, str]]:
 def test_megatron_moe_unit_tests_pass_with_flex_layer(generated):
     stream = str(generated / "report.jsonl")
     swap = str(generated / "swap.json")
-    env = {**os.environ, "MOE_EXT_REPO": REPO, "PYTEST_STREAM_REPORT": stream, "MOE_SWAP_REPORT": swap,
-           "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(generated), REPO, os.path.join(REPO, "tests", "megatron")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
-           "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "megatron_unit_tests_cpu",
-           "-p", "bench.gpu.pytest_stream_report", "-p", "bench.gpu.megatron_moe_swap",
-           *(os.path.join("tests/unit_tests/transformer/moe", name)
-             for name in ("test_moe_layer.py", "test_token_dispatcher.py"))]
+    env = {
+        **os.environ,
+        "MOE_EXT_REPO": REPO,
+        "PYTEST_STREAM_REPORT": stream,
+        "MOE_SWAP_REPORT": swap,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(generated), REPO, os.path.join(REPO, "tests", "megatron")]),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(WORLD),
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "megatron_unit_tests_cpu",
+        "-p",
+        "bench.gpu.pytest_stream_report",
+        "-p",
+        "bench.gpu.megatron_moe_swap",
+        *(
+            os.path.join("tests/unit_tests/transformer/moe", name)
+            for name in ("test_moe_layer.py", "test_token_dispatcher.py")
+        ),
+    ]
     run = subprocess.run(cmd, cwd=generated, env=env, capture_output=True, text=True, timeout=600)
     log = (run.stdout + run.stderr)[-3000:]
     for rank in range(WORLD):

@@ -26,19 +26,30 @@ CASES = [
     # Megatron's default expert activation (non-gated exact GELU) on GroupedGemmExperts.
     LayerCase("grouped_gemm_gelu", grouped_gemm=True, activation="gelu"),
     LayerCase("grouped_gemm_recompute_moe_act", grouped_gemm=True, recompute_modules=("moe_act",)),
-    LayerCase("grouped_gemm_recompute_moe_and_moe_act", grouped_gemm=True, recompute=True,
-              recompute_modules=("moe_act",), aux_loss=True),
+    LayerCase(
+        "grouped_gemm_recompute_moe_and_moe_act",
+        grouped_gemm=True,
+        recompute=True,
+        recompute_modules=("moe_act",),
+        aux_loss=True,
+    ),
 ]
 
 # Backends whose libraries need a GPU: EP 2 (DeepEP's intranode kernels refuse EP 1), bf16
 # (HybridEP and DeepEP's combine move 16-bit tokens), HybridEP at hidden >= 128.
 BACKEND_CASES = [
-    LayerCase(f"{backend}_bf16", backend=backend, dtype="bf16", aux_loss=True)
-    for backend in ("deepep", "uccl_ep")
+    LayerCase(f"{backend}_bf16", backend=backend, dtype="bf16", aux_loss=True) for backend in ("deepep", "uccl_ep")
 ] + [
     LayerCase("hybridep_bf16", backend="hybridep", dtype="bf16", aux_loss=True, hidden=128),  # HybridEP: H >= 128
-    LayerCase("deepep_top3_of_8_shared", backend="deepep", dtype="bf16", topk=3, num_experts=8,
-              shared_expert_size=10, gated=True),
+    LayerCase(
+        "deepep_top3_of_8_shared",
+        backend="deepep",
+        dtype="bf16",
+        topk=3,
+        num_experts=8,
+        shared_expert_size=10,
+        gated=True,
+    ),
     # --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep, no explicit config
     LayerCase("deepep_from_megatron_flags", backend="deepep", backend_from_flags=True, dtype="bf16"),
 ]
@@ -57,7 +68,8 @@ def check_parity(case: LayerCase, results: list) -> None:
         for name, err in r["grads"].items():
             assert err <= tol, f"{where}: gradient of {name} differs by {err:.3g}"
         assert r["tokens_flex"] == r["tokens_native"], (
-            f"{where}: tokens per expert {r['tokens_flex']} != Megatron's {r['tokens_native']}")
+            f"{where}: tokens per expert {r['tokens_flex']} != Megatron's {r['tokens_native']}"
+        )
         assert r["aux_flex"].keys() == r["aux_native"].keys()
         for name, value in r["aux_native"].items():
             assert r["aux_flex"][name] == pytest.approx(value, rel=tol), f"{where}: {name}"

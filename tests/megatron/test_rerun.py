@@ -116,10 +116,15 @@ class _Layer(overflow.OverflowCounter, torch.nn.Module):
 
         torch.nn.Module.__init__(self)
         self.layer_number = 1
-        dcfg = TokenDispatcherConfig(moe_flex_dispatcher_backend="torch", num_moe_experts=8,
-                                     moe_expert_rank_capacity_factor=1.0, moe_expert_rank_overflow_policy=policy)
-        self._init_overflow_counter(SimpleNamespace(use_cpu_initialization=True), dcfg,
-                                    SimpleNamespace(defers_overflow=False))
+        dcfg = TokenDispatcherConfig(
+            moe_flex_dispatcher_backend="torch",
+            num_moe_experts=8,
+            moe_expert_rank_capacity_factor=1.0,
+            moe_expert_rank_overflow_policy=policy,
+        )
+        self._init_overflow_counter(
+            SimpleNamespace(use_cpu_initialization=True), dcfg, SimpleNamespace(defers_overflow=False)
+        )
         self.token_dispatcher = SimpleNamespace(manager=SimpleNamespace(dropless=False))
         self.moe_overflow_budget = 32
 
@@ -137,6 +142,7 @@ def _stand_in_training(monkeypatch, schedule, full_graph=None):
 
 def _overflowing_schedule(layer, seen):
     """Reads its micro-batches; overflows unless the layer runs dropless."""
+
     def schedule(**kwargs):
         batches = [next(kwargs["data_iterator"]) for _ in range(kwargs["num_microbatches"])]
         dropless = layer.token_dispatcher.manager.dropless
@@ -144,6 +150,7 @@ def _overflowing_schedule(layer, seen):
         if not dropless:
             layer.moe_overflow_stats.add_(torch.tensor([3, 48, 151]))
         return [f"losses dropless={dropless}"]
+
     return schedule
 
 
@@ -159,7 +166,10 @@ def test_megatron_loop_reruns_an_overflowed_step_with_the_same_microbatches(monk
     assert losses == ["losses dropless=True"] and seen == [([0, 1, 2], False), ([0, 1, 2], True)]
     assert not layer.token_dispatcher.manager.dropless and layer.moe_overflow_stats.tolist() == [0, 0, 0]
     layer = _Layer("error")
-    schedule = _stand_in_training(monkeypatch, _overflowing_schedule(layer, []),).get_forward_backward_func()
+    schedule = _stand_in_training(
+        monkeypatch,
+        _overflowing_schedule(layer, []),
+    ).get_forward_backward_func()
     with pytest.raises(overflow.MoEOverflowError, match=r"layer 1: needed 48 .* at least 1\.51"):
         schedule(model=[layer], data_iterator=iter(range(10)), num_microbatches=1, forward_only=forward_only)
 
@@ -190,8 +200,9 @@ def test_ring_holds_the_largest_batch_of_a_ramp_up():
     counts for the final batch's (the ring's address is fixed at build for CUDA graphs)."""
     from megatron.core import num_microbatches_calculator as calculator
 
-    calculator.init_num_microbatches_calculator(0, global_batch_size=None, micro_batch_size=1, data_parallel_size=1,
-                                                step_batch_size_schedule="0:2 1000:100")
+    calculator.init_num_microbatches_calculator(
+        0, global_batch_size=None, micro_batch_size=1, data_parallel_size=1, step_batch_size_schedule="0:2 1000:100"
+    )
     try:
         assert calculator.get_num_microbatches() == 2
         assert overflow._ring_rows() >= 2 * 100 + 2
@@ -235,9 +246,12 @@ def test_virtual_pipeline_chunks_replay_their_own_microbatches(monkeypatch):
         return []
 
     training = _stand_in_training(monkeypatch, schedule)
-    training.get_forward_backward_func()(model=[layer, torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)],
-                                         data_iterator=[iter("abc"), None, iter("xyz")], num_microbatches=2,
-                                         forward_only=False)
+    training.get_forward_backward_func()(
+        model=[layer, torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)],
+        data_iterator=[iter("abc"), None, iter("xyz")],
+        num_microbatches=2,
+        forward_only=False,
+    )
     assert seen == [(["a", "b"], None, ["x", "y"], False), (["a", "b"], None, ["x", "y"], True)]
 
 
@@ -257,6 +271,7 @@ def test_rerun_counts_megatrons_moe_logging_once():
         if not layer.token_dispatcher.manager.dropless:
             layer.moe_overflow_stats.add_(torch.tensor([1, 40, 126]))
         return "loss"
+
     try:
         assert rerun.run_step_with_rerun(step, layer) == "loss"
         assert values.tolist() == [6.0, 8.0]

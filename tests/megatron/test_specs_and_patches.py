@@ -20,8 +20,13 @@ from megatron_moe_ext.megatron import specs
 from megatron_moe_ext.megatron.moe_layer import FlexMoELayer
 from tests.megatron.cases_layer import run_gpt_spec_paths, run_patched_layer_with_experts
 
-BUILDERS = ("get_gpt_decoder_block_spec", "get_gpt_decoder_layer_specs", "get_gpt_layer_local_spec",
-            "get_gpt_layer_with_transformer_engine_spec", "get_mlp_module_spec_for_backend")
+BUILDERS = (
+    "get_gpt_decoder_block_spec",
+    "get_gpt_decoder_layer_specs",
+    "get_gpt_layer_local_spec",
+    "get_gpt_layer_with_transformer_engine_spec",
+    "get_mlp_module_spec_for_backend",
+)
 
 
 @pytest.fixture(autouse=True)

@@ -8,8 +8,9 @@ import pytest
 from tests.megatron import syncfree_layer_cases as cases
 
 
-@pytest.mark.parametrize("world,backend", [(1, "torch"), (2, "torch"), (4, "torch"), (2, "hybridep"),
-                                           (4, "hybridep")])
+@pytest.mark.parametrize(
+    "world,backend", [(1, "torch"), (2, "torch"), (4, "torch"), (2, "hybridep"), (4, "hybridep")]
+)
 def test_policy_error_raises_on_every_rank_then_fits(dist_pools, world, backend):
     """HybridEP's counts wait in the layer's ring until the read settles them: same reports."""
     for r in dist_pools(world).run(cases.run_policy, "error", backend):
@@ -55,8 +56,10 @@ def test_captured_step_reads_no_tensor_the_next_step_frees(dist_pools):
     assert r["pre_existing"] > 0 and r["freed"] == [], r
 
 
-PARTIAL_GRAPH_NAMES = {"torch": ["preprocessed.token_probs", "preprocessed.token_indices"],
-                       "hybridep": ["preprocessed.token_probs", "preprocessed.routing_map"]}
+PARTIAL_GRAPH_NAMES = {
+    "torch": ["preprocessed.token_probs", "preprocessed.token_indices"],
+    "hybridep": ["preprocessed.token_probs", "preprocessed.routing_map"],
+}
 
 
 @pytest.mark.parametrize("impl", ["transformer_engine", "local"])

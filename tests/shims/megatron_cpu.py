@@ -158,8 +158,9 @@ def install() -> None:
     _replace(torch.cuda, "manual_seed", _host_manual_seed)
     _replace(mrandom, "_get_cuda_rng_state", _host_rng_state)
     _replace(mrandom, "_set_cuda_rng_state", _set_host_rng_state)
-    _replace(token_dispatcher, "maybe_move_tensor_to_cpu",
-             _host_tensor_to_cpu(token_dispatcher.maybe_move_tensor_to_cpu))
+    _replace(
+        token_dispatcher, "maybe_move_tensor_to_cpu", _host_tensor_to_cpu(token_dispatcher.maybe_move_tensor_to_cpu)
+    )
     logging.getLogger(mrandom.__name__).addFilter(_FORK_FILTER)
 
 
@@ -197,8 +198,9 @@ def init_parallel_state(ep_size: int | None = None, seed: int = 1234, timeout_s:
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
     if not dist.is_initialized():
-        raise ValueError("init_parallel_state: torch.distributed must be initialised first "
-                         "(the test harness does it)")
+        raise ValueError(
+            "init_parallel_state: torch.distributed must be initialised first (the test harness does it)"
+        )
     install()
     world = dist.get_world_size()
     ep_size = world if ep_size is None else ep_size
@@ -211,9 +213,12 @@ def init_parallel_state(ep_size: int | None = None, seed: int = 1234, timeout_s:
         # `timeout_s` too, and a rank still importing Megatron must not fail it.
         dist.barrier()
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-        expert_model_parallel_size=ep_size, create_gloo_process_groups=False,
-        **({} if timeout_s is None else {"distributed_timeout_minutes": timeout_s / 60}))
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        expert_model_parallel_size=ep_size,
+        create_gloo_process_groups=False,
+        **({} if timeout_s is None else {"distributed_timeout_minutes": timeout_s / 60}),
+    )
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     # The aux-loss tracker is process-global and sized by the first model's layer count;
     # a fresh parallel state means a fresh model, so start it afresh too.

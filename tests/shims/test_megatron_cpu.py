@@ -6,10 +6,18 @@ from megatron.core.transformer.moe import token_dispatcher
 
 from tests.shims import megatron_cpu
 
-PATCHED = [(torch.cuda, "current_device"), (torch.cuda, "Stream"), (torch.cuda, "Event"),
-           (torch.cuda, "stream"), (torch.cuda, "current_stream"), (torch.cuda, "get_rng_state"),
-           (torch.cuda, "manual_seed"), (mrandom, "_get_cuda_rng_state"),
-           (mrandom, "_set_cuda_rng_state"), (token_dispatcher, "maybe_move_tensor_to_cpu")]
+PATCHED = [
+    (torch.cuda, "current_device"),
+    (torch.cuda, "Stream"),
+    (torch.cuda, "Event"),
+    (torch.cuda, "stream"),
+    (torch.cuda, "current_stream"),
+    (torch.cuda, "get_rng_state"),
+    (torch.cuda, "manual_seed"),
+    (mrandom, "_get_cuda_rng_state"),
+    (mrandom, "_set_cuda_rng_state"),
+    (token_dispatcher, "maybe_move_tensor_to_cpu"),
+]
 
 
 def test_install_is_idempotent_and_uninstall_restores_identity():

@@ -67,8 +67,7 @@ class DeepEPCommunicator:
     #: A fixed-shape dispatch takes bf16 rows only: its combine kernel is bf16 only.
     fixed_dtypes: tuple[torch.dtype, ...] | None = (torch.bfloat16,)
 
-    def __init__(self, library: Callable[[], ModuleType], name: str, num_sms: int,
-                 pad_empty: bool = False):
+    def __init__(self, library: Callable[[], ModuleType], name: str, num_sms: int, pad_empty: bool = False):
         self.library = library
         self.name = name
         self.num_sms = num_sms
@@ -95,7 +94,8 @@ class DeepEPCommunicator:
             raise ValueError(
                 f"expert-parallel group size {size} is not supported by {self.name} intranode "
                 f"kernels: allowed sizes are {SUPPORTED_EP_SIZES}; use "
-                "moe_flex_dispatcher_backend='torch' for EP=1 or other sizes")
+                "moe_flex_dispatcher_backend='torch' for EP=1 or other sizes"
+            )
 
     def _kernel_configs(self, buffer_cls, world: int) -> tuple[Any, Any]:
         """`(dispatch, combine)` Configs: the library's tuned table at this owner's SM count.
@@ -110,8 +110,10 @@ class DeepEPCommunicator:
             saved = buffer_cls.num_sms
             buffer_cls.num_sms = self.num_sms
             try:
-                configs = self._configs[key] = (buffer_cls.get_dispatch_config(world),
-                                                buffer_cls.get_combine_config(world))
+                configs = self._configs[key] = (
+                    buffer_cls.get_dispatch_config(world),
+                    buffer_cls.get_combine_config(world),
+                )
             finally:
                 buffer_cls.num_sms = saved
         return configs
@@ -179,8 +181,10 @@ class DeepEPCommunicator:
         key = (buffer_cls, world, hidden_bytes)
         hints = self._size_hints.get(key)
         if hints is None:
-            hints = self._size_hints[key] = (max(c.get_nvl_buffer_size_hint(hidden_bytes, world) for c in configs),
-                                             max(c.get_rdma_buffer_size_hint(hidden_bytes, world) for c in configs))
+            hints = self._size_hints[key] = (
+                max(c.get_nvl_buffer_size_hint(hidden_bytes, world) for c in configs),
+                max(c.get_rdma_buffer_size_hint(hidden_bytes, world) for c in configs),
+            )
         num_nvl_bytes, num_rdma_bytes = hints
         buffer = self.buffer
         if buffer is not None and self._group is group and type(buffer) is buffer_cls:
@@ -195,8 +199,9 @@ class DeepEPCommunicator:
         self._dispatch_config, self._combine_config = configs
         return self.buffer
 
-    def announce_input_error(self, group, word: int, like=None, num_experts: int = 0,
-                             send_capacity: int | None = None, topk: int = 0) -> list[int]:
+    def announce_input_error(
+        self, group, word: int, like=None, num_experts: int = 0, send_capacity: int | None = None, topk: int = 0
+    ) -> list[int]:
         """`base.Communicator.announce_input_error`: one zero token to the first expert of each
         rank, its weight -(FLAG_BASE + word), which `dispatch` reads on every rank; without
         `like` nothing can be sent and the peers wait out the group's timeout. Returns []."""
@@ -208,8 +213,9 @@ class DeepEPCommunicator:
         routes_WK[:, 0] = torch.arange(world, device=like.device) * (num_experts // world)
         weights_WK = torch.zeros(routes_WK.shape, dtype=torch.float32, device=like.device)
         weights_WK[:, 0] = -float(checks.FLAG_BASE + word)
-        self._layout_and_dispatch(buffer, like.new_zeros(world, like.shape[1]), routes_WK, num_experts,
-                                  False, False, weights_WK, direct)
+        self._layout_and_dispatch(
+            buffer, like.new_zeros(world, like.shape[1]), routes_WK, num_experts, False, False, weights_WK, direct
+        )
         return []
 
     def allocate_buffer(self, group, hidden: int, dtype: torch.dtype):
@@ -230,14 +236,29 @@ class DeepEPCommunicator:
     def _cached(self, buffer, chunk, raw_handle, async_finish, alloc):
         previous = self._begin(async_finish)
         recv, _, _, _, _, event = buffer.dispatch(
-            chunk, handle=raw_handle, previous_event=previous, async_finish=async_finish,
-            allocate_on_comm_stream=alloc, config=self._dispatch_config)
+            chunk,
+            handle=raw_handle,
+            previous_event=previous,
+            async_finish=async_finish,
+            allocate_on_comm_stream=alloc,
+            config=self._dispatch_config,
+        )
         if async_finish:
             event.current_stream_wait()
         return recv
 
-    def _layout_and_dispatch(self, buffer, x_NC, routes_NK, num_experts, async_finish, alloc,
-                             topk_weights=None, direct=False, num_worst_tokens=0):
+    def _layout_and_dispatch(
+        self,
+        buffer,
+        x_NC,
+        routes_NK,
+        num_experts,
+        async_finish,
+        alloc,
+        topk_weights=None,
+        direct=False,
+        num_worst_tokens=0,
+    ):
         """`get_dispatch_layout` + `dispatch` of `[N, C]` rows along `[N, K]` routes (the
         first column chunk; the others follow through the cached handle). `direct`: the rows
         meet the kernel's row rule (`_plan`) and go as they are; `num_worst_tokens`: `dispatch`'s fixed shape.
@@ -254,20 +275,33 @@ class DeepEPCommunicator:
                 first, *rest = self._column_chunks(x_NC)
         if async_finish:
             per_rank, per_rdma_rank, per_expert, in_rank_NW, event = buffer.get_dispatch_layout(
-                routes_NK, num_experts, previous_event=self._begin(True), async_finish=True,
-                allocate_on_comm_stream=alloc)
+                routes_NK,
+                num_experts,
+                previous_event=self._begin(True),
+                async_finish=True,
+                allocate_on_comm_stream=alloc,
+            )
         else:  # the synchronous case passes only the arguments that differ from the defaults
             per_rank, per_rdma_rank, per_expert, in_rank_NW, event = buffer.get_dispatch_layout(
-                routes_NK, num_experts)
+                routes_NK, num_experts
+            )
             event, alloc = None, False
         worst = dict(num_worst_tokens=num_worst_tokens) if num_worst_tokens else {}
         # Without weights the routes stay local: they only build the layout (see `_return_rows`).
         recv, recv_routes, recv_weights, counts, raw, event = buffer.dispatch(
-            first, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank,
-            is_token_in_rank=in_rank_NW, num_tokens_per_expert=per_expert,
-            topk_idx=None if topk_weights is None else routes_NK, topk_weights=topk_weights,
-            previous_event=event, async_finish=async_finish, allocate_on_comm_stream=alloc,
-            config=self._dispatch_config, **worst)
+            first,
+            num_tokens_per_rank=per_rank,
+            num_tokens_per_rdma_rank=per_rdma_rank,
+            is_token_in_rank=in_rank_NW,
+            num_tokens_per_expert=per_expert,
+            topk_idx=None if topk_weights is None else routes_NK,
+            topk_weights=topk_weights,
+            previous_event=event,
+            async_finish=async_finish,
+            allocate_on_comm_stream=alloc,
+            config=self._dispatch_config,
+            **worst,
+        )
         if async_finish:
             event.current_stream_wait()
         if rest:
@@ -283,14 +317,16 @@ class DeepEPCommunicator:
         if direct:
             return self._cached(buffer, x_TH, handle.raw, async_finish, alloc)
         chunks = [self._cached(buffer, c, handle.raw, async_finish, alloc) for c in self._column_chunks(x_TH)]
-        return torch.cat(chunks, 1)[:, :x_TH.shape[1]]
+        return torch.cat(chunks, 1)[:, : x_TH.shape[1]]
 
     def combine_raw(self, x_RH, handle: DeepEPHandle, group, async_finish, alloc, weights_RK=None):
         """Sum each token's rows back on its owner: `[R, H]` (+ `[R, K]` fp32) -> `[T, H]` (+ `[T, K]`)."""
         shape, dtype = x_RH.shape, x_RH.dtype
         if len(shape) != 2 or shape[0] != handle.num_recv_rows:
-            raise ValueError(f"combine input has shape {tuple(shape)} but dispatch delivered "
-                             f"{handle.num_recv_rows} rows: pass the restored rows of the same dispatch")
+            raise ValueError(
+                f"combine input has shape {tuple(shape)} but dispatch delivered "
+                f"{handle.num_recv_rows} rows: pass the restored rows of the same dispatch"
+            )
         if dtype != torch.bfloat16:
             return self._return_rows(x_RH, weights_RK, handle, group, async_finish, alloc)
         hidden = shape[1]
@@ -299,12 +335,19 @@ class DeepEPCommunicator:
         weights_RK = None if weights_RK is None else weights_RK.float().contiguous()
         if async_finish:
             out_TH, weights_TK, event = buffer.combine(
-                rows_RC, handle.raw, topk_weights=weights_RK, previous_event=self._begin(True),
-                async_finish=True, allocate_on_comm_stream=alloc, config=self._combine_config)
+                rows_RC,
+                handle.raw,
+                topk_weights=weights_RK,
+                previous_event=self._begin(True),
+                async_finish=True,
+                allocate_on_comm_stream=alloc,
+                config=self._combine_config,
+            )
             event.current_stream_wait()
         else:  # as few arguments as possible, as in `_layout_and_dispatch`
-            out_TH, weights_TK, _ = buffer.combine(rows_RC, handle.raw, topk_weights=weights_RK,
-                                                   config=self._combine_config)
+            out_TH, weights_TK, _ = buffer.combine(
+                rows_RC, handle.raw, topk_weights=weights_RK, config=self._combine_config
+            )
         if self.pad_empty and handle.num_tokens == 0:  # drop the padding token of `pad_empty`
             out_TH, weights_TK = out_TH[:0], None if weights_TK is None else weights_TK[:0]
         return (out_TH if direct else out_TH[:, :hidden]), weights_TK
@@ -341,8 +384,20 @@ class DeepEPCommunicator:
     # Both faces communicate first and record autograd after: everything on the host before
     # the library's calls is GPU idle time (dispatch waits on the host for the receive
     # counts), while host work after them overlaps the kernels they launched.
-    def dispatch(self, x_TH, indices_TK, probs_TK, *, num_experts, group, previous=None, send_capacity=None,
-                 receive_overflow=None, async_finish: bool = False, allocate_on_comm_stream: bool = False):
+    def dispatch(
+        self,
+        x_TH,
+        indices_TK,
+        probs_TK,
+        *,
+        num_experts,
+        group,
+        previous=None,
+        send_capacity=None,
+        receive_overflow=None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
         """Send each token to the ranks of its experts.
 
         Arguments:
@@ -373,12 +428,23 @@ class DeepEPCommunicator:
         if previous is not None:
             handle = previous.handle
             recv_x = self.cached_dispatch_raw(x_TH.contiguous(), handle, group, *flags)
-            recv_x, recv_probs = record_dispatch(self, handle, group, flags, x_TH, probs_TK, recv_x,
-                                                 previous.dispatched_probs.detach(), previous.dispatched_indices)
+            recv_x, recv_probs = record_dispatch(
+                self,
+                handle,
+                group,
+                flags,
+                x_TH,
+                probs_TK,
+                recv_x,
+                previous.dispatched_probs.detach(),
+                previous.dispatched_indices,
+            )
             return recv_x, Dispatched(handle, previous.dispatched_indices, recv_probs, previous.counts)
         if indices_TK.shape[1] > MAX_TOPK:
-            raise ValueError(f"moe_router_topk: {self.name} kernels take at most {MAX_TOPK} "
-                             f"slots per token, got {indices_TK.shape[1]}")
+            raise ValueError(
+                f"moe_router_topk: {self.name} kernels take at most {MAX_TOPK} "
+                f"slots per token, got {indices_TK.shape[1]}"
+            )
         if probs_TK.dtype != torch.float32:
             probs_TK = probs_TK.float()
         if indices_TK.dtype != torch.int64:
@@ -387,20 +453,30 @@ class DeepEPCommunicator:
         num_worst_tokens = 0 if send_capacity is None else dist.get_world_size(group) * send_capacity
         buffer, direct = self._plan(group, hidden, x_TH.dtype)
         recv_x, recv_indices, recv_probs, tokens_per_expert, raw = self._layout_and_dispatch(
-            buffer, x_TH.contiguous(), indices_TK.contiguous(), num_experts, async_finish,
-            allocate_on_comm_stream, probs_TK.contiguous(), direct, num_worst_tokens)
+            buffer,
+            x_TH.contiguous(),
+            indices_TK.contiguous(),
+            num_experts,
+            async_finish,
+            allocate_on_comm_stream,
+            probs_TK.contiguous(),
+            direct,
+            num_worst_tokens,
+        )
         if not direct:
             recv_x = recv_x[:, :hidden]
         # A peer that failed sent its error word as a weight (`announce_input_error`).
         # Rows past the received ones (`num_worst_tokens`) are uninitialised: not read.
         checks.raise_on_flagged(torch.where(recv_indices >= 0, recv_probs, 0.0) if num_worst_tokens else recv_probs)
         handle = DeepEPHandle(raw, recv_x.shape[0], tokens)
-        recv_x, recv_probs = record_dispatch(self, handle, group, flags, x_TH, probs_TK, recv_x, recv_probs,
-                                             recv_indices)
+        recv_x, recv_probs = record_dispatch(
+            self, handle, group, flags, x_TH, probs_TK, recv_x, recv_probs, recv_indices
+        )
         return recv_x, Dispatched(handle, recv_indices, recv_probs, list(tokens_per_expert))
 
-    def combine(self, y_RH, handle: DeepEPHandle, *, group, async_finish: bool = False,
-                allocate_on_comm_stream: bool = False):
+    def combine(
+        self, y_RH, handle: DeepEPHandle, *, group, async_finish: bool = False, allocate_on_comm_stream: bool = False
+    ):
         """Sum each token's expert-output rows on its owner: `[R, H]` -> `[T, H]` (the library's
         combine reads only the rows the layout says were received, so a fixed-shape dispatch's
         too). Backward is a cached-handle dispatch of the gradient."""
@@ -416,9 +492,11 @@ def deep_ep() -> ModuleType:
     """
     module = require("deep_ep", "moe_flex_dispatcher_backend='deepep'")
     if hasattr(module, "initialize_uccl"):
-        raise ImportError("moe_flex_dispatcher_backend='deepep' found UCCL-EP's DeepEP wrapper "
-                          "installed as 'deep_ep'; choose moe_flex_dispatcher_backend='uccl_ep' "
-                          "for it, or install DeepSeek's DeepEP")
+        raise ImportError(
+            "moe_flex_dispatcher_backend='deepep' found UCCL-EP's DeepEP wrapper "
+            "installed as 'deep_ep'; choose moe_flex_dispatcher_backend='uccl_ep' "
+            "for it, or install DeepSeek's DeepEP"
+        )
     return module
 
 

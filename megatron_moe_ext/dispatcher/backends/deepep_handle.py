@@ -39,13 +39,17 @@ class DeepEPHandle(NamedTuple):
         return self.raw[-3][: self.num_recv_rows]
 
 
-def record_dispatch(comm, handle: DeepEPHandle, group, flags, x_TH, probs_TK, recv_x_RH, recv_probs_RK,
-                    recv_indices_RK):
+def record_dispatch(
+    comm, handle: DeepEPHandle, group, flags, x_TH, probs_TK, recv_x_RH, recv_probs_RK, recv_indices_RK
+):
     """The received rows and weights, recorded for autograd when a gradient is needed (`flags`:
     `(async_finish, allocate_on_comm_stream)` of the backward's combine)."""
     if torch.is_grad_enabled() and (x_TH.requires_grad or probs_TK.requires_grad):
-        return _DispatchGrad.apply(x_TH, probs_TK.float(),  # dispatch's are fp32 already
-                                   (comm, handle, group, flags, recv_x_RH, recv_probs_RK, recv_indices_RK))
+        return _DispatchGrad.apply(
+            x_TH,
+            probs_TK.float(),  # dispatch's are fp32 already
+            (comm, handle, group, flags, recv_x_RH, recv_probs_RK, recv_indices_RK),
+        )
     return recv_x_RH, recv_probs_RK
 
 
@@ -75,7 +79,8 @@ class _DispatchGrad(torch.autograd.Function):
         # into the owner's (the combine adds every rank's copy of a slot).
         grad_probs_RK = grad_probs_RK.float().masked_fill(ctx.recv_indices_RK < 0, 0.0)
         grad_x_TH, grad_probs_TK = ctx.comm.combine_raw(
-            grad_x_RH.contiguous(), ctx.handle, ctx.group, *ctx.flags, weights_RK=grad_probs_RK)
+            grad_x_RH.contiguous(), ctx.handle, ctx.group, *ctx.flags, weights_RK=grad_probs_RK
+        )
         return grad_x_TH, grad_probs_TK, None
 
 

@@ -33,8 +33,9 @@ def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gr
 
 
 @torch.library.custom_op("moe_ext::all_to_all_rows", mutates_args=())
-def _all_to_all_rows_op(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
-                        group_name: str) -> torch.Tensor:
+def _all_to_all_rows_op(
+    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group_name: str
+) -> torch.Tensor:
     # A custom op takes the group by its registered name (a str; torch types it GroupName).
     return _all_to_all(x, out_splits, in_splits, _resolve_process_group(group_name))  # type: ignore[arg-type]
 
@@ -78,8 +79,9 @@ def _exchange_counts(send_counts_W: torch.Tensor, group, word: int = 0) -> tuple
     return send_splits, recv_splits
 
 
-def announce_input_error(group, word: int, like=None, num_experts: int = 0,
-                         send_capacity: int | None = None, topk: int = 0) -> list[int]:
+def announce_input_error(
+    group, word: int, like=None, num_experts: int = 0, send_capacity: int | None = None, topk: int = 0
+) -> list[int]:
     """`base.Communicator.announce_input_error` in the counts of `_exchange_counts`
     (`send_capacity` None), else in the routing rows of a `_dispatch_fixed` of that capacity and
     `topk`. Returns the word each rank sent (0 from a rank that did not fail)."""
@@ -120,7 +122,7 @@ def _send_meta(local_SK, probs_SK, recv_splits, send_splits, group, word=None):
     recv_meta = all_to_all_rows(torch.cat(columns, dim=1), recv_splits, send_splits, group)
     if word is not None:
         checks.raise_on_words(recv_meta[:, 2 * topk].detach().long())
-    return recv_meta[:, :topk].detach().long(), recv_meta[:, topk:2 * topk]
+    return recv_meta[:, :topk].detach().long(), recv_meta[:, topk : 2 * topk]
 
 
 def count_per_expert(indices_RK: torch.Tensor, num_local_experts: int) -> list[int]:
@@ -151,9 +153,19 @@ class TorchDispatchHandle:
     local_SK: torch.Tensor | None = None
 
 
-def dispatch(x_TH: torch.Tensor, indices_TK: torch.Tensor, probs_TK: torch.Tensor, *, num_experts: int,
-             group, previous: Dispatched | None = None, send_capacity: int | None = None, receive_overflow=None,
-             async_finish: bool = False, allocate_on_comm_stream: bool = False) -> tuple[torch.Tensor, Dispatched]:
+def dispatch(
+    x_TH: torch.Tensor,
+    indices_TK: torch.Tensor,
+    probs_TK: torch.Tensor,
+    *,
+    num_experts: int,
+    group,
+    previous: Dispatched | None = None,
+    send_capacity: int | None = None,
+    receive_overflow=None,
+    async_finish: bool = False,
+    allocate_on_comm_stream: bool = False,
+) -> tuple[torch.Tensor, Dispatched]:
     """`base.Communicator.dispatch`, for rows of any float dtype (the async flags are accepted
     for its signature: these collectives are stream-ordered already). `previous`: the rows move
     along its layout without the layout collective or a host sync, and the received ids and
@@ -171,21 +183,21 @@ def dispatch(x_TH: torch.Tensor, indices_TK: torch.Tensor, probs_TK: torch.Tenso
         # Every expert is local: the rows stay where they are and the dispatch is only the
         # count of rows per expert (the one host read Megatron's alltoall dispatcher makes too).
         indices_TK = indices_TK.long()
-        layout = TorchDispatchHandle(None, [num_tokens], [num_tokens], num_tokens, group,
-                                     indices_TK >= 0, indices_TK)
+        layout = TorchDispatchHandle(None, [num_tokens], [num_tokens], num_tokens, group, indices_TK >= 0, indices_TK)
     else:
         in_rank_TW = token_ranks(indices_TK, num_local_experts, world)
         # Rank-major send order, token order within a rank (what DeepEP's layout produces too).
         pairs_S2 = torch.nonzero(in_rank_TW.t())
         send_rank_S, send_token_ids_S = pairs_S2[:, 0], pairs_S2[:, 1]
         send_splits, recv_splits = _exchange_counts(in_rank_TW.sum(0), group)
-        mine_SK, local_SK = _local_routing(indices_TK.index_select(0, send_token_ids_S), send_rank_S,
-                                           num_local_experts)
-        layout = TorchDispatchHandle(send_token_ids_S, send_splits, recv_splits, num_tokens, group,
-                                     mine_SK, local_SK)
+        mine_SK, local_SK = _local_routing(
+            indices_TK.index_select(0, send_token_ids_S), send_rank_S, num_local_experts
+        )
+        layout = TorchDispatchHandle(send_token_ids_S, send_splits, recv_splits, num_tokens, group, mine_SK, local_SK)
     recv_x_RH, recv_indices_RK, recv_probs_RK = exchange(x_TH, probs_TK, layout)
-    return recv_x_RH, Dispatched(layout, recv_indices_RK, recv_probs_RK,
-                                 count_per_expert(recv_indices_RK, num_local_experts))
+    return recv_x_RH, Dispatched(
+        layout, recv_indices_RK, recv_probs_RK, count_per_expert(recv_indices_RK, num_local_experts)
+    )
 
 
 def exchange(x_TH: torch.Tensor, probs_TK: torch.Tensor, handle: TorchDispatchHandle):
@@ -195,20 +207,28 @@ def exchange(x_TH: torch.Tensor, probs_TK: torch.Tensor, handle: TorchDispatchHa
     if handle.send_token_ids_S is None:
         return x_TH, handle.local_SK, torch.where(handle.mine_SK, probs_TK.float(), 0.0)
     probs_SK = torch.where(handle.mine_SK, probs_TK.float().index_select(0, handle.send_token_ids_S), 0.0)
-    recv_x_RH = all_to_all_rows(x_TH.index_select(0, handle.send_token_ids_S), handle.recv_splits,
-                                handle.send_splits, handle.group)
-    return recv_x_RH, *_send_meta(handle.local_SK, probs_SK, handle.recv_splits, handle.send_splits,
-                                  handle.group)
+    recv_x_RH = all_to_all_rows(
+        x_TH.index_select(0, handle.send_token_ids_S), handle.recv_splits, handle.send_splits, handle.group
+    )
+    return recv_x_RH, *_send_meta(handle.local_SK, probs_SK, handle.recv_splits, handle.send_splits, handle.group)
 
 
-def combine(y_RH: torch.Tensor, handle: TorchDispatchHandle | FixedHandle, *, group, async_finish: bool = False,
-            allocate_on_comm_stream: bool = False) -> torch.Tensor:
+def combine(
+    y_RH: torch.Tensor,
+    handle: TorchDispatchHandle | FixedHandle,
+    *,
+    group,
+    async_finish: bool = False,
+    allocate_on_comm_stream: bool = False,
+) -> torch.Tensor:
     """Send expert-output rows back and sum each token's copies: `[R, H]` -> `[T, H]`."""
     if isinstance(handle, FixedHandle):
         return _combine_fixed(y_RH, group, handle)
     if y_RH.shape[0] != sum(handle.recv_splits):
-        raise ValueError(f"combine input has {y_RH.shape[0]} rows but dispatch delivered "
-                         f"{sum(handle.recv_splits)}: pass the restored rows of the same dispatch")
+        raise ValueError(
+            f"combine input has {y_RH.shape[0]} rows but dispatch delivered "
+            f"{sum(handle.recv_splits)}: pass the restored rows of the same dispatch"
+        )
     if handle.send_token_ids_S is None:
         return y_RH
     rows_SH = all_to_all_rows(y_RH, handle.send_splits, handle.recv_splits, handle.group)

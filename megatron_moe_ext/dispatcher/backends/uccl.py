@@ -44,7 +44,8 @@ def uccl_ep() -> ModuleType:
             "uccl/ep/deep_ep_wrapper over the installed uccl.ep; pip's uccl wheel does not ship it), "
             f"but 'deep_ep' {found}. To fix: check out uccl-project/uccl at the "
             "installed uccl's release tag (v0.1.1 for uccl 0.1.1), cd ep/deep_ep_wrapper && pip "
-            "install ., or choose moe_flex_dispatcher_backend='torch'")
+            "install ., or choose moe_flex_dispatcher_backend='torch'"
+        )
     return wrapper
 
 
@@ -93,7 +94,8 @@ class UCCLCommunicator(deepep.DeepEPCommunicator):
                 "moe_share_token_dispatcher=True (the default) with one expert-parallel group and one "
                 "moe_deepep_num_sms for every uccl_ep layer of the process, so they share one buffer; "
                 "or free the other buffer first (MoEFlexTokenDispatcher.release_shared_managers()); "
-                "or choose moe_flex_dispatcher_backend='deepep' or 'torch'")
+                "or choose moe_flex_dispatcher_backend='deepep' or 'torch'"
+            )
         buffer = super().get_buffer(group, hidden_bytes)
         _LIVE[device] = self
         return buffer
@@ -109,5 +111,6 @@ class UCCLCommunicator(deepep.DeepEPCommunicator):
 
 def communicator(group, num_sms: int = 20, shared: bool = True) -> UCCLCommunicator:
     """The UCCL-EP buffer owner for `(group, num_sms)`, as `deepep.communicator`."""
-    return buffers.acquire(("UCCL-EP", group, num_sms),
-                           lambda: UCCLCommunicator(uccl_ep, "UCCL-EP", num_sms, pad_empty=True), shared)
+    return buffers.acquire(
+        ("UCCL-EP", group, num_sms), lambda: UCCLCommunicator(uccl_ep, "UCCL-EP", num_sms, pad_empty=True), shared
+    )

@@ -37,12 +37,20 @@ class Communicator(Protocol):
     #: The row dtypes its fixed-shape dispatch takes (None: any float).
     fixed_dtypes: tuple[torch.dtype, ...] | None
 
-    def dispatch(self, x_TH: torch.Tensor, indices_TK: torch.Tensor, probs_TK: torch.Tensor, *,
-                 num_experts: int, group: Any, previous: Dispatched | None = None,
-                 send_capacity: int | None = None,
-                 receive_overflow: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                 async_finish: bool = False,
-                 allocate_on_comm_stream: bool = False) -> tuple[torch.Tensor, Dispatched]:
+    def dispatch(
+        self,
+        x_TH: torch.Tensor,
+        indices_TK: torch.Tensor,
+        probs_TK: torch.Tensor,
+        *,
+        num_experts: int,
+        group: Any,
+        previous: Dispatched | None = None,
+        send_capacity: int | None = None,
+        receive_overflow: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ) -> tuple[torch.Tensor, Dispatched]:
         """Send each token to the ranks of its experts: `(rows [R, H], Dispatched)`, received ids
         `[R, K]` int64 local or -1, fp32 weights `[R, K]`, counts a host list of `e` ints.
         previous: repeat that dispatch along its layout (activation recompute): no layout
@@ -52,8 +60,15 @@ class Communicator(Protocol):
             `(ids, probs)` to a 0-d bool (this rank cannot take them), which every rank raises on.
         """
 
-    def combine(self, y_RH: torch.Tensor, handle: Any, *, group: Any, async_finish: bool = False,
-                allocate_on_comm_stream: bool = False) -> torch.Tensor:
+    def combine(
+        self,
+        y_RH: torch.Tensor,
+        handle: Any,
+        *,
+        group: Any,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ) -> torch.Tensor:
         """Received rows back to their owners, each token's copies summed: `[T, H]`."""
 
     def check_group(self, group: Any) -> None:
@@ -62,9 +77,15 @@ class Communicator(Protocol):
     def allocate_buffer(self, group: Any, hidden: int, dtype: torch.dtype) -> Any:
         """Allocate the communication buffer now (outside any recompute)."""
 
-    def announce_input_error(self, group: Any, word: int, like: torch.Tensor | None = None,
-                             num_experts: int = 0, send_capacity: int | None = None,
-                             topk: int = 0) -> list[int]:
+    def announce_input_error(
+        self,
+        group: Any,
+        word: int,
+        like: torch.Tensor | None = None,
+        num_experts: int = 0,
+        send_capacity: int | None = None,
+        topk: int = 0,
+    ) -> list[int]:
         """This rank failed before this step's first collective: send the error `word`
         (`checks.error_word`) in place of its data, in the collective its peers wait in (the
         backend table's `error_flag`). `like`: a `[T, H]` tensor of the rows the step would
@@ -76,8 +97,7 @@ class EqualSplitsCommunicator(Communicator, Protocol):
     """A communicator whose fixed-shape dispatch sends equal splits (`fixed_equal_splits`): the budget
     mode agrees on one token count through its counts exchange first."""
 
-    def exchange_counts(self, send_counts_W: torch.Tensor, group: Any,
-                        word: int = 0) -> tuple[list[int], list[int]]:
+    def exchange_counts(self, send_counts_W: torch.Tensor, group: Any, word: int = 0) -> tuple[list[int], list[int]]:
         """Every rank's `[W]` counts to every rank, read on the host: `(sent, received)`."""
 
 
@@ -126,15 +146,22 @@ class DispatchManager(ABC):
         """The routing stage of top-k `[T, K]` global expert ids (-1 = masked) and probs."""
 
     @abstractmethod
-    def dispatch(self, routing, hidden_states: torch.Tensor, *, async_finish: bool = False,
-                 allocate_on_comm_stream: bool = False,
-                 replay: Dispatched | None = None) -> tuple[torch.Tensor, Dispatched]:
+    def dispatch(
+        self,
+        routing,
+        hidden_states: torch.Tensor,
+        *,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+        replay: Dispatched | None = None,
+    ) -> tuple[torch.Tensor, Dispatched]:
         """Dispatch `[T, H]` rows along `routing` -> `(received rows, Dispatched)`; `replay`: a
         recorded dispatch of this routing, repeated along its layout (where `replayable`)."""
 
     @abstractmethod
-    def permute(self, dispatched: Dispatched, hidden_states: torch.Tensor,
-                indexed: bool = False) -> tuple[tuple | IndexedRows, Permuted]:
+    def permute(
+        self, dispatched: Dispatched, hidden_states: torch.Tensor, indexed: bool = False
+    ) -> tuple[tuple | IndexedRows, Permuted]:
         """Received rows grouped by local expert -> `((rows [P, H], tokens_per_expert [e], probs
         [P]), Permuted)`; `indexed`: `IndexedRows` instead (no copy)."""
 
@@ -143,8 +170,14 @@ class DispatchManager(ABC):
         """Inverse of the permutation: `[P, H]` expert outputs -> dispatched row order."""
 
     @abstractmethod
-    def combine(self, permuted: Permuted, hidden_states: torch.Tensor, *, async_finish: bool = False,
-                allocate_on_comm_stream: bool = False) -> torch.Tensor:
+    def combine(
+        self,
+        permuted: Permuted,
+        hidden_states: torch.Tensor,
+        *,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ) -> torch.Tensor:
         """Received rows back to their owners -> `[T, H]`."""
 
     @abstractmethod

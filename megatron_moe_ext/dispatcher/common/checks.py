@@ -64,18 +64,36 @@ class AgreedRoutingChangedError(AgreedError, RoutingChangedError):
     """A routing change seen by some rank's recompute, raised by every rank."""
 
 
-ROUTING_CHANGED = ("the recomputed MoE router output differs from the original forward's (expert ids "
-                   "or weights): the backward used the original routing and its gradients do not match "
-                   "the recomputed router. Do not change router weights or expert bias between a "
-                   "checkpointed forward and its backward; make the router deterministic (bf16 top-k ties)")
+ROUTING_CHANGED = (
+    "the recomputed MoE router output differs from the original forward's (expert ids "
+    "or weights): the backward used the original routing and its gradients do not match "
+    "the recomputed router. Do not change router weights or expert bias between a "
+    "checkpointed forward and its backward; make the router deterministic (bf16 top-k ties)"
+)
 
 #: What an error word can name (cause code = index + 1): the field a rejected input names
 #: (a ValueError naming another field travels as "input"), a capacity overflow or a routing
 #: change seen by a recompute.
-CAUSES = ("input", "hidden_states", "num_local_tokens", "token_indices", "token_probs", "probs",
-          "routing_map", "num_local_experts", "local_expert_indices", "num_moe_experts",
-          "moe_router_topk", "moe_hybridep_capacity_factor", "moe_expert_rank_capacity_factor",
-          "moe_benchmark_static_routing", "ep_group", "overflow", "routing", "environment variable")
+CAUSES = (
+    "input",
+    "hidden_states",
+    "num_local_tokens",
+    "token_indices",
+    "token_probs",
+    "probs",
+    "routing_map",
+    "num_local_experts",
+    "local_expert_indices",
+    "num_moe_experts",
+    "moe_router_topk",
+    "moe_hybridep_capacity_factor",
+    "moe_expert_rank_capacity_factor",
+    "moe_benchmark_static_routing",
+    "ep_group",
+    "overflow",
+    "routing",
+    "environment variable",
+)
 _RANK_BITS = 8  # ranks below 256 per expert-parallel group
 #: A word travels as -(FLAG_BASE + word) in a float column of routing weights (exact in fp32;
 #: no weight a router gives is that negative).
@@ -114,18 +132,22 @@ def agreed_error(words, own: BaseException | None = None, rank: int | None = Non
         error = CapacityOverflowError(
             f"moe_hybridep_capacity_factor: a capacity-mode dispatch overflowed its capacity on "
             f"expert-parallel rank(s) {ranks}: tokens would be dropped; raise "
-            f"moe_hybridep_capacity_factor{detail}")
+            f"moe_hybridep_capacity_factor{detail}"
+        )
     elif cause == "routing":
         error = AgreedRoutingChangedError(f"expert-parallel rank(s) {ranks}: {ROUTING_CHANGED}{detail}")
     else:
         causes = ", ".join(sorted(set(by_rank.values())))
-        error = AgreedValueError(f"{cause}: expert-parallel rank(s) {ranks} failed their check of {causes}; "
-                                 f"every rank of the group abandons this step{detail}")
+        error = AgreedValueError(
+            f"{cause}: expert-parallel rank(s) {ranks} failed their check of {causes}; "
+            f"every rank of the group abandons this step{detail}"
+        )
     return error
 
 
-_DEVICE_MESSAGE = ("a rank of the expert-parallel group failed this step (its own error names the "
-                   "cause): every rank stops")
+_DEVICE_MESSAGE = (
+    "a rank of the expert-parallel group failed this step (its own error names the cause): every rank stops"
+)
 
 
 def raise_on_words(words: torch.Tensor) -> None:
@@ -196,14 +218,18 @@ def agree_at_build(group, settings: dict[str, str], error: BaseException | None)
     dist.all_gather_object(gathered, (settings, None if error is None else str(error)), group=group)
     failed = [rank for rank, (_, message) in enumerate(gathered) if message]
     if failed:
-        raise AgreedValueError(f"{gathered[failed[0]][1]} (refused at the layer's build on expert-parallel "
-                         f"rank(s) {failed}; every rank of the group raises this)") from error
+        raise AgreedValueError(
+            f"{gathered[failed[0]][1]} (refused at the layer's build on expert-parallel "
+            f"rank(s) {failed}; every rank of the group raises this)"
+        ) from error
     for name in settings:
         values = [rank_settings.get(name) for rank_settings, _ in gathered]
         if any(value != values[0] for value in values):
             per_rank = ", ".join(f"rank {rank}: {value}" for rank, value in enumerate(values))
-            raise AgreedValueError(f"{name} differs across the expert-parallel group ({per_rank}): the ranks "
-                             "of a group must build the same layer; set it to the same value on every rank")
+            raise AgreedValueError(
+                f"{name} differs across the expert-parallel group ({per_rank}): the ranks "
+                "of a group must build the same layer; set it to the same value on every rank"
+            )
 
 
 class RoutingError(enum.IntFlag):
@@ -220,8 +246,10 @@ def describe(bits: int, num_experts: int, topk: int) -> str:
     if bits & RoutingError.INDEX_RANGE:
         parts.append(f"token_indices: values must be in [-1, {num_experts - 1}] (-1 = unused slot)")
     if bits & RoutingError.DUPLICATE_EXPERT:
-        parts.append("token_indices: a token names the same expert twice in its top-k; "
-                     "each expert may appear at most once per token")
+        parts.append(
+            "token_indices: a token names the same expert twice in its top-k; "
+            "each expert may appear at most once per token"
+        )
     if bits & RoutingError.TOO_MANY_ROUTES:
         parts.append(f"routing_map: a token is routed to more than moe_router_topk={topk} experts")
     return "; ".join(parts)
@@ -254,8 +282,10 @@ def check_hidden(hidden_states: torch.Tensor, num_local_tokens: int | None = Non
         raise bad_input("hidden_states", f"expected a float tensor, got {hidden_states.dtype}")
     tokens = shape[0] if len(shape) == 2 else hidden_states.numel() // shape[-1]
     if num_local_tokens is not None and num_local_tokens != tokens:
-        raise bad_input("num_local_tokens", f"{num_local_tokens} does not match the "
-                        f"{tokens} tokens in hidden_states {tuple(shape)}")
+        raise bad_input(
+            "num_local_tokens",
+            f"{num_local_tokens} does not match the {tokens} tokens in hidden_states {tuple(shape)}",
+        )
     return tokens
 
 
@@ -269,21 +299,28 @@ def check_dense(field: str, tensor: torch.Tensor, tokens: int, ep_size: int, num
     by_expert = len(shape) >= 2 and shape[-1] == num_experts and tensor.numel() == tokens * num_experts
     by_rank = shape == (tokens, ep_size, num_local_experts)
     if not (by_expert or by_rank):
-        raise bad_input(field, f"expected [T={tokens}, E={num_experts}] (or [T, ep={ep_size}, "
-                        f"e={num_local_experts}]), got shape {shape}")
+        raise bad_input(
+            field,
+            f"expected [T={tokens}, E={num_experts}] (or [T, ep={ep_size}, "
+            f"e={num_local_experts}]), got shape {shape}",
+        )
     if field == "routing_map" and tensor.dtype != torch.bool:
         raise bad_input(field, f"expected a bool tensor (True = routed), got {tensor.dtype}")
     if field == "probs" and not tensor.dtype.is_floating_point:
         raise bad_input(field, f"expected a float tensor, got {tensor.dtype}")
 
 
-def check_topk_shapes(token_probs: torch.Tensor, token_indices: torch.Tensor, tokens: int,
-                      num_experts: int) -> None:
+def check_topk_shapes(token_probs: torch.Tensor, token_indices: torch.Tensor, tokens: int, num_experts: int) -> None:
     """`[T, K]` integer ids and float probs of one shape, K <= E."""
     shape = token_indices.shape
-    if (token_indices.dtype in _USUAL_INDEX_DTYPES and token_probs.dtype in _USUAL_PROB_DTYPES
-            and token_probs.shape == shape and len(shape) == 2 and shape[0] == tokens
-            and shape[1] <= num_experts):
+    if (
+        token_indices.dtype in _USUAL_INDEX_DTYPES
+        and token_probs.dtype in _USUAL_PROB_DTYPES
+        and token_probs.shape == shape
+        and len(shape) == 2
+        and shape[0] == tokens
+        and shape[1] <= num_experts
+    ):
         return  # the usual case in one expression: this runs on every dispatch
     dtype = token_indices.dtype
     if dtype.is_floating_point or dtype == torch.bool or dtype.is_complex:
@@ -291,8 +328,9 @@ def check_topk_shapes(token_probs: torch.Tensor, token_indices: torch.Tensor, to
     if not token_probs.dtype.is_floating_point:
         raise bad_input("token_probs", f"expected a float tensor, got {token_probs.dtype}")
     if token_probs.shape != shape:
-        raise bad_input("token_indices", f"shape {tuple(shape)} does not match "
-                        f"token_probs shape {tuple(token_probs.shape)}")
+        raise bad_input(
+            "token_indices", f"shape {tuple(shape)} does not match token_probs shape {tuple(token_probs.shape)}"
+        )
     if len(shape) != 2 or shape[0] != tokens:
         raise bad_input("token_indices", f"expected [T={tokens}, K], got {tuple(shape)}")
     if shape[1] > num_experts:
@@ -303,15 +341,21 @@ def check_local_expert_indices(local_expert_indices, ep_rank: int, num_local_exp
     """The dispatcher delivers rank r's tokens for experts `[r*e, (r+1)*e)` in that order."""
     expected = list(range(ep_rank * num_local_experts, (ep_rank + 1) * num_local_experts))
     if list(local_expert_indices) != expected:
-        raise bad_input("local_expert_indices", f"{list(local_expert_indices)} on expert-parallel "
-                        f"rank {ep_rank}; expected the contiguous range {expected}")
+        raise bad_input(
+            "local_expert_indices",
+            f"{list(local_expert_indices)} on expert-parallel "
+            f"rank {ep_rank}; expected the contiguous range {expected}",
+        )
 
 
 def check_expert_output_dtype(hidden_states: torch.Tensor) -> None:
     """Combine's input rows must be float (their shape is checked against the dispatch)."""
     if not hidden_states.dtype.is_floating_point:
-        raise bad_input("hidden_states", f"combine expects float expert outputs, got "
-                        f"{hidden_states.dtype} (integer rows would be summed and truncated)")
+        raise bad_input(
+            "hidden_states",
+            f"combine expects float expert outputs, got "
+            f"{hidden_states.dtype} (integer rows would be summed and truncated)",
+        )
 
 
 # ---- values ---------------------------------------------------------------------------
@@ -331,13 +375,17 @@ def check_topk_values(token_indices: torch.Tensor, num_experts: int) -> None:
         return
     lo, hi = int(token_indices.min()), int(token_indices.max())
     if lo < -1 or hi >= num_experts:
-        raise bad_input("token_indices", f"values must be in [-1, {num_experts - 1}] "
-                        f"(-1 = unused slot), got min {lo}, max {hi}")
+        raise bad_input(
+            "token_indices", f"values must be in [-1, {num_experts - 1}] (-1 = unused slot), got min {lo}, max {hi}"
+        )
     _, repeat_TK = topk_bad_slots(token_indices, num_experts)
     if bool(repeat_TK.any()):
         token = int(repeat_TK.any(-1).nonzero()[0])
-        raise bad_input("token_indices", f"token {token} names an expert twice in its top-k "
-                        f"{token_indices[token].tolist()}; each expert may appear at most once per token")
+        raise bad_input(
+            "token_indices",
+            f"token {token} names an expert twice in its top-k "
+            f"{token_indices[token].tolist()}; each expert may appear at most once per token",
+        )
 
 
 def check_routes_per_token(routing_map: torch.Tensor, tokens: int, topk: int) -> None:
@@ -346,8 +394,7 @@ def check_routes_per_token(routing_map: torch.Tensor, tokens: int, topk: int) ->
         return
     most = int(routing_map.reshape(tokens, -1).sum(-1).max())
     if most > topk:
-        raise bad_input("routing_map", f"a token is routed to {most} experts, more than "
-                        f"moe_router_topk={topk}")
+        raise bad_input("routing_map", f"a token is routed to {most} experts, more than moe_router_topk={topk}")
 
 
 class DeferredRoutingErrors:
@@ -370,8 +417,10 @@ class DeferredRoutingErrors:
     def mask_topk(self, token_indices: torch.Tensor, num_experts: int) -> torch.Tensor:
         """Record bad top-k slots and return the ids with those slots masked to -1."""
         out_of_range_TK, repeat_TK = topk_bad_slots(token_indices, num_experts)
-        self._record(out_of_range_TK.any().int() * RoutingError.INDEX_RANGE
-                     | repeat_TK.any().int() * RoutingError.DUPLICATE_EXPERT)
+        self._record(
+            out_of_range_TK.any().int() * RoutingError.INDEX_RANGE
+            | repeat_TK.any().int() * RoutingError.DUPLICATE_EXPERT
+        )
         return token_indices.masked_fill(out_of_range_TK | repeat_TK, -1)
 
     def flag_routes(self, routing_map: torch.Tensor, tokens: int, topk: int) -> None:
@@ -397,8 +446,14 @@ class DeferredRoutingErrors:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
         agreed = sum(int(b) for b, f in zip(RoutingError, flags.tolist()) if f)
         if agreed:
-            raise ValueError(("" if alone else "a rank of the expert-parallel group recorded bad routing input "
-                              "since the last check: ") + describe(agreed, num_experts, topk))
+            raise ValueError(
+                (
+                    ""
+                    if alone
+                    else "a rank of the expert-parallel group recorded bad routing input since the last check: "
+                )
+                + describe(agreed, num_experts, topk)
+            )
 
 
 def check_model_input_errors(model: torch.nn.Module) -> None:

@@ -42,12 +42,21 @@ class IndexedRows:
         return self.row_of_slot_P.shape[0]
 
 
-def indexed_rows(rows_RH: torch.Tensor, probs_P: torch.Tensor, row_of_slot_P: torch.Tensor,
-                 slot_of_row_RJ: torch.Tensor, tokens_per_expert: TokenCounts) -> IndexedRows:
+def indexed_rows(
+    rows_RH: torch.Tensor,
+    probs_P: torch.Tensor,
+    row_of_slot_P: torch.Tensor,
+    slot_of_row_RJ: torch.Tensor,
+    tokens_per_expert: TokenCounts,
+) -> IndexedRows:
     """`IndexedRows` from a permutation's maps, whose "none" is one past the end (R in
     `row_of_slot_P`, as `permute.gather_rows` takes it; P in `slot_of_row_RJ`, as
     `permute.gather_sum` takes it): padding reads row 0 and an unused slot is -1 here."""
     num_rows, num_permuted = rows_RH.shape[0], row_of_slot_P.shape[0]
-    return IndexedRows(rows_RH, torch.where(row_of_slot_P < num_rows, row_of_slot_P, 0).int(),
-                       torch.where(slot_of_row_RJ < num_permuted, slot_of_row_RJ, -1),
-                       tokens_per_expert, probs_P)
+    return IndexedRows(
+        rows_RH,
+        torch.where(row_of_slot_P < num_rows, row_of_slot_P, 0).int(),
+        torch.where(slot_of_row_RJ < num_permuted, slot_of_row_RJ, -1),
+        tokens_per_expert,
+        probs_P,
+    )

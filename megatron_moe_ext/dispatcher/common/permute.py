@@ -53,8 +53,9 @@ def rank_budget(num_tokens: int, topk: int, factor: float, pad_multiple: int | N
 def host_counts_tensor(counts: list[int]) -> torch.Tensor:
     """`[e]` int64 CPU tensor of host counts (a quarter of `torch.as_tensor`'s host time:
     it runs on every dispatch)."""
-    return torch.frombuffer(array.array("q", counts), dtype=torch.int64) if counts else \
-        torch.zeros(0, dtype=torch.int64)
+    return (
+        torch.frombuffer(array.array("q", counts), dtype=torch.int64) if counts else torch.zeros(0, dtype=torch.int64)
+    )
 
 
 TokenCounts = torch.Tensor | Sequence[int]
@@ -74,8 +75,9 @@ def host_counts(tokens_per_expert: TokenCounts) -> list[int] | None:
     return [int(c) for c in tokens_per_expert]
 
 
-def routing_map_to_topk(routing_map_TE: torch.Tensor, probs_TE: torch.Tensor,
-                        topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+def routing_map_to_topk(
+    routing_map_TE: torch.Tensor, probs_TE: torch.Tensor, topk: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense `[T, E]` routing to top-k form `(indices_TK, probs_TK)`; unused slots get -1 / 0.
 
     The routing map, not the probabilities, decides which experts a token goes to, so an
@@ -107,18 +109,20 @@ def indices_to_routing_map(indices_RK: torch.Tensor, num_experts: int) -> torch.
     return hits_RE.scatter_add_(1, indices_RK.clamp(min=0).long(), (indices_RK >= 0).int()) > 0
 
 
-def indices_to_multihot(indices_RK: torch.Tensor, probs_RK: torch.Tensor,
-                        num_local_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def indices_to_multihot(
+    indices_RK: torch.Tensor, probs_RK: torch.Tensor, num_local_experts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`[R, K]` local expert ids (-1 = not for this rank) to a `[R, e]` bool map and fp32 probs."""
-    probs_Re = torch.zeros(indices_RK.shape[0], num_local_experts, dtype=torch.float32,
-                           device=indices_RK.device)
-    probs_Re = probs_Re.scatter_add(1, indices_RK.clamp(min=0).long(),
-                                    torch.where(indices_RK >= 0, probs_RK.float(), 0.0))
+    probs_Re = torch.zeros(indices_RK.shape[0], num_local_experts, dtype=torch.float32, device=indices_RK.device)
+    probs_Re = probs_Re.scatter_add(
+        1, indices_RK.clamp(min=0).long(), torch.where(indices_RK >= 0, probs_RK.float(), 0.0)
+    )
     return indices_to_routing_map(indices_RK, num_local_experts), probs_Re
 
 
-def drop_tokens_over_capacity(indices_TK: torch.Tensor, probs_TK: torch.Tensor, num_experts: int,
-                              capacity_factor: float) -> torch.Tensor:
+def drop_tokens_over_capacity(
+    indices_TK: torch.Tensor, probs_TK: torch.Tensor, num_experts: int, capacity_factor: float
+) -> torch.Tensor:
     """Megatron's dropping policy "probs": each expert keeps its `ceil(T*K/E * factor)`
     highest-probability slots; the others become -1 (they are neither sent nor combined,
     so they contribute nothing and get no gradient)."""
@@ -132,8 +136,7 @@ def drop_tokens_over_capacity(indices_TK: torch.Tensor, probs_TK: torch.Tensor, 
     scores_TE = torch.full((num_tokens, num_experts), unrouted, device=indices_TK.device)
     # amax, not a plain scatter: a masked slot (-1, clamped to expert 0) must not overwrite
     # the same token's real slot at expert 0.
-    scores_TE.scatter_reduce_(1, safe_TK, torch.where(valid_TK, probs_TK.detach().float(), unrouted),
-                              reduce="amax")
+    scores_TE.scatter_reduce_(1, safe_TK, torch.where(valid_TK, probs_TK.detach().float(), unrouted), reduce="amax")
     # A NaN probability ranks first and is kept, as in Megatron's apply_router_token_dropping:
     # the NaN reaches the output instead of vanishing.
     _, kept_CE = torch.topk(scores_TE, capacity, dim=0, sorted=False)
@@ -163,15 +166,22 @@ class PermutationState:
 
 
 @torch.library.custom_op("moe_ext::permute_rows", mutates_args=())
-def _permute_rows_op(hidden_RH: torch.Tensor, probs_Re: torch.Tensor, row_ids_N: torch.Tensor,
-                     expert_ids_N: torch.Tensor, dest_N: torch.Tensor | None,
-                     num_permuted: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _permute_rows_op(
+    hidden_RH: torch.Tensor,
+    probs_Re: torch.Tensor,
+    row_ids_N: torch.Tensor,
+    expert_ids_N: torch.Tensor,
+    dest_N: torch.Tensor | None,
+    num_permuted: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     rows_NH = hidden_RH.index_select(0, row_ids_N)
     probs_N = probs_Re[row_ids_N, expert_ids_N]
     if dest_N is None:
         return rows_NH, probs_N
-    return (rows_NH.new_zeros(num_permuted, rows_NH.shape[1]).index_copy_(0, dest_N, rows_NH),
-            probs_N.new_zeros(num_permuted).index_copy_(0, dest_N, probs_N))
+    return (
+        rows_NH.new_zeros(num_permuted, rows_NH.shape[1]).index_copy_(0, dest_N, rows_NH),
+        probs_N.new_zeros(num_permuted).index_copy_(0, dest_N, probs_N),
+    )
 
 
 @_permute_rows_op.register_fake
@@ -197,27 +207,32 @@ def _permute_rows_backward(ctx, grad_PH, grad_P):
     if ctx.needs_input_grad[0]:
         grad_RH = grad_PH.new_zeros(ctx.hidden_shape).index_put_((row_ids_N,), grad_PH, accumulate=True)
     if ctx.needs_input_grad[1]:
-        grad_Re = grad_P.new_zeros(ctx.probs_shape).index_put_((row_ids_N, expert_ids_N), grad_P,
-                                                                accumulate=True)
+        grad_Re = grad_P.new_zeros(ctx.probs_shape).index_put_((row_ids_N, expert_ids_N), grad_P, accumulate=True)
     return grad_RH, grad_Re, None, None, None, None
 
 
 _permute_rows_op.register_autograd(_permute_rows_backward, setup_context=_permute_rows_setup)
 
 
-def permute_rows(hidden_RH: torch.Tensor, probs_Re: torch.Tensor,
-                 state: PermutationState) -> tuple[torch.Tensor, torch.Tensor]:
+def permute_rows(
+    hidden_RH: torch.Tensor, probs_Re: torch.Tensor, state: PermutationState
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`(rows [P, H], probs [P])` handed to the experts: `state`'s pairs picked from `[R, H]`
     rows and `[R, e]` probs, zeros at padding. One `torch.library` custom op, so a
     selective-checkpoint policy saves the dispatch's outputs by name
     (`recompute.save_dispatch_outputs`)."""
-    return _permute_rows_op(hidden_RH, probs_Re, state.row_ids_N, state.expert_ids_N, state.dest_N,
-                            state.num_permuted)
+    return _permute_rows_op(
+        hidden_RH, probs_Re, state.row_ids_N, state.expert_ids_N, state.dest_N, state.num_permuted
+    )
 
 
-def permute_to_experts(hidden_RH: torch.Tensor, routing_map_Re: torch.Tensor, probs_Re: torch.Tensor,
-                       tokens_per_expert: list[int], pad_multiple: int | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor, list[int], PermutationState]:
+def permute_to_experts(
+    hidden_RH: torch.Tensor,
+    routing_map_Re: torch.Tensor,
+    probs_Re: torch.Tensor,
+    tokens_per_expert: list[int],
+    pad_multiple: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, list[int], PermutationState]:
     """Group received rows contiguously by local expert (stable: token order within an expert).
 
     Arguments:
@@ -234,8 +249,9 @@ def permute_to_experts(hidden_RH: torch.Tensor, routing_map_Re: torch.Tensor, pr
     return permuted_PH, permuted_probs_P, counts, state
 
 
-def dropless_permutation(routing_map_Re: torch.Tensor, tokens_per_expert: list[int],
-                         pad_multiple: int | None = None) -> tuple[PermutationState, list[int]]:
+def dropless_permutation(
+    routing_map_Re: torch.Tensor, tokens_per_expert: list[int], pad_multiple: int | None = None
+) -> tuple[PermutationState, list[int]]:
     """The `PermutationState` of grouping `[R, e]` routed rows by expert (token order within
     an expert; each group padded to `pad_multiple`), and the padded host counts."""
     num_pairs = int(sum(tokens_per_expert))
@@ -306,8 +322,9 @@ def gather_rows(x_NH: torch.Tensor, src_P: torch.Tensor, pos_NJ: torch.Tensor) -
     return GatherRows.apply(x_NH, src_P, pos_NJ)
 
 
-def slot_positions(indices_RK: torch.Tensor, routing_map_Re: torch.Tensor,
-                   padded_offsets_e: torch.Tensor, capacity: int) -> torch.Tensor:
+def slot_positions(
+    indices_RK: torch.Tensor, routing_map_Re: torch.Tensor, padded_offsets_e: torch.Tensor, capacity: int
+) -> torch.Tensor:
     """Where each received row's pairs sit in an expert-major permuted buffer of `capacity`
     rows: `[R, K]` positions in ascending expert order (the order `gather_sum` and an
     accumulate sum them in), `capacity` for a slot with no row (masked, a repeat of an earlier
@@ -344,8 +361,13 @@ def unpermute_from_experts(expert_out_PH: torch.Tensor, state: PermutationState)
     return out_RH.index_put((state.row_ids_N,), rows_NH, accumulate=True)
 
 
-def fixed_layout(indices_RK: torch.Tensor, probs_RK: torch.Tensor, num_local_experts: int,
-                 capacity: int, pad_multiple: int | None = None):
+def fixed_layout(
+    indices_RK: torch.Tensor,
+    probs_RK: torch.Tensor,
+    num_local_experts: int,
+    capacity: int,
+    pad_multiple: int | None = None,
+):
     """The fixed-shape modes' permutation, as maps: `capacity` (P) positions grouped by local
     expert, every layout on the device (no host sync).
 
@@ -372,16 +394,18 @@ def fixed_layout(indices_RK: torch.Tensor, probs_RK: torch.Tensor, num_local_exp
     safe_expert_N = expert_N.clamp(min=0)
     valid_N, dest_N = expert_N >= 0, None  # unpadded, pair n sits at position n: no scatter
     if padded:
-        dest_N = (torch.arange(capacity, device=indices_RK.device) - offsets_e[safe_expert_N]
-                  + padded_offsets_e[safe_expert_N])
+        dest_N = (
+            torch.arange(capacity, device=indices_RK.device)
+            - offsets_e[safe_expert_N]
+            + padded_offsets_e[safe_expert_N]
+        )
         valid_N &= dest_N < capacity
         dest_N = torch.where(valid_N, dest_N, capacity)  # invalid pairs: an extra row, sliced off
     row_N = torch.where(valid_N, row_N, num_rows)  # empty rows pick row R (zero)
     slot_of_row_RK = slot_positions(indices_RK, routing_Re, padded_offsets_e, capacity)
     # A flat gather: its backward is a scatter-add, where advanced indexing's would be a
     # CUDA-graph-unsafe accumulate (see gather_sum).
-    probs_N = probs_Re.flatten().gather(0, row_N.clamp(max=max(num_rows - 1, 0)) * num_local_experts
-                                        + safe_expert_N)
+    probs_N = probs_Re.flatten().gather(0, row_N.clamp(max=max(num_rows - 1, 0)) * num_local_experts + safe_expert_N)
     if dest_N is None:
         return torch.where(valid_N, probs_N, 0.0), padded_e, row_N, slot_of_row_RK
     row_of_slot_P = row_N.new_full((capacity + 1,), num_rows).index_copy(0, dest_N, row_N)[:capacity]
@@ -389,8 +413,13 @@ def fixed_layout(indices_RK: torch.Tensor, probs_RK: torch.Tensor, num_local_exp
     return permuted_probs_P, padded_e, row_of_slot_P, slot_of_row_RK
 
 
-def dropless_layout(routing_map_Re: torch.Tensor, probs_Re: torch.Tensor, indices_RK: torch.Tensor,
-                    tokens_per_expert: list[int], pad_multiple: int | None = None):
+def dropless_layout(
+    routing_map_Re: torch.Tensor,
+    probs_Re: torch.Tensor,
+    indices_RK: torch.Tensor,
+    tokens_per_expert: list[int],
+    pad_multiple: int | None = None,
+):
     """`permute_to_experts`' layout as maps, for experts that gather their own rows.
 
     Returns:
@@ -403,7 +432,8 @@ def dropless_layout(routing_map_Re: torch.Tensor, probs_Re: torch.Tensor, indice
     row_of_slot_P, probs_P, dest_N = state.row_ids_N, probs_Re[state.row_ids_N, state.expert_ids_N], state.dest_N
     if dest_N is not None:
         row_of_slot_P = row_of_slot_P.new_full((state.num_permuted,), state.num_rows).index_copy(
-            0, dest_N, row_of_slot_P)
+            0, dest_N, row_of_slot_P
+        )
         probs_P = probs_P.new_zeros(state.num_permuted).index_copy(0, dest_N, probs_P)
     padded_offsets_e = start_offsets(host_counts_tensor(counts)).to(indices_RK.device, non_blocking=True)
     slot_of_row_RK = slot_positions(indices_RK, routing_map_Re, padded_offsets_e, state.num_permuted)

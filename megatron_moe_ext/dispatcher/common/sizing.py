@@ -96,18 +96,25 @@ class Budget:
         world = dist.get_world_size(group)
         if self.tokens is not None:
             word = checks.error_word(self.FIELD, rank)
-            words = manager.comm.announce_input_error(group, word, like, manager.num_experts, self.tokens,
-                                                      manager.router_topk)
+            words = manager.comm.announce_input_error(
+                group, word, like, manager.num_experts, self.tokens, manager.router_topk
+            )
             if words != [checks.error_word(self.FIELD, r) for r in range(world)]:
-                raise checks.agreed_error([w for w in words if w != word], ValueError(
-                    f"{self.FIELD}: budget mode needs the same token count on every rank; this rank "
-                    f"brings {num_tokens}, the EP group agreed on {self.tokens}"), rank)
+                raise checks.agreed_error(
+                    [w for w in words if w != word],
+                    ValueError(
+                        f"{self.FIELD}: budget mode needs the same token count on every rank; this rank "
+                        f"brings {num_tokens}, the EP group agreed on {self.tokens}"
+                    ),
+                    rank,
+                )
         counts = self.exchange_tokens(manager, num_tokens)
         if len(set(counts)) > 1:
             raise checks.AgreedValueError(
                 f"{self.FIELD}: budget mode on the {manager.comm.name!r} backend needs the same token count "
                 f"on every expert-parallel rank (ranks 0..{world - 1} bring {counts}); give every rank the "
-                "same batch shape, or use the dropless mode")
+                "same batch shape, or use the dropless mode"
+            )
         self.tokens = num_tokens
 
     @staticmethod

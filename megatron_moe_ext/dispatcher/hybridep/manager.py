@@ -52,9 +52,11 @@ def check_hidden_size(hidden: int, field: str) -> None:
     """Refuse (ValueError naming `field`) a hidden size HybridEP cannot take: its config check
     (`hidden_dim % 16`), or a buffer whose `hidden_dim // 128` scale columns are 0 bytes."""
     if hidden % _HYBRIDEP_HIDDEN_ALIGNMENT or hidden < _HYBRIDEP_MIN_HIDDEN:
-        raise ValueError(f"{field}: HybridEP needs a hidden size that is a multiple of {_HYBRIDEP_HIDDEN_ALIGNMENT} "
-                         f"and at least {_HYBRIDEP_MIN_HIDDEN}, got {hidden}; set the hidden size to one "
-                         "(e.g. 128, 256, 1024) or choose another moe_flex_dispatcher_backend")
+        raise ValueError(
+            f"{field}: HybridEP needs a hidden size that is a multiple of {_HYBRIDEP_HIDDEN_ALIGNMENT} "
+            f"and at least {_HYBRIDEP_MIN_HIDDEN}, got {hidden}; set the hidden size to one "
+            "(e.g. 128, 256, 1024) or choose another moe_flex_dispatcher_backend"
+        )
 
 
 def _padded_count(num_tokens: int) -> int:
@@ -67,9 +69,11 @@ def _padded_count(num_tokens: int) -> int:
 def _assert_no_hybridep_overflow(handle, capacity: int) -> None:
     """Device-side guard, no host sync: HybridEP truncates silently past `capacity` and sets
     `overflow_flag`, the one-element int32 last item of its `handle`."""
-    torch._assert_async(handle[-1].reshape(()) == 0,
-                        f"HybridEP dispatch overflowed its capacity of {capacity} permuted rows: tokens were "
-                        "dropped. Raise moe_hybridep_capacity_factor (or the static-routing token count).")
+    torch._assert_async(
+        handle[-1].reshape(()) == 0,
+        f"HybridEP dispatch overflowed its capacity of {capacity} permuted rows: tokens were "
+        "dropped. Raise moe_hybridep_capacity_factor (or the static-routing token count).",
+    )
 
 
 @dataclass(frozen=True)
@@ -102,7 +106,8 @@ class _HybridEPDispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TH, probs_TE, outputs, buffer, kwargs):
         rows_PH, probs_P, _, tokens_per_expert, handle = buffer.dispatch_with_permute(
-            hidden=x_TH, probs=probs_TE, **kwargs)
+            hidden=x_TH, probs=probs_TE, **kwargs
+        )
         outputs.handle, outputs.tokens_per_expert = handle, tokens_per_expert
         ctx.buffer, ctx.handle = buffer, handle
         ctx.pad_multiple, ctx.fused = kwargs["pad_multiple"], kwargs["fuse_permute_dispatch"]
@@ -111,8 +116,12 @@ class _HybridEPDispatch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_PH, grad_probs_P):
         grad_TH, grad_probs_TE = ctx.buffer.combine_with_unpermute(
-            hidden=grad_PH.contiguous(), probs=grad_probs_P.float().contiguous(),
-            handle=ctx.handle, pad_multiple=ctx.pad_multiple, fuse_unpermute_combine=ctx.fused)
+            hidden=grad_PH.contiguous(),
+            probs=grad_probs_P.float().contiguous(),
+            handle=ctx.handle,
+            pad_multiple=ctx.pad_multiple,
+            fuse_unpermute_combine=ctx.fused,
+        )
         return grad_TH, grad_probs_TE, None, None, None
 
 
@@ -122,8 +131,8 @@ class _HybridEPCombine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y_PH, buffer, handle, pad_multiple, fused):
         y_TH, _ = buffer.combine_with_unpermute(
-            hidden=y_PH.contiguous(), handle=handle, pad_multiple=pad_multiple,
-            fuse_unpermute_combine=fused)
+            hidden=y_PH.contiguous(), handle=handle, pad_multiple=pad_multiple, fuse_unpermute_combine=fused
+        )
         ctx.buffer, ctx.handle, ctx.num_rows = buffer, handle, y_PH.shape[0]
         ctx.pad_multiple, ctx.fused = pad_multiple, fused
         return y_TH
@@ -132,9 +141,13 @@ class _HybridEPCombine(torch.autograd.Function):
     def backward(ctx, grad_TH):
         # The row count is known on the host, so the backward dispatch never blocks.
         grad_PH = ctx.buffer.dispatch_with_permute(
-            hidden=grad_TH.contiguous(), handle=ctx.handle, pad_multiple=ctx.pad_multiple,
-            num_permuted_tokens=ctx.num_rows, non_blocking=True,
-            fuse_permute_dispatch=ctx.fused)[0]
+            hidden=grad_TH.contiguous(),
+            handle=ctx.handle,
+            pad_multiple=ctx.pad_multiple,
+            num_permuted_tokens=ctx.num_rows,
+            non_blocking=True,
+            fuse_permute_dispatch=ctx.fused,
+        )[0]
         return grad_PH, None, None, None, None
 
 
@@ -155,8 +168,10 @@ class HybridEPManager(sizing.FixedShapeEngine, DispatchManager):
     def __init__(self, cfg, group, num_local_experts: int, tp_size: int):
         deep_ep = require("deep_ep", "moe_flex_dispatcher_backend='hybridep'")
         if not hasattr(deep_ep, "HybridEPBuffer"):
-            raise ImportError("moe_flex_dispatcher_backend='hybridep' needs deep_ep.HybridEPBuffer: "
-                              "build DeepEP from its hybrid-ep branch")
+            raise ImportError(
+                "moe_flex_dispatcher_backend='hybridep' needs deep_ep.HybridEPBuffer: "
+                "build DeepEP from its hybrid-ep branch"
+            )
         self._buffer_cls = deep_ep.HybridEPBuffer
         self.group = group
         self.num_local_experts = num_local_experts
@@ -179,14 +194,23 @@ class HybridEPManager(sizing.FixedShapeEngine, DispatchManager):
         self.pad_multiple = cfg.moe_router_expert_pad_multiple
         self.router_dtype = cfg.moe_router_dtype
         # `moe_permute_fusion`: the fused top-k -> dense probs conversion.
-        self.metadata_processor = HybridEPMetadataProcessor(self.num_experts, cfg.moe_permute_fusion,
-                                                            self.compact_routing)
+        self.metadata_processor = HybridEPMetadataProcessor(
+            self.num_experts, cfg.moe_permute_fusion, self.compact_routing
+        )
         # The shared-buffer registry key: the group and every constructor setting of the buffer.
         # HybridEP grows a buffer in place (hidden size, tokens per rank), so those are not in it.
-        self.buffer_key = ("hybridep", group, num_local_experts, self.num_sms, self.num_sms_preprocessing,
-                           self.num_blocks_permute, self.num_blocks_unpermute)
-        self._buffer_owner = buffers.acquire(self.buffer_key, lambda: _BufferOwner(self.buffer_key),
-                                             cfg.moe_share_token_dispatcher)
+        self.buffer_key = (
+            "hybridep",
+            group,
+            num_local_experts,
+            self.num_sms,
+            self.num_sms_preprocessing,
+            self.num_blocks_permute,
+            self.num_blocks_unpermute,
+        )
+        self._buffer_owner = buffers.acquire(
+            self.buffer_key, lambda: _BufferOwner(self.buffer_key), cfg.moe_share_token_dispatcher
+        )
         # Persistent per-layer state besides the calibrated capacity (`sizing`): the padded token
         # count and permuted-row count pinned by capacity calibration or static routing.
         self._pinned_tokens: int | None = None
@@ -204,8 +228,9 @@ class HybridEPManager(sizing.FixedShapeEngine, DispatchManager):
         # Unrouted entries must not carry probability mass into HybridEP's dense probs.
         return self._routing(routing_map_TE, torch.where(routing_map_TE, probs_TE.float(), 0.0))
 
-    def setup_from_indices(self, token_indices: torch.Tensor, token_probs: torch.Tensor, *,
-                           plain: bool = False) -> DenseRouting:
+    def setup_from_indices(
+        self, token_indices: torch.Tensor, token_probs: torch.Tensor, *, plain: bool = False
+    ) -> DenseRouting:
         """Top-k `[T, K]` ids (-1 = masked) and probs, through the metadata processor; `plain`:
         for a plain `dispatch`, the token count neither pinned nor read from a pin."""
         metadata, probs_TE = self.metadata_processor(token_indices, token_probs)
@@ -218,8 +243,10 @@ class HybridEPManager(sizing.FixedShapeEngine, DispatchManager):
         padded = self._resolve_padded_tokens(num_tokens, probs_TE.device, plain=plain)
         pad = padded - num_tokens
         # Padding rows route nowhere with prob 0; they are constants, so they get no gradient.
-        return DenseRouting(torch.cat([routing_map_TE, routing_map_TE.new_zeros(pad, self.num_experts)]),
-                            torch.cat([probs_TE.float(), probs_TE.new_zeros(pad, self.num_experts).float()]))
+        return DenseRouting(
+            torch.cat([routing_map_TE, routing_map_TE.new_zeros(pad, self.num_experts)]),
+            torch.cat([probs_TE.float(), probs_TE.new_zeros(pad, self.num_experts).float()]),
+        )
 
     def _static_pin(self) -> bool:
         return self.benchmark_static_routing and _STATIC_ROUTING_PAD_PIN
@@ -241,7 +268,8 @@ class HybridEPManager(sizing.FixedShapeEngine, DispatchManager):
                     f"moe_hybridep_capacity_factor: hidden_states has {num_tokens} tokens on this rank, but "
                     f"capacity mode needs a static per-rank token count and was calibrated at {self._pinned_tokens}; "
                     "keep every batch at or below it, or set moe_hybridep_equal_token_counts=True "
-                    "(fixed-shape batches)")
+                    "(fixed-shape batches)"
+                )
         # [T, one error word per rank]: one MAX all-reduce agrees on both.
         words = [0] * dist.get_world_size(self.group)
         words[dist.get_rank(self.group)] = word
@@ -257,8 +285,9 @@ class HybridEPManager(sizing.FixedShapeEngine, DispatchManager):
             self._static_num_permuted_tokens = None
         return padded
 
-    def _resolve_num_permuted_tokens(self, capacity_mode: bool, padded_tokens: int,
-                                     plain: bool = False) -> int | None:
+    def _resolve_num_permuted_tokens(
+        self, capacity_mode: bool, padded_tokens: int, plain: bool = False
+    ) -> int | None:
         """The host `num_permuted_tokens` for this dispatch of `padded_tokens` rows per rank;
         None is the blocking path.
 
@@ -284,21 +313,29 @@ class HybridEPManager(sizing.FixedShapeEngine, DispatchManager):
         owner = self._buffer_owner
         if owner.buffer is None:
             owner.buffer = self._buffer_cls(
-                group=self.group, hidden_dim=hidden_dim, max_num_of_tokens_per_rank=num_tokens,
-                num_local_experts=self.num_local_experts, num_sms_dispatch_api=self.num_sms,
-                num_sms_combine_api=self.num_sms, num_sms_preprocessing_api=self.num_sms_preprocessing,
-                num_blocks_permute=self.num_blocks_permute, num_blocks_unpermute=self.num_blocks_unpermute,
+                group=self.group,
+                hidden_dim=hidden_dim,
+                max_num_of_tokens_per_rank=num_tokens,
+                num_local_experts=self.num_local_experts,
+                num_sms_dispatch_api=self.num_sms,
+                num_sms_combine_api=self.num_sms,
+                num_sms_preprocessing_api=self.num_sms_preprocessing,
+                num_blocks_permute=self.num_blocks_permute,
+                num_blocks_unpermute=self.num_blocks_unpermute,
                 # A buffer rebuilt after a release reuses the kernels this process already
                 # compiled (HybridEP's JIT folder is per process) instead of running nvcc again.
                 load_cached_kernels=True,
                 # gloo stages the routing map through the host, which no CUDA graph can hold.
-                enable_custom_allgather=dist.get_backend(self.group) == "gloo")
+                enable_custom_allgather=dist.get_backend(self.group) == "gloo",
+            )
         return owner.buffer
 
     def check_rows(self, hidden_states) -> None:
         if hidden_states.element_size() != 2:
-            raise ValueError(f"hidden_states: HybridEP dispatches 16-bit tokens (bf16/fp16), got "
-                             f"{hidden_states.dtype}; cast the activations or use another backend")
+            raise ValueError(
+                f"hidden_states: HybridEP dispatches 16-bit tokens (bf16/fp16), got "
+                f"{hidden_states.dtype}; cast the activations or use another backend"
+            )
         check_hidden_size(hidden_states.shape[-1], "hidden_states")
 
     def announce_input_error(self, word: int, like=None) -> None:
@@ -328,13 +365,19 @@ class HybridEPManager(sizing.FixedShapeEngine, DispatchManager):
         num_permuted = self._resolve_num_permuted_tokens(self.fixed_shape, padded)
         with torch.no_grad():
             self._buffer(like.shape[-1], padded).dispatch_with_permute(
-                hidden=like.new_zeros(padded, like.shape[-1]), routing_map=routing_map, probs=probs,
-                num_of_experts_per_rank=self.num_local_experts, num_permuted_tokens=num_permuted,
-                non_blocking=num_permuted is not None, pad_multiple=self.pad_multiple,
-                fuse_permute_dispatch=self.hybridep_permute_fusion)
+                hidden=like.new_zeros(padded, like.shape[-1]),
+                routing_map=routing_map,
+                probs=probs,
+                num_of_experts_per_rank=self.num_local_experts,
+                num_permuted_tokens=num_permuted,
+                non_blocking=num_permuted is not None,
+                pad_multiple=self.pad_multiple,
+                fuse_permute_dispatch=self.hybridep_permute_fusion,
+            )
 
-    def dispatch(self, routing, hidden_states, *, async_finish=True, allocate_on_comm_stream=True, replay=None,
-                 plain=False):
+    def dispatch(
+        self, routing, hidden_states, *, async_finish=True, allocate_on_comm_stream=True, replay=None, plain=False
+    ):
         """Dispatch `[T, H]` rows; returns `[P, H]` rows grouped by local expert and the stage.
 
         `async_finish` / `allocate_on_comm_stream` are ignored: HybridEP owns its stream; it has no
@@ -350,9 +393,14 @@ class HybridEPManager(sizing.FixedShapeEngine, DispatchManager):
             x_TH = torch.cat([x_TH, x_TH.new_zeros(padded - x_TH.shape[0], x_TH.shape[1])])
         num_permuted = self._resolve_num_permuted_tokens(capacity_mode, padded, plain)
         routing_map_TE = routing.routing_map
-        kwargs = dict(routing_map=routing_map_TE, num_of_experts_per_rank=self.num_local_experts,
-                      num_permuted_tokens=num_permuted, non_blocking=num_permuted is not None,
-                      pad_multiple=self.pad_multiple, fuse_permute_dispatch=self.hybridep_permute_fusion)
+        kwargs = dict(
+            routing_map=routing_map_TE,
+            num_of_experts_per_rank=self.num_local_experts,
+            num_permuted_tokens=num_permuted,
+            non_blocking=num_permuted is not None,
+            pad_multiple=self.pad_multiple,
+            fuse_permute_dispatch=self.hybridep_permute_fusion,
+        )
         outputs = SimpleNamespace()  # the non-tensor outputs of `_HybridEPDispatch.forward`
         buffer = self._buffer(x_TH.shape[1], padded)
         rows_PH, probs_P = _HybridEPDispatch.apply(x_TH, routing.token_probs, outputs, buffer, kwargs)
@@ -380,8 +428,9 @@ class HybridEPManager(sizing.FixedShapeEngine, DispatchManager):
             if self._static_pin() and not plain and self._static_num_permuted_tokens is None:
                 # At least one aligned group: a batch that routed no rows still leaves room for
                 # a peer's error word (`announce_input_error`) in a later pinned dispatch.
-                self._static_num_permuted_tokens = max(rows_PH.shape[0],
-                                                       self.pad_multiple or _HYBRIDEP_TOKEN_ALIGNMENT)
+                self._static_num_permuted_tokens = max(
+                    rows_PH.shape[0], self.pad_multiple or _HYBRIDEP_TOKEN_ALIGNMENT
+                )
         return rows_PH, dispatched
 
     @property
@@ -396,18 +445,20 @@ class HybridEPManager(sizing.FixedShapeEngine, DispatchManager):
         slots_D = needed_DE[:, -1].clone()
         dist.all_reduce(needed_DE, group=self.group)
         first = dist.get_rank(self.group) * self.num_local_experts
-        needed_De = needed_DE[:, first:first + self.num_local_experts]
+        needed_De = needed_DE[:, first : first + self.num_local_experts]
         padded_De = P.align_up(needed_De, self.pad_multiple or 1)
         kept_De = torch.minimum((budgets_D[:, None] - P.start_offsets(padded_De)).clamp(min=0), needed_De)
         rows_D = padded_De.sum(1)
-        return torch.stack([(needed_De - kept_De).sum(), rows_D.max(),
-                            sizing.needed_factor_hundredths(rows_D, slots_D).max()])
+        return torch.stack(
+            [(needed_De - kept_De).sum(), rows_D.max(), sizing.needed_factor_hundredths(rows_D, slots_D).max()]
+        )
 
     def combine(self, permuted, hidden_states, *, async_finish=True, allocate_on_comm_stream=True):
         """`[P, H]` expert outputs -> `[T, H]`, padding sliced off."""
         buffer, handle, num_tokens = permuted.handle
-        return _HybridEPCombine.apply(hidden_states, buffer, handle, self.pad_multiple,
-                                      self.hybridep_permute_fusion)[:num_tokens]
+        return _HybridEPCombine.apply(hidden_states, buffer, handle, self.pad_multiple, self.hybridep_permute_fusion)[
+            :num_tokens
+        ]
 
     def tokens_per_expert(self, stage) -> torch.Tensor:
         return stage.counts
@@ -415,8 +466,11 @@ class HybridEPManager(sizing.FixedShapeEngine, DispatchManager):
     def permute(self, dispatched, hidden_states, indexed: bool = False):
         """The identity (HybridEP permuted in its dispatch); never `indexed` (the backend row)."""
         probs_P, handle, counts = dispatched.dispatched_probs, dispatched.handle, dispatched.counts
-        permuted = (FixedPermuted(handle, counts, None, dispatched.capacity, dispatched.overflow)
-                    if isinstance(dispatched, FixedDispatched) else Permuted(handle, counts, None))
+        permuted = (
+            FixedPermuted(handle, counts, None, dispatched.capacity, dispatched.overflow)
+            if isinstance(dispatched, FixedDispatched)
+            else Permuted(handle, counts, None)
+        )
         return (hidden_states, counts, probs_P.double() if self.router_dtype == "fp64" else probs_P), permuted
 
     def restore(self, permuted, hidden_states):

@@ -74,9 +74,18 @@ class HybridEPPipelineRuntimeInitializer:
 
     def _signature(self, device) -> tuple:
         m = self.manager
-        return (dist.get_world_size(m.group), self.hidden_dim, m.num_local_experts, m.num_experts,
-                m.num_sms, m.num_sms_preprocessing, m.num_blocks_permute, m.num_blocks_unpermute,
-                m.hybridep_permute_fusion, torch.device(device))
+        return (
+            dist.get_world_size(m.group),
+            self.hidden_dim,
+            m.num_local_experts,
+            m.num_experts,
+            m.num_sms,
+            m.num_sms_preprocessing,
+            m.num_blocks_permute,
+            m.num_blocks_unpermute,
+            m.hybridep_permute_fusion,
+            torch.device(device),
+        )
 
     @property
     def signature(self) -> tuple:
@@ -113,8 +122,10 @@ class HybridEPPipelineRuntimeInitializer:
         signature = self._signature(device)
         published = _PUBLISHED.get(self.resource_key)
         if published is not None and published[0] != signature:
-            raise RuntimeError(f"the shared HybridEP buffer serves {published[0]}, which conflicts "
-                               f"with this dispatcher's {signature}; use one configuration per buffer")
+            raise RuntimeError(
+                f"the shared HybridEP buffer serves {published[0]}, which conflicts "
+                f"with this dispatcher's {signature}; use one configuration per buffer"
+            )
         capacity = self._resolve_group_capacity(num_tokens, device)
         if published is not None and published[1] >= capacity:
             return

@@ -45,9 +45,22 @@ def _fp32_to_bf16(x):
 
 
 @triton.jit
-def _gather_sum_kernel(out_ptr, rows_ptr, pos_ptr, num_rows, width, out_stride, rows_stride,
-                       pos_stride, pos_slot_stride, J: tl.constexpr, SUM: tl.constexpr,
-                       ACC: tl.constexpr, BF16: tl.constexpr, BLOCK: tl.constexpr):
+def _gather_sum_kernel(
+    out_ptr,
+    rows_ptr,
+    pos_ptr,
+    num_rows,
+    width,
+    out_stride,
+    rows_stride,
+    pos_stride,
+    pos_slot_stride,
+    J: tl.constexpr,
+    SUM: tl.constexpr,
+    ACC: tl.constexpr,
+    BF16: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """Grid (R, column blocks): `out[r] = 0 + rows[pos[r, 0]] + ...` (SUM; each add in ACC rounded
     to out's dtype), else `out[r] = rows[pos[r, 0]]` bit for bit (J=1). A position outside
     [0, num_rows) reads a zero row."""
@@ -108,9 +121,21 @@ def _launch(rows_NH: torch.Tensor, pos_RJ: torch.Tensor, summed: bool) -> torch.
     block = min(_MAX_BLOCK, triton.next_power_of_2(max(width, 16)))
     acc = tl.float64 if rows_NH.dtype == torch.float64 else tl.float32
     _gather_sum_kernel[(pos_RJ.shape[0], triton.cdiv(width, block))](
-        out_RH, rows_NH, pos_RJ, num_rows, width, out_RH.stride(0), rows_NH.stride(0),
-        pos_RJ.stride(0), pos_RJ.stride(1), J=pos_RJ.shape[1], SUM=summed, ACC=acc,
-        BF16=rows_NH.dtype == torch.bfloat16, BLOCK=block)
+        out_RH,
+        rows_NH,
+        pos_RJ,
+        num_rows,
+        width,
+        out_RH.stride(0),
+        rows_NH.stride(0),
+        pos_RJ.stride(0),
+        pos_RJ.stride(1),
+        J=pos_RJ.shape[1],
+        SUM=summed,
+        ACC=acc,
+        BF16=rows_NH.dtype == torch.bfloat16,
+        BLOCK=block,
+    )
     return out_RH
 
 
@@ -123,7 +148,8 @@ def invert_positions(pos_RJ: torch.Tensor, num_rows: int) -> torch.Tensor:
     total = pos_RJ.numel()
     if total and num_rows:
         _invert_positions_kernel[(triton.cdiv(total, _INVERT_BLOCK),)](
-            src_N, pos_RJ, total, pos_RJ.shape[1], num_rows, BLOCK=_INVERT_BLOCK)
+            src_N, pos_RJ, total, pos_RJ.shape[1], num_rows, BLOCK=_INVERT_BLOCK
+        )
     return src_N[:, None]
 
 

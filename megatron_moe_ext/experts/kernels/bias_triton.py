@@ -24,10 +24,18 @@ def _two_sum(hi, lo, x):
 
 
 @triton.jit
-def _deterministic_bias_grad_kernel(grad_output_ptr, token_offsets_ptr, probs_ptr, grad_bias_ptr,
-                                    hidden, grad_stride_0, probs_stride_0,
-                                    USE_PROBS: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
-                                    BLOCK_HIDDEN: tl.constexpr):
+def _deterministic_bias_grad_kernel(
+    grad_output_ptr,
+    token_offsets_ptr,
+    probs_ptr,
+    grad_bias_ptr,
+    hidden,
+    grad_stride_0,
+    probs_stride_0,
+    USE_PROBS: tl.constexpr,
+    BLOCK_TOKENS: tl.constexpr,
+    BLOCK_HIDDEN: tl.constexpr,
+):
     """Reduce one expert's contiguous rows (times their probs) for one block of features.
 
     Grid: (experts, cdiv(hidden, BLOCK_HIDDEN)). Writes fp32 `grad_bias[expert, block]`.
@@ -64,10 +72,23 @@ def _deterministic_bias_grad_kernel(grad_output_ptr, token_offsets_ptr, probs_pt
 
 
 @triton.jit
-def _weighted_bias_add_kernel(value_ptr, bias_ptr, expert_ids_ptr, probs_ptr, output_ptr,
-                              rows, hidden, n_experts, value_stride_0, bias_stride_0,
-                              probs_stride_0, output_stride_0, USE_PROBS: tl.constexpr,
-                              BLOCK_ROWS: tl.constexpr, BLOCK_HIDDEN: tl.constexpr):
+def _weighted_bias_add_kernel(
+    value_ptr,
+    bias_ptr,
+    expert_ids_ptr,
+    probs_ptr,
+    output_ptr,
+    rows,
+    hidden,
+    n_experts,
+    value_stride_0,
+    bias_stride_0,
+    probs_stride_0,
+    output_stride_0,
+    USE_PROBS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_HIDDEN: tl.constexpr,
+):
     """`output = value + prob * bias[expert(row)]` in fp32, stored in output's dtype.
 
     Grid: (cdiv(rows, BLOCK_ROWS), cdiv(hidden, BLOCK_HIDDEN)). `output` may alias `value`.
@@ -79,22 +100,34 @@ def _weighted_bias_add_kernel(value_ptr, bias_ptr, expert_ids_ptr, probs_ptr, ou
     row64 = row_ids.to(tl.int64)
     expert = tl.load(expert_ids_ptr + row64, mask=row_mask, other=n_experts)
     has_bias = (expert < n_experts)[:, None] & mask
-    bias = tl.load(bias_ptr + expert.to(tl.int64)[:, None] * bias_stride_0 + cols[None, :],
-                   mask=has_bias, other=0.0).to(tl.float32)
+    bias = tl.load(
+        bias_ptr + expert.to(tl.int64)[:, None] * bias_stride_0 + cols[None, :], mask=has_bias, other=0.0
+    ).to(tl.float32)
     if USE_PROBS:
         prob = tl.load(probs_ptr + row64 * probs_stride_0, mask=row_mask, other=0.0)
         bias = bias * prob.to(tl.float32)[:, None]
-    value = tl.load(value_ptr + row64[:, None] * value_stride_0 + cols[None, :], mask=mask,
-                    other=0.0).to(tl.float32)
-    tl.store(output_ptr + row64[:, None] * output_stride_0 + cols[None, :],
-             (value + bias).to(output_ptr.dtype.element_ty), mask=mask)
+    value = tl.load(value_ptr + row64[:, None] * value_stride_0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(
+        output_ptr + row64[:, None] * output_stride_0 + cols[None, :],
+        (value + bias).to(output_ptr.dtype.element_ty),
+        mask=mask,
+    )
 
 
 @triton.jit
-def _weighted_bias_probs_grad_kernel(grad_output_ptr, bias_ptr, expert_ids_ptr, grad_probs_ptr,
-                                     rows, hidden: tl.constexpr, n_experts, grad_stride_0,
-                                     bias_stride_0, BLOCK_ROWS: tl.constexpr,
-                                     BLOCK_HIDDEN: tl.constexpr):
+def _weighted_bias_probs_grad_kernel(
+    grad_output_ptr,
+    bias_ptr,
+    expert_ids_ptr,
+    grad_probs_ptr,
+    rows,
+    hidden: tl.constexpr,
+    n_experts,
+    grad_stride_0,
+    bias_stride_0,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_HIDDEN: tl.constexpr,
+):
     """`grad_probs[row] = sum_d grad_output[row, d] * bias[expert(row), d]` (0 for padding rows).
 
     Grid: (cdiv(rows, BLOCK_ROWS),). Each program walks its rows' features in a fixed order.
@@ -108,10 +141,12 @@ def _weighted_bias_probs_grad_kernel(grad_output_ptr, bias_ptr, expert_ids_ptr, 
     for first in range(0, hidden, BLOCK_HIDDEN):
         cols = first + tl.arange(0, BLOCK_HIDDEN)
         mask = has_bias[:, None] & (cols < hidden)[None, :]
-        grad = tl.load(grad_output_ptr + row64[:, None] * grad_stride_0 + cols[None, :],
-                       mask=mask, other=0.0).to(tl.float32)
-        bias = tl.load(bias_ptr + expert.to(tl.int64)[:, None] * bias_stride_0 + cols[None, :],
-                       mask=mask, other=0.0).to(tl.float32)
+        grad = tl.load(grad_output_ptr + row64[:, None] * grad_stride_0 + cols[None, :], mask=mask, other=0.0).to(
+            tl.float32
+        )
+        bias = tl.load(
+            bias_ptr + expert.to(tl.int64)[:, None] * bias_stride_0 + cols[None, :], mask=mask, other=0.0
+        ).to(tl.float32)
         acc += grad * bias
     tl.store(grad_probs_ptr + row64, tl.sum(acc, axis=1), mask=row_mask)
 
@@ -120,8 +155,9 @@ def _unit_col_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def reduce_bias_grad(grad_output: torch.Tensor, token_offsets: torch.Tensor,
-                     probs: torch.Tensor | None, output_dtype: torch.dtype) -> torch.Tensor:
+def reduce_bias_grad(
+    grad_output: torch.Tensor, token_offsets: torch.Tensor, probs: torch.Tensor | None, output_dtype: torch.dtype
+) -> torch.Tensor:
     """`[e, D]` per-expert sums of `grad_output [P, D] * probs [P, 1]` (probs optional),
     compensated fp32, in `output_dtype`; `token_offsets [e + 1]` exclusive cumsum of the counts."""
     grad_output = _unit_col_stride(grad_output)
@@ -131,14 +167,23 @@ def reduce_bias_grad(grad_output: torch.Tensor, token_offsets: torch.Tensor,
         block_hidden = min(128, triton.next_power_of_2(hidden))
         use_probs = probs is not None
         _deterministic_bias_grad_kernel[(experts, triton.cdiv(hidden, block_hidden))](
-            grad_output, token_offsets, probs if use_probs else grad_output, out, hidden,
-            grad_output.stride(0), probs.stride(0) if use_probs else 0, USE_PROBS=use_probs,
-            BLOCK_TOKENS=32, BLOCK_HIDDEN=block_hidden)
+            grad_output,
+            token_offsets,
+            probs if use_probs else grad_output,
+            out,
+            hidden,
+            grad_output.stride(0),
+            probs.stride(0) if use_probs else 0,
+            USE_PROBS=use_probs,
+            BLOCK_TOKENS=32,
+            BLOCK_HIDDEN=block_hidden,
+        )
     return out.to(output_dtype)
 
 
-def weighted_bias_add(value: torch.Tensor, bias: torch.Tensor, expert_ids: torch.Tensor,
-                      probs: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+def weighted_bias_add(
+    value: torch.Tensor, bias: torch.Tensor, expert_ids: torch.Tensor, probs: torch.Tensor | None, out: torch.Tensor
+) -> torch.Tensor:
     """`out = value + prob * bias[expert_ids]` in fp32 math; value and out (may be value) `[P, D]`,
     bias `[e, D]`, expert_ids `[P]` (`e` for padding), probs optional `[P, 1]`. Returns out."""
     value, bias = _unit_col_stride(value), _unit_col_stride(bias)
@@ -148,14 +193,26 @@ def weighted_bias_add(value: torch.Tensor, bias: torch.Tensor, expert_ids: torch
         use_probs = probs is not None
         grid = (triton.cdiv(rows, 16), triton.cdiv(hidden, block_hidden))
         _weighted_bias_add_kernel[grid](
-            value, bias, expert_ids, probs if use_probs else value, out, rows, hidden,
-            bias.shape[0], value.stride(0), bias.stride(0), probs.stride(0) if use_probs else 0,
-            out.stride(0), USE_PROBS=use_probs, BLOCK_ROWS=16, BLOCK_HIDDEN=block_hidden)
+            value,
+            bias,
+            expert_ids,
+            probs if use_probs else value,
+            out,
+            rows,
+            hidden,
+            bias.shape[0],
+            value.stride(0),
+            bias.stride(0),
+            probs.stride(0) if use_probs else 0,
+            out.stride(0),
+            USE_PROBS=use_probs,
+            BLOCK_ROWS=16,
+            BLOCK_HIDDEN=block_hidden,
+        )
     return out
 
 
-def weighted_bias_probs_grad(grad_output: torch.Tensor, bias: torch.Tensor,
-                             expert_ids: torch.Tensor) -> torch.Tensor:
+def weighted_bias_probs_grad(grad_output: torch.Tensor, bias: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
     """`[P, 1]` fp32 gradient of the probs of `value + prob * bias[expert_ids]` (0 on padding),
     arguments as `weighted_bias_add`."""
     grad_output, bias = _unit_col_stride(grad_output), _unit_col_stride(bias)
@@ -164,6 +221,16 @@ def weighted_bias_probs_grad(grad_output: torch.Tensor, bias: torch.Tensor,
     if rows and hidden:
         block_hidden = min(256, triton.next_power_of_2(hidden))
         _weighted_bias_probs_grad_kernel[(triton.cdiv(rows, 8),)](
-            grad_output, bias, expert_ids, out, rows, hidden, bias.shape[0],
-            grad_output.stride(0), bias.stride(0), BLOCK_ROWS=8, BLOCK_HIDDEN=block_hidden)
+            grad_output,
+            bias,
+            expert_ids,
+            out,
+            rows,
+            hidden,
+            bias.shape[0],
+            grad_output.stride(0),
+            bias.stride(0),
+            BLOCK_ROWS=8,
+            BLOCK_HIDDEN=block_hidden,
+        )
     return out

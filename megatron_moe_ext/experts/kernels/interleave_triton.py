@@ -51,8 +51,7 @@ def _launch(kernel, t: torch.Tensor) -> torch.Tensor:
     half = t.shape[-1] // 2
     if rows_MN.numel():
         block = min(1024, triton.next_power_of_2(half))
-        kernel[(rows_MN.shape[0], triton.cdiv(half, block))](
-            rows_MN, out, half, rows_MN.stride(0), BLOCK=block)
+        kernel[(rows_MN.shape[0], triton.cdiv(half, block))](rows_MN, out, half, rows_MN.stride(0), BLOCK=block)
     return out
 
 

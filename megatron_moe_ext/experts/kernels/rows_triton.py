@@ -36,5 +36,6 @@ def zero_rows_from_(x_PD: torch.Tensor, start_1: torch.Tensor) -> torch.Tensor:
     rows, width = x_PD.shape
     if rows and width:
         _zero_rows_from_kernel[(min(rows, _MAX_PROGRAMS),)](
-            x_PD, start_1, rows, width, x_PD.stride(0), BLOCK=min(1024, triton.next_power_of_2(width)))
+            x_PD, start_1, rows, width, x_PD.stride(0), BLOCK=min(1024, triton.next_power_of_2(width))
+        )
     return x_PD

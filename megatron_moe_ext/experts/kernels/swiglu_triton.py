@@ -16,8 +16,18 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
-def _swiglu_fwd_kernel(x_ptr, probs_ptr, out_ptr, inter: tl.constexpr, x_stride, probs_stride,
-                       out_stride, limit, CLAMP: tl.constexpr, BLOCK: tl.constexpr):
+def _swiglu_fwd_kernel(
+    x_ptr,
+    probs_ptr,
+    out_ptr,
+    inter: tl.constexpr,
+    x_stride,
+    probs_stride,
+    out_stride,
+    limit,
+    CLAMP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     prob = tl.load(probs_ptr + row * probs_stride).to(tl.float32)
     for start in range(0, inter, BLOCK):
@@ -33,18 +43,28 @@ def _swiglu_fwd_kernel(x_ptr, probs_ptr, out_ptr, inter: tl.constexpr, x_stride,
 
 
 @triton.jit
-def _swiglu_bwd_kernel(grad_out_ptr, x_ptr, probs_ptr, grad_x_ptr, grad_probs_ptr,
-                       inter: tl.constexpr,
-                       grad_out_stride, x_stride, probs_stride, grad_x_stride, limit,
-                       CLAMP: tl.constexpr, BLOCK: tl.constexpr):
+def _swiglu_bwd_kernel(
+    grad_out_ptr,
+    x_ptr,
+    probs_ptr,
+    grad_x_ptr,
+    grad_probs_ptr,
+    inter: tl.constexpr,
+    grad_out_stride,
+    x_stride,
+    probs_stride,
+    grad_x_stride,
+    limit,
+    CLAMP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     prob = tl.load(probs_ptr + row * probs_stride).to(tl.float32)
     dot = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, inter, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < inter
-        dy = tl.load(grad_out_ptr + row * grad_out_stride + cols, mask=mask,
-                     other=0.0).to(tl.float32)
+        dy = tl.load(grad_out_ptr + row * grad_out_stride + cols, mask=mask, other=0.0).to(tl.float32)
         gate_raw = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
         up_raw = tl.load(x_ptr + row * x_stride + inter + cols, mask=mask, other=0.0).to(tl.float32)
         gate, up = gate_raw, up_raw
@@ -69,9 +89,15 @@ def _swiglu_bwd_kernel(grad_out_ptr, x_ptr, probs_ptr, grad_x_ptr, grad_probs_pt
 
 def supported(x: torch.Tensor, permuted_probs: torch.Tensor) -> bool:
     """Whether the kernels take these inputs: `x [P, 2I]`, unit column stride; probs `[P, 1]`."""
-    return (x.dim() == 2 and x.shape[1] % 2 == 0 and x.stride(1) == 1 and x.dtype in _DTYPES
-            and permuted_probs.dim() == 2 and permuted_probs.shape == (x.shape[0], 1)
-            and permuted_probs.dtype in _DTYPES)
+    return (
+        x.dim() == 2
+        and x.shape[1] % 2 == 0
+        and x.stride(1) == 1
+        and x.dtype in _DTYPES
+        and permuted_probs.dim() == 2
+        and permuted_probs.shape == (x.shape[0], 1)
+        and permuted_probs.dtype in _DTYPES
+    )
 
 
 def _block(inter: int) -> int:
@@ -84,9 +110,18 @@ class _SwiGLU(torch.autograd.Function):
         rows, inter = x.shape[0], x.shape[1] // 2
         out = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
         if rows:
-            _swiglu_fwd_kernel[(rows,)](x, permuted_probs, out, inter, x.stride(0),
-                                        permuted_probs.stride(0), out.stride(0), float(limit),
-                                        CLAMP=limit > 0, BLOCK=_block(inter))
+            _swiglu_fwd_kernel[(rows,)](
+                x,
+                permuted_probs,
+                out,
+                inter,
+                x.stride(0),
+                permuted_probs.stride(0),
+                out.stride(0),
+                float(limit),
+                CLAMP=limit > 0,
+                BLOCK=_block(inter),
+            )
         ctx.save_for_backward(x, permuted_probs)
         ctx.limit = limit
         return out
@@ -99,10 +134,21 @@ class _SwiGLU(torch.autograd.Function):
         grad_x = torch.empty(rows, 2 * inter, dtype=x.dtype, device=x.device)
         grad_probs = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
         if rows:
-            _swiglu_bwd_kernel[(rows,)](grad_out, x, permuted_probs, grad_x, grad_probs, inter,
-                                        grad_out.stride(0), x.stride(0), permuted_probs.stride(0),
-                                        grad_x.stride(0), float(ctx.limit), CLAMP=ctx.limit > 0,
-                                        BLOCK=_block(inter))
+            _swiglu_bwd_kernel[(rows,)](
+                grad_out,
+                x,
+                permuted_probs,
+                grad_x,
+                grad_probs,
+                inter,
+                grad_out.stride(0),
+                x.stride(0),
+                permuted_probs.stride(0),
+                grad_x.stride(0),
+                float(ctx.limit),
+                CLAMP=ctx.limit > 0,
+                BLOCK=_block(inter),
+            )
         return grad_x, grad_probs.to(permuted_probs.dtype), None
 
 
