@@ -24,7 +24,6 @@ import sys
 import traceback
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -34,54 +33,13 @@ ALIGN = 16  # rows per expert group the FP8 GEMMs take (experts/fp8.py's FP8_GRO
 
 
 def build(shape: dict, fusion: bool):
-    """`wgrad_fusion_check.build`'s layer under fp8 (set after the config's own checks, as Megatron's
-    argument parsing leaves it)."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from megatron_moe_ext.megatron.experts import GroupedGemmExperts
-
-    config = TransformerConfig(
-        num_layers=1,
-        hidden_size=shape["hidden"],
-        num_attention_heads=shape["hidden"] // 64,
-        num_moe_experts=shape["experts"],
-        moe_router_topk=min(8, shape["experts"]),
-        moe_ffn_hidden_size=shape["ffn"],
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        params_dtype=torch.bfloat16,
-        bf16=True,
-        gradient_accumulation_fusion=fusion,
-        bias_activation_fusion=False,
-        use_cpu_initialization=base.DEVICE == "cpu",
-    )
-    config.fp8, config.fp8_recipe = "e4m3", "tensorwise"
-    experts = GroupedGemmExperts(
-        shape["experts"], config, pg_collection=get_default_pg_collection(), expert_mlp_impl="grouped_mm"
-    )
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), experts)
-    return experts, ddp
+    """`wgrad_fusion_check.build`'s layer under FP8 tensorwise."""
+    return base.build(shape, fusion, "grouped_mm", fp8_recipe="tensorwise")
 
 
 def make_batches(shape: dict, budget: bool, seed: int = 0):
     """`wgrad_fusion_check.make_batches` with each expert's rows (and the padding) a multiple of 16."""
-    gen = torch.Generator(device=base.DEVICE).manual_seed(seed)
-    e, units = shape["experts"], shape["rows"] // ALIGN
-    batches = []
-    for _ in range(base.MICRO_BATCHES):
-        picks = torch.multinomial(
-            torch.rand(e, device=base.DEVICE, generator=gen) + 0.5, units, replacement=True, generator=gen
-        )
-        counts = torch.bincount(picks, minlength=e) * ALIGN
-        total = units * ALIGN + (ALIGN * max(1, units // 10) if budget else 0)
-        x = torch.randn(total, shape["hidden"], device=base.DEVICE, generator=gen).bfloat16()
-        probs = torch.rand(total, device=base.DEVICE, generator=gen)
-        dout = torch.randn(total, shape["hidden"], device=base.DEVICE, generator=gen).bfloat16() * 0.01
-        batches.append((x, counts if budget else counts.tolist(), probs, dout))
-    return batches
+    return base.make_batches(shape, budget, seed, align=ALIGN)
 
 
 def case(shape_name: str, budget: bool) -> dict:

@@ -149,7 +149,9 @@ def reference_wgrads(w1, w2, batches) -> list[torch.Tensor]:
     return [w1.grad, w2.grad]
 
 
-def build(shape: dict, fusion: bool, impl: str, dtype=torch.bfloat16):
+def build(shape: dict, fusion: bool, impl: str, dtype=torch.bfloat16, fp8_recipe: str | None = None):
+    """The experts under Megatron's DDP; `fp8_recipe` is set after the config's own checks, as
+    Megatron's argument parsing leaves it."""
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -175,6 +177,8 @@ def build(shape: dict, fusion: bool, impl: str, dtype=torch.bfloat16):
         bias_activation_fusion=False,
         use_cpu_initialization=DEVICE == "cpu",
     )
+    if fp8_recipe is not None:
+        config.fp8, config.fp8_recipe = "e4m3", fp8_recipe
     experts = GroupedGemmExperts(
         shape["experts"], config, pg_collection=get_default_pg_collection(), expert_mlp_impl=impl
     )
@@ -182,17 +186,19 @@ def build(shape: dict, fusion: bool, impl: str, dtype=torch.bfloat16):
     return experts, ddp
 
 
-def make_batches(shape: dict, budget: bool, seed: int = 0):
+def make_batches(shape: dict, budget: bool, seed: int = 0, align: int = 1):
+    """Micro-batches of `(x, counts, probs, dout)`; each expert's rows (and the budget's padding) a
+    multiple of `align`."""
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    e, rows = shape["experts"], shape["rows"]
+    e, units = shape["experts"], shape["rows"] // align
     batches = []
     for _ in range(MICRO_BATCHES):
         # Uneven but dropless routing: multinomial counts over the local experts.
         picks = torch.multinomial(
-            torch.rand(e, device=DEVICE, generator=gen) + 0.5, rows, replacement=True, generator=gen
+            torch.rand(e, device=DEVICE, generator=gen) + 0.5, units, replacement=True, generator=gen
         )
-        counts = torch.bincount(picks, minlength=e)
-        total = rows + (rows // 10 if budget else 0)
+        counts = torch.bincount(picks, minlength=e) * align
+        total = units * align + (align * max(1, units // 10) if budget else 0)
         x = torch.randn(total, shape["hidden"], device=DEVICE, generator=gen).bfloat16()
         probs = torch.rand(total, device=DEVICE, generator=gen)
         dout = torch.randn(total, shape["hidden"], device=DEVICE, generator=gen).bfloat16() * 0.01
