@@ -12,14 +12,12 @@ tensors). On a GPU machine: `python -m pytest tests/dispatcher/test_gather_kerne
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from megatron_moe_ext.dispatcher.common import permute as P
+from tests.triton_interpreter import run_in_interpreter
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = torch.cuda.is_available()
@@ -403,28 +401,5 @@ def test_row_offsets_past_2_31():
 def test_gather_kernels_in_interpreter():
     """Run this file's kernel tests on CPU tensors in a fresh interpreter with
     TRITON_INTERPRET=1 (it must be set before triton's language functions are defined)."""
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-W",
-            "ignore",
-            "tests/dispatcher/test_gather_kernels.py",
-            "-k",
-            "not in_interpreter",
-        ],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    print(proc.stdout[-3000:])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout and "failed" not in proc.stdout
+    out = run_in_interpreter("tests/dispatcher/test_gather_kernels.py", "-k", "not in_interpreter")
+    assert "failed" not in out

@@ -6,11 +6,6 @@ interpreter` runs test_kernels.py under TRITON_INTERPRET=1 so CI exercises the k
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -24,6 +19,7 @@ from tests.experts.bias_cases import (
     reference_probs_grad,
 )
 from tests.experts.devices import DEVICES
+from tests.triton_interpreter import run_in_interpreter
 
 HIDDEN, TAIL = 24, 5
 COUNTS = [0, 1, 127, 128, 129, 3, 0]
@@ -139,26 +135,5 @@ def test_bad_shapes_raise_value_error():
 def test_triton_kernels_in_interpreter():
     """Run test_kernels.py in a fresh interpreter: TRITON_INTERPRET must be set before
     triton's standard-library functions are defined, i.e. before anything imports triton."""
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-W",
-            "ignore",
-            "tests/experts/test_kernels.py",
-        ],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    print(proc.stdout[-3000:])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "skipped" not in proc.stdout and " passed" in proc.stdout
+    out = run_in_interpreter("tests/experts/test_kernels.py", timeout=300)
+    assert "skipped" not in out
